@@ -1,0 +1,266 @@
+"""CheckpointIndex: a Hugging Face model folder as config + tensor name -> TensorRef. No tensor bytes are read."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from sluice.checkpoint.ref import TensorRef
+from sluice.checkpoint.safetensors import read_header, write_safetensors
+from sluice.errors import CheckpointError
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_CONVERT = (
+    "convert it with transformers: AutoModelForCausalLM.from_pretrained(folder)"
+    ".save_pretrained(out, safe_serialization=True)"
+)
+
+
+class CheckpointIndex:
+    """A model folder: `config`, `generation_config`, and where every tensor's bytes are (`tensors`, `files`)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        config: dict,
+        generation_config: dict | None,
+        tensors: dict[str, TensorRef],
+        files: list[Path],
+    ):
+        self.folder = folder
+        self.config = config
+        self.generation_config = generation_config
+        self.tensors = tensors
+        self.files = files
+
+    @classmethod
+    def open(cls, folder: str | os.PathLike[str]) -> CheckpointIndex:
+        """Read config.json, generation_config.json (optional) and every safetensors header in `folder`.
+
+        Weights come from `model.safetensors`, else from the shards named by `model.safetensors.index.json`
+        (the order transformers uses). Raises CheckpointError for a missing/invalid config, missing weights,
+        a missing shard, an index entry absent from its shard, a tensor stored twice, or any bad header.
+        """
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise CheckpointError("not a directory; pass a Hugging Face model folder", file=str(folder))
+        config = _read_json(folder / CONFIG)
+        gen_path = folder / GENERATION_CONFIG
+        generation_config = _read_json(gen_path) if gen_path.exists() else None
+
+        if (folder / SINGLE).is_file():
+            files = [folder / SINGLE]
+            tensors, _ = read_header(files[0])
+        elif (folder / INDEX).is_file():
+            tensors, files = _read_sharded(folder)
+        else:
+            raise _no_weights(folder)
+        return cls(folder, config, generation_config, tensors, files)
+
+    def __getitem__(self, name: str) -> TensorRef:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            pass
+        close = difflib.get_close_matches(name, self.tensors.keys(), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise CheckpointError(f"no such tensor in {self.folder}{hint}", tensor=name) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def names(self) -> list[str]:
+        """All tensor names, in file order (shard by shard, header order within a shard)."""
+        return list(self.tensors)
+
+    def total_bytes(self) -> int:
+        """Sum of all tensors' byte sizes (the weights' on-disk footprint, headers excluded)."""
+        return sum(r.nbytes for r in self.tensors.values())
+
+    def __repr__(self) -> str:
+        return (f"CheckpointIndex({str(self.folder)!r}, tensors={len(self.tensors)}, files={len(self.files)}, "
+                f"bytes={self.total_bytes()})")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"not found; a model folder needs {path.name} (copy it from the model's hub page)", file=str(path)
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read: {e}", file=str(path)) from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno}); re-download or fix the file",
+            file=str(path),
+        ) from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"expected a JSON object, got {type(data).__name__}", file=str(path))
+    return data
+
+
+def _read_sharded(folder: Path) -> tuple[dict[str, TensorRef], list[Path]]:
+    index_path = folder / INDEX
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError("lacks a \"weight_map\" object of tensor name -> shard file; re-download it",
+                              file=str(index_path))
+
+    shard_names = list(dict.fromkeys(weight_map.values()))  # first-appearance order, deduplicated
+    tensors: dict[str, TensorRef] = {}
+    files: list[Path] = []
+    for shard in shard_names:
+        path = folder / shard
+        if not path.is_file():
+            raise CheckpointError(f"listed in {INDEX} but missing from {folder}; download it", file=str(path))
+        refs, _ = read_header(path)
+        for name, ref in refs.items():
+            if name in tensors:
+                raise CheckpointError(
+                    f"stored twice, in {Path(tensors[name].path).name} and {shard}; the checkpoint is "
+                    "inconsistent, re-download it", file=str(path), tensor=name,
+                )
+            tensors[name] = ref
+        files.append(path)
+
+    for name, shard in weight_map.items():
+        ref = tensors.get(name)
+        if ref is None or ref.path != str(folder / shard):
+            raise CheckpointError(
+                f"{INDEX} places it in {shard}, but that shard's header does not list it; "
+                "re-download the shard and the index", file=str(folder / shard), tensor=name,
+            )
+    return tensors, files
+
+
+def _no_weights(folder: Path) -> CheckpointError:
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
+    ggufs = [n for n in names if n.endswith(".gguf")]
+    others = [n for n in names if n.endswith(".safetensors")]
+    looked = f"looked for {SINGLE} and {INDEX}"
+    if others:
+        hint = (f"found {', '.join(others[:3])}, but without {INDEX} sluice cannot tell which tensors they hold "
+                f"as one model; rename a single file to {SINGLE} or add the index")
+    elif pickles:
+        hint = f"found {', '.join(pickles[:3])}: PyTorch pickle checkpoints are not supported yet; {_CONVERT}"
+    elif ggufs:
+        hint = (f"found {', '.join(ggufs[:3])}: GGUF is not supported yet; use the original safetensors "
+                "checkpoint from the Hugging Face hub")
+    else:
+        hint = "the folder holds no weights"
+    return CheckpointError(f"no safetensors weights ({looked}); {hint}", file=str(folder))
+
+
+def write_sharded(
+    folder: str | os.PathLike[str],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    max_shard_bytes: int,
+    progress: bool = False,
+) -> list[Path]:
+    """Stream `(name, tensor)` pairs into hub-style shards in `folder`; return the weight files written.
+
+    Holds at most one shard's worth of tensors (a tensor larger than `max_shard_bytes` gets a shard alone), so
+    a generator can produce more bytes than fit in memory. Writes `model-0000i-of-0000N.safetensors` plus
+    `model.safetensors.index.json`, or a single `model.safetensors` when everything fits in one shard. Shards
+    are written under temporary names and renamed once N is known; on error the temporaries are removed.
+    Stale files of the other layout (an old index, old single file or old shards) are deleted afterwards so
+    CheckpointIndex.open never picks them up.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    bar = _progress_bar() if progress else None
+    on_written = bar.update if bar is not None else None
+
+    temps: list[Path] = []
+    shard_names: list[list[str]] = []  # tensor names per shard
+    seen: set[str] = set()
+    total = 0
+    buffer: dict[str, torch.Tensor] = {}
+    buffered = 0
+
+    def flush() -> None:
+        nonlocal buffer, buffered
+        tmp = folder / f".sluice-shard-{len(temps) + 1:05d}.{os.getpid()}.partial"
+        temps.append(tmp)
+        write_safetensors(tmp, buffer, {"format": "pt"}, on_written=on_written)
+        shard_names.append(list(buffer))
+        buffer, buffered = {}, 0
+
+    try:
+        for name, t in tensors:
+            if name in seen:
+                raise ValueError(f"tensor {name!r} given twice")
+            seen.add(name)
+            nbytes = t.numel() * t.element_size()
+            if buffer and buffered + nbytes > max_shard_bytes:
+                flush()
+            buffer[name] = t
+            buffered += nbytes
+            total += nbytes
+        if buffer or not temps:
+            flush()
+        written = _finish(folder, temps, shard_names, total)
+    except BaseException:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return written
+
+
+def _progress_bar():  # noqa: ANN202 (tqdm's type is not worth importing at module load)
+    from tqdm import tqdm
+
+    return tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="writing shards")
+
+
+def _finish(folder: Path, temps: list[Path], shard_names: list[list[str]], total: int) -> list[Path]:
+    """Rename the temporary shards to their final names, write the index, drop stale files of the layout."""
+    n = len(temps)
+    if n == 1:
+        final = [folder / SINGLE]
+    else:
+        final = [folder / f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for tmp, dst in zip(temps, final):
+        os.replace(tmp, dst)
+
+    if n > 1:
+        weight_map = {name: dst.name for names, dst in zip(shard_names, final) for name in names}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        tmp = folder / f".{INDEX}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, folder / INDEX)  # the index goes in last: it is what makes the shards a checkpoint
+
+    keep = {p.name for p in final}
+    for p in folder.iterdir():
+        stale_index = n == 1 and p.name == INDEX
+        stale_weights = (p.name == SINGLE or _SHARD_RE.fullmatch(p.name)) and p.name not in keep
+        if stale_index or stale_weights:
+            p.unlink()
+    return final

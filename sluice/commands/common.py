@@ -1,0 +1,60 @@
+"""Flags shared by the commands that load a model (run, chat, inspect, bench, serve), and the stats line."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..engine import Model, load
+from ..options import IO_MODES, format_bytes
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """MODEL plus the loading/streaming flags, with the LoadOptions defaults."""
+    p.add_argument("model", metavar="MODEL", help="Hugging Face model folder (config.json + safetensors)")
+    g = p.add_argument_group("memory and I/O")
+    g.add_argument("--memory", metavar="SIZE", default=None,
+                   help="budget for resident weights + expert cache, e.g. 4GiB (default: everything resident)")
+    g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
+    g.add_argument("--io-workers", type=int, default=0, metavar="N", help="direct-read threads (default: measured)")
+    g.add_argument("--odirect", action="store_true", help="read with O_DIRECT (bypass the page cache)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the checkpoint's)")
+    g.add_argument("--max-context", type=int, default=4096, metavar="N", help="KV cache positions (default 4096)")
+    g.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per pass (256)")
+    g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all cores)")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def load_from_args(args: argparse.Namespace, progress: bool = True) -> Model:
+    return load(args.model, progress=progress, memory=args.memory, io=args.io, io_workers=args.io_workers,
+                odirect=args.odirect, dtype=args.dtype, max_context=args.max_context,
+                prefill_chunk=args.prefill_chunk, threads=args.threads)
+
+
+def stats_line(st: dict) -> str:
+    """One readable line: speeds first, then the cache and I/O counters."""
+    parts = [
+        f"prompt {st['prompt_tokens']} tok @ {st['prefill_tok_s']:.1f} tok/s",
+        f"decode {st['tokens']} tok @ {st['decode_tok_s']:.2f} tok/s ({st['ms_per_token']:.1f} ms/tok)",
+        f"hit rate {100 * st['hit_rate']:.1f}%",
+        f"read {format_bytes(st['bytes_read'])}",
+        f"faults {st['major_faults']} major / {st['minor_faults']} minor",
+        f"peak RSS {format_bytes(st['peak_rss_bytes'])}",
+    ]
+    return " | ".join(parts)

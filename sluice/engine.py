@@ -1,0 +1,268 @@
+"""`sluice.load(path, ...)` -> Model: the public Python API (DESIGN.md "Public contracts").
+
+Wires the components: CheckpointIndex (where bytes are) -> reader (how bytes move) -> ExpertStore (what stays in
+memory) -> Transformer (math) -> generate loop, tokenizer and sampler.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from .checkpoint.index import CheckpointIndex
+from .errors import ConfigError, RequestError
+from .generate import StepTimes, generate_step
+from .io import DEFAULT_WORKERS, make_reader
+from .models import get_arch
+from .models.blocks import KVCache, Transformer
+from .options import LoadOptions
+from .sampling import make_logits_processors, make_sampler
+from .store.layout import ExpertLayout
+from .store.resident import ResidentExpertStore
+from .tokenizer import StopMatcher, Tokenizer
+from .weights import load_resident, resident_refs
+
+
+def _rusage() -> tuple[int, int, int]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_majflt, r.ru_minflt, r.ru_maxrss * 1024
+
+
+def _eos_ids(index: CheckpointIndex, tok: Tokenizer | None) -> set[int]:
+    ids: set[int] = set()
+    for cfg in (index.generation_config or {}, index.config):
+        e = cfg.get("eos_token_id")
+        ids.update([e] if isinstance(e, int) else (e or []))
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    return ids
+
+
+class Model:
+    """A loaded model. `logits(ids)`, `generate(prompt, ...)`, `stats()`; `last_tokens` holds the last output ids."""
+
+    def __init__(self, path: str | os.PathLike, options: LoadOptions, progress: bool = False):
+        t0 = time.perf_counter()
+        self.path = Path(path)
+        self.options = options
+        self.index = CheckpointIndex.open(self.path)
+        self.arch = get_arch(self.index.config.get("model_type"))
+        self.args = self.arch.ModelArgs.from_dict(self.index.config)
+        self.spec = self.args.spec()
+        s = self.spec
+        refs = resident_refs(self.index, s, self.arch)
+        self.dtype = options.compute_dtype(refs["layers.0.q"].torch_dtype)
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        self.layout = ExpertLayout(self.index, s, self.arch)
+        self.reader = make_reader(
+            options.io, workers=options.io_workers or DEFAULT_WORKERS, odirect=options.odirect
+        )
+        weights = load_resident(refs, s, self.dtype)
+        self.resident_bytes = sum(r.numel for r in refs.values()) * torch.tensor([], dtype=self.dtype).element_size()
+        self.store = self._make_store(progress)
+        max_ctx = min(options.max_context, s.rope.max_position_embeddings)
+        self.cache = KVCache(s, max_ctx, self.dtype)
+        self.model = Transformer(s, weights, self.store, self.cache, self.dtype)
+        self.tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").exists() else None
+        self.eos_ids = _eos_ids(self.index, self.tokenizer)
+        self.load_s = time.perf_counter() - t0
+        self.last_tokens: list[int] = []
+        self._kv_tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
+        self._times = StepTimes()
+        self._gen_faults = (0, 0)
+        self._generated = 0
+
+    def _make_store(self, progress: bool):
+        if self.options.memory is None:
+            return ResidentExpertStore(self.layout, self.reader, self.dtype, progress=progress)
+        from .store.streaming import StreamingExpertStore
+
+        return StreamingExpertStore.with_budget(
+            self.layout, self.reader, self.options.memory - self.resident_bytes, self.options.memory
+        )
+
+    # -- logits --------------------------------------------------------------------------------------------------
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Full-sequence prefill logits [T, vocab] in float32, from an empty cache."""
+        ids = self._check_ids(ids)
+        self._kv_tokens = []
+        chunk = self.options.prefill_chunk
+        out = []
+        with torch.inference_mode():
+            for start in range(0, len(ids), chunk):
+                part = torch.tensor(ids[start : start + chunk], dtype=torch.long)
+                out.append(self.model.logits(self.model.forward(part, start)))
+        self._kv_tokens = list(ids)
+        return torch.cat(out)
+
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+        if not ids:
+            raise RequestError("empty prompt: need at least one token")
+        bad = [i for i in ids if not 0 <= i < self.spec.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} out of range [0, {self.spec.vocab_size})")
+        if len(ids) > self.cache.max_context:
+            raise RequestError(
+                f"prompt of {len(ids)} tokens exceeds the context of {self.cache.max_context} (max_context option)"
+            )
+        return ids
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: ids pass through; text is tokenized (through the chat template if `chat`)."""
+        if not isinstance(prompt, str):
+            return self._check_ids(prompt)
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.path} has no tokenizer.json: pass token ids instead of text")
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return self._check_ids(self.tokenizer.encode(prompt))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for the assistant's turn."""
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.path} has no tokenizer.json: chat needs one")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self._check_ids(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate_tokens(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        chat: bool = False,
+        stop_at_eos: bool = True,
+    ) -> Iterator[int]:
+        """Yield generated token ids (EOS ends generation and is not yielded)."""
+        ids = self.encode_prompt(prompt, chat=chat)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        max_tokens = min(max_tokens, self.cache.max_context - len(ids))
+        if max_tokens < 1:
+            raise RequestError(f"prompt of {len(ids)} tokens leaves no room in the context of {self.cache.max_context}")
+        sampler = make_sampler(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        processors = make_logits_processors(repetition_penalty)
+        # Reuse the cached keys/values of the longest common prefix (multi-turn chat re-sends the history).
+        start = 0
+        for a, b in zip(self._kv_tokens, ids[:-1]):
+            if a != b:
+                break
+            start += 1
+        self._kv_tokens = []  # invalid while the loop runs; set again below
+        self.last_tokens = []
+        self._times = StepTimes()
+        f0 = _rusage()
+        with torch.inference_mode():
+            gen = generate_step(
+                self.model, ids, sampler, processors, max_tokens, start, self.options.prefill_chunk, self._times
+            )
+            try:
+                for token in gen:
+                    if stop_at_eos and token in self.eos_ids:
+                        break
+                    self.last_tokens.append(token)
+                    yield token
+            finally:
+                gen.close()
+                f1 = _rusage()
+                self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1])
+                # every yielded token but the last has been fed back through the model
+                self._kv_tokens = ids + self.last_tokens[:-1] if self.last_tokens else list(ids)
+
+    def generate(
+        self, prompt: str | Sequence[int], max_tokens: int = 256, stop: Sequence[str] | str | None = None, **kw
+    ) -> Iterator[str]:
+        """Yield text pieces; stop strings end generation (the stop text is not yielded). `last_tokens` holds ids.
+
+        Keyword arguments: temperature, top_p, top_k, min_p, repetition_penalty, seed, chat (apply the chat
+        template to a text prompt).
+        """
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.path} has no tokenizer.json: use generate_tokens with token ids")
+        decoder = self.tokenizer.stream_decoder()
+        matcher = StopMatcher(stop or []) if stop else None
+        gen = self.generate_tokens(prompt, max_tokens=max_tokens, **kw)
+        try:
+            for token in gen:
+                piece = decoder.add(token)
+                if matcher is not None:
+                    piece, stopped = matcher.feed(piece)
+                    if piece:
+                        yield piece
+                    if stopped:
+                        return
+                elif piece:
+                    yield piece
+            tail = decoder.flush()
+            if matcher is not None:
+                tail, _ = matcher.feed(tail)
+                tail += "" if matcher.stopped else matcher.flush()
+            if tail:
+                yield tail
+        finally:
+            gen.close()
+
+    # -- stats ---------------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters of the last generation and of the store, with derived rates; all JSON-serialisable."""
+        t = self._times
+        dec = sorted(t.decode_s)
+        decode_ms = 1000 * sum(dec) / len(dec) if dec else 0.0
+        st = self.store.stats()
+        hits, misses = st.get("hits", 0), st.get("misses", 0)
+        out = {
+            "tokens": len(self.last_tokens),
+            "prompt_tokens": t.prefill_tokens,
+            "prefill_ms": round(1000 * t.prefill_s, 3),
+            "prefill_tok_s": round(t.prefill_tokens / t.prefill_s, 2) if t.prefill_s else 0.0,
+            "ms_per_token": round(decode_ms, 3),
+            "decode_ms_median": round(1000 * dec[len(dec) // 2], 3) if dec else 0.0,
+            "decode_tok_s": round(1000 / decode_ms, 2) if decode_ms else 0.0,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            "bytes_read": st.get("bytes_read", 0),
+            "major_faults": self._gen_faults[0],
+            "minor_faults": self._gen_faults[1],
+            "peak_rss_bytes": _rusage()[2],
+            "resident_bytes": self.resident_bytes,
+            "expert_bytes": getattr(self.store, "nbytes", 0),
+            "kv_cache_bytes": self.cache.nbytes,
+            "load_s": round(self.load_s, 3),
+            "io": self.options.io,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
+        out.update({k: v for k, v in st.items() if k not in out})
+        return out
+
+    def close(self) -> None:
+        """Stop I/O workers and release files."""
+        self.store.close()
+        self.reader.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(path: str | os.PathLike, *, progress: bool = False, **options) -> Model:
+    """Load a Hugging Face MoE checkpoint folder.
+
+    Options (see `LoadOptions`): memory (bytes or "4GiB"; None = resident), io ("mmap" | "willneed" | "direct"),
+    io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context, prefill_chunk, threads.
+    """
+    return Model(path, LoadOptions.make(**options), progress=progress)

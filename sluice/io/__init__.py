@@ -1,0 +1,44 @@
+"""How bytes move from model files into memory: read plans, three readers with one interface, residency tools.
+
+    reader = make_reader("direct", workers=4)
+    reader.read([(ReadRange(path, offset, nbytes), dest_uint8_tensor), ...])   # blocking
+    fut = reader.submit(requests); ...; fut.result()                          # prefetch
+"""
+
+from __future__ import annotations
+
+from sluice.io.base import Reader, ReadFuture, Request
+from sluice.io.direct import DEFAULT_WORKERS, DirectReader
+from sluice.io.mapped import MmapReader, WillneedReader
+from sluice.io.ranges import ReadRange, page_window, plan_reads
+from sluice.io.tensor import read_tensor
+
+MODES = ("mmap", "willneed", "direct")
+
+
+def make_reader(mode: str, workers: int = DEFAULT_WORKERS, odirect: bool = False) -> Reader:
+    """A reader for `mode` in MODES. `workers` and `odirect` apply to "direct" only."""
+    if mode == "mmap":
+        return MmapReader()
+    if mode == "willneed":
+        return WillneedReader()
+    if mode == "direct":
+        return DirectReader(workers=workers, odirect=odirect)
+    raise ValueError(f"unknown I/O mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+__all__ = [
+    "DEFAULT_WORKERS",
+    "MODES",
+    "DirectReader",
+    "MmapReader",
+    "ReadFuture",
+    "ReadRange",
+    "Reader",
+    "Request",
+    "WillneedReader",
+    "make_reader",
+    "page_window",
+    "plan_reads",
+    "read_tensor",
+]

@@ -1,0 +1,151 @@
+"""What every reader shares: the Reader protocol, the future submit() returns, and the stats counters."""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from sluice.io.ranges import Dest, ReadPlan, ReadRange
+
+Request = tuple[ReadRange, Dest]
+
+
+class Reader(Protocol):
+    """Moves byte ranges of model files into caller-owned buffers. One interface for mmap, willneed and direct."""
+
+    mode: str
+
+    def read(self, requests: Sequence[Request]) -> None:
+        """Fill every destination; blocks. CheckpointError (naming the file) on a missing/short/unreadable file."""
+        ...
+
+    def submit(self, requests: Sequence[Request]) -> ReadFuture:
+        """Start filling the destinations; `.result()` blocks until they are filled (and raises read errors)."""
+        ...
+
+    def hint(self, ranges: Sequence[ReadRange]) -> None:
+        """Advisory: these ranges will be read soon. A no-op except for the willneed reader."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the reader was made: bytes_read, reads, coalesced, dedup_saved_bytes, wait_s, faults."""
+        ...
+
+    def close(self) -> None:
+        """Release mappings, file descriptors and threads. Idempotent."""
+        ...
+
+
+def thread_faults() -> tuple[int, int]:
+    """(major, minor) page faults of the calling thread so far (getrusage RUSAGE_THREAD)."""
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return ru.ru_majflt, ru.ru_minflt
+
+
+class Counters:
+    """Thread-safe stats shared by a reader and its workers."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self._lock = threading.Lock()
+        self.batches = 0
+        self.requests = 0
+        self.bytes_requested = 0
+        self.bytes_read = 0
+        self.reads = 0
+        self.coalesced = 0
+        self.dedup_saved_bytes = 0
+        self.wait_s = 0.0
+        self.threads: dict[str, list[int]] = {}  # thread name -> [major_faults, minor_faults]
+
+    def add_plan(self, plan: ReadPlan) -> None:
+        with self._lock:
+            self.batches += 1
+            self.requests += plan.requests
+            self.bytes_requested += plan.bytes_requested
+            self.bytes_read += plan.bytes_read
+            self.reads += len(plan.reads)
+            self.coalesced += plan.coalesced
+            self.dedup_saved_bytes += plan.dedup_saved_bytes
+
+    def add_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.wait_s += seconds
+
+    def add_faults(self, major: int, minor: int) -> None:
+        """Charge fault deltas to the calling thread."""
+        name = threading.current_thread().name
+        with self._lock:
+            f = self.threads.setdefault(name, [0, 0])
+            f[0] += major
+            f[1] += minor
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "mode": self.mode,
+                "batches": self.batches,
+                "requests": self.requests,
+                "bytes_requested": self.bytes_requested,  # sum of destination sizes
+                "bytes_read": self.bytes_read,  # bytes pulled from files: after dedup, with gaps read through
+                "reads": self.reads,  # file reads issued (windows after coalescing)
+                "coalesced": self.coalesced,  # ranges that joined another read instead of their own
+                "dedup_saved_bytes": self.dedup_saved_bytes,
+                "wait_s": self.wait_s,  # time callers spent blocked in read() / result()
+                "major_faults": sum(f[0] for f in self.threads.values()),
+                "minor_faults": sum(f[1] for f in self.threads.values()),
+                "threads": {k: {"major_faults": v[0], "minor_faults": v[1]} for k, v in self.threads.items()},
+            }
+
+
+class ReadFuture(Future):
+    """A concurrent.futures.Future whose result() charges its blocking time to the reader's `wait_s`.
+
+    With `run`, the work is deferred: the first result() call runs it in the caller's thread (the willneed reader
+    hints at submit and copies here). done() is True once the destinations are filled.
+    """
+
+    def __init__(self, counters: Counters, run: Callable[[], None] | None = None):
+        super().__init__()
+        self._counters = counters
+        self._run = run
+        self._run_lock = threading.Lock()
+
+    def _run_deferred(self) -> None:
+        if self._run is None:
+            return
+        with self._run_lock:
+            run, self._run = self._run, None
+            if run is not None:
+                try:
+                    run()
+                except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+                    self.set_exception(e)
+                else:
+                    self.set_result(None)
+
+    def result(self, timeout: float | None = None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._run_deferred()
+            return super().result(timeout)
+        finally:
+            self._counters.add_wait(time.perf_counter() - t0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._run_deferred()
+        return super().exception(timeout)
+
+
+def done_future(counters: Counters, error: BaseException | None = None) -> ReadFuture:
+    """A future that is already finished (synchronous submit, empty batch, or an error found before any read)."""
+    fut = ReadFuture(counters)
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+    return fut

@@ -1,0 +1,322 @@
+"""DirectReader: a persistent pool of threads doing os.preadv straight into the destination buffers.
+
+A batch is planned (sorted, deduped, coalesced: ranges.plan_reads), cut into `workers` contiguous chunks of about
+equal bytes, and each worker loops over its chunk. Buffered reads are zero-copy (preadv into the destinations, gaps
+into a scratch buffer); O_DIRECT reads go through a page-aligned per-worker staging buffer and are copied out.
+
+Changed files: file descriptors are opened once per path (lazily, by the caller) and kept until close(). A file
+deleted or replaced at the same path keeps reading the inode that was opened (the old bytes); make a new reader to
+see the new file. A file truncated in place gives a short read: CheckpointError naming the file and offset.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from sluice.errors import CheckpointError
+from sluice.io.base import Counters, ReadFuture, Request, done_future, thread_faults
+from sluice.io.ranges import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, plan_reads, split_even
+
+# Worker threads = reads in flight. Measured by benchmarks/io_workers.py (1.5 GiB file on /dev/vda ext4, cold cache
+# via posix_fadvise(DONTNEED), batches of 8 random experts x 3 ranges of 768 KiB + 3 of 48 KiB, 2 CPU cores):
+#   WORKERS_TABLE_PLACEHOLDER
+DEFAULT_WORKERS = 4
+
+# O_DIRECT needs offset, length and buffer address aligned to the logical block size; 4096 covers every disk here.
+ALIGN = 4096
+
+
+def _truncated(path: str, read: Read, pos: int) -> CheckpointError:
+    """The error for a read that hit EOF at absolute byte `pos` before filling its window."""
+    missing = next((read.offset + s.rel for s in read.segments if read.offset + s.rel + s.nbytes > pos), read.offset)
+    return CheckpointError(
+        f"file ends at byte {pos}, inside the range at offset {missing}: the file is truncated or the index points "
+        "past its end",
+        file=path,
+    )
+
+
+def preadv_full(fd: int, bufs: list[memoryview], offset: int, path: str, read: Read) -> None:
+    """preadv until every buffer is full (preadv may return short); CheckpointError on EOF or an OS error."""
+    bufs = [b for b in bufs if len(b)]
+    pos = offset
+    i = 0
+    while i < len(bufs):
+        try:
+            n = os.preadv(fd, bufs[i:], pos)
+        except OSError as e:
+            raise CheckpointError(f"read at offset {pos} failed: {e.strerror or e}", file=path) from e
+        if n == 0:
+            raise _truncated(path, read, pos)
+        pos += n
+        while n and i < len(bufs):  # drop the buffers this call filled, trim a partly filled one
+            if n >= len(bufs[i]):
+                n -= len(bufs[i])
+                i += 1
+            else:
+                bufs[i] = bufs[i][n:]
+                n = 0
+
+
+class _Scratch:
+    """Per-worker buffers: `gap` (bytes read through between coalesced ranges, discarded) and a page-aligned
+    staging buffer (anonymous mmap) for O_DIRECT and overlapping windows, grown on demand and then reused."""
+
+    def __init__(self, gap: int):
+        self.gap = memoryview(bytearray(max(gap, 1)))
+        self._map: mmap.mmap | None = None
+        self._view = memoryview(b"")
+
+    def staging(self, n: int) -> memoryview:
+        if n > len(self._view):
+            size = max(-(-n // PAGE) * PAGE, 2 * len(self._view))
+            # old buffer: freed by refcounting once no slice of it is left
+            self._map = mmap.mmap(-1, size)
+            self._view = memoryview(self._map)
+        return self._view
+
+
+class _Batch:
+    """One submit(): `parts` chunks in flight; the future completes when the last one finishes."""
+
+    def __init__(self, future: ReadFuture, parts: int):
+        self.future = future
+        self.remaining = parts
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = e
+
+    def part_done(self) -> None:
+        with self._lock:
+            self.remaining -= 1
+            if self.remaining:
+                return
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(None)
+
+
+class _Pool:
+    """Threads, file descriptors and counters. Holds no reference to the DirectReader, so an unclosed reader can
+    still be collected (a weakref.finalize then closes the pool)."""
+
+    def __init__(self, workers: int, odirect: bool, max_gap: int, counters: Counters):
+        self.odirect = odirect
+        self.odirect_fallback = False
+        self.max_gap = max_gap
+        self.counters = counters
+        self.tasks: queue.SimpleQueue[tuple[_Batch, list[Read]] | None] = queue.SimpleQueue()
+        self.fds: dict[str, tuple[int, bool]] = {}  # path -> (fd, opened with O_DIRECT)
+        self.lock = threading.Lock()
+        self.closed = False
+        # daemon: a worker blocked in the queue never keeps the interpreter from exiting
+        self.threads = [
+            threading.Thread(target=self._work, name=f"sluice-io-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def fd(self, path: str) -> tuple[int, bool]:
+        """The cached (fd, is_odirect) of `path`, opened on first use (in the caller's thread)."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("reader is closed")
+            got = self.fds.get(path)
+            if got is None:
+                got = self.fds[path] = self._open(path)
+            return got
+
+    def _open(self, path: str) -> tuple[int, bool]:
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        if self.odirect:
+            try:
+                fd = os.open(path, flags | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise CheckpointError(f"cannot open: {e.strerror or e}", file=path) from e
+            else:
+                if _odirect_works(fd):
+                    return fd, True
+                os.close(fd)
+            # the filesystem refuses O_DIRECT: read buffered rather than fail; stats() says so
+            self.odirect_fallback = True
+        try:
+            fd = os.open(path, flags)
+        except OSError as e:
+            raise CheckpointError(f"cannot open: {e.strerror or e}", file=path) from e
+        # Buffered reads: no readahead past the requested pages (the plan already says what is needed).
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd, False
+
+    def _work(self) -> None:
+        scratch = _Scratch(self.max_gap)
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            batch, reads = task
+            maj0, min0 = thread_faults()
+            try:
+                for r in reads:
+                    if batch.error is not None:  # another chunk failed: the batch is lost anyway
+                        break
+                    self._execute(r, scratch)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller by result()
+                batch.fail(e)
+            finally:
+                maj1, min1 = thread_faults()
+                self.counters.add_faults(maj1 - maj0, min1 - min0)
+                batch.part_done()
+
+    def _execute(self, r: Read, scratch: _Scratch) -> None:
+        fd, direct = self.fds[r.path]
+        if direct:
+            self._read_direct(fd, r, scratch)
+            return
+        bufs = r.iovecs(scratch.gap)
+        if bufs is None:  # overlapping ranges: read the window once, then scatter
+            stage = scratch.staging(r.nbytes)
+            preadv_full(fd, [stage[: r.nbytes]], r.offset, r.path, r)
+            r.scatter(stage)
+        else:
+            preadv_full(fd, bufs, r.offset, r.path, r)
+            r.copy_duplicates()
+
+    def _read_direct(self, fd: int, r: Read, scratch: _Scratch) -> None:
+        """Read the aligned window [offset down to ALIGN, end up to ALIGN) into staging, then copy out."""
+        start = r.offset - r.offset % ALIGN
+        need = r.end - start
+        window = -(-need // ALIGN) * ALIGN
+        stage = scratch.staging(window)
+        got = 0
+        while got < need:
+            try:
+                n = os.preadv(fd, [stage[got:window]], start + got)
+            except OSError as e:
+                raise CheckpointError(f"read at offset {start + got} failed: {e.strerror or e}", file=r.path) from e
+            got += n
+            # EOF: 0 bytes, or a short read ending off the block grid (O_DIRECT returns short only at EOF, and the
+            # next read would be misaligned)
+            if got < need and (n == 0 or got % ALIGN):
+                raise _truncated(r.path, r, start + got)
+        r.scatter(stage[r.offset - start : r.offset - start + r.nbytes])
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        for _ in self.threads:
+            self.tasks.put(None)  # FIFO: batches already queued finish first
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join()
+        for fd, _ in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+_PROBE = mmap.mmap(-1, ALIGN)
+
+
+def _odirect_works(fd: int) -> bool:
+    """Some filesystems accept O_DIRECT at open but fail each read with EINVAL: probe one aligned block."""
+    try:
+        os.preadv(fd, [_PROBE], 0)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    return True
+
+
+class DirectReader:
+    """Reads by a persistent pool of `workers` threads (started here, stopped by close()).
+
+    read() blocks until the batch is in; submit() returns at once with a future (`.result()`, `.done()`); read
+    errors (CheckpointError naming the file) are raised in the thread that calls read()/result(). After an error
+    some destinations of that batch may be partly filled; the pool stays usable.
+    """
+
+    mode = "direct"
+
+    def __init__(
+        self,
+        workers: int = DEFAULT_WORKERS,
+        odirect: bool = False,
+        *,
+        max_gap: int = DEFAULT_MAX_GAP,
+        max_read: int = DEFAULT_MAX_READ,
+    ):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.odirect = odirect
+        self._max_gap = max_gap
+        self._max_read = max_read
+        self._counters = Counters(self.mode)
+        self._pool = _Pool(workers, odirect, max_gap, self._counters)
+        self._finalizer = weakref.finalize(self, self._pool.close)
+        self._finalizer.atexit = False  # at exit the daemon workers are simply abandoned: never wait on a read
+
+    def submit(self, requests: Sequence[Request]) -> ReadFuture:
+        """Queue the batch for the workers; the future completes when every destination is filled."""
+        plan = plan_reads(requests, max_gap=self._max_gap, max_read=self._max_read, parts=self.workers)
+        try:
+            for path in plan.paths():
+                self._pool.fd(path)
+        except CheckpointError as e:
+            return done_future(self._counters, e)
+        chunks = split_even(plan.reads, self.workers)
+        fut = ReadFuture(self._counters)
+        with self._pool.lock:  # close() takes this lock too: no batch can be queued behind the stop sentinels
+            if self._pool.closed:
+                raise RuntimeError("reader is closed")
+            self._counters.add_plan(plan)
+            if not chunks:
+                fut.set_result(None)
+                return fut
+            batch = _Batch(fut, len(chunks))
+            for chunk in chunks:
+                self._pool.tasks.put((batch, chunk))
+        return fut
+
+    def read(self, requests: Sequence[Request]) -> None:
+        """Fill every destination (blocking)."""
+        self.submit(requests).result()
+
+    def hint(self, ranges: Sequence[ReadRange]) -> None:
+        """No-op: reads are issued explicitly by submit()."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (see Counters.snapshot) plus workers, odirect, odirect_fallback and open_files."""
+        s = self._counters.snapshot()
+        s.update(
+            workers=self.workers,
+            odirect=self.odirect,
+            odirect_fallback=self._pool.odirect_fallback,
+            open_files=len(self._pool.fds),
+        )
+        return s
+
+    def close(self) -> None:
+        """Let queued batches finish, stop the threads, close the files. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> DirectReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

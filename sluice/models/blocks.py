@@ -1,0 +1,244 @@
+"""Shared math of the MoE decoder family (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): norms, attention, MoE block.
+
+Every architecture file reduces its config to a `Spec` (the blueprint) and names its tensors; the model built here
+runs the same functions for all of them. Weights are plain tensors held in dataclasses (llama2.c style); expert
+weights are not held at all: the MoE block asks the `ExpertStore` for them by (layer, ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..store.base import ExpertStore
+from .rope import RopeConfig, apply_rope, rope_table
+
+
+@dataclass
+class Spec:
+    """Everything the math needs to know about an architecture instance, derived from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    moe_layers: list[bool]  # per layer: sparse MoE (True) or dense MLP (False)
+    sliding_window: list[int | None]  # per layer: attention window or None for full causal
+    dense_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one, with a sigmoid gate)
+    norm_topk_prob: bool = False
+    # Mixtral keeps the top-k weights in float32 and multiplies the expert output by them before casting back;
+    # the Qwen/OLMoE routers cast the weights to the compute dtype first. Matters only for bf16/fp16 parity.
+    router_weights_fp32: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"  # "none" | "head" (Qwen3: per head over head_dim) | "full" (OLMoE: over all heads)
+    clip_qkv: float | None = None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the reference computes it: statistics in float32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class MLPWeights:
+    """A dense SwiGLU MLP (mlp_only layers, Qwen2-MoE's shared expert): gate/up [I, H], down [H, I]."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class LayerWeights:
+    """Resident weights of one decoder layer. Expert weights live in the ExpertStore, not here."""
+
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    q: torch.Tensor  # [nH*D, H]
+    k: torch.Tensor  # [nKV*D, H]
+    v: torch.Tensor  # [nKV*D, H]
+    o: torch.Tensor  # [H, nH*D]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [D] ("head") or [nH*D] ("full")
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # [E, H] on MoE layers
+    mlp: MLPWeights | None = None  # dense layers
+    shared: MLPWeights | None = None  # Qwen2-MoE shared expert
+    shared_gate: torch.Tensor | None = None  # [1, H]
+
+
+@dataclass
+class Weights:
+    """All resident weights: the model's `Weights` struct (llama2.c); built by the loader, never by the math."""
+
+    embed: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    layers: list[LayerWeights] = field(default_factory=list)
+
+
+class KVCache:
+    """Keys and values for every layer, allocated once for `max_context` positions and written in place."""
+
+    def __init__(self, spec: Spec, max_context: int, dtype: torch.dtype):
+        shape = (spec.n_layers, spec.n_kv_heads, max_context, spec.head_dim)
+        # torch.empty: pages are only committed when a position is written, so an unused context costs nothing.
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
+        self.max_context = max_context
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def _mask(pos: int, T: int, window: int | None) -> torch.Tensor | None:
+    """Boolean attention mask [T, pos+T] (True = attend) for queries at pos..pos+T-1; None when all may attend."""
+    if T == 1 and (window is None or pos < window):
+        return None
+    q = torch.arange(pos, pos + T)[:, None]
+    kv = torch.arange(pos + T)[None, :]
+    allowed = kv <= q
+    if window is not None:
+        allowed &= kv > q - window
+    return allowed
+
+
+class Transformer:
+    """Decoder-only MoE transformer over resident `Weights` and an `ExpertStore`.
+
+    `forward(tokens, pos)` runs T new tokens at positions pos..pos+T-1, writing the KV cache in place, and returns
+    the final-norm hidden states [T, H]; `logits(hidden)` applies the LM head.
+    """
+
+    def __init__(self, spec: Spec, weights: Weights, store: ExpertStore, cache: KVCache, dtype: torch.dtype):
+        self.spec, self.w, self.store, self.cache, self.dtype = spec, weights, store, cache, dtype
+        self.act = ACTIVATIONS[spec.hidden_act]
+        self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
+
+    # -- attention -------------------------------------------------------------------------------------------
+    def attention(self, L: int, x: torch.Tensor, pos: int, mask: torch.Tensor | None) -> torch.Tensor:
+        s, lw = self.spec, self.w.layers[L]
+        T, D = x.shape[0], s.head_dim
+        q = F.linear(x, lw.q, lw.q_bias)  # [T, nH*D]
+        k = F.linear(x, lw.k, lw.k_bias)  # [T, nKV*D]
+        v = F.linear(x, lw.v, lw.v_bias)  # [T, nKV*D]
+        if s.qk_norm == "full":
+            q, k = rms_norm(q, lw.q_norm, s.rms_norm_eps), rms_norm(k, lw.k_norm, s.rms_norm_eps)
+        if s.clip_qkv is not None:
+            q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
+        q = q.view(T, s.n_heads, D)
+        k = k.view(T, s.n_kv_heads, D)
+        if s.qk_norm == "head":
+            q, k = rms_norm(q, lw.q_norm, s.rms_norm_eps), rms_norm(k, lw.k_norm, s.rms_norm_eps)
+        cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]  # [T, rot]
+        q = apply_rope(q.transpose(0, 1), cos, sin)  # [nH, T, D]
+        k = apply_rope(k.transpose(0, 1), cos, sin)  # [nKV, T, D]
+        ck, cv = self.cache.k[L], self.cache.v[L]  # [nKV, P, D]
+        ck[:, pos : pos + T] = k
+        cv[:, pos : pos + T] = v.view(T, s.n_kv_heads, D).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], attn_mask=mask, enable_gqa=True
+        )  # [1, nH, T, D]
+        out = out[0].transpose(0, 1).reshape(T, s.n_heads * D)
+        return F.linear(out, lw.o, lw.o_bias)
+
+    # -- feed-forward ----------------------------------------------------------------------------------------
+    def mlp(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.act(F.linear(x, m.gate)) * F.linear(x, m.up), m.down)
+
+    def moe(self, L: int, x: torch.Tensor) -> torch.Tensor:
+        """Route x [T, H] with the true router and run the chosen experts from the store."""
+        s, lw = self.spec, self.w.layers[L]
+        scores = F.linear(x, lw.router)  # [T, E]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, s.top_k, dim=-1)  # [T, K] each
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not s.router_weights_fp32:
+            weights = weights.to(x.dtype)
+        out = self.experts(L, x, ids, weights)
+        if lw.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, lw.shared_gate)) * self.mlp(lw.shared, x)
+        return out
+
+    def experts(self, L: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's top-k experts, in ascending expert id (the reference's order, so bf16 sums match).
+
+        x [T, H], ids/weights [T, K]. Experts come from the store in passes of at most `store.max_batch`.
+        """
+        out = torch.zeros_like(x)
+        flat = ids.flatten()  # [T*K]
+        uniq, counts = torch.unique(flat, return_counts=True)  # ascending ids
+        order = torch.argsort(flat, stable=True)  # positions grouped by expert id
+        starts = torch.cumsum(counts, 0) - counts
+        eids, starts_l, counts_l = uniq.tolist(), starts.tolist(), counts.tolist()
+        K = ids.shape[1]
+        step = max(1, self.store.max_batch)
+        for c0 in range(0, len(eids), step):
+            chunk = eids[c0 : c0 + step]
+            batch = self.store.acquire(L, chunk)
+            try:
+                for j, e in enumerate(chunk):
+                    sel = order[starts_l[c0 + j] : starts_l[c0 + j] + counts_l[c0 + j]]  # flat positions
+                    tok = sel // K  # [n] token rows
+                    kpos = sel % K
+                    gu = batch.gate_up[batch.slots[j]]  # [2I, H]
+                    dn = batch.down[batch.slots[j]]  # [H, I]
+                    if gu.dtype != x.dtype:  # streamed slots keep the checkpoint dtype
+                        gu, dn = gu.to(x.dtype), dn.to(x.dtype)
+                    g, u = F.linear(x[tok], gu).chunk(2, dim=-1)  # [n, I] each
+                    y = F.linear(self.act(g) * u, dn)  # [n, H]
+                    y = y * weights[tok, kpos, None]
+                    out.index_add_(0, tok, y.to(out.dtype))
+            finally:
+                self.store.release(L)
+        return out
+
+    # -- whole model -----------------------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.w.embed[tokens].to(self.dtype)  # [T, H]
+
+    def forward(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """tokens [T] at positions pos.. -> final-norm hidden states [T, H]; writes the KV cache."""
+        s = self.spec
+        T = tokens.shape[0]
+        if pos + T > self.cache.max_context:
+            raise ValueError(f"context overflow: {pos + T} tokens > max_context {self.cache.max_context}")
+        x = self.embed(tokens)
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for L, lw in enumerate(self.w.layers):
+            win = s.sliding_window[L]
+            if win not in masks:
+                masks[win] = _mask(pos, T, win)
+            h = rms_norm(x, lw.input_norm, s.rms_norm_eps)
+            x = x + self.attention(L, h, pos, masks[win])
+            h = rms_norm(x, lw.post_norm, s.rms_norm_eps)
+            x = x + (self.moe(L, h) if s.moe_layers[L] else self.mlp(lw.mlp, h))
+        return rms_norm(x, self.w.norm, s.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> float32 logits [T, V]."""
+        return F.linear(hidden, self.w.lm_head).float()

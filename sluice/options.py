@@ -1,0 +1,99 @@
+"""Typed options with one documented default each. Unknown names are errors; sizes accept "4GiB" / "512MB"."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+IO_MODES = ("mmap", "willneed", "direct")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | str, field: str = "memory") -> int:
+    """Bytes from an int or a string like "4GiB", "512MB", "1.5 GiB", "1073741824"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a size like 4GiB or 512MB, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{field}: expected a size like 4GiB, 512MiB, 2GB or a byte count, got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ConfigError(f"{field}: size must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, as budgets are given)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass
+class LoadOptions:
+    """How a model is loaded and run.
+
+    memory:        budget in bytes for resident weights + expert slots; None = everything resident (no streaming).
+    io:            how expert bytes move: "mmap" (demand faults), "willneed" (mmap + MADV_WILLNEED hints),
+                   "direct" (pread by a worker pool into owned buffers). Also used for the resident load.
+    io_workers:    threads of the direct reader; 0 = the measured default of the reader.
+    odirect:       open files with O_DIRECT (direct mode), so streamed bytes do not also fill the page cache.
+    dtype:         compute dtype: "auto" (the checkpoint's: float32 stays float32, bf16 stays bf16 -- on this class
+                   of CPU bf16 GEMV runs ~1.8x faster than float32, measured 2.8 vs 5.2 ms for 8 experts of
+                   2048x1536), or "float32" / "bfloat16" / "float16".
+    max_context:   KV cache positions allocated once at load (capped by the model's max_position_embeddings).
+    prefill_chunk: prompt tokens per forward pass during prefill.
+    threads:       torch intra-op threads; 0 = torch's default (all cores).
+    """
+
+    memory: int | None = None
+    io: str = "direct"
+    io_workers: int = 0
+    odirect: bool = False
+    dtype: str = "auto"
+    max_context: int = 4096
+    prefill_chunk: int = 256
+    threads: int = 0
+
+    def __post_init__(self):
+        if self.memory is not None:
+            self.memory = parse_size(self.memory)
+        if self.io not in IO_MODES:
+            raise ConfigError(f"io: {self.io!r} is not one of {', '.join(IO_MODES)}")
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        for name in ("max_context", "prefill_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.io_workers < 0 or self.threads < 0:
+            raise ConfigError("io_workers and threads must be >= 0 (0 = default)")
+
+    @classmethod
+    def make(cls, **kwargs) -> "LoadOptions":
+        """Build from keyword arguments; an unknown name is a ConfigError listing the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    def compute_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the math runs in."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return checkpoint_dtype if checkpoint_dtype in DTYPES.values() else torch.float32

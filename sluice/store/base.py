@@ -1,0 +1,51 @@
+"""The seam between model math and expert bytes: models ask for experts by (layer, ids) and get slot views.
+
+A store hands out `ExpertBatch`es: the slot stacks (allocated once) and, for each requested expert, the slot index
+that holds it. The MoE math indexes the stacks in place (no per-step stack/cat of weights). The resident store's
+slots are simply all experts of the layer; the streaming store's are a budgeted LRU cache over all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class ExpertBatch:
+    """Weights of a set of experts of one layer, as views into slot stacks.
+
+    gate_up: [S, 2I, H] (gate rows first, then up), down: [S, H, I]; `slots[j]` holds the j-th requested expert.
+    """
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    slots: list[int]
+
+
+class ExpertStore(Protocol):
+    """What the MoE block needs from whoever owns the expert weights."""
+
+    #: the most experts one acquire() may hold pinned at once (the MoE block works in passes above it)
+    max_batch: int
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
+        """Make `experts` (ascending ids) of `layer` available and pin them until release(layer)."""
+        ...
+
+    def release(self, layer: int) -> None:
+        """Unpin what the last acquire(layer) pinned."""
+        ...
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Advisory: these experts of `layer` will likely be needed soon. Never changes results."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters: hits, misses, bytes_read, io_wait_s, ..."""
+        ...
+
+    def close(self) -> None:
+        ...

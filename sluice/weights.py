@@ -1,0 +1,110 @@
+"""Resident weights: checkpoint names -> the `Weights` struct the math runs on (experts excluded).
+
+`resident_names` is the pure renaming step (testable without files); `load_resident` reads the bytes through the
+index and converts them to the compute dtype, checking every shape against the Spec.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from .checkpoint.index import CheckpointIndex
+from .checkpoint.ref import TensorRef
+from .errors import CheckpointError
+from .io.tensor import read_tensor
+from .models.blocks import LayerWeights, MLPWeights, Spec, Weights
+from .store.layout import moe_prefix
+
+
+def _expect(index: CheckpointIndex, name: str, shape: tuple[int, ...]) -> TensorRef:
+    ref = index[name]
+    if tuple(ref.shape) != tuple(shape):
+        raise CheckpointError(
+            f"shape {list(ref.shape)} does not match config.json (expected {list(shape)})", file=ref.path, tensor=name
+        )
+    return ref
+
+
+def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[str, TensorRef]:
+    """Every resident tensor as role -> TensorRef, roles like `layers.3.q` / `embed`; shapes validated."""
+    s = spec
+    H, D, V = s.hidden_size, s.head_dim, s.vocab_size
+    qd, kvd = s.n_heads * D, s.n_kv_heads * D
+    refs: dict[str, TensorRef] = {
+        "embed": _expect(index, "model.embed_tokens.weight", (V, H)),
+        "norm": _expect(index, "model.norm.weight", (H,)),
+    }
+    if s.tie_word_embeddings:
+        pass  # the reference ties lm_head to the embedding even when a copy is stored
+    elif "lm_head.weight" in index:
+        refs["lm_head"] = _expect(index, "lm_head.weight", (V, H))
+    else:
+        raise CheckpointError(
+            "lm_head.weight is missing and config.json does not set tie_word_embeddings", file=str(index.folder)
+        )
+    for L in range(s.n_layers):
+        p, r = f"model.layers.{L}", f"layers.{L}."
+        a = f"{p}.self_attn"
+        refs[r + "input_norm"] = _expect(index, f"{p}.input_layernorm.weight", (H,))
+        refs[r + "post_norm"] = _expect(index, f"{p}.post_attention_layernorm.weight", (H,))
+        for key, out_dim in (("q", qd), ("k", kvd), ("v", kvd)):
+            refs[r + key] = _expect(index, f"{a}.{key}_proj.weight", (out_dim, H))
+            if s.qkv_bias:
+                refs[r + key + "_bias"] = _expect(index, f"{a}.{key}_proj.bias", (out_dim,))
+        refs[r + "o"] = _expect(index, f"{a}.o_proj.weight", (H, qd))
+        if s.o_bias:
+            refs[r + "o_bias"] = _expect(index, f"{a}.o_proj.bias", (H,))
+        if s.qk_norm != "none":
+            refs[r + "q_norm"] = _expect(index, f"{a}.q_norm.weight", (D if s.qk_norm == "head" else qd,))
+            refs[r + "k_norm"] = _expect(index, f"{a}.k_norm.weight", (D if s.qk_norm == "head" else kvd,))
+        if s.moe_layers[L]:
+            m = moe_prefix(index, arch, L)
+            refs[r + "router"] = _expect(index, f"{m}.gate.weight", (s.num_experts, H))
+            if s.shared_expert_intermediate_size:
+                Is = s.shared_expert_intermediate_size
+                for key, shape in (("gate", (Is, H)), ("up", (Is, H)), ("down", (H, Is))):
+                    refs[r + "shared." + key] = _expect(index, f"{m}.shared_expert.{key}_proj.weight", shape)
+                refs[r + "shared_gate"] = _expect(index, f"{m}.shared_expert_gate.weight", (1, H))
+        else:
+            Id = s.dense_intermediate_size
+            for key, shape in (("gate", (Id, H)), ("up", (Id, H)), ("down", (H, Id))):
+                refs[r + "mlp." + key] = _expect(index, f"{p}.mlp.{key}_proj.weight", shape)
+    return refs
+
+
+def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype) -> Weights:
+    """Read every resident tensor and assemble the Weights struct in `dtype`."""
+    t = {role: read_tensor(ref).to(dtype) for role, ref in refs.items()}
+
+    def mlp(prefix: str) -> MLPWeights | None:
+        if prefix + "gate" not in t:
+            return None
+        return MLPWeights(t[prefix + "gate"], t[prefix + "up"], t[prefix + "down"])
+
+    layers = []
+    for L in range(spec.n_layers):
+        r = f"layers.{L}."
+        layers.append(
+            LayerWeights(
+                input_norm=t[r + "input_norm"],
+                post_norm=t[r + "post_norm"],
+                q=t[r + "q"],
+                k=t[r + "k"],
+                v=t[r + "v"],
+                o=t[r + "o"],
+                q_bias=t.get(r + "q_bias"),
+                k_bias=t.get(r + "k_bias"),
+                v_bias=t.get(r + "v_bias"),
+                o_bias=t.get(r + "o_bias"),
+                q_norm=t.get(r + "q_norm"),
+                k_norm=t.get(r + "k_norm"),
+                router=t.get(r + "router"),
+                mlp=mlp(r + "mlp."),
+                shared=mlp(r + "shared."),
+                shared_gate=t.get(r + "shared_gate"),
+            )
+        )
+    embed = t["embed"]
+    return Weights(embed=embed, norm=t["norm"], lm_head=t.get("lm_head", embed), layers=layers)

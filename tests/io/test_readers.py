@@ -1,0 +1,299 @@
+"""Every reader returns the file's exact bytes, for every awkward range shape; errors name the file; pools stop."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from sluice.errors import CheckpointError
+from sluice.io import DirectReader, MmapReader, WillneedReader, make_reader
+from sluice.io.mapped import merged_page_windows
+from sluice.io.ranges import MIN_SPLIT, ReadRange, page_window, plan_reads, split_even
+
+SIZE = 5 * 4096 * 64 + 1234  # ~1.3 MB, deliberately not a page multiple
+
+READERS = {
+    "mmap": lambda: make_reader("mmap"),
+    "willneed": lambda: make_reader("willneed"),
+    "direct-w1": lambda: make_reader("direct", workers=1),
+    "direct-w4": lambda: make_reader("direct", workers=4),
+    "direct-w1-odirect": lambda: make_reader("direct", workers=1, odirect=True),
+    "direct-w4-odirect": lambda: make_reader("direct", workers=4, odirect=True),
+}
+
+
+@pytest.fixture(params=list(READERS))
+def reader(request):
+    r = READERS[request.param]()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = random.Random(1).randbytes(SIZE)
+    path = tmp_path / "model.bin"
+    path.write_bytes(data)
+    return str(path), data
+
+
+def req(path: str, offset: int, nbytes: int) -> tuple[ReadRange, torch.Tensor]:
+    return ReadRange(path, offset, nbytes), torch.empty(nbytes, dtype=torch.uint8)
+
+
+def check(requests, data: bytes) -> None:
+    for rng, dest in requests:
+        assert dest.numpy().tobytes() == data[rng.offset : rng.end], rng
+
+
+def awkward_requests(path: str, seed: int) -> list:
+    rnd = random.Random(seed)
+    reqs = []
+    for _ in range(120):  # random: unaligned starts, lengths not multiples of 4096
+        off = rnd.randrange(SIZE)
+        reqs.append(req(path, off, rnd.randrange(0, min(200_000, SIZE - off) + 1)))
+    reqs.append(req(path, SIZE - 777, 777))  # ends exactly at EOF
+    reqs.append(req(path, 0, SIZE))  # the whole file
+    reqs.append(req(path, 4096 * 10 + 3, 0))  # zero-length
+    reqs += [req(path, 5000, 3000), req(path, 5000, 3000), req(path, 5000, 3000)]  # duplicates
+    reqs += [req(path, 100_000 + 1000 * i, 1000) for i in range(5)]  # exactly adjacent
+    reqs += [req(path, 300_000, 9000), req(path, 304_000, 9000), req(path, 300_000, 20000)]  # overlapping
+    rnd.shuffle(reqs)
+    return reqs
+
+
+def test_awkward_ranges_match_file(reader, data_file):
+    path, data = data_file
+    reqs = awkward_requests(path, 0)
+    reader.read(reqs)
+    check(reqs, data)
+    reqs = awkward_requests(path, 1)
+    reader.submit(reqs).result(timeout=30)
+    check(reqs, data)
+    s = reader.stats()
+    assert s["dedup_saved_bytes"] >= 2 * 3000 * 2
+    assert s["wait_s"] >= 0 and s["requests"] > 0
+
+
+def test_sparse_ranges_with_gaps(reader, data_file):
+    path, data = data_file
+    rnd = random.Random(5)
+    reqs = [req(path, off, rnd.randrange(1, 5000)) for off in range(7, SIZE - 5000, 37_000)]
+    reader.read(reqs)
+    check(reqs, data)
+
+
+def test_empty_request_list(reader):
+    reader.read([])
+    assert reader.submit([]).result(timeout=10) is None
+
+
+def test_adjacent_ranges_are_coalesced(reader, data_file):
+    path, data = data_file
+    reqs = [req(path, 10_001 + 700 * i, 700) for i in range(4)]
+    reader.read(reqs)
+    check(reqs, data)
+    s = reader.stats()
+    assert (s["reads"], s["coalesced"]) == (1, 3)
+
+
+def test_duplicates_read_once(reader, data_file):
+    path, data = data_file
+    reqs = [req(path, 4097, 9000) for _ in range(3)]
+    reader.read(reqs)
+    check(reqs, data)
+    s = reader.stats()
+    assert s["dedup_saved_bytes"] == 2 * 9000 and s["bytes_read"] == 9000 and s["reads"] == 1
+
+
+def test_memoryview_destination(reader, data_file):
+    path, data = data_file
+    buf = bytearray(5000)
+    reader.read([(ReadRange(path, 123, 5000), memoryview(buf))])
+    assert bytes(buf) == data[123:5123]
+
+
+def test_wrong_destination_size(reader, data_file):
+    path, _ = data_file
+    with pytest.raises(ValueError, match="5000"):
+        reader.read([(ReadRange(path, 0, 5000), torch.empty(4000, dtype=torch.uint8))])
+
+
+@pytest.mark.parametrize("offset,nbytes", [(SIZE - 100, 101), (SIZE + 10, 5), (SIZE - 5000, 20_000)])
+def test_range_past_eof_names_file(reader, data_file, offset, nbytes):
+    path, data = data_file
+    with pytest.raises(CheckpointError) as e:
+        reader.read([req(path, 0, 10), req(path, offset, nbytes)])
+    assert e.value.file == path and path in str(e.value)
+    ok = [req(path, 50, 60_000)]  # the reader is still usable
+    reader.read(ok)
+    check(ok, data)
+
+
+def test_missing_file_names_file(reader, tmp_path):
+    path = str(tmp_path / "nope.bin")
+    with pytest.raises(CheckpointError) as e:
+        reader.read([req(path, 0, 10)])
+    assert e.value.file == path
+
+
+def test_truncated_after_open_raises(reader, data_file):
+    """Truncation in place after the file was opened/mapped: CheckpointError, no hang, no SIGBUS."""
+    path, data = data_file
+    reader.read([req(path, 0, 100)])  # opens / maps the file
+    os.truncate(path, SIZE // 2)
+    fut = reader.submit([req(path, SIZE // 2 + 10, 5000)])
+    with pytest.raises(CheckpointError) as e:
+        fut.result(timeout=10)
+    assert e.value.file == path
+
+
+@pytest.mark.parametrize("make", [MmapReader, lambda: DirectReader(2), lambda: DirectReader(2, odirect=True)])
+def test_replaced_file_keeps_old_bytes(data_file, make):
+    """Documented: a reader keeps the inode it opened, so a file replaced at the same path reads the old bytes."""
+    path, data = data_file
+    with make() as r:
+        r.read([req(path, 0, 10)])
+        os.unlink(path)
+        with open(path, "wb") as f:
+            f.write(b"\0" * SIZE)
+        reqs = [req(path, 1000, 50_000)]
+        r.read(reqs)
+        check(reqs, data)
+
+
+def io_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("sluice-io-")]
+
+
+def test_pool_threads_stop_on_close(data_file):
+    path, data = data_file
+    before = len(io_threads())
+    r = DirectReader(workers=4)
+    assert len(io_threads()) == before + 4
+    reqs = [req(path, 0, SIZE)]
+    fut = r.submit(reqs)
+    r.close()  # queued work finishes first
+    assert fut.done()
+    check(reqs, data)
+    assert len(io_threads()) == before
+    with pytest.raises(RuntimeError):
+        r.read(reqs)
+    r.close()  # idempotent
+
+
+def test_large_range_is_spread_over_workers(data_file):
+    path, data = data_file
+    with DirectReader(workers=4) as r:
+        reqs = [req(path, 3, SIZE - 3)]
+        r.read(reqs)
+        check(reqs, data)
+        assert r.stats()["reads"] >= 4  # cut at page-aligned absolute offsets: 4-5 pieces
+
+
+def test_odirect_falls_back_when_refused(data_file, monkeypatch):
+    path, data = data_file
+    real_open = os.open
+
+    def no_odirect(p, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr("sluice.io.direct.os.open", no_odirect)
+    with DirectReader(workers=2, odirect=True) as r:
+        reqs = awkward_requests(path, 3)
+        r.read(reqs)
+        check(reqs, data)
+        assert r.stats()["odirect_fallback"] is True
+
+
+def test_faults_are_counted_per_thread(data_file):
+    path, _ = data_file
+    with MmapReader() as r:
+        r.read([req(path, 0, SIZE)])
+        s = r.stats()
+        assert s["major_faults"] + s["minor_faults"] > 0 and threading.current_thread().name in s["threads"]
+
+
+def test_willneed_hint_accepts_unaligned_ranges(data_file):
+    """mmap.madvise rejects an unaligned start, so this passing shows hint() aligns (and clamps at EOF)."""
+    path, data = data_file
+    with WillneedReader() as r:
+        r.hint([ReadRange(path, 4097, 10), ReadRange(path, SIZE - 3, 3), ReadRange(path, 8191, 2)])
+        reqs = [req(path, 4097, 10)]
+        fut = r.submit(reqs)
+        assert not fut.done()  # documented: the copy is deferred to result()
+        fut.result()
+        assert fut.done()
+        check(reqs, data)
+
+
+def test_make_reader_unknown_mode():
+    with pytest.raises(ValueError, match="mmap, willneed, direct"):
+        make_reader("uring")
+
+
+# --- pure functions ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "offset,nbytes,size,expected",
+    [
+        (0, 1, 100_000, (0, 4096)),
+        (4095, 2, 100_000, (0, 8192)),  # straddles a page: both pages
+        (4096, 4096, 100_000, (4096, 4096)),  # aligned stays as is
+        (5000, 100, 100_000, (4096, 4096)),
+        (99_000, 1000, 100_000, (98_304, 1696)),  # end clamped to the file size
+        (200_000, 10, 100_000, (196_608, 0)),  # wholly past EOF: nothing
+    ],
+)
+def test_page_window(offset, nbytes, size, expected):
+    assert page_window(offset, nbytes, size) == expected
+
+
+def test_merged_page_windows():
+    assert merged_page_windows([(5000, 10), (100, 10), (8192, 1), (20_000, 0)], 10_000) == [(0, 10_000)]
+    assert merged_page_windows([(0, 10), (20_478, 5)], 30_000) == [(0, 4096), (16_384, 8192)]
+
+
+def test_plan_dedup_coalesce_overlap():
+    buf = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
+    reqs = [
+        (ReadRange("b", 0, 10), buf(10)),
+        (ReadRange("a", 100, 50), buf(50)),
+        (ReadRange("a", 100, 50), buf(50)),  # duplicate
+        (ReadRange("a", 150, 50), buf(50)),  # adjacent
+        (ReadRange("a", 190, 50), buf(50)),  # overlapping
+        (ReadRange("a", 10_000, 5), buf(5)),  # gap 9760 <= max_gap
+        (ReadRange("a", 500_000, 5), buf(5)),  # far: own read
+        (ReadRange("a", 7, 0), buf(0)),  # empty: dropped
+    ]
+    plan = plan_reads(reqs, max_gap=64 * 1024)
+    assert [(r.path, r.offset, r.nbytes) for r in plan.reads] == [("a", 100, 9905), ("a", 500_000, 5), ("b", 0, 10)]
+    assert plan.reads[0].overlapping and not plan.reads[1].overlapping
+    assert (plan.requests, plan.dedup_saved_bytes, plan.coalesced) == (7, 50, 3)
+    assert len(plan.reads[0].segments[0].dests) == 2
+
+
+def test_plan_without_overlap_is_zero_copy():
+    reqs = [(ReadRange("a", o, 10), torch.empty(10, dtype=torch.uint8)) for o in (0, 10, 30)]
+    (read,) = plan_reads(reqs).reads
+    gap = memoryview(bytearray(64))
+    assert [len(b) for b in read.iovecs(gap)] == [10, 10, 10, 10]  # dest, dest, 10-byte gap, dest
+
+
+def test_plan_splits_for_workers():
+    big = 4 * MIN_SPLIT
+    reqs = [(ReadRange("a", 1, big), torch.empty(big, dtype=torch.uint8))]
+    plan = plan_reads(reqs, parts=4)
+    assert len(plan.reads) == 5 and sum(r.nbytes for r in plan.reads) == big  # cut on page-aligned offsets
+    assert all(r.end % 4096 == 0 for r in plan.reads[:-1])
+    chunks = split_even(plan.reads, 4)
+    assert len(chunks) == 4 and [r for c in chunks for r in c] == plan.reads
+    assert split_even([], 4) == []

@@ -1,0 +1,69 @@
+"""Tiny random checkpoints of each architecture, written by transformers itself (the oracle) in both layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# hidden 64, 2-3 layers, 4-8 experts; each config exercises the fields that change the math for its family.
+TINY: dict[str, dict] = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24,  # head_dim distinct from hidden/heads; GQA 2:1
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=48,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],  # one dense layer
+        rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        model_type="mixtral", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, intermediate_size=40,
+        rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=256, sliding_window=8,
+    ),
+    "olmoe": dict(
+        model_type="olmoe", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=8, num_experts_per_tok=3, intermediate_size=32,
+        norm_topk_prob=False, clip_qkv=0.5, rms_norm_eps=1e-5, max_position_embeddings=256,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, intermediate_size=56, decoder_sparse_step=1, mlp_only_layers=[2],
+        qkv_bias=True, norm_topk_prob=False, max_position_embeddings=256,
+        use_sliding_window=True, sliding_window=8, max_window_layers=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                         "original_max_position_embeddings": 128},
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A transformers model of the tiny config with random weights (scaled up so routing and logits spread)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY[arch])
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "embed" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.1)
+    return model.to(dtype).eval()
+
+
+def write_checkpoint(model, out: Path, layout: str) -> Path:
+    """save_pretrained in the hub's per-expert layout (the default) or transformers' fused layout."""
+    if layout == "fused":
+        model.save_pretrained(out, save_original_format=False)
+    else:
+        model.save_pretrained(out)
+    return out
