@@ -16,7 +16,7 @@ import torch
 
 from .checkpoint.index import CheckpointIndex
 from .errors import ConfigError, RequestError
-from .generate import StepTimes, generate_step
+from .generate import StepTimes, decode_one, generate_step, prefill
 from .io import DEFAULT_WORKERS, make_reader
 from .models import get_arch
 from .models.blocks import KVCache, Transformer
@@ -24,6 +24,7 @@ from .options import LoadOptions
 from .sampling import make_logits_processors, make_sampler
 from .store.layout import ExpertLayout
 from .store.resident import ResidentExpertStore
+from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
 from .weights import load_resident, resident_refs
 
@@ -63,12 +64,15 @@ class Model:
         self.reader = make_reader(
             options.io, workers=options.io_workers or DEFAULT_WORKERS, odirect=options.odirect
         )
-        weights = load_resident(refs, s, self.dtype)
-        self.resident_bytes = sum(r.numel for r in refs.values()) * torch.tensor([], dtype=self.dtype).element_size()
+        lazy_embed = options.embeddings != "resident" and not s.tie_word_embeddings
+        weights = load_resident(refs, s, self.dtype, lazy_embed=lazy_embed)
+        self.rows = self._make_rows(refs["embed"]) if lazy_embed else None
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        self.resident_bytes = itemsize * sum(r.numel for k, r in refs.items() if not (lazy_embed and k == "embed"))
         self.store = self._make_store(progress)
         max_ctx = min(options.max_context, s.rope.max_position_embeddings)
         self.cache = KVCache(s, max_ctx, self.dtype)
-        self.model = Transformer(s, weights, self.store, self.cache, self.dtype)
+        self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows)
         self.tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").exists() else None
         self.eos_ids = _eos_ids(self.index, self.tokenizer)
         self.load_s = time.perf_counter() - t0
@@ -77,6 +81,12 @@ class Model:
         self._times = StepTimes()
         self._gen_faults = (0, 0)
         self._generated = 0
+
+    def _make_rows(self, ref) -> RowTable:
+        mode = self.options.embeddings
+        # share the reader when it is of the kind the table needs; otherwise the table makes its own
+        same = (mode == "direct") == (self.options.io == "direct")
+        return RowTable(ref, mode, reader=self.reader if same else None, dtype=self.dtype)
 
     def _make_store(self, progress: bool):
         if self.options.memory is None:
@@ -214,6 +224,34 @@ class Model:
         finally:
             gen.close()
 
+    def replay(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """Teacher forcing: prefill `prompt`, then feed `tokens` one per step whatever the model would pick.
+
+        Returns the greedy argmax after the prompt and after each fed token (len(tokens) + 1 ids), so an arm's
+        choices can be checked against a reference while every arm does identical work. Step times land in
+        stats() like a generation's.
+        """
+        ids = self._check_ids(list(prompt) + list(tokens))
+        n = len(prompt)
+        self._kv_tokens, self.last_tokens, self._times = [], [], StepTimes()
+        f0 = _rusage()
+        argmax: list[int] = []
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hidden = prefill(self.model, ids[:n], 0, self.options.prefill_chunk)
+            argmax.append(int(self.model.logits(hidden)[0].argmax()))
+            self._times.prefill_tokens, self._times.prefill_s = n, time.perf_counter() - t0
+            for pos in range(n, len(ids)):
+                t0 = time.perf_counter()
+                hidden = decode_one(self.model, ids[pos], pos)
+                argmax.append(int(self.model.logits(hidden)[0].argmax()))
+                self._times.decode_s.append(time.perf_counter() - t0)
+        f1 = _rusage()
+        self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1])
+        self._kv_tokens = ids
+        self.last_tokens = list(tokens)
+        return argmax
+
     # -- stats ---------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters of the last generation and of the store, with derived rates; all JSON-serialisable."""
@@ -244,12 +282,17 @@ class Model:
             "io": self.options.io,
             "dtype": str(self.dtype).replace("torch.", ""),
         }
+        if self.rows is not None:
+            rs = self.rows.stats()
+            out.update(embedding_rows_read=rs["rows_read"], embedding_bytes_read=rs["bytes_read"])
         out.update({k: v for k, v in st.items() if k not in out})
         return out
 
     def close(self) -> None:
         """Stop I/O workers and release files."""
         self.store.close()
+        if self.rows is not None:
+            self.rows.close()
         self.reader.close()
 
     def __enter__(self) -> "Model":

@@ -11,6 +11,7 @@ import torch
 from .errors import ConfigError
 
 IO_MODES = ("mmap", "willneed", "direct")
+EMBEDDING_MODES = ("resident", "mmap", "direct")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
 
@@ -58,6 +59,8 @@ class LoadOptions:
     max_context:   KV cache positions allocated once at load (capped by the model's max_position_embeddings).
     prefill_chunk: prompt tokens per forward pass during prefill.
     threads:       torch intra-op threads; 0 = torch's default (all cores).
+    embeddings:    token embedding table: "resident", or rows read per batch ("mmap" | "direct") so the table
+                   stays on disk (forced resident when the LM head is tied to it).
     """
 
     memory: int | None = None
@@ -68,12 +71,15 @@ class LoadOptions:
     max_context: int = 4096
     prefill_chunk: int = 256
     threads: int = 0
+    embeddings: str = "resident"
 
     def __post_init__(self):
         if self.memory is not None:
             self.memory = parse_size(self.memory)
         if self.io not in IO_MODES:
             raise ConfigError(f"io: {self.io!r} is not one of {', '.join(IO_MODES)}")
+        if self.embeddings not in EMBEDDING_MODES:
+            raise ConfigError(f"embeddings: {self.embeddings!r} is not one of {', '.join(EMBEDDING_MODES)}")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")

@@ -74,9 +74,10 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
     return refs
 
 
-def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype) -> Weights:
-    """Read every resident tensor and assemble the Weights struct in `dtype`."""
-    t = {role: read_tensor(ref).to(dtype) for role, ref in refs.items()}
+def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, lazy_embed: bool = False) -> Weights:
+    """Read every resident tensor and assemble the Weights struct in `dtype` (`lazy_embed`: leave the token
+    embedding on disk; the model then gathers its rows through a RowTable)."""
+    t = {role: read_tensor(ref).to(dtype) for role, ref in refs.items() if not (lazy_embed and role == "embed")}
 
     def mlp(prefix: str) -> MLPWeights | None:
         if prefix + "gate" not in t:
@@ -106,5 +107,7 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype) ->
                 shared_gate=t.get(r + "shared_gate"),
             )
         )
-    embed = t["embed"]
-    return Weights(embed=embed, norm=t["norm"], lm_head=t.get("lm_head", embed), layers=layers)
+    embed = t.get("embed")
+    lm_head = t["lm_head"] if "lm_head" in t else embed
+    assert lm_head is not None, "a tied LM head needs the resident embedding"
+    return Weights(embed=embed, norm=t["norm"], lm_head=lm_head, layers=layers)

@@ -17,6 +17,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
     g.add_argument("--io-workers", type=int, default=0, metavar="N", help="direct-read threads (default: measured)")
     g.add_argument("--odirect", action="store_true", help="read with O_DIRECT (bypass the page cache)")
+    g.add_argument("--embeddings", choices=["resident", "mmap", "direct"], default="resident",
+                   help="token embedding rows: resident, or read per batch from disk (default: resident)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--max-context", type=int, default=4096, metavar="N", help="KV cache positions (default 4096)")
@@ -44,7 +46,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 def load_from_args(args: argparse.Namespace, progress: bool = True) -> Model:
     return load(args.model, progress=progress, memory=args.memory, io=args.io, io_workers=args.io_workers,
                 odirect=args.odirect, dtype=args.dtype, max_context=args.max_context,
-                prefill_chunk=args.prefill_chunk, threads=args.threads)
+                prefill_chunk=args.prefill_chunk, threads=args.threads, embeddings=args.embeddings)
 
 
 def stats_line(st: dict) -> str:

@@ -24,10 +24,26 @@ from sluice.errors import CheckpointError
 from sluice.io.base import Counters, ReadFuture, Request, done_future, thread_faults
 from sluice.io.ranges import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, plan_reads, split_even
 
-# Worker threads = reads in flight. Measured by benchmarks/io_workers.py (1.5 GiB file on /dev/vda ext4, cold cache
-# via posix_fadvise(DONTNEED), batches of 8 random experts x 3 ranges of 768 KiB + 3 of 48 KiB, 2 CPU cores):
-#   WORKERS_TABLE_PLACEHOLDER
-DEFAULT_WORKERS = 4
+# Worker threads = reads in flight. Measured by benchmarks/io_workers.py: 1.5 GiB random file on /dev/vda (ext4),
+# evicted with posix_fadvise(DONTNEED) and verified cold by mincore before every arm, 2 CPU cores, shared machine.
+# experts: batches of 8 experts x (3 x 768 KiB + 3 x 48 KiB) at random offsets (19.7 MB); rows: 256 x 4000 B.
+# Medians of 3 rounds (run A) and 5 rounds (run B); amp = /proc/self/io read_bytes / bytes asked.
+#   arm               experts MB/s A / B   ms/batch A / B   rows MB/s A / B   amp experts, rows
+#   mmap                   149 /  223        83.6 / 64.3        4.1 / 4.5     3.27, 194 (8 MiB fault readahead)
+#   willneed               654 /  746        25.9 / 26.4      101.3 / 89.0    0.88, 2.08
+#   direct w=1             581 /  557        30.2 / 35.2       28.2 / 29.5    0.88, 2.08
+#   direct w=2             821 /  664        23.6 / 30.6       41.3 / 26.9
+#   direct w=4            1100 /  852        17.4 / 23.4       53.9 / 49.7
+#   direct w=8            1072 /  924        17.8 / 22.1       75.7 / 59.8
+#   direct w=16           1173 / 1052        16.8 / 17.6       59.8 / 72.6
+#   direct w=1 odirect     706 /  580        28.0 / 35.1       26.4 / 28.0    1.01, 2.09
+#   direct w=4 odirect     765 /  732        24.3 / 27.2       60.8 / 53.8
+#   direct w=8 odirect     747 /  714        26.2 / 28.2       53.9 / 60.6
+#   direct w=16 odirect    771 /  753        26.3 / 26.6       49.1 / 52.2
+# 1 -> 4 workers gains ~1.5-1.9x on expert batches and 8 gains most on small rows; past 8 the differences are within
+# run-to-run noise (16 won run B, lost rows in run A) and cost threads on a 2-core host. O_DIRECT plateaus at
+# ~0.75 GB/s from 4 workers (its amp 1.01 vs 0.88 buffered: buffered also hits pages earlier batches cached).
+DEFAULT_WORKERS = 8
 
 # O_DIRECT needs offset, length and buffer address aligned to the logical block size; 4096 covers every disk here.
 ALIGN = 4096

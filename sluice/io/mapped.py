@@ -177,7 +177,16 @@ class WillneedReader(MmapReader):
     _random_access = True
 
     def hint(self, ranges: Sequence[ReadRange]) -> None:
-        """One madvise(MADV_WILLNEED) per page window (ranges of one file merged when their pages touch)."""
+        """One madvise(MADV_WILLNEED) per page window (ranges of one file merged when their pages touch).
+
+        Advisory: a missing file is ignored here and reported by the read that needs it.
+        """
+        try:
+            self._advise(ranges)
+        except CheckpointError:
+            pass
+
+    def _advise(self, ranges: Sequence[ReadRange]) -> None:
         by_path: dict[str, list[tuple[int, int]]] = {}
         for r in ranges:
             by_path.setdefault(r.path, []).append((r.offset, r.nbytes))
@@ -189,7 +198,7 @@ class WillneedReader(MmapReader):
                 m.map.madvise(mmap.MADV_WILLNEED, start, length)
 
     def _hint_plan(self, plan: ReadPlan) -> None:
-        self.hint([ReadRange(r.path, r.offset, r.nbytes) for r in plan.reads])
+        self._advise([ReadRange(r.path, r.offset, r.nbytes) for r in plan.reads])
 
     def submit(self, requests: Sequence[Request]) -> ReadFuture:
         """Hint now; copy on the first result() call (in that caller's thread)."""

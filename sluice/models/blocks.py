@@ -93,7 +93,7 @@ class LayerWeights:
 class Weights:
     """All resident weights: the model's `Weights` struct (llama2.c); built by the loader, never by the math."""
 
-    embed: torch.Tensor  # [V, H]
+    embed: torch.Tensor | None  # [V, H]; None when rows are read from disk per batch (RowTable)
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
     layers: list[LayerWeights] = field(default_factory=list)
@@ -133,8 +133,11 @@ class Transformer:
     the final-norm hidden states [T, H]; `logits(hidden)` applies the LM head.
     """
 
-    def __init__(self, spec: Spec, weights: Weights, store: ExpertStore, cache: KVCache, dtype: torch.dtype):
-        self.spec, self.w, self.store, self.cache, self.dtype = spec, weights, store, cache, dtype
+    def __init__(
+        self, spec: Spec, weights: Weights, store: ExpertStore, cache: KVCache, dtype: torch.dtype, rows=None
+    ):
+        """`rows`: a RowTable serving token-embedding rows when the table is not resident (weights.embed None)."""
+        self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
         self.act = ACTIVATIONS[spec.hidden_act]
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
 
@@ -219,7 +222,9 @@ class Transformer:
 
     # -- whole model -----------------------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.w.embed[tokens].to(self.dtype)  # [T, H]
+        if self.rows is not None:
+            return self.rows.gather(tokens)  # [T, H], already in the compute dtype
+        return self.w.embed[tokens]  # [T, H]
 
     def forward(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """tokens [T] at positions pos.. -> final-norm hidden states [T, H]; writes the KV cache."""

@@ -48,7 +48,7 @@ def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     config = AutoConfig.for_model(model_type, **cfg)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -1,0 +1,85 @@
+"""`sluice make-model OUT --arch qwen3_moe --size 2GiB`: a synthetic checkpoint of a real architecture.
+
+Random weights at a requested size, sharded like hub checkpoints, with an offline-trained tokenizer and a ChatML
+template (see sluice/synth.py for the size rule and why embeddings default to std 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..errors import ConfigError
+from ..models import SUPPORTED
+from ..options import format_bytes, parse_size
+
+# CLI flag -> SynthConfig field, for the overrides of the size rule.
+_OVERRIDES = {
+    "layers": "num_layers",
+    "experts": "num_experts",
+    "top_k": "top_k",
+    "hidden": "hidden_size",
+    "expert_intermediate": "moe_intermediate_size",
+    "vocab": "vocab_size",
+    "dtype": "dtype",
+    "embed_std": "embed_std",
+    "seed": "seed",
+    "layout": "layout",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", metavar="OUT", help="folder to write (must not exist or be empty; see --force)")
+    # --arch is checked in main, not by argparse: a later `--from demo` mode takes its architecture from a model.
+    parser.add_argument("--arch", choices=SUPPORTED, help="architecture (config.json model_type)")
+    parser.add_argument("--size", help="target checkpoint size, e.g. 2GiB, 512MiB (within ~5%%)")
+    g = parser.add_argument_group("overrides of the size rule (the rest is solved to hit --size)")
+    g.add_argument("--layers", type=int, help="decoder layers")
+    g.add_argument("--experts", type=int, help="experts per MoE layer (default 64; mixtral 8)")
+    g.add_argument("--top-k", type=int, help="experts per token (default 8; mixtral 2)")
+    g.add_argument("--hidden", type=int, help="hidden size")
+    g.add_argument("--expert-intermediate", type=int, help="one expert's intermediate size")
+    g.add_argument("--vocab", type=int, help="config.json vocab size (the tokenizer is trained up to it)")
+    g.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), help="weight dtype (default bfloat16)")
+    g.add_argument("--embed-std", type=float,
+                   help="std of the token embeddings (default 4.0: spreads routing like a trained model; "
+                        "0.02 routes nearly every token to the same few experts)")
+    g.add_argument("--seed", type=int, help="random seed (default 0); same seed, same bytes")
+    g.add_argument("--layout", choices=("per_expert", "fused"),
+                   help="per_expert: hub names experts.{e}.gate_proj (default); fused: experts.gate_up_proj")
+    parser.add_argument("--shard-size", default="1GiB", help="largest shard file (default 1GiB)")
+    parser.add_argument("--tie-word-embeddings", action="store_true", help="no lm_head; reuse the embeddings")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it is an existing model folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..synth import config_for_size, describe, make_model, size_of
+
+    if args.arch is None:
+        raise ConfigError(f"--arch is required (one of {', '.join(SUPPORTED)})")
+    if args.size is None:
+        raise ConfigError("--size is required, e.g. --size 2GiB")
+    overrides = {field: getattr(args, flag) for flag, field in _OVERRIDES.items() if getattr(args, flag) is not None}
+    overrides["max_shard_bytes"] = parse_size(args.shard_size, "--shard-size")
+    overrides["tie_word_embeddings"] = args.tie_word_embeddings
+    target = parse_size(args.size, "--size")
+    sc = config_for_size(args.arch, target, **overrides)
+
+    out = make_model(args.out, sc, progress=not args.no_progress, force=args.force)
+
+    # Summarise what was written (the vocab may have grown to the tokenizer's; re-read sizes from the files).
+    from ..checkpoint import CheckpointIndex
+
+    index = CheckpointIndex.open(out)
+    written = dataclasses.replace(sc, vocab_size=index.config["vocab_size"])
+    report = size_of(written)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"wrote {out}")
+    print(f"  {describe(written)}")
+    print(f"  {report.params / 1e6:,.1f}M params, {format_bytes(index.total_bytes())} of tensors "
+          f"(target {format_bytes(target)}), experts {report.expert_share:.1%} of bytes, "
+          f"one expert {format_bytes(report.expert_nbytes)}")
+    print(f"  files: {', '.join(files)}")
+    return 0
+

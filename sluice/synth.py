@@ -1,0 +1,479 @@
+"""Synthetic checkpoints of real MoE architectures: random weights at a requested size, written like a hub model.
+
+Benchmarks and the demo need models of a chosen size (bigger than memory) without downloading one. A synthetic
+checkpoint here is a Hugging Face folder that `transformers.AutoModelForCausalLM.from_pretrained` loads with no
+missing or unexpected keys: config.json + generation_config.json, a byte-level BPE tokenizer with a ChatML template
+(trained offline), and safetensors shards with the hub's tensor names.
+
+Routing realism: with the usual small init (embeddings ~ N(0, 0.02)) nearly every token routes to the same few
+experts (measured on a 16-layer, 64-expert, top-8 model: 11-24 of 64 experts used per layer over 32 tokens), which
+flatters any expert cache. Embeddings ~ N(0, 4) spread routing to 60-64 of 64 per layer, like a trained model, so
+that is the default (`embed_std`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError, SluiceError
+from .models import SUPPORTED
+from .options import DTYPES, format_bytes
+
+GiB = 2**30
+LAYOUTS = ("per_expert", "fused")
+_PARTIAL_MARKER = ".sluice-make-model"  # marks OUT.partial as ours, so a rerun may delete it
+
+
+class OutputExistsError(SluiceError):
+    """The output folder exists and is not empty (and --force was not given, or it is not a model folder)."""
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """What differs per architecture when synthesizing: defaults of the real models and checkpoint names."""
+
+    hf_class: str  # config.json `architectures`
+    num_experts: int
+    top_k: int
+    rope_theta: float
+    rms_norm_eps: float
+    moe_prefix: str  # per-expert layout; the fused layout is always `mlp`
+    expert_proj: tuple[str, str, str]  # gate, up, down
+
+
+ARCHS: dict[str, ArchInfo] = {
+    # Qwen3-30B-A3B: 128 experts top-8, moe_intermediate 768 / hidden 2048.
+    "qwen3_moe": ArchInfo("Qwen3MoeForCausalLM", 64, 8, 1e6, 1e-6, "mlp", ("gate_proj", "up_proj", "down_proj")),
+    # Mixtral-8x7B: 8 experts top-2, intermediate 14336 / hidden 4096.
+    "mixtral": ArchInfo("MixtralForCausalLM", 8, 2, 1e6, 1e-5, "block_sparse_moe", ("w1", "w3", "w2")),
+    # OLMoE-1B-7B: 64 experts top-8, intermediate 1024 / hidden 2048.
+    "olmoe": ArchInfo("OlmoeForCausalLM", 64, 8, 1e4, 1e-5, "mlp", ("gate_proj", "up_proj", "down_proj")),
+    # Qwen1.5-MoE-A2.7B: 60 experts top-4 plus a shared expert; 64 top-8 here like the others.
+    "qwen2_moe": ArchInfo("Qwen2MoeForCausalLM", 64, 8, 1e6, 1e-6, "mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """The blueprint of a synthetic checkpoint. `config_for_size` fills it for a target size.
+
+    arch:               config.json model_type: qwen3_moe | mixtral | olmoe | qwen2_moe.
+    hidden_size, num_layers, num_heads, num_kv_heads, head_dim: the transformer's shape.
+    num_experts, top_k: experts per MoE layer and experts per token.
+    moe_intermediate_size: one expert's intermediate size (I): gate/up [I, H], down [H, I].
+    vocab_size:         config.json vocab; may exceed the trained tokenizer's, as in real models.
+    dtype:              bfloat16 | float32 | float16, for every tensor.
+    embed_std:          std of the token embeddings; 4.0 spreads routing like a trained model (see module doc).
+    init_std:           std of every projection, the router and lm_head (transformers' initializer_range).
+    seed:               the same config and seed give byte-identical files.
+    layout:             per_expert (the hub's `experts.{e}.gate_proj.weight`) | fused (`experts.gate_up_proj`).
+    tie_word_embeddings: no lm_head tensor; the head is the embedding.
+    max_shard_bytes:    shard size limit, like save_pretrained's max_shard_size.
+    shared_expert_intermediate_size: qwen2_moe's shared expert; None = one routed expert's size (small, resident).
+    """
+
+    arch: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    vocab_size: int
+    dtype: str = "bfloat16"
+    embed_std: float = 4.0
+    init_std: float = 0.02
+    seed: int = 0
+    layout: str = "per_expert"
+    tie_word_embeddings: bool = False
+    max_shard_bytes: int = GiB
+    shared_expert_intermediate_size: int | None = None
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ConfigError(f"arch: {self.arch!r} is not one of {', '.join(SUPPORTED)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts", "top_k",
+                     "moe_intermediate_size", "vocab_size", "max_shard_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"top_k: {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if self.arch == "olmoe" and self.num_heads * self.head_dim != self.hidden_size:
+            # OLMoE's q_norm is sized hidden_size while q_proj is heads*head_dim: they must agree.
+            raise ConfigError(f"olmoe needs num_heads * head_dim == hidden_size ({self.hidden_size})")
+        if self.embed_std <= 0 or self.init_std <= 0:
+            raise ConfigError("embed_std and init_std must be positive")
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or shared < 1):
+            raise ConfigError(f"shared_expert_intermediate_size: must be a positive integer or None, got {shared!r}")
+
+    @property
+    def shared_size(self) -> int:
+        """Intermediate size of qwen2_moe's shared expert (0: none). Resolved here, not in __post_init__, so
+        `dataclasses.replace(sc, moe_intermediate_size=...)` keeps following the routed experts' size."""
+        if self.arch != "qwen2_moe":
+            return 0
+        if self.shared_expert_intermediate_size is None:
+            return self.moe_intermediate_size
+        return self.shared_expert_intermediate_size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert of one layer (gate + up + down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size * self.itemsize
+
+
+# -- shapes and sizes ------------------------------------------------------------------------------------------------
+# A tensor to generate: name, shape and how it is initialised ("embed", "norm", "proj", "bias").
+TensorSpec = tuple[str, tuple[int, ...], str]
+
+
+def _layer_resident(sc: SynthConfig, L: int) -> list[TensorSpec]:
+    """One layer's non-expert tensors, in file order."""
+    H, D, E = sc.hidden_size, sc.head_dim, sc.num_experts
+    qd, kvd = sc.num_heads * D, sc.num_kv_heads * D
+    p, a = f"model.layers.{L}", f"model.layers.{L}.self_attn"
+    m = f"{p}.{_moe_prefix(sc)}"
+    out: list[TensorSpec] = [(f"{p}.input_layernorm.weight", (H,), "norm")]
+    for key, dim in (("q", qd), ("k", kvd), ("v", kvd)):
+        out.append((f"{a}.{key}_proj.weight", (dim, H), "proj"))
+        if sc.arch == "qwen2_moe":  # qkv_bias
+            out.append((f"{a}.{key}_proj.bias", (dim,), "bias"))
+    out.append((f"{a}.o_proj.weight", (H, qd), "proj"))
+    if sc.arch == "qwen3_moe":  # per-head q/k norm
+        out += [(f"{a}.q_norm.weight", (D,), "norm"), (f"{a}.k_norm.weight", (D,), "norm")]
+    elif sc.arch == "olmoe":  # q/k norm over the whole projection
+        out += [(f"{a}.q_norm.weight", (qd,), "norm"), (f"{a}.k_norm.weight", (kvd,), "norm")]
+    out.append((f"{p}.post_attention_layernorm.weight", (H,), "norm"))
+    out.append((f"{m}.gate.weight", (E, H), "proj"))
+    if sc.shared_size:
+        Is = sc.shared_size
+        out += [
+            (f"{m}.shared_expert.gate_proj.weight", (Is, H), "proj"),
+            (f"{m}.shared_expert.up_proj.weight", (Is, H), "proj"),
+            (f"{m}.shared_expert.down_proj.weight", (H, Is), "proj"),
+            (f"{m}.shared_expert_gate.weight", (1, H), "proj"),
+        ]
+    return out
+
+
+def _moe_prefix(sc: SynthConfig) -> str:
+    # transformers>=5 writes the fused layout of every arch under `mlp` (Mixtral included).
+    return ARCHS[sc.arch].moe_prefix if sc.layout == "per_expert" else "mlp"
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    """Parameter and byte counts of a SynthConfig (tensor data only; safetensors headers add a few KiB)."""
+
+    params: int
+    total_bytes: int
+    expert_bytes: int
+    expert_nbytes: int  # one expert of one layer
+
+    @property
+    def expert_share(self) -> float:
+        return self.expert_bytes / self.total_bytes
+
+
+def size_of(sc: SynthConfig) -> SizeReport:
+    """Exact counts for `sc`, from the same tensor list `tensors` generates."""
+    resident = 2 * sc.vocab_size * sc.hidden_size if not sc.tie_word_embeddings else sc.vocab_size * sc.hidden_size
+    resident += sc.hidden_size  # model.norm
+    resident += sc.num_layers * sum(math.prod(shape) for _, shape, _ in _layer_resident(sc, 0))
+    experts = sc.num_layers * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
+    params = resident + experts
+    return SizeReport(params, params * sc.itemsize, experts * sc.itemsize, sc.expert_nbytes)
+
+
+# -- the size rule ---------------------------------------------------------------------------------------------------
+_REF_PARAMS = 2**30  # 2 GiB of bf16: the size at which the rule gives 16 layers
+
+
+def _hidden_for(params: float) -> int:
+    """Hidden size by parameter count: small models get a small hidden so experts keep a sane intermediate size."""
+    for limit, hidden in ((2**24, 128), (2**27, 256), (2**29, 512), (2**33, 1024)):
+        if params < limit:
+            return hidden
+    return 2048
+
+
+def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
+    """A SynthConfig whose checkpoint is within ~5% of `target_bytes`, experts > 85% of it, like real MoEs.
+
+    The rule, for P = target_bytes / dtype size parameters (each step skipped for a field given in `overrides`):
+      1. experts, top_k: the family's (64 top-8 for qwen3_moe / olmoe / qwen2_moe, 8 top-2 for mixtral);
+      2. hidden: 128 below 2^24 params, 256 below 2^27, 512 below 2^29, 1024 below 2^33, else 2048 (in bf16:
+         below 32 MiB, 256 MiB, 1 GiB, 16 GiB); head_dim 64 (hidden <= 512) or 128; heads = hidden / head_dim;
+         kv heads = heads / 4 (GQA, at least 1);
+      3. vocab: embeddings + lm_head take ~4% of the bytes, rounded to a multiple of 1024 within [1024, 32768];
+      4. layers = 16 * sqrt(P / 2^30), within [4, 48] (2 GiB of bf16 -> 16 layers, 6 GiB -> 28), so layers and
+         the expert intermediate size both grow with the size;
+      5. moe_intermediate_size: solved so the total hits the target (it is linear in it), rounded to the largest
+         multiple of 64, 32, 16 or 8 that moves the total by at most 2%.
+    Overrides: any SynthConfig field (e.g. num_layers=48, dtype="float32", layout="fused"); an unknown name is a
+    ConfigError. With both num_layers and moe_intermediate_size given, the target cannot be honoured and is not.
+    """
+    if arch not in ARCHS:
+        raise ConfigError(f"arch: {arch!r} is not one of {', '.join(SUPPORTED)}")
+    known = {f.name for f in dataclasses.fields(SynthConfig)} - {"arch"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    info = ARCHS[arch]
+    dtype = overrides.get("dtype", "bfloat16")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    params = target_bytes / DTYPES[dtype].itemsize
+
+    H = overrides.get("hidden_size") or _hidden_for(params)
+    head_dim = overrides.get("head_dim") or (64 if H <= 512 else 128)
+    heads = overrides.get("num_heads") or max(1, H // head_dim)
+    base = dict(
+        arch=arch, hidden_size=H, head_dim=head_dim, num_heads=heads, num_kv_heads=max(1, heads // 4),
+        num_experts=info.num_experts, top_k=info.top_k,
+        vocab_size=min(32768, max(1024, round(0.04 * params / (2 * H) / 1024) * 1024)),
+        num_layers=min(48, max(4, round(16 * math.sqrt(params / _REF_PARAMS)))),
+        moe_intermediate_size=64,
+    )
+    base.update(overrides)
+    sc = SynthConfig(**base)
+    if "moe_intermediate_size" not in overrides:
+        sc = dataclasses.replace(sc, moe_intermediate_size=_solve(sc, target_bytes, "moe_intermediate_size"))
+    elif "num_layers" not in overrides:
+        sc = dataclasses.replace(sc, num_layers=_solve(sc, target_bytes, "num_layers"))
+    return sc
+
+
+def _solve(sc: SynthConfig, target: int, field: str) -> int:
+    """The value of `field` (total bytes are linear in it) that brings the total nearest `target`, at least 1."""
+    b1 = size_of(dataclasses.replace(sc, **{field: 1})).total_bytes
+    b2 = size_of(dataclasses.replace(sc, **{field: 2})).total_bytes
+    exact = 1 + (target - b1) / (b2 - b1)
+    if field == "num_layers":
+        return max(1, round(exact))
+    # Multiples of 64 keep quantization groups and kernels happy; settle for less when the rounding would cost.
+    for granule in (64, 32, 16, 8, 1):
+        if granule / 2 <= 0.02 * exact or granule == 1:
+            return max(granule, round(exact / granule) * granule)
+    raise AssertionError("unreachable")
+
+
+# -- config files ----------------------------------------------------------------------------------------------------
+def config_json(sc: SynthConfig, bos_token_id: int = 0, eos_token_id: int = 2) -> dict:
+    """config.json as the architecture's transformers class reads it (hub spellings: rope_theta, torch_dtype).
+
+    Token ids default to the trained tokenizer's: `<|endoftext|>` = 0 (bos/pad, as Qwen), `<|im_end|>` = 2 (eos).
+    """
+    info = ARCHS[sc.arch]
+    I = sc.moe_intermediate_size
+    cfg: dict = {
+        "architectures": [info.hf_class],
+        "model_type": sc.arch,
+        "vocab_size": sc.vocab_size,
+        "hidden_size": sc.hidden_size,
+        "num_hidden_layers": sc.num_layers,
+        "num_attention_heads": sc.num_heads,
+        "num_key_value_heads": sc.num_kv_heads,
+        "head_dim": sc.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": info.rms_norm_eps,
+        "rope_theta": info.rope_theta,
+        "num_experts_per_tok": sc.top_k,
+        "tie_word_embeddings": sc.tie_word_embeddings,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": bos_token_id,
+        "initializer_range": sc.init_std,
+        "attention_dropout": 0.0,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "use_cache": True,
+        "torch_dtype": sc.dtype,  # transformers<5 and most tools
+        "dtype": sc.dtype,  # transformers>=5
+    }
+    if sc.arch == "mixtral":
+        cfg.update(num_local_experts=sc.num_experts, intermediate_size=I, sliding_window=None)
+    elif sc.arch == "olmoe":
+        cfg.update(num_experts=sc.num_experts, intermediate_size=I, norm_topk_prob=False, clip_qkv=None,
+                   attention_bias=False)
+    elif sc.arch == "qwen3_moe":
+        cfg.update(num_experts=sc.num_experts, moe_intermediate_size=I, intermediate_size=4 * I,
+                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, attention_bias=False,
+                   use_sliding_window=False, sliding_window=None)
+    else:  # qwen2_moe
+        Is = sc.shared_size
+        cfg.update(num_experts=sc.num_experts, moe_intermediate_size=I, shared_expert_intermediate_size=Is,
+                   intermediate_size=Is, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+                   qkv_bias=True, use_sliding_window=False, sliding_window=None)
+    return cfg
+
+
+def generation_config_json(bos_token_id: int = 0, eos_token_id: int = 2) -> dict:
+    """generation_config.json: the token ids only (greedy by default, like a base model)."""
+    return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": bos_token_id}
+
+
+# -- tensors ---------------------------------------------------------------------------------------------------------
+def tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, generated lazily in file order from one seeded generator.
+
+    Order: embeddings, then layer by layer (attention, norms, router, [shared expert], experts expert by expert),
+    final norm, lm_head. At most one layer's experts exist at once (fused layout); per-expert, one projection.
+    Both layouts draw the same numbers in the same order, so they hold the same model.
+    """
+    g = torch.Generator().manual_seed(sc.seed)
+    dt = sc.torch_dtype
+
+    def draw(shape: tuple[int, ...], kind: str) -> torch.Tensor:
+        if kind == "norm":  # ones plus small noise, so a norm that is skipped or misapplied shows in logits
+            return (1.0 + torch.empty(shape).normal_(0.0, sc.init_std, generator=g)).to(dt)
+        std = sc.embed_std if kind == "embed" else sc.init_std
+        # Drawn directly in the target dtype: ~110M values/s, the dominant cost of make_model.
+        return torch.empty(shape, dtype=dt).normal_(0.0, std, generator=g)
+
+    H, I, E = sc.hidden_size, sc.moe_intermediate_size, sc.num_experts
+    yield "model.embed_tokens.weight", draw((sc.vocab_size, H), "embed")
+    for L in range(sc.num_layers):
+        for name, shape, kind in _layer_resident(sc, L):
+            yield name, draw(shape, kind)
+        m = f"model.layers.{L}.{_moe_prefix(sc)}.experts"
+        if sc.layout == "per_expert":
+            g_name, u_name, d_name = ARCHS[sc.arch].expert_proj
+            for e in range(E):
+                yield f"{m}.{e}.{g_name}.weight", draw((I, H), "proj")
+                yield f"{m}.{e}.{u_name}.weight", draw((I, H), "proj")
+                yield f"{m}.{e}.{d_name}.weight", draw((H, I), "proj")
+        else:
+            gate_up = torch.empty((E, 2 * I, H), dtype=dt)  # [E, 2I, H]: gate rows, then up rows
+            down = torch.empty((E, H, I), dtype=dt)  # [E, H, I]
+            for e in range(E):
+                gate_up[e, :I] = draw((I, H), "proj")
+                gate_up[e, I:] = draw((I, H), "proj")
+                down[e] = draw((H, I), "proj")
+            yield f"{m}.gate_up_proj", gate_up
+            yield f"{m}.down_proj", down
+            del gate_up, down
+    yield "model.norm.weight", draw((H,), "norm")
+    if not sc.tie_word_embeddings:
+        yield "lm_head.weight", draw((sc.vocab_size, H), "proj")
+
+
+# -- writing ---------------------------------------------------------------------------------------------------------
+def make_model(out: str | os.PathLike[str], sc: SynthConfig, progress: bool = True, force: bool = False) -> Path:
+    """Write the synthetic checkpoint `sc` to folder `out`; return its path.
+
+    Everything is written into `OUT.partial` and renamed to `OUT` at the end, so a crash never leaves a folder that
+    looks like a model. An existing non-empty `out` is an OutputExistsError unless `force`, and even then only a
+    model folder (one with config.json) is replaced. The tokenizer is trained with vocab_size = sc.vocab_size;
+    config.json's vocab is at least the tokenizer's (it may be larger, as in real models).
+    """
+    from tokenizers import Tokenizer
+
+    from .checkpoint import write_sharded
+    from .tokenizer_train import train_tokenizer
+
+    out = Path(out)
+    _check_output(out, force)
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        if not (partial / _PARTIAL_MARKER).exists():
+            raise OutputExistsError(f"{partial} exists and was not made by sluice make-model; move it away")
+        shutil.rmtree(partial)  # a crashed earlier run
+    partial.mkdir(parents=True)
+    (partial / _PARTIAL_MARKER).touch()
+    try:
+        train_tokenizer(partial, vocab_size=sc.vocab_size)
+        tok = Tokenizer.from_file(str(partial / "tokenizer.json"))
+        sc = dataclasses.replace(sc, vocab_size=max(sc.vocab_size, tok.get_vocab_size(with_added_tokens=True)))
+        ids = {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
+        bos, eos = ids["<|endoftext|>"], ids["<|im_end|>"]
+        _write_json(partial / "config.json", config_json(sc, bos, eos))
+        _write_json(partial / "generation_config.json", generation_config_json(bos, eos))
+        stream = tensors(sc)
+        if progress:
+            stream = _with_progress(stream, size_of(sc).total_bytes, out.name)
+        write_sharded(partial, stream, sc.max_shard_bytes)
+        (partial / _PARTIAL_MARKER).unlink()
+        _replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a directory; choose another OUT")
+    if not any(out.iterdir()):
+        return
+    if not force:
+        raise OutputExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    if not (out / "config.json").is_file():
+        raise OutputExistsError(
+            f"{out} is not empty and holds no config.json; --force only replaces a model folder, so move it away"
+        )
+
+
+def _replace(partial: Path, out: Path) -> None:
+    """Rename the finished folder into place, moving an old `out` aside first and deleting it after."""
+    old = None
+    if out.exists():
+        old = out.with_name(out.name + f".old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(partial, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _with_progress(
+    stream: Iterator[tuple[str, torch.Tensor]], total: int, name: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Count bytes as tensors are generated: generation (~110M values/s) dominates writing, so this tracks the
+    wall time well; the last shard is written after the bar reaches its total."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"writing {name}") as bar:
+        for name_, t in stream:
+            yield name_, t
+            bar.update(t.numel() * t.element_size())
+
+
+def describe(sc: SynthConfig) -> str:
+    """One line of the shape, for summaries."""
+    return (f"{sc.arch}: {sc.num_layers} layers, hidden {sc.hidden_size}, {sc.num_experts} experts (top-{sc.top_k}) "
+            f"of intermediate {sc.moe_intermediate_size}, vocab {sc.vocab_size}, {sc.dtype}, {sc.layout} layout; "
+            f"one expert {format_bytes(sc.expert_nbytes)}")

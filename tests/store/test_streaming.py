@@ -1,0 +1,88 @@
+"""Streamed experts give exactly the resident run's logits and tokens, for every reader and cache size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import sluice
+from sluice.errors import BudgetError, CheckpointError
+
+from ..models.tiny import hf_model, write_checkpoint
+
+IDS = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.fixture(scope="module", params=[("qwen3_moe", "per_expert"), ("mixtral", "fused")], ids=lambda p: p[0])
+def model_dir(request, tmp_path_factory):
+    arch, layout = request.param
+    folder = tmp_path_factory.mktemp(arch)
+    return write_checkpoint(hf_model(arch, torch.bfloat16), folder, layout)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    with sluice.load(model_dir) as m:
+        logits = m.logits(IDS)
+        tokens = list(m.generate_tokens(IDS, max_tokens=8, stop_at_eos=False))
+        return logits, tokens, m.resident_bytes, m.layout.expert_nbytes, m.spec
+
+
+def _memory_for(reference, slots: int) -> int:
+    _, _, resident, expert, _ = reference
+    return resident + slots * expert
+
+
+@pytest.mark.parametrize("io,odirect", [("mmap", False), ("willneed", False), ("direct", False), ("direct", True)])
+@pytest.mark.parametrize("cache", ["min", "half", "all"])
+def test_streamed_equals_resident(model_dir, reference, io, odirect, cache):
+    ref_logits, ref_tokens, _, _, spec = reference
+    n_total = sum(spec.moe_layers) * spec.num_experts
+    slots = {"min": spec.top_k, "half": spec.num_experts // 2, "all": n_total}[cache]
+    with sluice.load(model_dir, memory=_memory_for(reference, slots), io=io, odirect=odirect) as m:
+        assert m.store.n_slots == slots
+        logits = m.logits(IDS)
+        tokens = list(m.generate_tokens(IDS, max_tokens=8, stop_at_eos=False))
+        st = m.stats()
+    assert torch.equal(logits, ref_logits)  # bitwise
+    assert tokens == ref_tokens
+    assert st["misses"] > 0 and st["bytes_read"] == st["misses"] * reference[3]
+    if cache == "all":
+        assert st["evictions"] == 0
+
+
+def test_budget_too_small_names_smallest_budget(model_dir, reference):
+    _, _, resident, expert, spec = reference
+    with pytest.raises(BudgetError) as e:
+        sluice.load(model_dir, memory=resident + (spec.top_k - 1) * expert)
+    assert str(resident + spec.top_k * expert) in str(e.value)
+
+
+def test_truncated_shard_while_running_raises_checkpoint_error(tmp_path, reference, model_dir):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(model_dir, folder)
+    with sluice.load(folder, memory=_memory_for(reference, reference[4].top_k), io="direct") as m:
+        shard = m.index.files[0]
+        m.logits(IDS[:4])
+        os.truncate(shard, m.resident_bytes // 4)  # cut into the expert bytes
+        with pytest.raises(CheckpointError) as e:
+            m.logits(IDS)
+        assert shard.name in str(e.value)
+
+
+@pytest.mark.parametrize("embeddings", ["mmap", "direct"])
+@pytest.mark.parametrize("io", ["mmap", "willneed", "direct"])
+def test_lazy_embeddings_equal_resident(model_dir, reference, io, embeddings):
+    ref_logits, ref_tokens, _, _, spec = reference
+    with sluice.load(model_dir, memory=_memory_for(reference, spec.top_k), io=io, embeddings=embeddings) as m:
+        assert m.model.w.embed is None  # the table stays on disk
+        logits = m.logits(IDS)
+        tokens = list(m.generate_tokens(IDS, max_tokens=8, stop_at_eos=False))
+        st = m.stats()
+    assert torch.equal(logits, ref_logits)
+    assert tokens == ref_tokens
+    assert 0 < st["embedding_rows_read"] <= len(set(IDS)) + 8 + len(set(IDS))
