@@ -94,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
     info = describe(args.model, memory)
     if args.usage_tokens > 0:
         with load_from_args(args, progress=not args.json) as m:
-            ids = m.encode_prompt(SAMPLE * 8)[: args.usage_tokens] if m.tokenizer else list(range(args.usage_tokens))
+            n = min(args.usage_tokens, m.cache.max_context)
+            ids = (m.tokenizer.encode(SAMPLE * 8) if m.tokenizer else list(range(m.spec.vocab_size)))[:n]
             m.logits(ids)
             usage = m.store.usage  # [layers, experts] routing counts
             moe = [i for i, s in enumerate(m.spec.moe_layers) if s]

@@ -193,6 +193,8 @@ class Transformer:
         x [T, H], ids/weights [T, K]. Experts come from the store in passes of at most `store.max_batch`.
         """
         out = torch.zeros_like(x)
+        if x.shape[0] == 1:
+            return self._experts_one_token(L, x, ids, weights, out)
         flat = ids.flatten()  # [T*K]
         uniq, counts = torch.unique(flat, return_counts=True)  # ascending ids
         order = torch.argsort(flat, stable=True)  # positions grouped by expert id
@@ -208,14 +210,36 @@ class Transformer:
                     sel = order[starts_l[c0 + j] : starts_l[c0 + j] + counts_l[c0 + j]]  # flat positions
                     tok = sel // K  # [n] token rows
                     kpos = sel % K
-                    gu = batch.gate_up[batch.slots[j]]  # [2I, H]
-                    dn = batch.down[batch.slots[j]]  # [H, I]
-                    if gu.dtype != x.dtype:  # streamed slots keep the checkpoint dtype
-                        gu, dn = gu.to(x.dtype), dn.to(x.dtype)
-                    g, u = F.linear(x[tok], gu).chunk(2, dim=-1)  # [n, I] each
-                    y = F.linear(self.act(g) * u, dn)  # [n, H]
-                    y = y * weights[tok, kpos, None]
+                    y = self._expert(batch, j, x[tok]) * weights[tok, kpos, None]  # [n, H]
                     out.index_add_(0, tok, y.to(out.dtype))
+            finally:
+                self.store.release(L)
+        return out
+
+    def _expert(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of the j-th expert of `batch` on x [n, H] -> [n, H], straight from the slot views."""
+        gu = batch.gate_up[batch.slots[j]]  # [2I, H]
+        dn = batch.down[batch.slots[j]]  # [H, I]
+        if gu.dtype != x.dtype:  # streamed slots keep the checkpoint dtype
+            gu, dn = gu.to(x.dtype), dn.to(x.dtype)
+        g, u = F.linear(x, gu).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(self.act(g) * u, dn)
+
+    def _experts_one_token(
+        self, L: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode fast path (T == 1): the same arithmetic as the grouped path (ascending ids, y * w, add into
+        zeros) without the grouping ops, which cost ~0.5 ms of Python per layer (profiled on a 16-layer model)."""
+        ids_l = ids[0].tolist()
+        order = sorted(range(len(ids_l)), key=ids_l.__getitem__)  # top-k positions by ascending expert id
+        step = max(1, self.store.max_batch)
+        for c0 in range(0, len(order), step):
+            pos = order[c0 : c0 + step]
+            batch = self.store.acquire(L, [ids_l[k] for k in pos])
+            try:
+                for j, k in enumerate(pos):
+                    y = self._expert(batch, j, x) * weights[:, k : k + 1]  # [1, H]
+                    out += y.to(out.dtype)
             finally:
                 self.store.release(L)
         return out

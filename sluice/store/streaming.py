@@ -30,8 +30,9 @@ class StreamingExpertStore:
         self.max_batch = slots
         raw = DTYPES[layout.dtype][1]
         # The only large allocation of the store: written in place for the whole run.
-        self.gate_up = torch.empty((slots, *layout.gate_up_shape), dtype=raw)  # [S, 2I, H]
-        self.down = torch.empty((slots, *layout.down_shape), dtype=raw)  # [S, H, I]
+        # zeros, not empty: first-touch page faults happen here at load, not inside timed decode steps
+        self.gate_up = torch.zeros((slots, *layout.gate_up_shape), dtype=raw)  # [S, 2I, H]
+        self.down = torch.zeros((slots, *layout.down_shape), dtype=raw)  # [S, H, I]
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
         self._owner: list[tuple[int, int] | None] = [None] * slots
         self._free = list(range(slots - 1, -1, -1))

@@ -1,0 +1,20 @@
+"""`sluice bench`: paired, replayed, cold-verified A/B runs, reported against the I/O floor (DESIGN.md "Measuring").
+
+    arms.py      "NAME=FLAGS" -> Arm (the flags of `sluice run`, checked against LoadOptions)
+    child.py     one run in a fresh process: generate the reference sequence, or replay it and measure
+    launch.py    residency before a run (cold / warm), and the child under an optional memory cgroup
+    protocol.py  rotation, per-arm summaries, pairing against the reference, the identity gate
+    disk.py      disk bandwidth measured once per device and cached; the floor of a step
+    report.py    markdown table, results.json, latency.png
+"""
+
+from __future__ import annotations
+
+from ..errors import SluiceError
+
+
+class BenchError(SluiceError):
+    """A bench run cannot start or continue: bad arm, model not cold, no cgroup, the reference run failed."""
+
+
+__all__ = ["BenchError"]

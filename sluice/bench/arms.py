@@ -1,0 +1,101 @@
+"""Arms: named sets of `sluice run` flags, e.g. `direct='--io direct --memory 1.5GiB --io-workers 8'`.
+
+The flags are parsed by the very parser `sluice run` uses (commands/common.add_model_arguments), so an arm accepts
+exactly the loading flags users know, including ones added later, and nothing else. The result is the keyword
+arguments of `sluice.load` / `LoadOptions.make`, holding only what the arm sets (defaults stay LoadOptions').
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..commands.common import add_model_arguments
+from ..errors import SluiceError
+from ..options import LoadOptions
+from . import BenchError
+
+_NAME = re.compile(r"[A-Za-z0-9_.+:@-]+")
+_PLACEHOLDER = "MODEL"  # add_model_arguments declares the positional MODEL; arms never give one
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration under test. `options` are LoadOptions keyword arguments; `flags` is what the user wrote."""
+
+    name: str
+    flags: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "flags": self.flags, "options": dict(self.options)}
+
+
+class _ParseError(Exception):
+    pass
+
+
+class _ArmParser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting: the message is re-raised naming the arm."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _ParseError(message)
+
+
+def _flag_parser() -> _ArmParser:
+    p = _ArmParser(prog="arm", add_help=False, allow_abbrev=False)  # no prefixes: "--mem" is not "--memory"
+    add_model_arguments(p)
+    for action in p._actions:
+        # SUPPRESS: flags the arm does not give stay out of the namespace, so LoadOptions' defaults apply
+        action.default = argparse.SUPPRESS
+    return p
+
+
+def parse_flags(name: str, flags: str) -> dict[str, Any]:
+    """LoadOptions keyword arguments for an arm's flag string; BenchError naming the arm on any bad flag or value."""
+    try:
+        tokens = shlex.split(flags)
+    except ValueError as e:
+        raise BenchError(f"arm {name!r}: cannot split flags {flags!r}: {e}") from e
+    try:
+        ns = _flag_parser().parse_args([_PLACEHOLDER, *tokens])
+    except _ParseError as e:
+        raise BenchError(f"arm {name!r}: {e} (arms take the loading flags of `sluice run`; see sluice run --help)")
+    opts = {k: v for k, v in vars(ns).items() if k != "model"}
+    known = {f.name for f in fields(LoadOptions)}
+    stray = sorted(set(opts) - known)
+    if stray:  # a flag of add_model_arguments that is not a LoadOptions field: nothing to hand the child
+        raise BenchError(f"arm {name!r}: flag(s) {', '.join(stray)} are not load options")
+    try:
+        LoadOptions.make(**opts)  # values checked here, before any child starts
+    except SluiceError as e:
+        raise BenchError(f"arm {name!r}: {e}") from e
+    return opts
+
+
+def parse_arm(spec: str) -> Arm:
+    """`NAME=FLAGS` -> Arm. FLAGS may be empty (all defaults)."""
+    name, sep, flags = spec.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise BenchError(f"--arm {spec!r}: expected NAME='FLAGS', e.g. --arm direct='--io direct --memory 2GiB'")
+    if not _NAME.fullmatch(name):
+        raise BenchError(f"--arm {spec!r}: the name {name!r} may hold letters, digits and _ . + : @ - only")
+    return Arm(name, flags.strip(), parse_flags(name, flags))
+
+
+def parse_arms(specs: Sequence[str]) -> list[Arm]:
+    """Arms in the given order (the first is the reference); BenchError on none or a repeated name."""
+    if not specs:
+        raise BenchError("give at least one --arm NAME='FLAGS' (the first is the reference)")
+    arms = [parse_arm(s) for s in specs]
+    seen: set[str] = set()
+    for a in arms:
+        if a.name in seen:
+            raise BenchError(f"arm name {a.name!r} is given twice; names label the rows, so they must differ")
+        seen.add(a.name)
+    return arms

@@ -1,0 +1,177 @@
+"""One bench run in a fresh process: `python -m sluice.bench.child generate|replay ...` prints one JSON line.
+
+    generate  load the reference arm, generate the sequence every arm will replay (greedy, or sampled with a seed)
+    replay    load an arm, feed the recorded sequence step by step (teacher forcing, Model.replay), and measure
+
+A fresh process per run is the isolation the protocol needs: no expert cache, page-cache mapping, allocator state
+or thread pool carries over from one arm to the next. Errors a user can fix (SluiceError) come back as
+{"ok": false, "error": ...} with exit status 2; anything else is a traceback on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+from .. import load
+from ..errors import SluiceError
+from . import BenchError
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process (all its threads) made the block layer fetch, from /proc/self/io; 0 where unreadable."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def process_counters() -> dict[str, float]:
+    """Process-wide counters (every thread, the I/O workers included) that the timed window is a delta of."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "disk_read_bytes": disk_read_bytes(),
+        "major_faults": ru.ru_majflt,
+        "minor_faults": ru.ru_minflt,
+        "cpu_s": ru.ru_utime + ru.ru_stime,
+        "wall_s": time.perf_counter(),
+    }
+
+
+IO_FIELDS = ("hits", "misses", "bytes_read", "io_wait_s")
+
+
+def io_counters(m) -> tuple[float, ...]:
+    """(hits, misses, bytes read, critical-path wait) of the expert store, plus bytes of lazily read embedding rows.
+
+    Cheap (a few counters), because it is taken inside every timed step."""
+    st = m.store.stats()
+    rows = getattr(m, "rows", None)  # a RowTable when the embedding table is read per batch
+    row_bytes = rows.stats().get("bytes_read", 0) if rows is not None else 0
+    return st.get("hits", 0), st.get("misses", 0), st.get("bytes_read", 0) + row_bytes, st.get("io_wait_s", 0.0)
+
+
+class StepProbe:
+    """Stands in front of `Transformer.forward` in this child only, because Model.replay has no per-step hook.
+
+    Records the store counters after each forward that ends at or past the start of the timed window (prompt +
+    warmup tokens), and the process counters once, when the window opens. The window therefore opens after the
+    last untimed forward (the final prefill chunk when warmup is 0) and all timed I/O lands inside it.
+    """
+
+    def __init__(self, m, n_prompt: int, warmup: int):
+        self._forward = m.model.forward
+        self._m = m
+        self.window_end_pos = n_prompt + warmup
+        self.start: dict[str, float] | None = None
+        self.marks: list[tuple[float, ...]] = []  # marks[0]: window opens; marks[i + 1]: after timed step i
+
+    def __call__(self, tokens, pos: int):
+        out = self._forward(tokens, pos)
+        end = pos + len(tokens)
+        if end == self.window_end_pos:
+            self.start = process_counters()
+        if end >= self.window_end_pos:
+            self.marks.append(io_counters(self._m))
+        return out
+
+
+def _deltas(marks: list[tuple[float, ...]], i: int) -> list[float]:
+    return [round(b[i] - a[i], 6) for a, b in zip(marks, marks[1:])]
+
+
+def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[int], warmup: int) -> dict:
+    """Replay `tokens` after `prompt` in arm `options`; decode steps before `warmup` are untimed."""
+    t0 = time.perf_counter()
+    m = load(model, **options)
+    load_s = time.perf_counter() - t0
+    try:
+        probe = StepProbe(m, len(prompt), warmup)
+        m.model.forward = probe
+        argmax = m.replay(prompt, tokens)
+        end = process_counters()
+        if probe.start is None:
+            raise BenchError(f"the timed window never opened: {len(tokens)} tokens for {warmup} warm-up steps")
+        times = m._times.decode_s
+        window = {k: end[k] - probe.start[k] for k in end}
+        window["steps"] = len(times) - warmup
+        for i, k in enumerate(IO_FIELDS):
+            window[k] = probe.marks[-1][i] - probe.marks[0][i]
+        return {
+            "ok": True,
+            "argmax": argmax,
+            "load_s": round(load_s, 4),
+            "prefill_s": m._times.prefill_s,
+            "warmup_step_s": times[:warmup],
+            "step_s": times[warmup:],
+            "step_bytes_read": _deltas(probe.marks, 2),
+            "step_misses": _deltas(probe.marks, 1),
+            "step_io_wait_s": _deltas(probe.marks, 3),
+            "window": window,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "stats": m.stats(),
+        }
+    finally:
+        m.close()
+
+
+def generate(model: str, options: dict[str, Any], n_tokens: int, prompt: str | None, prompt_tokens: int,
+             temperature: float, seed: int) -> dict:
+    """The reference sequence: prompt ids (encoded text, or `prompt_tokens` seeded random ids) and `n_tokens`
+    generated ids. EOS does not stop it: every arm must replay exactly `n_tokens` steps."""
+    import torch
+
+    with load(model, **options) as m:
+        if prompt is not None:
+            ids = m.encode_prompt(prompt)
+        else:
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, m.spec.vocab_size, (prompt_tokens,), generator=g).tolist()
+        tokens = list(m.generate_tokens(ids, max_tokens=n_tokens, temperature=temperature, seed=seed,
+                                        stop_at_eos=False))
+        if len(tokens) < n_tokens:
+            raise BenchError(
+                f"the context holds only {len(tokens)} of the {n_tokens} warm-up + timed steps after a "
+                f"{len(ids)}-token prompt: shorten the prompt or the steps, or raise --max-context"
+            )
+        return {"ok": True, "prompt_ids": ids, "tokens": tokens, "stats": m.stats()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sluice.bench.child", description=__doc__)
+    p.add_argument("mode", choices=["generate", "replay"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--options", default="{}", help="LoadOptions keyword arguments as JSON")
+    p.add_argument("--work", help="replay: JSON file holding prompt_ids and tokens")
+    p.add_argument("--warmup", type=int, default=0, help="replay: untimed decode steps first")
+    p.add_argument("--tokens", type=int, default=0, help="generate: tokens to generate")
+    p.add_argument("--prompt", default=None, help="generate: prompt text (needs the model's tokenizer)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="generate: random prompt ids when no text")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    options = json.loads(a.options)
+    try:
+        if a.mode == "generate":
+            out = generate(a.model, options, a.tokens, a.prompt, a.prompt_tokens, a.temperature, a.seed)
+        else:
+            with open(a.work) as f:
+                work = json.load(f)
+            out = replay(a.model, options, work["prompt_ids"], work["tokens"], a.warmup)
+    except SluiceError as e:
+        print(json.dumps({"ok": False, "error": str(e)}), flush=True)
+        return 2
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

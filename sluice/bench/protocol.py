@@ -1,0 +1,188 @@
+"""The A/B protocol: arm order rotated per round, per-arm summaries over rounds, ratios paired per round against the
+reference arm (its first arm), and the identity gate over every replayed step's argmax.
+
+Pure functions over `Run` records, so the arithmetic is tested on synthetic numbers without a model.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def rotation(names: Sequence[str], round_index: int) -> list[str]:
+    """Arm order in round `round_index`: the list rotated left by the round number, so over len(names) rounds each
+    arm runs once in each position (first after the reference's generation child, last, ...)."""
+    k = round_index % len(names) if names else 0
+    return list(names[k:]) + list(names[:k])
+
+
+@dataclass
+class Run:
+    """One child's run of one arm in one round. `record` is the child's JSON (None when it failed)."""
+
+    arm: str
+    round: int
+    position: int  # place in this round's order, 0 = first
+    record: dict[str, Any] | None = None
+    error: str | None = None
+    oom: bool = False
+    residency: dict[str, Any] | None = None
+    cgroup_peak_bytes: int = 0
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.record is not None and self.error is None and not self.oom
+
+    def step_ms(self) -> list[float]:
+        return [1000 * s for s in self.record["step_s"]] if self.ok else []
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    at = (len(s) - 1) * q / 100
+    lo, hi = math.floor(at), math.ceil(at)
+    return s[lo] + (s[hi] - s[lo]) * (at - lo)
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def floor_ms(bytes_per_step: float | None, bandwidth: float | None) -> float | None:
+    """The I/O floor of a step: bytes that missed the cache / the best measured disk bandwidth (bytes/s), in ms."""
+    if bytes_per_step is None or not bandwidth:
+        return None
+    return 1000 * bytes_per_step / bandwidth
+
+
+def summarize(runs: Sequence[Run], bandwidth: float | None = None) -> dict[str, Any]:
+    """Metrics of one arm over its rounds. Step latency median/p90 pool every timed step of every round; the
+    per-run rates (tok/s, CPU, faults, bytes per step) are medians over rounds; peak RSS is the maximum."""
+    ok = [r for r in runs if r.ok]
+    out: dict[str, Any] = {
+        "runs": len(runs),
+        "ok_runs": len(ok),
+        "oom_runs": sum(r.oom for r in runs),
+        "errors": sorted({r.error for r in runs if r.error and not r.oom}),
+    }
+    if not ok:
+        return out
+    steps = [ms for r in ok for ms in r.step_ms()]
+
+    def per_step(r: Run, key: str, scale: float = 1.0) -> float | None:
+        w = r.record["window"]
+        return scale * w[key] / w["steps"] if w.get("steps") else None
+
+    def hit_rate(r: Run) -> float | None:
+        w = r.record["window"]
+        n = w["hits"] + w["misses"]
+        return w["hits"] / n if n else None
+
+    out.update(
+        step_ms_median=statistics.median(steps),
+        step_ms_p90=percentile(steps, 90),
+        tok_s=_median([len(r.record["step_s"]) / sum(r.record["step_s"]) for r in ok if sum(r.record["step_s"])]),
+        prefill_ms=_median([1000 * r.record["prefill_s"] for r in ok]),
+        cpu_ms_per_step=_median([per_step(r, "cpu_s", 1000) for r in ok]),
+        peak_rss_bytes=max(r.record["peak_rss_bytes"] for r in ok),
+        cgroup_peak_bytes=max(r.cgroup_peak_bytes for r in runs) or None,
+        major_faults_per_step=_median([per_step(r, "major_faults") for r in ok]),
+        minor_faults_per_step=_median([per_step(r, "minor_faults") for r in ok]),
+        bytes_read_per_step=_median([per_step(r, "bytes_read") for r in ok]),
+        disk_read_bytes_per_step=_median([per_step(r, "disk_read_bytes") for r in ok]),
+        hit_rate=_median([hit_rate(r) for r in ok]),
+        io_wait_ms_per_step=_median([per_step(r, "io_wait_s", 1000) for r in ok]),
+    )
+    out["floor_ms"] = floor_ms(out["bytes_read_per_step"], bandwidth)
+    f = out["floor_ms"]
+    out["step_floor_ratio"] = out["step_ms_median"] / f if f else None
+    # counters a later feature adds to Model.stats() (prefetch recall, waste, ...): carried as medians over rounds
+    for key in sorted({k for r in ok for k in r.record.get("stats", {}) if k.startswith("prefetch")}):
+        vals = [r.record["stats"].get(key) for r in ok]
+        out[key] = _median([v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)])
+    return out
+
+
+def pair(runs: Sequence[Run], reference: str, arm: str) -> dict[str, Any]:
+    """Per round where both ran: ratio = arm's median step / reference's median step (< 1 is faster); a round is a
+    paired win when the ratio is below 1. Returns ratios by round, their median and p90, wins and pairs."""
+    by_round: dict[int, dict[str, Run]] = {}
+    for r in runs:
+        if r.ok:
+            by_round.setdefault(r.round, {})[r.arm] = r
+    ratios: dict[int, float] = {}
+    for rnd, got in sorted(by_round.items()):
+        if reference in got and arm in got:
+            ref = statistics.median(got[reference].step_ms())
+            ratios[rnd] = statistics.median(got[arm].step_ms()) / ref if ref else math.nan
+    vals = list(ratios.values())
+    return {
+        "ratios": ratios,
+        "ratio_median": statistics.median(vals) if vals else None,
+        "ratio_p90": percentile(vals, 90) if vals else None,
+        "wins": sum(v < 1 for v in vals),
+        "pairs": len(vals),
+    }
+
+
+def wins_text(p: dict[str, Any]) -> str:
+    """'4/5 paired': rounds the arm beat the reference, over rounds where both ran."""
+    return f"{p['wins']}/{p['pairs']} paired"
+
+
+def mismatches(expected: Sequence[int], got: Sequence[int]) -> list[int]:
+    """Step indices where `got` differs from `expected`; steps missing from the shorter one count as different."""
+    diff = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
+    return diff + list(range(min(len(expected), len(got)), max(len(expected), len(got))))
+
+
+def identity(runs: Sequence[Run], reference: str) -> dict[str, Any]:
+    """The identity gate: every ok run's argmax at every replayed step against the reference arm's first ok run
+    (in round order). The reference's own later rounds are compared too, which catches non-determinism."""
+    ordered = sorted((r for r in runs if r.ok), key=lambda r: (r.round, r.position))
+    base = next((r for r in ordered if r.arm == reference), None)
+    out: dict[str, Any] = {"reference": None, "arms": {}, "identical": False}
+    if base is None:
+        return out
+    expected = base.record["argmax"]
+    out["reference"] = {"arm": base.arm, "round": base.round, "steps": len(expected)}
+    for r in ordered:
+        a = out["arms"].setdefault(r.arm, {"runs_compared": 0, "steps_compared": 0, "mismatched_steps": 0,
+                                           "runs_with_mismatch": 0, "first_mismatch": None})
+        diff = mismatches(expected, r.record["argmax"])
+        a["runs_compared"] += 1
+        a["steps_compared"] += max(len(expected), len(r.record["argmax"]))
+        a["mismatched_steps"] += len(diff)
+        if diff:
+            a["runs_with_mismatch"] += 1
+            if a["first_mismatch"] is None:
+                i = diff[0]
+                got = r.record["argmax"]
+                a["first_mismatch"] = {"round": r.round, "step": i, "expected": expected[i] if i < len(expected)
+                                       else None, "got": got[i] if i < len(got) else None}
+    out["identical"] = all(a["mismatched_steps"] == 0 for a in out["arms"].values())
+    return out
+
+
+def identity_text(arm_identity: dict[str, Any] | None) -> str:
+    """'identical (122/122)' or '3/122 differ (first: round 1 step 7)' or 'n/a'."""
+    if not arm_identity or not arm_identity["runs_compared"]:
+        return "n/a"
+    a = arm_identity
+    if not a["mismatched_steps"]:
+        return f"identical ({a['steps_compared']}/{a['steps_compared']})"
+    f = a["first_mismatch"]
+    return f"{a['mismatched_steps']}/{a['steps_compared']} differ (first: round {f['round']} step {f['step']})"

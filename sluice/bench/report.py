@@ -1,0 +1,157 @@
+"""What a bench run leaves behind: the markdown table (stdout and results.md), results.json, latency.png."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from ..options import format_bytes
+from .protocol import Run, identity_text, wins_text
+
+DASH = "—"
+
+
+def _num(x: float | None, spec: str = ".1f") -> str:
+    return DASH if x is None else format(x, spec)
+
+
+def _size(x: float | None) -> str:
+    return DASH if x is None else format_bytes(x)
+
+
+def _arm_cell(name: str, s: dict[str, Any], reference: str) -> str:
+    notes = []
+    if name == reference:
+        notes.append("ref")
+    if s["oom_runs"] and s["ok_runs"]:
+        notes.append(f"OOM {s['oom_runs']}/{s['runs']}")
+    return f"{name} ({', '.join(notes)})" if notes else name
+
+
+COLUMNS = ["arm", "ms/step", "p90", "tok/s", "vs ref", "paired wins", "prefill ms", "CPU ms/step", "peak RSS",
+           "major flt/step", "minor flt/step", "read/step", "disk read/step", "hit rate", "I/O wait ms/step",
+           "floor ms", "step/floor", "argmax vs ref"]
+
+
+def table(results: dict[str, Any]) -> str:
+    """The markdown table: one row per arm, in the order given (the reference first)."""
+    ref = results["arms"][0]["name"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for arm in results["arms"]:
+        name = arm["name"]
+        s = results["summary"][name]
+        ident = identity_text(results["identity"]["arms"].get(name))
+        if not s["ok_runs"]:
+            why = f"OOM ({s['oom_runs']}/{s['runs']} rounds)" if s["oom_runs"] == s["runs"] else (
+                "failed: " + "; ".join(s["errors"])[:120].replace("|", "/"))
+            lines.append(f"| {_arm_cell(name, s, ref)} | {why} |" + f" {DASH} |" * (len(COLUMNS) - 2))
+            continue
+        p = s.get("pair") or {}
+        cells = [
+            _arm_cell(name, s, ref),
+            _num(s["step_ms_median"], ".2f"),
+            _num(s["step_ms_p90"], ".2f"),
+            _num(s["tok_s"], ".2f"),
+            DASH if name == ref or p.get("ratio_median") is None else f"{p['ratio_median']:.3f}x",
+            DASH if name == ref else wins_text(p),
+            _num(s["prefill_ms"]),
+            _num(s["cpu_ms_per_step"], ".2f"),
+            _size(s["peak_rss_bytes"]),
+            _num(s["major_faults_per_step"]),
+            _num(s["minor_faults_per_step"]),
+            _size(s["bytes_read_per_step"]),
+            _size(s["disk_read_bytes_per_step"]),
+            DASH if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%",
+            _num(s["io_wait_ms_per_step"], ".2f"),
+            _num(s["floor_ms"], ".2f"),
+            _num(s["step_floor_ratio"], ".2f"),
+            ident,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def header(results: dict[str, Any]) -> str:
+    """One paragraph saying what was measured, so a pasted table keeps its conditions."""
+    m = results["meta"]
+    disk = results.get("disk")
+    parts = [
+        f"model `{m['model']}`",
+        f"{m['rounds']} rounds x {len(results['arms'])} arms (rotated, fresh process each)",
+        f"{m['warmup']} untimed + {m['steps']} timed decode steps after a {m['prompt_tokens']}-token prompt",
+        "sampled" + f" (T={m['temperature']}, seed {m['seed']})" if m["temperature"] else "greedy",
+        {"cold": "verified cold (mincore <= 1% before each run)", "warm": "warm page cache"}.get(
+            m["page_cache"], "page cache as found"),
+        f"memory ceiling {format_bytes(m['ceiling'])} (cgroup, page cache included)" if m["ceiling"] else
+        "no memory ceiling",
+        f"floor at {disk['bytes_per_s'] / 1e9:.2f} GB/s ({disk['best']})" if disk else "no floor (--no-floor)",
+    ]
+    arms = "; ".join(f"**{a['name']}** `{a['flags'] or '(defaults)'}`" for a in results["arms"])
+    return ", ".join(parts) + ".\nArms: " + arms + ". Ratios and wins are paired per round against the first arm."
+
+
+def markdown(results: dict[str, Any]) -> str:
+    return header(results) + "\n\n" + table(results) + "\n"
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(results, indent=1, default=str))
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """latency.png: each arm's timed decode steps (every round pooled) as a box with the points strewn over it, and
+    the arm's I/O floor as a red bar. Arms without a successful run are labelled, not dropped."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: the file is the output
+    import matplotlib.pyplot as plt
+
+    names = [a["name"] for a in results["arms"]]
+    runs = [Run(**r) for r in results["runs"]]
+    data = [[ms for r in runs if r.arm == n for ms in r.step_ms()] for n in names]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(names) + 2), 4.5), dpi=120)
+    xs = list(range(1, len(names) + 1))
+    present = [(x, d) for x, d in zip(xs, data) if d]
+    if present:
+        ax.boxplot([d for _, d in present], positions=[x for x, _ in present], widths=0.5, showfliers=False,
+                   medianprops={"color": "black"})
+    jitter = random.Random(0)  # fixed: the same results draw the same picture
+    floor_drawn = False
+    for x, n, d in zip(xs, names, data):
+        if d:
+            ax.scatter([x + jitter.uniform(-0.18, 0.18) for _ in d], d, s=6, alpha=0.35, color="tab:blue")
+        else:
+            s = results["summary"][n]
+            ax.annotate("OOM" if s["oom_runs"] else "failed", (x, 0), xycoords=("data", "axes fraction"),
+                        xytext=(0, 12), textcoords="offset points", ha="center", color="tab:red")
+        f = results["summary"][n].get("floor_ms")
+        if f is not None:
+            ax.hlines(f, x - 0.3, x + 0.3, colors="tab:red", linewidth=2.5,
+                      label=None if floor_drawn else "I/O floor (missed bytes / best disk bandwidth)")
+            floor_drawn = True
+    ax.set_xticks(xs, names)
+    ax.set_xlim(0.4, len(names) + 0.6)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("decode ms / step")
+    m = results["meta"]
+    cond = [m["page_cache"] or "", f"ceiling {format_bytes(m['ceiling'])}" if m["ceiling"] else ""]
+    ax.set_title(f"{Path(m['model']).name}: {m['steps']} timed steps x {m['rounds']} rounds "
+                 f"{' '.join(c for c in cond if c)}".strip(), fontsize=10)
+    if floor_drawn:
+        ax.legend(loc="upper right", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
+    """results.md, results.json and latency.png in `out` (created)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / "results.md", "json": out / "results.json", "png": out / "latency.png"}
+    paths["md"].write_text(markdown(results))
+    write_json(results, paths["json"])
+    plot(results, paths["png"])
+    return paths
