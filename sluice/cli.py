@@ -15,6 +15,7 @@ COMMANDS = {
     "inspect": "show a model's architecture, sizes and what a memory budget leaves for experts",
     "make-model": "write a synthetic checkpoint of a real architecture at a requested size",
     "demo": "create the demo model once and generate from it",
+    "bench": "A/B runs of loading flags: replayed, rotated, paired, cold-verified, against the I/O floor",
 }
 
 

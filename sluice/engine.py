@@ -29,9 +29,38 @@ from .tokenizer import StopMatcher, Tokenizer
 from .weights import load_resident, resident_refs
 
 
-def _rusage() -> tuple[int, int, int]:
+def _rusage() -> tuple[int, int, int, int]:
+    """(major faults, minor faults, ru_maxrss bytes, bytes this process caused to be read from disk)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_majflt, r.ru_minflt, r.ru_maxrss * 1024
+    disk = 0
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    disk = int(line.split()[1])
+    except OSError:
+        pass
+    return r.ru_majflt, r.ru_minflt, r.ru_maxrss * 1024, disk
+
+
+def _memory_status() -> dict[str, int]:
+    """Peak RSS (VmHWM), anonymous and file-backed RSS now, in bytes, from /proc/self/status.
+
+    VmHWM rather than getrusage's ru_maxrss: after fork+exec, ru_maxrss keeps the parent's peak (a forked child of
+    a big harness would report the harness's RSS). File-backed pages are mapped model bytes (mmap/willneed
+    readers): page cache the kernel may reclaim, unlike the anonymous part.
+    """
+    keys = {"VmHWM:": "peak_rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes"}
+    out = dict.fromkeys(keys.values(), 0)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":")[0] + ":"
+                if key in keys:
+                    out[keys[key]] = int(line.split()[1]) * 1024
+    except OSError:
+        out["peak_rss_bytes"] = _rusage()[2]
+    return out
 
 
 def _eos_ids(index: CheckpointIndex, tok: Tokenizer | None) -> set[int]:
@@ -79,7 +108,7 @@ class Model:
         self.last_tokens: list[int] = []
         self._kv_tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._times = StepTimes()
-        self._gen_faults = (0, 0)
+        self._gen_faults = (0, 0, 0)
         self._generated = 0
 
     def _make_rows(self, ref) -> RowTable:
@@ -187,7 +216,7 @@ class Model:
             finally:
                 gen.close()
                 f1 = _rusage()
-                self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1])
+                self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1], f1[3] - f0[3])
                 # every yielded token but the last has been fed back through the model
                 self._kv_tokens = ids + self.last_tokens[:-1] if self.last_tokens else list(ids)
 
@@ -247,7 +276,7 @@ class Model:
                 argmax.append(int(self.model.logits(hidden)[0].argmax()))
                 self._times.decode_s.append(time.perf_counter() - t0)
         f1 = _rusage()
-        self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1])
+        self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1], f1[3] - f0[3])
         self._kv_tokens = ids
         self.last_tokens = list(tokens)
         return argmax
@@ -274,7 +303,8 @@ class Model:
             "bytes_read": st.get("bytes_read", 0),
             "major_faults": self._gen_faults[0],
             "minor_faults": self._gen_faults[1],
-            "peak_rss_bytes": _rusage()[2],
+            "disk_read_bytes": self._gen_faults[2],  # /proc/self/io read_bytes: what the disk really delivered
+            **_memory_status(),
             "resident_bytes": self.resident_bytes,
             "expert_bytes": getattr(self.store, "nbytes", 0),
             "kv_cache_bytes": self.cache.nbytes,

@@ -32,6 +32,7 @@ class Arm:
     options: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        """name, flags and options as written to results.json."""
         return {"name": self.name, "flags": self.flags, "options": dict(self.options)}
 
 

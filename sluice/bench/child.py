@@ -34,13 +34,17 @@ def disk_read_bytes() -> int:
     return 0
 
 
-def process_counters() -> dict[str, float]:
-    """Process-wide counters (every thread, the I/O workers included) that the timed window is a delta of."""
+def process_counters(m) -> dict[str, float]:
+    """Counters the timed window is a delta of: process-wide ones (every thread, the I/O workers included), and
+    the faults taken inside reads, which the reader charges per thread (getrusage RUSAGE_THREAD)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
+    rd = m.reader.stats()
     return {
         "disk_read_bytes": disk_read_bytes(),
         "major_faults": ru.ru_majflt,
         "minor_faults": ru.ru_minflt,
+        "reader_major_faults": rd.get("major_faults", 0),
+        "reader_minor_faults": rd.get("minor_faults", 0),
         "cpu_s": ru.ru_utime + ru.ru_stime,
         "wall_s": time.perf_counter(),
     }
@@ -78,7 +82,7 @@ class StepProbe:
         out = self._forward(tokens, pos)
         end = pos + len(tokens)
         if end == self.window_end_pos:
-            self.start = process_counters()
+            self.start = process_counters(self._m)
         if end >= self.window_end_pos:
             self.marks.append(io_counters(self._m))
         return out
@@ -97,7 +101,7 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
         probe = StepProbe(m, len(prompt), warmup)
         m.model.forward = probe
         argmax = m.replay(prompt, tokens)
-        end = process_counters()
+        end = process_counters(m)
         if probe.start is None:
             raise BenchError(f"the timed window never opened: {len(tokens)} tokens for {warmup} warm-up steps")
         times = m._times.decode_s
@@ -118,6 +122,7 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
             "window": window,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "stats": m.stats(),
+            "reader": m.reader.stats(),  # whole run, load included; faults per I/O thread
         }
     finally:
         m.close()

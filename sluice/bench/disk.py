@@ -51,6 +51,7 @@ def device_of(path: str | os.PathLike[str]) -> int:
 
 
 def cache_path(dev: int) -> Path:
+    """The cache file of device `dev` (st_dev)."""
     return cache_dir() / f"disk-{dev}.json"
 
 

@@ -40,9 +40,11 @@ class Run:
         return self.record is not None and self.error is None and not self.oom
 
     def step_ms(self) -> list[float]:
+        """Timed decode steps in ms (empty for a failed run)."""
         return [1000 * s for s in self.record["step_s"]] if self.ok else []
 
     def to_json(self) -> dict[str, Any]:
+        """A plain dict; Run(**d) rebuilds it."""
         return asdict(self)
 
 
@@ -84,7 +86,7 @@ def summarize(runs: Sequence[Run], bandwidth: float | None = None) -> dict[str, 
 
     def per_step(r: Run, key: str, scale: float = 1.0) -> float | None:
         w = r.record["window"]
-        return scale * w[key] / w["steps"] if w.get("steps") else None
+        return scale * w[key] / w["steps"] if w.get("steps") and key in w else None
 
     def hit_rate(r: Run) -> float | None:
         w = r.record["window"]
@@ -101,6 +103,8 @@ def summarize(runs: Sequence[Run], bandwidth: float | None = None) -> dict[str, 
         cgroup_peak_bytes=max(r.cgroup_peak_bytes for r in runs) or None,
         major_faults_per_step=_median([per_step(r, "major_faults") for r in ok]),
         minor_faults_per_step=_median([per_step(r, "minor_faults") for r in ok]),
+        reader_major_faults_per_step=_median([per_step(r, "reader_major_faults") for r in ok]),
+        reader_minor_faults_per_step=_median([per_step(r, "reader_minor_faults") for r in ok]),
         bytes_read_per_step=_median([per_step(r, "bytes_read") for r in ok]),
         disk_read_bytes_per_step=_median([per_step(r, "disk_read_bytes") for r in ok]),
         hit_rate=_median([hit_rate(r) for r in ok]),

@@ -93,10 +93,12 @@ def header(results: dict[str, Any]) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
+    """The conditions paragraph and the table, as printed on stdout and written to results.md."""
     return header(results) + "\n\n" + table(results) + "\n"
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:
+    """results.json: conditions, arms, the replayed sequence, every run's child record, summaries, identity."""
     path.write_text(json.dumps(results, indent=1, default=str))
 
 
@@ -140,7 +142,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{Path(m['model']).name}: {m['steps']} timed steps x {m['rounds']} rounds "
                  f"{' '.join(c for c in cond if c)}".strip(), fontsize=10)
     if floor_drawn:
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

@@ -1,0 +1,224 @@
+"""`sluice bench MODEL --arm NAME='FLAGS' ...`: paired, replayed, cold-verified A/B runs, reported against the I/O
+floor; `sluice bench --disk PATH`: measure (and cache) the disk bandwidth the floor divides by.
+
+Protocol (DESIGN.md "Measuring"): the first arm generates the token sequence once in its own process; then in every
+round every arm, in rotated order, replays that sequence (teacher forcing) in a fresh process: `--warmup` untimed
+decode steps, then `--steps` timed ones. Each replayed argmax is checked against the reference arm's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..bench import BenchError
+from ..bench import disk as diskmod
+from ..bench.arms import Arm, parse_arms
+from ..bench.launch import check_ceiling, child_argv, model_files, prepare, run_child
+from ..bench.protocol import Run, identity, pair, rotation, summarize
+from ..bench.report import markdown, write_all
+from ..options import format_bytes, parse_size
+
+DEFAULT_PROMPT_TOKENS = 32  # a prompt of seeded random ids works for every model, tokenizer or not
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", metavar="MODEL", help="Hugging Face model folder (not needed with --disk)")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME='FLAGS'",
+                   help="an arm: a name and `sluice run` loading flags, e.g. direct='--io direct --memory 2GiB' "
+                        "(repeatable; the first is the reference)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; each runs every arm once, order rotated (5)")
+    p.add_argument("--steps", type=int, default=60, help="timed decode steps per run (60)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed decode steps before the timed ones (20)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer)")
+    g.add_argument("--prompt-tokens", type=int, metavar="N", help="a prompt of N seeded random ids (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample the reference sequence (0 = greedy)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the random prompt (0)")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--cold", action="store_true", help="evict the model before each run; verify <= 1%% resident")
+    c.add_argument("--warm", action="store_true", help="read the model into the page cache before each run")
+    p.add_argument("--ceiling", metavar="SIZE",
+                   help="run each child in a memory cgroup of SIZE, page cache included (needs root)")
+    p.add_argument("--out", metavar="DIR", help="results.md, results.json, latency.png (./bench-out/<timestamp>)")
+    p.add_argument("--require-identical", action="store_true",
+                   help="exit 1 if any arm's argmax differs from the reference's at any replayed step")
+    p.add_argument("--no-floor", action="store_true", help="do not measure the disk; report no I/O floor")
+    p.add_argument("--disk", metavar="PATH", help="measure the disk holding PATH, cache the result, and exit")
+    p.add_argument("--disk-size", metavar="SIZE", default="1GiB",
+                   help="temporary file size of the disk measurement (1GiB)")
+
+
+def _log(msg: str) -> None:
+    tqdm.write(msg, file=sys.stderr)  # above the progress bar, which it would otherwise tear
+
+
+def disk_main(args: argparse.Namespace) -> int:
+    """`sluice bench --disk PATH`: measure now (a fresh figure even if cached), cache it, print the table."""
+    result = diskmod.measure(args.disk, parse_size(args.disk_size, "disk-size"), log=_log)
+    path = diskmod.save(result)
+    print(diskmod.table(result))
+    _log(f"cached in {path}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.model is None:
+        raise BenchError("give MODEL and at least one --arm, or --disk PATH")
+    if not (Path(args.model) / "config.json").is_file():
+        raise BenchError(f"{args.model}: not a model folder (no config.json)")
+    for name, low in (("rounds", 1), ("steps", 1), ("warmup", 0)):
+        if getattr(args, name) < low:
+            raise BenchError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+
+
+def _residency_line(res: dict[str, Any] | None, what: str) -> str | None:
+    if res is None:
+        return None
+    worst = max(res["files"].values(), default=0.0)
+    return (f"{res['state']}: {res['resident_fraction']:.2%} of {format_bytes(res['bytes'])} resident before {what} "
+            f"(largest file {worst:.2%})")
+
+
+class Bench:
+    """One `sluice bench` invocation: its arms, conditions and the runs collected so far."""
+
+    def __init__(self, args: argparse.Namespace, arms: list[Arm], ceiling: int | None):
+        self.args, self.arms, self.ceiling = args, arms, ceiling
+        self.files = model_files(args.model)
+        self.page_cache = "cold" if args.cold else "warm" if args.warm else None
+        self.runs: list[Run] = []
+        self.progress = tqdm(total=1 + args.rounds * len(arms), unit="run", file=sys.stderr, disable=None,
+                             desc="bench")
+
+    def _prepare(self, what: str) -> dict[str, Any] | None:
+        res = prepare(self.files, self.page_cache, what)
+        line = _residency_line(res, what)
+        if line:
+            _log(line)
+        return res
+
+    def reference_sequence(self) -> dict[str, Any]:
+        """Prompt ids and tokens generated once by the reference arm, in a child like every other run."""
+        a, ref = self.args, self.arms[0]
+        self.progress.set_description(f"generating with {ref.name}")
+        self._prepare(f"generating with arm {ref.name!r}")
+        prompt_tokens = None if a.prompt is not None else a.prompt_tokens or DEFAULT_PROMPT_TOKENS
+        argv = child_argv("generate", a.model, ref.options, tokens=a.warmup + a.steps, prompt=a.prompt,
+                          prompt_tokens=prompt_tokens, temperature=a.temperature, seed=a.seed)
+        got = run_child(argv, self.ceiling)
+        self.progress.update()
+        if got.error() is not None:
+            raise BenchError(f"the reference arm {ref.name!r} could not generate the sequence: {got.error()}"
+                             + (f"\n{got.stderr_tail}" if got.returncode not in (0, 2) and not got.oom_killed
+                                else ""))
+        return got.record
+
+    def replay_round(self, rnd: int, work: Path) -> None:
+        """Every arm once, in this round's rotated order, each in a fresh child."""
+        by_name = {arm.name: arm for arm in self.arms}
+        for pos, name in enumerate(rotation(list(by_name), rnd - 1)):
+            what = f"arm {name!r} round {rnd}"
+            self.progress.set_description(f"round {rnd}/{self.args.rounds} {name}")
+            res = self._prepare(what)
+            argv = child_argv("replay", self.args.model, by_name[name].options, work=work, warmup=self.args.warmup)
+            got = run_child(argv, self.ceiling)
+            err = got.error()
+            run = Run(name, rnd, pos, record=got.record if err is None else None, error=err, oom=got.oom_killed,
+                      residency=res, cgroup_peak_bytes=got.cgroup_peak_bytes, wall_s=round(got.wall_s, 3))
+            self.runs.append(run)
+            if err is not None:
+                _log(f"{what}: {err}")
+            else:
+                ms = run.step_ms()
+                self.progress.set_postfix_str(f"{name} {sorted(ms)[len(ms) // 2]:.2f} ms/step")
+            self.progress.update()
+
+    def results(self, sequence: dict[str, Any], disk: dict[str, Any] | None) -> dict[str, Any]:
+        a = self.args
+        bw = disk["best_bytes_per_s"] if disk else None
+        ref = self.arms[0].name
+        summary = {}
+        for arm in self.arms:
+            s = summarize([r for r in self.runs if r.arm == arm.name], bw)
+            if arm.name != ref:
+                s["pair"] = pair(self.runs, ref, arm.name)
+            summary[arm.name] = s
+        return {
+            "meta": {
+                "model": str(a.model), "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
+                "prompt": a.prompt, "prompt_tokens": len(sequence["prompt_ids"]), "temperature": a.temperature,
+                "seed": a.seed, "page_cache": self.page_cache, "ceiling": self.ceiling,
+                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
+                "cpus": os.cpu_count(), "python": platform.python_version(),
+            },
+            "disk": None if disk is None else {
+                "bytes_per_s": bw, "best": diskmod.describe(disk["best"]), "device": disk["device"],
+                "measured_at": disk.get("measured_at"),
+            },
+            "arms": [arm.to_json() for arm in self.arms],
+            "sequence": {"prompt_ids": sequence["prompt_ids"], "tokens": sequence["tokens"]},
+            "runs": [r.to_json() for r in self.runs],
+            "summary": summary,
+            "identity": identity(self.runs, ref),
+        }
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.disk:
+        return disk_main(args)
+    _check(args)
+    arms = parse_arms(args.arm)
+    ceiling = parse_size(args.ceiling, "ceiling") if args.ceiling else None
+    if ceiling is not None:
+        check_ceiling(ceiling)  # before anything runs: no cgroup is a setup error, not a per-arm result
+    out = Path(args.out) if args.out else Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
+    disk = None
+    if not args.no_floor:
+        disk = diskmod.bandwidth_for(args.model, parse_size(args.disk_size, "disk-size"), log=_log)
+    bench = Bench(args, arms, ceiling)
+    try:
+        sequence = bench.reference_sequence()
+        with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
+            work = Path(tmp) / "sequence.json"
+            work.write_text(json.dumps({"prompt_ids": sequence["prompt_ids"], "tokens": sequence["tokens"]}))
+            for rnd in range(1, args.rounds + 1):
+                bench.replay_round(rnd, work)
+    finally:
+        bench.progress.close()
+    results = bench.results(sequence, disk)
+    print(markdown(results), end="")
+    paths = write_all(results, out)
+    _log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
+    return _exit_status(results, args.require_identical)
+
+
+def _exit_status(results: dict[str, Any], require_identical: bool) -> int:
+    """1 when an arm failed other than by OOM (its numbers are missing), or when --require-identical and any
+    replayed argmax differs from the reference (or nothing could be compared); else 0."""
+    rc = 0
+    for name, s in results["summary"].items():
+        if s["errors"]:
+            _log(f"arm {name!r} failed: {'; '.join(s['errors'])}")
+            rc = 1
+    if require_identical:
+        ident = results["identity"]
+        if ident["reference"] is None:
+            _log("--require-identical: the reference arm has no successful run to compare with")
+            rc = 1
+        elif not ident["identical"]:
+            bad = [n for n, a in ident["arms"].items() if a["mismatched_steps"]]
+            _log(f"--require-identical: argmax differs from the reference in arm(s) {', '.join(bad)}")
+            rc = 1
+    return rc

@@ -1,0 +1,301 @@
+"""`sluice bench`: arm parsing, rotation, pairing and identity arithmetic on synthetic numbers, the floor, the disk
+measurement cache, cold verification and the cgroup checks, and one end-to-end run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluice import cli
+from sluice.bench import BenchError
+from sluice.bench import disk as diskmod
+from sluice.bench.arms import parse_arm, parse_arms
+from sluice.bench.launch import model_files, prepare, run_child
+from sluice.bench.protocol import (
+    Run,
+    floor_ms,
+    identity,
+    identity_text,
+    pair,
+    percentile,
+    rotation,
+    summarize,
+    wins_text,
+)
+from sluice.bench.report import table
+from sluice.io import residency
+
+from ..models.tiny import hf_model, write_checkpoint
+
+
+def fs_type(path: str) -> str:
+    best, kind = "", ""
+    for line in open("/proc/mounts"):
+        _, mnt, fstype, *_ = line.split()
+        if os.path.realpath(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
+            best, kind = mnt, fstype
+    return kind
+
+
+@pytest.fixture(scope="module")
+def disk_dir():
+    """A folder on a disk-backed filesystem: page-cache residency means nothing on tmpfs."""
+    folder = tempfile.mkdtemp(dir="/var/tmp", prefix="sluice-bench-test-")
+    if fs_type(folder) in ("tmpfs", "ramfs", "overlay", ""):
+        os.rmdir(folder)
+        pytest.skip(f"/var/tmp is {fs_type(folder) or 'unknown'}, not a disk")
+    yield Path(folder)
+    for p in sorted(Path(folder).rglob("*"), reverse=True):
+        p.unlink() if p.is_file() else p.rmdir()
+    os.rmdir(folder)
+
+
+@pytest.fixture(scope="module")
+def model_dir(disk_dir):
+    return write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), disk_dir / "tiny", "per_expert")
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+# --- arms -------------------------------------------------------------------------------------------------------
+
+
+def test_arm_flags_are_run_flags():
+    arm = parse_arm("direct=--io direct --memory 1GiB --io-workers 4 --odirect --dtype float32")
+    assert arm.name == "direct"
+    assert arm.options == {"io": "direct", "memory": "1GiB", "io_workers": 4, "odirect": True, "dtype": "float32"}
+    assert parse_arm("base=").options == {}  # defaults stay LoadOptions'
+    assert parse_arm("q='--io' 'mmap'").options == {"io": "mmap"}  # shell quoting inside FLAGS
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("x=--io direct --bogus 3", r"arm 'x'.*unrecognized arguments: --bogus 3"),
+    ("y=--io floppy", r"arm 'y'.*invalid choice: 'floppy'"),
+    ("z=--mem 1GiB", r"arm 'z'.*--mem"),  # no prefix abbreviations
+    ("w=--memory lots", r"arm 'w'.*memory"),  # LoadOptions checks the value
+    ("--io direct", r"expected NAME='FLAGS'"),
+])
+def test_bad_arm_is_a_clear_error(spec, needle):
+    with pytest.raises(BenchError, match=needle):
+        parse_arm(spec)
+
+
+def test_arm_names_unique_and_required():
+    with pytest.raises(BenchError, match="twice"):
+        parse_arms(["a=--io mmap", "a=--io direct"])
+    with pytest.raises(BenchError, match="at least one --arm"):
+        parse_arms([])
+
+
+# --- protocol arithmetic on synthetic numbers ------------------------------------------------------------------------
+
+
+def test_rotation_puts_each_arm_in_each_position():
+    names = ["a", "b", "c"]
+    assert [rotation(names, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    for pos in range(3):
+        assert {rotation(names, r)[pos] for r in range(3)} == set(names)
+
+
+def fake_run(arm: str, rnd: int, steps_ms: list[float], *, bytes_read: int = 0, hits: int = 0, misses: int = 0,
+             argmax: list[int] | None = None) -> Run:
+    n = len(steps_ms)
+    window = {"steps": n, "hits": hits, "misses": misses, "bytes_read": bytes_read, "io_wait_s": 0.001 * n,
+              "disk_read_bytes": 2 * bytes_read, "major_faults": 3 * n, "minor_faults": 10 * n,
+              "cpu_s": 0.002 * n, "wall_s": sum(steps_ms) / 1000}
+    record = {"ok": True, "step_s": [ms / 1000 for ms in steps_ms], "prefill_s": 0.5, "window": window,
+              "peak_rss_bytes": 100 << 20, "argmax": argmax or [1, 2, 3], "stats": {"prefetch_recall": 0.5}}
+    return Run(arm, rnd, 0, record=record)
+
+
+def test_pairing_and_wins():
+    runs = []
+    for rnd, (ref_ms, b_ms) in enumerate([(10, 8), (10, 9), (10, 11), (20, 14)], start=1):
+        runs += [fake_run("ref", rnd, [ref_ms - 1, ref_ms, ref_ms + 1]), fake_run("b", rnd, [b_ms] * 3)]
+    runs.append(fake_run("ref", 5, [10.0] * 3))
+    runs.append(Run("b", 5, 1, oom=True, error="OOM-killed under the memory ceiling"))  # round 5: no pair
+    p = pair(runs, "ref", "b")
+    assert p["ratios"] == pytest.approx({1: 0.8, 2: 0.9, 3: 1.1, 4: 0.7})
+    assert (p["wins"], p["pairs"]) == (3, 4) and wins_text(p) == "3/4 paired"
+    assert p["ratio_median"] == pytest.approx(0.85)
+    assert p["ratio_p90"] == pytest.approx(percentile([0.8, 0.9, 1.1, 0.7], 90))
+    s = summarize([r for r in runs if r.arm == "b"])
+    assert (s["runs"], s["ok_runs"], s["oom_runs"]) == (5, 4, 1)
+    assert s["step_ms_median"] == pytest.approx(10.0)  # every round pooled: 8 8 8 9 9 9 | 11 11 11 14 14 14
+    assert s["step_ms_p90"] == pytest.approx(percentile([8] * 3 + [9] * 3 + [11] * 3 + [14] * 3, 90))
+    assert s["major_faults_per_step"] == 3 and s["minor_faults_per_step"] == 10
+    assert s["cpu_ms_per_step"] == pytest.approx(2.0) and s["io_wait_ms_per_step"] == pytest.approx(1.0)
+    assert s["prefetch_recall"] == 0.5  # later counters of Model.stats() carried through
+
+
+def test_percentile_interpolates():
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile(list(range(1, 11)), 90) == pytest.approx(9.1)
+
+
+def test_floor_arithmetic():
+    assert floor_ms(100e6, 1e9) == pytest.approx(100.0)  # 100 MB missed per step at 1 GB/s: 100 ms
+    assert floor_ms(0, 1e9) == 0.0 and floor_ms(5, None) is None
+    s = summarize([fake_run("a", 1, [30.0] * 4, bytes_read=4 * 10_000_000, hits=6, misses=2)], bandwidth=1e9)
+    assert s["bytes_read_per_step"] == 10_000_000 and s["disk_read_bytes_per_step"] == 20_000_000
+    assert s["floor_ms"] == pytest.approx(10.0)
+    assert s["step_floor_ratio"] == pytest.approx(3.0)
+    assert s["hit_rate"] == pytest.approx(0.75)
+    assert summarize([fake_run("a", 1, [30.0])])["floor_ms"] is None  # no bandwidth: no floor
+
+
+def test_identity_gate_on_synthetic_argmax():
+    runs = [fake_run("ref", 1, [1.0], argmax=[5, 6, 7, 8]), fake_run("same", 1, [1.0], argmax=[5, 6, 7, 8]),
+            fake_run("other", 1, [1.0], argmax=[5, 6, 9, 8]), fake_run("other", 2, [1.0], argmax=[5, 6, 7])]
+    g = identity(runs, "ref")
+    assert not g["identical"] and g["reference"]["arm"] == "ref"
+    assert g["arms"]["same"]["mismatched_steps"] == 0
+    other = g["arms"]["other"]
+    assert (other["runs_compared"], other["steps_compared"], other["mismatched_steps"]) == (2, 8, 2)
+    assert other["first_mismatch"] == {"round": 1, "step": 2, "expected": 7, "got": 9}
+    assert identity_text(g["arms"]["same"]) == "identical (4/4)"
+    assert identity_text(other).startswith("2/8 differ (first: round 1 step 2)")
+    assert identity([fake_run("b", 1, [1.0])], "ref")["reference"] is None  # nothing to compare with
+
+
+# --- disk measurement -----------------------------------------------------------------------------------------------
+
+
+def test_disk_measure_cache_and_reuse(disk_dir, cache_home, monkeypatch):
+    result = diskmod.measure(disk_dir, size=8 << 20, workers=(1, 4), chunks=(64 << 10,))
+    assert len(result["results"]) == 2 * (1 + 2)  # buffered and O_DIRECT: sequential + random x 2 worker counts
+    assert result["best_bytes_per_s"] == max(e["bytes_per_s"] for e in result["results"]) > 0
+    assert result["cold_verified"]
+    assert not list(disk_dir.glob(".sluice-disk-*"))  # the temporary file is gone
+    path = diskmod.save(result)
+    assert path == cache_home / "sluice" / f"disk-{os.stat(disk_dir).st_dev}.json"
+    monkeypatch.setattr(diskmod, "measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
+    assert diskmod.bandwidth_for(disk_dir)["best_bytes_per_s"] == result["best_bytes_per_s"]
+    assert "| random 64.0 KiB | O_DIRECT |" in diskmod.table(result)
+
+
+def seed_disk_cache(path: Path, bytes_per_s: float) -> None:
+    entry = {"pattern": "sequential", "chunk": 8 << 20, "workers": 1, "odirect": False, "bytes_per_s": bytes_per_s}
+    dev = os.stat(path).st_dev
+    diskmod.save({"device": dev, "major_minor": "0:0", "path": str(path), "file_bytes": 1, "results": [entry],
+                  "best": entry, "best_bytes_per_s": bytes_per_s})
+
+
+# --- residency and ceilings -----------------------------------------------------------------------------------------
+
+
+def test_cold_fails_when_a_file_stays_mapped(model_dir, tmp_path, capsys):
+    weights = model_dir / "model.safetensors"
+    with open(weights, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert sum(mm[:: mmap.PAGESIZE]) >= 0  # touch every page: mapped pages survive eviction
+        with pytest.raises(BenchError, match=r"not cold before x: \d+\.\d% of the model .*model\.safetensors 100\.0%"):
+            prepare(model_files(model_dir), "cold", "x")
+        rc = cli.main(["bench", str(model_dir), "--arm", "a=", "--cold", "--no-floor", "--out", str(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "sluice bench: error: not cold" in err and "%" in err
+    assert prepare(model_files(model_dir), "cold", "y")["resident_fraction"] <= 0.01  # unmapped: evicts fine
+
+
+def test_ceiling_without_cgroups_is_a_clear_error(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(residency, "V2_ROOT", tmp_path / "no-cgroup-v2")
+    monkeypatch.setattr(residency, "V1_ROOT", tmp_path / "no-cgroup-v1")
+    rc = cli.main(["bench", str(model_dir), "--arm", "a=", "--ceiling", "1GiB", "--no-floor", "--out",
+                   str(tmp_path / "out")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--ceiling needs a writable memory cgroup" in err and "no memory cgroup" in err
+    assert "Traceback" not in err
+
+
+def cgroup_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "not root"
+    try:
+        residency.run_in_memory_cgroup(["/bin/true"], 64 << 20)
+    except residency.ResidencyError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(cgroup_problem() is not None, reason=f"no memory cgroup: {cgroup_problem()}")
+def test_oom_kill_is_a_row_not_a_crash():
+    hog = [sys.executable, "-c", "b = bytearray(512 << 20); b[::4096] = b'x' * len(b[::4096])"]
+    got = run_child(hog, ceiling=64 << 20)
+    assert got.oom_killed and got.error() == "OOM-killed under the memory ceiling"
+    runs = [fake_run("ref", 1, [1.0]), Run("hog", 1, 1, error=got.error(), oom=True)]
+    results = {"arms": [{"name": "ref"}, {"name": "hog"}],
+               "summary": {"ref": summarize(runs[:1]), "hog": summarize(runs[1:])},
+               "identity": identity(runs, "ref")}
+    assert "| hog | OOM (1/1 rounds) |" in table(results)
+
+
+# --- end to end -----------------------------------------------------------------------------------------------------
+
+
+def budgets(model_dir: Path, capsys) -> tuple[str, str]:
+    """--memory for a bf16 and a float32 arm that hold the resident weights and 6 of the 16 experts."""
+    assert cli.main(["inspect", str(model_dir), "--json", "--usage-tokens", "0"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    bf16 = info["resident_bytes"] + 6 * info["bytes_per_expert"]
+    return str(bf16), str(2 * bf16)
+
+
+def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys):
+    seed_disk_cache(model_dir, 1e9)
+    bf16, f32 = budgets(model_dir, capsys)
+    out = tmp_path / "out"
+    warmup, steps = 3, 5
+    rc = cli.main(["bench", str(model_dir), "--arm", f"ref=--io direct --memory {bf16}",
+                   "--arm", f"f32=--io mmap --dtype float32 --memory {f32}", "--rounds", "2", "--steps", str(steps),
+                   "--warmup", str(warmup), "--prompt-tokens", "6", "--cold", "--require-identical",
+                   "--out", str(out)])
+    captured = capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    ident = results["identity"]
+    assert rc == (0 if ident["identical"] else 1), captured.err
+
+    # the table, on stdout and in results.md
+    assert "| arm | ms/step | p90 | tok/s | vs ref | paired wins |" in captured.out
+    assert "| ref (ref) |" in captured.out and "| f32 |" in captured.out and "/2 paired" in captured.out
+    assert (out / "results.md").read_text().strip() == captured.out.strip()
+    assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "cold: 0.00% of" in captured.err  # the residency figure is printed before each run
+
+    # protocol: rotated order, fresh verified-cold child per run, warm-up excluded from timing
+    runs = [Run(**r) for r in results["runs"]]
+    assert [(r.round, r.arm) for r in runs] == [(1, "ref"), (1, "f32"), (2, "f32"), (2, "ref")]
+    assert all(r.ok and r.residency["state"] == "cold" and r.residency["resident_fraction"] <= 0.01 for r in runs)
+    for r in runs:
+        rec = r.record
+        assert len(rec["step_s"]) == steps and len(rec["warmup_step_s"]) == warmup
+        assert len(rec["argmax"]) == warmup + steps + 1 and rec["window"]["steps"] == steps
+        assert sum(rec["step_bytes_read"]) == rec["window"]["bytes_read"]
+    assert len(results["sequence"]["tokens"]) == warmup + steps and len(results["sequence"]["prompt_ids"]) == 6
+
+    # identity gate: the float32 arm compared step by step with the bf16 reference (counts match the arrays)
+    ref_argmax = runs[0].record["argmax"]
+    differ = sum(a != b for r in runs if r.arm == "f32" for a, b in zip(ref_argmax, r.record["argmax"]))
+    assert ident["arms"]["f32"]["runs_compared"] == 2
+    assert ident["arms"]["f32"]["steps_compared"] == 2 * (warmup + steps + 1)
+    assert ident["arms"]["f32"]["mismatched_steps"] == differ
+
+    # metrics and the floor at the cached 1 GB/s
+    s = results["summary"]
+    assert s["ref"]["step_ms_median"] > 0 and s["ref"]["tok_s"] > 0 and s["ref"]["peak_rss_bytes"] > 0
+    assert s["ref"]["bytes_read_per_step"] > 0  # 6 of 16 experts cached: some steps miss
+    assert s["ref"]["floor_ms"] == pytest.approx(s["ref"]["bytes_read_per_step"] / 1e6)
+    assert s["f32"]["pair"]["pairs"] == 2
+    assert results["disk"]["bytes_per_s"] == 1e9
