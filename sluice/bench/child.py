@@ -109,6 +109,7 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
         window["steps"] = len(times) - warmup
         for i, k in enumerate(IO_FIELDS):
             window[k] = probe.marks[-1][i] - probe.marks[0][i]
+        stats = m.stats()
         return {
             "ok": True,
             "argmax": argmax,
@@ -120,8 +121,9 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
             "step_misses": _deltas(probe.marks, 1),
             "step_io_wait_s": _deltas(probe.marks, 3),
             "window": window,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "stats": m.stats(),
+            # VmHWM, from Model.stats(): getrusage's ru_maxrss would carry the harness's peak across fork+exec
+            "peak_rss_bytes": stats["peak_rss_bytes"],
+            "stats": stats,
             "reader": m.reader.stats(),  # whole run, load included; faults per I/O thread
         }
     finally:
