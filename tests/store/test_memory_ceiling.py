@@ -2,7 +2,7 @@
 
 Skipped with the reason when not root or no writable memory cgroup. The model is synthetic (1.6 GiB, written once
 per session to a real disk), the ceiling 400 MiB, the budget 176 MiB; peak RSS must stay within the budget plus
-RUNTIME_OVERHEAD (anonymous memory; peak RSS too for the direct modes): the Python + torch runtime (measured 225 MiB right after `import sluice`), the tokenizer and
+RUNTIME_OVERHEAD (anonymous memory; PEAK_OVERHEAD for peak RSS in the direct modes): the Python + torch runtime (measured 225 MiB right after `import sluice`), the tokenizer and
 the unused-but-reserved KV cache pages.
 """
 
@@ -24,7 +24,10 @@ from sluice.options import parse_size
 CEILING = parse_size("400MiB")
 BUDGET = parse_size("176MiB")
 MODEL_SIZE = parse_size("1.6GiB")
-RUNTIME_OVERHEAD = parse_size("300MiB")
+RUNTIME_OVERHEAD = parse_size("300MiB")  # anonymous: runtime, tokenizer, allocator slack
+# Peak RSS (VmHWM) also counts file-backed pages of the mapped torch libraries (~200 MiB); measured peaks for this
+# budget: 427-541 MiB in the direct modes, i.e. 251-365 MiB above the budget.
+PEAK_OVERHEAD = parse_size("450MiB")
 
 
 @pytest.fixture(scope="module")
@@ -63,4 +66,4 @@ def test_runs_under_ceiling_4x_smaller_than_model(big_model, tmp_path, io):
     # pages in the mmap/willneed modes: page cache the kernel reclaims under the ceiling (no OOM above shows it).
     assert stats["rss_anon_bytes"] <= BUDGET + RUNTIME_OVERHEAD, stats["rss_anon_bytes"]
     if io.startswith("direct"):
-        assert stats["peak_rss_bytes"] <= BUDGET + RUNTIME_OVERHEAD, stats["peak_rss_bytes"]
+        assert stats["peak_rss_bytes"] <= BUDGET + PEAK_OVERHEAD, stats["peak_rss_bytes"]
