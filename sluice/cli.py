@@ -12,6 +12,7 @@ from .errors import SluiceError
 COMMANDS = {
     "run": "generate text from a prompt",
     "chat": "multi-turn chat in the terminal",
+    "serve": "OpenAI-compatible HTTP server (chat completions, completions, models)",
     "inspect": "show a model's architecture, sizes and what a memory budget leaves for experts",
     "make-model": "write a synthetic checkpoint of a real architecture at a requested size",
     "demo": "create the demo model once and generate from it",

@@ -24,6 +24,7 @@ from .options import LoadOptions
 from .sampling import make_logits_processors, make_sampler
 from .store.layout import ExpertLayout
 from .store.resident import ResidentExpertStore
+from .prerouter import RouterPrerouter
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
 from .weights import load_resident, resident_refs
@@ -101,7 +102,10 @@ class Model:
         self.store = self._make_store(progress)
         max_ctx = min(options.max_context, s.rope.max_position_embeddings)
         self.cache = KVCache(s, max_ctx, self.dtype)
-        self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows)
+        prerouter = None
+        if options.prefetch == "router" and options.memory is not None:
+            prerouter = RouterPrerouter(s, weights, margin=options.prefetch_margin)
+        self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
         self.tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").exists() else None
         self.eos_ids = _eos_ids(self.index, self.tokenizer)
         self.load_s = time.perf_counter() - t0

@@ -12,6 +12,7 @@ from .errors import ConfigError
 
 IO_MODES = ("mmap", "willneed", "direct")
 EMBEDDING_MODES = ("resident", "mmap", "direct")
+PREFETCH_MODES = ("none", "router")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
 
@@ -61,6 +62,9 @@ class LoadOptions:
     threads:       torch intra-op threads; 0 = torch's default (all cores).
     embeddings:    token embedding table: "resident", or rows read per batch ("mmap" | "direct") so the table
                    stays on disk (forced resident when the LM head is tied to it).
+    prefetch:      "none", or "router": during decode, layer L+1's router applied to the hidden state after layer
+                   L's attention predicts L+1's experts, read in the background (streaming stores only).
+    prefetch_margin: experts predicted beyond top_k per token.
     """
 
     memory: int | None = None
@@ -72,6 +76,8 @@ class LoadOptions:
     prefill_chunk: int = 256
     threads: int = 0
     embeddings: str = "resident"
+    prefetch: str = "none"
+    prefetch_margin: int = 0
 
     def __post_init__(self):
         if self.memory is not None:
@@ -86,6 +92,10 @@ class LoadOptions:
         for name in ("max_context", "prefill_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.prefetch not in PREFETCH_MODES:
+            raise ConfigError(f"prefetch: {self.prefetch!r} is not one of {', '.join(PREFETCH_MODES)}")
+        if not isinstance(self.prefetch_margin, int) or self.prefetch_margin < 0:
+            raise ConfigError(f"prefetch_margin: must be an integer >= 0, got {self.prefetch_margin!r}")
         if self.io_workers < 0 or self.threads < 0:
             raise ConfigError("io_workers and threads must be >= 0 (0 = default)")
 

@@ -19,6 +19,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--odirect", action="store_true", help="read with O_DIRECT (bypass the page cache)")
     g.add_argument("--embeddings", choices=["resident", "mmap", "direct"], default="resident",
                    help="token embedding rows: resident, or read per batch from disk (default: resident)")
+    g.add_argument("--prefetch", choices=["none", "router"], default="none",
+                   help="predict the next layer's experts and read them in the background (default: none)")
+    g.add_argument("--prefetch-margin", type=int, default=0, metavar="N",
+                   help="experts predicted beyond top_k per token (default 0)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--max-context", type=int, default=4096, metavar="N", help="KV cache positions (default 4096)")
@@ -46,7 +50,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 def load_from_args(args: argparse.Namespace, progress: bool = True) -> Model:
     return load(args.model, progress=progress, memory=args.memory, io=args.io, io_workers=args.io_workers,
                 odirect=args.odirect, dtype=args.dtype, max_context=args.max_context,
-                prefill_chunk=args.prefill_chunk, threads=args.threads, embeddings=args.embeddings)
+                prefill_chunk=args.prefill_chunk, threads=args.threads, embeddings=args.embeddings,
+                prefetch=args.prefetch, prefetch_margin=args.prefetch_margin)
 
 
 def stats_line(st: dict) -> str:

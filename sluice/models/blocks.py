@@ -134,10 +134,21 @@ class Transformer:
     """
 
     def __init__(
-        self, spec: Spec, weights: Weights, store: ExpertStore, cache: KVCache, dtype: torch.dtype, rows=None
+        self,
+        spec: Spec,
+        weights: Weights,
+        store: ExpertStore,
+        cache: KVCache,
+        dtype: torch.dtype,
+        rows=None,
+        prerouter=None,
     ):
-        """`rows`: a RowTable serving token-embedding rows when the table is not resident (weights.embed None)."""
+        """`rows`: a RowTable serving token-embedding rows when the table is not resident (weights.embed None).
+        `prerouter`: predicts the next MoE layer's experts during decode; the store prefetches them right after
+        this layer's experts are pinned, so the reads overlap this layer's expert math."""
         self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
+        self.prerouter = prerouter
+        self._prefetch: tuple[int, list[int]] | None = None  # issued after the next acquire
         self.act = ACTIVATIONS[spec.hidden_act]
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
 
@@ -236,6 +247,9 @@ class Transformer:
         for c0 in range(0, len(order), step):
             pos = order[c0 : c0 + step]
             batch = self.store.acquire(L, [ids_l[k] for k in pos])
+            if self._prefetch is not None:
+                self.store.prefetch(*self._prefetch)
+                self._prefetch = None
             try:
                 for j, k in enumerate(pos):
                     y = self._expert(batch, j, x) * weights[:, k : k + 1]  # [1, H]
@@ -264,6 +278,11 @@ class Transformer:
                 masks[win] = _mask(pos, T, win)
             h = rms_norm(x, lw.input_norm, s.rms_norm_eps)
             x = x + self.attention(L, h, pos, masks[win])
+            if self.prerouter is not None and T == 1:
+                self._prefetch = self.prerouter.predict(L, x)
+                if self._prefetch is not None and not s.moe_layers[L]:  # dense layer: nothing to pin first
+                    self.store.prefetch(*self._prefetch)
+                    self._prefetch = None
             h = rms_norm(x, lw.post_norm, s.rms_norm_eps)
             x = x + (self.moe(L, h) if s.moe_layers[L] else self.mlp(lw.mlp, h))
         return rms_norm(x, self.w.norm, s.rms_norm_eps)

@@ -37,6 +37,11 @@ class StreamingExpertStore:
         self._owner: list[tuple[int, int] | None] = [None] * slots
         self._free = list(range(slots - 1, -1, -1))
         self._pinned: set[int] = set()
+        self._pending: dict[tuple[int, int], object] = {}  # prefetched entries whose read may be in flight
+        self._prefetched: set[tuple[int, int]] = set()  # brought in by prefetch, not used yet
+        self._predicted: dict[int, set[int]] = {}  # layer -> experts the prerouter predicted for it
+        self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
+        self.predicted_true = self.true_total = 0  # prerouter recall: predicted & true / true
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.io_wait_s = 0.0
@@ -54,16 +59,37 @@ class StreamingExpertStore:
     def nbytes(self) -> int:
         return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
 
-    def _victim(self) -> int:
+    def _victim(self, for_prefetch: bool = False) -> int | None:
+        """A slot to fill: a free one, else the least recently used unpinned one (evicted here).
+
+        Prefetch never takes a pinned slot nor one whose prefetch is still in flight, and gets None when nothing
+        is left; a demand read may take an in-flight prefetch's slot after waiting for its read to land.
+        """
         if self._free:
             return self._free.pop()
         for key, slot in self._lru.items():  # oldest first
-            if slot not in self._pinned:
-                del self._lru[key]
-                self._owner[slot] = None
-                self.evictions += 1
-                return slot
+            if slot in self._pinned or (for_prefetch and key in self._pending):
+                continue
+            return self._evict(key)
+        if for_prefetch:
+            return None
         raise RuntimeError("all expert slots are pinned")  # unreachable: acquire asks for <= max_batch experts
+
+    def _evict(self, key: tuple[int, int]) -> int:
+        """Drop `key` from the cache (waiting for its in-flight read, if any); return its slot."""
+        slot = self._lru.pop(key)
+        fut = self._pending.pop(key, None)
+        if fut is not None:  # a read may still be writing this slot: let it land before the slot is reused
+            try:
+                fut.result()
+            except Exception:
+                pass
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self.prefetch_wasted += 1
+        self._owner[slot] = None
+        self.evictions += 1
+        return slot
 
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         """Pin `experts` of `layer` in slots, reading the misses (all at once, sorted by the reader)."""
@@ -72,12 +98,23 @@ class StreamingExpertStore:
         self.usage[layer, list(experts)] += 1
         slots: list[int] = []
         requests = []
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            self.true_total += len(experts)
+            self.predicted_true += sum(e in predicted for e in experts)
+        waits = []
         for e in experts:
             key = (layer, e)
             slot = self._lru.get(key)
             if slot is not None:
                 self._lru.move_to_end(key)
                 self.hits += 1
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.prefetch_used += 1
+                fut = self._pending.pop(key, None)
+                if fut is not None:
+                    waits.append((key, fut))
             else:
                 slot = self._victim()
                 self._lru[key] = slot
@@ -86,31 +123,60 @@ class StreamingExpertStore:
                 self.misses += 1
             self._pinned.add(slot)
             slots.append(slot)
-        if requests:
-            t0 = time.perf_counter()
-            try:
+        t0 = time.perf_counter()
+        try:
+            if requests:
                 self.reader.read(requests)
-            except BaseException:
-                # the slots of this batch may hold partial bytes: forget them so no later step trusts them
-                self._forget(layer, experts)
-                raise
+                self.bytes_read += sum(r.nbytes for r, _ in requests)
+            for key, fut in waits:  # prefetches of this layer still in flight: the only reads we wait for
+                fut.result()
+        except BaseException:
+            # the slots of this batch may hold partial bytes: forget them so no later step trusts them
+            self._forget(layer, experts)
+            raise
+        finally:
             self.io_wait_s += time.perf_counter() - t0
-            self.bytes_read += sum(r.nbytes for r, _ in requests)
         return ExpertBatch(self.gate_up, self.down, slots)
 
     def _forget(self, layer: int, experts: Sequence[int]) -> None:
         for e in experts:
-            slot = self._lru.pop((layer, e), None)
-            if slot is not None:
-                self._owner[slot] = None
-                self._free.append(slot)
+            key = (layer, e)
+            if key in self._lru:
+                self._free.append(self._evict(key))
+                self.evictions -= 1  # not a cache decision
         self._pinned.clear()
 
     def release(self, layer: int) -> None:
         self._pinned.clear()
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        pass  # TODO(issue 6): predicted experts read in the background into free / LRU slots
+        """Start background reads of predicted `experts` of `layer` into free or least recently used slots.
+
+        Called after the current layer's acquire, so its pinned slots are safe; prefetch never evicts a pinned slot
+        or another in-flight prefetch and stops when no such slot is left. In-flight bytes are bounded by one
+        layer's prediction. The true router still decides: a wrong guess only costs the read.
+        """
+        self._predicted[layer] = set(experts)
+        requests, keys = [], []
+        for e in experts:
+            key = (layer, e)
+            if key in self._lru:
+                continue
+            slot = self._victim(for_prefetch=True)
+            if slot is None:
+                break
+            self._lru[key] = slot
+            self._owner[slot] = key
+            self._prefetched.add(key)
+            requests += expert_requests(self.layout, layer, e, self.gate_up[slot], self.down[slot])
+            keys.append(key)
+        if not requests:
+            return
+        fut = self.reader.submit(requests)
+        for key in keys:
+            self._pending[key] = fut
+        self.prefetch_issued += len(keys)
+        self.bytes_read += sum(r.nbytes for r, _ in requests)
 
     def stats(self) -> dict:
         return {
@@ -121,6 +187,12 @@ class StreamingExpertStore:
             "io_wait_s": round(self.io_wait_s, 6),
             "slots": self.n_slots,
             "slot_bytes": self.nbytes,
+            "prefetch_issued": self.prefetch_issued,
+            "prefetch_used": self.prefetch_used,
+            "prefetch_wasted": self.prefetch_wasted,
+            "prefetch_wasted_bytes": self.prefetch_wasted * self.layout.expert_nbytes,
+            "prefetch_precision": round(self.prefetch_used / self.prefetch_issued, 4) if self.prefetch_issued else 0.0,
+            "prefetch_recall": round(self.predicted_true / self.true_total, 4) if self.true_total else 0.0,
         }
 
     def close(self) -> None:

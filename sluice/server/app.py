@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP app: `create_app(engine, model_name, ...)` -> a Starlette ASGI app.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (both streamed as server-sent events or not),
+GET /v1/models, GET /v1/models/{id}, GET /health. Every error, including 404/405 and unexpected failures, is
+OpenAI's error object with the matching status, so clients report a message instead of a parse failure.
+
+The engine is anything shaped like `sluice.engine.Model` (see `Engine`): tests hand in a small or slowed model.
+Encoding runs in Starlette's thread pool (a long prompt should not stall the event loop), generation on the one
+engine thread of `EngineWorker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..errors import ConfigError, RequestError
+from ..tokenizer import StopMatcher
+from . import schemas as S
+from .queue import EngineWorker, Job, QueueFull
+
+# How often a non-streamed request checks whether its client is still there (a streamed one is told at once).
+DISCONNECT_POLL_S = 0.2
+
+
+class Engine(Protocol):
+    """What the server needs from a model (sluice.engine.Model has all of it)."""
+
+    tokenizer: Any  # .stream_decoder() -> object with add(id) -> str and flush() -> str
+    cache: Any  # .max_context: KV positions, prompt and completion together
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]: ...
+
+    def generate_tokens(self, prompt: Sequence[int], max_tokens: int, **sampling: Any) -> Iterator[int]: ...
+
+
+@dataclass
+class Outcome:
+    """How a generation ended: tokens generated, and "stop" (EOS or a stop string), "length" or "cancelled"."""
+
+    completion_tokens: int
+    finish_reason: str
+
+
+def generation_work(engine: Engine, ids: list[int], limit: int, stops: list[str], sampling: dict):
+    """The job run on the engine thread: tokens -> text pieces, stop strings cut, the cancel flag polled per token.
+
+    Built on `generate_tokens` rather than `generate` so that cancellation is checked after every token (text
+    pieces skip tokens that decode to nothing) and the finish reason is known exactly.
+    """
+
+    def work(emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Outcome:
+        if cancelled():  # the client left while the job waited
+            return Outcome(0, "cancelled")
+        decoder = engine.tokenizer.stream_decoder()
+        matcher = StopMatcher(stops) if stops else None
+
+        def out(text: str) -> bool:
+            stopped = False
+            if matcher is not None:
+                text, stopped = matcher.feed(text)
+            if text:
+                emit(text)
+            return stopped
+
+        tokens = engine.generate_tokens(ids, max_tokens=limit, **sampling)
+        count = 0
+        try:
+            for token in tokens:
+                count += 1
+                if out(decoder.add(token)):
+                    return Outcome(count, "stop")
+                if cancelled():
+                    return Outcome(count, "cancelled")
+            if out(decoder.flush()):
+                return Outcome(count, "stop")
+            if matcher is not None and (rest := matcher.flush()):
+                emit(rest)
+        finally:
+            tokens.close()  # stops the engine's loop now and leaves its KV bookkeeping consistent
+        # generate_tokens ends early only on EOS
+        return Outcome(count, "length" if count >= limit else "stop")
+
+    return work
+
+
+class _JobStream(StreamingResponse):
+    """A streamed response that cancels its job however the response ends (done, disconnect, send error)."""
+
+    def __init__(self, content: AsyncIterator[str], job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+class _ApiKey:
+    """ASGI middleware: every HTTP request needs `Authorization: Bearer <key>` (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, key: str):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):  # constant time: no key guessing by timing
+                what = "no API key was provided" if not got else "the API key is not valid"
+                err = S.ApiError(401, f"{what}: send the header 'Authorization: Bearer <key>' with the server's "
+                                      "--api-key", code="invalid_api_key")
+                await _error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _error_response(e: S.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, max_queue: int = 16) -> ASGIApp:
+    """The ASGI app serving `engine` under `model_name`; `max_queue` requests may wait behind the running one."""
+    if getattr(engine, "tokenizer", None) is None:
+        raise ConfigError("the server needs a model folder with tokenizer.json (text in, text out)")
+    worker = EngineWorker(max_queue)
+    created = int(time.time())
+    ctx = int(engine.cache.max_context)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise S.ApiError(404, f"model {name!r} does not exist: this server serves {model_name!r}",
+                             code="model_not_found", param="model")
+
+    def completion_limit(req: S.ChatRequest | S.CompletionRequest, prompt_tokens: int) -> int:
+        room = ctx - prompt_tokens
+        if room < 1:
+            raise S.ApiError(400, f"the prompt has {prompt_tokens} tokens, which leaves no room to generate in "
+                                  f"the context of {ctx} tokens", code="context_length_exceeded", param="messages")
+        limit = req.limit()
+        if limit is None:
+            return room
+        if not 1 <= limit <= ctx:
+            raise S.ApiError(400, f"{req.limit_param()} must be between 1 and the context size {ctx}, got {limit}",
+                             code="invalid_value", param=req.limit_param())
+        # A limit past the end of the context is cut to fit (finish_reason "length" says so), as llama.cpp does.
+        return min(limit, room)
+
+    async def encode(fn: Callable[..., list[int]], arg: Any, param: str) -> list[int]:
+        try:
+            return await run_in_threadpool(fn, arg)
+        except RequestError as e:
+            code = "context_length_exceeded" if "exceeds the context" in str(e) else "invalid_value"
+            raise S.ApiError(400, str(e), code=code, param=param) from e
+
+    def submit(req: S.ChatRequest | S.CompletionRequest, ids: list[int]) -> Job:
+        limit = completion_limit(req, len(ids))
+        sampling = req.sampling()
+        try:
+            StopMatcher(req.stop) if req.stop else None  # noqa: B018 - validates before the job is queued
+        except RequestError as e:
+            raise S.ApiError(400, str(e), param="stop") from e
+        try:
+            return worker.submit(generation_work(engine, ids, limit, req.stop, sampling))
+        except QueueFull as e:
+            raise S.ApiError(503, str(e), type="server_error", code="queue_full", headers={"Retry-After": "1"}) from e
+
+    async def wait(job: Job, request: Request) -> tuple[str, Outcome] | None:
+        """The job's (text, outcome); None (and the job cancelled) if the client went away first."""
+        task = asyncio.ensure_future(job.result())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return None
+        finally:
+            job.cancel()  # no-op when finished; stops the engine when the client left or the server shuts down
+            task.cancel()
+
+    async def respond(request: Request, req: S.ChatRequest | S.CompletionRequest, ids: list[int]) -> Response:
+        job = submit(req, ids)
+        reply = S.Reply(chat=isinstance(req, S.ChatRequest), model=model_name, prompt_tokens=len(ids))
+        if req.stream:
+            return _JobStream(_events(job, reply, req.include_usage), job)
+        if (done := await wait(job, request)) is None:
+            return Response(status_code=499)  # nobody reads it; the status is for the access log
+        text, outcome = done
+        return JSONResponse(reply.whole(text, outcome.finish_reason, outcome.completion_tokens))
+
+    async def chat(request: Request) -> Response:
+        req = S.parse_request(await request.body(), S.ChatRequest)
+        check_model(req.model)
+        ids = await encode(engine.encode_chat, [m.to_template() for m in req.messages], "messages")
+        return await respond(request, req, ids)
+
+    async def completions(request: Request) -> Response:
+        req = S.parse_request(await request.body(), S.CompletionRequest)
+        check_model(req.model)
+        ids = await encode(engine.encode_prompt, req.prompt, "prompt")
+        return await respond(request, req, ids)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "sluice"}
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        check_model(request.path_params["name"])
+        return JSONResponse(model_card())
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": model_name, "busy": worker.busy, "waiting": worker.waiting,
+                             "max_queue": worker.max_queue, "max_context": ctx})
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, S.ApiError)
+        return _error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error_response(S.ApiError(exc.status_code, msg, code=code, headers=exc.headers))
+
+    async def request_error(request: Request, exc: Exception) -> Response:
+        return _error_response(S.ApiError(400, str(exc)))  # the engine refused the request's values
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        msg = f"internal error: {type(exc).__name__}: {exc}"
+        return _error_response(S.ApiError(500, msg, type="server_error", code="internal_error"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await run_in_threadpool(worker.close)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{name:path}", model, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={S.ApiError: api_error, RequestError: request_error, HTTPException: http_error,
+                            Exception: internal_error},
+        lifespan=lifespan,
+    )
+    app.state.worker = worker
+    return _ApiKey(app, api_key) if api_key else app
+
+
+async def _events(job: Job, reply: S.Reply, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body of a streamed job, ending with `data: [DONE]`.
+
+    An engine error becomes one SSE error event, since the 200 status line is already sent; the openai client
+    raises it as an APIError.
+    """
+    if (opening := reply.opening()) is not None:
+        yield S.sse(opening)
+    try:
+        async for piece in job.stream():
+            yield S.sse(reply.piece(piece))
+    except RequestError as e:
+        yield S.sse(S.ApiError(400, str(e)).body())
+        return
+    except Exception as e:  # noqa: BLE001 - the stream must end with a readable error, not a cut connection
+        yield S.sse(S.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body())
+        return
+    outcome: Outcome = job.outcome
+    yield S.sse(reply.closing(outcome.finish_reason))
+    if include_usage:
+        yield S.sse(reply.usage_chunk(outcome.completion_tokens))
+    yield S.sse("[DONE]")
