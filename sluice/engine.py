@@ -24,7 +24,7 @@ from .options import LoadOptions
 from .sampling import make_logits_processors, make_sampler
 from .store.layout import ExpertLayout
 from .store.resident import ResidentExpertStore
-from .prerouter import RouterPrerouter
+from .prerouter import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
 from .weights import load_resident, resident_refs
@@ -105,6 +105,9 @@ class Model:
         prerouter = None
         if options.prefetch == "router" and options.memory is not None:
             prerouter = RouterPrerouter(s, weights, margin=options.prefetch_margin)
+        elif options.prefetch == "learned" and options.memory is not None:
+            fingerprint = model_fingerprint(s, self.index.config, refs)
+            prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, options.prefetch_margin)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
         self.tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").exists() else None
         self.eos_ids = _eos_ids(self.index, self.tokenizer)

@@ -12,7 +12,7 @@ from .errors import ConfigError
 
 IO_MODES = ("mmap", "willneed", "direct")
 EMBEDDING_MODES = ("resident", "mmap", "direct")
-PREFETCH_MODES = ("none", "router")
+PREFETCH_MODES = ("none", "router", "learned")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
 
@@ -62,8 +62,10 @@ class LoadOptions:
     threads:       torch intra-op threads; 0 = torch's default (all cores).
     embeddings:    token embedding table: "resident", or rows read per batch ("mmap" | "direct") so the table
                    stays on disk (forced resident when the LM head is tied to it).
-    prefetch:      "none", or "router": during decode, layer L+1's router applied to the hidden state after layer
-                   L's attention predicts L+1's experts, read in the background (streaming stores only).
+    prefetch:      "none", "router" or "learned": during decode, the hidden state after layer L's attention
+                   predicts layer L+1's experts, read in the background (streaming stores only). "router" applies
+                   layer L+1's router to it (training-free); "learned" applies heads fit by `sluice prerouter fit`,
+                   read from prerouter.safetensors beside the model (a CheckpointError when missing or stale).
     prefetch_margin: experts predicted beyond top_k per token.
     """
 

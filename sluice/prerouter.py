@@ -5,9 +5,19 @@ Predictions only drive prefetch; the true router always decides, so output never
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
+from .checkpoint.ref import TensorRef
+from .checkpoint.safetensors import read_header, write_safetensors
+from .errors import CheckpointError
+from .io.tensor import read_tensor
 from .models.blocks import Spec, Weights, rms_norm
 
 
@@ -31,3 +41,168 @@ class RouterPrerouter:
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
         ids = torch.topk(scores, k, dim=-1).indices.flatten().unique()
         return nxt, ids.tolist()
+
+
+# -- learned heads -------------------------------------------------------------------------------------------------
+PREROUTER_FILE = "prerouter.safetensors"  # beside the model's config.json; `--prefetch learned` reads it
+FORMAT = "sluice-prerouter/1"
+HEAD_KINDS = ("linear", "mlp")
+_FINGERPRINT_KEYS = ("num_layers", "hidden_size", "num_experts", "top_k", "config_sha256", "routers_sha256")
+
+
+def next_moe_layers(spec: Spec) -> dict[int, int]:
+    """Source layer L -> the first MoE layer after it, for every L that has one (dense layers are skipped)."""
+    moe = [i for i, s in enumerate(spec.moe_layers) if s]
+    out = {L: next((m for m in moe if m > L), None) for L in range(spec.n_layers)}
+    return {L: m for L, m in out.items() if m is not None}
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] in float32 scaled to unit RMS: the heads' input (the norm's weight is folded into each head)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@dataclass
+class Head:
+    """One learned head: scores [T, E] = linear(xn) (+ a SiLU MLP for kind "mlp"), xn = unit_rms(x). float32.
+
+    weight [E, H], bias [E]; mlp adds up [D, H] and down [E, D]. The fit starts the linear part at the next layer's
+    router with its norm weight folded in, and the MLP's `down` at zero, so an untrained head predicts exactly what
+    the training-free RouterPrerouter does.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+
+    def __call__(self, xn: torch.Tensor) -> torch.Tensor:
+        scores = F.linear(xn, self.weight, self.bias)  # [T, E]
+        if self.up is not None:
+            scores = scores + F.linear(F.silu(F.linear(xn, self.up)), self.down)  # [T, D] -> [T, E]
+        return scores
+
+    @property
+    def kind(self) -> str:
+        return "linear" if self.up is None else "mlp"
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = {f"{prefix}.weight": self.weight, f"{prefix}.bias": self.bias}
+        if self.up is not None:
+            out.update({f"{prefix}.up.weight": self.up, f"{prefix}.down.weight": self.down})
+        return {k: v.detach().float().contiguous() for k, v in out.items()}
+
+
+def model_fingerprint(spec: Spec, config: dict, refs: dict[str, TensorRef]) -> dict[str, str]:
+    """What a heads file must match: shapes, a hash of config.json, and a hash of every router's checkpoint bytes
+    (so the heads of a re-made model with the same config but other weights are rejected too). `refs`: the
+    resident roles of `weights.resident_refs` (`layers.{L}.router` -> TensorRef); the routers are re-read raw, in
+    the checkpoint's dtype, so the hash does not depend on --dtype (measured: ~25 MB for a 48-layer, 128-expert,
+    hidden-2048 bf16 model)."""
+    routers = hashlib.sha256()
+    for L, moe in enumerate(spec.moe_layers):
+        if moe:
+            routers.update(read_tensor(refs[f"layers.{L}.router"]).view(-1).view(torch.uint8).numpy().tobytes())
+    cfg = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    return {
+        "num_layers": str(spec.n_layers),
+        "hidden_size": str(spec.hidden_size),
+        "num_experts": str(spec.num_experts),
+        "top_k": str(spec.top_k),
+        "config_sha256": hashlib.sha256(cfg).hexdigest(),
+        "routers_sha256": routers.hexdigest(),
+    }
+
+
+def save_heads(path: str | os.PathLike, heads: dict[int, Head], fingerprint: dict[str, str],
+               extra: dict[str, str] | None = None) -> Path:
+    """Write `heads` (source layer -> Head) as safetensors: `heads.{L}.weight` etc., with the format, the head kind,
+    the source -> target layer map and the model's fingerprint in the metadata."""
+    kinds = {h.kind for h in heads.values()}
+    if len(kinds) != 1:
+        raise ValueError(f"all heads must be of one kind, got {sorted(kinds)}")
+    tensors: dict[str, torch.Tensor] = {}
+    for L in sorted(heads):
+        tensors.update(heads[L].tensors(f"heads.{L}"))
+    meta = {**(extra or {}), **fingerprint, "format": FORMAT, "kind": kinds.pop(),
+            "layers": ",".join(str(L) for L in sorted(heads))}
+    return write_safetensors(path, tensors, meta)
+
+
+def _fit_hint(path: Path) -> str:
+    return f"run `sluice prerouter fit {path.parent}` to fit heads for this model"
+
+
+def load_heads(path: str | os.PathLike, spec: Spec, fingerprint: dict[str, str]) -> tuple[dict[int, Head], dict]:
+    """Read and validate a heads file for the model described by `spec` and `fingerprint`.
+
+    Returns (source layer -> Head, metadata). CheckpointError naming the file when it is missing, is not a
+    prerouter file, or was fit for another model (config, shapes or router weights differ): the message says what
+    differs and how to refit.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"not found; --prefetch learned needs heads fit for this model: {_fit_hint(path)}",
+                              file=str(path))
+    refs, meta = read_header(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"not a sluice prerouter file (format {meta.get('format')!r}, expected {FORMAT!r}); "
+                              f"{_fit_hint(path)}", file=str(path))
+    stale = [f"{k} {meta.get(k)!r} != {v!r}" for k, v in fingerprint.items() if meta.get(k) != v]
+    if stale:
+        what = "; ".join(s if "sha256" not in s else s.split(" ")[0] + " differs" for s in stale)
+        raise CheckpointError(f"stale: fit for a different model ({what}); {_fit_hint(path)}", file=str(path))
+    kind = meta.get("kind")
+    if kind not in HEAD_KINDS:
+        raise CheckpointError(f"unknown head kind {kind!r} (known: {', '.join(HEAD_KINDS)}); {_fit_hint(path)}",
+                              file=str(path))
+    E, H = spec.num_experts, spec.hidden_size
+
+    def tensor(name: str, shape: tuple[int, ...] | None) -> torch.Tensor:
+        if name not in refs:
+            raise CheckpointError(f"missing; {_fit_hint(path)}", file=str(path), tensor=name)
+        ref = refs[name]
+        if shape is not None and tuple(ref.shape) != shape:
+            raise CheckpointError(f"shape {list(ref.shape)} != expected {list(shape)}; {_fit_hint(path)}",
+                                  file=str(path), tensor=name)
+        return read_tensor(ref).float()
+
+    heads: dict[int, Head] = {}
+    for L in next_moe_layers(spec):
+        p = f"heads.{L}"
+        head = Head(tensor(f"{p}.weight", (E, H)), tensor(f"{p}.bias", (E,)))
+        if kind == "mlp":
+            head.up = tensor(f"{p}.up.weight", None)
+            head.down = tensor(f"{p}.down.weight", (E, head.up.shape[0]))
+            if tuple(head.up.shape[1:]) != (H,):
+                raise CheckpointError(f"shape {list(head.up.shape)} != [D, {H}]", file=str(path),
+                                      tensor=f"{p}.up.weight")
+        heads[L] = head
+    return heads, meta
+
+
+class LearnedPrerouter:
+    """Trained heads (`sluice prerouter fit`): after layer L's attention, head L scores the experts of the next MoE
+    layer from the residual stream x; the top `k + margin` per token are prefetched. Same interface as
+    RouterPrerouter; predictions never change the output."""
+
+    def __init__(self, spec: Spec, heads: dict[int, Head], margin: int = 0):
+        self.spec, self.heads, self.margin = spec, heads, margin
+        self.next_moe = next_moe_layers(spec)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, spec: Spec, fingerprint: dict[str, str], margin: int = 0):
+        """From a heads file (see `load_heads` for the checks)."""
+        heads, _ = load_heads(path, spec, fingerprint)
+        return cls(spec, heads, margin)
+
+    def predict(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
+        """(next MoE layer, predicted expert ids) from x [T, H] after `layer`'s attention, or None at the end."""
+        head = self.heads.get(layer)
+        if head is None:
+            return None
+        scores = head(unit_rms(x, self.spec.rms_norm_eps))  # [T, E]
+        k = min(self.spec.num_experts, self.spec.top_k + self.margin)
+        ids = torch.topk(scores, k, dim=-1).indices.flatten().unique()
+        return self.next_moe[layer], ids.tolist()

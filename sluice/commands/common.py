@@ -19,7 +19,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--odirect", action="store_true", help="read with O_DIRECT (bypass the page cache)")
     g.add_argument("--embeddings", choices=["resident", "mmap", "direct"], default="resident",
                    help="token embedding rows: resident, or read per batch from disk (default: resident)")
-    g.add_argument("--prefetch", choices=["none", "router"], default="none",
+    g.add_argument("--prefetch", choices=["none", "router", "learned"], default="none",
                    help="predict the next layer's experts and read them in the background (default: none)")
     g.add_argument("--prefetch-margin", type=int, default=0, metavar="N",
                    help="experts predicted beyond top_k per token (default 0)")

@@ -1,9 +1,15 @@
-"""`sluice demo`: build the demo model in the user cache folder once, then stream it under a memory budget smaller
-than the model and print the text and a stats line."""
+"""`sluice demo`: inflate the trained demo model once into the user cache folder to a size larger than the memory
+budget, then stream it under that budget and print the generated text and a stats line.
+
+The demo model (sluice/assets/demo, see TRAINING.md there) is a small qwen3_moe trained on Python's documentation.
+Inflating pads every expert with zeros (sluice/inflate.py): the text is exactly what the small model writes, while
+each expert weighs N times more, so the run streams experts from disk with a trained model's routing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -11,6 +17,8 @@ from pathlib import Path
 from ..engine import load
 from ..options import format_bytes, parse_size
 from .common import stats_line
+
+DEFAULT_MEMORY = 384 * 2**20
 
 
 def cache_dir() -> Path:
@@ -22,22 +30,35 @@ def cache_dir() -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="384MiB", help="demo model size (default 384MiB)")
+    p.add_argument("--size", default="1GiB",
+                   help="size of the inflated demo model (default 1GiB; the smallest expert scale reaching it)")
     p.add_argument("--memory", default=None,
-                   help="budget for resident weights + expert cache (default: half the model, so it streams)")
+                   help="budget for resident weights + expert cache (default 384MiB, or half the model if "
+                        "smaller, so it streams)")
     p.add_argument("--io", default="direct", choices=["mmap", "willneed", "direct"])
-    p.add_argument("--prompt", default="Once upon a time")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", default="The list")
+    p.add_argument("--max-tokens", type=int, default=48)
 
 
 def ensure_demo_model(size: int) -> Path:
-    """The synthetic demo checkpoint for `size`, created on first use (with a progress bar)."""
-    from ..synth import config_for_size, make_model
+    """The shipped demo model inflated to at least `size` bytes, created on first use (with a progress bar).
 
-    out = cache_dir() / f"demo-qwen3_moe-{size // 2**20}MiB"
+    The folder name carries the expert scale and a digest of the shipped weights, so a new sluice release with a
+    retrained model inflates again instead of reusing a stale copy.
+    """
+    from ..checkpoint import CheckpointIndex
+    from ..inflate import demo_model_dir, inflate, scale_for_size
+
+    src = demo_model_dir()
+    index = CheckpointIndex.open(src)
+    scale = scale_for_size(index, size)
+    digest = hashlib.sha256()
+    for f in index.files:
+        digest.update(f.read_bytes())
+    out = cache_dir() / f"demo-x{scale}-{digest.hexdigest()[:12]}"
     if not (out / "config.json").exists():
-        print(f"creating the demo model in {out} (once)", file=sys.stderr)
-        make_model(out, config_for_size("qwen3_moe", size), progress=True)
+        print(f"inflating the demo model x{scale} into {out} (once)", file=sys.stderr)
+        inflate(src, out, scale, progress=True, force=True)
     return out
 
 
@@ -45,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size")
     folder = ensure_demo_model(size)
     model_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    memory = parse_size(args.memory) if args.memory else model_bytes // 2
+    memory = parse_size(args.memory) if args.memory else min(DEFAULT_MEMORY, model_bytes // 2)
     print(f"model {folder.name}: {format_bytes(model_bytes)} on disk, running with --memory {format_bytes(memory)}"
           f" --io {args.io}", file=sys.stderr)
     with load(folder, memory=memory, io=args.io, progress=True) as m:

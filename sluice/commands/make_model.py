@@ -2,6 +2,10 @@
 
 Random weights at a requested size, sharded like hub checkpoints, with an offline-trained tokenizer and a ChatML
 template (see sluice/synth.py for the size rule and why embeddings default to std 4).
+
+`sluice make-model OUT --from demo --expert-scale N` (or `--size 1GiB`): the trained demo model (or any model folder
+given as --from PATH) with every expert N times larger, zero-padded so that every output token is unchanged (see
+sluice/inflate.py).
 """
 
 from __future__ import annotations
@@ -30,9 +34,16 @@ _OVERRIDES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT", help="folder to write (must not exist or be empty; see --force)")
-    # --arch is checked in main, not by argparse: a later `--from demo` mode takes its architecture from a model.
+    # --arch is checked in main, not by argparse: with --from the architecture is the source model's.
     parser.add_argument("--arch", choices=SUPPORTED, help="architecture (config.json model_type)")
-    parser.add_argument("--size", help="target checkpoint size, e.g. 2GiB, 512MiB (within ~5%%)")
+    parser.add_argument("--size", help="target checkpoint size, e.g. 2GiB, 512MiB (within ~5%%); with --from: "
+                                       "the smallest expert scale that reaches it")
+    f = parser.add_argument_group("inflating a trained model (instead of random weights)")
+    f.add_argument("--from", dest="source", metavar="SOURCE",
+                   help="'demo' (the trained model shipped with sluice) or a model folder: copy it with larger, "
+                        "zero-padded experts; same output tokens")
+    f.add_argument("--expert-scale", type=int, metavar="N",
+                   help="with --from: each expert's intermediate size (and bytes) times N")
     g = parser.add_argument_group("overrides of the size rule (the rest is solved to hit --size)")
     g.add_argument("--layers", type=int, help="decoder layers")
     g.add_argument("--experts", type=int, help="experts per MoE layer (default 64; mixtral 8)")
@@ -54,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.source is not None:
+        return _main_inflate(args)
+    if args.expert_scale is not None:
+        raise ConfigError("--expert-scale needs --from (demo or a model folder)")
     from ..synth import config_for_size, describe, make_model, size_of
 
     if args.arch is None:
@@ -83,3 +98,30 @@ def main(args: argparse.Namespace) -> int:
     print(f"  files: {', '.join(files)}")
     return 0
 
+
+
+def _main_inflate(args: argparse.Namespace) -> int:
+    from ..checkpoint import CheckpointIndex
+    from ..inflate import describe, inflate, plan, resolve_source, scale_for_size
+
+    given = [f"--{flag.replace('_', '-')}" for flag in ("arch", *_OVERRIDES) if getattr(args, flag) is not None]
+    if args.tie_word_embeddings:
+        given.append("--tie-word-embeddings")
+    if given:
+        raise ConfigError(f"{', '.join(given)} cannot be combined with --from: the source model fixes the shape "
+                          "(only --expert-scale or --size, --shard-size, --force, --no-progress apply)")
+    if (args.expert_scale is None) == (args.size is None):
+        raise ConfigError("with --from give exactly one of --expert-scale N or --size SIZE")
+    index = CheckpointIndex.open(resolve_source(args.source))
+    if args.size is not None:
+        scale = scale_for_size(index, parse_size(args.size, "--size"))
+    else:
+        scale = args.expert_scale
+    p = plan(index, scale)  # validates the scale before anything is written
+    out = inflate(args.source, args.out, scale, max_shard_bytes=parse_size(args.shard_size, "--shard-size"),
+                  progress=not args.no_progress, force=args.force)
+    print(f"wrote {out}")
+    print(f"  from {index.folder}")
+    print(f"  {describe(p)}")
+    print(f"  files: {', '.join(sorted(f.name for f in out.iterdir()))}")
+    return 0

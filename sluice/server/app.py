@@ -28,6 +28,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import ConfigError, RequestError
+from ..sampling import validate_sampling
 from ..tokenizer import StopMatcher
 from . import schemas as S
 from .queue import EngineWorker, Job, QueueFull
@@ -57,7 +58,9 @@ class Outcome:
     finish_reason: str
 
 
-def generation_work(engine: Engine, ids: list[int], limit: int, stops: list[str], sampling: dict):
+def generation_work(
+    engine: Engine, ids: list[int], limit: int, stops: list[str], sampling: dict
+) -> Callable[[Callable[[str], None], Callable[[], bool]], Outcome]:
     """The job run on the engine thread: tokens -> text pieces, stop strings cut, the cancel flag polled per token.
 
     Built on `generate_tokens` rather than `generate` so that cancellation is checked after every token (text
@@ -154,7 +157,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, m
         room = ctx - prompt_tokens
         if room < 1:
             raise S.ApiError(400, f"the prompt has {prompt_tokens} tokens, which leaves no room to generate in "
-                                  f"the context of {ctx} tokens", code="context_length_exceeded", param="messages")
+                                  f"the context of {ctx} tokens", code="context_length_exceeded",
+                             param="messages" if isinstance(req, S.ChatRequest) else "prompt")
         limit = req.limit()
         if limit is None:
             return room
@@ -168,16 +172,14 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, m
         try:
             return await run_in_threadpool(fn, arg)
         except RequestError as e:
+            # Clients that trim history react to this code; the engine's message is the only sign (tested).
             code = "context_length_exceeded" if "exceeds the context" in str(e) else "invalid_value"
             raise S.ApiError(400, str(e), code=code, param=param) from e
 
     def submit(req: S.ChatRequest | S.CompletionRequest, ids: list[int]) -> Job:
         limit = completion_limit(req, len(ids))
         sampling = req.sampling()
-        try:
-            StopMatcher(req.stop) if req.stop else None  # noqa: B018 - validates before the job is queued
-        except RequestError as e:
-            raise S.ApiError(400, str(e), param="stop") from e
+        validate_sampling(**sampling)  # the engine's own ranges, checked before queueing (RequestError -> 400)
         try:
             return worker.submit(generation_work(engine, ids, limit, req.stop, sampling))
         except QueueFull as e:

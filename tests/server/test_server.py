@@ -176,8 +176,9 @@ def test_stop_strings(client, model):
 
 def test_seeded_sampling_repeats(client):
     def sample() -> str:
-        return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Roll the dice."}],
-                                              temperature=1.5, top_p=0.9, seed=7, max_tokens=16).choices[0].message.content
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Roll the dice."}],
+                                           temperature=1.5, top_p=0.9, seed=7, max_tokens=16)
+        return r.choices[0].message.content
 
     assert sample() == sample()
 
@@ -243,8 +244,9 @@ def test_http_errors_and_client_exceptions(client, server):
         client.chat.completions.create(model=NAME, messages=[{"role": "wizard", "content": "hi"}])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="context"):
+    with pytest.raises(openai.BadRequestError, match="context") as e:
         chat(client, LONG, 5)
+    assert e.value.code == "context_length_exceeded"
     assert chat(client, "still there?", 3).choices[0].finish_reason in ("stop", "length")
 
 
@@ -375,7 +377,8 @@ def test_engine_failure_is_an_error_object_not_a_dropped_connection(model):
     from starlette.testclient import TestClient
 
     body = {"messages": [{"role": "user", "content": "Tell me about pathlib."}], "max_tokens": 50, "temperature": 0}
-    with TestClient(create_app(BrokenEngine(model, 0.0), NAME)) as tc:
+    # raise_server_exceptions=False: see the response a client gets (Starlette re-raises 500s for the server log)
+    with TestClient(create_app(BrokenEngine(model, 0.0), NAME), raise_server_exceptions=False) as tc:
         r = tc.post(CHAT, json=body)
         assert r.status_code == 500 and "disk gone" in r.json()["error"]["message"]
         r = tc.post(CHAT, json={**body, "stream": True})
