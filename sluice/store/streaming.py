@@ -10,8 +10,8 @@ needed again: measured 0.0% hits on a 23-layer, 64-expert, top-8 synthetic model
 tokens; the fair share below gets 5.8% there (routing of that model is near-uniform, so ~9% is the decode ceiling;
 command: `sluice run benchmarks/models/qwen3_moe-4GiB --memory 640MiB --max-tokens 12`). So a layer that already holds
 its share (slots // MoE layers) replaces its own least recently used expert; a layer under its share takes the
-globally least recently used expert of a layer above its share. With a cache larger than the working set this is
-plain LRU.
+globally least recently used expert of a layer above its share (shares leave room for the working layer's
+top_k). With a cache larger than the working set this is plain LRU.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ class StreamingExpertStore:
         self.down = torch.zeros((slots, *layout.down_shape), dtype=raw)  # [S, H, I]
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
         self._by_layer: dict[int, OrderedDict[tuple[int, int], int]] = {L: OrderedDict() for L in layout.layers}
-        self.quota = max(1, slots // max(1, len(layout.layers)))  # each MoE layer's fair share of the slots
+        # Each MoE layer's fair share: what is left after the working layer's top_k, split evenly. (An even split of
+        # all slots cascades: the working layer's top_k - share extra slots come out of the next layer's share,
+        # which then arrives empty and steals from the one after it; measured 0 hits on a 6-layer sweep.)
+        self.quota = max(1, (slots - s.top_k) // max(1, len(layout.layers)))
         self._owner: list[tuple[int, int] | None] = [None] * slots
         self._free = list(range(slots - 1, -1, -1))
         self._pinned: set[int] = set()

@@ -1,0 +1,74 @@
+"""The streaming store's eviction policy on a synthetic access pattern (no files: a fake layout and reader)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from sluice.io.ranges import ReadRange
+from sluice.store.layout import ExpertPart
+from sluice.store.streaming import StreamingExpertStore
+
+LAYERS, EXPERTS, TOP_K = 6, 16, 4
+
+
+class _NullReader:
+    def read(self, requests):
+        pass
+
+    def submit(self, requests):
+        return SimpleNamespace(result=lambda: None)
+
+
+def _store(slots: int) -> StreamingExpertStore:
+    spec = SimpleNamespace(n_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, moe_layers=[True] * LAYERS)
+    part = [ExpertPart("gate_up", 0, ReadRange("/dev/null", 0, 16)), ExpertPart("down", 0, ReadRange("/dev/null", 0, 8))]
+    layout = SimpleNamespace(spec=spec, layers=list(range(LAYERS)), dtype="BF16", gate_up_shape=(4, 2),
+                             down_shape=(2, 2), expert_nbytes=24, parts=lambda layer, e: part)
+    return StreamingExpertStore(layout, _NullReader(), slots)
+
+
+def _sweep(store: StreamingExpertStore, tokens: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    for _ in range(tokens):
+        for layer in range(LAYERS):
+            store.acquire(layer, sorted(rng.sample(range(EXPERTS), TOP_K)))
+            store.release(layer)
+
+
+def test_plain_lru_gets_nothing_from_a_cyclic_sweep():
+    plain = _store(LAYERS * TOP_K // 2)
+    plain.quota = plain.n_slots
+    _sweep(plain, 200)
+    assert plain.hits / (plain.hits + plain.misses) < 0.02
+
+
+@pytest.mark.parametrize("slots", [LAYERS * TOP_K // 2, LAYERS * TOP_K - 2])
+def test_fair_share_beats_plain_lru_below_one_token_working_set(slots):
+    fair, plain = _store(slots), _store(slots)
+    plain.quota = slots  # no layer ever reaches its share: plain global LRU
+    _sweep(fair, 200)
+    _sweep(plain, 200)
+    fair_rate = fair.hits / (fair.hits + fair.misses)
+    plain_rate = plain.hits / (plain.hits + plain.misses)
+    # uniform routing: a layer keeping q of E experts hits ~q/E of its top-k
+    assert fair_rate > 0.5 * fair.quota / EXPERTS
+    assert fair_rate > plain_rate
+
+
+def test_plain_lru_when_cache_holds_everything():
+    store = _store(LAYERS * EXPERTS)
+    _sweep(store, 50)
+    assert store.evictions == 0 and store.misses == LAYERS * EXPERTS - sum(
+        1 for L in range(LAYERS) for e in range(EXPERTS) if store.usage[L, e] == 0
+    )
+
+
+def test_acquire_never_evicts_its_own_hits():
+    store = _store(TOP_K)
+    store.acquire(0, [0, 1, 2, 3])
+    store.release(0)
+    store.acquire(0, [1, 2, 3, 4])  # three hits must survive the miss of 4
+    assert store.hits == 3 and store.misses == 5
