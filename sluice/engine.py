@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -260,12 +260,15 @@ class Model:
         finally:
             gen.close()
 
-    def replay(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    def replay(
+        self, prompt: Sequence[int], tokens: Sequence[int], on_step: Callable[[int], None] | None = None
+    ) -> list[int]:
         """Teacher forcing: prefill `prompt`, then feed `tokens` one per step whatever the model would pick.
 
         Returns the greedy argmax after the prompt and after each fed token (len(tokens) + 1 ids), so an arm's
         choices can be checked against a reference while every arm does identical work. Step times land in
-        stats() like a generation's.
+        stats() like a generation's. `on_step(n)` is called (outside the timed region) each time the cache holds n
+        tokens: once after the prefill, then after every fed token -- benchmarks read their counters there.
         """
         ids = self._check_ids(list(prompt) + list(tokens))
         n = len(prompt)
@@ -277,11 +280,15 @@ class Model:
             hidden = prefill(self.model, ids[:n], 0, self.options.prefill_chunk)
             argmax.append(int(self.model.logits(hidden)[0].argmax()))
             self._times.prefill_tokens, self._times.prefill_s = n, time.perf_counter() - t0
+            if on_step is not None:
+                on_step(n)
             for pos in range(n, len(ids)):
                 t0 = time.perf_counter()
                 hidden = decode_one(self.model, ids[pos], pos)
                 argmax.append(int(self.model.logits(hidden)[0].argmax()))
                 self._times.decode_s.append(time.perf_counter() - t0)
+                if on_step is not None:
+                    on_step(pos + 1)
         f1 = _rusage()
         self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1], f1[3] - f0[3])
         self._kv_tokens = ids

@@ -64,28 +64,23 @@ def io_counters(m) -> tuple[float, ...]:
 
 
 class StepProbe:
-    """Stands in front of `Transformer.forward` in this child only, because Model.replay has no per-step hook.
-
-    Records the store counters after each forward that ends at or past the start of the timed window (prompt +
-    warmup tokens), and the process counters once, when the window opens. The window therefore opens after the
-    last untimed forward (the final prefill chunk when warmup is 0) and all timed I/O lands inside it.
+    """`Model.replay`'s per-step callback: records the store counters after each step that ends at or past the start
+    of the timed window (prompt + warmup tokens), and the process counters once, when the window opens. The window
+    therefore opens after the last untimed step (the prefill when warmup is 0) and all timed I/O lands inside it.
     """
 
     def __init__(self, m, n_prompt: int, warmup: int):
-        self._forward = m.model.forward
         self._m = m
         self.window_end_pos = n_prompt + warmup
         self.start: dict[str, float] | None = None
         self.marks: list[tuple[float, ...]] = []  # marks[0]: window opens; marks[i + 1]: after timed step i
 
-    def __call__(self, tokens, pos: int):
-        out = self._forward(tokens, pos)
-        end = pos + len(tokens)
+    def __call__(self, end: int) -> None:
+        """`end`: tokens in the cache after the step."""
         if end == self.window_end_pos:
             self.start = process_counters(self._m)
         if end >= self.window_end_pos:
             self.marks.append(io_counters(self._m))
-        return out
 
 
 def _deltas(marks: list[tuple[float, ...]], i: int) -> list[float]:
@@ -99,8 +94,7 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
     load_s = time.perf_counter() - t0
     try:
         probe = StepProbe(m, len(prompt), warmup)
-        m.model.forward = probe
-        argmax = m.replay(prompt, tokens)
+        argmax = m.replay(prompt, tokens, on_step=probe)
         end = process_counters(m)
         if probe.start is None:
             raise BenchError(f"the timed window never opened: {len(tokens)} tokens for {warmup} warm-up steps")

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The peers' benchmark environment, never used by CI: benchmarks/peers/.venv (gitignored) holding
+#   llama-cpp-python  built from source (~8 min on 2 cores; CMake picks the host's CPU features, GGML_NATIVE)
+#   transformers + accelerate, with torch pinned to 2.13.0 (the CPU wheel on disk; an unpinned torch pulls a CUDA
+#   build of several GB)
+# `sluice bench --peer-python benchmarks/peers/.venv/bin/python` runs the `peer:` arms with this interpreter.
+#
+#   bash benchmarks/peers/setup.sh          # idempotent: an existing, complete venv is only checked
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=.venv
+PY=${PYTHON:-python3}
+LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
+TRANSFORMERS=${TRANSFORMERS:-5.24.0}  # the version sluice's parity tests use
+ACCELERATE=${ACCELERATE:-1.15.0}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+CONSTRAINTS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==2.13.0" > "$CONSTRAINTS"  # every later install keeps it
+
+"${PIP[@]}" -c "$CONSTRAINTS" "torch==2.13.0"
+"${PIP[@]}" -c "$CONSTRAINTS" "transformers==$TRANSFORMERS" "accelerate==$ACCELERATE" safetensors numpy
+
+if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  # From source, on purpose: the wheel is built for this CPU. nice: the machine is shared.
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 19 "${PIP[@]}" -c "$CONSTRAINTS" --no-binary llama-cpp-python \
+    "llama-cpp-python==$LLAMA_CPP_PYTHON"
+fi
+
+"$VENV/bin/python" - <<'PY'
+import accelerate, llama_cpp, torch, transformers
+print(f"peers venv ok: llama-cpp-python {llama_cpp.__version__}, transformers {transformers.__version__}, "
+      f"accelerate {accelerate.__version__}, torch {torch.__version__}")
+PY
