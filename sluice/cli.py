@@ -16,7 +16,9 @@ COMMANDS = {
     "inspect": "show a model's architecture, sizes and what a memory budget leaves for experts",
     "make-model": "write a synthetic checkpoint of a real architecture at a requested size",
     "demo": "create the demo model once and generate from it",
+    "export-gguf": "write a qwen3_moe checkpoint as GGUF (tokenizer included) so llama.cpp runs the same model",
     "bench": "A/B runs of loading flags: replayed, rotated, paired, cold-verified, against the I/O floor",
+    "prerouter": "fit the learned prerouter (--prefetch learned) and report its recall against the router",
 }
 
 

@@ -143,3 +143,21 @@ def test_prefetch_never_evicts_pinned_slots(model_dir, reference):
         assert spy.violations == 0
     assert tokens == ref_tokens
 
+
+
+def test_decode_allocates_no_weight_sized_tensor(model_dir, reference):
+    """In-place slots: a streamed decode step (misses, prefetch and all) allocates only activation-sized buffers,
+    never a copy of an expert (no per-step stack/cat of weights)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, _, _, _, spec = reference
+    with sluice.load(model_dir, memory=_memory_for(reference, spec.top_k + 2), io="direct", prefetch="router") as m:
+        list(m.generate_tokens(IDS[:6], max_tokens=3, stop_at_eos=False))
+        misses0 = m.store.misses
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            for pos, tok in enumerate(IDS[6:10], start=8):
+                m.model.forward(torch.tensor([tok]), pos)
+        assert m.store.misses > misses0  # the profiled steps did read experts into slots
+        smallest_projection = min(m.layout.gate_up_nbytes, m.layout.down_nbytes)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest < smallest_projection

@@ -1,0 +1,168 @@
+"""`sluice export-gguf`: the GGUF read back with gguf's own reader holds every tensor under llama.cpp's name, with the
+checkpoint's values (stacked experts included), and the tokenizer llama.cpp needs to encode prompts to the same ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from sluice import cli  # noqa: E402
+from sluice.checkpoint.index import CheckpointIndex  # noqa: E402
+from sluice.gguf_export import ExportError, export_gguf, pre_tokenizer_name, tensor_plan  # noqa: E402
+from sluice.io import read_tensor  # noqa: E402
+from sluice.synth import SynthConfig, make_model  # noqa: E402
+from sluice.tokenizer import Tokenizer  # noqa: E402
+
+TINY = SynthConfig(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   num_experts=4, top_k=2, moe_intermediate_size=32, vocab_size=300, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m") / "tiny", TINY, progress=False)
+
+
+def _tensors(path) -> dict[str, tuple[str, tuple[int, ...], torch.Tensor]]:
+    """name -> (GGML type name, torch-order shape, values as float32) of every tensor in a GGUF file."""
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        kind = t.tensor_type.name
+        raw = np.ascontiguousarray(t.data)
+        if kind == "BF16":
+            values = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).float()
+        else:
+            values = torch.from_numpy(raw.copy()).float()
+        out[t.name] = (kind, shape, values.reshape(shape))
+    return out
+
+
+def _expected(folder) -> dict[str, torch.Tensor]:
+    """llama.cpp name -> the checkpoint's values (float32), experts stacked, built independently of the plan."""
+    idx = CheckpointIndex.open(folder)
+    cfg = idx.config
+    get = lambda n: read_tensor(idx[n]).float()  # noqa: E731
+    want = {"token_embd.weight": get("model.embed_tokens.weight"), "output_norm.weight": get("model.norm.weight"),
+            "output.weight": get("lm_head.weight")}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        want[f"blk.{n}.attn_norm.weight"] = get(f"{p}.input_layernorm.weight")
+        want[f"blk.{n}.ffn_norm.weight"] = get(f"{p}.post_attention_layernorm.weight")
+        want[f"blk.{n}.ffn_gate_inp.weight"] = get(f"{p}.mlp.gate.weight")
+        for hf, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
+                       ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
+            want[f"blk.{n}.{gg}.weight"] = get(f"{p}.self_attn.{hf}.weight")
+        for hf, gg in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            want[f"blk.{n}.ffn_{gg}_exps.weight"] = torch.stack(
+                [get(f"{p}.mlp.experts.{e}.{hf}.weight") for e in range(cfg["num_experts"])])
+    return want
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32", "f16"])
+def test_round_trip_names_shapes_values(tiny, tmp_path, dtype):
+    out = tmp_path / "m.gguf"
+    summary = export_gguf(tiny, out, dtype)
+    assert out.is_file() and not (tmp_path / "m.gguf.partial").exists()
+    got, want = _tensors(out), _expected(tiny)
+    assert set(got) == set(want)
+    assert summary["tensors"] == len(want)
+    E, I, H = TINY.num_experts, TINY.moe_intermediate_size, TINY.hidden_size
+    assert got["blk.1.ffn_gate_exps.weight"][1] == (E, I, H)
+    assert got["blk.1.ffn_down_exps.weight"][1] == (E, H, I)
+    for name, (kind, shape, values) in got.items():
+        assert shape == tuple(want[name].shape), name
+        one_d_or_router = len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
+        assert kind == ("F32" if one_d_or_router else dtype.upper()), name
+        if dtype == "f16" and not one_d_or_router:  # bf16 -> f16 rounds: close, not equal
+            torch.testing.assert_close(values, want[name], rtol=1e-3, atol=1e-6, msg=name)
+        else:  # bf16 bytes copied, or widened to f32: exact
+            assert torch.equal(values, want[name]), name
+
+
+def test_hparams(tiny, tmp_path):
+    out = tmp_path / "m.gguf"
+    export_gguf(tiny, out, "bf16")
+    f = gguf.GGUFReader(out).fields
+    kv = lambda k: f[k].contents()  # noqa: E731
+    assert kv("general.architecture") == "qwen3moe"
+    assert kv("general.file_type") == gguf.LlamaFileType.MOSTLY_BF16
+    assert kv("qwen3moe.block_count") == TINY.num_layers
+    assert kv("qwen3moe.embedding_length") == TINY.hidden_size
+    assert kv("qwen3moe.attention.head_count") == TINY.num_heads
+    assert kv("qwen3moe.attention.head_count_kv") == TINY.num_kv_heads
+    assert kv("qwen3moe.attention.key_length") == kv("qwen3moe.attention.value_length") == TINY.head_dim
+    assert kv("qwen3moe.expert_count") == TINY.num_experts
+    assert kv("qwen3moe.expert_used_count") == TINY.top_k
+    assert kv("qwen3moe.expert_feed_forward_length") == TINY.moe_intermediate_size
+    assert kv("qwen3moe.rope.freq_base") == pytest.approx(1e6)
+    assert kv("qwen3moe.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+
+
+def test_tokenizer_metadata(tiny, tmp_path):
+    out = tmp_path / "m.gguf"
+    export_gguf(tiny, out, "bf16")
+    f = gguf.GGUFReader(out).fields
+    kv = lambda k: f[k].contents()  # noqa: E731
+    tok = Tokenizer.from_folder(tiny)
+    cfg = json.loads((tiny / "config.json").read_text())
+    tokens, types = kv("tokenizer.ggml.tokens"), kv("tokenizer.ggml.token_type")
+    assert kv("tokenizer.ggml.model") == "gpt2" and kv("tokenizer.ggml.pre") == "gpt-2"
+    assert len(tokens) == len(types) == cfg["vocab_size"]
+    for i, t in enumerate(tokens):  # every id llama.cpp knows is the tokenizer's string for that id, or padding
+        assert t == (tok.id_to_token(i) if i < tok.vocab_size else f"[PAD{i}]")
+    specials = {tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    assert all(types[i] == gguf.TokenType.CONTROL for i in specials)
+    assert types[10] == gguf.TokenType.NORMAL
+    merges = json.loads((tiny / "tokenizer.json").read_text())["model"]["merges"]
+    assert kv("tokenizer.ggml.merges") == [m if isinstance(m, str) else " ".join(m) for m in merges]
+    assert kv("tokenizer.ggml.eos_token_id") == tok.eos_token_id == cfg["eos_token_id"]
+    assert kv("tokenizer.ggml.bos_token_id") == cfg["bos_token_id"]
+    assert kv("tokenizer.ggml.padding_token_id") == tok.pad_token_id
+    assert kv("tokenizer.ggml.add_bos_token") is False
+    assert kv("tokenizer.chat_template") == tok.chat_template
+
+
+def test_fused_layout_gives_the_same_tensors(tiny, tmp_path):
+    fused = make_model(tmp_path / "fused", dataclasses.replace(TINY, layout="fused"), progress=False)
+    export_gguf(tiny, tmp_path / "a.gguf", "bf16")
+    export_gguf(fused, tmp_path / "b.gguf", "bf16")
+    a, b = _tensors(tmp_path / "a.gguf"), _tensors(tmp_path / "b.gguf")
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name][:2] == b[name][:2] and torch.equal(a[name][2], b[name][2]), name
+
+
+def test_plan_streams_one_tensor_at_a_time(tiny):
+    """The plan holds references only (nothing read); an expert stack names its E per-expert sources in order."""
+    plan = {t.name: t for t in tensor_plan(CheckpointIndex.open(tiny))}
+    stack = plan["blk.0.ffn_up_exps.weight"]
+    assert [r.name for r in stack.sources] == [f"model.layers.0.mlp.experts.{e}.up_proj.weight"
+                                               for e in range(TINY.num_experts)]
+
+
+def test_unsupported_configs_are_refused(tiny, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny.iterdir():
+        (bad / f.name).symlink_to(f)
+    cfg = json.loads((tiny / "config.json").read_text())
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": False}))
+    with pytest.raises(ExportError, match="norm_topk_prob"):
+        export_gguf(bad, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.partial").exists()
+    with pytest.raises(ExportError, match="pre_tokenizer"):
+        pre_tokenizer_name({"type": "Whitespace"})
+
+
+def test_cli(tiny, tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    assert cli.main(["export-gguf", str(tiny), str(out), "--dtype", "f32", "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["dtype"] == "f32" and summary["bytes"] == out.stat().st_size
