@@ -1,6 +1,14 @@
 """Prerouters: guess the next MoE layer's experts early so their reads overlap this layer's compute.
 
 Predictions only drive prefetch; the true router always decides, so output never depends on them.
+  - RouterPrerouter (`prefetch="router"`): training-free, the next layer's router on the current residual stream.
+  - LearnedPrerouter (`prefetch="learned"`): one small head per layer, fit by `sluice prerouter fit`
+    (sluice/prerouter_fit.py) and read from MODEL/prerouter.safetensors:
+        heads.{L}.weight [E, H], heads.{L}.bias [E]      (+ heads.{L}.up.weight [D, H], heads.{L}.down.weight [E, D]
+                                                           for kind "mlp")
+    where L is the layer whose post-attention x the head reads; it predicts the next MoE layer after L. The
+    metadata holds the format, the kind, and the model's fingerprint (shapes, config.json hash, routers' hash),
+    so heads fit for another model are refused instead of silently prefetching the wrong experts.
 """
 
 from __future__ import annotations
@@ -47,7 +55,6 @@ class RouterPrerouter:
 PREROUTER_FILE = "prerouter.safetensors"  # beside the model's config.json; `--prefetch learned` reads it
 FORMAT = "sluice-prerouter/1"
 HEAD_KINDS = ("linear", "mlp")
-_FINGERPRINT_KEYS = ("num_layers", "hidden_size", "num_experts", "top_k", "config_sha256", "routers_sha256")
 
 
 def next_moe_layers(spec: Spec) -> dict[int, int]:

@@ -18,6 +18,7 @@ from ..commands.common import add_model_arguments
 from ..errors import SluiceError
 from ..options import LoadOptions
 from . import BenchError
+from .peers import is_peer, parse_peer
 
 _NAME = re.compile(r"[A-Za-z0-9_.+:@-]+")
 _PLACEHOLDER = "MODEL"  # add_model_arguments declares the positional MODEL; arms never give one
@@ -25,15 +26,20 @@ _PLACEHOLDER = "MODEL"  # add_model_arguments declares the positional MODEL; arm
 
 @dataclass(frozen=True)
 class Arm:
-    """One configuration under test. `options` are LoadOptions keyword arguments; `flags` is what the user wrote."""
+    """One configuration under test. `options` are LoadOptions keyword arguments; `flags` is what the user wrote.
+    A peer arm (`peer:llama.cpp ...`, see peers.py) names its tool in `peer` and holds that tool's options."""
 
     name: str
     flags: str
     options: dict[str, Any] = field(default_factory=dict)
+    peer: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """name, flags and options as written to results.json."""
-        return {"name": self.name, "flags": self.flags, "options": dict(self.options)}
+        """name, flags, options (and the peer, for a peer arm) as written to results.json."""
+        out = {"name": self.name, "flags": self.flags, "options": dict(self.options)}
+        if self.peer is not None:
+            out["peer"] = self.peer
+        return out
 
 
 class _ParseError(Exception):
@@ -79,13 +85,16 @@ def parse_flags(name: str, flags: str) -> dict[str, Any]:
 
 
 def parse_arm(spec: str) -> Arm:
-    """`NAME=FLAGS` -> Arm. FLAGS may be empty (all defaults)."""
+    """`NAME=FLAGS` -> Arm. FLAGS may be empty (all defaults), or `peer:KIND [options]` for a peer arm."""
     name, sep, flags = spec.partition("=")
     name = name.strip()
     if not sep or not name:
         raise BenchError(f"--arm {spec!r}: expected NAME='FLAGS', e.g. --arm direct='--io direct --memory 2GiB'")
     if not _NAME.fullmatch(name):
         raise BenchError(f"--arm {spec!r}: the name {name!r} may hold letters, digits and _ . + : @ - only")
+    if is_peer(flags):
+        kind, options = parse_peer(name, flags)
+        return Arm(name, flags.strip(), options, peer=kind)
     return Arm(name, flags.strip(), parse_flags(name, flags))
 
 

@@ -119,6 +119,18 @@ def child_argv(mode: str, model: str, options: dict[str, Any], **extra: Any) -> 
     return argv
 
 
+def arm_argv(arm, mode: str, model: str, peer_python: str | None = None, **extra: Any) -> list[str]:
+    """argv of the child that runs `arm` (an arms.Arm): sluice's child, or for a peer arm the peer child run by the
+    peers' interpreter (`peer_python`), which replays only (a peer never generates the reference sequence)."""
+    if arm.peer is None:
+        return child_argv(mode, model, arm.options, **extra)
+    if mode != "replay":
+        raise BenchError(f"arm {arm.name!r} is a peer ({arm.peer}); the first (reference) arm must be a sluice arm")
+    from .peers import peer_argv
+
+    return peer_argv(str(peer_python), arm.peer, arm.options, model, **extra)
+
+
 def _last_json(text: str) -> dict[str, Any] | None:
     for line in reversed(text.splitlines()):
         if line.startswith("{"):

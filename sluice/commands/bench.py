@@ -23,7 +23,8 @@ from tqdm import tqdm
 from ..bench import BenchError
 from ..bench import disk as diskmod
 from ..bench.arms import Arm, parse_arms
-from ..bench.launch import check_ceiling, child_argv, model_files, prepare, run_child
+from ..bench.launch import arm_argv, check_ceiling, child_argv, model_files, prepare, run_child
+from ..bench.peers import check_peer, peer_files
 from ..bench.protocol import Run, identity, pair, rotation, summarize
 from ..bench.report import markdown, write_all
 from ..options import format_bytes, parse_size
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exit 1 if any arm's argmax differs from the reference's at any replayed step")
     p.add_argument("--no-floor", action="store_true", help="do not measure the disk; report no I/O floor")
     p.add_argument("--disk", metavar="PATH", help="measure the disk holding PATH, cache the result, and exit")
+    p.add_argument("--peer-python", metavar="PATH",
+                   help="interpreter of the peers' environment, for `peer:llama.cpp` / `peer:accelerate` arms "
+                        "(bash benchmarks/peers/setup.sh makes benchmarks/peers/.venv/bin/python)")
     p.add_argument("--disk-size", metavar="SIZE", default="1GiB",
                    help="temporary file size of the disk measurement (1GiB)")
 
@@ -96,7 +100,9 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, arms: list[Arm], ceiling: int | None):
         self.args, self.arms, self.ceiling = args, arms, ceiling
-        self.files = model_files(args.model)
+        # peers' own files (llama.cpp's GGUF) are evicted and verified cold with the model's
+        extra = [f for a in arms if a.peer for f in peer_files(a.peer, a.options, args.model)]
+        self.files = sorted({f.resolve() for f in [*model_files(args.model), *extra]})
         self.page_cache = "cold" if args.cold else "warm" if args.warm else None
         self.runs: list[Run] = []
         self.progress = tqdm(total=1 + args.rounds * len(arms), unit="run", file=sys.stderr, disable=None,
@@ -132,7 +138,8 @@ class Bench:
             what = f"arm {name!r} round {rnd}"
             self.progress.set_description(f"round {rnd}/{self.args.rounds} {name}")
             res = self._prepare(what)
-            argv = child_argv("replay", self.args.model, by_name[name].options, work=work, warmup=self.args.warmup)
+            argv = arm_argv(by_name[name], "replay", self.args.model, self.args.peer_python, work=work,
+                            warmup=self.args.warmup)
             got = run_child(argv, self.ceiling)
             err = got.error()
             run = Run(name, rnd, pos, record=got.record if err is None else None, error=err, oom=got.oom_killed,
@@ -161,7 +168,7 @@ class Bench:
                 "prompt": a.prompt, "prompt_tokens": len(sequence["prompt_ids"]), "temperature": a.temperature,
                 "seed": a.seed, "page_cache": self.page_cache, "ceiling": self.ceiling,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
-                "cpus": os.cpu_count(), "python": platform.python_version(),
+                "cpus": os.cpu_count(), "python": platform.python_version(), "peer_python": a.peer_python,
             },
             "disk": None if disk is None else {
                 "bytes_per_s": bw, "best": diskmod.describe(disk["best"]), "device": disk["device"],
@@ -180,6 +187,12 @@ def main(args: argparse.Namespace) -> int:
         return disk_main(args)
     _check(args)
     arms = parse_arms(args.arm)
+    if arms[0].peer is not None:
+        raise BenchError(f"the first arm is the reference and must be a sluice arm, not the peer {arms[0].name!r}: "
+                         "it draws the prompt and generates the sequence every arm replays")
+    for arm in arms:
+        if arm.peer is not None:
+            check_peer(arm.peer, arm.options, args.model, args.peer_python)
     ceiling = parse_size(args.ceiling, "ceiling") if args.ceiling else None
     if ceiling is not None:
         check_ceiling(ceiling)  # before anything runs: no cgroup is a setup error, not a per-arm result

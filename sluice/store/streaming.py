@@ -17,7 +17,7 @@ top_k). With a cache larger than the working set this is plain LRU.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Sequence
 
 import torch
@@ -31,6 +31,10 @@ from .resident import expert_requests
 
 class StreamingExpertStore:
     """`slots` expert slots; misses are read by `reader` straight into the slot buffers."""
+
+    PREFETCH_WINDOW = 128
+    PREFETCH_MIN_PRECISION = 0.2
+    PREFETCH_COOLDOWN = 64
 
     def __init__(self, layout: ExpertLayout, reader, slots: int, plan: BudgetPlan | None = None):
         s = layout.spec
@@ -55,6 +59,12 @@ class StreamingExpertStore:
         self._prefetched: set[tuple[int, int]] = set()  # brought in by prefetch, not used yet
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the prerouter predicted for it
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
+        # Throttle: outcomes (1 used, 0 wasted) of recent prefetches; when precision over a full window drops below
+        # PREFETCH_MIN_PRECISION, prefetch pauses for PREFETCH_COOLDOWN calls (wasted reads compete with demand
+        # reads for the same disk), then tries again.
+        self._outcomes: deque[int] = deque(maxlen=self.PREFETCH_WINDOW)
+        self._cooldown = 0
+        self.prefetch_paused = 0
         self.predicted_true = self.true_total = 0  # prerouter recall: predicted & true / true
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
         self.hits = self.misses = self.evictions = self.bytes_read = 0
@@ -118,6 +128,7 @@ class StreamingExpertStore:
         if key in self._prefetched:
             self._prefetched.discard(key)
             self.prefetch_wasted += 1
+            self._outcomes.append(0)
         self._owner[slot] = None
         self.evictions += 1
         return slot
@@ -146,6 +157,7 @@ class StreamingExpertStore:
                 if key in self._prefetched:
                     self._prefetched.discard(key)
                     self.prefetch_used += 1
+                    self._outcomes.append(1)
                 fut = self._pending.pop(key, None)
                 if fut is not None:
                     waits.append((key, fut))
@@ -194,6 +206,16 @@ class StreamingExpertStore:
         layer's prediction. The true router still decides: a wrong guess only costs the read.
         """
         self._predicted[layer] = set(experts)
+        if self._cooldown > 0:
+            self._cooldown -= 1
+            self.prefetch_paused += 1
+            return
+        if len(self._outcomes) == self.PREFETCH_WINDOW and sum(self._outcomes) < self.PREFETCH_MIN_PRECISION * len(
+            self._outcomes
+        ):
+            self._outcomes.clear()
+            self._cooldown = self.PREFETCH_COOLDOWN
+            return
         requests, keys = [], []
         for e in experts:
             key = (layer, e)
@@ -228,6 +250,7 @@ class StreamingExpertStore:
             "prefetch_wasted": self.prefetch_wasted,
             "prefetch_wasted_bytes": self.prefetch_wasted * self.layout.expert_nbytes,
             "prefetch_precision": round(self.prefetch_used / self.prefetch_issued, 4) if self.prefetch_issued else 0.0,
+            "prefetch_paused": self.prefetch_paused,
             "prefetch_recall": round(self.predicted_true / self.true_total, 4) if self.true_total else 0.0,
         }
 

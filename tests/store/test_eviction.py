@@ -72,3 +72,17 @@ def test_acquire_never_evicts_its_own_hits():
     store.release(0)
     store.acquire(0, [1, 2, 3, 4])  # three hits must survive the miss of 4
     assert store.hits == 3 and store.misses == 5
+
+
+def test_prefetch_pauses_when_it_is_mostly_wasted():
+    store = _store(LAYERS * TOP_K)
+    rng = random.Random(1)
+    for _ in range(100):
+        for layer in range(LAYERS):
+            store.acquire(layer, sorted(rng.sample(range(12), TOP_K)))
+            # predict experts the next acquire never asks for (12..15 are never routed below)
+            store.prefetch((layer + 1) % LAYERS, [12, 13, 14, 15])
+            store.release(layer)
+    st = store.stats()
+    assert st["prefetch_paused"] > 0
+    assert st["prefetch_issued"] < 100 * LAYERS * 4  # it stopped issuing for a while

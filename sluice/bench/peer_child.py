@@ -1,0 +1,268 @@
+"""One peer run in a fresh process, in the peers' environment: `PYTHON peer_child.py replay --peer KIND ...`.
+
+Run as a script by the interpreter of benchmarks/peers/.venv (see sluice/bench/peers.py), so it imports nothing from
+sluice: the standard library here, and the peer's own packages inside its function. It prints one JSON line shaped
+like sluice's child's record (argmax, step times, the timed window's counters, peak RSS), so the bench summarizes,
+pairs and identity-checks peers exactly as it does sluice's arms.
+
+    llama.cpp   llama_cpp.Llama on a GGUF; the prompt is evaluated in one batch, then each recorded token with
+                Llama.eval([token]) (teacher forcing); argmax of the logits llama.cpp computed for the last position.
+    accelerate  transformers from_pretrained(device_map="auto", max_memory={"cpu": ...}, offload_folder=...): what
+                does not fit is offloaded to disk; a forward over the prompt, then one forward per recorded token
+                with the KV cache (past_key_values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20, "G": 1e9, "GB": 1e9,
+          "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'256MiB' -> bytes (the same spellings as sluice's --memory)."""
+    m = _SIZE.match(text)
+    if not m or (m.group(2) or "").upper() not in _UNITS:
+        raise ValueError(f"not a size: {text!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process made the block layer fetch (/proc/self/io read_bytes); 0 where unreadable."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def memory_status() -> dict[str, int]:
+    """VmHWM (peak RSS), RssAnon, RssFile in bytes, from /proc/self/status."""
+    keys = {"VmHWM:": "peak_rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes"}
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            parts = line.split()
+            if parts and parts[0] in keys:
+                out[keys[parts[0]]] = int(parts[1]) * 1024
+    return out
+
+
+def counters() -> dict[str, float]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"disk_read_bytes": disk_read_bytes(), "major_faults": ru.ru_majflt, "minor_faults": ru.ru_minflt,
+            "cpu_s": ru.ru_utime + ru.ru_stime, "wall_s": time.perf_counter()}
+
+
+def evict(path: str) -> None:
+    """Drop a file's clean pages from the page cache (written pages are synced first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class Steps:
+    """Per-step times and counters of a replay; the timed window opens after `warmup` decode steps."""
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.step_s: list[float] = []
+        self.marks: list[dict[str, float]] = []  # counters after the prefill and after each decode step
+
+    def mark(self) -> None:
+        self.marks.append(counters())
+
+    def record(self) -> dict[str, Any]:
+        start, end = self.marks[self.warmup], self.marks[-1]
+        window = {k: end[k] - start[k] for k in end}
+        timed = self.marks[self.warmup:]
+        window.update(steps=len(self.step_s) - self.warmup, hits=0, misses=0)  # no expert cache: no hit rate
+        return {
+            "warmup_step_s": self.step_s[:self.warmup],
+            "step_s": self.step_s[self.warmup:],
+            "step_disk_read_bytes": [b["disk_read_bytes"] - a["disk_read_bytes"] for a, b in zip(timed, timed[1:])],
+            "step_major_faults": [b["major_faults"] - a["major_faults"] for a, b in zip(timed, timed[1:])],
+            "window": window,
+        }
+
+
+# -- llama.cpp -------------------------------------------------------------------------------------------------------
+_MADVISE = {"random": 1, "sequential": 2, "willneed": 3}  # MADV_* on Linux
+
+
+def madvise_file_mappings(path: str, advice: str) -> int:
+    """madvise every mapping of `path` in this process (llama.cpp's mmap of the GGUF); returns bytes advised."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    real, total = os.path.realpath(path), 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() == real:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if libc.madvise(lo, hi - lo, _MADVISE[advice]) != 0:
+                    raise OSError(ctypes.get_errno(), f"madvise({advice}) failed on {real}")
+                total += hi - lo
+    return total
+
+
+def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int], warmup: int) -> dict[str, Any]:
+    import inspect
+
+    import llama_cpp
+    import numpy as np
+
+    threads = opts.get("threads") or os.cpu_count() or 1
+    params: dict[str, Any] = dict(
+        model_path=opts["gguf"], n_ctx=max(512, len(prompt) + len(tokens) + 16), n_batch=opts.get("n_batch", 512),
+        n_threads=threads, n_threads_batch=threads, use_mmap=opts.get("mmap", True),
+        use_mlock=opts.get("mlock", False), logits_all=False, verbose=False,
+    )
+    accepted = inspect.signature(llama_cpp.Llama.__init__).parameters
+    if "use_extra_bufts" in accepted:  # see peers.py: the AMX repack path raised SIGILL here on quantized GGUFs
+        params["use_extra_bufts"] = bool(opts.get("extra_bufts", False))
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(**params)
+    load_s = time.perf_counter() - t0
+    advised = madvise_file_mappings(opts["gguf"], opts["madvise"]) if opts.get("madvise") else 0
+
+    def argmax() -> int:
+        return int(np.argmax(llm.scores[llm.n_tokens - 1]))  # logits of the last evaluated position
+
+    steps = Steps(warmup)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    out = [argmax()]
+    prefill_s = time.perf_counter() - t0
+    steps.mark()
+    for tok in tokens:
+        t0 = time.perf_counter()
+        llm.eval([tok])
+        out.append(argmax())
+        steps.step_s.append(time.perf_counter() - t0)
+        steps.mark()
+    settings = {k: v for k, v in params.items() if k != "model_path"}
+    settings.update(gguf=opts["gguf"], madvise=opts.get("madvise"), madvised_bytes=advised,
+                    use_extra_bufts=params.get("use_extra_bufts", "not a parameter of this llama-cpp-python"),
+                    system_info=llama_cpp.llama_print_system_info().decode(errors="replace").strip())
+    if hasattr(llm, "close"):  # frees the model and context now, not at interpreter exit
+        llm.close()
+    return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, **steps.record(),
+            "peer": {"kind": "llama.cpp", "version": llama_cpp.__version__, "settings": settings}}
+
+
+# -- transformers + accelerate ---------------------------------------------------------------------------------------
+def replay_accelerate(model: str, opts: dict[str, Any], prompt: list[int], tokens: list[int],
+                      warmup: int) -> dict[str, Any]:
+    import accelerate
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if opts.get("threads"):
+        torch.set_num_threads(opts["threads"])
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    dtype = opts.get("dtype") or config.get("dtype") or config.get("torch_dtype") or "float32"
+    own_folder = not opts.get("offload_folder")
+    offload = opts.get("offload_folder") or tempfile.mkdtemp(prefix="sluice-peer-offload-")
+    try:
+        t0 = time.perf_counter()
+        lm = AutoModelForCausalLM.from_pretrained(
+            model, dtype=getattr(torch, dtype), device_map="auto",
+            max_memory={"cpu": parse_size(opts.get("max_memory", "256MiB"))}, offload_folder=offload)
+        lm.eval()
+        load_s = time.perf_counter() - t0
+        # Loading read the checkpoint and (MoE experts are fused at load) re-saved the offloaded weights: drop both
+        # from the page cache so the replay starts as cold as every other arm's.
+        written = []
+        for root, _, files in os.walk(offload):
+            written += [os.path.join(root, n) for n in files]
+        for path in written + [os.path.join(model, n) for n in os.listdir(model)]:
+            if os.path.isfile(path):
+                evict(path)
+        device_map = getattr(lm, "hf_device_map", {}) or {}
+        placed: dict[str, int] = {}
+        for dev in device_map.values():
+            placed[str(dev)] = placed.get(str(dev), 0) + 1
+
+        steps = Steps(warmup)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            o = lm(input_ids=torch.tensor([prompt]), use_cache=True)
+            past = o.past_key_values
+            out = [int(o.logits[0, -1].argmax())]
+            prefill_s = time.perf_counter() - t0
+            steps.mark()
+            for tok in tokens:
+                t0 = time.perf_counter()
+                o = lm(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                past = o.past_key_values
+                out.append(int(o.logits[0, -1].argmax()))
+                steps.step_s.append(time.perf_counter() - t0)
+                steps.mark()
+        offload_bytes = sum(os.path.getsize(p) for p in written if os.path.isfile(p))
+    finally:
+        if own_folder:
+            shutil.rmtree(offload, ignore_errors=True)
+    settings = {"device_map": "auto", "max_memory_cpu": opts.get("max_memory", "256MiB"), "dtype": dtype,
+                "offload_folder": "temporary" if own_folder else offload, "offload_files_written": len(written),
+                "offload_bytes_written": offload_bytes, "modules_by_device": placed,
+                "evicted_after_load": True, "threads": torch.get_num_threads()}
+    return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, **steps.record(),
+            "peer": {"kind": "accelerate", "version": f"transformers {transformers.__version__}, accelerate "
+                     f"{accelerate.__version__}, torch {torch.__version__}", "settings": settings}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="peer_child.py", description=__doc__)
+    p.add_argument("mode", choices=["replay"])
+    p.add_argument("--peer", required=True, choices=["llama.cpp", "accelerate"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--options", default="{}", help="the peer's options as JSON")
+    p.add_argument("--work", required=True, help="JSON file holding prompt_ids and tokens")
+    p.add_argument("--warmup", type=int, default=0, help="untimed decode steps first")
+    a = p.parse_args(argv)
+    opts = json.loads(a.options)
+    with open(a.work) as f:
+        work = json.load(f)
+    prompt, tokens = list(work["prompt_ids"]), list(work["tokens"])
+    if a.warmup >= len(tokens):
+        print(json.dumps({"ok": False, "error": f"{len(tokens)} tokens leave no timed step after {a.warmup} warm-up"}))
+        return 2
+    try:
+        if a.peer == "llama.cpp":
+            rec = replay_llama_cpp(opts, prompt, tokens, a.warmup)
+        else:
+            rec = replay_accelerate(a.model, opts, prompt, tokens, a.warmup)
+    except (OSError, ValueError, ImportError) as e:  # a missing file, a bad option, a peer not installed
+        traceback.print_exc()
+        print(json.dumps({"ok": False, "error": f"{a.peer}: {type(e).__name__}: {e}"}), flush=True)
+        return 2
+    mem = memory_status()
+    rec.update(ok=True, peak_rss_bytes=mem.get("peak_rss_bytes", 0), stats=mem)
+    print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Learned prerouter: fit records the router's true choices, writes a heads file that `prefetch="learned"` loads,
+output stays exact, and a missing or stale file is a clean CheckpointError."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sluice
+from sluice.checkpoint.safetensors import read_header, write_safetensors
+from sluice.errors import CheckpointError
+from sluice.prerouter import (PREROUTER_FILE, Head, LearnedPrerouter, RouterPrerouter, load_heads,
+                              model_fingerprint, next_moe_layers)
+from sluice.prerouter_fit import FitOptions, corpus_ids, fit, record
+from sluice.tokenizer_train import train_tokenizer
+from sluice.weights import resident_refs
+
+from .models.tiny import hf_model, write_checkpoint
+
+IDS = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+OPTS = FitOptions(tokens=640, seq_len=128, epochs=6)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """Tiny qwen3_moe (3 layers, layer 1 dense: heads 0 and 1 both predict layer 2), 8 experts top-2, tokenizer."""
+    folder = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path_factory.mktemp("pr"), "per_expert")
+    train_tokenizer(folder, vocab_size=300)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fitted(model_dir):
+    report = fit(model_dir, OPTS, progress=False)
+    return model_dir, report
+
+
+def _streamed_memory(folder, slots: int) -> int:
+    with sluice.load(folder) as m:
+        return m.resident_bytes + slots * m.layout.expert_nbytes
+
+
+def test_fit_writes_heads_and_reports_recall(fitted):
+    folder, report = fitted
+    path = folder / PREROUTER_FILE
+    assert report.path == path and path.is_file()
+    assert [(r.source, r.target) for r in report.layers] == [(0, 2), (1, 2)]  # the dense layer 1 is skipped
+    _, meta = read_header(path)
+    assert meta["kind"] == "linear" and meta["format"].startswith("sluice-prerouter/")
+    assert json.loads(meta["report"])["layers"][0]["source"] == 0
+    for r in report.layers:
+        assert all(0.0 <= v <= 1.0 for v in (*r.router, *r.learned))
+        assert r.router[1] >= r.router[0] and r.learned[1] >= r.learned[0]  # a margin only adds candidates
+    # Each head starts at the router and keeps the epoch best on validation tokens, so on held-out tokens it should
+    # not be much worse; random weights promise no more than that (measured here: 79% -> 80% at k).
+    assert report.mean("learned", 0) >= report.mean("router", 0) - 0.05
+    assert report.heldout_tokens == 64 and report.train_tokens == 576
+
+
+def test_recorded_ids_are_the_routers_choices(model_dir):
+    """The recorder recomputes each MoE layer's top-k from the x it is handed; the store counts what the model
+    really acquired: the two histograms agree exactly."""
+    with sluice.load(model_dir, max_context=64) as m:
+        ids = corpus_ids(m, None, 96)
+        before = m.store.usage.clone()
+        rec = record(m, ids, seq_len=64, progress=False)
+        used = m.store.usage - before  # [layers, E]
+        assert m.model.prerouter is None  # the slot is given back
+        for M, true in rec.ids.items():
+            assert torch.equal(torch.bincount(true.flatten(), minlength=m.spec.num_experts), used[M])
+        # and the model still generates from a clean cache afterwards
+        assert len(list(m.generate_tokens(IDS, max_tokens=3, stop_at_eos=False))) == 3
+
+
+def test_router_start_predicts_like_router_prerouter(model_dir):
+    """A head at its starting point (router with the norm folded in, zero bias) ranks like RouterPrerouter."""
+    with sluice.load(model_dir, dtype="float32") as m:
+        s, w = m.spec, m.model.w
+        heads = {L: Head(w.layers[M].router * w.layers[M].post_norm[None, :], torch.zeros(s.num_experts))
+                 for L, M in next_moe_layers(s).items()}
+        learned, router = LearnedPrerouter(s, heads, margin=1), RouterPrerouter(s, w, margin=1)
+        x = torch.randn(16, s.hidden_size, generator=torch.Generator().manual_seed(0))
+        for L in range(s.n_layers):
+            for t in range(16):
+                assert learned.predict(L, x[t : t + 1]) == router.predict(L, x[t : t + 1])
+
+
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+def test_learned_prefetch_keeps_output_exact(fitted, io):
+    folder, _ = fitted
+    memory = _streamed_memory(folder, 3)  # top_k + 1 slots: prefetch has to evict
+    with sluice.load(folder, memory=memory, io=io) as m:
+        ref_logits = m.logits(IDS)
+        ref = list(m.generate_tokens(IDS, max_tokens=10, stop_at_eos=False))
+    with sluice.load(folder, memory=memory, io=io, prefetch="learned", prefetch_margin=1) as m:
+        assert isinstance(m.model.prerouter, LearnedPrerouter)
+        logits = m.logits(IDS)
+        out = list(m.generate_tokens(IDS, max_tokens=10, stop_at_eos=False))
+        st = m.stats()
+    assert torch.equal(logits, ref_logits)
+    assert out == ref
+    assert st["prefetch_issued"] > 0 and 0.0 < st["prefetch_recall"] <= 1.0
+
+
+def test_mlp_heads_and_no_tokenizer(tmp_path):
+    """A model without tokenizer.json is recorded on random ids; mlp heads round-trip through the file."""
+    folder = write_checkpoint(hf_model("mixtral", torch.bfloat16), tmp_path / "mx", "fused")
+    report = fit(folder, FitOptions(tokens=160, seq_len=64, epochs=2, kind="mlp", hidden=16), progress=False)
+    assert report.kind == "mlp" and [(r.source, r.target) for r in report.layers] == [(0, 1)]
+    with sluice.load(folder, memory=_streamed_memory(folder, 2), prefetch="learned") as m:
+        assert m.model.prerouter.heads[0].up.shape == (16, m.spec.hidden_size)
+        ids = list(m.generate_tokens(IDS, max_tokens=4, stop_at_eos=False))
+    with sluice.load(folder, memory=_streamed_memory(folder, 2)) as m:
+        assert list(m.generate_tokens(IDS, max_tokens=4, stop_at_eos=False)) == ids
+
+
+def test_missing_file_names_it_and_the_fit_command(model_dir, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns(PREROUTER_FILE))
+    with pytest.raises(CheckpointError) as e:
+        sluice.load(folder, memory=_streamed_memory(folder, 2), prefetch="learned")
+    assert e.value.file == str(folder / PREROUTER_FILE)
+    assert f"sluice prerouter fit {folder}" in str(e.value)
+
+
+def test_stale_file_is_rejected(fitted, tmp_path):
+    folder, _ = fitted
+    # same config, other weights: only the routers' hash tells them apart
+    other = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16, seed=1), tmp_path / "other", "per_expert")
+    shutil.copy(folder / PREROUTER_FILE, other / PREROUTER_FILE)
+    with pytest.raises(CheckpointError) as e:
+        sluice.load(other, memory=_streamed_memory(other, 2), prefetch="learned")
+    assert "stale" in str(e.value) and "routers_sha256" in str(e.value) and "config_sha256" not in str(e.value)
+    assert e.value.file == str(other / PREROUTER_FILE) and "sluice prerouter fit" in str(e.value)
+    # an edited config.json
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config_sha256"):
+        sluice.load(other, memory=_streamed_memory(other, 2), prefetch="learned")
+
+
+def test_wrong_shapes_and_foreign_files_are_rejected(fitted, tmp_path):
+    folder, _ = fitted
+    with sluice.load(folder) as m:
+        s = m.spec
+        fp = model_fingerprint(s, m.index.config, resident_refs(m.index, s, m.arch))
+    heads, meta = load_heads(folder / PREROUTER_FILE, s, fp)
+    assert set(heads) == {0, 1}
+    bad = tmp_path / "bad.safetensors"
+    write_safetensors(bad, {"heads.0.weight": torch.zeros(3, 3)}, {"format": "pt"})
+    with pytest.raises(CheckpointError, match="not a sluice prerouter file"):
+        load_heads(bad, s, fp)
+    tensors = {"heads.0.weight": torch.zeros(s.num_experts, s.hidden_size + 1), "heads.0.bias": torch.zeros(8)}
+    write_safetensors(bad, tensors, {k: meta[k] for k in ("format", "kind", *fp)})
+    with pytest.raises(CheckpointError) as e:
+        load_heads(bad, s, fp)
+    assert e.value.tensor == "heads.0.weight" and "shape" in str(e.value)
+
+
+def test_cli_fit_and_learned_run(fitted, tmp_path):
+    folder, _ = fitted
+    out = tmp_path / "heads.safetensors"
+    r = subprocess.run([sys.executable, "-m", "sluice", "prerouter", "fit", str(folder), "--tokens", "200",
+                        "--seq-len", "64", "--epochs", "1", "--out", str(out), "--json", "--no-progress",
+                        "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["path"] == str(out) and out.is_file()
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare, ignore=shutil.ignore_patterns(PREROUTER_FILE))
+    r = subprocess.run([sys.executable, "-m", "sluice", "run", str(bare), "--prompt", "hi", "--prefetch", "learned",
+                        "--memory", str(_streamed_memory(bare, 2))], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert PREROUTER_FILE in r.stderr and "sluice prerouter fit" in r.stderr
