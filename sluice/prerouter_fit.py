@@ -13,6 +13,12 @@ It returns None, so nothing is prefetched and the forward pass is the plain one.
 The heads are fit with a multi-label loss on top-k membership and start at the training-free router (see `Head`),
 so training moves away from the router only where the data says so. The last `holdout` share of the recorded
 tokens (the tail of the corpus) is never trained on and gives the recall of `learned` vs `router`.
+
+Measured (held-out recall@k, router -> learned, 4096 tokens unless said): tiny qwen3_moe (hidden 64, 8 experts
+top-2): linear 81.3% -> 84.3%, mlp -> 85.9%; with 16384 tokens 76.7% -> 82.8% (linear), 84.2% (mlp). Random-weight
+synthetic models (make-model, 64 experts top-8) route almost by token embedding, the router already gets 96-98%
+and the heads stay at it (epoch 0). Linear is the default: smaller file, 2-3x faster to fit, and on 3.7k tokens of
+a hidden-256 model an unselected MLP overfit to 77% where the router had 96%.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class FitOptions:
     """How the heads are fit.
 
     tokens:   tokens recorded (teacher-forced one at a time) over the corpus; the last `holdout` share is held out.
+              The recording holds tokens x layers x hidden values in the compute dtype (4096 tokens of a 48-layer,
+              hidden-2048 bf16 model: 0.8 GB).
     seq_len:  tokens per sequence (each starts from an empty KV cache), capped by the model's context.
     kind:     "linear" (one [E, H] matrix + bias per layer on unit-RMS x) or "mlp" (linear + a SiLU MLP of `hidden`).
     epochs:   passes over the training tokens; batch: tokens per Adam step; lr: Adam's learning rate.

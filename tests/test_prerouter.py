@@ -26,6 +26,15 @@ IDS = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(3)).t
 OPTS = FitOptions(tokens=640, seq_len=128, epochs=6)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is fastest, and more only contend on a busy CI box (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """Tiny qwen3_moe (3 layers, layer 1 dense: heads 0 and 1 both predict layer 2), 8 experts top-2, tokenizer."""
@@ -57,7 +66,8 @@ def test_fit_writes_heads_and_reports_recall(fitted):
         assert all(0.0 <= v <= 1.0 for v in (*r.router, *r.learned))
         assert r.router[1] >= r.router[0] and r.learned[1] >= r.learned[0]  # a margin only adds candidates
     # Each head starts at the router and keeps the epoch best on validation tokens, so on held-out tokens it should
-    # not be much worse; random weights promise no more than that (measured here: 79% -> 80% at k).
+    # not be much worse; random weights promise no more than that. Measured on this model: 80.5% both at k=2 here
+    # (640 tokens: validation keeps the router), 81.3% -> 84.3% with the CLI's default 4096 tokens.
     assert report.mean("learned", 0) >= report.mean("router", 0) - 0.05
     assert report.heldout_tokens == 64 and report.train_tokens == 576
 

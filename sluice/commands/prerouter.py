@@ -57,8 +57,9 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict()))
         return 0
-    print(f"held-out recall over {report.heldout_tokens} tokens (trained on {report.train_tokens}; "
-          f"recorded in {report.record_s:.1f} s, fit in {report.fit_s:.1f} s), {report.kind} heads:")
+    print(f"{report.kind} heads, held-out recall over {report.heldout_tokens} tokens (trained on "
+          f"{report.train_tokens}, 10% of them picking each head's epoch; recorded in {report.record_s:.1f} s, "
+          f"fit in {report.fit_s:.1f} s):")
     print(report.table())
     print(f"wrote {report.path}", file=sys.stderr)
     return 0
