@@ -277,7 +277,7 @@ def finish(args, work: Path) -> None:
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", "utf-8")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(work / "tokenizer" / name, tmp / name)
-    # keep the report files of an earlier finish only if they are rewritten below
+    # replace the old folder, keeping the hand-written README section
     if out.exists():
         for keep in ("README_SECTION.md",):
             if (out / keep).exists():
@@ -335,7 +335,7 @@ def training_md(r: dict) -> str:
         "",
         "## Validation",
         "",
-        f"| weights | loss (nats/token) | perplexity | tokens |",
+        "| weights | loss (nats/token) | perplexity | tokens |",
         "| --- | --- | --- | --- |",
         f"| fp32 (trained) | {v32['loss']:.4f} | {v32['perplexity']:.2f} | {v32['tokens']:,} |",
         f"| bf16 (shipped) | {v['loss']:.4f} | {v['perplexity']:.2f} | {v['tokens']:,} |",

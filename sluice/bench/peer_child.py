@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import json
 import os
 import re
@@ -126,8 +127,6 @@ def madvise_file_mappings(path: str, advice: str) -> int:
 
 
 def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int], warmup: int) -> dict[str, Any]:
-    import inspect
-
     import llama_cpp
     import numpy as np
 
@@ -137,16 +136,28 @@ def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int],
         n_threads=threads, n_threads_batch=threads, use_mmap=opts.get("mmap", True),
         use_mlock=opts.get("mlock", False), logits_all=False, verbose=False,
     )
-    accepted = inspect.signature(llama_cpp.Llama.__init__).parameters
-    if "use_extra_bufts" in accepted:  # see peers.py: the AMX repack path raised SIGILL here on quantized GGUFs
-        params["use_extra_bufts"] = bool(opts.get("extra_bufts", False))
+    # use_extra_bufts (weight repacking buffers; the AMX path raised SIGILL on quantized GGUFs on this host) is a
+    # field of llama_model_params that Llama() does not take as an argument: set it in the defaults it starts from.
+    extra_bufts = bool(opts.get("extra_bufts", False))
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def model_params():
+        p = defaults()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = extra_bufts
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = model_params
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(**params)
     load_s = time.perf_counter() - t0
+    llama_cpp.llama_cpp.llama_model_default_params = defaults
     advised = madvise_file_mappings(opts["gguf"], opts["madvise"]) if opts.get("madvise") else 0
+    n_vocab = llm.n_vocab()
 
-    def argmax() -> int:
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))  # logits of the last evaluated position
+    def argmax() -> int:  # logits llama.cpp computed for the last evaluated position
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))
+        return int(np.argmax(logits))
 
     steps = Steps(warmup)
     t0 = time.perf_counter()
@@ -162,12 +173,17 @@ def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int],
         steps.mark()
     settings = {k: v for k, v in params.items() if k != "model_path"}
     settings.update(gguf=opts["gguf"], madvise=opts.get("madvise"), madvised_bytes=advised,
-                    use_extra_bufts=params.get("use_extra_bufts", "not a parameter of this llama-cpp-python"),
+                    use_extra_bufts=getattr(llm.model_params, "use_extra_bufts", "not in this llama.cpp"),
                     system_info=llama_cpp.llama_print_system_info().decode(errors="replace").strip())
     if hasattr(llm, "close"):  # frees the model and context now, not at interpreter exit
         llm.close()
     return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, **steps.record(),
             "peer": {"kind": "llama.cpp", "version": llama_cpp.__version__, "settings": settings}}
+
+
+def _cache_of(output: Any, name: str) -> Any:
+    cache = getattr(output, name, None)
+    return output.past_key_values if cache is None else cache
 
 
 # -- transformers + accelerate ---------------------------------------------------------------------------------------
@@ -205,18 +221,20 @@ def replay_accelerate(model: str, opts: dict[str, Any], prompt: list[int], token
         for dev in device_map.values():
             placed[str(dev)] = placed.get(str(dev), 0) + 1
 
+        # transformers >= 5.2x names the KV cache argument `cache` (past_key_values is deprecated)
+        cache_kw = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
         steps = Steps(warmup)
         with torch.inference_mode():
             t0 = time.perf_counter()
             o = lm(input_ids=torch.tensor([prompt]), use_cache=True)
-            past = o.past_key_values
+            past = _cache_of(o, cache_kw)
             out = [int(o.logits[0, -1].argmax())]
             prefill_s = time.perf_counter() - t0
             steps.mark()
             for tok in tokens:
                 t0 = time.perf_counter()
-                o = lm(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-                past = o.past_key_values
+                o = lm(input_ids=torch.tensor([[tok]]), use_cache=True, **{cache_kw: past})
+                past = _cache_of(o, cache_kw)
                 out.append(int(o.logits[0, -1].argmax()))
                 steps.step_s.append(time.perf_counter() - t0)
                 steps.mark()
