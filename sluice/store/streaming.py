@@ -83,17 +83,19 @@ class StreamingExpertStore:
     def nbytes(self) -> int:
         return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
 
-    def _victim(self, layer: int, for_prefetch: bool = False) -> int | None:
+    def _victim(self, layer: int, exclude: set | None = None) -> int | None:
         """A slot for an expert of `layer`: a free one, else one evicted by the fair-share LRU (module docstring).
 
-        Never a pinned slot. Prefetch also skips slots whose prefetch is still in flight and gets None when nothing
-        is left; a demand read may take an in-flight prefetch's slot after waiting for its read to land.
+        Never a pinned slot, nor one of `exclude` (the entries a prefetch call is placing right now). An entry
+        whose prefetch may still be in flight can be evicted: `_evict` waits for its read to land first. Returns
+        None when every slot is pinned or excluded (only prefetch can get there: acquire asks for <= max_batch).
         """
         if self._free:
             return self._free.pop()
+        exclude = exclude or set()
 
         def usable(key: tuple[int, int], slot: int) -> bool:
-            return slot not in self._pinned and not (for_prefetch and key in self._pending)
+            return slot not in self._pinned and key not in exclude
 
         own = self._by_layer[layer]
         if len(own) >= self.quota:
@@ -106,9 +108,7 @@ class StreamingExpertStore:
         for key, slot in self._lru.items():
             if usable(key, slot):
                 return self._evict(key)
-        if for_prefetch:
-            return None
-        raise RuntimeError("all expert slots are pinned")  # unreachable: acquire asks for <= max_batch experts
+        return None
 
     def _insert(self, key: tuple[int, int], slot: int) -> None:
         self._lru[key] = slot
@@ -167,6 +167,7 @@ class StreamingExpertStore:
             if slots[j] is None:
                 key = (layer, e)
                 slot = self._victim(layer)
+                assert slot is not None, "acquire asks for at most max_batch experts"
                 self._insert(key, slot)
                 self._pinned.add(slot)
                 requests += expert_requests(self.layout, layer, e, self.gate_up[slot], self.down[slot])
@@ -202,7 +203,7 @@ class StreamingExpertStore:
         """Start background reads of predicted `experts` of `layer` into free or least recently used slots.
 
         Called after the current layer's acquire, so its pinned slots are safe; prefetch never evicts a pinned slot
-        or another in-flight prefetch and stops when no such slot is left. In-flight bytes are bounded by one
+        nor an entry it is placing in this same call, and stops when no other slot is left. In-flight bytes are bounded by one
         layer's prediction. The true router still decides: a wrong guess only costs the read.
         """
         self._predicted[layer] = set(experts)
@@ -217,13 +218,15 @@ class StreamingExpertStore:
             self._cooldown = self.PREFETCH_COOLDOWN
             return
         requests, keys = [], []
+        placing: set[tuple[int, int]] = set()  # entries this call fills: never a victim of its own later picks
         for e in experts:
             key = (layer, e)
             if key in self._lru:
                 continue
-            slot = self._victim(layer, for_prefetch=True)
+            slot = self._victim(layer, exclude=placing)
             if slot is None:
                 break
+            placing.add(key)
             self._insert(key, slot)
             self._prefetched.add(key)
             requests += expert_requests(self.layout, layer, e, self.gate_up[slot], self.down[slot])

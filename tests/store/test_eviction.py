@@ -86,3 +86,50 @@ def test_prefetch_pauses_when_it_is_mostly_wasted():
     st = store.stats()
     assert st["prefetch_paused"] > 0
     assert st["prefetch_issued"] < 100 * LAYERS * 4  # it stopped issuing for a while
+
+
+class _MarkingReader:
+    """Fills each destination with a byte derived from the range's offset, so a slot's bytes name its expert."""
+
+    @staticmethod
+    def _fill(requests):
+        for rng, dest in requests:
+            dest.fill_(rng.offset // 64 % 251)
+
+    def read(self, requests):
+        self._fill(requests)
+
+    def submit(self, requests):
+        self._fill(requests)
+        return SimpleNamespace(result=lambda: None)
+
+
+def _marked_store(slots: int) -> StreamingExpertStore:
+    spec = SimpleNamespace(n_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, moe_layers=[True] * LAYERS)
+
+    def parts(layer, e):
+        off = (layer * EXPERTS + e) * 64
+        return [ExpertPart("gate_up", 0, ReadRange("/fake", off, 16)), ExpertPart("down", 0, ReadRange("/fake", off, 8))]
+
+    layout = SimpleNamespace(spec=spec, layers=list(range(LAYERS)), dtype="U8", gate_up_shape=(4, 4),
+                             down_shape=(2, 4), expert_nbytes=24, parts=parts)
+    return StreamingExpertStore(layout, _MarkingReader(), slots)
+
+
+@pytest.mark.parametrize("slots", [TOP_K + 2, LAYERS * TOP_K // 2, LAYERS * TOP_K + 3])
+def test_slots_hold_their_experts_bytes_under_prefetch(slots):
+    """Regression: a prefetch call could evict an entry it had just placed (older entries of the layer were still
+    marked in flight), leaving a slot labelled with one expert and filled with another."""
+    store, rng = _marked_store(slots), random.Random(7)
+    for _ in range(150):
+        for layer in range(LAYERS):
+            experts = sorted(rng.sample(range(EXPERTS), TOP_K))
+            batch = store.acquire(layer, experts)
+            for j, e in enumerate(experts):
+                want = (layer * EXPERTS + e) * 64 // 64 % 251
+                assert int(batch.gate_up[batch.slots[j]].flatten()[0]) == want, (layer, e)
+                assert bool((batch.down[batch.slots[j]] == want).all()), (layer, e)
+            # half-right predictions with a margin, like a real prerouter
+            guess = sorted(set(rng.sample(experts, TOP_K // 2)) | set(rng.sample(range(EXPERTS), TOP_K)))
+            store.prefetch((layer + 1) % LAYERS, guess)
+            store.release(layer)

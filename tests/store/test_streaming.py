@@ -161,3 +161,4 @@ def test_decode_allocates_no_weight_sized_tensor(model_dir, reference):
         smallest_projection = min(m.layout.gate_up_nbytes, m.layout.down_nbytes)
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert 0 < largest < smallest_projection
+
