@@ -7,7 +7,6 @@ memory) -> Transformer (math) -> generate loop, tokenizer and sampler.
 from __future__ import annotations
 
 import os
-import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -27,41 +26,8 @@ from .store.resident import ResidentExpertStore
 from .prerouter import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
+from .procstat import counters, memory_status
 from .weights import load_resident, resident_refs
-
-
-def _rusage() -> tuple[int, int, int, int]:
-    """(major faults, minor faults, ru_maxrss bytes, bytes this process caused to be read from disk)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    disk = 0
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    disk = int(line.split()[1])
-    except OSError:
-        pass
-    return r.ru_majflt, r.ru_minflt, r.ru_maxrss * 1024, disk
-
-
-def _memory_status() -> dict[str, int]:
-    """Peak RSS (VmHWM), anonymous and file-backed RSS now, in bytes, from /proc/self/status.
-
-    VmHWM rather than getrusage's ru_maxrss: after fork+exec, ru_maxrss keeps the parent's peak (a forked child of
-    a big harness would report the harness's RSS). File-backed pages are mapped model bytes (mmap/willneed
-    readers): page cache the kernel may reclaim, unlike the anonymous part.
-    """
-    keys = {"VmHWM:": "peak_rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes"}
-    out = dict.fromkeys(keys.values(), 0)
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key = line.split(":")[0] + ":"
-                if key in keys:
-                    out[keys[key]] = int(line.split()[1]) * 1024
-    except OSError:
-        out["peak_rss_bytes"] = _rusage()[2]
-    return out
 
 
 def _eos_ids(index: CheckpointIndex, tok: Tokenizer | None) -> set[int]:
@@ -209,7 +175,7 @@ class Model:
         self._kv_tokens = []  # invalid while the loop runs; set again below
         self.last_tokens = []
         self._times = StepTimes()
-        f0 = _rusage()
+        f0 = counters()
         with torch.inference_mode():
             gen = generate_step(
                 self.model, ids, sampler, processors, max_tokens, start, self.options.prefill_chunk, self._times
@@ -222,8 +188,8 @@ class Model:
                     yield token
             finally:
                 gen.close()
-                f1 = _rusage()
-                self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1], f1[3] - f0[3])
+                f1 = counters()
+                self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1], f1[2] - f0[2])
                 # every yielded token but the last has been fed back through the model
                 self._kv_tokens = ids + self.last_tokens[:-1] if self.last_tokens else list(ids)
 
@@ -273,7 +239,7 @@ class Model:
         ids = self._check_ids(list(prompt) + list(tokens))
         n = len(prompt)
         self._kv_tokens, self.last_tokens, self._times = [], [], StepTimes()
-        f0 = _rusage()
+        f0 = counters()
         argmax: list[int] = []
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -289,8 +255,8 @@ class Model:
                 self._times.decode_s.append(time.perf_counter() - t0)
                 if on_step is not None:
                     on_step(pos + 1)
-        f1 = _rusage()
-        self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1], f1[3] - f0[3])
+        f1 = counters()
+        self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1], f1[2] - f0[2])
         self._kv_tokens = ids
         self.last_tokens = list(tokens)
         return argmax
@@ -318,7 +284,7 @@ class Model:
             "major_faults": self._gen_faults[0],
             "minor_faults": self._gen_faults[1],
             "disk_read_bytes": self._gen_faults[2],  # /proc/self/io read_bytes: what the disk really delivered
-            **_memory_status(),
+            **memory_status(),
             "resident_bytes": self.resident_bytes,
             "expert_bytes": getattr(self.store, "nbytes", 0),
             "kv_cache_bytes": self.cache.nbytes,

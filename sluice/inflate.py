@@ -34,7 +34,7 @@ import torch
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import CheckpointError, ConfigError
 from .options import format_bytes
-from .synth import _PARTIAL_MARKER, OutputExistsError, _check_output, _replace
+from .synth import _PARTIAL_MARKER, _replace, start_partial
 
 GiB = 2**30
 SOURCES = ("demo",)  # named sources; anything else is a model folder path
@@ -169,14 +169,7 @@ def inflate(
     if max_shard_bytes <= 0:
         raise ConfigError(f"shard size must be positive, got {max_shard_bytes}")
     out = Path(out)
-    _check_output(out, force)
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        if not (partial / _PARTIAL_MARKER).exists():
-            raise OutputExistsError(f"{partial} exists and was not made by sluice; move it away")
-        shutil.rmtree(partial)  # a crashed earlier run
-    partial.mkdir(parents=True)
-    (partial / _PARTIAL_MARKER).touch()
+    partial = start_partial(out, force)
     try:
         _copy_side_files(src, partial)
         config = dict(index.config)

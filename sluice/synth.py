@@ -401,14 +401,7 @@ def make_model(out: str | os.PathLike[str], sc: SynthConfig, progress: bool = Tr
     from .tokenizer_train import train_tokenizer
 
     out = Path(out)
-    _check_output(out, force)
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        if not (partial / _PARTIAL_MARKER).exists():
-            raise OutputExistsError(f"{partial} exists and was not made by sluice make-model; move it away")
-        shutil.rmtree(partial)  # a crashed earlier run
-    partial.mkdir(parents=True)
-    (partial / _PARTIAL_MARKER).touch()
+    partial = start_partial(out, force)
     try:
         train_tokenizer(partial, vocab_size=sc.vocab_size)
         tok = Tokenizer.from_file(str(partial / "tokenizer.json"))
@@ -427,6 +420,20 @@ def make_model(out: str | os.PathLike[str], sc: SynthConfig, progress: bool = Tr
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out
+
+
+def start_partial(out: Path, force: bool) -> Path:
+    """Check OUT may be written, then create a fresh OUT.partial (marked as ours) to write into; `_replace` moves
+    it into place at the end, so a crash never leaves a half-valid model at OUT."""
+    _check_output(out, force)
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        if not (partial / _PARTIAL_MARKER).exists():
+            raise OutputExistsError(f"{partial} exists and was not made by sluice make-model; move it away")
+        shutil.rmtree(partial)  # a crashed earlier run
+    partial.mkdir(parents=True)
+    (partial / _PARTIAL_MARKER).touch()
+    return partial
 
 
 def _check_output(out: Path, force: bool) -> None:

@@ -19,19 +19,8 @@ from typing import Any
 
 from .. import load
 from ..errors import SluiceError
+from ..procstat import disk_read_bytes
 from . import BenchError
-
-
-def disk_read_bytes() -> int:
-    """Bytes this process (all its threads) made the block layer fetch, from /proc/self/io; 0 where unreadable."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def process_counters(m) -> dict[str, float]:
