@@ -92,9 +92,28 @@ def header(results: dict[str, Any]) -> str:
     return ", ".join(parts) + ".\nArms: " + arms + ". Ratios and wins are paired per round against the first arm."
 
 
+def prefetch_table(results: dict[str, Any]) -> str:
+    """Prefetch counters (medians over rounds, whole run) for the arms that prefetched; "" when none did."""
+    rows = []
+    for arm in results["arms"]:
+        s = results["summary"][arm["name"]]
+        if not s.get("prefetch_issued"):
+            continue
+        rows.append(
+            f"| {arm['name']} | {100 * s.get('prefetch_recall', 0):.1f}% | {100 * s.get('prefetch_precision', 0):.1f}% "
+            f"| {s['prefetch_issued']:.0f} | {s.get('prefetch_wasted', 0):.0f} | {_size(s.get('prefetch_wasted_bytes'))} "
+            f"| {s.get('prefetch_paused', 0):.0f} |"
+        )
+    if not rows:
+        return ""
+    head = ("| arm | recall (predicted & true / true) | precision (used / issued) | experts prefetched | wasted "
+            "| wasted bytes | paused calls |\n|---|---|---|---|---|---|---|")
+    return "\n\nPrefetch, per run (medians over rounds):\n\n" + head + "\n" + "\n".join(rows)
+
+
 def markdown(results: dict[str, Any]) -> str:
-    """The conditions paragraph and the table, as printed on stdout and written to results.md."""
-    return header(results) + "\n\n" + table(results) + "\n"
+    """The conditions paragraph and the table(s), as printed on stdout and written to results.md."""
+    return header(results) + "\n\n" + table(results) + prefetch_table(results) + "\n"
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:
