@@ -34,7 +34,7 @@ import torch
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import CheckpointError, ConfigError
 from .options import format_bytes
-from .synth import _PARTIAL_MARKER, _replace, start_partial
+from .synth import writing_model
 
 GiB = 2**30
 SOURCES = ("demo",)  # named sources; anything else is a model folder path
@@ -169,8 +169,7 @@ def inflate(
     if max_shard_bytes <= 0:
         raise ConfigError(f"shard size must be positive, got {max_shard_bytes}")
     out = Path(out)
-    partial = start_partial(out, force)
-    try:
+    with writing_model(out, force) as partial:
         _copy_side_files(src, partial)
         config = dict(index.config)
         config[p.key] = p.intermediate * p.scale
@@ -178,11 +177,6 @@ def inflate(
         note = {"source": str(source), "expert_scale": p.scale, f"source_{p.key}": p.intermediate}
         (partial / "sluice_inflate.json").write_text(json.dumps(note, indent=2) + "\n", "utf-8")
         _write_shards(p, partial, max_shard_bytes, progress, out.name)
-        (partial / _PARTIAL_MARKER).unlink()
-        _replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return out
 
 

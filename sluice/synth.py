@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -401,8 +402,7 @@ def make_model(out: str | os.PathLike[str], sc: SynthConfig, progress: bool = Tr
     from .tokenizer_train import train_tokenizer
 
     out = Path(out)
-    partial = start_partial(out, force)
-    try:
+    with writing_model(out, force) as partial:
         train_tokenizer(partial, vocab_size=sc.vocab_size)
         tok = Tokenizer.from_file(str(partial / "tokenizer.json"))
         sc = dataclasses.replace(sc, vocab_size=max(sc.vocab_size, tok.get_vocab_size(with_added_tokens=True)))
@@ -414,17 +414,13 @@ def make_model(out: str | os.PathLike[str], sc: SynthConfig, progress: bool = Tr
         if progress:
             stream = _with_progress(stream, size_of(sc).total_bytes, out.name)
         write_sharded(partial, stream, sc.max_shard_bytes)
-        (partial / _PARTIAL_MARKER).unlink()
-        _replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return out
 
 
-def start_partial(out: Path, force: bool) -> Path:
-    """Check OUT may be written, then create a fresh OUT.partial (marked as ours) to write into; `_replace` moves
-    it into place at the end, so a crash never leaves a half-valid model at OUT."""
+@contextmanager
+def writing_model(out: Path, force: bool) -> Iterator[Path]:
+    """Check OUT may be written, then yield a fresh OUT.partial (marked as ours) to write the model into; on success
+    it replaces OUT, on any error it is removed. So a crash never leaves a half-valid model at OUT."""
     _check_output(out, force)
     partial = out.with_name(out.name + ".partial")
     if partial.exists():
@@ -433,7 +429,13 @@ def start_partial(out: Path, force: bool) -> Path:
         shutil.rmtree(partial)  # a crashed earlier run
     partial.mkdir(parents=True)
     (partial / _PARTIAL_MARKER).touch()
-    return partial
+    try:
+        yield partial
+        (partial / _PARTIAL_MARKER).unlink()
+        _replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def _check_output(out: Path, force: bool) -> None:
