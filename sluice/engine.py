@@ -19,14 +19,16 @@ from .generate import StepTimes, decode_one, generate_step, prefill
 from .io import DEFAULT_WORKERS, make_reader
 from .models import get_arch
 from .models.blocks import KVCache, Transformer
-from .options import LoadOptions
+from .options import LoadOptions, format_bytes
 from .sampling import make_logits_processors, make_sampler
 from .store.layout import ExpertLayout
+from .store.budget import AutoPlan, auto_memory
 from .store.resident import ResidentExpertStore
 from .prerouter import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
 from .procstat import counters, memory_status
+from .sysmem import available_memory
 from .weights import load_resident, resident_refs
 
 
@@ -57,21 +59,27 @@ class Model:
         if options.threads:
             torch.set_num_threads(options.threads)
         self.layout = ExpertLayout(self.index, s, self.arch)
+        lazy_embed = options.embeddings != "resident" and not s.tie_word_embeddings
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        self.resident_bytes = itemsize * sum(r.numel for k, r in refs.items() if not (lazy_embed and k == "embed"))
+        max_ctx = min(options.max_context, s.rope.max_position_embeddings)
+        self.cache = KVCache(s, max_ctx, self.dtype)  # torch.empty: costs nothing until positions are written
+        # the budget: None = everything resident; decided before any weight is loaded, so a model that cannot fit
+        # fails with a BudgetError instead of an OOM kill
+        self.memory, self.memory_plan = options.memory, None
+        if options.memory == "auto":
+            self.memory_plan = self._auto_memory()
+            self.memory = self.memory_plan.memory
         self.reader = make_reader(
             options.io, workers=options.io_workers or DEFAULT_WORKERS, odirect=options.odirect
         )
-        lazy_embed = options.embeddings != "resident" and not s.tie_word_embeddings
         weights = load_resident(refs, s, self.dtype, lazy_embed=lazy_embed)
         self.rows = self._make_rows(refs["embed"]) if lazy_embed else None
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        self.resident_bytes = itemsize * sum(r.numel for k, r in refs.items() if not (lazy_embed and k == "embed"))
         self.store = self._make_store(progress)
-        max_ctx = min(options.max_context, s.rope.max_position_embeddings)
-        self.cache = KVCache(s, max_ctx, self.dtype)
         prerouter = None
-        if options.prefetch == "router" and options.memory is not None:
+        if options.prefetch == "router" and self.memory is not None:
             prerouter = RouterPrerouter(s, weights, margin=options.prefetch_margin)
-        elif options.prefetch == "learned" and options.memory is not None:
+        elif options.prefetch == "learned" and self.memory is not None:
             fingerprint = model_fingerprint(s, self.index.config, refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, options.prefetch_margin)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
@@ -90,14 +98,19 @@ class Model:
         same = (mode == "direct") == (self.options.io == "direct")
         return RowTable(ref, mode, reader=self.reader if same else None, dtype=self.dtype)
 
+    def _auto_memory(self) -> AutoPlan:
+        room = available_memory()
+        s = self.spec
+        return auto_memory(room.bytes, room.source, self.resident_bytes, self.layout.expert_nbytes,
+                           len(self.layout.layers) * s.num_experts, s.top_k, self.cache.nbytes)
+
     def _make_store(self, progress: bool):
-        if self.options.memory is None:
+        if self.memory is None:
             return ResidentExpertStore(self.layout, self.reader, self.dtype, progress=progress)
         from .store.streaming import StreamingExpertStore
 
-        return StreamingExpertStore.with_budget(
-            self.layout, self.reader, self.options.memory - self.resident_bytes, self.options.memory
-        )
+        return StreamingExpertStore.with_budget(self.layout, self.reader, self.memory - self.resident_bytes,
+                                                self.memory, overlap=self.options.overlap)
 
     # -- logits --------------------------------------------------------------------------------------------------
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
@@ -290,6 +303,9 @@ class Model:
             "kv_cache_bytes": self.cache.nbytes,
             "load_s": round(self.load_s, 3),
             "io": self.options.io,
+            "memory": self.memory,  # the budget in bytes; None = everything resident
+            "memory_plan": self.memory_plan.describe() if self.memory_plan else
+            ("everything resident" if self.memory is None else f"budget {format_bytes(self.memory)}"),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
         if self.rows is not None:
@@ -315,7 +331,7 @@ class Model:
 def load(path: str | os.PathLike, *, progress: bool = False, **options) -> Model:
     """Load a Hugging Face MoE checkpoint folder.
 
-    Options (see `LoadOptions`): memory (bytes or "4GiB"; None = resident), io ("mmap" | "willneed" | "direct"),
+    Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" | "willneed" | "direct"),
     io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context, prefill_chunk, threads.
     """
     return Model(path, LoadOptions.make(**options), progress=progress)

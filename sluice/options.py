@@ -49,7 +49,10 @@ def format_bytes(n: float) -> str:
 class LoadOptions:
     """How a model is loaded and run.
 
-    memory:        budget in bytes for resident weights + expert slots; None = everything resident (no streaming).
+    memory:        budget in bytes for resident weights + expert slots; None (or "all") = everything resident, no
+                   streaming; "auto" = resident when the model fits in the memory this process may still take
+                   (MemAvailable and any memory cgroup limit), else stream with that room, less the KV cache and a
+                   runtime reserve, as the budget (store/budget.py auto_memory).
     io:            how expert bytes move: "mmap" (demand faults), "willneed" (mmap + MADV_WILLNEED hints),
                    "direct" (pread by a worker pool into owned buffers). Also used for the resident load.
     io_workers:    threads of the direct reader; 0 = the measured default of the reader.
@@ -67,9 +70,11 @@ class LoadOptions:
                    layer L+1's router to it (training-free); "learned" applies heads fit by `sluice prerouter fit`,
                    read from prerouter.safetensors beside the model (a CheckpointError when missing or stale).
     prefetch_margin: experts predicted beyond top_k per token.
+    overlap:       streaming: run the experts already in memory while the others are read, each as soon as its
+                   bytes land (False: wait for all of a layer's reads first). Same output either way.
     """
 
-    memory: int | None = None
+    memory: int | str | None = "auto"
     io: str = "direct"
     io_workers: int = 0
     odirect: bool = False
@@ -80,10 +85,17 @@ class LoadOptions:
     embeddings: str = "resident"
     prefetch: str = "none"
     prefetch_margin: int = 0
+    overlap: bool = True
 
     def __post_init__(self):
-        if self.memory is not None:
-            self.memory = parse_size(self.memory)
+        if isinstance(self.memory, str) and self.memory.strip().lower() in ("auto", "all"):
+            self.memory = None if self.memory.strip().lower() == "all" else "auto"
+        elif self.memory is not None:
+            try:
+                self.memory = parse_size(self.memory)
+            except ConfigError:
+                raise ConfigError(f"memory: expected auto, all, or a size like 4GiB / 512MB / a byte count, got "
+                                  f"{self.memory!r}") from None
         if self.io not in IO_MODES:
             raise ConfigError(f"io: {self.io!r} is not one of {', '.join(IO_MODES)}")
         if self.embeddings not in EMBEDDING_MODES:

@@ -11,7 +11,9 @@ import torch
 from ..checkpoint.index import CheckpointIndex
 from ..models import get_arch
 from ..options import format_bytes, parse_size
-from ..store.budget import plan_budget
+from ..errors import BudgetError
+from ..store.budget import auto_memory, plan_budget
+from ..sysmem import available_memory
 from ..store.layout import ExpertLayout
 from ..weights import resident_refs
 from .common import add_model_arguments, load_from_args
@@ -26,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def describe(folder: str, memory: int | None = None) -> dict:
-    """Everything `inspect` reports that needs only the headers (no weight bytes are read)."""
+def describe(folder: str, memory: int | str | None = None, max_context: int = 4096) -> dict:
+    """Everything `inspect` reports that needs only the headers (no weight bytes are read). `memory` as --memory
+    takes it (bytes, "auto", or None = resident); "auto" reports what `sluice run` would choose here."""
     index = CheckpointIndex.open(folder)
     arch = get_arch(index.config.get("model_type"))
     spec = arch.ModelArgs.from_dict(index.config).spec()
@@ -62,6 +65,16 @@ def describe(folder: str, memory: int | None = None) -> dict:
         "bytes_per_expert": layout.expert_nbytes,
         "expert_bytes_per_token": moe_layers * spec.top_k * layout.expert_nbytes,
     }
+    if memory == "auto":
+        kv_bytes = (2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * layout.itemsize
+                    * min(max_context, spec.rope.max_position_embeddings))
+        room = available_memory()
+        try:
+            auto = auto_memory(room.bytes, room.source, resident_bytes, layout.expert_nbytes, n_experts, spec.top_k,
+                               kv_bytes)
+            info["memory_plan"], memory = auto.describe(), auto.memory
+        except BudgetError as e:
+            info["memory_plan"], memory = f"auto: {e}", None
     if memory is not None:
         plan = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, n_experts)
         info.update(memory=memory, expert_slots=plan.slots, expert_cache_bytes=plan.cache_bytes,
@@ -80,6 +93,8 @@ def _print(info: dict) -> None:
     print(f"bytes: resident {fb(info['resident_bytes'])} + experts {fb(info['expert_bytes_total'])} "
           f"({fb(info['bytes_per_expert'])} each)")
     print(f"expert bytes touched per decoded token: {fb(info['expert_bytes_per_token'])}")
+    if "memory_plan" in info:
+        print(f"--memory {info['memory_plan']}")
     if "memory" in info:
         print(f"--memory {fb(info['memory'])}: {info['expert_slots']} expert slots = {fb(info['expert_cache_bytes'])}"
               f" ({100 * info['cached_fraction']:.1f}% of all experts)")
@@ -90,8 +105,8 @@ def _print(info: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    memory = parse_size(args.memory) if args.memory else None
-    info = describe(args.model, memory)
+    memory = args.memory if args.memory in (None, "auto") else None if args.memory == "all" else parse_size(args.memory)
+    info = describe(args.model, memory, args.max_context)
     if args.usage_tokens > 0:
         with load_from_args(args, progress=not args.json) as m:
             n = min(args.usage_tokens, m.cache.max_context)

@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--out", metavar="PATH", default=None,
                    help=f"heads file to write (default MODEL/{PREROUTER_FILE}, where --prefetch learned looks)")
     g = f.add_argument_group("loading (for models bigger than memory)")
-    g.add_argument("--memory", metavar="SIZE", default=None,
-                   help="budget for resident weights + expert cache while recording (default: all resident)")
+    g.add_argument("--memory", metavar="SIZE", default="auto",
+                   help="budget for resident weights + expert cache while recording; 'all' = resident; 'auto' "
+                        "(default) = resident if it fits in the memory available, else streamed")
     g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's)")

@@ -42,3 +42,49 @@ def plan_budget(memory: int, resident_bytes: int, expert_bytes: int, top_k: int,
             f"the smallest budget that works is {format_bytes(need)} ({need} bytes)"
         )
     return BudgetPlan(memory, resident_bytes, expert_bytes, min(slots, total_experts), total_experts)
+
+
+# What a streaming run holds beyond its budget and the KV cache: torch's runtime, activations, I/O staging. The
+# benchmarks measure peak RSS 225-250 MiB above --memory (benchmarks/results/peers, standard); a fraction of the
+# room on top covers allocator slack on big machines.
+RUNTIME_RESERVE = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What `--memory auto` chose: memory None = everything resident, else the streaming budget."""
+
+    memory: int | None
+    room: int
+    source: str
+    reserve: int
+
+    def describe(self) -> str:
+        where = f"{format_bytes(self.room)} available ({self.source})"
+        if self.memory is None:
+            return f"auto: everything resident, it fits in {where}"
+        return f"auto: streaming experts with a {format_bytes(self.memory)} budget, of {where}"
+
+
+def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, total_experts: int, top_k: int,
+                kv_bytes: int) -> AutoPlan:
+    """`--memory auto`: resident when the whole model, the KV cache and a runtime reserve fit in `room` (the bytes
+    this process may still take, see sysmem.available_memory); else stream with the rest of the room as budget.
+
+    Raises BudgetError naming the room, where it comes from and the smallest room that works when not even the
+    resident weights plus one layer's top_k experts fit.
+    """
+    reserve = max(RUNTIME_RESERVE, room // 20)
+    usable = room - kv_bytes - reserve
+    if resident_bytes + expert_bytes * total_experts <= usable:
+        return AutoPlan(None, room, source, reserve)
+    need = resident_bytes + top_k * expert_bytes
+    if usable < need:
+        raise BudgetError(
+            f"not enough memory for this model: {format_bytes(room)} available ({source}), and it needs at least "
+            f"{format_bytes(need + kv_bytes + reserve)}: resident weights {format_bytes(resident_bytes)} + {top_k} "
+            f"expert slots of {format_bytes(expert_bytes)} + KV cache {format_bytes(kv_bytes)} (lower it with "
+            f"--max-context) + {format_bytes(reserve)} for the runtime. Free memory, lower --max-context, or pass "
+            f"--memory SIZE to choose the budget yourself"
+        )
+    return AutoPlan(usable, room, source, reserve)

@@ -1,0 +1,88 @@
+"""How much memory this process may still use: the kernel's MemAvailable, and the room left under every memory
+cgroup that contains it (a container's limit, a systemd slice, a benchmark ceiling). `--memory auto` sizes the
+budget from this, because the box a user has is the limit, not the model's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .io.residency import V1_ROOT, V2_ROOT, own_cgroup
+from .options import format_bytes
+
+_UNLIMITED = 1 << 60  # v1 reports "no limit" as a page-rounded LONG_MAX
+
+
+@dataclass(frozen=True)
+class MemoryRoom:
+    """bytes: the smallest room found; source: what set it, for messages ("MemAvailable", "cgroup /x limit 1 GiB")."""
+
+    bytes: int
+    source: str
+
+
+def _keyed(path: Path) -> dict[str, int]:
+    """A 'key value' per-line file (/proc/meminfo without units, memory.stat) as a dict; {} if unreadable."""
+    out: dict[str, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            parts = line.replace(":", " ").split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                out[parts[0]] = int(parts[1])
+    except OSError:
+        pass
+    return out
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _chain(root: Path, own: str) -> list[Path]:
+    """Our cgroup directory and its ancestors below `root`, innermost first (the ones visible here)."""
+    d = root / own.lstrip("/")
+    out = []
+    while d != root and root in d.parents:
+        if d.is_dir():
+            out.append(d)
+        d = d.parent
+    return out
+
+
+def cgroup_rooms() -> list[tuple[int, str]]:
+    """(limit - non-reclaimable usage, description) for each limited memory cgroup containing this process.
+
+    Usage counts anonymous memory only (v1 total_rss, v2 anon): page cache under the limit is reclaimed on demand,
+    so it is room, not use.
+    """
+    rooms = []
+    if (V2_ROOT / "cgroup.controllers").exists():
+        for d in _chain(V2_ROOT, own_cgroup("v2")):
+            limit = _read(d / "memory.max")
+            if limit is None or not limit.isdigit():
+                continue  # "max" (no limit) or no memory controller here
+            anon = _keyed(d / "memory.stat").get("anon", 0)
+            rooms.append((int(limit) - anon, f"cgroup {d} limit {format_bytes(int(limit))}"))
+    elif (V1_ROOT / "memory.limit_in_bytes").exists():
+        for d in [*_chain(V1_ROOT, own_cgroup("memory")), V1_ROOT]:
+            limit = _read(d / "memory.limit_in_bytes")
+            if limit is None or not limit.isdigit() or int(limit) >= _UNLIMITED:
+                continue
+            rss = _keyed(d / "memory.stat").get("total_rss", 0)
+            rooms.append((int(limit) - rss, f"cgroup {d} limit {format_bytes(int(limit))}"))
+    return rooms
+
+
+def available_memory() -> MemoryRoom:
+    """The memory this process can still take before the kernel reclaims its working set or OOM-kills it."""
+    meminfo = _keyed(Path("/proc/meminfo"))
+    candidates = [(meminfo["MemAvailable"] * 1024, "MemAvailable")] if "MemAvailable" in meminfo else []
+    candidates += cgroup_rooms()
+    if not candidates:  # not Linux, or /proc hidden: no basis for a guess
+        return MemoryRoom(_UNLIMITED, "unknown (no /proc/meminfo, no memory cgroup)")
+    room, source = min(candidates)
+    return MemoryRoom(max(0, room), source)

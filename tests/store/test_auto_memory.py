@@ -1,0 +1,98 @@
+"""`--memory auto` (the default): resident when the model fits in the memory this process may take, else streamed
+with that room as the budget; a BudgetError that says what to do when not even one layer fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sluice
+from sluice.errors import BudgetError, ConfigError
+from sluice.options import LoadOptions
+from sluice.store.budget import RUNTIME_RESERVE, auto_memory
+from sluice.sysmem import MemoryRoom
+
+from ..models.tiny import hf_model, write_checkpoint
+
+MiB = 2**20
+IDS = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def test_fits_means_resident():
+    plan = auto_memory(8 * 2**30, "MemAvailable", 100 * MiB, 10 * MiB, 64, 4, 50 * MiB)
+    assert plan.memory is None
+    assert "everything resident" in plan.describe() and "MemAvailable" in plan.describe()
+
+
+def test_too_big_streams_with_the_room_less_kv_and_reserve():
+    room = 2 * 2**30
+    plan = auto_memory(room, "cgroup /x limit 2.0 GiB", 100 * MiB, 10 * MiB, 640, 4, 50 * MiB)
+    reserve = max(RUNTIME_RESERVE, room // 20)
+    assert plan.memory == room - 50 * MiB - reserve
+    assert "streaming" in plan.describe() and "cgroup /x" in plan.describe()
+
+
+def test_no_room_for_one_layer_says_what_to_do():
+    with pytest.raises(BudgetError) as e:
+        auto_memory(300 * MiB, "cgroup /bench limit 300.0 MiB", 100 * MiB, 10 * MiB, 640, 8, 20 * MiB)
+    msg = str(e.value)
+    assert "cgroup /bench" in msg and "300.0 MiB available" in msg
+    assert "--max-context" in msg and "--memory" in msg
+    # the smallest room that works: resident + top_k experts + KV + reserve
+    assert "456.0 MiB" in msg  # 100 + 8 * 10 + 20 + 256 (300 // 20 < 256: the reserve is the floor)
+
+
+@pytest.mark.parametrize("given,expected", [("auto", "auto"), (" Auto ", "auto"), ("all", None), ("ALL", None),
+                                            (None, None), ("1GiB", 2**30), (4096, 4096)])
+def test_memory_option_values(given, expected):
+    assert LoadOptions.make(memory=given).memory == expected
+
+
+def test_memory_option_default_is_auto_and_bad_values_name_the_choices():
+    assert LoadOptions().memory == "auto"
+    with pytest.raises(ConfigError, match="auto, all, or a size"):
+        LoadOptions.make(memory="lots")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path_factory.mktemp("auto"), "per_expert")
+
+
+@pytest.fixture(scope="module")
+def resident(model_dir):
+    with sluice.load(model_dir, memory="all") as m:
+        return list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)), m.resident_bytes, m.layout.expert_nbytes
+
+
+def _room(monkeypatch, nbytes: int) -> None:
+    monkeypatch.setattr("sluice.engine.available_memory", lambda: MemoryRoom(nbytes, "cgroup /test limit"))
+
+
+def test_auto_loads_resident_when_it_fits(model_dir, resident, monkeypatch):
+    _room(monkeypatch, 16 * 2**30)
+    with sluice.load(model_dir) as m:
+        assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == resident[0]
+        st = m.stats()
+    assert st["memory"] is None and st["memory_plan"].startswith("auto: everything resident")
+    assert st["misses"] == 0
+
+
+def test_auto_streams_when_it_does_not_fit_with_identical_tokens(model_dir, resident, monkeypatch):
+    tokens, resident_bytes, expert = resident
+    with sluice.load(model_dir, memory="all") as m:
+        kv = m.cache.nbytes
+    room = RUNTIME_RESERVE + kv + resident_bytes + 3 * expert + expert // 2  # room for 3 of the 16 experts
+    _room(monkeypatch, room)
+    with sluice.load(model_dir) as m:
+        assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens
+        st = m.stats()
+    assert st["memory"] == room - kv - RUNTIME_RESERVE
+    assert "streaming" in st["memory_plan"] and "cgroup /test" in st["memory_plan"]
+    assert st["misses"] > 0 and st["slots"] == 3
+
+
+def test_auto_without_room_fails_before_loading(model_dir, monkeypatch):
+    _room(monkeypatch, RUNTIME_RESERVE)
+    with pytest.raises(BudgetError, match="not enough memory for this model"):
+        sluice.load(model_dir)
