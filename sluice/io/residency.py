@@ -91,8 +91,31 @@ def verify_cold(paths: Iterable[str | os.PathLike[str]], max_fraction: float = 0
     warm = {p: f for p, f in fractions.items() if f > max_fraction}
     if warm:
         listed = ", ".join(f"{p} ({f:.1%})" for p, f in warm.items())
+        memfs = {filesystem_type(p) for p in warm} & MEMORY_FILESYSTEMS
+        if memfs:  # eviction cannot work: the file lives in memory
+            raise ResidencyError(f"not cold: {listed} resident on {', '.join(sorted(memfs))}, a memory-backed "
+                                 "filesystem that cannot be evicted; put the model on a disk")
         raise ResidencyError(f"not cold: {listed} resident; evict them and unmap any open mapping first")
     return fractions
+
+
+MEMORY_FILESYSTEMS = {"tmpfs", "ramfs"}
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem holding `path` ("ext4", "tmpfs", ...; "" if unknown): the longest mount point of
+    /proc/mounts that contains it. Residency (page cache, cold runs) means nothing on a memory-backed one."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mnt, fstype, *_ = line.split()
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, fstype
+    except OSError:
+        pass
+    return kind
 
 
 def warm(path: str | os.PathLike[str], chunk: int = 8 << 20) -> int:
@@ -125,7 +148,7 @@ V1_ROOT = Path("/sys/fs/cgroup/memory")
 _counter = itertools.count()
 
 
-def _own_cgroup(controller_line: str) -> str:
+def own_cgroup(controller_line: str) -> str:
     """This process's cgroup path for a /proc/self/cgroup line prefix ('0::' for v2, or the v1 'memory' entry)."""
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
@@ -146,7 +169,7 @@ def _pick_cgroup_parent() -> tuple[str, Path, list[str]]:
     controllers = V2_ROOT / "cgroup.controllers"
     if controllers.exists():
         if "memory" in controllers.read_text().split():
-            own = V2_ROOT / _own_cgroup("v2").lstrip("/")
+            own = V2_ROOT / own_cgroup("v2").lstrip("/")
             # v2 "no internal processes": a cgroup holding processes cannot enable controllers for children, so
             # nest under our own cgroup only if memory is already delegated there.
             sub = own / "cgroup.subtree_control"
@@ -157,7 +180,7 @@ def _pick_cgroup_parent() -> tuple[str, Path, list[str]]:
     else:
         tried.append(f"{controllers}: missing (not cgroup v2)")
     if (V1_ROOT / "memory.limit_in_bytes").exists():
-        own = V1_ROOT / _own_cgroup("memory").lstrip("/")
+        own = V1_ROOT / own_cgroup("memory").lstrip("/")
         return "v1", own if own.is_dir() else V1_ROOT, tried
     tried.append(f"{V1_ROOT}: not mounted")
     raise ResidencyError("no memory cgroup: " + "; ".join(tried))

@@ -31,26 +31,20 @@ from sluice.bench.protocol import (
 )
 from sluice.bench.report import table
 from sluice.io import residency
+from sluice.io.residency import filesystem_type
 
 from ..models.tiny import hf_model, write_checkpoint
 
 
-def fs_type(path: str) -> str:
-    best, kind = "", ""
-    for line in open("/proc/mounts"):
-        _, mnt, fstype, *_ = line.split()
-        if os.path.realpath(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
-            best, kind = mnt, fstype
-    return kind
 
 
 @pytest.fixture(scope="module")
 def disk_dir():
     """A folder on a disk-backed filesystem: page-cache residency means nothing on tmpfs."""
     folder = tempfile.mkdtemp(dir="/var/tmp", prefix="sluice-bench-test-")
-    if fs_type(folder) in ("tmpfs", "ramfs", "overlay", ""):
+    if filesystem_type(folder) in ("tmpfs", "ramfs", "overlay", ""):
         os.rmdir(folder)
-        pytest.skip(f"/var/tmp is {fs_type(folder) or 'unknown'}, not a disk")
+        pytest.skip(f"/var/tmp is {filesystem_type(folder) or 'unknown'}, not a disk")
     yield Path(folder)
     for p in sorted(Path(folder).rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()

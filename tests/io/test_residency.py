@@ -12,6 +12,7 @@ from sluice.io import residency
 from sluice.io.residency import (
     ResidencyError,
     evict,
+    filesystem_type,
     resident_fraction,
     run_in_memory_cgroup,
     verify_cold,
@@ -19,22 +20,14 @@ from sluice.io.residency import (
 )
 
 
-def fs_type(path: str) -> str:
-    """The filesystem type of the mount holding `path` (longest matching mount point in /proc/mounts)."""
-    best, kind = "", ""
-    for line in open("/proc/mounts"):
-        _, mnt, fstype, *_ = line.split()
-        if os.path.realpath(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
-            best, kind = mnt, fstype
-    return kind
 
 
 @pytest.fixture
 def disk_file():
     """A 16 MiB file on a disk-backed filesystem (page-cache residency means nothing on tmpfs)."""
     folder = tempfile.mkdtemp(dir="/var/tmp")
-    if fs_type(folder) in ("tmpfs", "ramfs", "overlay", ""):
-        pytest.skip(f"/var/tmp is {fs_type(folder) or 'unknown'}, not a disk")
+    if filesystem_type(folder) in ("tmpfs", "ramfs", "overlay", ""):
+        pytest.skip(f"/var/tmp is {filesystem_type(folder) or 'unknown'}, not a disk")
     path = os.path.join(folder, "weights.bin")
     with open(path, "wb") as f:
         f.write(os.urandom(16 << 20))
@@ -95,3 +88,18 @@ def test_no_cgroup_says_what_was_tried(monkeypatch, tmp_path):
     monkeypatch.setattr(residency, "V1_ROOT", tmp_path / "v1")
     with pytest.raises(ResidencyError, match="not cgroup v2.*not mounted"):
         run_in_memory_cgroup(["true"], 1 << 20)
+
+
+def test_filesystem_type_of_proc_and_a_memory_fs_refused_as_cold(tmp_path):
+    assert filesystem_type("/proc/self/status") == "proc"
+    if not os.path.isdir("/dev/shm") or filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    path = tempfile.mktemp(dir="/dev/shm")
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20))
+    try:
+        evict(path)
+        with pytest.raises(ResidencyError, match="memory-backed filesystem"):
+            verify_cold([path])
+    finally:
+        os.unlink(path)
