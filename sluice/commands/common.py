@@ -12,8 +12,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL plus the loading/streaming flags, with the LoadOptions defaults."""
     p.add_argument("model", metavar="MODEL", help="Hugging Face model folder (config.json + safetensors)")
     g = p.add_argument_group("memory and I/O")
-    g.add_argument("--memory", metavar="SIZE", default=None,
-                   help="budget for resident weights + expert cache, e.g. 4GiB (default: everything resident)")
+    g.add_argument("--memory", metavar="SIZE", default="auto",
+                   help="budget for resident weights + expert cache, e.g. 4GiB; 'all' = everything resident; "
+                        "'auto' (default) = resident if the model fits in the memory available (MemAvailable, "
+                        "cgroup limits), else stream experts with that memory as the budget")
     g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
     g.add_argument("--io-workers", type=int, default=0, metavar="N", help="direct-read threads (default: measured)")
     g.add_argument("--odirect", action="store_true", help="read with O_DIRECT (bypass the page cache)")
@@ -23,6 +25,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="predict the next layer's experts and read them in the background (default: none)")
     g.add_argument("--prefetch-margin", type=int, default=0, metavar="N",
                    help="experts predicted beyond top_k per token (default 0)")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="run a layer's experts that are in memory while the others are read (default: on)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--max-context", type=int, default=4096, metavar="N", help="KV cache positions (default 4096)")
@@ -51,7 +55,7 @@ def load_from_args(args: argparse.Namespace, progress: bool = True) -> Model:
     return load(args.model, progress=progress, memory=args.memory, io=args.io, io_workers=args.io_workers,
                 odirect=args.odirect, dtype=args.dtype, max_context=args.max_context,
                 prefill_chunk=args.prefill_chunk, threads=args.threads, embeddings=args.embeddings,
-                prefetch=args.prefetch, prefetch_margin=args.prefetch_margin)
+                prefetch=args.prefetch, prefetch_margin=args.prefetch_margin, overlap=args.overlap)
 
 
 def stats_line(st: dict) -> str:
@@ -63,5 +67,6 @@ def stats_line(st: dict) -> str:
         f"read {format_bytes(st['bytes_read'])}",
         f"faults {st['major_faults']} major / {st['minor_faults']} minor",
         f"peak RSS {format_bytes(st['peak_rss_bytes'])}",
+        f"memory {st['memory_plan']}",
     ]
     return " | ".join(parts)

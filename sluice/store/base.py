@@ -7,7 +7,8 @@ slots are simply all experts of the layer; the streaming store's are a budgeted 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -18,11 +19,27 @@ class ExpertBatch:
     """Weights of a set of experts of one layer, as views into slot stacks.
 
     gate_up: [S, 2I, H] (gate rows first, then up), down: [S, H, I]; `slots[j]` holds the j-th requested expert.
+    `pending[j]`, when present, blocks until slot j's bytes have landed: a streaming store returns as soon as its
+    reads are queued, so the math can run the experts already in memory while the disk fills the others. Call
+    `wait(j)` before touching slot j (`ready(j)` says whether that would block).
     """
 
     gate_up: torch.Tensor
     down: torch.Tensor
     slots: list[int]
+    pending: dict[int, Callable[[], None]] = field(default_factory=dict)
+
+    def ready(self, j: int) -> bool:
+        return j not in self.pending
+
+    def wait(self, j: int) -> None:
+        waiter = self.pending.pop(j, None)
+        if waiter is not None:
+            waiter()
+
+    def wait_all(self) -> None:
+        for j in sorted(self.pending):
+            self.wait(j)
 
 
 class ExpertStore(Protocol):
@@ -32,11 +49,12 @@ class ExpertStore(Protocol):
     max_batch: int
 
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
-        """Make `experts` (ascending ids) of `layer` available and pin them until release(layer)."""
+        """Pin `experts` (ascending ids) of `layer` until release(layer); their reads may still be in flight:
+        batch.wait(j) before using slot j."""
         ...
 
     def release(self, layer: int) -> None:
-        """Unpin what the last acquire(layer) pinned."""
+        """Unpin what the last acquire(layer) pinned (after any read of it still in flight has landed)."""
         ...
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:

@@ -16,6 +16,7 @@ top_k). With a cache larger than the working set this is plain LRU.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict, deque
 from typing import Sequence
@@ -36,9 +37,12 @@ class StreamingExpertStore:
     PREFETCH_MIN_PRECISION = 0.2
     PREFETCH_COOLDOWN = 64
 
-    def __init__(self, layout: ExpertLayout, reader, slots: int, plan: BudgetPlan | None = None):
+    def __init__(self, layout: ExpertLayout, reader, slots: int, plan: BudgetPlan | None = None,
+                 overlap: bool = True):
+        """`overlap`: acquire returns with the misses' reads in flight (see acquire); False = it returns once every
+        read has landed (the math then waits for the slowest expert before running any)."""
         s = layout.spec
-        self.layout, self.reader, self.plan = layout, reader, plan
+        self.layout, self.reader, self.plan, self.overlap = layout, reader, plan, overlap
         self.n_slots = slots
         self.max_batch = slots
         raw = DTYPES[layout.dtype][1]
@@ -69,15 +73,18 @@ class StreamingExpertStore:
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.io_wait_s = 0.0
+        self._batch: tuple[int, list[int]] = (-1, [])  # the current acquire's (layer, experts)
+        self._inflight: dict[int, object] = {}  # its reads not waited for yet: j -> future
 
     @classmethod
-    def with_budget(cls, layout: ExpertLayout, reader, expert_budget: int, memory: int) -> "StreamingExpertStore":
+    def with_budget(cls, layout: ExpertLayout, reader, expert_budget: int, memory: int,
+                    overlap: bool = True) -> "StreamingExpertStore":
         """As many slots as `memory` leaves after the resident weights (`memory - expert_budget`); BudgetError
         (with the smallest budget that works) when fewer than top_k slots fit."""
         s = layout.spec
         plan = plan_budget(memory, memory - expert_budget, layout.expert_nbytes, s.top_k,
                            len(layout.layers) * s.num_experts)
-        return cls(layout, reader, plan.slots, plan)
+        return cls(layout, reader, plan.slots, plan, overlap=overlap)
 
     @property
     def nbytes(self) -> int:
@@ -134,19 +141,24 @@ class StreamingExpertStore:
         return slot
 
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
-        """Pin `experts` of `layer` in slots, reading the misses (all at once, sorted by the reader)."""
+        """Pin `experts` of `layer` in slots and queue the misses' reads; return without waiting for them.
+
+        One read batch per missing expert, queued in the order of `experts`: the reader's FIFO fills them in that
+        order, so the math runs the hits while the first miss loads, then each miss as soon as its bytes land
+        (batch.wait(j)). Results do not depend on that order: the block sums the experts in a fixed order.
+        """
         if len(experts) > self.max_batch:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
+        self.settle()  # a previous batch the math abandoned: its reads land before any slot is reused
         self.usage[layer, list(experts)] += 1
-        requests = []
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             self.true_total += len(experts)
             self.predicted_true += sum(e in predicted for e in experts)
-        waits = []
+        inflight: dict[int, object] = {}  # j -> the future that fills slot j
         slots: list[int | None] = []
         # Pass 1: pin every hit first, so a miss below cannot evict an expert this same call is about to use.
-        for e in experts:
+        for j, e in enumerate(experts):
             key = (layer, e)
             slot = self._lru.get(key)
             if slot is not None:
@@ -159,34 +171,75 @@ class StreamingExpertStore:
                     self.prefetch_used += 1
                     self._outcomes.append(1)
                 fut = self._pending.pop(key, None)
-                if fut is not None:
-                    waits.append((key, fut))
+                if fut is not None:  # a prefetch of this layer still in flight: the only reads we wait for
+                    inflight[j] = fut
             slots.append(slot)
-        # Pass 2: misses take free or evicted slots and are read together.
-        for j, e in enumerate(experts):
-            if slots[j] is None:
-                key = (layer, e)
-                slot = self._victim(layer)
-                assert slot is not None, "acquire asks for at most max_batch experts"
-                self._insert(key, slot)
-                self._pinned.add(slot)
-                requests += expert_requests(self.layout, layer, e, self.gate_up[slot], self.down[slot])
-                self.misses += 1
-                slots[j] = slot
+        # Pass 2: misses take free or evicted slots; their reads are queued one expert at a time.
+        self._batch, self._inflight = (layer, list(experts)), inflight
         t0 = time.perf_counter()
         try:
-            if requests:
-                self.reader.read(requests)
-                self.bytes_read += sum(r.nbytes for r, _ in requests)
-            for key, fut in waits:  # prefetches of this layer still in flight: the only reads we wait for
-                fut.result()
+            for j, e in enumerate(experts):
+                if slots[j] is None:
+                    key = (layer, e)
+                    slot = self._victim(layer)
+                    assert slot is not None, "acquire asks for at most max_batch experts"
+                    self._insert(key, slot)
+                    self._pinned.add(slot)
+                    requests = expert_requests(self.layout, layer, e, self.gate_up[slot], self.down[slot])
+                    self.misses += 1
+                    slots[j] = slot
+                    inflight[j] = self.reader.submit(requests)
+                    self.bytes_read += sum(r.nbytes for r, _ in requests)
         except BaseException:
-            # the slots of this batch may hold partial bytes: forget them so no later step trusts them
-            self._forget(layer, experts)
+            self._fail()
             raise
         finally:
             self.io_wait_s += time.perf_counter() - t0
-        return ExpertBatch(self.gate_up, self.down, slots)
+        batch = ExpertBatch(self.gate_up, self.down, slots, {j: functools.partial(self._wait, j) for j in inflight})
+        if not self.overlap:
+            batch.wait_all()
+        return batch
+
+    def _wait(self, j: int) -> None:
+        """Block until slot j of the current batch is filled; on a read error forget the whole batch."""
+        fut = self._inflight.pop(j, None)
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            fut.result()
+        except BaseException:
+            self._fail()
+            raise
+        finally:
+            self.io_wait_s += time.perf_counter() - t0
+
+    def _fail(self) -> None:
+        """A read of the current batch failed: let its other reads land (they write into our slots), then forget
+        every expert of the batch, since their slots may hold partial bytes that no later step may trust."""
+        self._land()
+        layer, experts = self._batch
+        self._forget(layer, experts)
+
+    def _land(self) -> bool:
+        """Wait for every read of the current batch still in flight; True if one failed."""
+        failed = False
+        t0 = time.perf_counter()
+        for fut in self._inflight.values():
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - reported by _wait to whoever used the slot; here only landing
+                failed = True
+        self.io_wait_s += time.perf_counter() - t0
+        self._inflight = {}
+        return failed
+
+    def settle(self) -> None:
+        """Land the reads of the current batch that the math never waited for (it failed before, or did not need
+        them), forgetting the batch if one of them failed."""
+        if self._inflight and self._land():
+            layer, experts = self._batch
+            self._forget(layer, experts)
 
     def _forget(self, layer: int, experts: Sequence[int]) -> None:
         for e in experts:
@@ -197,6 +250,7 @@ class StreamingExpertStore:
         self._pinned.clear()
 
     def release(self, layer: int) -> None:
+        self.settle()
         self._pinned.clear()
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
@@ -258,4 +312,4 @@ class StreamingExpertStore:
         }
 
     def close(self) -> None:
-        pass
+        self._land()

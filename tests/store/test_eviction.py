@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -125,6 +126,7 @@ def test_slots_hold_their_experts_bytes_under_prefetch(slots):
         for layer in range(LAYERS):
             experts = sorted(rng.sample(range(EXPERTS), TOP_K))
             batch = store.acquire(layer, experts)
+            batch.wait_all()
             for j, e in enumerate(experts):
                 want = (layer * EXPERTS + e) * 64 // 64 % 251
                 assert int(batch.gate_up[batch.slots[j]].flatten()[0]) == want, (layer, e)
@@ -133,3 +135,46 @@ def test_slots_hold_their_experts_bytes_under_prefetch(slots):
             guess = sorted(set(rng.sample(experts, TOP_K // 2)) | set(rng.sample(range(EXPERTS), TOP_K)))
             store.prefetch((layer + 1) % LAYERS, guess)
             store.release(layer)
+
+
+class _LateReader(_MarkingReader):
+    """Fills each batch in a thread after a delay, later batches sooner: reads land out of order."""
+
+    def __init__(self):
+        self.delay = 0.03
+
+    def submit(self, requests):
+        import threading
+        from concurrent.futures import Future
+
+        fut, delay = Future(), self.delay
+        self.delay = max(0.0, self.delay - 0.01)
+
+        def fill():
+            time.sleep(delay)
+            self._fill(requests)
+            fut.set_result(None)
+
+        threading.Thread(target=fill, daemon=True).start()
+        return fut
+
+
+def test_reads_land_before_use_and_before_release():
+    """acquire returns with reads in flight; wait(j) makes slot j's bytes right; release lands what nobody waited
+    for, so the next acquire can never hand out a slot a late read is still writing."""
+    store = _marked_store(TOP_K + 1)
+    store.reader = _LateReader()
+    experts = [1, 2, 3, 5]
+    batch = store.acquire(0, experts)
+    assert not any(batch.ready(j) for j in range(len(experts)))  # all misses, all queued
+    batch.wait(2)
+    assert int(batch.gate_up[batch.slots[2]].flatten()[0]) == 3 % 251
+    store.release(0)  # never waited for 0, 1, 3: they must have landed now
+    for j, e in enumerate(experts):
+        assert bool((batch.gate_up[batch.slots[j]] == e % 251).all()), e
+    store.reader.delay = 0.03
+    nxt = store.acquire(1, [0, 4, 6, 7])  # evicts layer 0's experts into the same slots
+    nxt.wait_all()
+    for j, e in enumerate([0, 4, 6, 7]):
+        assert bool((nxt.down[nxt.slots[j]] == (EXPERTS + e) % 251).all()), e
+    store.release(1)
