@@ -27,9 +27,12 @@ DEFAULT_MAX_GAP = 64 * 1024
 # per-worker staging stays small and a batch can be spread over workers; 8 MiB is also the kernel's largest mmap
 # readahead here, past which one bigger request bought nothing in benchmarks/io_workers.py.
 DEFAULT_MAX_READ = 8 * 1024 * 1024
-# Pieces are not cut below 256 KiB when splitting a batch for `parts` workers: under that the per-read cost
-# (~40 us + Python) outweighs the parallelism.
-MIN_SPLIT = 256 * 1024
+# Pieces are not cut below 1 MiB when splitting a batch for `parts` workers: each piece is a task for a worker
+# thread (queue handoff, GIL, ~40 us per read), and the streaming store submits one batch per expert. On a 3 MiB
+# expert, 16 layers x 7 misses per token, cutting to 384 KiB pieces (8 per expert) cost 674 ms CPU per step and
+# 483 ms wall; 1.5 MiB pieces 463 ms CPU and 365 ms wall (`sluice bench benchmarks/models/qwen3_moe-peers --cold
+# --ceiling 1GiB`, odirect arm, one run per split; the disk is as fast at 768 KiB and up).
+MIN_SPLIT = 1024 * 1024
 # preadv takes at most IOV_MAX (1024 on Linux) buffers; each segment may add a gap buffer, so 2 per segment.
 MAX_SEGMENTS = 500
 
