@@ -187,8 +187,9 @@ def test_pool_threads_stop_on_close(data_file):
     r.close()  # idempotent
 
 
-def test_large_range_is_spread_over_workers(data_file):
+def test_large_range_is_spread_over_workers(data_file, monkeypatch):
     path, data = data_file
+    monkeypatch.setattr("sluice.io.ranges.MIN_SPLIT", 64 * 1024)  # the file is ~1.3 MB: let it split in 4
     with DirectReader(workers=4) as r:
         reqs = [req(path, 3, SIZE - 3)]
         r.read(reqs)
