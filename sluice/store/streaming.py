@@ -11,7 +11,13 @@ tokens; the fair share below gets 5.8% there (routing of that model is near-unif
 command: `sluice run benchmarks/models/qwen3_moe-4GiB --memory 640MiB --max-tokens 12`). So a layer that already holds
 its share (slots // MoE layers) replaces its own least recently used expert; a layer under its share takes the
 globally least recently used expert of a layer above its share (shares leave room for the working layer's
-top_k). With a cache larger than the working set this is plain LRU.
+top_k).
+
+Within a layer the victim is the expert with the lowest decayed use count (each use adds 1; every acquire of the
+layer multiplies its counts by DECAY), the least recently used among equals. A trained router has favourite
+experts; recency alone evicts a favourite after a short absence. Simulated on the demo model's decode routing over
+3,000 held-out tokens (6 layers, 32 experts top-4): 52.4% -> 61.7% hits at 6 slots per layer, 63.9% -> 72.3% at 8
+(Belady's optimum: 66.7%, 77.6%); on random routing (the synthetic models) both give the same hit rate.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from .resident import expert_requests
 class StreamingExpertStore:
     """`slots` expert slots; misses are read by `reader` straight into the slot buffers."""
 
+    DECAY = 0.99  # per acquire of a layer: a use 69 tokens ago counts half (0.95-0.999 all within 0.2 points)
     PREFETCH_WINDOW = 128
     PREFETCH_MIN_PRECISION = 0.2
     PREFETCH_COOLDOWN = 64
@@ -71,6 +78,10 @@ class StreamingExpertStore:
         self.prefetch_paused = 0
         self.predicted_true = self.true_total = 0  # prerouter recall: predicted & true / true
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
+        # Decayed use counts without touching every entry per step: a use adds the layer's increment, which grows by
+        # 1/DECAY per acquire; comparisons within a layer only need the ratios (rescaled before they overflow).
+        self._score: dict[int, list[float]] = {L: [0.0] * s.num_experts for L in layout.layers}
+        self._increment: dict[int, float] = dict.fromkeys(layout.layers, 1.0)
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.io_wait_s = 0.0
         self._batch: tuple[int, list[int]] = (-1, [])  # the current acquire's (layer, experts)
@@ -106,9 +117,12 @@ class StreamingExpertStore:
 
         own = self._by_layer[layer]
         if len(own) >= self.quota:
-            for key, slot in own.items():  # this layer's oldest first
-                if usable(key, slot):
-                    return self._evict(key)
+            score, best = self._score[layer], None
+            for key, slot in own.items():  # oldest first: the least recent wins a tie
+                if usable(key, slot) and (best is None or score[key[1]] < score[best[1]]):
+                    best = key
+            if best is not None:
+                return self._evict(best)
         for key, slot in self._lru.items():  # oldest first, from layers above their share
             if len(self._by_layer[key[0]]) > self.quota and usable(key, slot):
                 return self._evict(key)
@@ -151,6 +165,7 @@ class StreamingExpertStore:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
         self.settle()  # a previous batch the math abandoned: its reads land before any slot is reused
         self.usage[layer, list(experts)] += 1
+        self._count_use(layer, experts)
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             self.true_total += len(experts)
@@ -199,6 +214,15 @@ class StreamingExpertStore:
         if not self.overlap:
             batch.wait_all()
         return batch
+
+    def _count_use(self, layer: int, experts: Sequence[int]) -> None:
+        inc = self._increment[layer] = self._increment[layer] / self.DECAY
+        score = self._score[layer]
+        for e in experts:
+            score[e] += inc
+        if inc > 1e200:  # rescale: same order, no overflow
+            self._score[layer] = [v / inc for v in score]
+            self._increment[layer] = 1.0
 
     def _wait(self, j: int) -> None:
         """Block until slot j of the current batch is filled; on a read error forget the whole batch."""

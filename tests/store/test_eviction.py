@@ -178,3 +178,18 @@ def test_reads_land_before_use_and_before_release():
     for j, e in enumerate([0, 4, 6, 7]):
         assert bool((nxt.down[nxt.slots[j]] == (EXPERTS + e) % 251).all()), e
     store.release(1)
+
+
+def test_a_layers_favourite_expert_survives_a_short_absence():
+    """Within a layer the victim is the least used (decayed count), not the least recent: an expert the router
+    keeps choosing stays cached while a run of one-off experts passes through (plain LRU would evict it first)."""
+    spec = SimpleNamespace(n_layers=1, num_experts=8, top_k=1, moe_layers=[True])
+    part = [ExpertPart("gate_up", 0, ReadRange("/dev/null", 0, 16)), ExpertPart("down", 0, ReadRange("/dev/null", 0, 8))]
+    layout = SimpleNamespace(spec=spec, layers=[0], dtype="BF16", gate_up_shape=(4, 2), down_shape=(2, 2),
+                             expert_nbytes=24, parts=lambda layer, e: part)
+    store = StreamingExpertStore(layout, _NullReader(), 3)
+    for e in [0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 0]:  # 0 is the favourite; 1..5 each come once
+        store.acquire(0, [e]).wait_all()
+        store.release(0)
+    st = store.stats()
+    assert (st["hits"], st["misses"]) == (5, 6)  # 0's last use is a hit: 1..4 were evicted in its place
