@@ -67,3 +67,31 @@ def test_runs_under_ceiling_4x_smaller_than_model(big_model, tmp_path, io):
     assert stats["rss_anon_bytes"] <= BUDGET + RUNTIME_OVERHEAD, stats["rss_anon_bytes"]
     if io.startswith("direct"):
         assert stats["peak_rss_bytes"] <= BUDGET + PEAK_OVERHEAD, stats["peak_rss_bytes"]
+
+
+def _run_json(model: Path, tmp_path: Path, ceiling: int, *flags: str):
+    out = tmp_path / f"out{len(list(tmp_path.iterdir()))}.json"
+    argv = [sys.executable, "-m", "sluice", "run", str(model), "--prompt", "hello there", "--max-tokens", "8",
+            "--max-context", "256", "--json", *flags]
+    with open(out, "w") as fh:
+        try:
+            r = run_in_memory_cgroup(argv, ceiling, timeout=600, stdout=fh, stderr=subprocess.DEVNULL)
+        except ResidencyError as e:
+            pytest.skip(f"no writable memory cgroup: {e}")
+    return r, (json.loads(out.read_text().strip().splitlines()[-1]) if r.returncode == 0 else None)
+
+
+def test_memory_auto_streams_under_a_ceiling_smaller_than_the_model(big_model, tmp_path):
+    """No --memory: the default `auto` sees the cgroup limit, streams with the room it leaves, and gives the tokens
+    of an explicit budget; the same model outside any limit would load resident (it fits in this machine's RAM)."""
+    ceiling = parse_size("800MiB")
+    for f in big_model.glob("*.safetensors"):
+        evict(f)
+    r, auto = _run_json(big_model, tmp_path, ceiling)
+    assert not r.oom_killed and r.returncode == 0
+    st = auto["stats"]
+    assert st["memory"] is not None and st["memory"] < ceiling, st["memory_plan"]
+    assert "streaming" in st["memory_plan"] and "cgroup" in st["memory_plan"]
+    assert st["misses"] > 0
+    _, explicit = _run_json(big_model, tmp_path, ceiling, "--memory", str(BUDGET))
+    assert auto["tokens"] == explicit["tokens"]
