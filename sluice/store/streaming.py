@@ -1,8 +1,9 @@
 """StreamingExpertStore: a budgeted cache of expert slots over all layers, filled from disk on demand.
 
 Slot buffers are allocated once at load (one stack per projection, in the checkpoint's dtype) and written in place
-by the reader; one LRU over (layer, expert) is shared by all layers; the experts of the current acquire are pinned
-so a later miss in the same pass can never evict them.
+by the reader; one cache over (layer, expert) is shared by all layers; the experts of the current acquire are pinned
+so a later miss in the same pass can never evict them. acquire() returns with the misses' reads in flight (one
+batch per expert), so the math overlaps them; ExpertBatch.wait(j) guards each slot.
 
 Eviction is LRU with a per-layer fair share. Layers are visited cyclically, so when the cache is smaller than one
 token's working set (layers x top_k experts) a plain global LRU evicts every layer's experts just before they are
@@ -190,7 +191,7 @@ class StreamingExpertStore:
                     self.prefetch_used += 1
                     self._outcomes.append(1)
                 fut = self._pending.pop(key, None)
-                if fut is not None:  # a prefetch of this layer still in flight: the only reads we wait for
+                if fut is not None:  # its prefetch is still in flight: the math waits for it like for a miss
                     inflight[j] = fut
             slots.append(slot)
         # Pass 2: misses take free or evicted slots; their reads are queued one expert at a time.
