@@ -14,9 +14,9 @@ MEM="--memory 384MiB"
 [ -f "$MODEL/prerouter.safetensors" ] || .venv/bin/sluice prerouter fit "$MODEL" --tokens 3072 --kind mlp
 .venv/bin/sluice bench "$MODEL" --cold --ceiling 768MiB --rounds "$ROUNDS" --steps "$STEPS" --warmup "$WARMUP" \
   --prompt "When you" \
-  --arm direct="--io direct $MEM" \
-  --arm direct+router="--io direct $MEM --prefetch router --prefetch-margin 2" \
-  --arm direct+learned="--io direct $MEM --prefetch learned --prefetch-margin 2" \
+  --arm direct="--io direct --no-odirect $MEM" \
+  --arm direct+router="--io direct --no-odirect $MEM --prefetch router --prefetch-margin 2" \
+  --arm direct+learned="--io direct --no-odirect $MEM --prefetch learned --prefetch-margin 2" \
   --arm willneed="--io willneed $MEM" \
   --arm willneed+router="--io willneed $MEM --prefetch router --prefetch-margin 2" \
   --require-identical --out benchmarks/results/prefetch

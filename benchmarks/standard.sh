@@ -14,6 +14,6 @@ MEM=${MEM:-1GiB}
 .venv/bin/sluice bench "$MODEL" --cold --ceiling 1.5GiB --rounds "$ROUNDS" --steps "$STEPS" --warmup "$WARMUP" \
   --arm mmap="--io mmap --memory $MEM" \
   --arm willneed="--io willneed --memory $MEM" \
-  --arm direct="--io direct --memory $MEM" \
+  --arm direct="--io direct --no-odirect --memory $MEM" \
   --arm direct+odirect="--io direct --odirect --memory $MEM" \
   --require-identical --out benchmarks/results/standard

@@ -22,7 +22,7 @@ from sluice.io.residency import evict, resident_fraction, run_in_memory_cgroup
 from sluice.options import format_bytes, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {"mmap": ["--io", "mmap"], "willneed": ["--io", "willneed"], "direct": ["--io", "direct"],
+MODES = {"mmap": ["--io", "mmap"], "willneed": ["--io", "willneed"], "direct": ["--io", "direct", "--no-odirect"],
          "direct+odirect": ["--io", "direct", "--odirect"]}
 
 

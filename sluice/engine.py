@@ -28,7 +28,7 @@ from .prerouter import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
 from .procstat import counters, memory_status
-from .sysmem import available_memory
+from .sysmem import MemoryRoom, available_memory
 from .weights import load_resident, resident_refs
 
 
@@ -67,12 +67,12 @@ class Model:
         # the budget: None = everything resident; decided before any weight is loaded, so a model that cannot fit
         # fails with a BudgetError instead of an OOM kill
         self.memory, self.memory_plan = options.memory, None
+        room = available_memory() if options.memory == "auto" or options.odirect is None else None
         if options.memory == "auto":
-            self.memory_plan = self._auto_memory()
+            self.memory_plan = self._auto_memory(room)
             self.memory = self.memory_plan.memory
-        self.reader = make_reader(
-            options.io, workers=options.io_workers or DEFAULT_WORKERS, odirect=options.odirect
-        )
+        self.odirect = self._odirect(room)
+        self.reader = make_reader(options.io, workers=options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
         weights = load_resident(refs, s, self.dtype, lazy_embed=lazy_embed)
         self.rows = self._make_rows(refs["embed"]) if lazy_embed else None
         self.store = self._make_store(progress)
@@ -98,8 +98,17 @@ class Model:
         same = (mode == "direct") == (self.options.io == "direct")
         return RowTable(ref, mode, reader=self.reader if same else None, dtype=self.dtype)
 
-    def _auto_memory(self) -> AutoPlan:
-        room = available_memory()
+    def _odirect(self, room: MemoryRoom | None) -> bool:
+        """options.odirect, or when None: O_DIRECT iff streaming with the direct reader and all the experts would
+        not fit in the memory left beside the budget (see LoadOptions.odirect)."""
+        if self.options.odirect is not None:
+            return self.options.odirect
+        if self.memory is None or self.options.io != "direct" or room is None:
+            return False
+        experts = len(self.layout.layers) * self.spec.num_experts * self.layout.expert_nbytes
+        return experts > room.bytes - self.memory
+
+    def _auto_memory(self, room: MemoryRoom) -> AutoPlan:
         s = self.spec
         return auto_memory(room.bytes, room.source, self.resident_bytes, self.layout.expert_nbytes,
                            len(self.layout.layers) * s.num_experts, s.top_k, self.cache.nbytes)
@@ -303,6 +312,7 @@ class Model:
             "kv_cache_bytes": self.cache.nbytes,
             "load_s": round(self.load_s, 3),
             "io": self.options.io,
+            "odirect": self.odirect,
             "memory": self.memory,  # the budget in bytes; None = everything resident
             "memory_plan": self.memory_plan.describe() if self.memory_plan else
             ("everything resident" if self.memory is None else f"budget {format_bytes(self.memory)}"),

@@ -56,7 +56,11 @@ class LoadOptions:
     io:            how expert bytes move: "mmap" (demand faults), "willneed" (mmap + MADV_WILLNEED hints),
                    "direct" (pread by a worker pool into owned buffers). Also used for the resident load.
     io_workers:    threads of the direct reader; 0 = the measured default of the reader.
-    odirect:       open files with O_DIRECT (direct mode), so streamed bytes do not also fill the page cache.
+    odirect:       open files with O_DIRECT (direct mode), so streamed bytes do not also fill the page cache. None
+                   (default) = auto: O_DIRECT when streaming and the experts cannot fit in the memory left beside the
+                   budget either (then page cache only adds a copy and constant reclaim: buffered reads measured
+                   1.3-1.6x slower in every benchmark under a ceiling), buffered otherwise (a roomy box keeps the
+                   model in page cache after the first pass). True / False force it.
     dtype:         compute dtype: "auto" (the checkpoint's: float32 stays float32, bf16 stays bf16 -- on this class
                    of CPU bf16 GEMV runs ~1.8x faster than float32, measured 2.8 vs 5.2 ms for 8 experts of
                    2048x1536), or "float32" / "bfloat16" / "float16".
@@ -77,7 +81,7 @@ class LoadOptions:
     memory: int | str | None = "auto"
     io: str = "direct"
     io_workers: int = 0
-    odirect: bool = False
+    odirect: bool | None = None
     dtype: str = "auto"
     max_context: int = 4096
     prefill_chunk: int = 256

@@ -56,7 +56,7 @@ for kind in $MODELS; do
     echo "== $kind: $MODEL, ceiling $CEILING, sluice --memory $MEM -> $DIR"
     "${SLUICE[@]}" bench "$MODEL" --cold --ceiling "$CEILING" --rounds "$ROUNDS" --steps "$STEPS" --warmup "$WARMUP" \
       "${PROMPT[@]}" \
-      --arm direct="--io direct --memory $MEM" \
+      --arm direct="--io direct --no-odirect --memory $MEM" \
       --arm direct+odirect="--io direct --odirect --memory $MEM" \
       --arm llama.cpp="peer:llama.cpp" \
       --arm llama.cpp+random="peer:llama.cpp --madvise random" \

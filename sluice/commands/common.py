@@ -18,7 +18,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "cgroup limits), else stream experts with that memory as the budget")
     g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
     g.add_argument("--io-workers", type=int, default=0, metavar="N", help="direct-read threads (default: measured)")
-    g.add_argument("--odirect", action="store_true", help="read with O_DIRECT (bypass the page cache)")
+    g.add_argument("--odirect", action=argparse.BooleanOptionalAction, default=None,
+                   help="read with O_DIRECT, bypassing the page cache (default: on when streaming a model that the "
+                        "memory left beside the budget could not cache anyway)")
     g.add_argument("--embeddings", choices=["resident", "mmap", "direct"], default="resident",
                    help="token embedding rows: resident, or read per batch from disk (default: resident)")
     g.add_argument("--prefetch", choices=["none", "router", "learned"], default="none",
@@ -68,5 +70,6 @@ def stats_line(st: dict) -> str:
         f"faults {st['major_faults']} major / {st['minor_faults']} minor",
         f"peak RSS {format_bytes(st['peak_rss_bytes'])}",
         f"memory {st['memory_plan']}",
+        f"io {st['io']}{' (O_DIRECT)' if st.get('odirect') else ''}",
     ]
     return " | ".join(parts)

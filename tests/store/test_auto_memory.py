@@ -96,3 +96,25 @@ def test_auto_without_room_fails_before_loading(model_dir, monkeypatch):
     _room(monkeypatch, RUNTIME_RESERVE)
     with pytest.raises(BudgetError, match="not enough memory for this model"):
         sluice.load(model_dir)
+
+
+@pytest.mark.parametrize("room,forced,expected", [("roomy", None, False), ("tight", None, True),
+                                                  ("tight", False, False), ("roomy", True, True)])
+def test_odirect_auto_when_page_cache_could_not_hold_the_experts(model_dir, resident, monkeypatch, room, forced,
+                                                                   expected):
+    """odirect None (the default): O_DIRECT only when streaming and the experts exceed the room left beside the
+    budget; an explicit True/False wins. Tokens are the same either way."""
+    tokens, resident_bytes, expert = resident
+    memory = resident_bytes + 4 * expert
+    with sluice.load(model_dir, memory="all") as m:
+        experts = len(m.layout.layers) * m.spec.num_experts * expert
+    _room(monkeypatch, memory + (experts // 2 if room == "tight" else 2 * experts))
+    with sluice.load(model_dir, memory=memory, io="direct", odirect=forced) as m:
+        assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens
+        assert m.odirect is expected and m.stats()["odirect"] is expected
+
+
+def test_odirect_auto_is_off_when_resident(model_dir, monkeypatch):
+    _room(monkeypatch, 16 * 2**30)
+    with sluice.load(model_dir, io="direct") as m:
+        assert m.memory is None and m.odirect is False
