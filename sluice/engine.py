@@ -67,7 +67,7 @@ class Model:
         # the budget: None = everything resident; decided before any weight is loaded, so a model that cannot fit
         # fails with a BudgetError instead of an OOM kill
         self.memory, self.memory_plan = options.memory, None
-        room = available_memory() if options.memory == "auto" or options.odirect is None else None
+        room = available_memory()
         if options.memory == "auto":
             self.memory_plan = self._auto_memory(room)
             self.memory = self.memory_plan.memory
@@ -98,20 +98,18 @@ class Model:
         same = (mode == "direct") == (self.options.io == "direct")
         return RowTable(ref, mode, reader=self.reader if same else None, dtype=self.dtype)
 
-    def _odirect(self, room: MemoryRoom | None) -> bool:
+    def _odirect(self, room: MemoryRoom) -> bool:
         """options.odirect, or when None: O_DIRECT iff streaming with the direct reader and all the experts would
         not fit in the memory left beside the budget (see LoadOptions.odirect)."""
         if self.options.odirect is not None:
             return self.options.odirect
-        if self.memory is None or self.options.io != "direct" or room is None:
+        if self.memory is None or self.options.io != "direct":
             return False
-        experts = len(self.layout.layers) * self.spec.num_experts * self.layout.expert_nbytes
-        return experts > room.bytes - self.memory
+        return self.layout.total_experts * self.layout.expert_nbytes > room.bytes - self.memory
 
     def _auto_memory(self, room: MemoryRoom) -> AutoPlan:
-        s = self.spec
         return auto_memory(room.bytes, room.source, self.resident_bytes, self.layout.expert_nbytes,
-                           len(self.layout.layers) * s.num_experts, s.top_k, self.cache.nbytes)
+                           self.layout.total_experts, self.spec.top_k, self.cache.nbytes)
 
     def _make_store(self, progress: bool):
         if self.memory is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .io.residency import V1_ROOT, V2_ROOT, own_cgroup
+from .io.residency import V1_ROOT, V2_ROOT, own_cgroup, read_keyed
 from .options import format_bytes
 
 _UNLIMITED = 1 << 60  # v1 reports "no limit" as a page-rounded LONG_MAX
@@ -20,19 +20,6 @@ class MemoryRoom:
 
     bytes: int
     source: str
-
-
-def _keyed(path: Path) -> dict[str, int]:
-    """A 'key value' per-line file (/proc/meminfo without units, memory.stat) as a dict; {} if unreadable."""
-    out: dict[str, int] = {}
-    try:
-        for line in path.read_text().splitlines():
-            parts = line.replace(":", " ").split()
-            if len(parts) >= 2 and parts[1].isdigit():
-                out[parts[0]] = int(parts[1])
-    except OSError:
-        pass
-    return out
 
 
 def _read(path: Path) -> str | None:
@@ -65,21 +52,21 @@ def cgroup_rooms() -> list[tuple[int, str]]:
             limit = _read(d / "memory.max")
             if limit is None or not limit.isdigit():
                 continue  # "max" (no limit) or no memory controller here
-            anon = _keyed(d / "memory.stat").get("anon", 0)
+            anon = read_keyed(d / "memory.stat").get("anon", 0)
             rooms.append((int(limit) - anon, f"cgroup {d} limit {format_bytes(int(limit))}"))
     elif (V1_ROOT / "memory.limit_in_bytes").exists():
         for d in [*_chain(V1_ROOT, own_cgroup("memory")), V1_ROOT]:
             limit = _read(d / "memory.limit_in_bytes")
             if limit is None or not limit.isdigit() or int(limit) >= _UNLIMITED:
                 continue
-            rss = _keyed(d / "memory.stat").get("total_rss", 0)
+            rss = read_keyed(d / "memory.stat").get("total_rss", 0)
             rooms.append((int(limit) - rss, f"cgroup {d} limit {format_bytes(int(limit))}"))
     return rooms
 
 
 def available_memory() -> MemoryRoom:
     """The memory this process can still take before the kernel reclaims its working set or OOM-kills it."""
-    meminfo = _keyed(Path("/proc/meminfo"))
+    meminfo = read_keyed(Path("/proc/meminfo"))
     candidates = [(meminfo["MemAvailable"] * 1024, "MemAvailable")] if "MemAvailable" in meminfo else []
     candidates += cgroup_rooms()
     if not candidates:  # not Linux, or /proc hidden: no basis for a guess

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import sys
 
+from sluice.options import format_bytes as size
+
 LABELS = {"direct": "sluice direct", "direct+odirect": "sluice direct+odirect",
           "llama.cpp": "llama.cpp mmap (defaults)", "llama.cpp+random": "llama.cpp + MADV_RANDOM",
           "accelerate": "transformers + accelerate offload"}
-
-
-def size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def table(path: str) -> str:

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from ..errors import SluiceError
 
 
@@ -17,4 +19,15 @@ class BenchError(SluiceError):
     """A bench run cannot start or continue: bad arm, model not cold, no cgroup, the reference run failed."""
 
 
-__all__ = ["BenchError"]
+class FlagError(Exception):
+    """An arm's flags did not parse (raised by FlagParser; re-raised as a BenchError naming the arm)."""
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse that raises FlagError instead of printing usage and exiting, for arms' flag strings."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise FlagError(message)
+
+
+__all__ = ["BenchError", "FlagError", "FlagParser"]

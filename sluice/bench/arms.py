@@ -17,7 +17,7 @@ from typing import Any
 from ..commands.common import add_model_arguments
 from ..errors import SluiceError
 from ..options import LoadOptions
-from . import BenchError
+from . import BenchError, FlagError, FlagParser
 from .peers import is_peer, parse_peer
 
 _NAME = re.compile(r"[A-Za-z0-9_.+:@-]+")
@@ -42,19 +42,8 @@ class Arm:
         return out
 
 
-class _ParseError(Exception):
-    pass
-
-
-class _ArmParser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage and exiting: the message is re-raised naming the arm."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise _ParseError(message)
-
-
-def _flag_parser() -> _ArmParser:
-    p = _ArmParser(prog="arm", add_help=False, allow_abbrev=False)  # no prefixes: "--mem" is not "--memory"
+def _flag_parser() -> FlagParser:
+    p = FlagParser(prog="arm", add_help=False, allow_abbrev=False)  # no prefixes: "--mem" is not "--memory"
     add_model_arguments(p)
     for action in p._actions:
         # SUPPRESS: flags the arm does not give stay out of the namespace, so LoadOptions' defaults apply
@@ -70,7 +59,7 @@ def parse_flags(name: str, flags: str) -> dict[str, Any]:
         raise BenchError(f"arm {name!r}: cannot split flags {flags!r}: {e}") from e
     try:
         ns = _flag_parser().parse_args([_PLACEHOLDER, *tokens])
-    except _ParseError as e:
+    except FlagError as e:
         raise BenchError(f"arm {name!r}: {e} (arms take the loading flags of `sluice run`; see sluice run --help)")
     opts = {k: v for k, v in vars(ns).items() if k != "model"}
     known = {f.name for f in fields(LoadOptions)}

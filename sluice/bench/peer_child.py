@@ -1,7 +1,8 @@
 """One peer run in a fresh process, in the peers' environment: `PYTHON peer_child.py replay --peer KIND ...`.
 
 Run as a script by the interpreter of benchmarks/peers/.venv (see sluice/bench/peers.py), so it imports nothing from
-sluice: the standard library here, and the peer's own packages inside its function. It prints one JSON line shaped
+the sluice package (that would load torch into a llama.cpp run): the standard library, sluice/procstat.py loaded
+by path, and the peer's own packages inside its function. It prints one JSON line shaped
 like sluice's child's record (argmax, step times, the timed window's counters, peak RSS), so the bench summarizes,
 pairs and identity-checks peers exactly as it does sluice's arms.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import inspect
 import json
 import os
@@ -41,28 +43,18 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
-def disk_read_bytes() -> int:
-    """Bytes this process made the block layer fetch (/proc/self/io read_bytes); 0 where unreadable."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+def _load_procstat():
+    """sluice/procstat.py (standard library only) loaded by path: the kernel counters sluice's own child reads,
+    without importing the sluice package (which would pull torch into a llama.cpp run's memory)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "procstat.py")
+    spec = importlib.util.spec_from_file_location("sluice_procstat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def memory_status() -> dict[str, int]:
-    """VmHWM (peak RSS), RssAnon, RssFile in bytes, from /proc/self/status."""
-    keys = {"VmHWM:": "peak_rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes"}
-    out: dict[str, int] = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            parts = line.split()
-            if parts and parts[0] in keys:
-                out[keys[parts[0]]] = int(parts[1]) * 1024
-    return out
+_procstat = _load_procstat()
+disk_read_bytes, memory_status = _procstat.disk_read_bytes, _procstat.memory_status
 
 
 def counters() -> dict[str, float]:

@@ -14,7 +14,6 @@ prompt and generates the sequence every arm replays).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 from pathlib import Path
@@ -22,24 +21,15 @@ from typing import Any
 
 from ..errors import SluiceError
 from ..options import parse_size
-from . import BenchError
+from . import BenchError, FlagError, FlagParser
 
 PREFIX = "peer:"
 CHILD = Path(__file__).with_name("peer_child.py")
 DEFAULT_GGUF = "model.gguf"  # inside the model folder, so the cold protocol evicts it with the checkpoint
 
 
-class _ParseError(Exception):
-    pass
-
-
-class _PeerParser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise _ParseError(message)
-
-
-def _llama_cpp_parser() -> _PeerParser:
-    p = _PeerParser(prog="peer:llama.cpp", add_help=False, allow_abbrev=False)
+def _llama_cpp_parser() -> FlagParser:
+    p = FlagParser(prog="peer:llama.cpp", add_help=False, allow_abbrev=False)
     p.add_argument("--gguf", help=f"GGUF file (default MODEL/{DEFAULT_GGUF}, written by `sluice export-gguf`)")
     p.add_argument("--threads", type=int, help="n_threads (default: every CPU, as sluice's torch uses)")
     p.add_argument("--no-mmap", dest="mmap", action="store_false", help="use_mmap=False (read the file at load)")
@@ -52,8 +42,8 @@ def _llama_cpp_parser() -> _PeerParser:
     return p
 
 
-def _accelerate_parser() -> _PeerParser:
-    p = _PeerParser(prog="peer:accelerate", add_help=False, allow_abbrev=False)
+def _accelerate_parser() -> FlagParser:
+    p = FlagParser(prog="peer:accelerate", add_help=False, allow_abbrev=False)
     p.add_argument("--max-memory", default="256MiB",
                    help="max_memory['cpu'] for device_map='auto'; the rest is offloaded to disk (256MiB)")
     p.add_argument("--offload-folder", help="offload_folder (default: a fresh temporary folder, deleted after)")
@@ -83,7 +73,7 @@ def parse_peer(name: str, flags: str) -> tuple[str, dict[str, Any]]:
     kind = tokens[0]
     try:
         opts = vars(PEERS[kind]().parse_args(tokens[1:]))
-    except _ParseError as e:
+    except FlagError as e:
         raise BenchError(f"arm {name!r}: {PREFIX}{kind}: {e}") from None
     if kind == "accelerate":
         try:  # checked now, passed on as written

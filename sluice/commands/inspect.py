@@ -10,7 +10,8 @@ import torch
 
 from ..checkpoint.index import CheckpointIndex
 from ..models import get_arch
-from ..options import format_bytes, parse_size
+from ..models.blocks import KVCache
+from ..options import LoadOptions, format_bytes
 from ..errors import BudgetError
 from ..store.budget import auto_memory, plan_budget
 from ..sysmem import available_memory
@@ -39,7 +40,7 @@ def describe(folder: str, memory: int | str | None = None, max_context: int = 40
     resident_params = sum(r.numel for r in refs.values())
     resident_bytes = sum(r.nbytes for r in refs.values())
     moe_layers = len(layout.layers)
-    n_experts = moe_layers * spec.num_experts
+    n_experts = layout.total_experts
     expert_params = n_experts * (layout.expert_nbytes // layout.itemsize)
     info = {
         "model_type": index.config.get("model_type"),
@@ -66,8 +67,8 @@ def describe(folder: str, memory: int | str | None = None, max_context: int = 40
         "expert_bytes_per_token": moe_layers * spec.top_k * layout.expert_nbytes,
     }
     if memory == "auto":
-        kv_bytes = (2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * layout.itemsize
-                    * min(max_context, spec.rope.max_position_embeddings))
+        kv_bytes = KVCache.bytes_for(spec.n_layers, spec.n_kv_heads, spec.head_dim,
+                                     min(max_context, spec.rope.max_position_embeddings), layout.itemsize)
         room = available_memory()
         try:
             auto = auto_memory(room.bytes, room.source, resident_bytes, layout.expert_nbytes, n_experts, spec.top_k,
@@ -105,8 +106,7 @@ def _print(info: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    memory = args.memory if args.memory in (None, "auto") else None if args.memory == "all" else parse_size(args.memory)
-    info = describe(args.model, memory, args.max_context)
+    info = describe(args.model, LoadOptions.make(memory=args.memory).memory, args.max_context)
     if args.usage_tokens > 0:
         with load_from_args(args, progress=not args.json) as m:
             n = min(args.usage_tokens, m.cache.max_context)

@@ -197,16 +197,18 @@ def _read_int(path: Path) -> int:
         return 0
 
 
-def _read_keyed(path: Path, key: str) -> int:
-    """The value of `key` in a 'key value' per-line file (memory.events, memory.oom_control); 0 if absent."""
+def read_keyed(path: Path) -> dict[str, int]:
+    """A file of 'key value' lines (memory.events, memory.stat, memory.oom_control; also /proc/meminfo's
+    'Key: value kB') as {key: value}; {} if unreadable."""
+    out: dict[str, int] = {}
     try:
         for line in path.read_text().splitlines():
-            k, _, v = line.partition(" ")
-            if k == key:
-                return int(v)
-    except (OSError, ValueError):
+            parts = line.replace(":", " ").split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                out[parts[0]] = int(parts[1])
+    except OSError:
         pass
-    return 0
+    return out
 
 
 def _kill_remaining(cg: Path) -> None:
@@ -282,12 +284,12 @@ def run_in_memory_cgroup(
             raise
         if version == "v2":
             peak = _read_int(cg / "memory.peak")
-            oom = _read_keyed(cg / "memory.events", "oom_kill") > 0
+            oom = read_keyed(cg / "memory.events").get("oom_kill", 0) > 0
         else:
             peak = _read_int(cg / "memory.max_usage_in_bytes")
             oom_file = cg / "memory.oom_control"
             if "oom_kill " in oom_file.read_text():
-                oom = _read_keyed(oom_file, "oom_kill") > 0
+                oom = read_keyed(oom_file).get("oom_kill", 0) > 0
             else:  # kernels before 4.13 have no counter
                 oom = rc == -signal.SIGKILL and _read_int(cg / "memory.failcnt") > 0
         return CgroupResult(rc, oom, peak)

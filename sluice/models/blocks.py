@@ -111,7 +111,13 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        n_layers, n_kv_heads, max_context, head_dim = self.k.shape
+        return self.bytes_for(n_layers, n_kv_heads, head_dim, max_context, self.k.element_size())
+
+    @staticmethod
+    def bytes_for(n_layers: int, n_kv_heads: int, head_dim: int, max_context: int, itemsize: int) -> int:
+        """Bytes of keys + values for `max_context` positions, without allocating them."""
+        return 2 * n_layers * n_kv_heads * max_context * head_dim * itemsize
 
 
 def _mask(pos: int, T: int, window: int | None) -> torch.Tensor | None:

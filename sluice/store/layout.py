@@ -69,6 +69,11 @@ class ExpertLayout:
     def layers(self) -> list[int]:
         return [i for i, s in enumerate(self.spec.moe_layers) if s]
 
+    @property
+    def total_experts(self) -> int:
+        """Experts over all MoE layers."""
+        return len(self.layers) * self.spec.num_experts
+
     def parts(self, layer: int, expert: int) -> list[ExpertPart]:
         return self._parts[(layer, expert)]
 

@@ -98,8 +98,7 @@ class StreamingExpertStore:
         """As many slots as `memory` leaves after the resident weights (`memory - expert_budget`); BudgetError
         (with the smallest budget that works) when fewer than top_k slots fit."""
         s = layout.spec
-        plan = plan_budget(memory, memory - expert_budget, layout.expert_nbytes, s.top_k,
-                           len(layout.layers) * s.num_experts)
+        plan = plan_budget(memory, memory - expert_budget, layout.expert_nbytes, s.top_k, layout.total_experts)
         return cls(layout, reader, plan.slots, plan, overlap=overlap)
 
     @property
