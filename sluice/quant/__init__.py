@@ -1,0 +1,1 @@
+"""Quantized tensor formats -> math: the format table, reference-exact dequantization, packed CPU kernels."""
