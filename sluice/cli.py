@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
-from .errors import SluiceError
+from .errors import MemoryWarning, SluiceError
 
 COMMANDS = {
     "run": "generate text from a prompt",
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args._main(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line(args.command, warnings.showwarning)
+            return int(args._main(args) or 0)
     except SluiceError as e:
         print(f"sluice {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -45,6 +48,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+
+
+def _one_line(command: str, default):
+    """sluice's own warnings (MemoryWarning) as one `sluice CMD: warning: ...` line, others as Python prints them."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, MemoryWarning):
+            print(f"sluice {command}: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    return show
 
 
 if __name__ == "__main__":

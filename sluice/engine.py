@@ -22,13 +22,13 @@ from .models.blocks import KVCache, Transformer
 from .options import LoadOptions, format_bytes
 from .sampling import make_logits_processors, make_sampler
 from .store.layout import ExpertLayout
-from .store.budget import AutoPlan, auto_memory
+from .store.budget import RUNTIME_RESERVE, AutoPlan, auto_memory, check_room
 from .store.resident import ResidentExpertStore
 from .prerouter import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
 from .procstat import counters, memory_status
-from .sysmem import MemoryRoom, available_memory
+from .sysmem import MemoryRoom, available_memory, usable_cpus
 from .weights import load_resident, resident_refs
 
 
@@ -56,8 +56,9 @@ class Model:
         s = self.spec
         refs = resident_refs(self.index, s, self.arch)
         self.dtype = options.compute_dtype(refs["layers.0.q"].torch_dtype)
-        if options.threads:
-            torch.set_num_threads(options.threads)
+        threads = options.threads or usable_cpus()  # torch's own default ignores cgroup CPU quotas
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         self.layout = ExpertLayout(self.index, s, self.arch)
         lazy_embed = options.embeddings != "resident" and not s.tie_word_embeddings
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
@@ -71,6 +72,9 @@ class Model:
         if options.memory == "auto":
             self.memory_plan = self._auto_memory(room)
             self.memory = self.memory_plan.memory
+        else:
+            check_room(self.memory, room.bytes, room.source, self.resident_bytes, self.layout.expert_nbytes,
+                       self.layout.total_experts, self.cache.nbytes)
         self.odirect = self._odirect(room)
         self.reader = make_reader(options.io, workers=options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
         weights = load_resident(refs, s, self.dtype, lazy_embed=lazy_embed)
@@ -100,12 +104,13 @@ class Model:
 
     def _odirect(self, room: MemoryRoom) -> bool:
         """options.odirect, or when None: O_DIRECT iff streaming with the direct reader and all the experts would
-        not fit in the memory left beside the budget (see LoadOptions.odirect)."""
+        not fit in the memory left beside the budget, the KV cache and the runtime (see LoadOptions.odirect)."""
         if self.options.odirect is not None:
             return self.options.odirect
         if self.memory is None or self.options.io != "direct":
             return False
-        return self.layout.total_experts * self.layout.expert_nbytes > room.bytes - self.memory
+        left = room.bytes - self.memory - self.cache.nbytes - RUNTIME_RESERVE
+        return self.layout.total_experts * self.layout.expert_nbytes > left
 
     def _auto_memory(self, room: MemoryRoom) -> AutoPlan:
         return auto_memory(room.bytes, room.source, self.resident_bytes, self.layout.expert_nbytes,

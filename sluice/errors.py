@@ -35,3 +35,7 @@ class BudgetError(SluiceError):
 
 class RequestError(SluiceError):
     """A malformed generation request (bad sampling parameter, prompt too long, ...)."""
+
+
+class MemoryWarning(UserWarning):
+    """A chosen budget may not fit in the memory this process can take; the CLI prints it as one `warning:` line."""

@@ -1,11 +1,13 @@
-"""Inflated checkpoints (sluice/inflate.py, `make-model --from`) are the same model: same greedy tokens, bitwise
-equal logits, loadable by transformers; bad requests fail cleanly. And the shipped demo model loads and speaks.
+"""Inflated checkpoints (sluice/inflate.py, `make-model --from`) are the same model: same greedy tokens, the same
+logits up to float summation order, loadable by transformers; bad requests fail cleanly. And the shipped demo model
+loads and speaks.
 
-Why bitwise: the padded units contribute exact +0.0 terms (gate.x = up.x = 0, SiLU(0) * 0 = 0, zero down
-columns), and adding +0.0 leaves a float unchanged; the original I terms of each dot product come first in the
-longer rows, and the CPU GEMM kernels sum them in the same order (measured here in fp32 and bf16, prefill and
-decode). Should a kernel ever block the longer reduction differently, the token checks still hold and the logits
-checks would need a float tolerance.
+Why not bitwise: the padded units contribute exact +0.0 terms (gate.x = up.x = 0, SiLU(0) * 0 = 0, zero down
+columns), so in exact arithmetic the two models are equal, and on the development VM the CPU GEMM summed the
+original I terms in the same order (bitwise equal, fp32 and bf16). But the down projection's reduction is N times
+longer in the inflated model, and another CPU's kernel blocked it differently (a fresh machine of the same kind
+failed the bitwise check in fp32): the same terms summed in another order. So logits are compared with a
+tolerance (`_assert_same_logits`), the greedy tokens exactly.
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ def demo_x3(tmp_path_factory) -> Path:
     return inflate("demo", tmp_path_factory.mktemp("inflate") / "demo-x3", 3, progress=False)
 
 
+def _assert_same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to the order of float summation. fp32: a reordered dot product of a few hundred terms differs by
+    a few ulps; through 2-6 layers that stays orders of magnitude under 1e-4 of the largest logit (the parity
+    bound against transformers, tests/models/test_parity.py). bf16: one output rounding that falls the other way
+    is 2^-8 relative and compounds through the layers, so the bound is the parity test's bf16 one (2%). The greedy
+    tokens are checked exactly elsewhere (test_inflated_greedy_output_identical_resident_and_streamed)."""
+    fp32 = want.dtype == torch.float32 and got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= (1e-4 if fp32 else 2e-2) * want.abs().max().item()
+    if fp32:  # at 1e-4 of the scale no position's winner can change but for an exact tie
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def _greedy(folder: Path, **load) -> list[int]:
     with sluice.load(folder, **load) as m:
         return list(m.generate_tokens(PROMPT, max_tokens=24))
@@ -53,10 +67,10 @@ def test_inflated_demo_layout(demo_x3):
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])  # auto = the checkpoint's bf16
-def test_inflated_logits_bitwise_equal(demo_x3, dtype):
+def test_inflated_logits_equal(demo_x3, dtype):
     with sluice.load(demo_model_dir(), dtype=dtype) as a, sluice.load(demo_x3, dtype=dtype) as b:
-        assert torch.equal(a.logits(IDS), b.logits(IDS))  # prefill: the grouped expert path
-        assert torch.equal(a.logits(IDS[:1]), b.logits(IDS[:1]))  # one token: the decode fast path
+        _assert_same_logits(b.logits(IDS), a.logits(IDS))  # prefill: the grouped expert path
+        _assert_same_logits(b.logits(IDS[:1]), a.logits(IDS[:1]))  # one token: the decode fast path
 
 
 def test_inflated_greedy_output_identical_resident_and_streamed(demo_x3):
@@ -94,7 +108,7 @@ def test_inflate_other_layouts_and_archs(tmp_path, arch, layout):
     assert json.loads((out / "config.json").read_text())[key] == 128
     with sluice.load(src) as a, sluice.load(out) as b:
         ids = [i % 300 for i in IDS]
-        assert torch.equal(a.logits(ids), b.logits(ids))
+        _assert_same_logits(b.logits(ids), a.logits(ids))
 
 
 def test_scale_for_size_reaches_target():

@@ -149,13 +149,13 @@ _counter = itertools.count()
 
 
 def own_cgroup(controller_line: str) -> str:
-    """This process's cgroup path for a /proc/self/cgroup line prefix ('0::' for v2, or the v1 'memory' entry)."""
+    """This process's cgroup path: 'v2' for the unified hierarchy, else a v1 controller name ('memory', 'cpu')."""
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             hid, controllers, path = line.split(":", 2)
             if controller_line == "v2" and hid == "0" and controllers == "":
                 return path
-            if controller_line == "memory" and "memory" in controllers.split(","):
+            if controller_line != "v2" and controller_line in controllers.split(","):
                 return path
     except OSError:
         pass

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
-from ..errors import BudgetError
+from ..errors import BudgetError, MemoryWarning
 from ..options import format_bytes
 
 
@@ -88,3 +89,30 @@ def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, 
             f"--memory SIZE to choose the budget yourself"
         )
     return AutoPlan(usable, room, source, reserve)
+
+
+def check_room(memory: int | None, room: int, source: str, resident_bytes: int, expert_bytes: int,
+               total_experts: int, kv_bytes: int) -> None:
+    """An explicit budget (or `all`, memory None) against the room this process may take (sysmem).
+
+    `auto` sizes itself from the room; a budget the user chose does not, and a resident model bigger than a cgroup
+    limit is OOM-killed with no message. What the plan allocates for sure is the weights it keeps (everything for
+    `all`; resident + the slots the budget buys when streaming) and the KV cache. Above a cgroup limit that is a
+    BudgetError before any weight loads (the kernel would kill the process); above MemAvailable, or leaving less
+    than the runtime reserve, a MemoryWarning (memory may be freed by others, or swapped; the user decides).
+    """
+    if memory is None:
+        weights, what = resident_bytes + total_experts * expert_bytes, "--memory all (every weight resident)"
+    else:
+        slots = min(total_experts, max(0, (memory - resident_bytes) // expert_bytes)) if expert_bytes else 0
+        weights, what = resident_bytes + slots * expert_bytes, f"--memory {format_bytes(memory)}"
+    need = weights + kv_bytes
+    if need + RUNTIME_RESERVE <= room:
+        return
+    detail = (f"{what} keeps {format_bytes(weights)} of weights, plus a KV cache of {format_bytes(kv_bytes)} "
+              f"(--max-context) and about {format_bytes(RUNTIME_RESERVE)} for the runtime, but only "
+              f"{format_bytes(room)} is available ({source})")
+    advice = "pass --memory auto (streams experts within the room) or a smaller --memory SIZE, or lower --max-context"
+    if need > room and source.startswith("cgroup"):
+        raise BudgetError(f"{detail}: the process would be killed by the kernel. {advice}")
+    warnings.warn(f"{detail}; it may run out of memory. If it does, {advice}", MemoryWarning, stacklevel=2)

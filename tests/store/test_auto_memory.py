@@ -3,11 +3,13 @@ with that room as the budget; a BudgetError that says what to do when not even o
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import sluice
-from sluice.errors import BudgetError, ConfigError
+from sluice.errors import BudgetError, ConfigError, MemoryWarning
 from sluice.options import LoadOptions
 from sluice.store.budget import RUNTIME_RESERVE, auto_memory
 from sluice.sysmem import MemoryRoom
@@ -108,7 +110,9 @@ def test_odirect_auto_when_page_cache_could_not_hold_the_experts(model_dir, resi
     memory = resident_bytes + 4 * expert
     with sluice.load(model_dir, memory="all") as m:
         experts = len(m.layout.layers) * m.spec.num_experts * expert
-    _room(monkeypatch, memory + (experts // 2 if room == "tight" else 2 * experts))
+        kv = m.cache.nbytes
+    # beside the budget, the KV cache and the runtime reserve: room for half the experts, or for all twice
+    _room(monkeypatch, memory + kv + RUNTIME_RESERVE + (experts // 2 if room == "tight" else 2 * experts))
     with sluice.load(model_dir, memory=memory, io="direct", odirect=forced) as m:
         assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens
         assert m.odirect is expected and m.stats()["odirect"] is expected
@@ -118,3 +122,34 @@ def test_odirect_auto_is_off_when_resident(model_dir, monkeypatch):
     _room(monkeypatch, 16 * 2**30)
     with sluice.load(model_dir, io="direct") as m:
         assert m.memory is None and m.odirect is False
+
+
+def test_memory_all_above_a_cgroup_limit_is_refused_before_loading(model_dir, resident, monkeypatch):
+    """--memory all used to be OOM-killed with no message inside a cgroup that cannot hold the model."""
+    _, resident_bytes, _ = resident
+    _room(monkeypatch, resident_bytes // 2)
+    with pytest.raises(BudgetError, match=r"--memory all .* would be killed .* --memory auto"):
+        sluice.load(model_dir, memory="all")
+
+
+def test_explicit_budget_above_a_cgroup_limit_is_refused(model_dir, resident, monkeypatch):
+    _, resident_bytes, expert = resident
+    _room(monkeypatch, resident_bytes + 2 * expert)
+    with pytest.raises(BudgetError, match=r"--memory .* keeps .* only .* available \(cgroup /test limit\)"):
+        sluice.load(model_dir, memory=resident_bytes + 8 * expert)
+
+
+def test_budget_above_mem_available_warns_and_runs(model_dir, resident, monkeypatch):
+    """MemAvailable is not a hard limit (others may free memory, or swap): a warning, and the run goes on."""
+    tokens, resident_bytes, _ = resident
+    monkeypatch.setattr("sluice.engine.available_memory", lambda: MemoryRoom(resident_bytes, "MemAvailable"))
+    with pytest.warns(MemoryWarning, match="MemAvailable"):
+        with sluice.load(model_dir, memory="all") as m:
+            assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens
+
+
+def test_budget_that_fits_says_nothing(model_dir, monkeypatch):
+    _room(monkeypatch, 16 * 2**30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sluice.load(model_dir, memory="all").close()

@@ -95,3 +95,20 @@ def test_memory_auto_streams_under_a_ceiling_smaller_than_the_model(big_model, t
     assert st["misses"] > 0
     _, explicit = _run_json(big_model, tmp_path, ceiling, "--memory", str(BUDGET))
     assert auto["tokens"] == explicit["tokens"]
+
+
+@pytest.mark.parametrize("memory", ["all", "1GiB"])
+def test_a_budget_above_the_ceiling_is_one_clean_error_not_an_oom_kill(big_model, tmp_path, memory):
+    """--memory all (or a budget) larger than the cgroup limit used to be OOM-killed with no message."""
+    err = tmp_path / "err.txt"
+    argv = [sys.executable, "-m", "sluice", "run", str(big_model), "--prompt", "hello", "--max-tokens", "2",
+            "--memory", memory]
+    with open(err, "w") as fh:
+        try:
+            r = run_in_memory_cgroup(argv, CEILING, timeout=600, stdout=subprocess.DEVNULL, stderr=fh)
+        except ResidencyError as e:
+            pytest.skip(f"no writable memory cgroup: {e}")
+    text = err.read_text()
+    assert not r.oom_killed and r.returncode == 2, text
+    assert text.count("\n") == 1 and "Traceback" not in text
+    assert "error:" in text and "cgroup" in text and "--memory auto" in text
