@@ -154,7 +154,6 @@ class Transformer:
         this layer's experts are pinned, so the reads overlap this layer's expert math."""
         self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
         self.prerouter = prerouter
-        self._prefetch: tuple[int, list[int]] | None = None  # issued after the next acquire
         self.act = ACTIVATIONS[spec.hidden_act]
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
 
@@ -259,9 +258,6 @@ class Transformer:
         for c0 in range(0, len(order), step):
             pos = order[c0 : c0 + step]
             batch = self.store.acquire(L, [ids_l[k] for k in pos])
-            if self._prefetch is not None:
-                self.store.prefetch(*self._prefetch)
-                self._prefetch = None
             try:
                 ys: list[torch.Tensor | None] = [None] * len(pos)
                 for j in sorted(range(len(pos)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
@@ -293,11 +289,9 @@ class Transformer:
                 masks[win] = _mask(pos, T, win)
             h = rms_norm(x, lw.input_norm, s.rms_norm_eps)
             x = x + self.attention(L, h, pos, masks[win])
-            if self.prerouter is not None and T == 1:
-                self._prefetch = self.prerouter.predict(L, x)
-                if self._prefetch is not None and not s.moe_layers[L]:  # dense layer: nothing to pin first
-                    self.store.prefetch(*self._prefetch)
-                    self._prefetch = None
+            if self.prerouter is not None and T == 1 and (guess := self.prerouter.predict(L, x)) is not None:
+                # read the next MoE layer's likely experts while this layer's run (a dense layer pins none first)
+                (self.store.prefetch_next if s.moe_layers[L] else self.store.prefetch)(*guess)
             h = rms_norm(x, lw.post_norm, s.rms_norm_eps)
             x = x + (self.moe(L, h) if s.moe_layers[L] else self.mlp(lw.mlp, h))
         return rms_norm(x, self.w.norm, s.rms_norm_eps)

@@ -61,6 +61,11 @@ class ExpertStore(Protocol):
         """Advisory: these experts of `layer` will likely be needed soon. Never changes results."""
         ...
 
+    def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
+        """prefetch, issued once the next acquire has pinned its experts (the model calls this between a layer's
+        attention and its MoE block, with the next MoE layer's prediction)."""
+        ...
+
     def stats(self) -> dict:
         """Counters: hits, misses, bytes_read, io_wait_s, ..."""
         ...

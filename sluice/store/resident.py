@@ -64,6 +64,9 @@ class ResidentExpertStore:
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass
 
+    def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
+        pass
+
     def stats(self) -> dict:
         return {"hits": self.requests, "misses": 0, "load_bytes_read": self.bytes_read}
 

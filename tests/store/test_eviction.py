@@ -10,6 +10,7 @@ import pytest
 
 from sluice.io.ranges import ReadRange
 from sluice.store.layout import ExpertPart
+from sluice.store.policy import GlobalLRU
 from sluice.store.streaming import StreamingExpertStore
 
 LAYERS, EXPERTS, TOP_K = 6, 16, 4
@@ -23,12 +24,12 @@ class _NullReader:
         return SimpleNamespace(result=lambda: None)
 
 
-def _store(slots: int) -> StreamingExpertStore:
+def _store(slots: int, policy=None) -> StreamingExpertStore:
     spec = SimpleNamespace(n_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, moe_layers=[True] * LAYERS)
     part = [ExpertPart("gate_up", 0, ReadRange("/dev/null", 0, 16)), ExpertPart("down", 0, ReadRange("/dev/null", 0, 8))]
     layout = SimpleNamespace(spec=spec, layers=list(range(LAYERS)), dtype="BF16", gate_up_shape=(4, 2),
                              down_shape=(2, 2), expert_nbytes=24, parts=lambda layer, e: part)
-    return StreamingExpertStore(layout, _NullReader(), slots)
+    return StreamingExpertStore(layout, _NullReader(), slots, policy=policy)
 
 
 def _sweep(store: StreamingExpertStore, tokens: int, seed: int = 0) -> None:
@@ -40,22 +41,20 @@ def _sweep(store: StreamingExpertStore, tokens: int, seed: int = 0) -> None:
 
 
 def test_plain_lru_gets_nothing_from_a_cyclic_sweep():
-    plain = _store(LAYERS * TOP_K // 2)
-    plain.quota = plain.n_slots
+    plain = _store(LAYERS * TOP_K // 2, GlobalLRU())
     _sweep(plain, 200)
     assert plain.hits / (plain.hits + plain.misses) < 0.02
 
 
 @pytest.mark.parametrize("slots", [LAYERS * TOP_K // 2, LAYERS * TOP_K - 2])
 def test_fair_share_beats_plain_lru_below_one_token_working_set(slots):
-    fair, plain = _store(slots), _store(slots)
-    plain.quota = slots  # no layer ever reaches its share: plain global LRU
+    fair, plain = _store(slots), _store(slots, GlobalLRU())
     _sweep(fair, 200)
     _sweep(plain, 200)
     fair_rate = fair.hits / (fair.hits + fair.misses)
     plain_rate = plain.hits / (plain.hits + plain.misses)
     # uniform routing: a layer keeping q of E experts hits ~q/E of its top-k
-    assert fair_rate > 0.5 * fair.quota / EXPERTS
+    assert fair_rate > 0.5 * fair.policy.quota / EXPERTS
     assert fair_rate > plain_rate
 
 
@@ -193,3 +192,24 @@ def test_a_layers_favourite_expert_survives_a_short_absence():
         store.release(0)
     st = store.stats()
     assert (st["hits"], st["misses"]) == (5, 6)  # 0's last use is a hit: 1..4 were evicted in its place
+
+
+def test_fair_share_policy_on_its_own():
+    """The policy is a plain object: built and driven without a store, slots or a reader."""
+    from sluice.store.policy import FairShareLFU
+
+    pol = FairShareLFU(layers=[0, 1], num_experts=4, top_k=1, slots=5)  # quota (5 - 1) // 2 = 2 per layer
+    assert pol.quota == 2
+    for slot, key in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        pol.insert(key, slot)
+    for _ in range(3):
+        pol.used(0, [1])  # expert 1 of layer 0 is the favourite
+    pol.used(0, [0])
+    anything = lambda key, slot: True  # noqa: E731
+    # layer 0 holds its share: it replaces its own least used expert, 0, though 0 was used last
+    assert pol.victim(0, anything) == (0, 0)
+    # a pinned entry is never chosen
+    assert pol.victim(0, lambda key, slot: key != (0, 0)) == (0, 1)
+    assert pol.remove((0, 0)) == 0 and (0, 0) not in pol and len(pol) == 3
+    # layer 0 is now under its share: it takes the oldest entry of a layer above its share (none is), else oldest
+    assert pol.victim(0, anything) == (0, 1)
