@@ -35,9 +35,7 @@ class RouterPrerouter:
 
     def __init__(self, spec: Spec, weights: Weights, margin: int = 0):
         self.spec, self.w, self.margin = spec, weights, margin
-        moe = [i for i, s in enumerate(spec.moe_layers) if s]
-        # layer -> the first MoE layer after it (dense layers in between are skipped)
-        self.next_moe = {L: next((m for m in moe if m > L), None) for L in range(spec.n_layers)}
+        self.next_moe = next_moe_layers(spec)  # layer -> the first MoE layer after it
 
     def predict(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
         """(next MoE layer, predicted expert ids) from x [T, H] after `layer`'s attention, or None at the end."""

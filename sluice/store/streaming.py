@@ -19,7 +19,7 @@ import torch
 
 from ..checkpoint.ref import DTYPES
 from .base import ExpertBatch
-from .budget import BudgetPlan, plan_budget
+from .budget import plan_budget
 from .layout import ExpertLayout
 from .policy import FairShareLFU, GlobalLRU, Key
 from .prefetch import PrefetchTracker
@@ -29,13 +29,13 @@ from .resident import expert_requests
 class StreamingExpertStore:
     """`slots` expert slots; misses are read by `reader` straight into the slot buffers."""
 
-    def __init__(self, layout: ExpertLayout, reader, slots: int, plan: BudgetPlan | None = None,
-                 overlap: bool = True, policy: GlobalLRU | None = None):
+    def __init__(self, layout: ExpertLayout, reader, slots: int, overlap: bool = True,
+                 policy: GlobalLRU | None = None):
         """`overlap`: acquire returns with the misses' reads in flight (see acquire); False = it returns once every
         read has landed (the math then waits for the slowest expert before running any). `policy`: what to evict
         (default FairShareLFU)."""
         s = layout.spec
-        self.layout, self.reader, self.plan, self.overlap = layout, reader, plan, overlap
+        self.layout, self.reader, self.overlap = layout, reader, overlap
         self.n_slots = slots
         self.max_batch = slots
         raw = DTYPES[layout.dtype][1]
@@ -62,7 +62,7 @@ class StreamingExpertStore:
         (with the smallest budget that works) when fewer than top_k slots fit."""
         s = layout.spec
         plan = plan_budget(memory, memory - expert_budget, layout.expert_nbytes, s.top_k, layout.total_experts)
-        return cls(layout, reader, plan.slots, plan, overlap=overlap)
+        return cls(layout, reader, plan.slots, overlap=overlap)
 
     @property
     def nbytes(self) -> int:
