@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import traceback
 
@@ -36,6 +37,8 @@ ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "factor
 NASTY = ["4", "false", "", "silu", 1.5, 4096.0, -0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e308, 1e-320,
          True, False, None, [], [1], ["full_attention"], [0, 1], {}, {"a": 1}, 2**31, 2**63, 2**64, 2**200, -2**63,
          -1, 0, 1, 2, 3, 4, 7, 8, 16, 64, 10**6]
+
+EXTREME = [1e-320, 1e-30, 1e-3, 0.5, 1.0, 1.5, 1e3, 1e30, 1e308, 0, -1.0, 2**31 - 1]  # for rope numbers
 
 
 def _bases() -> list[dict]:
@@ -71,10 +74,11 @@ def _rope(rng: random.Random) -> object:
                 "mscale": 1.0, "mscale_all_dim": rng.choice([0.0, 1.0]), "attention_factor": 1.2,
                 "rope_theta": rng.choice([1e4, 5e5]), "partial_rotary_factor": rng.choice([0.5, 1.0]),
                 "truncate": rng.random() < 0.5}
-    kind = rng.choice(["default", "linear", "yarn", "llama3", "dynamic", "longrope", None, 3])
+    kind = rng.choice(["default", "linear", "yarn", "yarn", "llama3", "llama3", "dynamic", "longrope", None, 3])
     out: dict = {"rope_type" if rng.random() < 0.8 else "type": kind}
     for key in rng.sample(ROPE_KEYS[2:], rng.randint(0, 6)):
-        out[key] = sensible[key] if rng.random() < 0.5 else _value(rng)
+        roll = rng.random()
+        out[key] = sensible[key] if roll < 0.4 else rng.choice(EXTREME) if roll < 0.8 else _value(rng)
     if rng.random() < 0.05:
         out = {"full_attention": out, "sliding_attention": dict(out)}
     return out
@@ -115,6 +119,9 @@ def _check_spec(s: Spec) -> None:
     assert s.hidden_act in ACTIVATIONS
     assert s.clip_qkv is None or s.clip_qkv > 0
     assert type(s.rope.theta) is float and s.rope.theta > 1
+    floats = [s.rms_norm_eps, s.rope.theta, s.rope.partial_rotary_factor, s.clip_qkv or 1.0]
+    floats += [v for v in s.rope.params.values() if not isinstance(v, bool)]
+    assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in floats), floats
     freq, scale = inv_freq(s.rope)
     assert torch.isfinite(freq).all() and 0 < scale <= 10
     assert 2 * freq.numel() <= s.head_dim
