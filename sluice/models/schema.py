@@ -13,13 +13,15 @@ Declaring fields (an architecture's `ModelArgs`, `RopeArgs` for the rope dict, `
     tie_word_embeddings: bool = cfg(False)                     # true/false only: never "false", 0 or null
 
 The annotation is the accepted JSON type: `int` takes integers only (not 4096.0 nor "4096", as transformers>=5
-refuses them too), and every integer is capped at MAX_INT; `float` takes any finite number (an integer too: JSON
+refuses them too), and every integer is capped at MAX_INT unless the field sets its own `le`; `float` takes any finite number (an integer too: JSON
 writers print 10000.0 as 10000); `bool` takes true/false; `str`, `dict`; `list[X]` checks each element; `| None`
 allows null. Parsing runs in three passes: (1) presence, type and constant bounds of each field, on the raw JSON
 values; (2) the dataclass is built (its `__post_init__` derives defaults, e.g. num_key_value_heads null -> heads),
 then bounds naming other fields, `divides` and `length` are checked on the derived values; (3) the dataclass's
 `config_problems()` yields relations a bound cannot state (a field required only when another is set, ...).
 Keys a dataclass does not declare are ignored (mlx-lm style), so config.json may carry anything else.
+`override(Base, name, default)` changes an inherited field's default and keeps its rule; `describe_fields(cls)`
+lists every field with its accepted values.
 """
 
 from __future__ import annotations
@@ -198,6 +200,13 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
+def _hint(tp: Any, value: Any) -> str:
+    """How to write a value of the right type, where a near miss is likely (4096.0 for an integer)."""
+    if isinstance(value, float) and _finite(value) and value.is_integer() and _has_int(tp):
+        return f"; write {int(value)}, without the decimal point"
+    return ""
+
+
 # -- bounds ------------------------------------------------------------------------------------------------------
 
 _OPS = {"ge": (">=", lambda a, b: a >= b), "gt": (">", lambda a, b: a > b),
@@ -315,7 +324,7 @@ def parse(
             continue
         value = values[key]
         if not _accepts(tp, value) or _breaks(tp, rule, value, lambda _: MISSING):
-            got = f"got {show(value)}" + ("" if _accepts(tp, value) else f" ({_kind(value)})")
+            got = f"got {show(value)}" + ("" if _accepts(tp, value) else f" ({_kind(value)}{_hint(tp, value)})")
             raise ConfigError(f"{got}; expected {_expected(tp, rule, lambda _: MISSING)}", file=source,
                               field=shown[name])
         kwargs[name] = _normalize(tp, value)

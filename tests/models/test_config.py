@@ -95,7 +95,7 @@ BAD = [
     # (arch, changes, field at fault, text the message must hold)
     ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok", "num_experts (8)"),  # RuntimeError in topk
     ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok", "num_experts (4)"),
-    ("qwen3_moe", dict(hidden_size=64.0), "hidden_size", "expected an integer"),  # TypeError in torch
+    ("qwen3_moe", dict(hidden_size=64.0), "hidden_size", "write 64, without the decimal point"),  # TypeError
     ("qwen3_moe", dict(num_attention_heads="4"), "num_attention_heads", "(a string)"),
     ("olmoe", dict(intermediate_size=32.5), "intermediate_size", "expected an integer"),
     ("qwen3_moe", dict(num_hidden_layers=0), "num_hidden_layers", "from 1 to"),  # KeyError 'layers.0.q'
