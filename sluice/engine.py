@@ -13,11 +13,13 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.index import CheckpointIndex
+from .checkpoint.index import CONFIG, GENERATION_CONFIG, CheckpointIndex
 from .errors import ConfigError, RequestError
 from .generate import StepTimes, decode_one, generate_step, prefill
 from .io import DEFAULT_WORKERS, make_reader
-from .models import get_arch
+from .models import model_args
+from .models.args import GenerationArgs, eos_ids
+from .models.schema import parse
 from .models.blocks import KVCache, Transformer
 from .options import LoadOptions, format_bytes
 from .sampling import make_logits_processors, make_sampler
@@ -32,11 +34,9 @@ from .sysmem import MemoryRoom, available_memory, usable_cpus
 from .weights import load_resident, resident_refs
 
 
-def _eos_ids(index: CheckpointIndex, tok: Tokenizer | None) -> set[int]:
-    ids: set[int] = set()
-    for cfg in (index.generation_config or {}, index.config):
-        e = cfg.get("eos_token_id")
-        ids.update([e] if isinstance(e, int) else (e or []))
+def _eos_ids(args, generation: GenerationArgs, tok: Tokenizer | None) -> set[int]:
+    """End-of-sequence ids: generation_config.json's and config.json's (both validated), and the tokenizer's."""
+    ids = eos_ids(generation.eos_token_id, args.eos_token_id)
     if tok is not None and tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)
     return ids
@@ -50,8 +50,9 @@ class Model:
         self.path = Path(path)
         self.options = options
         self.index = CheckpointIndex.open(self.path)
-        self.arch = get_arch(self.index.config.get("model_type"))
-        self.args = self.arch.ModelArgs.from_dict(self.index.config)
+        self.arch, self.args = model_args(self.index.config, self.index.folder / CONFIG)
+        generation = parse(GenerationArgs, self.index.generation_config or {},
+                           source=str(self.index.folder / GENERATION_CONFIG))
         self.spec = self.args.spec()
         s = self.spec
         refs = resident_refs(self.index, s, self.arch)
@@ -88,7 +89,7 @@ class Model:
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, options.prefetch_margin)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
         self.tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").exists() else None
-        self.eos_ids = _eos_ids(self.index, self.tokenizer)
+        self.eos_ids = _eos_ids(self.args, generation, self.tokenizer)
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
         self._kv_tokens: list[int] = []  # tokens whose keys/values are in the cache, in order

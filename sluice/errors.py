@@ -26,7 +26,22 @@ class CheckpointError(SluiceError):
 
 
 class ConfigError(SluiceError):
-    """config.json (or an option) holds a value sluice cannot run: names the field and the supported values."""
+    """config.json (or an option) holds a value sluice cannot run: names the field and the supported values.
+
+    `file` (the config file) and `field` (its key, dotted for nested ones: `rope_parameters.factor`), when given,
+    are kept as attributes and prefixed to the message like CheckpointError's file and tensor.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, field: str | None = None):
+        self.file = file
+        self.field = field
+        where = []
+        if file is not None:
+            where.append(f"file {file}")
+        if field is not None:
+            where.append(f"field {field!r}")
+        prefix = f"{', '.join(where)}: " if where else ""
+        super().__init__(prefix + message)
 
 
 class BudgetError(SluiceError):

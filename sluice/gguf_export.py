@@ -37,10 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint.index import CheckpointIndex
+from .checkpoint.index import CONFIG, CheckpointIndex
 from .checkpoint.ref import TensorRef
 from .errors import CheckpointError, ConfigError, SluiceError
 from .io.tensor import read_tensor
+from .models import model_args
+from .models.schema import show
 from .tokenizer import Tokenizer
 
 DTYPES = ("f32", "bf16", "f16")
@@ -77,32 +79,32 @@ class GgufTensor:
 
 
 # -- the pure part: names and shapes ---------------------------------------------------------------------------------
-def _cfg(config: dict, key: str) -> Any:
-    if key not in config:
-        raise ConfigError(f"config.json: {key} is missing; a qwen3_moe config needs it")
-    return config[key]
-
-
-def check_config(config: dict) -> None:
-    """Raise ExportError for a qwen3_moe config whose math llama.cpp's qwen3moe graph does not compute."""
-    if config.get("model_type") != "qwen3_moe":
-        raise ExportError(f"config.json model_type {config.get('model_type')!r}: export-gguf supports qwen3_moe only")
-    if config.get("norm_topk_prob", True) is not True:
-        raise ExportError("config.json norm_topk_prob is false; llama.cpp's qwen3moe always renormalizes the top-k")
-    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+def export_args(index: CheckpointIndex):
+    """The validated qwen3_moe ModelArgs of `index` (ConfigError names a bad field); ExportError for a config
+    whose math llama.cpp's qwen3moe graph does not compute."""
+    model_type = index.config.get("model_type")
+    if model_type != "qwen3_moe":
+        raise ExportError(f"config.json model_type {show(model_type)}: export-gguf supports qwen3_moe only")
+    _, args = model_args(index.config, index.folder / CONFIG)
+    if not args.norm_topk_prob:  # absent means false, in transformers as in sluice
+        raise ExportError("config.json norm_topk_prob is false or absent; llama.cpp's qwen3moe always renormalizes "
+                          "the top-k")
+    if not all(args.moe_layers()):
         raise ExportError("config.json mlp_only_layers / decoder_sparse_step: dense layers are not supported")
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        raise ExportError(f"config.json rope_scaling {scaling}: only plain rope is supported")
-    if config.get("attention_bias"):
+    if args.rope.rope_type != "default" or args.rope.partial_rotary_factor != 1:
+        raise ExportError(f"config.json rope type {args.rope.rope_type!r} (partial_rotary_factor "
+                          f"{args.rope.partial_rotary_factor}): only plain full rope is supported")
+    if args.attention_bias:
         raise ExportError("config.json attention_bias is true: qwen3_moe in llama.cpp has no q/k/v biases")
+    if args.use_sliding_window and args.sliding_window:
+        raise ExportError("config.json use_sliding_window is true: llama.cpp's qwen3moe attends to the whole context")
+    return args
 
 
 def tensor_plan(index: CheckpointIndex) -> list[GgufTensor]:
     """Every GGUF tensor in file order, mapped from the checkpoint's names (nothing is read)."""
-    cfg = index.config
-    check_config(cfg)
-    L, E = _cfg(cfg, "num_hidden_layers"), _cfg(cfg, "num_experts")
+    args = export_args(index)
+    L, E = args.num_hidden_layers, args.num_experts
     out: list[GgufTensor] = []
 
     def one(gguf_name: str, hf_name: str) -> None:
@@ -186,7 +188,7 @@ def vocab_meta(folder: Path, config: dict) -> VocabMeta:
     if model.get("type") != "BPE":
         raise ExportError(f"tokenizer.json model type {model.get('type')!r}: only byte-level BPE is supported")
     pre = pre_tokenizer_name(data.get("pre_tokenizer"))
-    n_vocab = max(int(_cfg(config, "vocab_size")), tok.vocab_size)
+    n_vocab = max(config["vocab_size"], tok.vocab_size)  # validated by tensor_plan (export_args) first
     by_id = {i: t for t, i in tok.backend.get_vocab(with_added_tokens=True).items()}
     added = tok.backend.get_added_tokens_decoder()  # {id: AddedToken}
     tokens, types = [], []
@@ -254,7 +256,7 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     index = CheckpointIndex.open(folder)
     plan = tensor_plan(index)
     vocab = vocab_meta(folder, index.config)
-    cfg = index.config
+    args = export_args(index)
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
              "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
 
@@ -262,21 +264,20 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     w = gguf.GGUFWriter(partial, ARCH)  # writes general.architecture
     w.add_name(folder.name)
     w.add_file_type(ftype)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg.get("max_position_embeddings", 4096))
-    w.add_embedding_length(_cfg(cfg, "hidden_size"))
-    if "intermediate_size" in cfg:
-        w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(_cfg(cfg, "num_attention_heads"))
-    w.add_head_count_kv(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(float(_cfg(cfg, "rms_norm_eps")))
-    w.add_expert_count(cfg["num_experts"])
-    w.add_expert_used_count(_cfg(cfg, "num_experts_per_tok"))
-    w.add_expert_feed_forward_length(_cfg(cfg, "moe_intermediate_size"))
+    w.add_block_count(args.num_hidden_layers)
+    w.add_context_length(args.max_position_embeddings)
+    w.add_embedding_length(args.hidden_size)
+    if "intermediate_size" in index.config:
+        w.add_feed_forward_length(args.intermediate_size)
+    w.add_head_count(args.num_attention_heads)
+    w.add_head_count_kv(args.num_key_value_heads)
+    w.add_key_length(args.head_dim)
+    w.add_value_length(args.head_dim)
+    w.add_rope_freq_base(args.rope.theta)
+    w.add_layer_norm_rms_eps(args.rms_norm_eps)
+    w.add_expert_count(args.num_experts)
+    w.add_expert_used_count(args.num_experts_per_tok)
+    w.add_expert_feed_forward_length(args.moe_intermediate_size)
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(vocab.pre)

@@ -14,6 +14,7 @@ gguf = pytest.importorskip("gguf")
 
 from sluice import cli  # noqa: E402
 from sluice.checkpoint.index import CheckpointIndex  # noqa: E402
+from sluice.errors import ConfigError  # noqa: E402
 from sluice.gguf_export import ExportError, export_gguf, pre_tokenizer_name, tensor_plan  # noqa: E402
 from sluice.io import read_tensor  # noqa: E402
 from sluice.synth import SynthConfig, make_model  # noqa: E402
@@ -166,3 +167,54 @@ def test_cli(tiny, tmp_path, capsys):
     assert cli.main(["export-gguf", str(tiny), str(out), "--dtype", "f32", "--json", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["dtype"] == "f32" and summary["bytes"] == out.stat().st_size
+
+
+def _with_config(tiny, folder, edit) -> "Path":
+    """`tiny`'s files (symlinked) with config.json replaced by edit(config)."""
+    folder.mkdir()
+    for f in tiny.iterdir():
+        (folder / f.name).symlink_to(f)
+    cfg = json.loads((tiny / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(edit(cfg)))
+    return folder
+
+
+def _transformers5(cfg: dict) -> dict:
+    """The config as transformers>=5 writes it: num_local_experts, the rope theta inside rope_parameters."""
+    cfg = dict(cfg)
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    return cfg
+
+
+def test_transformers5_spelling_exports_the_same_hparams(tiny, tmp_path):
+    """Was refused ("num_experts is missing"), and rope_theta inside rope_parameters was ignored (10000 written)."""
+    folder = _with_config(tiny, tmp_path / "t5", _transformers5)
+    export_gguf(folder, tmp_path / "m.gguf", "bf16")
+    f = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert f["qwen3moe.expert_count"].contents() == TINY.num_experts
+    assert f["qwen3moe.rope.freq_base"].contents() == pytest.approx(1e6)
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        # transformers' and sluice's default is false: llama.cpp would renormalize what the model does not
+        (lambda c: {k: v for k, v in c.items() if k != "norm_topk_prob"}, "norm_topk_prob"),
+        # scaled rope written where transformers>=5 puts it was exported as plain rope
+        (lambda c: {**_transformers5(c), "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                              "rope_theta": 1e6}}, "rope"),
+    ],
+)
+def test_config_math_llama_cpp_lacks_is_refused(tiny, tmp_path, edit, needle):
+    folder = _with_config(tiny, tmp_path / "bad", edit)
+    with pytest.raises(ExportError, match=needle):
+        export_gguf(folder, tmp_path / "x.gguf")
+
+
+def test_bad_config_value_is_a_config_error_naming_the_file(tiny, tmp_path):
+    folder = _with_config(tiny, tmp_path / "bad", lambda c: {**c, "num_hidden_layers": "2"})
+    with pytest.raises(ConfigError) as e:
+        export_gguf(folder, tmp_path / "x.gguf")
+    assert e.value.field == "num_hidden_layers" and e.value.file == str(folder / "config.json")

@@ -8,8 +8,8 @@ import json
 
 import torch
 
-from ..checkpoint.index import CheckpointIndex
-from ..models import get_arch
+from ..checkpoint.index import CONFIG, CheckpointIndex
+from ..models import model_args
 from ..models.blocks import KVCache
 from ..options import LoadOptions, format_bytes
 from ..errors import BudgetError
@@ -33,8 +33,8 @@ def describe(folder: str, memory: int | str | None = None, max_context: int = 40
     """Everything `inspect` reports that needs only the headers (no weight bytes are read). `memory` as --memory
     takes it (bytes, "auto", or None = resident); "auto" reports what `sluice run` would choose here."""
     index = CheckpointIndex.open(folder)
-    arch = get_arch(index.config.get("model_type"))
-    spec = arch.ModelArgs.from_dict(index.config).spec()
+    arch, args = model_args(index.config, index.folder / CONFIG)
+    spec = args.spec()
     layout = ExpertLayout(index, spec, arch)
     refs = resident_refs(index, spec, arch)
     resident_params = sum(r.numel for r in refs.values())

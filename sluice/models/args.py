@@ -1,26 +1,28 @@
-"""Helpers shared by the per-architecture `ModelArgs` dataclasses."""
+"""What every architecture reads from config.json (`BaseArgs`, validated by schema.py) and shared helpers."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, TypeVar
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from .rope import RopeConfig
+from .schema import cfg, parse
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from .blocks import Spec
+
+CONFIG = "config.json"
+#: Bounds on sizes that are used before any checkpoint shape can contradict them: per-layer lists are built from
+#: num_hidden_layers, and the rope frequencies (head_dim / 2 floats) are computed to validate the rope. Real models:
+#: <= 128 layers, head_dim <= 256; these leave 30x room and keep a hostile config from allocating gigabytes.
+MAX_LAYERS = 4096
+MAX_HEAD_DIM = 8192
 
 
-def from_dict(cls: type[T], config: dict[str, Any]) -> T:
-    """Build a ModelArgs dataclass from config.json, ignoring keys it does not declare (mlx-lm style).
-
-    A required field missing from config.json is a ConfigError naming it.
-    """
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    kwargs = {k: v for k, v in config.items() if k in names}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"config.json is missing a required field for {cls.__module__}: {e}") from None
+#: the activations blocks.ACTIVATIONS computes (kept here so config validation does not import torch)
+ACTIVATIONS = ("silu", "gelu", "relu")
 
 
 def sliding_windows(n_layers: int, window: int | None, layer_types: list[str] | None = None) -> list[int | None]:
@@ -34,54 +36,81 @@ def sliding_windows(n_layers: int, window: int | None, layer_types: list[str] | 
 
 def moe_layer_flags(n_layers: int, num_experts: int, sparse_step: int, mlp_only: list[int]) -> list[bool]:
     """Which layers are sparse: the transformers rule for Qwen-MoE (decoder_sparse_step, mlp_only_layers)."""
+    dense = set(mlp_only)
     return [
-        (i not in mlp_only) and num_experts > 0 and sparse_step > 0 and (i + 1) % sparse_step == 0
+        (i not in dense) and num_experts > 0 and sparse_step > 0 and (i + 1) % sparse_step == 0
         for i in range(n_layers)
     ]
 
 
 @dataclasses.dataclass(kw_only=True)
 class BaseArgs:
-    """Fields every architecture here reads the same way; each `ModelArgs` subclasses this and adds its own."""
+    """Fields every architecture here reads the same way; each `ModelArgs` subclasses this and adds its own.
 
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
-    num_experts_per_tok: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    hidden_act: str = "silu"
+    Every config.json field the math reads is declared with `cfg(...)` (schema.py: JSON type, range, aliases);
+    `from_dict` validates them all. An architecture overrides a default with `override(BaseArgs, name, value)`
+    and adds relations a bound cannot state in `config_problems()` (calling super's).
+    """
+
+    hidden_size: int = cfg(ge=1)
+    num_hidden_layers: int = cfg(ge=1, le=MAX_LAYERS)
+    num_attention_heads: int = cfg(ge=1)
+    num_key_value_heads: int | None = cfg(None, ge=1, divides="num_attention_heads")  # null: = heads (no GQA)
+    head_dim: int | None = cfg(None, ge=1, le=MAX_HEAD_DIM)  # null: hidden_size / num_attention_heads
+    vocab_size: int = cfg(ge=1)
+    # transformers>=5 writes qwen3_moe's expert count as num_local_experts, hub configs say num_experts; Mixtral's
+    # hub configs say num_local_experts
+    num_experts: int = cfg(ge=1, aliases=("num_local_experts",))
+    num_experts_per_tok: int = cfg(ge=1, le="num_experts")
+    rms_norm_eps: float = cfg(1e-6, gt=0, lt=1)  # <= 0: rsqrt of a negative or zero mean square (NaN)
+    max_position_embeddings: int = cfg(4096, ge=1)
+    tie_word_embeddings: bool = cfg(False)
+    hidden_act: str = cfg("silu", choices=ACTIVATIONS)
+    # ids that end generation (an id beyond the vocabulary never matches: transformers only warns about it)
+    eos_token_id: int | list[int] | None = cfg(None, ge=0)
     config: dict = dataclasses.field(default_factory=dict, repr=False)  # the whole config.json (rope keys)
+    source: str = dataclasses.field(default=CONFIG, repr=False)  # the file it came from, named in errors
+    rope: RopeConfig | None = dataclasses.field(default=None, repr=False)  # validated by from_dict
 
     #: rope_theta when config.json has none (transformers' `default_theta` of the architecture)
     DEFAULT_THETA = 10000.0
-    #: other spellings of a field in config.json (transformers' attribute_map), e.g. transformers>=5 writes
-    #: qwen3_moe's expert count as num_local_experts while hub configs say num_experts
-    ALIASES: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        if self.hidden_act not in ("silu", "gelu", "relu"):
-            raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported (silu, gelu, relu)")
+
+    def moe_layers(self) -> list[bool]:
+        """Per layer: sparse (True) or dense. Every layer unless the architecture says otherwise."""
+        return [True] * self.num_hidden_layers
+
+    def config_problems(self) -> Iterator[tuple[str, str]]:
+        """(field, what is wrong and what is accepted) for relations between fields that a bound cannot state."""
+        if self.config.get("head_dim") is None and self.hidden_size % self.num_attention_heads:
+            yield "hidden_size", (
+                f"{self.hidden_size} is not a multiple of num_attention_heads ({self.num_attention_heads}); "
+                "config.json gives no head_dim, so head_dim = hidden_size / num_attention_heads must be whole: "
+                "add head_dim or fix the sizes"
+            )
+        if not any(self.moe_layers()):
+            all_listed = set(range(self.num_hidden_layers)) <= set(getattr(self, "mlp_only_layers", None) or [])
+            yield "mlp_only_layers" if all_listed else "decoder_sparse_step", (
+                "no layer is sparse (decoder_sparse_step / mlp_only_layers leave only dense MLPs); sluice runs "
+                "mixture-of-experts models: expected at least one MoE layer"
+            )
 
     @classmethod
-    def from_dict(cls, config: dict):
-        """ModelArgs from a parsed config.json."""
-        values = dict(config)
-        for alias, name in cls.ALIASES.items():
-            if name not in values and alias in values:
-                values[name] = values[alias]
-        return from_dict(cls, {**values, "config": config})
+    def from_dict(cls, config: dict, source: str | os.PathLike[str] = CONFIG):
+        """ModelArgs from a parsed config.json, every field the math reads validated (keys it does not declare are
+        ignored, mlx-lm style). `source`: the file's path, named with the field in every ConfigError."""
+        source = str(source)
+        args = parse(cls, config, source=source, extra={"config": config, "source": source})
+        args.rope = RopeConfig.from_config(config, args.head_dim, cls.DEFAULT_THETA, args.max_position_embeddings,
+                                           source=source)
+        return args
 
     def base_spec(self, **arch) -> "Spec":
         """The Spec fields common to all architectures, plus the architecture's own (`arch`)."""
         from .blocks import Spec
-        from .rope import RopeConfig
 
         return Spec(
             vocab_size=self.vocab_size,
@@ -91,11 +120,28 @@ class BaseArgs:
             n_kv_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
-            rope=RopeConfig.from_config(
-                self.config, self.head_dim, self.DEFAULT_THETA, self.max_position_embeddings
+            rope=self.rope or RopeConfig.from_config(
+                self.config, self.head_dim, self.DEFAULT_THETA, self.max_position_embeddings, source=self.source
             ),
+            num_experts=self.num_experts,
             top_k=self.num_experts_per_tok,
+            moe_layers=self.moe_layers(),
             tie_word_embeddings=self.tie_word_embeddings,
             hidden_act=self.hidden_act,
             **arch,
         )
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationArgs:
+    """What sluice reads from generation_config.json (optional file)."""
+
+    eos_token_id: int | list[int] | None = cfg(None, ge=0)
+
+
+def eos_ids(*values: int | list[int] | None) -> set[int]:
+    """The union of validated eos_token_id values (an id or a list of ids; None for none)."""
+    out: set[int] = set()
+    for v in values:
+        out.update([v] if isinstance(v, int) else (v or []))
+    return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .args import BaseArgs, sliding_windows
 from .blocks import Spec
+from .schema import cfg, override
 
 MOE_PREFIXES = ("block_sparse_moe", "mlp")
 EXPERT_PROJ = ("w1", "w3", "w2")
@@ -15,23 +16,18 @@ EXPERT_PROJ = ("w1", "w3", "w2")
 
 @dataclass(kw_only=True)
 class ModelArgs(BaseArgs):
-    num_local_experts: int
-    intermediate_size: int  # the experts' intermediate size
-    model_type: str = "mixtral"
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 4096 * 32
-    sliding_window: int | None = None
+    # num_experts: hub configs spell it num_local_experts (BaseArgs takes both)
+    intermediate_size: int = cfg(ge=1)  # the experts' intermediate size
+    rms_norm_eps: float = override(BaseArgs, "rms_norm_eps", 1e-5)
+    max_position_embeddings: int = override(BaseArgs, "max_position_embeddings", 4096 * 32)
+    sliding_window: int | None = cfg(None, ge=1)  # null: full attention
 
     DEFAULT_THETA = 1e6
-
-    ALIASES = {"num_experts": "num_local_experts"}
 
     def spec(self) -> Spec:
         n = self.num_hidden_layers
         return self.base_spec(
-            num_experts=self.num_local_experts,
             moe_intermediate_size=self.intermediate_size,
-            moe_layers=[True] * n,
             sliding_window=sliding_windows(n, self.sliding_window),
             norm_topk_prob=True,
             router_weights_fp32=True,

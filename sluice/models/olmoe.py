@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .args import BaseArgs
 from .blocks import Spec
+from .schema import cfg, override
 
 MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -14,22 +15,16 @@ EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass(kw_only=True)
 class ModelArgs(BaseArgs):
-    num_experts: int
-    intermediate_size: int  # the experts' intermediate size
-    model_type: str = "olmoe"
-    rms_norm_eps: float = 1e-5
-    attention_bias: bool = False
-    clip_qkv: float | None = None
-    norm_topk_prob: bool = False
-
-    ALIASES = {"num_local_experts": "num_experts"}
+    intermediate_size: int = cfg(ge=1)  # the experts' intermediate size
+    rms_norm_eps: float = override(BaseArgs, "rms_norm_eps", 1e-5)
+    attention_bias: bool = cfg(False)
+    clip_qkv: float | None = cfg(None, gt=0)  # null: no clipping
+    norm_topk_prob: bool = cfg(False)
 
     def spec(self) -> Spec:
         n = self.num_hidden_layers
         return self.base_spec(
-            num_experts=self.num_experts,
             moe_intermediate_size=self.intermediate_size,
-            moe_layers=[True] * n,
             sliding_window=[None] * n,
             norm_topk_prob=self.norm_topk_prob,
             qkv_bias=self.attention_bias,

@@ -3,10 +3,12 @@ renormalised weights, optional dense layers (mlp_only_layers / decoder_sparse_st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from .args import BaseArgs, moe_layer_flags, sliding_windows
 from .blocks import Spec
+from .schema import cfg, override
 
 # Checkpoint naming: the MoE block lives under `mlp`; per-expert projections are gate/up/down.
 MOE_PREFIXES = ("mlp",)
@@ -15,26 +17,28 @@ EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass(kw_only=True)
 class ModelArgs(BaseArgs):
-    num_experts: int
-    moe_intermediate_size: int
-    model_type: str = "qwen3_moe"
-    intermediate_size: int = 0  # dense layers only
-    max_position_embeddings: int = 32768
-    attention_bias: bool = False
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    use_sliding_window: bool = False
-    sliding_window: int | None = 4096
+    moe_intermediate_size: int = cfg(ge=1)
+    intermediate_size: int = cfg(0, ge=0)  # dense layers only (required then: see config_problems)
+    max_position_embeddings: int = override(BaseArgs, "max_position_embeddings", 32768)
+    attention_bias: bool = cfg(False)
+    norm_topk_prob: bool = cfg(False)
+    decoder_sparse_step: int = cfg(1, ge=1)
+    mlp_only_layers: list[int] | None = cfg(None, ge=0, lt="num_hidden_layers")
+    use_sliding_window: bool = cfg(False)
+    sliding_window: int | None = cfg(4096, ge=0)  # used only with use_sliding_window
 
-    ALIASES = {"num_local_experts": "num_experts"}
+    def moe_layers(self) -> list[bool]:
+        return moe_layer_flags(self.num_hidden_layers, self.num_experts, self.decoder_sparse_step,
+                               self.mlp_only_layers or [])
+
+    def config_problems(self) -> Iterator[tuple[str, str]]:
+        yield from super().config_problems()
+        yield from dense_and_window_problems(self)
 
     def spec(self) -> Spec:
         n = self.num_hidden_layers
         return self.base_spec(
-            num_experts=self.num_experts,
             moe_intermediate_size=self.moe_intermediate_size,
-            moe_layers=moe_layer_flags(n, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers or []),
             sliding_window=sliding_windows(n, self.sliding_window if self.use_sliding_window else None),
             dense_intermediate_size=self.intermediate_size,
             norm_topk_prob=self.norm_topk_prob,
@@ -42,3 +46,16 @@ class ModelArgs(BaseArgs):
             o_bias=self.attention_bias,
             qk_norm="head",
         )
+
+
+def dense_and_window_problems(args) -> Iterator[tuple[str, str]]:
+    """Qwen-MoE relations: dense layers need intermediate_size; a used sliding window is >= 1."""
+    dense = [i for i, sparse in enumerate(args.moe_layers()) if not sparse]
+    if dense and args.intermediate_size < 1:
+        yield "intermediate_size", (
+            f"{'got 0' if 'intermediate_size' in args.config else 'missing'}; layers "
+            f"{dense[:8]} are dense (mlp_only_layers / decoder_sparse_step), so their MLP size is needed: expected "
+            "an integer >= 1"
+        )
+    if args.use_sliding_window and args.sliding_window == 0:
+        yield "sliding_window", "got 0 while use_sliding_window is true; expected a window >= 1 (or null for none)"

@@ -7,13 +7,63 @@ for the whole context at load time (float32 math, cast to the compute dtype like
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
+from .schema import cfg, parse, show
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+#: keys a rope type cannot do without (transformers' required keys; original_max_position_embeddings defaults to
+#: max_position_embeddings there too, and yarn's factor may be null: then max_position_embeddings / original)
+REQUIRED_BY_TYPE = {"default": (), "linear": ("factor",), "yarn": (), "llama3": ("factor", "low_freq_factor",
+                                                                               "high_freq_factor")}
+#: largest attention scaling (cos/sin multiplier) accepted. YaRN's own formula gives 1.0-1.5 for real context
+#: extensions (0.1 * ln(factor) + 1); q.k grows with its square, so beyond this only overflow lies ahead.
+MAX_ATTENTION_SCALING = 10.0
+
+
+@dataclass(kw_only=True)
+class RopeKeys:
+    """The top-level config.json keys about rope."""
+
+    rope_theta: float | None = cfg(None, gt=1)
+    partial_rotary_factor: float | None = cfg(None, gt=0, le=1)
+    rope_scaling: dict | None = cfg(None)  # before transformers 5
+    rope_parameters: dict | None = cfg(None)  # transformers>=5
+
+
+@dataclass(kw_only=True)
+class RopeArgs:
+    """One rope dict (`rope_parameters`, or `rope_scaling`) after the top-level rope_theta and
+    partial_rotary_factor are merged in as transformers does. Nulls count as absent."""
+
+    rope_type: str | None = cfg(None, choices=SUPPORTED_ROPE_TYPES)
+    type: str | None = cfg(None, choices=SUPPORTED_ROPE_TYPES)  # the old spelling of rope_type
+    rope_theta: float = cfg(gt=1)  # base > 1: frequencies must fall with the dimension (yarn divides by log(base))
+    partial_rotary_factor: float = cfg(1.0, gt=0, le=1)
+    factor: float | None = cfg(None, ge=1)
+    original_max_position_embeddings: int | None = cfg(None, ge=1)
+    low_freq_factor: float | None = cfg(None, gt=0)
+    high_freq_factor: float | None = cfg(None, gt="low_freq_factor")
+    attention_factor: float | None = cfg(None, gt=0, le=MAX_ATTENTION_SCALING)
+    beta_fast: float | None = cfg(None, gt=0)
+    beta_slow: float | None = cfg(None, gt=0)
+    mscale: float | None = cfg(None, ge=0)
+    mscale_all_dim: float | None = cfg(None, ge=0)
+    truncate: bool = cfg(True)
+
+    @property
+    def kind(self) -> str:
+        return self.rope_type or self.type or "default"
+
+    def config_problems(self) -> Iterator[tuple[str, str]]:
+        for key in REQUIRED_BY_TYPE[self.kind]:
+            if getattr(self, key) is None:
+                need = ", ".join(REQUIRED_BY_TYPE[self.kind])
+                yield key, f"missing; rope type {self.kind!r} needs {need}"
 
 
 @dataclass
@@ -29,25 +79,67 @@ class RopeConfig:
 
     @classmethod
     def from_config(
-        cls, config: dict, head_dim: int, default_theta: float = 10000.0, max_positions: int = 4096
+        cls,
+        config: dict,
+        head_dim: int,
+        default_theta: float = 10000.0,
+        max_positions: int = 4096,
+        source: str = "config.json",
     ) -> "RopeConfig":
-        """Read both spellings: transformers>=5 `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
-        params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        theta = params.get("rope_theta", config.get("rope_theta", default_theta))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(
-                f"config.json: rope type {rope_type!r} (rope_parameters/rope_scaling) is not supported; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        return cls(
-            theta=float(theta),
+        """Read and validate both spellings: transformers>=5 `rope_parameters` and the older `rope_theta` +
+        `rope_scaling` (which wins when both are given, as in transformers). `max_positions`: the validated
+        max_position_embeddings. ConfigError names the key in `source` and what is accepted."""
+        keys = parse(RopeKeys, config, source=source)
+        name = "rope_scaling" if keys.rope_scaling else "rope_parameters" if keys.rope_parameters else ""
+        given = keys.rope_scaling or keys.rope_parameters or {}
+        nested = [k for k, v in given.items() if isinstance(v, dict)]
+        if nested:
+            raise ConfigError(f"holds per-layer-type rope parameters ({', '.join(map(repr, nested[:4]))}); sluice "
+                              "supports one rope for all layers", file=source, field=name)
+        merged = {k: v for k, v in given.items() if v is not None}
+        merged.setdefault("rope_theta", default_theta if keys.rope_theta is None else keys.rope_theta)
+        if keys.partial_rotary_factor is not None:
+            merged.setdefault("partial_rotary_factor", keys.partial_rotary_factor)
+        args = parse(RopeArgs, merged, source=source, prefix=f"{name}." if name else "")
+        params = {f: getattr(args, f) for f in ("factor", "original_max_position_embeddings", "low_freq_factor",
+                                                "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+                                                "mscale", "mscale_all_dim")}
+        rc = cls(
+            theta=args.rope_theta,
             head_dim=head_dim,
-            max_position_embeddings=int(config.get("max_position_embeddings", max_positions)),
-            rope_type=rope_type,
-            partial_rotary_factor=float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))),
-            params=params,
+            max_position_embeddings=max_positions,
+            rope_type=args.kind,
+            partial_rotary_factor=args.partial_rotary_factor,
+            params={**{k: v for k, v in params.items() if v is not None}, "truncate": args.truncate},
         )
+        rc._check(source, name)
+        return rc
+
+    def _check(self, source: str, name: str) -> None:
+        """The rotary dims fit the head and the frequencies and scaling are finite (NaN logits otherwise)."""
+        dim = int(self.head_dim * self.partial_rotary_factor)
+        rot = dim + dim % 2  # an odd rotary dim is rounded up (transformers' arange(0, dim, 2))
+        if dim < 1 or rot > self.head_dim:
+            key = "head_dim" if self.partial_rotary_factor == 1 else f"{name}.partial_rotary_factor".lstrip(".")
+            raise ConfigError(
+                f"rope rotates pairs of dimensions: head_dim {self.head_dim} x partial_rotary_factor "
+                f"{self.partial_rotary_factor} gives {dim} rotary dims, which must be >= 1 and, rounded up to even, "
+                f"<= head_dim; use an even head_dim (head_dim defaults to hidden_size / num_attention_heads)",
+                file=source, field=key,
+            )
+        try:
+            freq, scale = inv_freq(self)
+            ok = bool(torch.isfinite(freq).all()) and 0 < scale <= MAX_ATTENTION_SCALING
+        except (ArithmeticError, ValueError):  # math.floor(inf), a zero denominator
+            ok, scale = False, float("nan")
+        if not ok:
+            p = {k: v for k, v in self.params.items() if k != "truncate"}
+            raise ConfigError(
+                f"rope type {self.rope_type!r} with rope_theta {self.theta} and {show(p)} gives non-finite "
+                f"frequencies or an attention scaling ({scale:.3g}) outside (0, {MAX_ATTENTION_SCALING:g}]; "
+                "real configs use factor 1-128, beta_fast/beta_slow ~32/1, mscale ~1",
+                file=source, field=name or "rope_theta",
+            )
 
 
 def inv_freq(rc: RopeConfig) -> tuple[torch.Tensor, float]:
