@@ -16,9 +16,12 @@ after one untimed warm-up round; medians over rounds):
 - int8pack: aten._weight_int8pack_mm (per-output-channel scales only: Q8_0's per-32 scales do not fit it; timed as
   a bound on what an int8 kernel would give).
 Also: prepare() per kernel (ms per expert and bytes allocated, from torch.profiler), the op's own repacking
-(codes -> int32 -> aten._convert_weight_to_int4pack_for_cpu -> copy into the slot) for comparison, and each
+(codes -> int32 -> aten._convert_weight_to_int4pack_for_cpu -> copy into the slot) against ours from the stored
+nibbles (int4pack.pack_nibbles), the int4 op on MLX 4-bit weights per group size 32 / 64 / 128, and each
 kernel's relative L2 error against F.linear on the exact float32 dequantized weights (x float32, 4 rows).
-The machine is shared: the load average and the busiest processes are written next to the numbers.
+The machine is shared: the load average and the busiest processes are written next to the numbers, and with one
+thread the times are this thread's CPU time (time.thread_time), which excludes the time other processes held the
+core; --clock wall gives wall time (what a quiet machine should be re-measured with).
 """
 
 from __future__ import annotations
@@ -98,10 +101,15 @@ def arms(scratch: torch.Tensor, scratch_bf16: torch.Tensor) -> dict:
     }
 
 
+CLOCK = time.perf_counter  # set by main: thread CPU time with one thread (see --clock)
+
+
 def timed(fn) -> float:
-    t = time.perf_counter()
+    """ms of fn by CLOCK. With one torch thread every op runs on this thread, so its CPU time is the work done,
+    without the time other processes held the core (the shared dev VM runs at load 8-10 on 2 cores)."""
+    t = CLOCK()
     fn()
-    return (time.perf_counter() - t) * 1e3
+    return (CLOCK() - t) * 1e3
 
 
 def load_note() -> str:
@@ -168,6 +176,28 @@ def crossover(h: int, i: int, rounds: int) -> dict:
     return out
 
 
+def mlx_groups(h: int, i: int, rounds: int) -> dict:
+    """The int4 op on MLX 4-bit weights per group size (one [I, H] projection, ms) and its weights' error."""
+    out = {}
+    for group in (32, 64, 128):
+        spec = QuantSpec.mlx(4, group, i, h, torch.bfloat16)
+        raw = random_stored(spec, 1)
+        k = Int4PackKernel(spec, torch.bfloat16)
+        slot = k.prepare(raw, torch.empty(k.nbytes, dtype=torch.uint8))
+        v = k.views(slot)
+        exact = spec.dequantize(raw)
+        err = float((k.dequantize(slot, torch.empty(i * h)) - exact).norm() / exact.norm())
+        row = {"weights_rel_l2": err, "prepare_ms": statistics.median(
+            timed(lambda: k.prepare(raw, slot)) for _ in range(rounds))}
+        for t in (1, 4, 32):
+            x = torch.randn(t, h).bfloat16()
+            row[f"T={t}"] = statistics.median(timed(lambda: int4pack.mm(x, v["packed"], group, v["sz"]))
+                                              for _ in range(rounds))
+        out[group] = row
+        print(f"mlx4 group {group} [{i}x{h}]: {row}", flush=True)
+    return out
+
+
 def allocated_bytes(fn) -> int:
     """Bytes allocated by torch ops inside fn (torch.profiler memory events, positive self allocations)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -188,14 +218,16 @@ def prepare_costs(h: int, i: int, rounds: int) -> dict:
         out[f"{fmt} {kind}"] = {"ms": ms, "alloc_bytes": allocated_bytes(lambda: k.prepare(p.raw, slot)),
                                 "slot_bytes": k.nbytes, "stored_bytes": p.spec.nbytes}
         if kind == "int4pack":  # the op's own packing, for comparison
-            codes = int4pack.unsigned_codes(p.spec.affine(p.raw))
+            a = p.spec.affine(p.raw)
+            codes = (a.codes + 8).view(torch.uint8) if a.codes.dtype == torch.int8 else a.codes
+            qs, _ = p.spec.nibbles(p.raw)
             dst = k.views(slot)["packed"]
 
             def via_op():
                 dst.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
 
             def ours():
-                int4pack.pack_codes(codes, dst)
+                int4pack.pack_nibbles(qs, dst)
             out[f"{fmt} pack codes: ours"] = {"ms": statistics.median(timed(ours) for _ in range(rounds)),
                                               "alloc_bytes": allocated_bytes(ours)}
             out[f"{fmt} pack codes: torch op"] = {"ms": statistics.median(timed(via_op) for _ in range(rounds)),
@@ -216,7 +248,8 @@ def errors(h: int, i: int) -> dict:
         def rel(y):
             return float((y.float() - ref).norm() / ref.norm())
         out[f"{fmt} affine f32"] = rel(p.affine.linear(x, p.affine_slot, scratch))
-        out[f"{fmt} affine bf16-x"] = rel(AffineKernel(p.spec, torch.bfloat16).linear(x.bfloat16(), p.affine_slot, scratch))
+        bf16 = AffineKernel(p.spec, torch.bfloat16)
+        out[f"{fmt} affine bf16-x"] = rel(bf16.linear(x.bfloat16(), p.affine_slot, scratch))
         if fmt in ("Q4_K", "Q4_0"):
             v = p.int4.views(p.int4_slot)
             out[f"{fmt} int4 op"] = rel(int4pack.mm(x.bfloat16(), v["packed"], 32, v["sz"]))
@@ -231,13 +264,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "quant_kernels"))
+    ap.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                    help="thread CPU time (default with --threads 1) or wall time (default otherwise)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    res = {"threads": args.threads, "rounds": args.rounds, "cpu": torch.backends.cpu.get_cpu_capability(),
+    clock = args.clock or ("cpu" if args.threads == 1 else "wall")
+    if clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures this thread only: use it with --threads 1")
+    global CLOCK
+    CLOCK = time.thread_time if clock == "cpu" else time.perf_counter
+    res = {"threads": args.threads, "rounds": args.rounds, "clock": clock,
+           "cpu": torch.backends.cpu.get_cpu_capability(),
            "int4_layout": int4pack._layout(), "load_before": load_note()}
     print(res, flush=True)
     res["experts"] = {f"{h}x{i}": bench_shape(h, i, args.rounds) for h, i in SHAPES}
     res["crossover"] = crossover(2048, 768, args.rounds)
+    res["mlx4_groups"] = mlx_groups(2048, 768, args.rounds)
     res["prepare"] = {f"{h}x{i}": prepare_costs(h, i, args.rounds) for h, i in SHAPES[:1]}
     res["errors"] = errors(2048, 768)
     res["load_after"] = load_note()

@@ -29,16 +29,13 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass
 class Affine:
-    """codes [rows, n] int8/uint8; scale, bias (or None) float32 [rows, n / group]."""
+    """codes [rows, n] int8/uint8 (None when only the scales were asked for); scale, bias (or None) float32
+    [rows, n / group]."""
 
-    codes: torch.Tensor
+    codes: torch.Tensor | None
     scale: torch.Tensor
     bias: torch.Tensor | None
     group: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 values [rows, n] (scale * code, then + bias), or written into `out` (contiguous float32 /

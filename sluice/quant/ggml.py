@@ -56,18 +56,20 @@ def _rows(raw: torch.Tensor, f: BlockFormat, shape: tuple[int, ...] | None) -> t
     return (numel // n if n else 0), n
 
 
-def affine(raw: torch.Tensor, fmt: str | BlockFormat, shape: tuple[int, ...] | None = None) -> Affine:
+def affine(raw: torch.Tensor, fmt: str | BlockFormat, shape: tuple[int, ...] | None = None, *,
+           codes: bool = True) -> Affine:
     """Whole rows of a scaled ggml format -> Affine(codes [rows, n], scale, bias, group) (see affine.py's table).
 
-    raw and shape as in `dequantize`. Plain formats (F32, F16, BF16) have no codes: ValueError.
+    raw and shape as in `dequantize`. codes=False skips unpacking the codes (the slow part): codes is then None.
+    Plain formats (F32, F16, BF16) have no codes: ValueError.
     """
     f = block_format(fmt)
     rows, n = _rows(raw, f, shape)
     if f.plain:
         raise ValueError(f"{f.name} is a plain float format, it has no codes and scales")
     blocks = raw.reshape(-1, f.block_bytes)  # [n_blocks, block_bytes]
-    codes, scale, bias, group = _SPLIT[f.name](blocks)
-    return Affine(codes.reshape(rows, n), scale.reshape(rows, n // group),
+    unpack, scale, bias, group = _SPLIT[f.name](blocks)
+    return Affine(unpack().reshape(rows, n) if codes else None, scale.reshape(rows, n // group),
                   None if bias is None else bias.reshape(rows, n // group), group)
 
 
@@ -117,17 +119,17 @@ def _bits(qh: torch.Tensor) -> torch.Tensor:
 
 def _q8_0(b):
     # d(f16) qs[32](int8):  x * d
-    return b[..., 2:].view(torch.int8), _f16(b, 0), None, 32
+    return lambda: b[..., 2:].view(torch.int8), _f16(b, 0), None, 32
 
 
 def _q4_0(b):
     # d(f16) qs[16]: element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of qs[j-16];  d * (q - 8)
-    return _nibbles(b[..., 2:]).flatten(-2).view(torch.int8).sub_(8), _f16(b, 0), None, 32
+    return lambda: _nibbles(b[..., 2:]).flatten(-2).view(torch.int8).sub_(8), _f16(b, 0), None, 32
 
 
 def _q4_1(b):
     # d(f16) m(f16) qs[16]:  (d * q) + m
-    return _nibbles(b[..., 4:]).flatten(-2), _f16(b, 0), _f16(b, 2), 32
+    return lambda: _nibbles(b[..., 4:]).flatten(-2), _f16(b, 0), _f16(b, 2), 32
 
 
 def _q5(b, at_qh):
@@ -138,12 +140,12 @@ def _q5(b, at_qh):
 
 def _q5_0(b):
     # d(f16) qh[4] qs[16]:  d * (q - 16)
-    return _q5(b, 2).view(torch.int8).sub_(16), _f16(b, 0), None, 32
+    return lambda: _q5(b, 2).view(torch.int8).sub_(16), _f16(b, 0), None, 32
 
 
 def _q5_1(b):
     # d(f16) m(f16) qh[4] qs[16]:  (d * q) + m
-    return _q5(b, 4), _f16(b, 0), _f16(b, 2), 32
+    return lambda: _q5(b, 4), _f16(b, 0), _f16(b, 2), 32
 
 
 def k_scale_min(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,31 +169,31 @@ def _k_scales(b):
 
 def _q4_k(b):
     # d(f16) dmin(f16) scales[12] qs[128]: sub-block 2i = low nibbles of qs[32i:32i+32], 2i+1 = their high nibbles
-    q = _nibbles(b[..., 16:].unflatten(-1, (4, 32))).flatten(-3, -2)  # [.., nb, 8, 32]
-    return (q, *_k_scales(b), 32)
+    return (lambda: _nibbles(b[..., 16:].unflatten(-1, (4, 32))).flatten(-3, -2), *_k_scales(b), 32)  # [.., nb, 8, 32]
 
 
 def _q5_k(b):
     # d dmin scales[12] qh[32] qs[128]: as Q4_K, plus bit s of qh[l] as bit 4 of value l of sub-block s
-    lo = _nibbles(b[..., 48:].unflatten(-1, (4, 32))).flatten(-3, -2)
-    hi = _bits(b[..., 16:48])  # [.., nb, 8, 32]
-    return (lo | (hi << 4), *_k_scales(b), 32)
+    def codes():
+        lo = _nibbles(b[..., 48:].unflatten(-1, (4, 32))).flatten(-3, -2)
+        return lo | (_bits(b[..., 16:48]) << 4)  # [.., nb, 8, 32]
+    return (codes, *_k_scales(b), 32)
 
 
 def _q6_k(b):
     # ql[128] qh[64] scales[16](int8) d(f16): value = (d * sc[s]) * (q - 32) per 16-value sub-block s; per 128-value
     # half h: q = low 4 bits from ql[64h:64h+64] (low nibbles, then high nibbles), top 2 bits from qh[32h:32h+32]
-    ql = _nibbles(b[..., 0:128].unflatten(-1, (2, 64))).unflatten(-1, (2, 32))  # [.., nb, 2(h), 2(shift), 2, 32]
-    ql = ql.flatten(-4, -2)  # [.., nb, 8, 32]
-    qh = (b[..., 128:192].unflatten(-1, (2, 1, 32)) >> _SHIFT_2BIT) & 3  # [.., nb, 2(h), 4(shift), 32]
-    q = (ql | (qh.flatten(-3, -2) << 4)).view(torch.int8).sub_(32)
-    return q, _f16(b, 208) * b[..., 192:208].view(torch.int8), None, 16  # scale [.., nb, 16]
+    def codes():
+        ql = _nibbles(b[..., 0:128].unflatten(-1, (2, 64))).unflatten(-1, (2, 32))  # [.., nb, 2(h), 2(shift), 2, 32]
+        qh = (b[..., 128:192].unflatten(-1, (2, 1, 32)) >> _SHIFT_2BIT) & 3  # [.., nb, 2(h), 4(shift), 32]
+        return (ql.flatten(-4, -2) | (qh.flatten(-3, -2) << 4)).view(torch.int8).sub_(32)  # [.., nb, 8, 32]
+    return codes, _f16(b, 208) * b[..., 192:208].view(torch.int8), None, 16  # scale [.., nb, 16]
 
 
 def _mxfp4(b):
     # e(e8m0) qs[16]: element j < 16 = low nibble of qs[j], j >= 16 = high nibble of qs[j-16] (ggml's layout, unlike
     # gpt-oss's interleaved one);  2^(e-128) * (2 * fp4 value), exact. gguf's integer table: code 8 is +0.
-    return fp4_doubled(_nibbles(b[..., 1:]).flatten(-2), gguf=True), e8m0_half(b[..., 0:1]), None, 32
+    return lambda: fp4_doubled(_nibbles(b[..., 1:]).flatten(-2), gguf=True), e8m0_half(b[..., 0:1]), None, 32
 
 
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -3,22 +3,44 @@
     spec = QuantSpec.ggml("Q4_K", out_features=768, in_features=2048)     # or .mlx(...), .mxfp4(...)
     k = kernel_for(spec, torch.bfloat16)      # the kernel for this format and compute dtype
     k.prepare(raw, slot)                      # read workers: raw uint8 [spec.nbytes] -> slot uint8 [k.nbytes]
-    y = k.linear(x, slot, scratch)            # x [T, in] (dtype) -> y [T, out] (dtype); scratch float32 >= k.scratch_numel
+    y = k.linear(x, slot, scratch)            # x [T, in] -> y [T, out] in dtype; scratch: float32 [>= k.scratch_numel]
 
-Kernels (measured numbers in the comments at INT4_MAX_ROWS and DEQUANT_MATMUL_DTYPE):
-- "int4pack" (compute dtype bf16/f16; Q4_0, Q4_1, Q4_K, MLX 4-bit): the slot holds torch's packed int4 codes and
-  bf16 scale/zero per group; up to INT4_MAX_ROWS rows run `aten._weight_int4pack_mm_for_cpu`, more rows dequantize
-  the same packed weights into the float32 scratch and run one float32 matmul. Not exact: scales and zeros are
-  rounded to bf16 (weights within ~2e-3 relative L2 of the exact ones, results ~3e-3 with bf16 activations).
+Kernels:
+- "int4pack" (compute dtype bf16/f16; Q4_0, Q4_1, Q4_K, MLX 4-bit, rows a multiple of 16): the slot holds torch's
+  packed int4 codes and a bf16 scale/zero per group; up to INT4_MAX_ROWS rows run `aten._weight_int4pack_mm_for_cpu`,
+  more rows dequantize the same packed weights into the float32 scratch and run one float32 matmul. Not exact:
+  scales and zeros are rounded to bf16 (weights 1.7e-3 relative L2 from the exact ones; outputs 2.9e-3 with bf16
+  activations, the same as a bf16 copy of the exact weights gives: 2.9e-3).
 - "affine" (every other format, and every format at float32): the slot holds the unpacked codes (1 byte each) and
   float32 scale (and bias) per group, i.e. the format's bit twiddling is done once in `prepare`; `linear` applies the
-  scales into the scratch (one or two passes) and runs a float32 matmul. At float32 this is exact: the scratch holds
-  the reference dequantization bit for bit (gguf / mx.dequantize), see affine.py.
+  scales into the scratch (two or three passes) and runs a float32 matmul. At float32 this is exact: the scratch
+  holds the reference dequantization bit for bit (gguf / mx.dequantize), see affine.py.
 - "plain" (F32 / F16 / BF16): the slot holds the bytes as stored; widened into the scratch unless already float32.
 
+Measured (benchmarks/quant_kernels.py, results/quant_kernels.json): ms per expert y = down(silu(gate x) * up x),
+H=2048 x I=768 (Qwen3-30B-A3B), one thread, thread CPU time, median of 21 interleaved rounds, on the shared 2-core
+AMD EPYC (Zen 3, AVX2, no AVX-512/AMX) dev VM at load 13-14 (numbers inflate under that load; re-measure quiet):
+
+| arm                                   | T=1  | T=4  | T=128 |
+|---------------------------------------|------|------|-------|
+| dense bf16 F.linear (today's bf16)    | 1.44 | 4.79 | 133.9 |
+| dense f32 F.linear                    | 1.58 | 4.37 | 25.8  |
+| Q4_K int4pack op                      | 1.20 | 2.10 | 49.5  |
+| Q4_K int4pack -> f32 scratch + linear | 12.3 | 15.9 | 38.1  |
+| Q4_K affine (f32 scratch)             | 4.74 | 8.58 | 30.4  |
+| Q4_K affine, bf16 scratch + bf16 mm   | 7.17 | 12.0 | 141.0 |
+| Q4_K raw bytes dequantized per call   | 13.3 | 14.9 | -     |
+| Q6_K affine / raw per call            | 3.78 / 24.5 | 7.00 / 39.3 | 31.1 / 64.6 |
+| Q8_0 affine / raw per call            | 3.20 / 7.48 | 6.91 / 11.2 | 30.2 / 34.5 |
+| int8pack (per-channel; no Q8_0 fit)   | 1.30 | 2.27 | 43.3  |
+
+prepare() per [768 x 2048] projection: Q4_K int4pack 2.5 ms (torch's own repacking of the unpacked codes alone:
+6.6 ms), Q4_K affine 2.7, Q6_K affine 4.4, Q8_0 affine 1.0.
+
 The slot layout of each kernel is fixed by (spec, dtype), so slot buffers are allocated once at `k.nbytes` and
-`prepare` writes them in place. `prepare` does allocate temporaries (the unpacking passes, a few bytes per weight);
-it runs in the read workers, off the decode critical path.
+`prepare` writes them in place. `prepare` does allocate temporaries (the unpacking passes: 2.8 MB for a Q4_K
+[768 x 2048] int4pack, 9.9 MB for Q6_K affine); it runs in the read workers, off the decode critical path, but on a
+2-core machine it competes with the math: ~7.5 ms of CPU per missed Q4_K expert against ~1 ms to read its 2.6 MB.
 """
 
 from __future__ import annotations
@@ -40,9 +62,10 @@ from .mxfp4 import mxfp4_affine
 _ALIGN = 64  # byte alignment of each part inside a buffer (any tensor view of it is aligned)
 
 # Rows (tokens routed to one expert) above which the int4 path dequantizes into the float32 scratch and runs one
-# float32 matmul instead of the packed op, which re-unpacks the weights for every 4 rows. Measured on the 2-core AMD
-# EPYC (Zen 3, AVX2) dev VM, one thread, [768 x 2048] Q4_K: see benchmarks/quant_kernels.py and its results.
-INT4_MAX_ROWS = 16
+# float32 matmul instead of the packed op, which re-unpacks the weights for every 4 rows of x. One [768 x 2048] Q4_K
+# projection, ms (op / dequantize + f32 matmul), dev VM, one thread, CPU time: T=1 0.36 / 4.1, T=16 1.45 / 4.3,
+# T=32 3.0 / 5.9, T=64 8.3 / 9.5, T=128 15.7 / 12.5.
+INT4_MAX_ROWS = 64
 
 # The dequantizing kernels write float32 weights into the scratch and run a float32 matmul, also for bf16 compute:
 # without native bf16 (AVX2, no avx512_bf16 / AMX) torch's bf16 matmul is 2x (1 row) to 12x (128 rows) slower than
@@ -149,14 +172,27 @@ class QuantSpec:
                             ("biases", self.scale_dtype, (o, g))])
         return _layout([("blocks", torch.uint8, (o, i // 32, 16)), ("scales", torch.uint8, (o, i // 32))])
 
-    def affine(self, raw: torch.Tensor) -> Affine:
-        """The stored bytes (uint8 [nbytes]) unpacked into codes, scales and biases (not for plain ggml types)."""
+    def affine(self, raw: torch.Tensor, codes: bool = True) -> Affine:
+        """The stored bytes (uint8 [nbytes]) unpacked into codes, scales and biases (not for plain ggml types);
+        codes=False leaves the codes packed (Affine.codes None)."""
         v = {p.name: p.view(raw) for p in self.parts}
         if self.family == "ggml":
-            return ggml_affine(v["blocks"], self.name)
+            return ggml_affine(v["blocks"], self.name, codes=codes)
         if self.family == "mlx":
-            return mlx_affine(v["weight"], v["scales"], v["biases"], bits=self.bits, group_size=self.group_size)
+            return mlx_affine(v["weight"], v["scales"], v["biases"], bits=self.bits, group_size=self.group_size,
+                              codes=codes)
         return mxfp4_affine(v["blocks"], v["scales"])
+
+    def nibbles(self, raw: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """4-bit formats: (the stored code bytes as int4pack.pack_nibbles takes them, the offset subtracted from a
+        stored code in the Affine form: 8 for Q4_0, else 0)."""
+        v = {p.name: p.view(raw) for p in self.parts}
+        if self.name == "mlx4":
+            return v["weight"].view(torch.uint8).view(self.out_features, -1, 1), 0
+        blocks = v["blocks"].view(self.out_features, -1, BY_NAME[self.name].block_bytes)
+        if self.name == "Q4_K":
+            return blocks[..., 16:].unflatten(-1, (4, 32)), 0  # [N, blocks, 4, 32]
+        return blocks[..., 2:] if self.name == "Q4_0" else blocks[..., 4:], 8 if self.name == "Q4_0" else 0
 
     def dequantize(self, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The exact float32 weights [out, in] of the stored bytes (the reference every kernel is measured against)."""
@@ -220,7 +256,8 @@ class Kernel:
         return F.linear(x.to(w.dtype), w).to(self.dtype)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.spec.name} [{self.spec.out_features}, {self.spec.in_features}], {self.dtype})"
+        s = self.spec
+        return f"{type(self).__name__}({s.name} [{s.out_features}, {s.in_features}], {self.dtype})"
 
 
 class PlainKernel(Kernel):
@@ -249,7 +286,8 @@ class AffineKernel(Kernel):
         s = self.spec
         groups = s.in_features // self._group()
         code_dtype = torch.uint8 if self._unsigned() else torch.int8
-        parts = [("codes", code_dtype, (s.out_features, s.in_features)), ("scale", torch.float32, (s.out_features, groups))]
+        parts = [("codes", code_dtype, (s.out_features, s.in_features)),
+                 ("scale", torch.float32, (s.out_features, groups))]
         if self._biased():
             parts.append(("bias", torch.float32, (s.out_features, groups)))
         return _layout(parts)
@@ -294,10 +332,13 @@ class Int4PackKernel(Kernel):
         return self.spec.group_size if self.spec.family == "mlx" else 32
 
     def _prepare(self, raw, slot):
-        a = self.spec.affine(raw)
+        # straight from the stored nibbles, no codes tensor: 2.5 ms per [768 x 2048] Q4_K projection against 4.4 ms
+        # through the unpacked codes (dev VM, thread CPU time)
+        a = self.spec.affine(raw, codes=False)
+        qs, offset = self.spec.nibbles(raw)
         v = self.views(slot)
-        int4pack.pack_codes(int4pack.unsigned_codes(a), v["packed"])
-        int4pack.scales_zeros(a, v["sz"])
+        int4pack.pack_nibbles(qs, v["packed"])
+        int4pack.scales_zeros(a.scale, a.bias, offset, v["sz"])
 
     def dequantize(self, slot, scratch):
         v = self.views(slot)

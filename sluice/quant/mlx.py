@@ -47,11 +47,11 @@ def unpack_codes(weight: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 def mlx_affine(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, *, bits: int,
-               group_size: int) -> Affine:
+               group_size: int, codes: bool = True) -> Affine:
     """MLX affine tensors -> Affine(codes uint8 [out, in], scale and bias widened to float32 [out, in/group]).
 
     weight: uint32 [out, in * bits / 32] (or the same bytes as uint8 / int32); scales, biases: [out, in / group_size]
-    floating point (bf16 / f16 / f32).
+    floating point (bf16 / f16 / f32). codes=False skips unpacking the codes (Affine.codes is None).
     """
     if weight.dim() != 2 or scales.dim() != 2 or scales.shape != biases.shape or scales.shape[0] != weight.shape[0]:
         raise ValueError(f"MLX weight must be [out, packed] with scales and biases [out, groups], got "
@@ -59,8 +59,13 @@ def mlx_affine(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     if not (scales.is_floating_point() and biases.is_floating_point()):
         raise ValueError(f"MLX scales and biases must be floating point, got {scales.dtype} and {biases.dtype}")
     rows, groups = scales.shape
-    codes = unpack_codes(weight, bits, groups * group_size)
-    return Affine(codes, scales.float(), biases.float(), group_size)  # widening to float32 is exact
+    if bits not in BITS:
+        raise ValueError(f"MLX affine quantization has {BITS} bits, got {bits}")
+    if weight.numel() * weight.element_size() * 8 != rows * groups * group_size * bits:
+        raise ValueError(f"a row of {groups * group_size} {bits}-bit codes takes {groups * group_size * bits // 8} "
+                         f"bytes, got {weight.numel() * weight.element_size() // max(rows, 1)}")
+    q = unpack_codes(weight, bits, groups * group_size) if codes else None
+    return Affine(q, scales.float(), biases.float(), group_size)  # widening to float32 is exact
 
 
 def dequantize_mlx(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, *, bits: int, group_size: int,
