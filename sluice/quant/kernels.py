@@ -17,30 +17,31 @@ Kernels:
   holds the reference dequantization bit for bit (gguf / mx.dequantize), see affine.py.
 - "plain" (F32 / F16 / BF16): the slot holds the bytes as stored; widened into the scratch unless already float32.
 
-Measured (benchmarks/quant_kernels.py, results/quant_kernels.json): ms per expert y = down(silu(gate x) * up x),
+Measured (benchmarks/quant_kernels.py -> results/quant_kernels.md): ms per expert y = down(silu(gate x) * up x),
 H=2048 x I=768 (Qwen3-30B-A3B), one thread, thread CPU time, median of 21 interleaved rounds, on the shared 2-core
-AMD EPYC (Zen 3, AVX2, no AVX-512/AMX) dev VM at load 13-14 (numbers inflate under that load; re-measure quiet):
+AMD EPYC (Zen 3, AVX2, no AVX-512/AMX) dev VM at load ~10. An earlier run at load 13 gave the dequantizing arms
+20-40% lower and the op / dense arms within 20%: the ranking is stable, the values are not; re-measure quiet.
 
-| arm                                   | T=1  | T=4  | T=128 |
-|---------------------------------------|------|------|-------|
-| dense bf16 F.linear (today's bf16)    | 1.44 | 4.79 | 133.9 |
-| dense f32 F.linear                    | 1.58 | 4.37 | 25.8  |
-| Q4_K int4pack op                      | 1.20 | 2.10 | 49.5  |
-| Q4_K int4pack -> f32 scratch + linear | 12.3 | 15.9 | 38.1  |
-| Q4_K affine (f32 scratch)             | 4.74 | 8.58 | 30.4  |
-| Q4_K affine, bf16 scratch + bf16 mm   | 7.17 | 12.0 | 141.0 |
-| Q4_K raw bytes dequantized per call   | 13.3 | 14.9 | -     |
-| Q6_K affine / raw per call            | 3.78 / 24.5 | 7.00 / 39.3 | 31.1 / 64.6 |
-| Q8_0 affine / raw per call            | 3.20 / 7.48 | 6.91 / 11.2 | 30.2 / 34.5 |
-| int8pack (per-channel; no Q8_0 fit)   | 1.30 | 2.27 | 43.3  |
+| arm                                      | T=1         | T=4         | T=128       |
+|------------------------------------------|-------------|-------------|-------------|
+| dense bf16 F.linear (today's bf16 path)  | 1.80        | 5.00        | 134.4       |
+| dense f32 F.linear                       | 2.26        | 5.52        | 29.0        |
+| Q4_K int4pack: the op                    | 1.39        | 2.35        | 49.8        |
+| Q4_K int4pack: -> f32 scratch + f32 mm   | 18.4        | 21.3        | 48.0        |
+| Q4_K affine (f32 scratch)                | 7.76        | 11.3        | 38.5        |
+| Q4_K affine, bf16 scratch + bf16 mm      | 12.5        | 16.7        | 146.8       |
+| Q4_K stored bytes dequantized per call   | 27.0        | 25.3        | -           |
+| Q6_K affine / stored bytes per call      | 5.96 / 45.4 | 11.0 / 38.2 | 36.1 / 56.4 |
+| Q8_0 affine / stored bytes per call      | 5.76 / 12.0 | 9.59 / 14.9 | 36.3 / 39.1 |
+| int8pack (per-channel only: no Q8_0 fit) | 1.68        | 2.46        | 44.5        |
 
-prepare() per [768 x 2048] projection: Q4_K int4pack 2.5 ms (torch's own repacking of the unpacked codes alone:
-6.6 ms), Q4_K affine 2.7, Q6_K affine 4.4, Q8_0 affine 1.0.
+prepare() per [768 x 2048] projection: Q4_K int4pack 2.8 ms (its packing 1.8 ms; torch's own route from unpacked
+codes through int32 and the op: 6.8 ms), Q4_K affine 2.9, Q6_K affine 5.8, Q8_0 affine 1.3.
 
 The slot layout of each kernel is fixed by (spec, dtype), so slot buffers are allocated once at `k.nbytes` and
-`prepare` writes them in place. `prepare` does allocate temporaries (the unpacking passes: 2.8 MB for a Q4_K
+`prepare` writes them in place. `prepare` does allocate temporaries (the unpacking passes: 4.3 MB for a Q4_K
 [768 x 2048] int4pack, 9.9 MB for Q6_K affine); it runs in the read workers, off the decode critical path, but on a
-2-core machine it competes with the math: ~7.5 ms of CPU per missed Q4_K expert against ~1 ms to read its 2.6 MB.
+2-core machine it competes with the math: ~8 ms of CPU per missed Q4_K expert against ~1 ms to read its 2.6 MB.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ _ALIGN = 64  # byte alignment of each part inside a buffer (any tensor view of i
 
 # Rows (tokens routed to one expert) above which the int4 path dequantizes into the float32 scratch and runs one
 # float32 matmul instead of the packed op, which re-unpacks the weights for every 4 rows of x. One [768 x 2048] Q4_K
-# projection, ms (op / dequantize + f32 matmul), dev VM, one thread, CPU time: T=1 0.36 / 4.1, T=16 1.45 / 4.3,
-# T=32 3.0 / 5.9, T=64 8.3 / 9.5, T=128 15.7 / 12.5.
+# projection, ms (op / dequantize + f32 matmul), dev VM, one thread, CPU time, two runs: T=1 0.37 / 3.5-4.1,
+# T=16 1.5-2.3 / 4.3-7.5, T=32 3.0-4.3 / 5.9-8.2, T=64 8.2-8.3 / 9.5-10.8, T=128 14.3-15.7 / 12.4-12.5.
 INT4_MAX_ROWS = 64
 
 # The dequantizing kernels write float32 weights into the scratch and run a float32 matmul, also for bf16 compute:
@@ -332,8 +333,8 @@ class Int4PackKernel(Kernel):
         return self.spec.group_size if self.spec.family == "mlx" else 32
 
     def _prepare(self, raw, slot):
-        # straight from the stored nibbles, no codes tensor: 2.5 ms per [768 x 2048] Q4_K projection against 4.4 ms
-        # through the unpacked codes (dev VM, thread CPU time)
+        # straight from the stored nibbles, no codes tensor: 2.5-2.8 ms per [768 x 2048] Q4_K projection against
+        # 4.4 ms through the unpacked codes (dev VM, thread CPU time)
         a = self.spec.affine(raw, codes=False)
         qs, offset = self.spec.nibbles(raw)
         v = self.views(slot)
@@ -349,7 +350,7 @@ class Int4PackKernel(Kernel):
         if x.shape[0] > INT4_MAX_ROWS and int4pack.layout_known():
             return self._matmul(x, self.dequantize(slot, scratch))
         v = self.views(slot)
-        return int4pack.mm(x.to(torch.bfloat16), v["packed"], self.group, v["sz"]).to(self.dtype)
+        return int4pack.mm(x.to(torch.bfloat16).contiguous(), v["packed"], self.group, v["sz"]).to(self.dtype)
 
 
 def kernel_for(spec: QuantSpec, dtype: torch.dtype) -> Kernel:

@@ -146,3 +146,20 @@ def test_plain_cpu_kernel_layout_matches_the_op():
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_unknown_int4_layout_falls_back_to_the_op(monkeypatch):
+    spec = QuantSpec.ggml("Q4_K", 48, 512)
+    raw = random_stored(spec, 3)
+    k = kernel_for(spec, torch.bfloat16)
+    ours = k.prepare(raw, torch.empty(k.nbytes, dtype=torch.uint8))
+    known = int4pack.layout_known()
+    monkeypatch.setattr(int4pack, "_layout", lambda: "op")
+    theirs = k.prepare(raw, torch.empty(k.nbytes, dtype=torch.uint8))
+    if known:
+        assert torch.equal(ours, theirs)
+    x = torch.randn(INT4_MAX_ROWS + 1, 512).bfloat16()  # many rows: the op, since the layout cannot be read back
+    y = k.linear(x, theirs, torch.empty(k.scratch_numel))
+    assert rel(y, F.linear(x.float(), spec.dequantize(raw))) < PACKED_RTOL
+    with pytest.raises(ValueError, match="unknown to sluice"):
+        k.dequantize(theirs, torch.empty(k.scratch_numel))
