@@ -48,3 +48,14 @@ BY_NAME: dict[str, BlockFormat] = {f.name: f for f in BY_ID.values()}
 
 #: the formats sluice reads and computes with (issue 14's list; Q4_K_M / Q5_K_M files mix K-types, Q6_K, Q8_0)
 SUPPORTED = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+
+
+class UnsupportedFormat(ValueError):
+    """A tensor format sluice cannot compute with. `format` is its name; callers that know the file and tensor wrap
+    it into CheckpointError(str(err), file=..., tensor=...)."""
+
+    def __init__(self, fmt: str, why: str = ""):
+        self.format = fmt
+        supported = ", ".join(sorted(SUPPORTED))
+        super().__init__(f"format {fmt} is not supported{': ' + why if why else ''} (sluice reads {supported}); "
+                         "convert the file to one of these (llama.cpp's llama-quantize writes them)")
