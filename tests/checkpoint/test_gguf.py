@@ -243,7 +243,7 @@ def test_metadata_rules(tmp_path):
     check(tmp_path, raw_gguf([s(b"\xff\xfe") + struct.pack("<IB", 0, 1)], []), r"metadata key 0 is not valid UTF-8")
     check(tmp_path, raw_gguf([kv("k", 8, s(b"a\xc3"))], []), r"string value of 'k' is not valid UTF-8")
     check(tmp_path, raw_gguf([kv("k", 7, b"\x02")], []), r"'k' holds a bool that is neither 0 nor 1")
-    strs = struct.pack("<IQ", 8, 3) + s("ok") + s(b"\xff")
+    strs = struct.pack("<IQ", 8, 2) + s("ok") + s(b"\xff")
     check(tmp_path, raw_gguf([kv("k", 9, strs)], []), r"element 1 of 'k' is not valid UTF-8")
     cut = struct.pack("<IQ", 8, 2) + s("ok") + struct.pack("<Q", 10**6) + b"abc"
     check(tmp_path, raw_gguf([kv("k", 9, cut)], []), r"element 1 of 'k' \(1000000 bytes\) needs .* truncated")
