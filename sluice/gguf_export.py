@@ -78,9 +78,18 @@ class GgufTensor:
 
 # -- the pure part: names and shapes ---------------------------------------------------------------------------------
 def _cfg(config: dict, key: str) -> Any:
+    if key == "num_experts" and key not in config and "num_local_experts" in config:
+        key = "num_local_experts"  # transformers>=5 writes qwen3_moe's expert count under this name
     if key not in config:
         raise ConfigError(f"config.json: {key} is missing; a qwen3_moe config needs it")
     return config[key]
+
+
+def _rope(config: dict) -> tuple[dict, float]:
+    """(scaling parameters, theta) from transformers>=5 `rope_parameters` or the older `rope_scaling` + `rope_theta`
+    (the same reading as models/rope.py)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return params, float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def check_config(config: dict) -> None:
@@ -91,9 +100,9 @@ def check_config(config: dict) -> None:
         raise ExportError("config.json norm_topk_prob is false; llama.cpp's qwen3moe always renormalizes the top-k")
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
         raise ExportError("config.json mlp_only_layers / decoder_sparse_step: dense layers are not supported")
-    scaling = config.get("rope_scaling") or {}
+    scaling, _ = _rope(config)
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        raise ExportError(f"config.json rope_scaling {scaling}: only plain rope is supported")
+        raise ExportError(f"config.json rope scaling {scaling}: only plain rope is supported")
     if config.get("attention_bias"):
         raise ExportError("config.json attention_bias is true: qwen3_moe in llama.cpp has no q/k/v biases")
 
@@ -272,9 +281,9 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_rope_freq_base(_rope(cfg)[1])
     w.add_layer_norm_rms_eps(float(_cfg(cfg, "rms_norm_eps")))
-    w.add_expert_count(cfg["num_experts"])
+    w.add_expert_count(_cfg(cfg, "num_experts"))
     w.add_expert_used_count(_cfg(cfg, "num_experts_per_tok"))
     w.add_expert_feed_forward_length(_cfg(cfg, "moe_intermediate_size"))
 

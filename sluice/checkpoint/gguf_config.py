@@ -79,7 +79,8 @@ class _Meta:
         return self.key(name) in self.gf.metadata
 
     def missing(self, key: str) -> CheckpointError:
-        return CheckpointError(f"metadata {key} is missing; a {self.arch} GGUF needs it (re-convert the model with "
+        model = "GGUF model" if self.arch == "general" else f"{self.arch} GGUF"
+        return CheckpointError(f"metadata {key} is missing; a {model} needs it (re-convert the model with "
                                "llama.cpp's convert_hf_to_gguf.py)", file=self.file)
 
     def wrong(self, key: str, want: str) -> CheckpointError:

@@ -188,8 +188,8 @@ class GGUFIndex(CheckpointIndex):
         if not path.is_file():
             raise CheckpointError("not found; pass a .gguf file", file=str(path))
         first = read_gguf(path)
+        files = split_files(first)  # first: a later split gets "open the first split", not a missing-metadata error
         arch = gguf_arch(first)
-        files = split_files(first)
         raw: dict[str, TensorRef] = {}
         for gf in files:
             for name, ref in gf.tensors.items():
