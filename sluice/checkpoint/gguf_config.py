@@ -29,6 +29,8 @@ router normalisation than its graph hard-codes) are set so that sluice computes 
     tokenizer.ggml.tokens (length)        vocab_size                       else {arch}.vocab_size, else token_embd rows
     tokenizer.ggml.{bos,eos}_token_id     bos_token_id, eos_token_id
     `output.weight` absent                tie_word_embeddings = true
+    attention.sliding_window              (not applied)                    llama.cpp's graphs for these four
+                                                                           architectures attend to the whole context
     `blk.0.attn_q.bias` present           qkv_bias (qwen2moe)
 
 Architectures: qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe, llama with expert_count > 0 ->
@@ -105,7 +107,8 @@ class _Meta:
             raise ConfigError(f"{self.file}: metadata {key} is {v}; it must be >= {minimum}")
         return v
 
-    def float(self, name: str, default: Any = _MISSING) -> float:
+    def float(self, name: str, default: Any = _MISSING, positive: bool = False) -> float:
+        """A float (f32 values as their shortest decimal); `positive`: finite and > 0 (eps, theta, factors)."""
         key = self.key(name)
         if key not in self.gf.metadata:
             if default is _MISSING:
@@ -113,10 +116,14 @@ class _Meta:
             return default
         v, t = self.gf.metadata[key], self.gf.types[key]
         if t in (6, 12):
-            return _shortest_f32(v) if t == 6 else v
-        if t in INTEGER_TYPES:
-            return float(v)
-        raise self.wrong(key, "a number")
+            v = _shortest_f32(v) if t == 6 else v
+        elif t in INTEGER_TYPES:
+            v = float(v)
+        else:
+            raise self.wrong(key, "a number")
+        if positive and not 0 < v < float("inf"):
+            raise ConfigError(f"{self.file}: metadata {key} is {v}; it must be a finite number > 0")
+        return v
 
     def bool(self, name: str, default: Any = _MISSING) -> bool:
         key = self.key(name)
@@ -168,7 +175,7 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef]) -> dict[str, Any]:
     if top_k > n_experts:
         raise ConfigError(f"{gf.path}: metadata {m.key('expert_used_count')} {top_k} exceeds "
                           f"{m.key('expert_count')} {n_experts}")
-    theta = m.float("rope.freq_base", 10000.0)
+    theta = m.float("rope.freq_base", 10000.0, positive=True)
     cfg: dict[str, Any] = {
         "model_type": ARCHS[arch],
         "num_hidden_layers": m.int("block_count"),
@@ -176,7 +183,7 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef]) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": m.int("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon"),
+        "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon", positive=True),
         "max_position_embeddings": m.int("context_length"),
         "rope_theta": theta,
         "rope_parameters": {"rope_theta": theta, **_rope_scaling(m)},
@@ -229,16 +236,16 @@ def _refuse_unsupported(m: _Meta) -> None:
 
 def _rope_scaling(m: _Meta) -> dict[str, Any]:
     kind = m.str("rope.scaling.type", "none")
-    linear = m.float("rope.scale_linear", 1.0)  # the older key for linear scaling
+    linear = m.float("rope.scale_linear", 1.0, positive=True)  # the older key for linear scaling
     if kind == "none" and linear == 1.0:
         return {"rope_type": "default"}
     if kind == "linear" or (kind == "none" and linear != 1.0):
-        return {"rope_type": "linear", "factor": m.float("rope.scaling.factor", linear)}
+        return {"rope_type": "linear", "factor": m.float("rope.scaling.factor", linear, positive=True)}
     if kind == "yarn":
         for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor"):
             if m.has(key):
                 raise ConfigError(f"{m.file}: metadata {m.key(key)} is not supported with sluice's YaRN rope")
-        out = {"rope_type": "yarn", "factor": m.float("rope.scaling.factor"),
+        out = {"rope_type": "yarn", "factor": m.float("rope.scaling.factor", positive=True),
                "original_max_position_embeddings": m.int("rope.scaling.original_context_length")}
         for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
                         ("yarn_attn_factor", "attention_factor")):

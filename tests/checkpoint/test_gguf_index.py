@@ -304,6 +304,9 @@ def test_unsupported_architectures(qwen3, tmp_path):
     (_set("qwen3moe.expert_gating_func", "add_uint32", 2), ConfigError, r"a router other than softmax"),
     (_set("qwen3moe.rope.scaling.type", "add_string", "longrope"), ConfigError,
      r"rope.scaling.type is 'longrope'; supported: none, linear, yarn"),
+    (_set("qwen3moe.attention.layer_norm_rms_epsilon", "add_float32", float("nan")), ConfigError,
+     r"layer_norm_rms_epsilon is nan; it must be a finite number > 0"),
+    (_set("qwen3moe.rope.freq_base", "add_float32", 0.0), ConfigError, r"rope.freq_base is 0.0; it must be"),
     (_set("tokenizer.ggml.tokens", "add_array", [1, 2]), CheckpointError,
      r"tokenizer.ggml.tokens must be an array of strings"),
 ])
