@@ -352,3 +352,20 @@ def test_unknown_and_missing_tensors(qwen3, tmp_path):
     with pytest.raises(CheckpointError, match=r"GGUF tensor 'blk.2.ffn_gate_inp.weight' is missing") as e:
         index["model.layers.2.mlp.gate.weight"]
     assert e.value.file == str(index.folder)
+
+
+def test_cli_takes_a_gguf(qwen3, tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=300)
+
+    r = cli("inspect", str(convert(qwen3, tmp_path / "m.gguf")), "--json", "--memory", "all")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["model_type"] == "qwen3_moe" and info["expert_layout"] == "stacked" and info["dtype"] == "F32"
+    quantized = convert(qwen3, tmp_path / "q.gguf", qtype=lambda name: Q.Q8_0)
+    r = cli("inspect", str(quantized))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "error: file " in r.stderr and "Q8_0" in r.stderr and "a block format" in r.stderr  # one clean line
