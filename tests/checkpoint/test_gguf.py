@@ -307,3 +307,14 @@ def test_data_section_past_the_end(tmp_path):
 def test_unreadable_path(tmp_path):
     with pytest.raises(CheckpointError, match="cannot read"):
         read_gguf(tmp_path / "missing.gguf")
+
+
+def test_tensor_ref_formats_of_plain_codes():
+    f32 = TensorRef("w", "p", 0, 48, "F32", (3, 4))
+    assert not f32.quantized and f32.format.name == "F32" and f32.row_nbytes == 16 and f32.row_order() is None
+    u8 = TensorRef("m", "p", 0, 4, "U8", (4,))  # a safetensors code with no ggml type
+    assert not u8.quantized and u8.itemsize == 1 and u8.row_nbytes == 4
+    with pytest.raises(CheckpointError, match="dtype U8 is not a ggml type"):
+        u8.format
+    q = TensorRef("q", "p", 0, 2 * 144, "Q4_K", (2, 256), rope_heads=1)
+    assert q.quantized and q.row_nbytes == 144 and q.row_order().tolist() == [0, 1]
