@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,8 +96,20 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     path = Path(path)
     file = str(path)
     try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+        # non-blocking, and checked before any read: a FIFO or device named .gguf would block or read without end
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError("is not a regular file (a directory, FIFO, socket or device); pass a .gguf "
+                                      "file", file=file)
+            os.set_blocking(fd, True)
+            f = open(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
+            size = st.st_size
             if size < 24:
                 raise CheckpointError(
                     f"file is {size} bytes, shorter than the 24-byte GGUF header; not GGUF, or {_REDOWNLOAD}",

@@ -4,6 +4,7 @@ file, the tensor or key, and what is wrong."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -318,3 +319,12 @@ def test_tensor_ref_formats_of_plain_codes():
         u8.format
     q = TensorRef("q", "p", 0, 2 * 144, "Q4_K", (2, 256), rope_heads=1)
     assert q.quantized and q.row_nbytes == 144 and q.row_order().tolist() == [0, 1]
+
+
+def test_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="is not a regular file"):  # and does not block waiting for a writer
+        read_gguf(fifo)
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        read_gguf(tmp_path)
