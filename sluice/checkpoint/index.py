@@ -49,8 +49,9 @@ class CheckpointIndex:
 
         Weights come from `model.safetensors`, else from the shards named by `model.safetensors.index.json`
         (the order transformers uses). A path ending in .gguf is opened as a GGUF model instead (a GGUFIndex:
-        config and HF tensor names mapped from its metadata and tensor infos, see gguf_index.py). Raises CheckpointError for a missing/invalid config, missing weights,
-        a missing shard, an index entry absent from its shard, a tensor stored twice, or any bad header.
+        config and HF tensor names mapped from its metadata and tensor infos, see gguf_index.py). Raises
+        CheckpointError for a missing/invalid config, missing weights, a missing shard, an index entry absent from
+        its shard, a tensor stored twice, or any bad header.
         """
         folder = Path(folder)
         if folder.suffix == ".gguf" and not folder.is_dir():

@@ -179,7 +179,8 @@ def test_split_metadata_must_agree(split_set):
     assert e.value.file == str(files[1])
     _patch(files[1], s("split.no") + struct.pack("<IH", 2, 2), s("split.no") + struct.pack("<IH", 2, 1))
     n = sum(len(gguf.GGUFReader(f).tensors) for f in files)
-    _patch(first, s("split.tensors.count") + struct.pack("<Ii", 5, n), s("split.tensors.count") + struct.pack("<Ii", 5, n + 1))
+    count = s("split.tensors.count")
+    _patch(first, count + struct.pack("<Ii", 5, n), count + struct.pack("<Ii", 5, n + 1))
     with pytest.raises(CheckpointError, match=r"split.tensors.count \d+ differs from the first split's"):
         GGUFIndex.open(first)
 
