@@ -70,10 +70,11 @@ def permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndar
 
 
 def convert(model, out: Path, qtype: Callable[[str], object] | None = None, tie: bool = False,
-            split_max_tensors: int = 0, extra: Callable | None = None) -> Path:
-    """Write transformers `model` as convert_hf_to_gguf.py would: llama.cpp names, experts stacked [E, I, H],
-    q/k permuted for `llama`, the hparams keys, a dummy token list. `qtype(gguf_name)` picks each 2-D tensor's type
-    (F32 when None). Returns the path of the (first) file written."""
+            split_max_tensors: int = 0, extra: Callable | None = None, fuse_gate_up: bool = False) -> Path:
+    """Write transformers `model` as convert_hf_to_gguf.py would: llama.cpp names, experts stacked [E, I, H] (or
+    gate and up fused into ffn_gate_up_exps [E, 2I, H], its --fuse-gate-up-exps), q/k permuted for `llama`, the
+    hparams keys, a dummy token list. `qtype(gguf_name)` picks each 2-D tensor's type (F32 when None). Returns the
+    path of the (first) file written; `extra(writer)` may add or change keys and tensors first."""
     cfg = model.config
     hf = cfg.model_type
     arch = GGUF_ARCH[hf]
@@ -106,8 +107,11 @@ def convert(model, out: Path, qtype: Callable[[str], object] | None = None, tie:
         put(f"{g}.ffn_gate_inp.weight", sd[f"{p}.mlp.gate.weight"])
         gu = sd[f"{p}.mlp.experts.gate_up_proj"]  # [E, 2I, H], gate rows first
         i = gu.shape[1] // 2
-        put(f"{g}.ffn_gate_exps.weight", gu[:, :i])
-        put(f"{g}.ffn_up_exps.weight", gu[:, i:])
+        if fuse_gate_up:
+            put(f"{g}.ffn_gate_up_exps.weight", gu)
+        else:
+            put(f"{g}.ffn_gate_exps.weight", gu[:, :i])
+            put(f"{g}.ffn_up_exps.weight", gu[:, i:])
         put(f"{g}.ffn_down_exps.weight", sd[f"{p}.mlp.experts.down_proj"])
         if f"{p}.mlp.shared_expert_gate.weight" in sd:
             put(f"{g}.ffn_gate_inp_shexp.weight", sd[f"{p}.mlp.shared_expert_gate.weight"].reshape(H))

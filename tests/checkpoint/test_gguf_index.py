@@ -117,6 +117,17 @@ def test_logits_equal_the_hf_folder_resident_and_streamed(pair):
         assert torch.equal(m.logits(IDS), want)
 
 
+def test_fused_gate_up_exps(tmp_path):
+    model = hf_model("qwen2_moe", **GGUF_TINY["qwen2_moe"])
+    folder = write_checkpoint(model, tmp_path / "hf", "per_expert")
+    path = convert(model, tmp_path / "f.gguf", tie=True, fuse_gate_up=True)
+    index = CheckpointIndex.open(path)
+    assert index.gguf_names["model.layers.0.mlp.experts.gate_up_proj"] == "blk.0.ffn_gate_up_exps.weight"
+    with sluice.load(folder, memory="all") as a, sluice.load(path, memory="all") as b:
+        assert b.layout.kind == "fused"
+        assert torch.equal(a.logits(IDS), b.logits(IDS))
+
+
 def test_tied_embeddings(tmp_path):
     model = hf_model("qwen3_moe", **GGUF_TINY["qwen3_moe"])
     index = CheckpointIndex.open(convert(model, tmp_path / "t.gguf", tie=True))
