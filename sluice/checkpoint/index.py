@@ -48,12 +48,19 @@ class CheckpointIndex:
         """Read config.json, generation_config.json (optional) and every safetensors header in `folder`.
 
         Weights come from `model.safetensors`, else from the shards named by `model.safetensors.index.json`
-        (the order transformers uses). Raises CheckpointError for a missing/invalid config, missing weights,
-        a missing shard, an index entry absent from its shard, a tensor stored twice, or any bad header.
+        (the order transformers uses). A path ending in .gguf is opened as a GGUF model instead (a GGUFIndex:
+        config and HF tensor names mapped from its metadata and tensor infos, see gguf_index.py). Raises
+        CheckpointError for a missing/invalid config, missing weights, a missing shard, an index entry absent from
+        its shard, a tensor stored twice, or any bad header.
         """
         folder = Path(folder)
+        if folder.suffix == ".gguf" and not folder.is_dir():
+            from .gguf_index import GGUFIndex  # GGUFIndex subclasses this class
+
+            return GGUFIndex.open(folder)
         if not folder.is_dir():
-            raise CheckpointError("not a directory; pass a Hugging Face model folder", file=str(folder))
+            raise CheckpointError("not a directory; pass a Hugging Face model folder or a .gguf file",
+                                  file=str(folder))
         config = _read_json(folder / CONFIG)
         gen_path = folder / GENERATION_CONFIG
         generation_config = _read_json(gen_path) if gen_path.exists() else None
@@ -166,8 +173,7 @@ def _no_weights(folder: Path) -> CheckpointError:
     elif pickles:
         hint = f"found {', '.join(pickles[:3])}: PyTorch pickle checkpoints are not supported yet; {_CONVERT}"
     elif ggufs:
-        hint = (f"found {', '.join(ggufs[:3])}: GGUF is not supported yet; use the original safetensors "
-                "checkpoint from the Hugging Face hub")
+        hint = f"found {', '.join(ggufs[:3])}: pass the .gguf file itself (the first split of a split set)"
     else:
         hint = "the folder holds no weights"
     return CheckpointError(f"no safetensors weights ({looked}); {hint}", file=str(folder))

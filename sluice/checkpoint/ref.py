@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CheckpointError
+from ..quant.formats import BY_NAME, BlockFormat
+
 # safetensors dtype code -> (bytes per element, torch dtype)
 DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "F64": (8, torch.float64),
@@ -35,7 +38,17 @@ def dtype_code(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """One tensor inside a safetensors file: absolute byte `offset` in `path`, `nbytes`, dtype code, shape."""
+    """One tensor inside a checkpoint file: absolute byte `offset` in `path`, `nbytes`, dtype code, shape.
+
+    `dtype` is a safetensors code (DTYPES) or, for a GGUF tensor, the ggml type name (quant/formats.py: "F16",
+    "Q4_K", ...); the plain GGUF types F32/F16/BF16 use the same codes as safetensors. A block format
+    (`quantized`) has no torch dtype: its `nbytes` are the stored blocks, `shape` is the logical torch-order shape
+    (GGUF dims reversed), and rows (the last dim) are whole blocks, `row_nbytes` bytes each.
+
+    `rope_heads` > 0 marks a q/k projection whose rows llama.cpp's converter permuted for its interleaved rope
+    (llama-arch GGUFs: Mixtral); `row_order()` gives the row index that restores Hugging Face order. Rows are
+    whole blocks, so the permutation is exact on quantized bytes too; `io.read_tensor` applies it.
+    """
 
     name: str
     path: str
@@ -43,15 +56,65 @@ class TensorRef:
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+    rope_heads: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        """A block format (Q4_K, Q8_0, ...): bytes are blocks of scales and packed values, not elements."""
+        return self.dtype not in DTYPES and self.dtype in BY_NAME
+
+    @property
+    def format(self) -> BlockFormat:
+        """The ggml block format of this tensor (plain F32/F16/BF16 are blocks of one element)."""
+        fmt = BY_NAME.get(self.dtype)
+        if fmt is None:
+            raise CheckpointError(f"dtype {self.dtype} is not a ggml type", file=self.path, tensor=self.name)
+        return fmt
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][1]
+        return self._plain()[1]
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][0]
+        return self._plain()[0]
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (the last dimension) as stored: elements x itemsize, or whole blocks."""
+        cols = self.shape[-1] if self.shape else 1
+        if self.dtype in DTYPES:
+            return cols * DTYPES[self.dtype][0]
+        return self.format.row_nbytes(cols)
+
+    def row_order(self) -> torch.Tensor | None:
+        """Row index [rows] with hf_rows = stored_rows[index], or None when the rows are stored in HF order."""
+        if not self.rope_heads:
+            return None
+        return rope_row_order(self.shape[0], self.rope_heads)
+
+    def _plain(self) -> tuple[int, torch.dtype]:
+        try:
+            return DTYPES[self.dtype]
+        except KeyError:
+            raise CheckpointError(
+                f"is stored as {self.dtype}, a block format with no torch dtype or element size; read its raw "
+                f"bytes ({self.nbytes}) and dequantize them (sluice/quant)", file=self.path, tensor=self.name,
+            ) from None
+
+
+def rope_row_order(rows: int, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rope permutation of q/k rows: `hf = stored[rope_row_order(rows, heads)]`.
+
+    convert_hf_to_gguf.py stores a llama-arch q (k) projection as
+    `w.reshape(heads, 2, D/2, ...).swapaxes(1, 2)` so that its interleaved ("NORM") rope pairs adjacent rows,
+    where Hugging Face's rotate_half pairs row i with row i + D/2 of each head; stored row h*D + 2i + j holds HF row
+    h*D + j*D/2 + i. The inverse is this gather.
+    """
+    if heads <= 0 or rows % (2 * heads):
+        raise ValueError(f"{rows} rows are not {heads} heads of an even head size")
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)  # [rows]

@@ -55,7 +55,7 @@ def describe(folder: str, memory: int | str | None = None, max_context: int = 40
         "expert_intermediate_size": spec.moe_intermediate_size,
         "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
         "vocab_size": spec.vocab_size,
-        "expert_layout": "fused" if layout.fused else "per_expert",
+        "expert_layout": layout.kind or "per_expert",
         "dtype": layout.dtype,
         "files": len(index.files),
         "params": resident_params + expert_params,

@@ -11,8 +11,9 @@ from sluice.errors import CheckpointError
 def read_tensor(ref: TensorRef) -> torch.Tensor:
     """Read `ref`'s bytes into a fresh tensor of `ref.torch_dtype` and `ref.shape` (scalars and empty tensors too).
 
-    Raises CheckpointError (naming the file and tensor) when the file is missing, short, or the byte count does not
-    match the dtype and shape.
+    Rows a GGUF converter permuted for llama.cpp's rope (`ref.rope_heads`) come back in Hugging Face order. Raises
+    CheckpointError (naming the file and tensor) when the file is missing, short, the byte count does not match the
+    dtype and shape, or the tensor is in a block format (read its raw bytes and dequantize those instead).
     """
     expected = ref.numel * ref.itemsize
     if ref.nbytes != expected:
@@ -40,4 +41,6 @@ def read_tensor(ref: TensorRef) -> torch.Tensor:
                     done += n
         except OSError as e:
             raise CheckpointError(f"cannot read: {e}", file=ref.path, tensor=ref.name) from e
-    return raw.view(ref.torch_dtype).reshape(ref.shape)
+    out = raw.view(ref.torch_dtype).reshape(ref.shape)
+    order = ref.row_order()
+    return out if order is None else out[order]

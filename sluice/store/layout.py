@@ -1,11 +1,14 @@
 """Where each expert's bytes are: (layer, expert) -> byte ranges that land in a slot's gate_up / down buffers.
 
-The unit of streaming is one expert of one layer. Two checkpoint layouts are read:
+The unit of streaming is one expert of one layer. Three checkpoint layouts are read:
 - per expert (hub, `save_pretrained` default): `{p}.experts.{e}.gate_proj.weight [I, H]`, `up_proj [I, H]`,
   `down_proj [H, I]` (Mixtral: w1 / w3 / w2) -> three ranges;
-- fused (`save_pretrained(save_original_format=False)`): `{p}.experts.gate_up_proj [E, 2I, H]` and
-  `{p}.experts.down_proj [E, H, I]` -> expert e is one contiguous slice of each, two ranges.
-Either way a slot holds gate_up [2I, H] (gate rows, then up rows) and down [H, I] in the checkpoint's dtype.
+- fused (`save_pretrained(save_original_format=False)`, GGUF `ffn_gate_up_exps`): `{p}.experts.gate_up_proj
+  [E, 2I, H]` and `{p}.experts.down_proj [E, H, I]` -> expert e is one contiguous slice of each, two ranges;
+- stacked (GGUF `ffn_{gate,up,down}_exps`, see checkpoint/gguf_index.py): `{p}.experts.gate_proj [E, I, H]`,
+  `up_proj [E, I, H]`, `down_proj [E, H, I]` -> one contiguous slice of each, three ranges.
+Either way a slot holds gate_up [2I, H] (gate rows, then up rows) and down [H, I] in the checkpoint's dtype; for a
+block format (GGUF Q4_K, ...) the same rows as whole blocks, `ref.row_nbytes` bytes per row.
 """
 
 from __future__ import annotations
@@ -48,14 +51,20 @@ class ExpertLayout:
         self.gate_up_shape, self.down_shape = (2 * I, H), (H, I)
         self.dtype: str | None = None
         self._parts: dict[tuple[int, int], list[ExpertPart]] = {}
-        self.fused: bool | None = None
+        self.kind: str | None = None  # "per_expert" | "fused" | "stacked"
         for layer, sparse in enumerate(spec.moe_layers):
             if sparse:
                 self._index_layer(index, arch, layer)
+        self.fused = None if self.kind is None else self.kind != "per_expert"  # one tensor holds all experts
         if self.dtype is None:
             self.dtype = "F32"
         from ..checkpoint.ref import DTYPES
 
+        if self.dtype not in DTYPES:
+            # TODO(issue 14): the stores allocate slots in a torch dtype; quantized experts need byte slots and the
+            # kernels in sluice/quant. Until then, refuse cleanly here.
+            raise CheckpointError(f"experts stored as {self.dtype} (a block format) cannot be streamed yet",
+                                  file=str(index.folder))
         self.itemsize = DTYPES[self.dtype][0]
         self.gate_up_nbytes = 2 * I * H * self.itemsize
         self.down_nbytes = H * I * self.itemsize
@@ -100,8 +109,12 @@ class ExpertLayout:
         E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
         p = moe_prefix(index, arch, layer)
         fused = f"{p}.experts.gate_up_proj" in index
-        if self.fused is None:
-            self.fused = fused
+        if f"{p}.experts.gate_proj" in index:
+            self.kind = "stacked"
+            self._stacked_layer(index, p, layer)
+            return
+        if self.kind is None:
+            self.kind = "fused" if fused else "per_expert"
         if fused:
             gu = self._check(index[f"{p}.experts.gate_up_proj"], (E, 2 * I, H))
             dn = self._check(index[f"{p}.experts.down_proj"], (E, H, I))
@@ -122,4 +135,18 @@ class ExpertLayout:
                 ExpertPart("gate_up", 0, ReadRange(g.path, g.offset, g.nbytes)),
                 ExpertPart("gate_up", g.nbytes, ReadRange(u.path, u.offset, u.nbytes)),
                 ExpertPart("down", 0, ReadRange(d.path, d.offset, d.nbytes)),
+            ]
+
+    def _stacked_layer(self, index: CheckpointIndex, p: str, layer: int) -> None:
+        s = self.spec
+        E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
+        g = self._check(index[f"{p}.experts.gate_proj"], (E, I, H))
+        u = self._check(index[f"{p}.experts.up_proj"], (E, I, H))
+        d = self._check(index[f"{p}.experts.down_proj"], (E, H, I))
+        g_n, d_n = g.nbytes // E, d.nbytes // E  # experts are the outermost dim: expert e is one contiguous slice
+        for e in range(E):
+            self._parts[(layer, e)] = [
+                ExpertPart("gate_up", 0, ReadRange(g.path, g.offset + e * g_n, g_n)),
+                ExpertPart("gate_up", g_n, ReadRange(u.path, u.offset + e * g_n, g_n)),
+                ExpertPart("down", 0, ReadRange(d.path, d.offset + e * d_n, d_n)),
             ]

@@ -193,10 +193,10 @@ def test_pytorch_bin_not_supported(tmp_path: Path) -> None:
     assert "pytorch_model.bin" in msg and "not supported yet" in msg and "safe_serialization=True" in msg
 
 
-def test_gguf_not_supported(tmp_path: Path) -> None:
+def test_gguf_in_folder_points_at_the_file(tmp_path: Path) -> None:
     folder = with_config(tmp_path / "m")
     (folder / "model-q4.gguf").write_bytes(b"GGUF")
-    with pytest.raises(CheckpointError, match=r"model-q4\.gguf.*GGUF is not supported yet"):
+    with pytest.raises(CheckpointError, match=r"model-q4\.gguf: pass the \.gguf file itself"):
         CheckpointIndex.open(folder)
 
 

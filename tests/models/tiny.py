@@ -39,11 +39,12 @@ TINY: dict[str, dict] = {
 }
 
 
-def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A transformers model of the tiny config with random weights (scaled up so routing and logits spread)."""
+def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A transformers model of the tiny config (with `overrides`) with random weights (scaled up so routing and
+    logits spread)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(TINY[arch])
+    cfg = {**TINY[arch], **overrides}
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
     config._attn_implementation = "eager"

@@ -1,0 +1,251 @@
+"""GGUFIndex: a GGUF file (or a gguf-split set) presented as sluice's CheckpointIndex: an HF config + HF tensor names.
+
+Tensor names map to the ones sluice's model files read (models/*.py, weights.py, store/layout.py):
+
+    token_embd.weight                 model.embed_tokens.weight
+    output_norm.weight, output.weight model.norm.weight, lm_head.weight (absent: tied embeddings)
+    blk.N.attn_norm / ffn_norm        model.layers.N.input_layernorm / post_attention_layernorm
+    blk.N.attn_{q,k,v,output}         model.layers.N.self_attn.{q,k,v,o}_proj        (.weight; .bias for qwen2moe)
+    blk.N.attn_{q,k}_norm             model.layers.N.self_attn.{q,k}_norm            (qwen3moe, olmoe)
+    blk.N.ffn_gate_inp                model.layers.N.mlp.gate.weight                  router [E, H]
+    blk.N.ffn_{gate,up}_exps          model.layers.N.mlp.experts.{gate,up}_proj       [E, I, H], experts stacked
+    blk.N.ffn_down_exps               model.layers.N.mlp.experts.down_proj            [E, H, I]
+    blk.N.ffn_gate_up_exps            model.layers.N.mlp.experts.gate_up_proj         [E, 2I, H] (gate rows first)
+    blk.N.ffn_{gate,up,down}_shexp    model.layers.N.mlp.shared_expert.*_proj.weight  (qwen2moe)
+    blk.N.ffn_gate_inp_shexp          model.layers.N.mlp.shared_expert_gate.weight    [1, H] (stored [H] or [1, H])
+
+The MoE block is always `mlp` (Mixtral included: its fused HF layout uses that prefix too). Each mapped TensorRef keeps
+the GGUF name as `ref.name`, so errors name the tensor as it is in the file. A tensor the architecture does not have
+in llama.cpp is an error (llama.cpp refuses such files too). For `llama` (Mixtral) the q/k rows are stored permuted
+for llama.cpp's interleaved rope; their refs carry `rope_heads` (see TensorRef.row_order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .gguf import INTEGER_TYPES, GGUFFile, read_gguf
+from .gguf_config import ARCHS, gguf_arch, gguf_config
+from .index import CheckpointIndex
+from .ref import TensorRef
+
+# gguf-split / gguf-py shard names: PREFIX-00001-of-00003.gguf (llama.cpp's llama_split_path)
+_SPLIT_RE = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+_BLK_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<rest>.+)")
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_ATTN = {f"attn_{g}.weight": f"self_attn.{h}_proj.weight" for g, h in (("q", "q"), ("k", "k"), ("v", "v"),
+                                                                          ("output", "o"))}
+_COMMON = {
+    **_ATTN,
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+}
+_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_QKV_BIAS = {f"attn_{g}.bias": f"self_attn.{g}_proj.bias" for g in "qkv"}
+_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+           **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}}
+#: per GGUF architecture: blk.N.<suffix> -> model.layers.N.<name>
+LAYER_NAMES: dict[str, dict[str, str]] = {
+    "qwen3moe": {**_COMMON, **_QK_NORM},
+    "qwen2moe": {**_COMMON, **_QKV_BIAS, **_SHARED},
+    "olmoe": {**_COMMON, **_QK_NORM},
+    "llama": dict(_COMMON),
+}
+_ROPE_FREQS_HINT = "per-dimension rope factors (llama3-style rope scaling) are not supported"
+_OLD_EXPERTS = re.compile(r"ffn_(gate|up|down)\.\d+\.weight")
+_OLD_EXPERTS_HINT = "this is the old per-expert Mixtral layout: re-convert the model with a current llama.cpp"
+
+
+def gguf_name(name: str, arch: str) -> str | None:
+    """The GGUF name of config.json-world tensor `name` in architecture `arch` (the inverse of hf_name)."""
+    for g, h in _GLOBAL.items():
+        if h == name:
+            return g
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m:
+        for g, h in LAYER_NAMES[arch].items():
+            if h == m[2]:
+                return f"blk.{m[1]}.{g}"
+    return None
+
+
+def hf_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
+    """The config.json-world name of GGUF tensor `gguf_name` in architecture `arch`, or None if it has none."""
+    if gguf_name in _GLOBAL:
+        return _GLOBAL[gguf_name]
+    m = _BLK_RE.fullmatch(gguf_name)
+    if m is None or int(m["layer"]) >= n_layers or str(int(m["layer"])) != m["layer"]:
+        return None
+    rest = LAYER_NAMES[arch].get(m["rest"])
+    return None if rest is None else f"model.layers.{m['layer']}.{rest}"
+
+
+def split_files(first: GGUFFile) -> list[GGUFFile]:
+    """All shards of a gguf-split set whose first file is `first` (just [first] for a single file).
+
+    llama.cpp's rules: the first file carries the metadata and `split.count` N; shard i (0-based) is
+    PREFIX-{i+1:05d}-of-{N:05d}.gguf beside it with `split.no` = i; the shards together hold `split.tensors.count`
+    tensors, no name twice. Missing, extra or inconsistent shards are a CheckpointError naming the file.
+    """
+    path = first.path
+    meta = first.metadata
+    m = _SPLIT_RE.fullmatch(path.name)
+    if "split.count" not in meta:
+        if m and int(m["count"]) > 1:
+            raise CheckpointError(f"is named as split {int(m['no'])} of {int(m['count'])} but has no split.count "
+                                  "metadata; the split set is corrupt: re-download it", file=str(path))
+        return [first]
+    count = _split_int(first, "split.count", 1)
+    no = _split_int(first, "split.no", 0) if "split.no" in meta else 0
+    if no != 0:
+        first_name = _SPLIT_RE.sub(lambda g: f"{g['prefix']}-00001-of-{g['count']}.gguf", path.name)
+        raise CheckpointError(f"is split {no + 1} of {count}; open the first split, {first_name}", file=str(path))
+    if count == 1:
+        return [first]
+    if not m or int(m["no"]) != 1 or int(m["count"]) != count:
+        raise CheckpointError(f"holds split 1 of {count}, so its name must end in -00001-of-{count:05d}.gguf "
+                              "(gguf-split's naming) to find the other splits; rename it", file=str(path))
+    prefix = m["prefix"]
+    _no_extra_splits(path.parent, prefix, count)
+    files = [first]
+    total = _split_int(first, "split.tensors.count", 0) if "split.tensors.count" in meta else None
+    for i in range(1, count):
+        shard = path.with_name(f"{prefix}-{i + 1:05d}-of-{count:05d}.gguf")
+        if not shard.is_file():
+            raise CheckpointError(f"split {i + 1} of {count} is missing (the first split is {path.name}); download "
+                                  "every split into one folder", file=str(shard))
+        gf = read_gguf(shard)
+        for key, want in (("split.no", i), ("split.count", count)):
+            if key not in gf.metadata or _split_int(gf, key, 0) != want:
+                raise CheckpointError(f"{key} is {gf.metadata.get(key)!r}, expected {want} for split {i + 1} of "
+                                      f"{count}; the split set is inconsistent: re-download it", file=str(shard))
+        if "split.tensors.count" in gf.metadata and _split_int(gf, "split.tensors.count", 0) != total:
+            raise CheckpointError(f"split.tensors.count {gf.metadata['split.tensors.count']} differs from the first "
+                                  f"split's {total}; the split set is inconsistent: re-download it", file=str(shard))
+        files.append(gf)
+    n = sum(len(gf.tensors) for gf in files)
+    if total is not None and n != total:
+        raise CheckpointError(f"split.tensors.count says {total} tensors but the {count} splits hold {n}; "
+                              "re-download the split set", file=str(path))
+    return files
+
+
+_SPLIT_MAX = {"split.no": 65535, "split.count": 65535, "split.tensors.count": 2**31 - 1}  # u16, u16, i32
+
+
+def _split_int(gf: GGUFFile, key: str, minimum: int) -> int:
+    v = gf.metadata[key]
+    if gf.types[key] not in INTEGER_TYPES or not minimum <= v <= _SPLIT_MAX[key]:
+        raise CheckpointError(f"metadata {key} = {v!r} is not a valid split value; re-download the split set",
+                              file=str(gf.path))
+    return v
+
+
+def _no_extra_splits(folder: Path, prefix: str, count: int) -> None:
+    pattern = re.compile(re.escape(prefix) + rf"-(\d{{5}})-of-{count:05d}\.gguf")
+    for p in folder.iterdir():
+        g = pattern.fullmatch(p.name)
+        if g and not 1 <= int(g[1]) <= count:
+            raise CheckpointError(f"is split {int(g[1])} of a {count}-split set; a stray file from another download? "
+                                  "remove it", file=str(p))
+
+
+class GGUFIndex(CheckpointIndex):
+    """A GGUF model (one file or a split set) as config + HF tensor name -> TensorRef; no tensor bytes are read.
+
+    Beyond CheckpointIndex: `arch` (GGUF architecture), `metadata` (the first file's key -> value, for the tokenizer
+    and chat template: tokenizer.ggml.*), `gguf_files` (each parsed shard), `gguf_names` (HF name -> GGUF name).
+    `folder` is the first .gguf file, so errors that name the checkpoint name the file the user passed.
+    """
+
+    def __init__(self, path: Path, config: dict, tensors: dict[str, TensorRef], gguf_files: list[GGUFFile],
+                 arch: str, gguf_names: dict[str, str]):
+        super().__init__(path, config, None, tensors, [gf.path for gf in gguf_files])
+        self.arch = arch
+        self.gguf_files = gguf_files
+        self.metadata = gguf_files[0].metadata
+        self.gguf_names = gguf_names
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> GGUFIndex:
+        """Parse `path` (a .gguf file, or the first of a split set) and its other splits; map config and names.
+
+        Raises CheckpointError for a bad file, a bad split set or a tensor the architecture does not have, and
+        ConfigError for an architecture or setting sluice does not run.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError("not found; pass a .gguf file", file=str(path))
+        first = read_gguf(path)
+        files = split_files(first)  # first: a later split gets "open the first split", not a missing-metadata error
+        arch = gguf_arch(first)
+        raw: dict[str, TensorRef] = {}
+        for gf in files:
+            for name, ref in gf.tensors.items():
+                if name in raw:
+                    raise CheckpointError(f"also stored in {Path(raw[name].path).name}; the split set is "
+                                          "inconsistent: re-download it", file=str(gf.path), tensor=name)
+                raw[name] = ref
+        config = gguf_config(first, raw)
+        tensors, names = _map_tensors(raw, arch, config, str(path))
+        return cls(path, config, tensors, files, arch, names)
+
+    def __getitem__(self, name: str) -> TensorRef:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            pass
+        g = gguf_name(name, self.arch)
+        what = f"GGUF tensor {g!r}" if g else "a tensor"
+        raise CheckpointError(f"{what} is missing (sluice looked for {name!r}); the file is incomplete or not a "
+                              f"{self.arch} model as llama.cpp writes it", file=str(self.folder), tensor=g or name)
+
+    def __repr__(self) -> str:
+        return (f"GGUFIndex({str(self.folder)!r}, arch={self.arch!r}, tensors={len(self.tensors)}, "
+                f"files={len(self.files)}, bytes={self.total_bytes()})")
+
+
+def _map_tensors(raw: dict[str, TensorRef], arch: str, config: dict, file: str
+                 ) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """HF name -> TensorRef (GGUF name kept as ref.name), and HF name -> GGUF name."""
+    n_layers = config["num_hidden_layers"]
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    tensors: dict[str, TensorRef] = {}
+    names: dict[str, str] = {}
+    for gname, ref in raw.items():
+        hname = hf_name(gname, arch, n_layers)
+        if hname is None:
+            m = _BLK_RE.fullmatch(gname)
+            hint = _ROPE_FREQS_HINT if gname == "rope_freqs.weight" else \
+                _OLD_EXPERTS_HINT if m and _OLD_EXPERTS.fullmatch(m["rest"]) else None
+            known = ", ".join(sorted(LAYER_NAMES[arch]))
+            raise CheckpointError(
+                f"is not part of a {arch} model ({ARCHS[arch]}) with {n_layers} layers as llama.cpp and sluice run "
+                f"it; " + (hint or f"known: {', '.join(_GLOBAL)} and blk.N.{{{known}}}"), file=file, tensor=gname)
+        if hname.endswith("shared_expert_gate.weight") and len(ref.shape) == 1:
+            ref = dataclasses.replace(ref, shape=(1, *ref.shape))  # transformers' [1, H]; the same bytes
+        proj = hname.rsplit(".", 2)[-2]
+        if arch == "llama" and proj in heads and hname.endswith(".weight"):
+            ref = _rope_permuted(ref, heads[proj], file)
+        tensors[hname] = ref
+        names[hname] = gname
+    return tensors, names
+
+
+def _rope_permuted(ref: TensorRef, heads: int, file: str) -> TensorRef:
+    rows = ref.shape[0]
+    if len(ref.shape) != 2 or rows % (2 * heads):
+        raise CheckpointError(f"shape {list(ref.shape)} is not {heads} heads of an even head size; the file is "
+                              "malformed", file=file, tensor=ref.name)
+    return dataclasses.replace(ref, rope_heads=heads)
