@@ -65,14 +65,20 @@ def main(argv: list[str] | None = None) -> int:
         _debug_traceback()
         print(f"{prefix} {os_error_line(e)}", file=sys.stderr)
         return 2
-    except MemoryError:
+    except BaseException as e:  # noqa: BLE001 - the last resort: one line, not a traceback
+        # (BaseException: a panic in a Rust extension, tokenizers or safetensors, is pyo3's PanicException, which
+        # derives from it)
+        if isinstance(e, (SystemExit, GeneratorExit)):
+            raise
         _debug_traceback()
-        print(f"{prefix} out of memory: lower --memory or --max-context, or free memory", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - the last resort: one line, not a traceback, for what nobody foresaw
-        _debug_traceback()
-        print(f"{prefix} internal error: {type(e).__name__}: {e} (a bug in sluice: please report it with the command "
-              f"line; {DEBUG_ENV}=1 prints the traceback)", file=sys.stderr)
+        if isinstance(e, MemoryError) or "can't allocate memory" in str(e):  # (torch's allocator: RuntimeError)
+            print(f"{prefix} out of memory: free memory, or ask for less (--memory, --max-context, a smaller "
+                  "model)", file=sys.stderr)
+            return 2
+        what = " ".join(str(e).split())  # one line, however the message was laid out
+        what = what if len(what) <= 500 else what[:500] + "..."
+        print(f"{prefix} internal error: {type(e).__name__}: {what} (a bug in sluice: please report it with the "
+              f"command line; {DEBUG_ENV}=1 prints the traceback)", file=sys.stderr)
         return 1
 
 

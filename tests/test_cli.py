@@ -73,6 +73,7 @@ def test_inspect_reports_split_and_usage(model_dir):
         # runaway flags (10^5 I/O workers was a traceback, 10^9 an OOM kill; 10^5 threads a SIGSEGV)
         (["run", "{model}", "--prompt", "x", "--io-workers", "100000"], "io_workers: must be an integer from 0"),
         (["run", "{model}", "--prompt", "x", "--threads", "100000"], "logical CPUs"),
+        (["prerouter", "fit", "{model}", "--tokens", str(10**12), "--no-progress"], "record fewer tokens"),
     ],
 )
 def test_bad_input_is_a_clean_error(model_dir, args, needle):
@@ -139,3 +140,35 @@ def test_os_error_is_one_line_naming_the_path(broken_inspect, capsys, error, lin
     broken_inspect.error = error
     assert cli.main(["inspect", "anything"]) == 2
     assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_out_of_memory_and_rust_panics_are_one_line(broken_inspect, capsys):
+    broken_inspect.error = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                                        "memory: you tried to allocate 2048000000000 bytes.")
+    assert cli.main(["inspect", "anything"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "sluice inspect: error: out of memory: free memory, or ask for less (--memory, --max-context, a smaller "
+        "model)"]
+
+    class PanicException(BaseException):  # what pyo3 raises for a panic in tokenizers or safetensors
+        pass
+
+    broken_inspect.error = PanicException("called `Option::unwrap()` on a `None` value\nnote: run with backtrace")
+    assert cli.main(["inspect", "anything"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("sluice inspect: error: internal error: PanicException: called `Option::unwrap()` on a "
+                           "`None` value note: run with backtrace (a bug in sluice")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--size", "4MiB", "--layers", "1000000000"], "over twice the target size 4.0 MiB (shape overrides: "
+                                                   "num_layers)"),  # wrote until the disk was full
+    (["--size", "4MiB", "--hidden", "1000000000"], "over twice the target size"),  # a 2 TB allocation
+    (["--size", "100TiB", "--vocab", "2000000000"], "at most 1,048,576 tokens"),  # a Rust abort asking for 140 GB
+])
+def test_make_model_runaway_shapes_are_refused(tmp_path, capsys, flags, needle):
+    out = tmp_path / "m"
+    assert cli.main(["make-model", str(out), "--arch", "qwen3_moe", "--no-progress", *flags]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("sluice make-model: error: ") and needle in line, line
+    assert list(tmp_path.iterdir()) == []

@@ -141,7 +141,6 @@ BAD_BODIES = [  # (body, what the message says)
     (b'{"messages": [{"role": "user", "content": "hi"}], "seed": -' + b"9" * 30 + b"}", "greater than or equal"),
     (b'{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "U+D800"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "model": "\\udfff"}', "does not exist"),
-    (b'{"messages": [' + b"{}, " * 300_000 + b"{}]}", "Field required"),  # one error, not 600,000
 ]
 
 
@@ -154,6 +153,16 @@ def test_hostile_json_is_a_4xx_error_object(server, body, needle):
     assert needle in err["message"] and err["type"] == "invalid_request_error"
     if needle == "U+D800":
         assert r.json()["error"]["param"] == "messages"
+
+
+def test_many_bad_messages_cost_one_error(server):
+    url, pid = server
+    body = b'{"messages": [' + b"{}, " * 300_000 + b"{}]}"  # 1.2 MB: 600,000 validation errors
+    hwm0 = memory_mib(pid)[1]
+    r = httpx.post(f"{url}{CHAT}", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "messages[0].role: Field required"
+    # before: every error was built to report the first (6.5 s and +341 MiB here; 1.3M took 36 s and 1.8 GB)
+    assert memory_mib(pid)[1] - hwm0 < 64
 
 
 def test_completions_prompt_with_lone_surrogate_is_400(server):
