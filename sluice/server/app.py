@@ -41,8 +41,8 @@ from .queue import EngineWorker, Job, QueueFull
 # How often a non-streamed request checks whether its client is still there (a streamed one is told at once).
 DISCONNECT_POLL_S = 0.2
 # Largest request body by default. A full 256K-token context of English is ~1 MiB of JSON (~4 bytes a token), and
-# ~3 MiB if a client \u-escapes every character of CJK text (json.dumps does by default: 6 bytes a character, ~1.5
-# characters a token); 4 MiB holds that. Its cost is bounded too: the worst 4 MiB of JSON to parse (1.4M empty
+# ~2.3 MiB if a client \u-escapes every character of CJK text (json.dumps does by default: 6 bytes a character,
+# ~1.5 characters a token); 4 MiB holds either. Its cost is bounded too: the worst 4 MiB of JSON to parse (1.4M empty
 # lists) makes 90 MB of Python objects in ~2 s on the 2-core test machine.
 DEFAULT_MAX_BODY = 4 * 2**20
 
