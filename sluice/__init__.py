@@ -12,9 +12,9 @@ if "torch" not in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & _
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from .engine import Model, load
-from .errors import BudgetError, CheckpointError, ConfigError, RequestError, SluiceError
+from .errors import BudgetError, CheckpointError, ConfigError, ContextLengthError, RequestError, SluiceError
 from .options import LoadOptions
 
 __all__ = ["load", "Model", "LoadOptions", "SluiceError", "CheckpointError", "ConfigError", "BudgetError",
-           "RequestError"]
+           "RequestError", "ContextLengthError"]
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.index import CONFIG, GENERATION_CONFIG, CheckpointIndex
-from .errors import ConfigError, RequestError
+from .errors import ConfigError, ContextLengthError, RequestError
 from .generate import StepTimes, decode_one, generate_step, prefill
 from .io import DEFAULT_WORKERS, make_reader
 from .models import model_args
@@ -26,6 +26,7 @@ from .sampling import make_logits_processors, make_sampler
 from .store.layout import ExpertLayout
 from .store.budget import RUNTIME_RESERVE, AutoPlan, auto_memory, check_room
 from .store.resident import ResidentExpertStore
+from .prompt_limit import PIECE, tokens_at_least
 from .prerouter import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
@@ -147,10 +148,22 @@ class Model:
         if bad:
             raise RequestError(f"token id {bad[0]} out of range [0, {self.spec.vocab_size})")
         if len(ids) > self.cache.max_context:
-            raise RequestError(
+            raise ContextLengthError(
                 f"prompt of {len(ids)} tokens exceeds the context of {self.cache.max_context} (max_context option)"
             )
         return ids
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize `text`, refusing one longer than the context before tokenizing all of it (see prompt_limit)."""
+        ctx = self.cache.max_context
+        if len(text) > PIECE:  # shorter texts cost less to tokenize whole than to bound
+            floor = tokens_at_least(self.tokenizer, text, ctx)
+            if floor.tokens > ctx:
+                raise ContextLengthError(
+                    f"prompt of {len(text):,} characters exceeds the context of {ctx} tokens (max_context option): "
+                    f"its first {floor.chars:,} characters are already at least {floor.tokens:,} tokens"
+                )
+        return self._check_ids(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # -- generation ----------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -161,14 +174,14 @@ class Model:
             raise ConfigError(f"{self.path} has no tokenizer.json: pass token ids instead of text")
         if chat:
             return self.encode_chat([{"role": "user", "content": prompt}])
-        return self._check_ids(self.tokenizer.encode(prompt))
+        return self._encode_text(prompt, add_special_tokens=True)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the assistant's turn."""
         if self.tokenizer is None:
             raise ConfigError(f"{self.path} has no tokenizer.json: chat needs one")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self._check_ids(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encode_text(text, add_special_tokens=False)
 
     def generate_tokens(
         self,

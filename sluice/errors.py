@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class SluiceError(Exception):
     """Base class: the CLI prints these as one clean line (no traceback) and exits non-zero."""
@@ -50,6 +52,43 @@ class BudgetError(SluiceError):
 
 class RequestError(SluiceError):
     """A malformed generation request (bad sampling parameter, prompt too long, ...)."""
+
+
+class ContextLengthError(RequestError):
+    """A prompt that does not fit in the model's context (the server answers it as `context_length_exceeded`)."""
+
+
+# What to do about the OSErrors a user can fix, appended to their reason.
+OS_ERROR_ADVICE = {
+    errno.ENOSPC: "the disk is full: free space on it, or write somewhere else",
+    errno.EDQUOT: "the disk quota is used up: free space, or write somewhere else",
+    errno.EACCES: "check the permissions of the file and its folder",
+    errno.EPERM: "check the permissions of the file and its folder",
+    errno.EROFS: "the file system is read-only: write somewhere else",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n)",
+    errno.ENOENT: "check the path",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """`<reason> (<what to do>)` for an OSError (its path is not included)."""
+    if e.errno is None and " requested and " in str(e):  # numpy's tofile: the OS took only part of a write
+        return f"only part of a write went through ({e}), as when the disk is full: free space on it, or write " \
+               "somewhere else"
+    reason = e.strerror or str(e)
+    advice = OS_ERROR_ADVICE.get(e.errno)
+    return f"{reason} ({advice})" if advice else reason
+
+
+class OutputError(SluiceError):
+    """Writing an output failed (disk full, no permission, read-only file system): names the path and what to do.
+
+    `note` says what became of the partial output (the writers remove it)."""
+
+    def __init__(self, path: object, error: OSError, note: str = ""):
+        self.path = str(path)
+        self.errno = error.errno
+        super().__init__(f"cannot write {path}: {describe_os_error(error)}{'; ' + note if note else ''}")
 
 
 class MemoryWarning(UserWarning):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 
@@ -15,6 +16,14 @@ EMBEDDING_MODES = ("resident", "mmap", "direct")
 PREFETCH_MODES = ("none", "router", "learned")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
+
+# Direct-read threads: each is a read in flight. The disk saturates at ~8 (io/direct.py's table: 8 and 16 are within
+# noise of each other), and each thread holds a staging buffer of up to 8 MiB: 64 leaves room for deeper NVMe
+# queues while 10^5 threads (a traceback) or 10^9 (an OOM kill) cannot be asked for.
+MAX_IO_WORKERS = 64
+# Compute threads: more than the machine's logical CPUs only makes them wait on each other (and 100,000 of them
+# crashed torch under a task limit).
+MAX_THREADS = os.cpu_count() or 1
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -36,6 +45,10 @@ def parse_size(value: int | str, field: str = "memory") -> int:
     return n
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def format_bytes(n: float) -> str:
     """1536 -> '1.5 KiB' (binary units, as budgets are given)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -55,7 +68,7 @@ class LoadOptions:
                    runtime reserve, as the budget (store/budget.py auto_memory).
     io:            how expert bytes move: "mmap" (demand faults), "willneed" (mmap + MADV_WILLNEED hints),
                    "direct" (pread by a worker pool into owned buffers). Also used for the resident load.
-    io_workers:    threads of the direct reader; 0 = the measured default of the reader.
+    io_workers:    threads of the direct reader; 0 = the measured default of the reader; at most MAX_IO_WORKERS (64).
     odirect:       open files with O_DIRECT (direct mode), so streamed bytes do not also fill the page cache. None
                    (default) = auto: O_DIRECT when streaming and the experts cannot fit in the memory left beside the
                    budget either (then page cache only adds a copy and constant reclaim: buffered reads measured
@@ -66,7 +79,8 @@ class LoadOptions:
                    2048x1536), or "float32" / "bfloat16" / "float16".
     max_context:   KV cache positions allocated once at load (capped by the model's max_position_embeddings).
     prefill_chunk: prompt tokens per forward pass during prefill.
-    threads:       torch intra-op threads; 0 = torch's default (all cores).
+    threads:       torch intra-op threads; 0 = the CPUs this process may use (its affinity mask, capped by a cgroup CPU
+                   quota: sysmem.usable_cpus); at most MAX_THREADS (os.cpu_count()).
     embeddings:    token embedding table: "resident", or rows read per batch ("mmap" | "direct") so the table
                    stays on disk (forced resident when the LM head is tied to it).
     prefetch:      "none", "router" or "learned": during decode, the hidden state after layer L's attention
@@ -108,14 +122,17 @@ class LoadOptions:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         for name in ("max_context", "prefill_chunk"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if self.prefetch not in PREFETCH_MODES:
             raise ConfigError(f"prefetch: {self.prefetch!r} is not one of {', '.join(PREFETCH_MODES)}")
-        if not isinstance(self.prefetch_margin, int) or self.prefetch_margin < 0:
+        if not _is_int(self.prefetch_margin) or self.prefetch_margin < 0:
             raise ConfigError(f"prefetch_margin: must be an integer >= 0, got {self.prefetch_margin!r}")
-        if self.io_workers < 0 or self.threads < 0:
-            raise ConfigError("io_workers and threads must be >= 0 (0 = default)")
+        for name, most, why in (("io_workers", MAX_IO_WORKERS, "the disk saturates at ~8 reads in flight"),
+                                ("threads", MAX_THREADS, "this machine's logical CPUs")):
+            value = getattr(self, name)
+            if not _is_int(value) or not 0 <= value <= most:
+                raise ConfigError(f"{name}: must be an integer from 0 (the default) to {most} ({why}), got {value!r}")
 
     @classmethod
     def make(cls, **kwargs) -> "LoadOptions":

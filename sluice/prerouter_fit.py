@@ -36,8 +36,10 @@ from tqdm import tqdm
 
 from .engine import Model, load
 from .errors import ConfigError
+from .options import format_bytes
 from .models.blocks import Spec, Weights, rms_norm
 from .prerouter import HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads, unit_rms
+from .sysmem import available_memory
 from .weights import resident_refs
 
 
@@ -133,6 +135,19 @@ class Recorder:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
             self.ids[layer][self.at] = torch.topk(probs, self.spec.top_k, dim=-1).indices[0]
         return None
+
+
+def _check_recording_fits(model: Model, tokens: int) -> None:
+    """A ConfigError, before anything is allocated, when the recording of `tokens` cannot fit in the memory left
+    (--tokens 10^9 asked for terabytes)."""
+    s = model.spec
+    targets = next_moe_layers(s)
+    itemsize = torch.tensor([], dtype=model.dtype).element_size()
+    per_token = len(targets) * s.hidden_size * itemsize + len(set(targets.values())) * s.top_k * 8 + 40  # + the id
+    room = available_memory()
+    if tokens * per_token > room.bytes:
+        raise ConfigError(f"--tokens {tokens}: recording them needs {format_bytes(tokens * per_token)}, more than the "
+                          f"{format_bytes(room.bytes)} of memory available ({room.source}): record fewer tokens")
 
 
 def record(model: Model, ids: list[int], seq_len: int, progress: bool = True) -> Recorder:
@@ -322,6 +337,7 @@ def fit(
         s = model.spec
         if not next_moe_layers(s):
             raise ConfigError(f"{path}: no MoE layer follows another layer; there is nothing to predict")
+        _check_recording_fits(model, opts.tokens)
         ids = corpus_ids(model, prompts, opts.tokens, opts.seed)
         t0 = time.perf_counter()
         rec = record(model, ids, opts.seq_len, progress)

@@ -15,6 +15,8 @@ import torch
 from sluice.errors import RequestError
 
 Sampler = Callable[[torch.Tensor], int]
+# The seeds torch.Generator.manual_seed takes (a negative one wraps modulo 2**64); outside, it raises.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 LogitsProcessor = Callable[[Sequence[int] | torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -41,8 +43,12 @@ def validate_sampling(
         raise RequestError(f"min_p must be in [0, 1); got {min_p!r}")
     if not (_is_number(repetition_penalty) and 0 < repetition_penalty < math.inf):
         raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off); got {repetition_penalty!r}")
-    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)):
-        raise RequestError(f"seed must be an integer or null; got {seed!r}")
+    if seed is not None:
+        if not (isinstance(seed, int) and not isinstance(seed, bool)):
+            raise RequestError(f"seed must be an integer or null; got {seed!r}")
+        if not SEED_MIN <= seed <= SEED_MAX:
+            shown = seed if abs(seed) < 10**30 else f"an integer of {seed.bit_length()} bits"
+            raise RequestError(f"seed must be in [-2**63, 2**64 - 1] (64 bits); got {shown}")
 
 
 def make_sampler(

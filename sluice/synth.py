@@ -240,6 +240,8 @@ def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
          multiple of 64, 32, 16 or 8 that moves the total by at most 2%.
     Overrides: any SynthConfig field (e.g. num_layers=48, dtype="float32", layout="fused"); an unknown name is a
     ConfigError. With both num_layers and moe_intermediate_size given, the target cannot be honoured and is not.
+    Overrides that leave a checkpoint over twice the target are a ConfigError: without that check, --layers 10^9
+    wrote until the disk was full and --hidden 10^9 failed allocating 2 TB.
     """
     if arch not in ARCHS:
         raise ConfigError(f"arch: {arch!r} is not one of {', '.join(SUPPORTED)}")
@@ -269,7 +271,17 @@ def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
         sc = dataclasses.replace(sc, moe_intermediate_size=_solve(sc, target_bytes, "moe_intermediate_size"))
     elif "num_layers" not in overrides:
         sc = dataclasses.replace(sc, num_layers=_solve(sc, target_bytes, "num_layers"))
+    total = size_of(sc).total_bytes
+    if total > 2 * target_bytes:
+        given = ", ".join(k for k in overrides if k in _SHAPE_FIELDS) or "none"
+        raise ConfigError(f"the checkpoint would be {format_bytes(total)}, over twice the target size "
+                          f"{format_bytes(target_bytes)} (shape overrides: {given}): give smaller overrides, or a "
+                          "larger size")
     return sc
+
+
+_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts", "top_k",
+                 "moe_intermediate_size", "vocab_size")
 
 
 def _solve(sc: SynthConfig, target: int, field: str) -> int:

@@ -8,6 +8,7 @@ Encoding and decoding are `tokenizers` (the Rust library transformers' fast toke
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -29,6 +30,22 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 ROLES = ("system", "user", "assistant", "tool")
 # Names a message's reasoning travels under; templates read `reasoning_content` (most) or `thinking` (gpt-oss).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """Raise RequestError if `text` holds a lone surrogate (U+D800-U+DFFF), which no UTF-8 tokenizer can encode.
+
+    They come from bytes that are not UTF-8 (Python decodes argv and, with surrogateescape, files and stdin to
+    U+DC80-U+DCFF) or from a JSON string with half of a `\\u` surrogate pair. Found without copying the text.
+    """
+    m = _SURROGATE.search(text)
+    if m is None:
+        return
+    cp = ord(m.group())
+    byte = f"the byte 0x{cp - 0xDC00:02X} of input that is not UTF-8, or " if 0xDC80 <= cp <= 0xDCFF else ""
+    raise RequestError(f"{what} is not valid text: character {m.start()} is U+{cp:04X}, a lone surrogate "
+                       f"({byte}half of a UTF-16 surrogate pair); send UTF-8 text")
 
 
 class Tokenizer:
@@ -84,6 +101,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; special tokens written in the text (e.g. `<|im_start|>`) become their ids."""
+        check_text(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

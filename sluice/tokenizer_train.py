@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from sluice.errors import ConfigError
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 # Qwen-style ChatML: one `<|im_start|>role\ncontent<|im_end|>\n` block per message.
@@ -80,6 +82,11 @@ def _stdlib_texts(use_source: bool) -> Iterator[str]:
                 yield doc
 
 
+# The trainer allocates ~70 bytes per requested token up front and aborts the process (a Rust allocation failure, no
+# exception) when it cannot: 10^9 asked for 70 GB. Released vocabularies reach 262,144 (Gemma 3).
+MAX_VOCAB = 2**20
+
+
 def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024, texts: Iterable[str] | None = None) -> Path:
     """Train a byte-level BPE tokenizer and write `tokenizer.json` + `tokenizer_config.json` into `out_dir`.
 
@@ -87,6 +94,9 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024, texts: Iterable
     Special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` get ids 0, 1, 2; eos is `<|im_end|>` and the chat
     template is ChatML. The same inputs give byte-identical files. Returns `out_dir` as a Path.
     """
+    if not 1 <= vocab_size <= MAX_VOCAB:
+        raise ConfigError(f"vocab_size: the tokenizer is trained with at most {MAX_VOCAB:,} tokens (4x the largest "
+                          f"vocabularies in use), got {vocab_size:,}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     corpus = list(texts) if texts is not None else default_corpus()

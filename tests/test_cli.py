@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from sluice import cli
 from sluice.tokenizer_train import train_tokenizer
 
 from .models.tiny import hf_model, write_checkpoint
@@ -21,8 +23,9 @@ def model_dir(tmp_path_factory):
     return folder
 
 
-def sluice_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=300)
+def sluice_cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=300,
+                          errors="replace", **kw)
 
 
 def test_run_json_prints_one_object(model_dir):
@@ -61,13 +64,24 @@ def test_inspect_reports_split_and_usage(model_dir):
         (["run", "{model}", "--prompt", "x", "--memory", "lots"], "memory"),
         (["run", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature"),
         (["run", "{model}", "--prompt", "x", "--max-tokens", "0"], "max-tokens"),
+        # a seed torch cannot take (was a ValueError traceback)
+        (["run", "{model}", "--prompt", "x", "--temperature", "1", "--seed", str(2**64)], "seed must be in"),
+        (["run", "{model}", "--prompt", "x", "--seed", str(-(2**63) - 1)], "64 bits"),
+        # bytes that are not UTF-8 (argv decodes them to lone surrogates; was a TypeError traceback)
+        (["run", "{model}", "--prompt", "a\udcffb"], "U+DCFF"),
+        (["chat", "{model}", "--system", "\udc80"], "--system is not valid text"),
+        # runaway flags (10^5 I/O workers was a traceback, 10^9 an OOM kill; 10^5 threads a SIGSEGV)
+        (["run", "{model}", "--prompt", "x", "--io-workers", "100000"], "io_workers: must be an integer from 0"),
+        (["run", "{model}", "--prompt", "x", "--threads", "100000"], "logical CPUs"),
+        (["prerouter", "fit", "{model}", "--tokens", str(10**12), "--no-progress"], "record fewer tokens"),
     ],
 )
 def test_bad_input_is_a_clean_error(model_dir, args, needle):
     r = sluice_cli(*[a.replace("{model}", str(model_dir)) for a in args])
-    assert r.returncode == 2
+    assert r.returncode == 2, r.stderr
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
 
 
 def test_unknown_model_type_lists_supported(model_dir, tmp_path):
@@ -77,3 +91,84 @@ def test_unknown_model_type_lists_supported(model_dir, tmp_path):
     (tmp_path / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes())
     r = sluice_cli("run", str(tmp_path), "--prompt", "x")
     assert r.returncode == 2 and "qwen3_moe" in r.stderr and "mixtral" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_refuses_a_non_utf8_line_and_goes_on(model_dir):
+    r = subprocess.run([sys.executable, "-m", "sluice", "chat", str(model_dir), "--max-tokens", "2"],
+                       input=b"caf\xe9\nhello\n/quit\n", capture_output=True, timeout=300)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "the message is not valid text: character 3 is U+DCE9" in err and "byte 0xE9" in err
+    assert "tok/s" in err  # the next line was answered
+
+
+@pytest.fixture
+def broken_inspect(monkeypatch):
+    """`sluice inspect` made to raise whatever the test sets as `broken_inspect.error`."""
+
+    class Broken:
+        error: BaseException = ValueError("boom")
+
+    def main(args):
+        raise Broken.error
+
+    monkeypatch.setattr("sluice.commands.inspect.main", main)
+    return Broken
+
+
+def test_unexpected_exception_is_one_internal_error_line(broken_inspect, capsys, monkeypatch):
+    monkeypatch.delenv("SLUICE_DEBUG", raising=False)
+    assert cli.main(["inspect", "anything"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["sluice inspect: error: internal error: ValueError: boom (a bug in sluice: please "
+                                "report it with the command line; SLUICE_DEBUG=1 prints the traceback)"]
+    monkeypatch.setenv("SLUICE_DEBUG", "1")
+    broken_inspect.error = RecursionError("maximum recursion depth exceeded")
+    assert cli.main(["inspect", "anything"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.splitlines()[-1].startswith(
+        "sluice inspect: error: internal error: RecursionError: maximum recursion depth exceeded")
+
+
+@pytest.mark.parametrize("error,line", [
+    (PermissionError(errno.EACCES, "Permission denied", "/models/x"),
+     "sluice inspect: error: /models/x: Permission denied (check the permissions of the file and its folder)"),
+    (OSError(errno.ENOSPC, "No space left on device"),
+     "sluice inspect: error: No space left on device (the disk is full: free space on it, or write somewhere else)"),
+])
+def test_os_error_is_one_line_naming_the_path(broken_inspect, capsys, error, line):
+    broken_inspect.error = error
+    assert cli.main(["inspect", "anything"]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_out_of_memory_and_rust_panics_are_one_line(broken_inspect, capsys):
+    broken_inspect.error = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                                        "memory: you tried to allocate 2048000000000 bytes.")
+    assert cli.main(["inspect", "anything"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "sluice inspect: error: out of memory: free memory, or ask for less (--memory, --max-context, a smaller "
+        "model)"]
+
+    class PanicException(BaseException):  # what pyo3 raises for a panic in tokenizers or safetensors
+        pass
+
+    broken_inspect.error = PanicException("called `Option::unwrap()` on a `None` value\nnote: run with backtrace")
+    assert cli.main(["inspect", "anything"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("sluice inspect: error: internal error: PanicException: called `Option::unwrap()` on a "
+                           "`None` value note: run with backtrace (a bug in sluice")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--size", "4MiB", "--layers", "1000000000"], "over twice the target size 4.0 MiB (shape overrides: "
+                                                   "num_layers)"),  # wrote until the disk was full
+    (["--size", "4MiB", "--hidden", "1000000000"], "over twice the target size"),  # a 2 TB allocation
+    (["--size", "100TiB", "--vocab", "2000000000"], "at most 1,048,576 tokens"),  # a Rust abort asking for 140 GB
+])
+def test_make_model_runaway_shapes_are_refused(tmp_path, capsys, flags, needle):
+    out = tmp_path / "m"
+    assert cli.main(["make-model", str(out), "--arch", "qwen3_moe", "--no-progress", *flags]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("sluice make-model: error: ") and needle in line, line
+    assert list(tmp_path.iterdir()) == []

@@ -123,6 +123,9 @@ def generate(model: str, options: dict[str, Any], n_tokens: int, prompt: str | N
         if prompt is not None:
             ids = m.encode_prompt(prompt)
         else:
+            if prompt_tokens >= m.cache.max_context:  # checked before a list of that many ids is made
+                raise BenchError(f"--prompt-tokens {prompt_tokens} leaves no room to generate in the context of "
+                                 f"{m.cache.max_context} tokens: use fewer, or raise --max-context")
             g = torch.Generator().manual_seed(seed)
             ids = torch.randint(0, m.spec.vocab_size, (prompt_tokens,), generator=g).tolist()
         tokens = list(m.generate_tokens(ids, max_tokens=n_tokens, temperature=temperature, seed=seed,

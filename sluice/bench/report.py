@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -169,10 +170,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
-    """results.md, results.json and latency.png in `out` (created)."""
+    """results.md, results.json and latency.png in `out` (created). On any error (a full disk) none of the three is
+    left behind, half-written or not, nor `out` if this call created it."""
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "results.md", "json": out / "results.json", "png": out / "latency.png"}
-    paths["md"].write_text(markdown(results))
-    write_json(results, paths["json"])
-    plot(results, paths["png"])
+    try:
+        paths["md"].write_text(markdown(results))
+        write_json(results, paths["json"])
+        plot(results, paths["png"])
+    except BaseException:
+        for path in paths.values():
+            path.unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     return paths

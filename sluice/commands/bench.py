@@ -27,7 +27,9 @@ from ..bench.launch import arm_argv, check_ceiling, child_argv, model_files, pre
 from ..bench.peers import check_peer, peer_files
 from ..bench.protocol import Run, identity, pair, rotation, summarize
 from ..bench.report import markdown, write_all
+from ..errors import OutputError
 from ..options import format_bytes, parse_size
+from ..sampling import SEED_MIN, SEED_MAX
 
 DEFAULT_PROMPT_TOKENS = 32  # a prompt of seeded random ids works for every model, tokenizer or not
 
@@ -85,6 +87,8 @@ def _check(args: argparse.Namespace) -> None:
             raise BenchError(f"--{name} must be >= {low}, got {getattr(args, name)}")
     if args.prompt_tokens is not None and args.prompt_tokens < 1:
         raise BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    if not SEED_MIN <= args.seed <= SEED_MAX:
+        raise BenchError(f"--seed must be in [-2**63, 2**64 - 1] (64 bits), got {args.seed}")
 
 
 def _residency_line(res: dict[str, Any] | None, what: str) -> str | None:
@@ -212,7 +216,11 @@ def main(args: argparse.Namespace) -> int:
         bench.progress.close()
     results = bench.results(sequence, disk)
     print(markdown(results), end="")
-    paths = write_all(results, out)
+    try:
+        paths = write_all(results, out)
+    except OSError as e:
+        raise OutputError(out, e, "the files were not written (none is left half-written); the table above on "
+                                  "stdout is the result") from e
     _log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
     return _exit_status(results, args.require_identical)
 

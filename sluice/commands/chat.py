@@ -11,6 +11,8 @@ import json
 import sys
 
 from ..errors import RequestError
+from ..sampling import validate_sampling
+from ..tokenizer import check_text
 from .common import add_model_arguments, add_sampling_arguments, load_from_args, sampling_kwargs, stats_line
 
 
@@ -21,6 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    validate_sampling(**sampling_kwargs(args))
+    if args.system is not None:
+        check_text(args.system, "--system")
+    # Bytes that are not UTF-8 arrive as lone surrogates, refused per message below, instead of a UnicodeDecodeError
+    # that would end the chat.
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     with load_from_args(args) as m:
         system = [{"role": "system", "content": args.system}] if args.system else []
         messages = list(system)
@@ -42,6 +51,11 @@ def main(args: argparse.Namespace) -> int:
                 continue
             if cmd == "/stats":
                 print(json.dumps(m.stats(), indent=2))
+                continue
+            try:
+                check_text(line, "the message")
+            except RequestError as e:
+                print(f"error: {e}", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": line})
             try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from ..engine import Model, load
-from ..options import IO_MODES, format_bytes
+from ..io import DEFAULT_WORKERS
+from ..options import IO_MODES, MAX_IO_WORKERS, MAX_THREADS, format_bytes
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +18,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "'auto' (default) = resident if the model fits in the memory available (MemAvailable, "
                         "cgroup limits), else stream experts with that memory as the budget")
     g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
-    g.add_argument("--io-workers", type=int, default=0, metavar="N", help="direct-read threads (default: measured)")
+    g.add_argument("--io-workers", type=int, default=0, metavar="N",
+                   help=f"direct-read threads (default: measured, {DEFAULT_WORKERS}; at most {MAX_IO_WORKERS})")
     g.add_argument("--odirect", action=argparse.BooleanOptionalAction, default=None,
                    help="read with O_DIRECT, bypassing the page cache (default: on when streaming a model that the "
                         "memory left beside the budget could not cache anyway)")
@@ -33,7 +35,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--max-context", type=int, default=4096, metavar="N", help="KV cache positions (default 4096)")
     g.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per pass (256)")
-    g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all cores)")
+    g.add_argument("--threads", type=int, default=0, metavar="N",
+                   help=f"torch threads (default: all cores; at most {MAX_THREADS}, this machine's logical CPUs)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import SluiceError
+from ..errors import OutputError, SluiceError
 from ..options import format_bytes
 
 
@@ -35,7 +35,10 @@ def main(args: argparse.Namespace) -> int:
     total = planned_bytes(args.model, args.dtype)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export-gguf",
               disable=True if args.no_progress else None) as bar:
-        summary = export_gguf(args.model, args.out, args.dtype, progress=bar.update)
+        try:
+            summary = export_gguf(args.model, args.out, args.dtype, progress=bar.update)
+        except OSError as e:  # export_gguf removes OUT.partial on any error
+            raise OutputError(args.out, e, f"the partial file {args.out}.partial was removed") from e
     if args.json:
         print(json.dumps(summary))
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OutputError
 from ..models import SUPPORTED
 from ..options import format_bytes, parse_size
 
@@ -81,7 +81,10 @@ def main(args: argparse.Namespace) -> int:
     target = parse_size(args.size, "--size")
     sc = config_for_size(args.arch, target, **overrides)
 
-    out = make_model(args.out, sc, progress=not args.no_progress, force=args.force)
+    try:
+        out = make_model(args.out, sc, progress=not args.no_progress, force=args.force)
+    except OSError as e:
+        raise _output_error(args.out, e) from e
 
     # Summarise what was written (the vocab may have grown to the tokenizer's; re-read sizes from the files).
     from ..checkpoint import CheckpointIndex
@@ -118,10 +121,18 @@ def _main_inflate(args: argparse.Namespace) -> int:
     else:
         scale = args.expert_scale
     p = plan(index, scale)  # validates the scale before anything is written
-    out = inflate(args.source, args.out, scale, max_shard_bytes=parse_size(args.shard_size, "--shard-size"),
-                  progress=not args.no_progress, force=args.force)
+    try:
+        out = inflate(args.source, args.out, scale, max_shard_bytes=parse_size(args.shard_size, "--shard-size"),
+                      progress=not args.no_progress, force=args.force)
+    except OSError as e:
+        raise _output_error(args.out, e) from e
     print(f"wrote {out}")
     print(f"  from {index.folder}")
     print(f"  {describe(p)}")
     print(f"  files: {', '.join(sorted(f.name for f in out.iterdir()))}")
     return 0
+
+
+def _output_error(out: str, e: OSError) -> OutputError:
+    # synth.writing_model deletes OUT.partial on any error
+    return OutputError(out, e, f"the partial output {out.rstrip('/')}.partial was removed")

@@ -7,6 +7,8 @@ import json
 import sys
 
 from ..errors import RequestError
+from ..sampling import validate_sampling
+from ..tokenizer import check_text
 from .common import add_model_arguments, add_sampling_arguments, load_from_args, sampling_kwargs, stats_line
 
 
@@ -22,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise RequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    check_text(args.prompt, "--prompt")  # before the model loads
+    validate_sampling(**sampling_kwargs(args))
     with load_from_args(args, progress=not args.json) as m:
         pieces = []
         for piece in m.generate(args.prompt, max_tokens=args.max_tokens, stop=args.stop, chat=args.chat,

@@ -1,30 +1,44 @@
 """`sluice serve MODEL`: the OpenAI-compatible HTTP server (chat completions, completions, models, health).
 
-Binds 127.0.0.1 unless told otherwise; with `--api-key` every request needs `Authorization: Bearer KEY`.
+Binds 127.0.0.1 unless told otherwise; with `--api-key` every request needs `Authorization: Bearer KEY`. The
+address is bound before the model loads, so a port in use is one error line at once, not a failure after minutes
+of loading; uvicorn is handed that socket, so no other process can take the port in between.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
+import socket
 import sys
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..options import format_bytes, parse_size
 from .common import add_model_arguments, load_from_args
+
+# Waiting requests beyond the running one. Each holds its prompt (up to the context) while it waits, and requests
+# run one at a time for seconds to minutes each: a longer queue only makes clients wait past their timeouts
+# (the openai client's default is 10 minutes) while holding memory.
+MAX_QUEUE = 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
+    g.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every request")
     g.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: the folder's name)")
     g.add_argument("--max-queue", type=int, default=16, metavar="N",
-                   help="requests that may wait behind the running generation; more get 503 (default 16)")
+                   help=f"requests that may wait behind the running generation; more get 503 (default 16, at most "
+                        f"{MAX_QUEUE})")
+    g.add_argument("--max-body", default="4MiB", metavar="SIZE",
+                   help="largest request body; larger ones get 413 before they are read (default 4MiB: a 256K-token "
+                        "context of text, even JSON-escaped)")
 
 
 def is_loopback(host: str) -> bool:
@@ -37,24 +51,58 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening), as uvicorn would bind it; a ConfigError naming the
+    address and what to do when that fails."""
+    name = host.strip("[]")
+    where = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
+    sock = socket.socket(socket.AF_INET6 if ":" in name else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # uvicorn's choice: restart over TIME_WAIT
+    try:
+        sock.bind((name, port))
+    except socket.gaierror as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {where}: host {name!r} does not resolve ({e.strerror}); give an "
+                          "address such as 127.0.0.1 or 0.0.0.0") from e
+    except OSError as e:
+        sock.close()
+        advice = {
+            errno.EADDRINUSE: "another process listens there: stop it, or choose another --port",
+            errno.EACCES: "ports below 1024 need root (or CAP_NET_BIND_SERVICE): choose a --port of 1024 or more",
+            errno.EADDRNOTAVAIL: "this machine has no such address: use 127.0.0.1, 0.0.0.0 or one of its own "
+                                 "addresses as --host",
+        }.get(e.errno, "check --host and --port")
+        raise ConfigError(f"cannot listen on {where}: {e.strerror}: {advice}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(args: argparse.Namespace) -> int:
     import uvicorn  # imported here so the other commands start without the server stack
 
-    from ..server import create_app
+    from ..server.app import check_model_name, create_app
 
-    if args.max_queue < 0:
-        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 <= args.max_queue <= MAX_QUEUE:
+        raise ConfigError(f"--max-queue must be in 0..{MAX_QUEUE}, got {args.max_queue}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    max_body = parse_size(args.max_body, "--max-body")
+    name = args.model_name or Path(args.model).resolve().name
+    check_model_name(name)
+    sock = bind(args.host, args.port)
     if not is_loopback(args.host) and not args.api_key:
         print(f"sluice serve: warning: binding {args.host} without --api-key: anyone who can reach this port can "
               "use the model", file=sys.stderr)
-    name = args.model_name or Path(args.model).resolve().name
-    with load_from_args(args) as m:
-        app = create_app(m, name, api_key=args.api_key, max_queue=args.max_queue)
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"sluice serve: model {name!r} at http://{host}:{args.port}/v1 (context {m.cache.max_context} "
-              f"tokens, queue {args.max_queue})", file=sys.stderr, flush=True)
-        # A bounded graceful shutdown: open streams are cancelled by the app's lifespan, not waited for.
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    try:
+        with load_from_args(args) as m:
+            app = create_app(m, name, api_key=args.api_key, max_queue=args.max_queue, max_body=max_body)
+            host, port = sock.getsockname()[:2]
+            url = f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+            print(f"sluice serve: model {name!r} at {url} (context {m.cache.max_context} tokens, queue "
+                  f"{args.max_queue}, body up to {format_bytes(max_body)})", file=sys.stderr, flush=True)
+            # A bounded graceful shutdown: open streams are cancelled by the app's lifespan, not waited for.
+            config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+            uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

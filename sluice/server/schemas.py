@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..sampling import SEED_MAX, SEED_MIN
+
 
 class ApiError(Exception):
     """An error answered as OpenAI's error object `{"error": {"message", "type", "code", "param"}}`."""
@@ -31,7 +33,9 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+        # a lone surrogate the client sent and a message echoes could not be written as UTF-8: escape it
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": self.type, "code": self.code, "param": self.param}}
 
 
 def parse_request(raw: bytes, model: type[BaseModel]) -> Any:
@@ -40,6 +44,11 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError as e:
+        raise ApiError(400, "the request body nests arrays or objects too deeply to parse", code="invalid_json") from e
+    except ValueError as e:  # int() of a number with more than sys.get_int_max_str_digits() digits
+        why = str(e).split(";")[0]  # (without Python's advice to raise the interpreter's limit)
+        raise ApiError(400, f"the request body holds a number too long to read: {why}", code="invalid_json") from e
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:
@@ -108,7 +117,7 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, lt=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # what torch's generator takes: 64 bits
     stop: Any = None
     n: int | None = None
     stream: bool | None = False
@@ -165,7 +174,9 @@ class _Sampling(_Strict):
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # fail_fast: only the first error is reported, and a million bad messages must not build a million errors
+    # (measured: 1.3M empty objects in 3.7 MB took 36 s and 1.8 GB to report)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     tools: list | None = None
