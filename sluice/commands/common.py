@@ -36,7 +36,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=int, default=4096, metavar="N", help="KV cache positions (default 4096)")
     g.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per pass (256)")
     g.add_argument("--threads", type=int, default=0, metavar="N",
-                   help=f"torch threads (default: all cores; at most {MAX_THREADS}, this machine's logical CPUs)")
+                   help=f"torch threads (default: the CPUs this process may use; at most {MAX_THREADS}, this machine's logical CPUs)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all cores)")
+    g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: the CPUs this process may use)")
     f.add_argument("--json", action="store_true", help="print the report as one JSON object")
     f.add_argument("--no-progress", action="store_true", help="no progress bars")
 
