@@ -56,33 +56,33 @@ class FileStamp:
         """The stamp of `path` from an fstat/stat result."""
         return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def check(self, fd: int) -> None:
-        """CheckpointError naming the file when the open file `fd` is not this version of it any more."""
+    def check(self, fd: int, tensor: str | None = None) -> None:
+        """CheckpointError naming the file (and `tensor`) when the open file `fd` is not this version any more."""
         try:
             st = os.fstat(fd)
         except OSError as e:
-            raise CheckpointError(f"cannot stat: {e.strerror or e}", file=self.path) from e
-        self.compare(st)
+            raise CheckpointError(f"cannot stat: {e.strerror or e}", file=self.path, tensor=tensor) from e
+        self.compare(st, tensor)
 
-    def compare(self, st: os.stat_result) -> None:
-        """CheckpointError naming the file when `st` (an fstat of it) shows another file or another version."""
+    def compare(self, st: os.stat_result, tensor: str | None = None) -> None:
+        """CheckpointError naming the file (and `tensor`) when `st`, an fstat of it, shows another file or version."""
         if (st.st_dev, st.st_ino) != (self.dev, self.ino):
             raise CheckpointError(
                 "was replaced by another file after its header was read; reload the model to use the new file",
-                file=self.path,
+                file=self.path, tensor=tensor,
             )
         if st.st_size != self.size:
             how = "truncated" if st.st_size < self.size else "extended"
             raise CheckpointError(
                 f"changed on disk after its header was read: {how} from {self.size} to {st.st_size} bytes "
                 "(overwritten or re-downloaded in place?); reload the model once the file is complete",
-                file=self.path,
+                file=self.path, tensor=tensor,
             )
         if st.st_mtime_ns != self.mtime_ns:
             raise CheckpointError(
                 "changed on disk after its header was read: rewritten in place (same size, new modification "
                 "time), so its bytes may no longer be the ones the header describes; reload the model",
-                file=self.path,
+                file=self.path, tensor=tensor,
             )
 
 

@@ -11,8 +11,8 @@ from sluice.errors import CheckpointError
 def read_tensor(ref: TensorRef) -> torch.Tensor:
     """Read `ref`'s bytes into a fresh tensor of `ref.torch_dtype` and `ref.shape` (scalars and empty tensors too).
 
-    Raises CheckpointError (naming the file and tensor) when the file is missing, short, or the byte count does not
-    match the dtype and shape.
+    Raises CheckpointError (naming the file and tensor) when the file is missing, short, not the version its header
+    was read from (`ref.stamp`), or the byte count does not match the dtype and shape.
     """
     expected = ref.numel * ref.itemsize
     if ref.nbytes != expected:
@@ -26,6 +26,8 @@ def read_tensor(ref: TensorRef) -> torch.Tensor:
         view = memoryview(raw.numpy()).cast("B")
         try:
             with open(ref.path, "rb", buffering=0) as f:
+                if ref.stamp is not None:
+                    ref.stamp.check(f.fileno(), ref.name)
                 f.seek(ref.offset)
                 done = 0
                 while done < ref.nbytes:

@@ -116,6 +116,8 @@ class RowTable:
                 f"RowTable {ref.name!r} in mode {mode!r} needs a reader of mode "
                 f"{' or '.join(map(repr, _READER_MODES[mode]))}, got {getattr(reader, 'mode', type(reader).__name__)!r}"
             )
+        if ref.stamp is not None:  # the table's file is read only as the version its header described
+            reader.expect([ref.stamp])
         self._reader = reader
         self._grow(min(staging_rows, self.rows))
 

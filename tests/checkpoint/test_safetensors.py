@@ -287,7 +287,8 @@ def test_header_must_start_with_brace(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "shape, dtype",
-    [([0, 2**63], "F32"), ([0, 2**64 - 1], "U8"), ([0, 2**62], "F32"), ([2**40, 2**40, 0], "U8"), ([0] + [2**62] * 9999, "U8")],
+    [([0, 2**63], "F32"), ([0, 2**64 - 1], "U8"), ([0, 2**62], "F32"), ([2**40, 2**40, 0], "U8"),
+     ([0] + [2**62] * 9999, "U8")],
 )
 def test_absurd_shapes_are_refused(tmp_path: Path, shape: list[int], dtype: str) -> None:
     """Zero elements, but a dimension (or a product of them) no int64 can hold: torch cannot build it."""
