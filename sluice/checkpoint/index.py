@@ -53,7 +53,11 @@ class CheckpointIndex:
         a missing shard, an index entry absent from its shard, a tensor stored twice, or any bad header.
         """
         folder = Path(folder)
-        if not folder.is_dir():
+        try:
+            is_dir = folder.is_dir()
+        except OSError as e:  # a name too long, a permission denied on a parent: pathlib only swallows "missing"
+            raise CheckpointError(f"cannot open: {e.strerror or e}", file=str(folder)) from None
+        if not is_dir:
             raise CheckpointError("not a directory; pass a Hugging Face model folder", file=str(folder))
         config = read_json(folder / CONFIG)
         gen_path = folder / GENERATION_CONFIG
@@ -121,7 +125,12 @@ def _read_sharded(folder: Path) -> tuple[dict[str, TensorRef], list[Path]]:
     files: list[Path] = []
     for shard in shard_names:
         path = folder / shard
-        if not path.is_file():
+        try:
+            found = path.is_file()
+        except OSError as e:  # ENAMETOOLONG, EACCES, ...: pathlib only swallows "does not exist"
+            raise CheckpointError(f"listed in {INDEX} but cannot be looked up: {e.strerror or e}; re-download the "
+                                  "index", file=str(path)) from None
+        if not found:
             raise CheckpointError(f"listed in {INDEX} but missing from {folder}; download it", file=str(path))
         refs, _ = read_header(path)
         for name, ref in refs.items():
