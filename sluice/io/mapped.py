@@ -16,7 +16,7 @@ exception: the process dies ("Bus error"). The window is one batch's copy, and i
 its demand faults, i.e. most of a cold step. The alternatives that report EFAULT instead of SIGBUS change what the
 baseline measures, so neither is used (60 random 2 MiB copies from a cold 512 MiB file on this VM's ext4 disk):
 MADV_POPULATE_READ before each copy doubled the major faults under default readahead (33-34 -> 68-87) and was
-7-9x slower under MADV_RANDOM (3.5 s -> 22-32 s, same fault counts); a process_vm_readv copy also changed them
+5-9x slower under MADV_RANDOM (3.5-4.6 s -> 22-32 s, same fault counts); a process_vm_readv copy also changed them
 (33-34 -> 79-89 major faults). The direct reader has no such window: a short pread is an error, not a signal.
 Rewriting a file in place during a copy is not caught either (the bytes of that batch may mix versions; the next
 batch's fstat sees the new mtime). Per-batch check cost: see FileGuard (io/base.py) and `_copy`.
