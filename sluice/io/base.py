@@ -52,7 +52,7 @@ class FileGuard:
 
     A stamp comes from `expect` (the header's FileStamp, so a file replaced before its first read is caught) or,
     for a file nobody stamped, from the reader's own first open. `opened` checks a freshly opened descriptor;
-    `check` runs before each batch touches the file: one fstat per file per batch, ~11 us on a loaded 2-core VM
+    `check` runs before each batch touches the file: one fstat per file per batch, 2-11 us on the shared 2-core VM
     (the per-step cost is in io/mapped.py `_copy`). A file that changes DURING a batch is not caught by this: see
     each reader's docstring.
     """

@@ -7,8 +7,8 @@ into a scratch buffer); O_DIRECT reads go through a page-aligned per-worker stag
 Changed files: file descriptors are opened once per path (lazily, by the caller) and kept until close(). A file is
 read only as the version its header described (FileGuard: the stamp handed to `expect`, else the one seen at the
 first open): opening a file replaced since is refused, and before each batch one fstat per file (in the caller,
-~11 us on a loaded 2-core VM) refuses a file truncated, extended or rewritten since. A file deleted or replaced at
-the same path AFTER it was opened keeps reading the opened inode (the old bytes, still the ones the header
+2-11 us on the shared 2-core VM) refuses a file truncated, extended or rewritten since. A file deleted or replaced
+at the same path AFTER it was opened keeps reading the opened inode (the old bytes, still the ones the header
 described). A truncation during a batch gives a short read, which is a CheckpointError naming the file, the range
 and the file's size (never a signal: preadv cannot fault). Rewriting a file in place during a batch is not caught
 until the next batch.

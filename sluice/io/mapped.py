@@ -121,9 +121,10 @@ class MmapReader:
 
         Before the first copy from each file: one fstat against its stamp (FileGuard.check), which turns a file
         truncated, extended or rewritten since it was mapped into a CheckpointError instead of a SIGBUS. Cost,
-        measured on this 2-core VM under a load average of ~10: ~11 us per check (a bare os.fstat 7-9 us). A
-        streamed decode step submits one batch per missed expert (4 on the 2-layer top-2 test model, ~50 ms/step:
-        < 0.1%); ~112 on a 16-layer model missing ~7 experts per layer is ~1.2 ms of a ~300 ms step (~0.4%).
+        measured on this shared 2-core VM: 2-3.5 us per check at a load average of ~5 (a bare os.fstat 1.5-2.3
+        us), ~11 us at ~10. A streamed decode step submits one batch per missed expert (4 on the 2-layer top-2
+        test model, ~50 ms/step: < 0.1%); ~112 on a 16-layer model missing ~7 experts per layer is 0.2-1.2 ms of
+        a ~300 ms step (< 0.4%).
         """
         maj0, min0 = thread_faults()
         try:
