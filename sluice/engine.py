@@ -79,6 +79,9 @@ class Model:
                        self.layout.total_experts, self.cache.nbytes)
         self.odirect = self._odirect(room)
         self.reader = make_reader(options.io, workers=options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
+        # read each weight file only as the version whose header was read: a shard replaced, truncated or rewritten
+        # while the model runs is a CheckpointError naming it (io/base.py FileGuard), not a SIGBUS or wrong bytes
+        self.reader.expect(self.index.stamps())
         weights = load_resident(refs, s, self.dtype, lazy_embed=lazy_embed)
         self.rows = self._make_rows(refs["embed"]) if lazy_embed else None
         self.store = self._make_store(progress)

@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
+from sluice.checkpoint.jsonfile import read_json
 from sluice.errors import CheckpointError, RequestError
 
 # The named special tokens transformers exposes to templates as `bos_token`, `eos_token`, ... (in this order).
@@ -89,12 +90,7 @@ class Tokenizer:
         config: dict[str, Any] = {}
         cfg_file = folder / "tokenizer_config.json"
         if cfg_file.is_file():
-            try:
-                config = json.loads(cfg_file.read_text("utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"not valid JSON: {e}", file=str(cfg_file)) from e
-            if not isinstance(config, dict):
-                raise CheckpointError("expected a JSON object", file=str(cfg_file))
+            config = read_json(cfg_file)  # CheckpointError for bad JSON, deep nesting, huge numbers, surrogates
         return cls(backend, config, _load_chat_template(folder, config), source=str(folder))
 
     # ---- ids <-> text --------------------------------------------------------------------------------------------

@@ -172,3 +172,37 @@ def test_make_model_runaway_shapes_are_refused(tmp_path, capsys, flags, needle):
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("sluice make-model: error: ") and needle in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+def _bad_folder(tmp_path, kind: str):
+    """A model folder broken in one way the checkpoint layer must refuse with a CheckpointError."""
+    import struct
+
+    from sluice.checkpoint import write_safetensors
+
+    folder = tmp_path / kind
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    weights = write_safetensors(folder / "model.safetensors", {"w": torch.ones(3)})
+    if kind == "shifted-header":  # the header length cut by one byte into its padding: every tensor read 1 byte off
+        blob = weights.read_bytes()
+        (n,) = struct.unpack("<Q", blob[:8])
+        weights.write_bytes(struct.pack("<Q", n - 1) + blob[8:])
+    elif kind == "deep-config":
+        (folder / "config.json").write_text('{"a": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    elif kind == "index-outside":
+        weights.rename(tmp_path / "elsewhere.safetensors")
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"w": "../elsewhere.safetensors"}}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "kind, needle",
+    [("shifted-header", "left over"), ("deep-config", "nested"), ("index-outside", "not a file inside")],
+)
+def test_inspect_bad_checkpoint_prints_one_error_line(tmp_path, kind, needle):
+    r = sluice_cli("inspect", str(_bad_folder(tmp_path, kind)))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("sluice inspect: error: ") and needle in lines[0] and "Traceback" not in r.stderr

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..quant.formats import BY_ID, SUPPORTED
-from .ref import TensorRef
+from .ref import FileStamp, TensorRef
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -115,7 +115,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
                     f"file is {size} bytes, shorter than the 24-byte GGUF header; not GGUF, or {_REDOWNLOAD}",
                     file=file,
                 )
-            return _Parser(f, size, path).parse()
+            return _Parser(f, size, path, FileStamp.of(file, st)).parse()
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror or e}", file=file) from e
 
@@ -129,8 +129,8 @@ class _Parser:
 
     CHUNK = 256 << 10
 
-    def __init__(self, f, size: int, path: Path):
-        self.f, self.size, self.path, self.file = f, size, path, str(path)
+    def __init__(self, f, size: int, path: Path, stamp: FileStamp):
+        self.f, self.size, self.path, self.file, self.stamp = f, size, path, str(path), stamp
         self.buf = bytearray()
         self.pos = 0
 
@@ -364,7 +364,8 @@ class _Parser:
             if end > self.size:
                 raise self.fail(f"data ends at byte {end} but the file has {self.size} bytes: truncated, "
                                 f"{end - self.size} bytes missing; {_REDOWNLOAD}", name)
-            out.tensors[name] = TensorRef(name, str(self.path), out.data_start + offset, nbytes, dtype, shape)
+            out.tensors[name] = TensorRef(name, str(self.path), out.data_start + offset, nbytes, dtype, shape,
+                                          stamp=self.stamp)
             expected, prev = -(-(offset + nbytes) // a) * a, name
         last_end = out.tensors[prev].offset + out.tensors[prev].nbytes if prev else header_end
         padded_end = out.data_start + expected if prev else data_start

@@ -7,11 +7,12 @@ import json
 import os
 import re
 from collections.abc import Iterable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
-from sluice.checkpoint.ref import TensorRef
+from sluice.checkpoint.jsonfile import read_json
+from sluice.checkpoint.ref import FileStamp, TensorRef
 from sluice.checkpoint.safetensors import read_header, write_safetensors
 from sluice.errors import CheckpointError
 
@@ -58,12 +59,16 @@ class CheckpointIndex:
             from .gguf_index import GGUFIndex  # GGUFIndex subclasses this class
 
             return GGUFIndex.open(folder)
-        if not folder.is_dir():
+        try:
+            is_dir = folder.is_dir()
+        except OSError as e:  # a name too long, a permission denied on a parent: pathlib only swallows "missing"
+            raise CheckpointError(f"cannot open: {e.strerror or e}", file=str(folder)) from None
+        if not is_dir:
             raise CheckpointError("not a directory; pass a Hugging Face model folder or a .gguf file",
                                   file=str(folder))
-        config = _read_json(folder / CONFIG)
+        config = read_json(folder / CONFIG)
         gen_path = folder / GENERATION_CONFIG
-        generation_config = _read_json(gen_path) if gen_path.exists() else None
+        generation_config = read_json(gen_path) if gen_path.exists() else None
 
         if (folder / SINGLE).is_file():
             files = [folder / SINGLE]
@@ -96,6 +101,11 @@ class CheckpointIndex:
         """All tensor names, in file order (shard by shard, header order within a shard)."""
         return list(self.tensors)
 
+    def stamps(self) -> list[FileStamp]:
+        """The version of each weight file whose header was read (hand them to a reader's `expect`)."""
+        out = {r.stamp.path: r.stamp for r in self.tensors.values() if r.stamp is not None}
+        return list(out.values())
+
     def total_bytes(self) -> int:
         """Sum of all tensors' byte sizes (the weights' on-disk footprint, headers excluded)."""
         return sum(r.nbytes for r in self.tensors.values())
@@ -105,41 +115,29 @@ class CheckpointIndex:
                 f"bytes={self.total_bytes()})")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"not found; a model folder needs {path.name} (copy it from the model's hub page)", file=str(path)
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"cannot read: {e}", file=str(path)) from e
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(
-            f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno}); re-download or fix the file",
-            file=str(path),
-        ) from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"expected a JSON object, got {type(data).__name__}", file=str(path))
-    return data
-
-
 def _read_sharded(folder: Path) -> tuple[dict[str, TensorRef], list[Path]]:
     index_path = folder / INDEX
-    index = _read_json(index_path)
+    index = read_json(index_path, unique_keys=True)  # one tensor mapped twice is ambiguous: refused
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError("lacks a \"weight_map\" object of tensor name -> shard file; re-download it",
                               file=str(index_path))
+    if not weight_map:
+        raise CheckpointError("has an empty \"weight_map\": it lists no tensors; re-download it", file=str(index_path))
 
     shard_names = list(dict.fromkeys(weight_map.values()))  # first-appearance order, deduplicated
+    for shard in shard_names:
+        _check_shard_name(shard, weight_map, index_path)
     tensors: dict[str, TensorRef] = {}
     files: list[Path] = []
     for shard in shard_names:
         path = folder / shard
-        if not path.is_file():
+        try:
+            found = path.is_file()
+        except OSError as e:  # ENAMETOOLONG, EACCES, ...: pathlib only swallows "does not exist"
+            raise CheckpointError(f"listed in {INDEX} but cannot be looked up: {e.strerror or e}; re-download the "
+                                  "index", file=str(path)) from None
+        if not found:
             raise CheckpointError(f"listed in {INDEX} but missing from {folder}; download it", file=str(path))
         refs, _ = read_header(path)
         for name, ref in refs.items():
@@ -159,6 +157,20 @@ def _read_sharded(folder: Path) -> tuple[dict[str, TensorRef], list[Path]]:
                 "re-download the shard and the index", file=str(folder / shard), tensor=name,
             )
     return tensors, files
+
+
+def _check_shard_name(shard: str, weight_map: dict[str, str], index_path: Path) -> None:
+    """A shard must be named by a relative path inside the model folder: no absolute path, no `..`, no empty or
+    NUL-holding name. Judged by the NAME only, not by resolving links: hub caches make every shard a symlink
+    into ../../blobs/, and those must keep working."""
+    parts = PurePosixPath(shard).parts
+    if not parts or "\0" in shard or os.path.isabs(shard) or ".." in parts or shard.endswith("/"):
+        tensor = next(name for name, s in weight_map.items() if s == shard)
+        raise CheckpointError(
+            f"weight_map puts it in shard {shard[:200]!r}, which is not a file inside the model folder (absolute "
+            "paths and '..' are refused); re-download the index",
+            file=str(index_path), tensor=tensor,
+        )
 
 
 def _no_weights(folder: Path) -> CheckpointError:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +38,56 @@ def dtype_code(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
+class FileStamp:
+    """Which version of a file a header described: `path` plus device, inode, size and mtime (ns) from fstat.
+
+    Readers compare a file's fstat with its stamp when they open it and before each batch they read from it, so a
+    file replaced, truncated, extended or rewritten after its header was read ends in a CheckpointError naming it
+    instead of shifted bytes or a SIGBUS. `check` costs one fstat.
+    """
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: str, st: os.stat_result) -> FileStamp:
+        """The stamp of `path` from an fstat/stat result."""
+        return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def check(self, fd: int, tensor: str | None = None) -> None:
+        """CheckpointError naming the file (and `tensor`) when the open file `fd` is not this version any more."""
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            raise CheckpointError(f"cannot stat: {e.strerror or e}", file=self.path, tensor=tensor) from e
+        self.compare(st, tensor)
+
+    def compare(self, st: os.stat_result, tensor: str | None = None) -> None:
+        """CheckpointError naming the file (and `tensor`) when `st`, an fstat of it, shows another file or version."""
+        if (st.st_dev, st.st_ino) != (self.dev, self.ino):
+            raise CheckpointError(
+                "was replaced by another file after its header was read; reload the model to use the new file",
+                file=self.path, tensor=tensor,
+            )
+        if st.st_size != self.size:
+            how = "truncated" if st.st_size < self.size else "extended"
+            raise CheckpointError(
+                f"changed on disk after its header was read: {how} from {self.size} to {st.st_size} bytes "
+                "(overwritten or re-downloaded in place?); reload the model once the file is complete",
+                file=self.path, tensor=tensor,
+            )
+        if st.st_mtime_ns != self.mtime_ns:
+            raise CheckpointError(
+                "changed on disk after its header was read: rewritten in place (same size, new modification "
+                "time), so its bytes may no longer be the ones the header describes; reload the model",
+                file=self.path, tensor=tensor,
+            )
+
+
+@dataclass(frozen=True)
 class TensorRef:
     """One tensor inside a checkpoint file: absolute byte `offset` in `path`, `nbytes`, dtype code, shape.
 
@@ -48,6 +99,9 @@ class TensorRef:
     `rope_heads` > 0 marks a q/k projection whose rows llama.cpp's converter permuted for its interleaved rope
     (llama-arch GGUFs: Mixtral); `row_order()` gives the row index that restores Hugging Face order. Rows are
     whole blocks, so the permutation is exact on quantized bytes too; `io.read_tensor` applies it.
+
+    `stamp`: the version of the file the header was read from (None when the ref was made by hand); readers
+    refuse to read the tensor from any other version (see FileStamp). Not part of equality.
     """
 
     name: str
@@ -57,6 +111,7 @@ class TensorRef:
     dtype: str
     shape: tuple[int, ...]
     rope_heads: int = 0
+    stamp: FileStamp | None = field(default=None, compare=False, repr=False)
 
     @property
     def quantized(self) -> bool:

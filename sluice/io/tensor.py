@@ -12,8 +12,9 @@ def read_tensor(ref: TensorRef) -> torch.Tensor:
     """Read `ref`'s bytes into a fresh tensor of `ref.torch_dtype` and `ref.shape` (scalars and empty tensors too).
 
     Rows a GGUF converter permuted for llama.cpp's rope (`ref.rope_heads`) come back in Hugging Face order. Raises
-    CheckpointError (naming the file and tensor) when the file is missing, short, the byte count does not match the
-    dtype and shape, or the tensor is in a block format (read its raw bytes and dequantize those instead).
+    CheckpointError (naming the file and tensor) when the file is missing, short, not the version its header was
+    read from (`ref.stamp`), the byte count does not match the dtype and shape, or the tensor is in a block format
+    (read its raw bytes and dequantize those instead).
     """
     expected = ref.numel * ref.itemsize
     if ref.nbytes != expected:
@@ -27,6 +28,8 @@ def read_tensor(ref: TensorRef) -> torch.Tensor:
         view = memoryview(raw.numpy()).cast("B")
         try:
             with open(ref.path, "rb", buffering=0) as f:
+                if ref.stamp is not None:
+                    ref.stamp.check(f.fileno(), ref.name)
                 f.seek(ref.offset)
                 done = 0
                 while done < ref.nbytes:

@@ -16,8 +16,9 @@ index_select. Both modes share this code path, so "streamed == resident" is one 
 
 Why "mmap" goes through the reader rather than a numpy memmap over the table's region: the reader's mapping is
 the one the expert store already uses (no second mapping of a multi-GiB file), its stats count the faults of the
-copy, it turns a truncated file into a CheckpointError naming the file instead of a SIGBUS, and "mmap" vs "direct"
-then compares the I/O, not two gather implementations. The cost is Python per distinct row (ReadRange, plan,
+copy, its per-batch check turns a file truncated or rewritten since load into a CheckpointError naming the file
+instead of a SIGBUS or wrong rows (a truncation during the copy itself still faults: io/mapped.py), and "mmap" vs
+"direct" then compares the I/O, not two gather implementations. The cost is Python per distinct row (ReadRange, plan,
 scatter). Measured here (2-core VM, warm page cache, 4096 random ids = ~3850 distinct rows, noisy +-50%):
 1 KiB rows ~6 us/row through the MmapReader vs ~0.2 us/row for `np.take` over a memmap; 8 KiB rows ~24 vs ~3
 us/row; one id ~0.1-0.4 ms. So a 4096-token prefill chunk spends 20-90 ms here on its embedding rows (not yet
@@ -116,6 +117,8 @@ class RowTable:
                 f"RowTable {ref.name!r} in mode {mode!r} needs a reader of mode "
                 f"{' or '.join(map(repr, _READER_MODES[mode]))}, got {getattr(reader, 'mode', type(reader).__name__)!r}"
             )
+        if ref.stamp is not None:  # the table's file is read only as the version its header described
+            reader.expect([ref.stamp])
         self._reader = reader
         self._grow(min(staging_rows, self.rows))
 

@@ -174,7 +174,7 @@ def test_invalid_config_json(tmp_path: Path) -> None:
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": ')
-    with pytest.raises(CheckpointError, match=r"config\.json.*invalid JSON"):
+    with pytest.raises(CheckpointError, match=r"config\.json.*not valid JSON"):
         CheckpointIndex.open(folder)
 
 
@@ -250,3 +250,77 @@ def test_corrupt_shard_names_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="3 bytes missing") as info:
         CheckpointIndex.open(folder)
     assert info.value.file == str(shard)
+
+
+# --- shard names stay inside the folder (issue 12) -------------------------------------------------------------
+
+
+def _remap(folder: Path, shard: str) -> str:
+    """Point the first weight_map entry at `shard`; return that entry's tensor name."""
+    path = folder / "model.safetensors.index.json"
+    data = json.loads(path.read_text())
+    name = next(iter(data["weight_map"]))
+    data["weight_map"][name] = shard
+    path.write_text(json.dumps(data))
+    return name
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "dotdot-inside", "empty", "nul", "dir"])
+def test_shard_paths_outside_the_folder_are_refused(tmp_path: Path, where: str) -> None:
+    folder = sharded_folder(tmp_path)
+    outside = tmp_path / "outside.safetensors"  # a valid shard holding the entry's tensor, outside the folder
+    first = folder / "model-00001-of-00005.safetensors"
+    outside.write_bytes(first.read_bytes())
+    shard = {
+        "absolute": str(outside), "dotdot": "../outside.safetensors", "dotdot-inside": "sub/../../outside.safetensors",
+        "empty": "", "nul": "model-00001-of-00005.safetensors\0x", "dir": "sub/",
+    }[where]
+    name = _remap(folder, shard)
+    with pytest.raises(CheckpointError, match="not a file inside the model folder") as info:
+        CheckpointIndex.open(folder)
+    assert info.value.file == str(folder / "model.safetensors.index.json") and info.value.tensor == name
+
+
+def test_symlinked_shards_of_a_hub_cache_work(tmp_path: Path) -> None:
+    """Hub caches store blobs/<hash> and make each snapshot file a relative symlink into ../../blobs: allowed,
+    because shard names are judged by name, not by where their links resolve."""
+    src = sharded_folder(tmp_path / "src")
+    blobs = tmp_path / "cache" / "blobs"
+    snap = tmp_path / "cache" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, p in enumerate(sorted(src.iterdir())):
+        (blobs / f"blob{i}").write_bytes(p.read_bytes())
+        (snap / p.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    index = CheckpointIndex.open(snap)
+    assert_refs_match(index, make_tensors())
+    assert index.files[0].parent == snap  # the names the index gave, not the resolved blobs
+
+
+def test_subfolder_shards_are_allowed(tmp_path: Path) -> None:
+    folder = with_config(tmp_path / "m")
+    (folder / "w").mkdir()
+    tensors = make_tensors(2)
+    write_safetensors(folder / "w" / "a.safetensors", tensors)
+    weight_map = {name: "w/a.safetensors" for name in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert_refs_match(CheckpointIndex.open(folder), tensors)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"weight_map": {}}', "empty"),
+        ('{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}', "'a' twice"),
+        ('{"weight_map": {"a": 1}}', "weight_map"),
+        ('{"weight_map": ["a"]}', "weight_map"),
+        ('{"weight_map": {"a": "x.safetensors"}, "metadata": ' + "[" * 100 + "]" * 100 + "}", "nested"),
+        ('{"weight_map": {"a": "\\udc00.safetensors"}}', "surrogate"),
+    ],
+)
+def test_bad_index_is_a_checkpoint_error(tmp_path: Path, text: str, words: str) -> None:
+    folder = with_config(tmp_path / "m")
+    (folder / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError, match=words) as info:
+        CheckpointIndex.open(folder)
+    assert info.value.file == str(folder / "model.safetensors.index.json")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from sluice.checkpoint import DTYPES, TensorRef, read_header, write_safetensors
 from sluice.errors import CheckpointError
+from sluice.io import read_tensor
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:
@@ -216,10 +219,124 @@ def test_overlap_names_both(tmp_path: Path) -> None:
 
 
 def test_zero_size_tensors_may_share_offsets(tmp_path: Path) -> None:
-    header = {"a": entry("F32", [2], 0, 8), "e": entry("F32", [0, 3], 4, 4), "s": entry("U8", [], 8, 9)}
-    refs, _ = read_header(write_raw(tmp_path / "z.safetensors", header, bytes(9)))
+    header = {"a": entry("F32", [2], 0, 8), "e": entry("F32", [0, 3], 8, 8), "e2": entry("U8", [0], 8, 8),
+              "s": entry("U8", [], 8, 9)}
+    path = write_raw(tmp_path / "z.safetensors", header, bytes(9))
+    refs, _ = read_header(path)
     assert refs["e"].nbytes == 0 and refs["s"].shape == () and refs["s"].nbytes == 1
+    assert set(load_file(str(path))) == set(header)  # the reference agrees
+
+
+def test_zero_size_tensor_inside_another_is_refused(tmp_path: Path) -> None:
+    # The reference refuses it too ("invalid offset"): sorted by offsets, each tensor must begin where the last ended.
+    header = {"a": entry("F32", [2], 0, 8), "e": entry("F32", [0, 3], 4, 4)}
+    check_error(write_raw(tmp_path / "z.safetensors", header, bytes(8)), "overlap", "'a'", tensor="e")
 
 
 def test_missing_file(tmp_path: Path) -> None:
     check_error(tmp_path / "nope.safetensors", "cannot read")
+
+
+# --- what the format requires (issue 12): the tensors tile the data section, nothing shifted -----------------------
+
+
+def reference_rejects(path: Path) -> bool:
+    try:
+        load_file(str(path))
+    except Exception:  # noqa: BLE001 - the reference raises SafetensorError, or a torch error for absurd shapes
+        return True
+    return False
+
+
+def test_header_length_cut_into_padding_is_refused(tmp_path: Path) -> None:
+    """The issue's case: a length field reduced by 2 still parses (the header ends in space padding), but every
+    tensor would be read 2 bytes early. The reference refuses it; so must we."""
+    for name in ("w", "ww", "www", "wwww"):  # one of 4 consecutive name lengths pads the header by >= 2 spaces
+        good = write_safetensors(tmp_path / "good.safetensors", {name: torch.arange(6, dtype=torch.float32)})
+        blob = good.read_bytes()
+        (n,) = struct.unpack("<Q", blob[:8])
+        if blob[8 + n - 2 : 8 + n] == b"  ":  # the padding the cut lands in
+            break
+    assert read_header(good)[0][name].nbytes == 24
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(struct.pack("<Q", n - 2) + blob[8:])
+    assert reference_rejects(cut)
+    check_error(cut, "2 bytes are left over", "would shift every tensor")
+
+
+@pytest.mark.parametrize(
+    "header, data, words, tensor",
+    [
+        ({"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 4, 6)}, 6, "leaving bytes [2, 4) after tensor 'a'", "b"),
+        ({"a": entry("U8", [2], 2, 4)}, 4, "at the start of the data section", "a"),
+        ({"a": entry("U8", [2], 0, 2)}, 5, "3 bytes are left over", None),
+        ({}, 3, "lists no tensors", None),
+        ({"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 0, 2)}, 2, "overlap tensor 'a'", "b"),
+    ],
+)
+def test_data_section_must_be_covered_exactly(tmp_path: Path, header, data, words, tensor) -> None:
+    path = write_raw(tmp_path / "c.safetensors", header, bytes(data))
+    assert reference_rejects(path)
+    check_error(path, words, tensor=tensor)
+
+
+def test_header_must_start_with_brace(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "s.safetensors", b' {"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', bytes(2))
+    check_error(path, "does not start with '{'")
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [([0, 2**63], "F32"), ([0, 2**64 - 1], "U8"), ([0, 2**62], "F32"), ([2**40, 2**40, 0], "U8"),
+     ([0] + [2**62] * 9999, "U8")],
+)
+def test_absurd_shapes_are_refused(tmp_path: Path, shape: list[int], dtype: str) -> None:
+    """Zero elements, but a dimension (or a product of them) no int64 can hold: torch cannot build it."""
+    path = write_raw(tmp_path / "big.safetensors", {"e": entry(dtype, shape, 0, 0)})
+    check_error(path, "too large for any tensor", tensor="e")
+
+
+def test_largest_representable_empty_shape_reads(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "e.safetensors", {"e": entry("U8", [0, 2**63 - 1], 0, 0)})
+    refs, _ = read_header(path)
+    assert read_tensor(refs["e"]).shape == (0, 2**63 - 1)
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2],"x":' + b"[" * 200 + b"]" * 200 + b"}}", "nested"),
+        (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+        (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2],"x":' + b"9" * 5000 + b"}}", "number too long"),
+        (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2],"x":NaN}}', "NaN"),
+        (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2],"x":1e999}}', "out of the range"),
+        (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[-0,2]}}', "not [begin, end] integers"),
+        (b'{"\\ud800":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', "lone UTF-16 surrogate"),
+        (b'{"a":{"dtype":"U8","dtype":"U8","shape":[2],"data_offsets":[0,2]}}', "'dtype' twice"),
+    ],
+    ids=["deep-extra", "deep-recursion", "huge-int", "nan", "inf", "negative-zero", "surrogate", "dup-field"],
+)
+def test_hostile_json_is_a_checkpoint_error(tmp_path: Path, raw: bytes, words: str) -> None:
+    """Each is refused by the reference too; Python's json would raise RecursionError / ValueError or accept."""
+    path = write_raw(tmp_path / "h.safetensors", raw, bytes(2))
+    assert reference_rejects(path)
+    check_error(path, words)
+
+
+def test_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    result: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            read_header(fifo)
+        except BaseException as e:  # noqa: BLE001 - handed to the assertion below
+            result.append(e)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the stuck open() so the thread ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert result and isinstance(result[0], CheckpointError) and "not a regular file" in str(result[0])

@@ -48,3 +48,17 @@ def test_truncated_and_missing(tmp_path):
         read_tensor(TensorRef("w", str(tmp_path / "nope"), 0, 4, "F32", (1,)))
     with pytest.raises(CheckpointError, match="nbytes"):
         read_tensor(TensorRef("w", str(path), 0, 4, "F32", (2,)))
+
+
+def test_stamped_ref_refuses_a_changed_file(tmp_path):
+    """A ref from read_header carries its file's version: a file rewritten or replaced since is refused, naming
+    the file and the tensor, instead of read as if the header still described it."""
+    from sluice.checkpoint import read_header, write_safetensors
+
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": torch.arange(4, dtype=torch.float32)})
+    ref = read_header(path)[0]["w"]
+    assert torch.equal(read_tensor(ref), torch.arange(4, dtype=torch.float32))
+    write_safetensors(path, {"w": torch.zeros(4)})  # same layout, new bytes, renamed over the old file
+    with pytest.raises(CheckpointError, match="replaced by another file") as e:
+        read_tensor(ref)
+    assert e.value.file == str(path) and e.value.tensor == "w"

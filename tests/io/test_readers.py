@@ -135,6 +135,45 @@ def test_range_past_eof_names_file(reader, data_file, offset, nbytes):
     check(ok, data)
 
 
+@pytest.mark.parametrize("odirect", [False, True])
+def test_direct_short_read_reports_range_and_size(data_file, odirect):
+    """The message names the range being read (offset and length) and the file's size, not the file's end as the
+    offset (issue 12, item 9)."""
+    path, _ = data_file
+    with DirectReader(1, odirect=odirect) as r:
+        with pytest.raises(CheckpointError) as e:
+            r.read([req(path, 0, 10), req(path, SIZE - 100, 5000)])
+    msg = str(e.value)
+    assert f"5000 bytes at offset {SIZE - 100}" in msg and f"file has {SIZE} bytes" in msg, msg
+
+
+def test_changed_file_is_refused_before_the_batch(reader, data_file):
+    """Rewritten in place (same size) after the reader opened it: the fstat before the next batch sees the new
+    mtime. Without it the reader would return the new bytes as if the header still described them."""
+    path, _ = data_file
+    reader.read([req(path, 0, 100)])  # opens / maps the file and records its version
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(CheckpointError, match="rewritten in place") as e:
+        reader.submit([req(path, 0, 100)]).result(timeout=10)
+    assert e.value.file == path
+
+
+def test_expected_stamp_refuses_a_replaced_file(reader, data_file):
+    """A stamp handed to expect() (the header's) refuses a file replaced before the reader first opens it."""
+    from sluice.checkpoint.ref import FileStamp
+
+    path, data = data_file
+    reader.expect([FileStamp.of(path, os.stat(path))])
+    tmp = path + ".new"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)  # same bytes, another inode: still not the file the header was read from
+    with pytest.raises(CheckpointError, match="replaced by another file") as e:
+        reader.submit([req(path, 0, 100)]).result(timeout=10)
+    assert e.value.file == path
+
+
 def test_missing_file_names_file(reader, tmp_path):
     path = str(tmp_path / "nope.bin")
     with pytest.raises(CheckpointError) as e:
