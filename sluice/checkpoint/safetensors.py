@@ -173,7 +173,7 @@ def _parse_entry(
             f"holds {end - begin} bytes but {dtype} {shape} needs {expected}; {_REDOWNLOAD}",
             file=file, tensor=name,
         )
-    ref = TensorRef(name, file, data_start + begin, end - begin, dtype, tuple(shape), stamp)
+    ref = TensorRef(name, file, data_start + begin, end - begin, dtype, tuple(shape), stamp=stamp)
     return begin, end, ref
 
 
