@@ -257,7 +257,7 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys):
                    "--warmup", str(warmup), "--prompt-tokens", "6", "--cold", "--require-identical",
                    "--out", str(out)])
     captured = capsys.readouterr()
-    assert rc == 0, captured.err
+    assert rc in (0, 1), captured.err  # 1: the float32 arm's argmax may differ from bf16's (the gate's job)
     results = json.loads((out / "results.json").read_text())
     ident = results["identity"]
     assert rc == (0 if ident["identical"] else 1), captured.err
