@@ -9,6 +9,7 @@ reported as `internal error` with exit 1 -- its traceback is printed too when SL
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
 import sys
@@ -52,6 +53,10 @@ def os_error_line(e: OSError) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prefix = f"sluice {args.command}: error:"
+    if not faulthandler.is_enabled():
+        # a weight file truncated while the mmap reader copies from it is a SIGBUS no Python code can catch
+        # (io/mapped.py): say where it happened instead of dying with a bare "Bus error"
+        faulthandler.enable()
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line(args.command, warnings.showwarning)
