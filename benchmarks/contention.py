@@ -95,9 +95,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--conditions", default="quiet,busy,sluice")
     a = ap.parse_args()
-    from sluice.inflate import inflate, scale_for_size
+    from sluice.tools.inflate import inflate, scale_for_size
     from sluice.checkpoint import CheckpointIndex
-    from sluice.inflate import demo_model_dir
+    from sluice.tools.inflate import demo_model_dir
     from sluice.options import parse_size
 
     model = Path(a.model) if a.model else ROOT / "benchmarks" / "models" / f"demo-{a.size}"

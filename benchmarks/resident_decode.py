@@ -66,7 +66,7 @@ def main() -> None:
         print(json.dumps(child(a.child[0], a.child[1], a.tokens, a.prompt_len)))
         return
     from sluice.options import parse_size
-    from sluice.synth import config_for_size, make_model
+    from sluice.tools.synth import config_for_size, make_model
 
     folder = Path(a.model) if a.model else ROOT / "benchmarks" / "models" / f"qwen3_moe-{a.size}"
     if not (folder / "config.json").exists():

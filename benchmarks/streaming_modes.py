@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--prompt", default="The history of the river")
     ap.add_argument("--modes", default=",".join(MODES))
     a = ap.parse_args()
-    from sluice.synth import config_for_size, make_model
+    from sluice.tools.synth import config_for_size, make_model
 
     model = ROOT / "benchmarks" / "models" / f"qwen3_moe-{a.size}"
     if not (model / "config.json").exists():

@@ -3,7 +3,7 @@
 The model is transformers' `Qwen3MoeForCausalLM` itself, saved with `save_pretrained` (per-expert hub layout, bf16),
 so sluice and transformers load the shipped folder unchanged. Shape (defaults below): 6 layers, hidden 256, 4 query /
 2 key-value heads of 64, 32 experts top-4 of intermediate 64 (~15M parameters, ~30 MB in bf16), a 6144-token
-byte-level BPE trained with `sluice.tokenizer_train.train_tokenizer` (ChatML template), sequences of 256 tokens.
+byte-level BPE trained with `sluice.tools.tokenizer_train.train_tokenizer` (ChatML template), sequences of 256 tokens.
 Switch-style load-balancing loss (router_aux_loss_coef 0.01) so the router spreads tokens over the experts. AdamW,
 linear warm-up then cosine decay to 10% of the peak learning rate, gradient clipping at 1.0. Seeds are fixed.
 
@@ -38,8 +38,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sluice.synth import SynthConfig, config_json, generation_config_json  # noqa: E402
-from sluice.tokenizer_train import train_tokenizer  # noqa: E402
+from sluice.tools.synth import SynthConfig, config_json, generation_config_json  # noqa: E402
+from sluice.tools.tokenizer_train import train_tokenizer  # noqa: E402
 
 SAMPLE_PROMPTS = (
     "The list",

@@ -20,19 +20,21 @@ from .io import DEFAULT_WORKERS, make_reader
 from .models import model_args
 from .models.args import GenerationArgs, eos_ids
 from .models.schema import parse
-from .models.blocks import KVCache, Transformer
+from .models.blocks import Transformer
+from .models.spec import KVCache
 from .options import LoadOptions, format_bytes
 from .sampling import make_logits_processors, make_sampler
 from .store.layout import ExpertLayout
 from .store.budget import RUNTIME_RESERVE, AutoPlan, auto_memory, check_room
 from .store.resident import ResidentExpertStore
-from .prompt_limit import PIECE, tokens_at_least
-from .prerouter import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
+from .tokenizer.limit import PIECE, tokens_at_least
+from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
-from .procstat import counters, memory_status
-from .sysmem import MemoryRoom, available_memory, usable_cpus
-from .weights import load_resident, resident_refs
+from .host.procstat import counters, memory_status
+from .host.cpus import usable_cpus
+from .host.memory import MemoryRoom, available_memory
+from .store.weights import load_resident, resident_refs
 
 
 def _eos_ids(args, generation: GenerationArgs, tok: Tokenizer | None) -> set[int]:

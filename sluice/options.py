@@ -14,7 +14,7 @@ from .errors import ConfigError
 IO_MODES = ("mmap", "willneed", "direct")
 EMBEDDING_MODES = ("resident", "mmap", "direct")
 PREFETCH_MODES = ("none", "router", "learned")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
 
 # Direct-read threads: each is a read in flight. The disk saturates at ~8 (io/direct.py's table: 8 and 16 are within
@@ -119,8 +119,8 @@ class LoadOptions:
         if self.embeddings not in EMBEDDING_MODES:
             raise ConfigError(f"embeddings: {self.embeddings!r} is not one of {', '.join(EMBEDDING_MODES)}")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ConfigError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(COMPUTE_DTYPES)}")
         for name in ("max_context", "prefill_chunk"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
@@ -146,5 +146,5 @@ class LoadOptions:
     def compute_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """The dtype the math runs in."""
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        return checkpoint_dtype if checkpoint_dtype in DTYPES.values() else torch.float32
+            return COMPUTE_DTYPES[self.dtype]
+        return checkpoint_dtype if checkpoint_dtype in COMPUTE_DTYPES.values() else torch.float32

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sluice import cli
-from sluice.tokenizer_train import train_tokenizer
+from sluice.tools.tokenizer_train import train_tokenizer
 
 from .models.tiny import hf_model, write_checkpoint
 

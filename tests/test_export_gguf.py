@@ -15,9 +15,9 @@ gguf = pytest.importorskip("gguf")
 from sluice import cli  # noqa: E402
 from sluice.checkpoint.index import CheckpointIndex  # noqa: E402
 from sluice.errors import ConfigError  # noqa: E402
-from sluice.gguf_export import ExportError, export_gguf, pre_tokenizer_name, tensor_plan  # noqa: E402
+from sluice.tools.gguf_export import ExportError, export_gguf, pre_tokenizer_name, tensor_plan  # noqa: E402
 from sluice.io import read_tensor  # noqa: E402
-from sluice.synth import SynthConfig, make_model  # noqa: E402
+from sluice.tools.synth import SynthConfig, make_model  # noqa: E402
 from sluice.tokenizer import Tokenizer  # noqa: E402
 
 TINY = SynthConfig(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

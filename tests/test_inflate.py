@@ -22,8 +22,8 @@ import sluice
 from sluice import cli
 from sluice.checkpoint import CheckpointIndex
 from sluice.errors import ConfigError
-from sluice.inflate import demo_model_dir, inflate, plan, scale_for_size
-from sluice.synth import SynthConfig, make_model
+from sluice.tools.inflate import demo_model_dir, inflate, plan, scale_for_size
+from sluice.tools.synth import SynthConfig, make_model
 
 PROMPT = "The list"
 IDS = [5, 17, 300, 41, 9, 1000, 77, 8, 250, 3, 64, 12]

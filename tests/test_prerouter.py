@@ -14,11 +14,11 @@ import torch
 import sluice
 from sluice.checkpoint.safetensors import read_header, write_safetensors
 from sluice.errors import CheckpointError
-from sluice.prerouter import (PREROUTER_FILE, Head, LearnedPrerouter, RouterPrerouter, load_heads,
+from sluice.prerouter.predict import (PREROUTER_FILE, Head, LearnedPrerouter, RouterPrerouter, load_heads,
                               model_fingerprint, next_moe_layers)
-from sluice.prerouter_fit import FitOptions, corpus_ids, fit, record
-from sluice.tokenizer_train import train_tokenizer
-from sluice.weights import resident_refs
+from sluice.prerouter.fit import FitOptions, corpus_ids, fit, record
+from sluice.tools.tokenizer_train import train_tokenizer
+from sluice.store.weights import resident_refs
 
 from .models.tiny import hf_model, write_checkpoint
 

@@ -15,9 +15,9 @@ from tokenizers import Tokenizer as Backend
 import sluice
 from sluice.errors import ConfigError, ContextLengthError, RequestError
 from sluice.options import MAX_IO_WORKERS, LoadOptions
-from sluice.prompt_limit import PIECE, tokens_at_least
+from sluice.tokenizer.limit import PIECE, tokens_at_least
 from sluice.tokenizer import Tokenizer, check_text
-from sluice.tokenizer_train import train_tokenizer
+from sluice.tools.tokenizer_train import train_tokenizer
 
 from .models.tiny import hf_model, write_checkpoint
 

@@ -12,7 +12,7 @@ import torch
 
 from sluice import cli
 from sluice.errors import ConfigError
-from sluice.synth import ARCHS, OutputExistsError, SynthConfig, config_for_size, make_model, size_of, tensors
+from sluice.tools.synth import ARCHS, OutputExistsError, SynthConfig, config_for_size, make_model, size_of, tensors
 
 MiB, GiB = 2**20, 2**30
 ARCH_NAMES = list(ARCHS)
@@ -170,7 +170,7 @@ def test_existing_output_needs_force_and_crashes_leave_nothing(tmp_path, monkeyp
         make_model(other, sc, progress=False, force=True)
     assert (other / "keep.txt").read_text() == "mine"
 
-    import sluice.synth as synth
+    import sluice.tools.synth as synth
 
     def boom(sc):
         yield "model.embed_tokens.weight", torch.zeros(3)

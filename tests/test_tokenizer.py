@@ -12,7 +12,7 @@ import pytest
 
 from sluice.errors import CheckpointError, RequestError
 from sluice.tokenizer import StopMatcher, Tokenizer
-from sluice.tokenizer_train import train_tokenizer
+from sluice.tools.tokenizer_train import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import load
 from ..errors import SluiceError
-from ..procstat import disk_read_bytes
+from ..host.procstat import disk_read_bytes
 from . import BenchError
 
 

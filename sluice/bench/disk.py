@@ -25,7 +25,7 @@ from ..io import DirectReader, ReadRange
 from ..io.residency import evict, resident_fraction
 from ..options import format_bytes
 from . import BenchError
-from ..procstat import disk_read_bytes
+from ..host.procstat import disk_read_bytes
 
 DEFAULT_SIZE = 1 << 30
 WORKERS = (1, 2, 4, 8, 16)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io.residency import ResidencyError, evict, resident_bytes, run_in_memory_cgroup, warm
+from ..io.residency import ResidencyError, evict, resident_bytes, run_in_memory_cgroup, verify_cold, warm
 from ..options import format_bytes
 from . import BenchError
 
@@ -56,15 +56,13 @@ def prepare(files: list[Path], state: str | None, what: str) -> dict[str, Any] |
     for f in files:
         evict(f)
     r = residency(files)
-    hot = {n: x for n, x in r["files"].items() if x > MAX_COLD_FRACTION}
-    if hot:
-        listed = ", ".join(f"{n} {x:.1%}" for n, x in sorted(hot.items(), key=lambda kv: -kv[1]))
-        raise BenchError(
-            f"not cold before {what}: {r['resident_fraction']:.1%} of the model "
-            f"({format_bytes(r['resident_bytes'])} of {format_bytes(r['bytes'])}) is still cached after eviction, "
-            f"above the {MAX_COLD_FRACTION:.0%} limit ({listed}); a process that maps these files keeps them "
-            "resident: stop it and retry"
-        )
+    try:
+        verify_cold(files, MAX_COLD_FRACTION)
+    except ResidencyError as e:  # names each file above the limit, and a memory filesystem eviction cannot empty
+        raise BenchError(f"not cold before {what}: {r['resident_fraction']:.1%} of the model "
+                         f"({format_bytes(r['resident_bytes'])} of {format_bytes(r['bytes'])}) is still cached after "
+                         f"eviction, above the {MAX_COLD_FRACTION:.0%} limit: {e}; a process that maps these files "
+                         "keeps them resident: stop it and retry") from None
     return {"state": "cold", **r}
 
 

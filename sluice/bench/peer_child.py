@@ -1,7 +1,7 @@
 """One peer run in a fresh process, in the peers' environment: `PYTHON peer_child.py replay --peer KIND ...`.
 
 Run as a script by the interpreter of benchmarks/peers/.venv (see sluice/bench/peers.py), so it imports nothing from
-the sluice package (that would load torch into a llama.cpp run): the standard library, sluice/procstat.py loaded
+the sluice package (that would load torch into a llama.cpp run): the standard library, sluice/host/procstat.py loaded
 by path, and the peer's own packages inside its function. It prints one JSON line shaped
 like sluice's child's record (argmax, step times, the timed window's counters, peak RSS), so the bench summarizes,
 pairs and identity-checks peers exactly as it does sluice's arms.
@@ -44,9 +44,9 @@ def parse_size(text: str) -> int:
 
 
 def _load_procstat():
-    """sluice/procstat.py (standard library only) loaded by path: the kernel counters sluice's own child reads,
+    """sluice/host/procstat.py (standard library only) loaded by path: the kernel counters sluice's own child reads,
     without importing the sluice package (which would pull torch into a llama.cpp run's memory)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "procstat.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "host", "procstat.py")
     spec = importlib.util.spec_from_file_location("sluice_procstat", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -50,7 +50,7 @@ def ensure_demo_model(size: int) -> Path:
     retrained model inflates again instead of reusing a stale copy.
     """
     from ..checkpoint import CheckpointIndex
-    from ..inflate import demo_model_dir, inflate, scale_for_size
+    from ..tools.inflate import demo_model_dir, inflate, scale_for_size
 
     src = demo_model_dir()
     index = CheckpointIndex.open(src)

@@ -30,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
         raise SluiceError("export-gguf needs the gguf package: pip install 'sluice[gguf]' (or pip install gguf)")
     from tqdm import tqdm
 
-    from ..gguf_export import export_gguf, planned_bytes
+    from ..tools.gguf_export import export_gguf, planned_bytes
 
     total = planned_bytes(args.model, args.dtype)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export-gguf",

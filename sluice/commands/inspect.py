@@ -10,13 +10,13 @@ import torch
 
 from ..checkpoint.index import CONFIG, CheckpointIndex
 from ..models import model_args
-from ..models.blocks import KVCache
+from ..models.spec import KVCache
 from ..options import LoadOptions, format_bytes
 from ..errors import BudgetError
 from ..store.budget import auto_memory, plan_budget
-from ..sysmem import available_memory
+from ..host.memory import available_memory
 from ..store.layout import ExpertLayout
-from ..weights import resident_refs
+from ..store.weights import resident_refs
 from .common import add_model_arguments, load_from_args
 
 SAMPLE = "The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was with God."

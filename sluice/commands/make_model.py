@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
         return _main_inflate(args)
     if args.expert_scale is not None:
         raise ConfigError("--expert-scale needs --from (demo or a model folder)")
-    from ..synth import config_for_size, describe, make_model, size_of
+    from ..tools.synth import config_for_size, describe, make_model, size_of
 
     if args.arch is None:
         raise ConfigError(f"--arch is required (one of {', '.join(SUPPORTED)})")
@@ -105,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _main_inflate(args: argparse.Namespace) -> int:
     from ..checkpoint import CheckpointIndex
-    from ..inflate import describe, inflate, plan, resolve_source, scale_for_size
+    from ..tools.inflate import describe, inflate, plan, resolve_source, scale_for_size
 
     given = [f"--{flag.replace('_', '-')}" for flag in ("arch", *_OVERRIDES) if getattr(args, flag) is not None]
     if args.tie_word_embeddings:

@@ -12,7 +12,7 @@ import json
 import sys
 
 from ..options import IO_MODES
-from ..prerouter import HEAD_KINDS, PREROUTER_FILE
+from ..prerouter.predict import HEAD_KINDS, PREROUTER_FILE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..prerouter_fit import FitOptions, fit
+    from ..prerouter.fit import FitOptions, fit
 
     opts = FitOptions(tokens=args.tokens, seq_len=args.seq_len, kind=args.kind, epochs=args.epochs, lr=args.lr,
                       hidden=args.hidden, margin=args.margin, seed=args.seed)

@@ -29,10 +29,6 @@ class Reader(Protocol):
         """Start filling the destinations; `.result()` blocks until they are filled (and raises read errors)."""
         ...
 
-    def hint(self, ranges: Sequence[ReadRange]) -> None:
-        """Advisory: these ranges will be read soon. A no-op except for the willneed reader."""
-        ...
-
     def expect(self, stamps: Iterable[FileStamp]) -> None:
         """Read each stamped file only as that version (the one whose header was read): CheckpointError naming
         the file if it was replaced before the reader opens it, or changes after (see FileGuard)."""

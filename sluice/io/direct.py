@@ -332,9 +332,6 @@ class DirectReader:
         """Fill every destination (blocking)."""
         self.submit(requests).result()
 
-    def hint(self, ranges: Sequence[ReadRange]) -> None:
-        """No-op: reads are issued explicitly by submit()."""
-
     def expect(self, stamps: Iterable[FileStamp]) -> None:
         """Read each stamped file only as that version (see FileGuard)."""
         self._pool.guard.expect(stamps)

@@ -161,9 +161,6 @@ class MmapReader:
             return done_future(self._counters, e)
         return done_future(self._counters)
 
-    def hint(self, ranges: Sequence[ReadRange]) -> None:
-        """No-op: the baseline relies on demand faults."""
-
     def stats(self) -> dict[str, Any]:
         """Counters (see Counters.snapshot) plus the number of mapped files."""
         s = self._counters.snapshot()
@@ -204,25 +201,16 @@ def merged_page_windows(ranges: Sequence[tuple[int, int]], file_size: int) -> li
 class WillneedReader(MmapReader):
     """The same mapping with MADV_RANDOM, plus MADV_WILLNEED over each range as soon as it is known.
 
-    hint() starts asynchronous reads of whole pages covering each range (start rounded down, end rounded up, clamped
-    to the file). read() hints its ranges, then copies. submit() hints now and defers the copy to the first
+    Each range is hinted with asynchronous reads of the whole pages covering it (start rounded down, end rounded up,
+    clamped to the file). read() hints its ranges, then copies. submit() hints now and defers the copy to the first
     `.result()` call, made in the caller's thread; `.done()` stays False until then.
     """
 
     mode = "willneed"
     _random_access = True
 
-    def hint(self, ranges: Sequence[ReadRange]) -> None:
-        """One madvise(MADV_WILLNEED) per page window (ranges of one file merged when their pages touch).
-
-        Advisory: a missing file is ignored here and reported by the read that needs it.
-        """
-        try:
-            self._advise(ranges)
-        except CheckpointError:
-            pass
-
     def _advise(self, ranges: Sequence[ReadRange]) -> None:
+        """One madvise(MADV_WILLNEED) per page window (ranges of one file merged when their pages touch)."""
         by_path: dict[str, list[tuple[int, int]]] = {}
         for r in ranges:
             by_path.setdefault(r.path, []).append((r.offset, r.nbytes))

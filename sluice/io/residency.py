@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sluice.errors import SluiceError
+from sluice.host.cgroup import V1_ROOT, V2_ROOT, own_cgroup, read_keyed
 
 
 class ResidencyError(SluiceError):
@@ -129,8 +130,6 @@ def warm(path: str | os.PathLike[str], chunk: int = 8 << 20) -> int:
     return total
 
 
-prefault = warm
-
 
 # --- memory ceilings --------------------------------------------------------------------------------------------
 
@@ -143,23 +142,7 @@ class CgroupResult(NamedTuple):
     peak_bytes: int  # high-water mark of the cgroup's memory (v1 max_usage_in_bytes, v2 memory.peak; 0 if unknown)
 
 
-V2_ROOT = Path("/sys/fs/cgroup")
-V1_ROOT = Path("/sys/fs/cgroup/memory")
 _counter = itertools.count()
-
-
-def own_cgroup(controller_line: str) -> str:
-    """This process's cgroup path: 'v2' for the unified hierarchy, else a v1 controller name ('memory', 'cpu')."""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            hid, controllers, path = line.split(":", 2)
-            if controller_line == "v2" and hid == "0" and controllers == "":
-                return path
-            if controller_line != "v2" and controller_line in controllers.split(","):
-                return path
-    except OSError:
-        pass
-    return "/"
 
 
 def _pick_cgroup_parent() -> tuple[str, Path, list[str]]:
@@ -195,20 +178,6 @@ def _read_int(path: Path) -> int:
         return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def read_keyed(path: Path) -> dict[str, int]:
-    """A file of 'key value' lines (memory.events, memory.stat, memory.oom_control; also /proc/meminfo's
-    'Key: value kB') as {key: value}; {} if unreadable."""
-    out: dict[str, int] = {}
-    try:
-        for line in path.read_text().splitlines():
-            parts = line.replace(":", " ").split()
-            if len(parts) >= 2 and parts[1].isdigit():
-                out[parts[0]] = int(parts[1])
-    except OSError:
-        pass
-    return out
 
 
 def _kill_remaining(cg: Path) -> None:

@@ -11,7 +11,7 @@ from .rope import RopeConfig
 from .schema import cfg, parse
 
 if TYPE_CHECKING:
-    from .blocks import Spec
+    from .spec import Spec
 
 CONFIG = "config.json"
 #: Bounds on sizes that are used before any checkpoint shape can contradict them: per-layer lists are built from
@@ -110,7 +110,7 @@ class BaseArgs:
 
     def base_spec(self, **arch) -> "Spec":
         """The Spec fields common to all architectures, plus the architecture's own (`arch`)."""
-        from .blocks import Spec
+        from .spec import Spec
 
         return Spec(
             vocab_size=self.vocab_size,

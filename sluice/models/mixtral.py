@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .args import BaseArgs, sliding_windows
-from .blocks import Spec
+from .spec import Spec
 from .schema import cfg, override
 
 MOE_PREFIXES = ("block_sparse_moe", "mlp")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .args import BaseArgs
-from .blocks import Spec
+from .spec import Spec
 from .schema import cfg, override
 
 MOE_PREFIXES = ("mlp",)

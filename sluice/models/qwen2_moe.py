@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .args import BaseArgs, moe_layer_flags, sliding_windows
-from .blocks import Spec
+from .spec import Spec
 from .qwen3_moe import dense_and_window_problems
 from .schema import cfg, override
 

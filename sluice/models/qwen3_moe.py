@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .args import BaseArgs, moe_layer_flags, sliding_windows
-from .blocks import Spec
+from .spec import Spec
 from .schema import cfg, override
 
 # Checkpoint naming: the MoE block lives under `mlp`; per-expert projections are gate/up/down.

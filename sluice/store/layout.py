@@ -20,7 +20,7 @@ from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
 from ..io.ranges import ReadRange
-from ..models.blocks import Spec
+from ..models.spec import Spec
 
 
 @dataclass(frozen=True)

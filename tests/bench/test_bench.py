@@ -194,7 +194,7 @@ def test_cold_fails_when_a_file_stays_mapped(model_dir, tmp_path, capsys):
     weights = model_dir / "model.safetensors"
     with open(weights, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
         assert sum(mm[:: mmap.PAGESIZE]) >= 0  # touch every page: mapped pages survive eviction
-        with pytest.raises(BenchError, match=r"not cold before x: \d+\.\d% of the model .*model\.safetensors 100\.0%"):
+        with pytest.raises(BenchError, match=r"not cold before x: \d+\.\d% of the model .*model\.safetensors \(100\.0%\)"):
             prepare(model_files(model_dir), "cold", "x")
         rc = cli.main(["bench", str(model_dir), "--arm", "a=", "--cold", "--no-floor", "--out", str(tmp_path)])
     assert rc == 2

@@ -221,8 +221,8 @@ def test_export_gguf_round_trip_config(tmp_path):
     are the logits (bf16 bytes are copied; norms and router are widened to F32 exactly). Also the regression test of
     export-gguf on transformers>=5 configs (num_local_experts; rope_theta inside rope_parameters, which it exported
     as 10000)."""
-    from sluice.gguf_export import export_gguf
-    from sluice.tokenizer_train import train_tokenizer
+    from sluice.tools.gguf_export import export_gguf
+    from sluice.tools.tokenizer_train import train_tokenizer
 
     model = hf_model("qwen3_moe", torch.bfloat16, **GGUF_TINY["qwen3_moe"])
     folder = write_checkpoint(model, tmp_path / "hf", "per_expert")

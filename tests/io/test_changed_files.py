@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sluice.checkpoint import write_sharded
-from sluice.synth import SynthConfig, config_json, tensors
+from sluice.tools.synth import SynthConfig, config_json, tensors
 
 CHILD = Path(__file__).with_name("changed_file_child.py")
 WORDS = {

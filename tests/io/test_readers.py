@@ -261,12 +261,11 @@ def test_faults_are_counted_per_thread(data_file):
         assert s["major_faults"] + s["minor_faults"] > 0 and threading.current_thread().name in s["threads"]
 
 
-def test_willneed_hint_accepts_unaligned_ranges(data_file):
-    """mmap.madvise rejects an unaligned start, so this passing shows hint() aligns (and clamps at EOF)."""
+def test_willneed_hints_unaligned_ranges(data_file):
+    """mmap.madvise rejects an unaligned start, so this passing shows the hints are aligned (and clamped at EOF)."""
     path, data = data_file
     with WillneedReader() as r:
-        r.hint([ReadRange(path, 4097, 10), ReadRange(path, SIZE - 3, 3), ReadRange(path, 8191, 2)])
-        reqs = [req(path, 4097, 10)]
+        reqs = [req(path, 4097, 10), req(path, SIZE - 3, 3), req(path, 8191, 2)]
         fut = r.submit(reqs)
         assert not fut.done()  # documented: the copy is deferred to result()
         fut.result()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sluice.io.residency import ResidencyError, run_in_memory_cgroup
-from sluice.sysmem import available_memory
+from sluice.host.memory import available_memory
 
 MiB = 2**20
 
@@ -30,7 +30,7 @@ def test_room_is_at_most_mem_available():
     assert room.source
 
 
-CHILD = ("import json, sluice.sysmem as s; r = s.available_memory(); "
+CHILD = ("import json, sluice.host.memory as s; r = s.available_memory(); "
          "print(json.dumps({'bytes': r.bytes, 'source': r.source, 'rooms': s.cgroup_rooms()}))")
 
 
@@ -72,7 +72,7 @@ def test_import_sets_passive_openmp_waiting_unless_the_user_chose():
 
 
 def test_usable_cpus_follows_the_affinity_mask():
-    code = "from sluice.sysmem import usable_cpus; print(usable_cpus())"
+    code = "from sluice.host.cpus import usable_cpus; print(usable_cpus())"
     assert int(_child(code)) == len(os.sched_getaffinity(0))
     assert int(_child(code, pre=["taskset", "-c", "0"])) == 1
 
@@ -97,7 +97,7 @@ def test_usable_cpus_follows_a_cgroup_cpu_quota(tmp_path):
         cg.exists() and cg.rmdir()
         pytest.skip(f"cannot set a cpu quota: {e}")
     try:
-        code = "from sluice.sysmem import usable_cpus; print(usable_cpus())"
+        code = "from sluice.host.cpus import usable_cpus; print(usable_cpus())"
         out = subprocess.run(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"),
                               sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
         assert int(out.stdout.strip()) == 1

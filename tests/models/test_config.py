@@ -18,7 +18,7 @@ from sluice.errors import ConfigError
 from sluice.models import SUPPORTED, model_args
 from sluice.models.args import GenerationArgs
 from sluice.models.schema import MAX_INT, describe_fields, parse
-from sluice.synth import SynthConfig, config_json
+from sluice.tools.synth import SynthConfig, config_json
 
 from .tiny import TINY, hf_model, write_checkpoint
 

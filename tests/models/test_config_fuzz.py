@@ -18,7 +18,8 @@ import torch
 from sluice.errors import ConfigError, SluiceError
 from sluice.models import SUPPORTED, model_args
 from sluice.models.args import ACTIVATIONS
-from sluice.models.blocks import KVCache, LayerWeights, MLPWeights, Spec, Transformer, Weights
+from sluice.models.blocks import Transformer
+from sluice.models.spec import KVCache, LayerWeights, MLPWeights, Spec, Weights
 from sluice.models.rope import inv_freq
 from sluice.models.schema import MAX_INT, describe_fields
 from sluice.store.base import ExpertBatch

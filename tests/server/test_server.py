@@ -25,7 +25,7 @@ import uvicorn
 import sluice
 from sluice.commands.serve import is_loopback
 from sluice.server import create_app
-from sluice.tokenizer_train import train_tokenizer
+from sluice.tools.tokenizer_train import train_tokenizer
 
 from ..models.tiny import hf_model, write_checkpoint
 

@@ -12,7 +12,7 @@ import sluice
 from sluice.errors import BudgetError, ConfigError, MemoryWarning
 from sluice.options import LoadOptions
 from sluice.store.budget import RUNTIME_RESERVE, auto_memory
-from sluice.sysmem import MemoryRoom
+from sluice.host.memory import MemoryRoom
 
 from ..models.tiny import hf_model, write_checkpoint
 

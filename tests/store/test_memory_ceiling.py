@@ -34,7 +34,7 @@ PEAK_OVERHEAD = parse_size("450MiB")
 def big_model():
     if os.geteuid() != 0:
         pytest.skip("needs root to create a memory cgroup")
-    from sluice.synth import config_for_size, make_model
+    from sluice.tools.synth import config_for_size, make_model
 
     base = Path(tempfile.mkdtemp(prefix="sluice-ceiling-", dir="/var/tmp"))
     try:

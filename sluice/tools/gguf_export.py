@@ -37,15 +37,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint.index import CONFIG, CheckpointIndex
-from .checkpoint.ref import TensorRef
-from .errors import CheckpointError, ConfigError, SluiceError
-from .io.tensor import read_tensor
-from .models import model_args
-from .models.schema import show
-from .tokenizer import Tokenizer
+from ..checkpoint.index import CONFIG, CheckpointIndex
+from ..checkpoint.ref import TensorRef
+from ..errors import CheckpointError, ConfigError, SluiceError
+from ..io.tensor import read_tensor
+from ..models import model_args
+from ..models.schema import show
+from ..tokenizer import Tokenizer
 
-DTYPES = ("f32", "bf16", "f16")
+EXPORT_DTYPES = ("f32", "bf16", "f16")
 ARCH = "qwen3moe"  # llama.cpp's name for config.json model_type qwen3_moe
 
 # A 2-D weight's bytes are stored in the chosen dtype; these stay F32 whatever it is, as llama.cpp expects (norms
@@ -250,8 +250,8 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     """
     import gguf  # optional extra: pip install 'sluice[gguf]'
 
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     folder, out = Path(model), Path(out)
     index = CheckpointIndex.open(folder)
     plan = tensor_plan(index)

@@ -10,12 +10,12 @@ from types import ModuleType
 
 import torch
 
-from .checkpoint.index import CheckpointIndex
-from .checkpoint.ref import TensorRef
-from .errors import CheckpointError
-from .io.tensor import read_tensor
-from .models.blocks import LayerWeights, MLPWeights, Spec, Weights
-from .store.layout import moe_prefix
+from ..checkpoint.index import CheckpointIndex
+from ..checkpoint.ref import TensorRef
+from ..errors import CheckpointError
+from ..io.tensor import read_tensor
+from ..models.spec import LayerWeights, MLPWeights, Spec, Weights
+from .layout import moe_prefix
 
 
 def _expect(index: CheckpointIndex, name: str, shape: tuple[int, ...]) -> TensorRef:

@@ -34,13 +34,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .engine import Model, load
-from .errors import ConfigError
-from .options import format_bytes
-from .models.blocks import Spec, Weights, rms_norm
-from .prerouter import HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads, unit_rms
-from .sysmem import available_memory
-from .weights import resident_refs
+from ..engine import Model, load
+from ..errors import ConfigError
+from ..options import format_bytes
+from ..models.blocks import rms_norm
+from ..models.spec import Spec, Weights
+from .predict import HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads, unit_rms
+from ..host.memory import available_memory
+from ..store.weights import resident_refs
 
 
 @dataclass
@@ -101,7 +102,7 @@ def corpus_ids(model: Model, prompts: str | os.PathLike | None, tokens: int, see
             raise ConfigError(f"--prompts {prompts}: cannot read: {e.strerror or e}") from e
         texts = [t.strip() for t in text.split("\n\n") if t.strip()]
     else:
-        from .tokenizer_train import default_corpus
+        from ..tools.tokenizer_train import default_corpus
 
         texts = default_corpus(max_chars=max(300_000, 8 * tokens))
     ids: list[int] = []

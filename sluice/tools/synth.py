@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, SluiceError
-from .models import SUPPORTED
-from .options import DTYPES, format_bytes
+from ..errors import ConfigError, SluiceError
+from ..models import SUPPORTED
+from ..options import COMPUTE_DTYPES, format_bytes
 
 GiB = 2**30
 LAYOUTS = ("per_expert", "fused")
@@ -104,8 +104,8 @@ class SynthConfig:
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ConfigError(f"arch: {self.arch!r} is not one of {', '.join(SUPPORTED)}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts", "top_k",
@@ -138,7 +138,7 @@ class SynthConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return COMPUTE_DTYPES[self.dtype]
 
     @property
     def itemsize(self) -> int:
@@ -251,9 +251,9 @@ def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
         raise ConfigError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     info = ARCHS[arch]
     dtype = overrides.get("dtype", "bfloat16")
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    params = target_bytes / DTYPES[dtype].itemsize
+    if dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    params = target_bytes / COMPUTE_DTYPES[dtype].itemsize
 
     H = overrides.get("hidden_size") or _hidden_for(params)
     head_dim = overrides.get("head_dim") or (64 if H <= 512 else 128)
@@ -410,7 +410,7 @@ def make_model(out: str | os.PathLike[str], sc: SynthConfig, progress: bool = Tr
     """
     from tokenizers import Tokenizer
 
-    from .checkpoint import write_sharded
+    from ..checkpoint import write_sharded
     from .tokenizer_train import train_tokenizer
 
     out = Path(out)

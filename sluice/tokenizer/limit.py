@@ -27,10 +27,10 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .tokenizer import check_text
+from . import check_text
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from . import Tokenizer
 
 # Characters tokenized per piece: ~4K tokens of English, ~1 MiB of transient tokenizer memory; prompts up to this
 # long are tokenized whole (the walk would cost as much).

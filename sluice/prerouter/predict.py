@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checkpoint.ref import TensorRef
-from .checkpoint.safetensors import read_header, write_safetensors
-from .errors import CheckpointError
-from .io.tensor import read_tensor
-from .models.blocks import Spec, Weights, rms_norm
+from ..checkpoint.ref import TensorRef
+from ..checkpoint.safetensors import read_header, write_safetensors
+from ..errors import CheckpointError
+from ..io.tensor import read_tensor
+from ..models.blocks import rms_norm
+from ..models.spec import Spec, Weights
 
 
 class RouterPrerouter:

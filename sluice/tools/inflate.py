@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointIndex, TensorRef
-from .errors import CheckpointError, ConfigError
-from .options import format_bytes
+from ..checkpoint import CheckpointIndex, TensorRef
+from ..errors import CheckpointError, ConfigError
+from ..options import format_bytes
 from .synth import writing_model
 
 GiB = 2**30
