@@ -68,6 +68,8 @@ _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+           r"\s+(?!\S)|\s+")  # Qwen3.5: letter runs take combining marks along
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "dbrx": PreTokenizer((_LLAMA3,)),
     "smaug-bpe": PreTokenizer((_LLAMA3,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2_PRE),
+    "qwen35": PreTokenizer((_QWEN35,)),
     **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
                     _STARCODER_PRE),
 }
@@ -194,7 +197,7 @@ def read_vocab(metadata: Mapping[str, Any], source: str) -> GGUFVocab:
             raise m.fail(key, f"holds {len(values)} values for {n} tokens")
         return values
 
-    types = same_length("tokenizer.ggml.token_type", m.array("tokenizer.ggml.token_type", int), NORMAL)
+    types = list(same_length("tokenizer.ggml.token_type", m.array("tokenizer.ggml.token_type", int), NORMAL))
     if model == "gpt2" or "tokenizer.ggml.scores" not in metadata:
         scores = [0.0] * n
     else:

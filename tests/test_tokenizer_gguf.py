@@ -7,8 +7,6 @@ benchmarks/tokenizer_llamacpp.py (llama.cpp is not built in CI)."""
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 import unicodedata
 from pathlib import Path
 
@@ -22,11 +20,6 @@ from tests import tokenizer_cases as tc
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from sluice.gguf_export import export_gguf  # noqa: E402
-from sluice.synth import SynthConfig, make_model  # noqa: E402
-
-TINY = SynthConfig(arch="qwen3_moe", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                   num_experts=2, top_k=1, moe_intermediate_size=32, vocab_size=1024, dtype="bfloat16")
 BPE_TEXTS = tc.texts((*tc.BPE_SPECIALS, "<think>", "</think>"))
 SPM_TEXTS = tc.texts((*tc.SPM_CONTROL, *tc.SPM_USER_DEFINED))
 
@@ -34,20 +27,7 @@ SPM_TEXTS = tc.texts((*tc.SPM_CONTROL, *tc.SPM_USER_DEFINED))
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """pre name -> (model folder, the GGUF `sluice export-gguf` wrote from it)."""
-    root = tmp_path_factory.mktemp("gguf_tok")
-    gpt2 = make_model(root / "gpt2", TINY, progress=False)
-    qwen = root / "qwen2"
-    shutil.copytree(gpt2, qwen)
-    tc.train_qwen2_tokenizer(qwen)
-    cfg = json.loads((qwen / "config.json").read_text())
-    cfg["vocab_size"] = 1040  # wider than the tokenizer, as real models are: ids 1024.. become [PAD<id>] tokens
-    (qwen / "config.json").write_text(json.dumps(cfg))
-    out = {}
-    for name, folder in (("gpt-2", gpt2), ("qwen2", qwen)):
-        path = root / f"{name}.gguf"
-        export_gguf(folder, path, "bf16")
-        out[name] = (folder, path)
-    return out
+    return tc.exported_bpe_files(tmp_path_factory.mktemp("gguf_tok"))
 
 
 def _load(path: Path):
@@ -126,9 +106,7 @@ def test_pre_tokenizers_match_the_models_that_declare_them(exported, pre, tmp_pa
     """The exported vocabulary under each pre-tokenizer name equals the same vocabulary with the pre-tokenizer the
     original tokenizer.json of such models declares (llama.cpp's "default" has none: its regexes in sequence)."""
     folder, path = exported["qwen2" if pre == "qwen2" else "gpt-2"]
-    kv = {k: v for k, v in tc.gguf_metadata(path).items() if k.startswith("tokenizer.")}
-    kv.update({"tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": False})
-    tok = _load(tc.write_vocab_gguf(tmp_path / f"{pre}.gguf", kv))
+    tok = _load(tc.pre_variant(path, pre, tmp_path / f"{pre}.gguf", add_bos_token=False))
     pre_tok, ignore_merges = tc.reference_pre_tokenizers()[pre]
     ref = tc.with_pre_tokenizer(folder / "tokenizer.json", pre_tok, ignore_merges)
     assert _mismatches(tok, lambda t, a: ref.encode(t, add_special_tokens=a).ids, BPE_TEXTS) == []
@@ -136,11 +114,9 @@ def test_pre_tokenizers_match_the_models_that_declare_them(exported, pre, tmp_pa
 
 def test_pre_tokenizers_split_differently(exported, tmp_path):
     folder, path = exported["gpt-2"]
-    kv = {k: v for k, v in tc.gguf_metadata(path).items() if k.startswith("tokenizer.")}
     got = {}
     for pre in ("gpt-2", "llama-bpe", "default", "starcoder", "qwen2"):
-        kv["tokenizer.ggml.pre"] = pre
-        tok = _load(tc.write_vocab_gguf(tmp_path / f"{pre}.gguf", kv))
+        tok = _load(tc.pre_variant(path, pre, tmp_path / f"{pre}.gguf"))
         got[pre] = [w for w, _ in tok.backend.pre_tokenizer.pre_tokenize_str("x 12345 it'S !!?  \n\nend")]
     assert len({tuple(v) for v in got.values()}) == 5  # five regex sets, five splits of this text
     assert got["qwen2"][:7] == ["x", "Ġ", "1", "2", "3", "4", "5"] and got["llama-bpe"][2:4] == ["123", "45"]
@@ -148,13 +124,9 @@ def test_pre_tokenizers_split_differently(exported, tmp_path):
 
 def test_llama3_adds_bos_by_default_and_flags_win(exported, tmp_path):
     _, path = exported["gpt-2"]
-    kv = {k: v for k, v in tc.gguf_metadata(path).items() if k.startswith("tokenizer.")}
-    del kv["tokenizer.ggml.add_bos_token"]
-    kv["tokenizer.ggml.pre"] = "llama-bpe"
-    tok = _load(tc.write_vocab_gguf(tmp_path / "a.gguf", kv))
+    tok = _load(tc.pre_variant(path, "llama-bpe", tmp_path / "a.gguf", add_bos_token=None))
     assert tok.encode("hi")[0] == tok.bos_token_id == 0 and tok.encode("hi", add_special_tokens=False)[0] != 0
-    kv.update({"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": True})
-    tok = _load(tc.write_vocab_gguf(tmp_path / "b.gguf", kv))
+    tok = _load(tc.pre_variant(path, "llama-bpe", tmp_path / "b.gguf", add_bos_token=False, add_eos_token=True))
     assert tok.encode("hi")[0] != 0 and tok.encode("hi")[-1] == tok.eos_token_id == 2
     assert tok.encode("") == [2] and tok.encode("", add_special_tokens=False) == []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,9 +132,16 @@ def write_vocab_gguf(path: str | Path, kv: dict[str, Any]) -> Path:
     return Path(path)
 
 
+def tokenizer_kv(path: str | Path) -> dict[str, Any]:
+    """The `tokenizer.*` metadata of a GGUF."""
+    return {k: v for k, v in gguf_metadata(path).items() if k.startswith("tokenizer.")}
+
+
 # ---- byte-level BPE ------------------------------------------------------------------------------------------------
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
                r"\s+(?!\S)|\s+")  # Qwen2/Qwen3's tokenizer.json, exactly
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen3.5's tokenizer.json, exactly
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")  # Llama 3's tokenizer.json, exactly
 BPE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -191,6 +199,7 @@ def reference_pre_tokenizers() -> dict[str, tuple[pre_tokenizers.PreTokenizer, b
         "gpt-2": (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False),
         "olmo": (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False),  # GPT-NeoX's
         "qwen2": (qwen2_pre_tokenizer(), False),
+        "qwen35": (pre_tokenizers.Sequence([split(QWEN35_SPLIT), byte_level]), False),
         "llama-bpe": (pre_tokenizers.Sequence([split(LLAMA3_SPLIT), byte_level]), True),
         "starcoder": (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
@@ -246,3 +255,43 @@ def spm_vocab(vocab_size: int = 800) -> tuple[dict[str, Any], Tokenizer]:
     hf.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                       special_tokens=[("<s>", 1)])
     return kv, hf
+
+
+# ---- the files the tests and the llama.cpp benchmark share -------------------------------------------------------
+def exported_bpe_files(root: str | Path) -> dict[str, tuple[Path, Path]]:
+    """Two tiny qwen3_moe models written by `sluice export-gguf`: pre name -> (model folder, GGUF). "gpt-2": the
+    ChatML byte-level tokenizer `make-model` trains; "qwen2": a Qwen2-style tokenizer (with `<think>` as a
+    user-defined token) and a config vocabulary wider than the tokenizer, so ids 1024..1039 are [PAD<id>]."""
+    from sluice.gguf_export import export_gguf
+    from sluice.synth import SynthConfig, make_model
+
+    root = Path(root)
+    tiny = SynthConfig(arch="qwen3_moe", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                       num_experts=2, top_k=1, moe_intermediate_size=32, vocab_size=1024, dtype="bfloat16")
+    gpt2 = make_model(root / "gpt2", tiny, progress=False, force=True)
+    qwen = root / "qwen2"
+    shutil.rmtree(qwen, ignore_errors=True)
+    shutil.copytree(gpt2, qwen)
+    train_qwen2_tokenizer(qwen)
+    cfg = json.loads((qwen / "config.json").read_text())
+    cfg["vocab_size"] = 1040
+    (qwen / "config.json").write_text(json.dumps(cfg))
+    out = {}
+    for name, folder in (("gpt-2", gpt2), ("qwen2", qwen)):
+        path = root / f"{name}.gguf"
+        export_gguf(folder, path, "bf16")
+        out[name] = (folder, path)
+    return out
+
+
+def pre_variant(path: str | Path, pre: str, out: str | Path, **changes: Any) -> Path:
+    """A tensor-less copy of the GGUF at `path`'s tokenizer with `tokenizer.ggml.pre` = `pre` and other
+    `tokenizer.ggml.<key>` values changed (None drops the key)."""
+    kv = tokenizer_kv(path)
+    kv["tokenizer.ggml.pre"] = pre
+    for key, value in changes.items():
+        if value is None:
+            kv.pop(f"tokenizer.ggml.{key}", None)
+        else:
+            kv[f"tokenizer.ggml.{key}"] = value
+    return write_vocab_gguf(out, kv)
