@@ -132,6 +132,7 @@ class GGUFVocab:
     add_bos: bool = False
     add_eos: bool = False
     add_space_prefix: bool = False
+    rstrip: frozenset[int] = frozenset()  # specials that swallow the whitespace after them (llama.cpp's Phi-3 rule)
 
 
 class _Meta:
@@ -166,10 +167,12 @@ class _Meta:
             value = value.tolist()
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise self.fail(key, f"expected an array, got {type(value).__name__}")
-        for i, v in enumerate(value):
-            if not isinstance(v, item) or (item is int and isinstance(v, bool)):
-                raise self.fail(key, f"element {i} is {type(v).__name__} {v!r}; expected "
-                                     f"{getattr(item, '__name__', 'a number')}")
+        kinds = item if isinstance(item, tuple) else (item,)
+        if not all(type(v) in kinds for v in value):  # the fast check; then find the culprit
+            for i, v in enumerate(value):
+                if not isinstance(v, item) or (item is int and isinstance(v, bool)):
+                    raise self.fail(key, f"element {i} is {type(v).__name__} {v!r}; expected "
+                                         f"{getattr(item, '__name__', 'a number')}")
         return list(value)
 
 
@@ -185,10 +188,12 @@ def read_vocab(metadata: Mapping[str, Any], source: str) -> GGUFVocab:
     if n == 0:
         raise m.fail("tokenizer.ggml.tokens", "the vocabulary is empty")
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp renames empty tokens
-    ids: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        if ids.setdefault(t, i) != i:
-            raise m.fail("tokenizer.ggml.tokens", f"token {t!r} appears twice (ids {ids[t]} and {i})")
+    ids = {t: i for i, t in enumerate(tokens)}
+    if len(ids) != n:
+        seen: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            if seen.setdefault(t, i) != i:
+                raise m.fail("tokenizer.ggml.tokens", f"token {t!r} appears twice (ids {seen[t]} and {i})")
 
     def same_length(key: str, values: list | None, fill: Any) -> list:
         if values is None:
@@ -210,7 +215,7 @@ def read_vocab(metadata: Mapping[str, Any], source: str) -> GGUFVocab:
             types[i] = CONTROL
 
     pre_name, pre = _pre_tokenizer(m, model)
-    merges = _read_merges(m, ids) if model == "gpt2" else []
+    merges = _read_merges(m) if model == "gpt2" else []
     vocab = GGUFVocab(model, pre_name, tokens, types, scores, merges, ids)
 
     # llama.cpp's per-model defaults: SentencePiece <unk>=0 <s>=1 </s>=2, adds bos and a prefix space; byte-level
@@ -231,10 +236,22 @@ def read_vocab(metadata: Mapping[str, Any], source: str) -> GGUFVocab:
     vocab.add_bos = _flag(m, "tokenizer.ggml.add_bos_token", spm or (pre is not None and pre.add_bos))
     vocab.add_eos = _flag(m, "tokenizer.ggml.add_eos_token", False)
     vocab.add_space_prefix = spm and _flag(m, "tokenizer.ggml.add_space_prefix", True)
+    vocab.rstrip = _phi3_rstrip(metadata, vocab)
     for flag, name in ((vocab.add_bos, "bos"), (vocab.add_eos, "eos")):
         if flag and vocab.special[name] is None:
             raise m.fail(f"tokenizer.ggml.add_{name}_token", f"is true but tokenizer.ggml.{name}_token_id is not set")
     return vocab
+
+
+def _phi3_rstrip(metadata: Mapping[str, Any], vocab: GGUFVocab) -> frozenset[int]:
+    """llama.cpp recognises Phi-3 by `general.name` and makes its special tokens (and </s>) eat the whitespace that
+    follows them, <unk> <s> <|endoftext|> excepted (llama-vocab.cpp, "set attributes by model name")."""
+    name = metadata.get("general.name")
+    if not isinstance(name, str) or not ("phi-3" in name.lower() or "phi3" in name.lower()):
+        return frozenset()
+    ids = {i for i, kind in enumerate(vocab.types) if kind in _MATCHED_WHOLE}
+    ids |= {vocab.ids["</s>"]} if "</s>" in vocab.ids else set()
+    return frozenset(ids - {vocab.ids.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")})
 
 
 def _flag(m: _Meta, key: str, default: bool) -> bool:
@@ -254,20 +271,33 @@ def _pre_tokenizer(m: _Meta, model: str) -> tuple[str | None, PreTokenizer | Non
     return name, PRE_TOKENIZERS[name]
 
 
-def _read_merges(m: _Meta, ids: Mapping[str, int]) -> list[tuple[str, str]]:
+def _read_merges(m: _Meta) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges` as pairs, rank order, a repeated merge at its first rank (as llama.cpp keeps it).
+    That the pairs name tokens is checked when the BPE model is built (see `_bpe_model`)."""
     key = "tokenizer.ggml.merges"
-    merges = m.array(key, str, required=True)
-    pairs: dict[tuple[str, str], None] = {}
-    for i, merge in enumerate(merges):
-        cut = merge.find(" ", 1)  # llama.cpp splits at the first space after the first character
-        if cut < 0:
+    pairs = []
+    for i, merge in enumerate(dict.fromkeys(m.array(key, str, required=True))):
+        a, space, b = merge.partition(" ")
+        if not a:  # llama.cpp splits at the first space after the first character
+            cut = merge.find(" ", 1)
+            a, space, b = (merge[:cut], " ", merge[cut + 1:]) if cut > 0 else ("", "", "")
+        if not space:
             raise m.fail(key, f"merge {i} {merge!r} is not two tokens separated by a space")
-        a, b = merge[:cut], merge[cut + 1:]
-        for part in (a, b, a + b):
-            if part not in ids:
-                raise m.fail(key, f"merge {i} {merge!r} uses {part!r}, which is not in tokenizer.ggml.tokens")
-        pairs.setdefault((a, b), None)  # llama.cpp keeps a repeated pair's first rank
-    return list(pairs)
+        pairs.append((a, b))
+    return pairs
+
+
+def _bpe_model(vocab: GGUFVocab, pre: PreTokenizer, source: str) -> models.BPE:
+    try:
+        return models.BPE(vocab=vocab.ids, merges=vocab.merges, unk_token=None, fuse_unk=False, byte_fallback=False,
+                          ignore_merges=pre.ignore_merges)
+    except Exception as e:  # tokenizers refuses merges that name unknown tokens; say which merge
+        for i, (a, b) in enumerate(vocab.merges):
+            for part in (a, b, a + b):
+                if part not in vocab.ids:
+                    raise CheckpointError(f"tokenizer.ggml.merges: merge {i} {a + ' ' + b!r} uses {part!r}, which is "
+                                          "not in tokenizer.ggml.tokens", file=source) from e
+        raise CheckpointError(f"tokenizer.ggml.merges: {e}", file=source) from e
 
 
 def _chat_template(metadata: Mapping[str, Any], m: _Meta) -> str | dict[str, str] | None:
@@ -321,15 +351,16 @@ class GGUFTokenizer(Tokenizer):
         for token, tid in self._specials:
             if token not in text:
                 continue
+            rstrip = tid in self.vocab.rstrip
             cut: list[str | int] = []
             for frag in frags:
                 if isinstance(frag, int) or token not in frag:
                     cut.append(frag)
                     continue
-                parts = frag.split(token)
-                for k, part in enumerate(parts):
+                for k, part in enumerate(frag.split(token)):
                     if k:
                         cut.append(tid)
+                        part = part.lstrip(" \t\n\v\f\r") if rstrip else part  # C isspace()
                     if part:
                         cut.append(part)
             frags = cut
@@ -459,8 +490,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str) -> GGUFTokeniz
     vocab = read_vocab(metadata, source)
     if vocab.model == "gpt2":
         pre = PRE_TOKENIZERS[vocab.pre] if vocab.pre else _DEFAULT
-        backend = _Backend(models.BPE(vocab=vocab.ids, merges=vocab.merges, unk_token=None, fuse_unk=False,
-                                      byte_fallback=False, ignore_merges=pre.ignore_merges))
+        backend = _Backend(_bpe_model(vocab, pre, source))
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

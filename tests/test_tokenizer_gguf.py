@@ -173,6 +173,17 @@ def test_spm_rules(spm):
     assert tok.encode("") == [1] and ids("") == []
 
 
+def test_phi3_specials_swallow_the_whitespace_after_them(spm):
+    """llama.cpp knows Phi-3 by general.name; its specials but <unk> <s> <|endoftext|> strip the spaces after them."""
+    md = tc.gguf_metadata(spm[0])
+    plain = tokenizer_from_gguf(md, "s.gguf")
+    phi3 = tokenizer_from_gguf({**md, "general.name": "Phi-3 mini"}, "s.gguf")
+    assert phi3.encode("x</s> \n\t y", False) == phi3.encode("x</s>y", False) == plain.encode("x</s>y", False)
+    assert phi3.encode("x<think>  y", False) == plain.encode("x<think>y", False)
+    assert plain.encode("x</s> y", False) != plain.encode("x</s>y", False)
+    assert phi3.encode("x<s> y", False) == plain.encode("x<s> y", False) != plain.encode("x<s>y", False)
+
+
 def test_spm_decode(spm):
     tok = _load(spm[0])
     for text in SPM_TEXTS:
