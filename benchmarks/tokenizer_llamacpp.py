@@ -161,6 +161,19 @@ def run_llama_cpp(peer_python: str, jobs: list[dict], work: Path) -> dict:
     return json.loads((work / "out.json").read_text())
 
 
+NOTES = """Reading the table:
+- tokenizer.json misses only texts that NFC normalization changes (the "NFC" count): the trained tokenizers
+  normalize to NFC, llama.cpp does not normalize, and neither does sluice's GGUF tokenizer.
+- decode: llama_detokenize runs a clean-up pass (" ?" -> "?", " 's" -> "'s", ...) for the gpt-2 family of
+  pre-tokenizers; sluice's decode, like llama-server's streamed pieces, does not. With that pass applied to
+  sluice's text, every text agrees.
+- transformers' GGUF tokenizer departs from llama.cpp where it ignores llama.cpp's rules: "default" (files with no
+  pre-tokenizer, e.g. aquila) and "starcoder" split with the GPT-2 regex only; llama-bpe files without an
+  add_bos key get no bos; SentencePiece gets no prefix space after special tokens nor before leading whitespace;
+  Qwen2's vocabulary holds "</s>" as a NORMAL token that llama.cpp promotes to CONTROL (an end-of-generation text);
+  Phi-3's specials swallow the whitespace after them in llama.cpp only.
+"""
+
 COLUMNS = ("llama.cpp", "llama.cpp, no add_special", "llama.cpp decode", "llama.cpp decode, its clean-up applied",
            "transformers", "tokenizer.json", "transformers = llama.cpp", "tokenizer.json = llama.cpp")
 
@@ -176,8 +189,8 @@ def compare(case: dict, cpp: dict) -> tuple[dict, list[str]]:
         counts[label] = sum(same)
         for text, g, w, ok in zip(texts, got, want, same):
             if not ok and sum(e.startswith(label + ":") for e in examples) < 3:
-                examples.append(f"{label}: {text[:60]!r}\n    sluice {g if isinstance(g, str) else g[:16]!r}\n"
-                                f"    other  {w if isinstance(w, str) else w[:16]!r}")
+                examples.append(f"{label}: {text[:60]!r}\n    sluice {g[:100] if isinstance(g, str) else g[:16]!r}\n"
+                                f"    other  {w[:100] if isinstance(w, str) else w[:16]!r}")
 
     ours = [tok.encode(t) for t in texts]
     count("llama.cpp", ours, cpp["special"])
@@ -228,7 +241,7 @@ def main() -> None:
             lines.append(f"| {case['name']} | {len(case['texts'])} ({counts['NFC']}) | "
                          + " | ".join(str(counts.get(k, "-")) for k in COLUMNS) + " |")
             notes += [f"[{case['name']}] {e}" for e in examples]
-    text = "\n".join(lines + ["", "Refused (ConfigError/CheckpointError):", *[f"- {r}" for r in refused], "",
+    text = "\n".join(lines + ["", NOTES, "Refused (ConfigError/CheckpointError):", *[f"- {r}" for r in refused], "",
                               "Mismatch examples (first 3 per column):", "```", *notes, "```"]) + "\n"
     print(text)
     if args.out:

@@ -8,7 +8,7 @@ copied):
 - Special tokens first: every token typed CONTROL, USER_DEFINED or UNKNOWN is cut out of the text as a whole string,
   longest token first, before the model sees any text (llama.cpp's `tokenizer_st_partition` with parse_special).
   Tokens llama.cpp recognises by their text as end-of-generation or fill-in-middle markers count as CONTROL even
-  when the file types them otherwise, as llama.cpp does.
+  when the file types them otherwise, and Phi-3's specials (known by `general.name`) eat the whitespace after them.
 - `tokenizer.ggml.model == "gpt2"`: byte-level BPE. The text between specials is split by the regexes llama.cpp
   attaches to `tokenizer.ggml.pre` (no Unicode normalization), each piece mapped to the GPT-2 byte alphabet and
   merged by rank. The split and the merges run in the `tokenizers` library (Rust), with llama.cpp's regexes.
@@ -104,16 +104,12 @@ MODELS = ("gpt2", "llama")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte alphabet: printable Latin-1 bytes stand for themselves, the rest map to U+0100 and up."""
-    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    out, n = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
+    out = {b: chr(b) for b in (*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100))}
+    rest = [b for b in range(256) if b not in out]
+    return {**out, **{b: chr(256 + k) for k, b in enumerate(rest)}}
 
 
-_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}  # GPT-2's byte alphabet, character -> byte
 
 
 # ---- reading the metadata ------------------------------------------------------------------------------------------
