@@ -1,4 +1,4 @@
-"""Token ids of sluice's GGUF tokenizer (`sluice.tokenizer_gguf`) against llama.cpp itself, per tokenizer file.
+"""Token ids of sluice's GGUF tokenizer (`sluice.tokenizer.gguf`) against llama.cpp itself, per tokenizer file.
 
     bash benchmarks/peers/setup.sh            # once: llama-cpp-python built from source into benchmarks/peers/.venv
     PYTHONPATH=. .venv/bin/python benchmarks/tokenizer_llamacpp.py [--out benchmarks/results/tokenizer_llamacpp.md]
@@ -33,7 +33,7 @@ import transformers  # noqa: E402
 
 from sluice.errors import SluiceError  # noqa: E402
 from sluice.tokenizer import Tokenizer  # noqa: E402
-from sluice.tokenizer_gguf import tokenizer_from_gguf  # noqa: E402
+from sluice.tokenizer.gguf import tokenizer_from_gguf  # noqa: E402
 from tests import tokenizer_cases as tc  # noqa: E402
 
 # Runs in the peers venv: llama.cpp's ids and detokenized text for every text of every file.

@@ -14,7 +14,7 @@ import pytest
 
 from sluice.errors import CheckpointError, ConfigError
 from sluice.tokenizer import Tokenizer
-from sluice.tokenizer_gguf import tokenizer_from_gguf
+from sluice.tokenizer.gguf import tokenizer_from_gguf
 from tests import tokenizer_cases as tc
 
 gguf = pytest.importorskip("gguf")

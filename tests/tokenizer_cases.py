@@ -17,7 +17,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import trainers
 
-from sluice.tokenizer_train import CHATML_TEMPLATE, default_corpus
+from sluice.tools.tokenizer_train import CHATML_TEMPLATE, default_corpus
 
 # Hand-picked: each line aims at one rule of the splitters, the special-token partition or the byte fallback.
 HAND_TEXTS = [
@@ -262,8 +262,8 @@ def exported_bpe_files(root: str | Path) -> dict[str, tuple[Path, Path]]:
     """Two tiny qwen3_moe models written by `sluice export-gguf`: pre name -> (model folder, GGUF). "gpt-2": the
     ChatML byte-level tokenizer `make-model` trains; "qwen2": a Qwen2-style tokenizer (with `<think>` as a
     user-defined token) and a config vocabulary wider than the tokenizer, so ids 1024..1039 are [PAD<id>]."""
-    from sluice.gguf_export import export_gguf
-    from sluice.synth import SynthConfig, make_model
+    from sluice.tools.gguf_export import export_gguf
+    from sluice.tools.synth import SynthConfig, make_model
 
     root = Path(root)
     tiny = SynthConfig(arch="qwen3_moe", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
