@@ -5,9 +5,11 @@
 On a 2-core machine, each arm is one `sluice run --json` child; the condition is either a quiet machine or one
 competing process started just before the child and killed after it: `busy` is a single-threaded spin loop (any
 CPU-bound job a user runs beside the model), `sluice` a second `sluice run` of the same model in a loop (two
-models served from one box). Arms differ only in OpenMP's wait policy: `passive` is sluice's default (set by
-`import sluice` before torch loads), `spin` restores libgomp's own default (GOMP_SPINCOUNT=300000: waiting
-threads spin ~0.3M iterations before sleeping). Rounds rotate the arm order; medians of per-run median step times.
+models served from one box). Arms: `sluice` is the default: the thread count follows the CPUs other processes
+leave free (host/cpus.py ThreadGovernor), OpenMP waits as libgomp does by default (spins ~300,000 iterations, then
+sleeps); `before` is what sluice did before (a fixed thread per CPU); `passive` keeps the fixed count and makes
+waiting threads sleep at once (OMP_WAIT_POLICY=PASSIVE), the other cure considered. Rounds rotate the arm order; medians
+of per-run median step times.
 Target: decode beside one busy process <= 2.2x the quiet decode (2 cores: a fair share is 1 of 2), quiet speed
 unchanged. Results: benchmarks/results/contention/{contention.md,json,png}.
 """
@@ -24,13 +26,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "contention"
-POLICIES = {"passive": {}, "spin": {"GOMP_SPINCOUNT": "300000"}}
-SPIN = "while True: pass"
+FIXED = ["--threads", str(os.cpu_count())]
+# arm -> (environment, extra `sluice run` flags); --spin N adds "spinN" (that spin count, fixed threads)
+POLICIES: dict[str, tuple[dict, list[str]]] = {"sluice": ({}, []), "before": ({}, FIXED),
+                                                "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, FIXED)}
+SPIN_LOOP = "while True: pass"
 
 
 def _env(policy: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    return {**env, **POLICIES[policy]}
+    return {**env, **POLICIES[policy][0]}
 
 
 def _run_cmd(model: Path, flags: list[str], tokens: int) -> list[str]:
@@ -42,7 +47,7 @@ def _competitor(kind: str, model: Path, flags: list[str], policy: str) -> subpro
     if kind == "quiet":
         return None
     if kind == "busy":
-        cmd = [sys.executable, "-c", SPIN]
+        cmd = [sys.executable, "-c", SPIN_LOOP]
     else:  # a second sluice process decoding the same model, over and over
         loop = f"while :; do {' '.join(_run_cmd(model, flags, 64))} >/dev/null 2>&1; done"
         cmd = ["bash", "-c", loop]
@@ -51,7 +56,8 @@ def _competitor(kind: str, model: Path, flags: list[str], policy: str) -> subpro
 
 
 def _one(model: Path, flags: list[str], tokens: int, policy: str, condition: str) -> dict:
-    comp = _competitor(condition, model, flags, policy)
+    flags = flags + POLICIES[policy][1]
+    comp = _competitor(condition, model, flags, policy)  # the same arm: a second sluice runs as this one does
     try:
         r = subprocess.run(_run_cmd(model, flags, tokens), env=_env(policy), capture_output=True, text=True,
                            timeout=1800)
@@ -62,7 +68,9 @@ def _one(model: Path, flags: list[str], tokens: int, policy: str, condition: str
     if r.returncode != 0:
         raise SystemExit(f"{policy}/{condition} failed:\n{r.stderr}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"tokens": out["tokens"], "ms": out["stats"]["decode_ms_median"]}
+    st = out["stats"]
+    return {"tokens": out["tokens"], "ms": st["decode_ms_median"], "threads": st.get("threads"),
+            "thread_changes": st.get("thread_changes")}
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -94,7 +102,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--conditions", default="quiet,busy,sluice")
+    ap.add_argument("--scenarios", default="resident,streamed")
+    ap.add_argument("--spin", type=int, action="append", default=[], metavar="N",
+                    help="also an arm with GOMP_SPINCOUNT=N (a spin this long before sleeping) and fixed threads")
+    ap.add_argument("--arms", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
     a = ap.parse_args()
+    for n in a.spin:
+        POLICIES[f"spin{n}"] = ({"GOMP_SPINCOUNT": str(n)}, FIXED)
+    chosen = a.arms.split(",") + [f"spin{n}" for n in a.spin]
+    if unknown := set(chosen) - set(POLICIES):
+        raise SystemExit(f"unknown arm(s) {', '.join(sorted(unknown))}; known: {', '.join(POLICIES)}")
+    for name in [p for p in POLICIES if p not in chosen]:
+        del POLICIES[name]
     from sluice.tools.inflate import inflate, scale_for_size
     from sluice.checkpoint import CheckpointIndex
     from sluice.tools.inflate import demo_model_dir
@@ -106,6 +125,7 @@ def main() -> None:
         inflate("demo", model, n, progress=True)
     scenarios = {"resident": ["--memory", "all"],
                  "streamed": ["--memory", a.stream_memory, "--io", "direct"]}
+    scenarios = {k: v for k, v in scenarios.items() if k in a.scenarios.split(",")}
     conds = a.conditions.split(",")
     arms = [(s, p, c) for s in scenarios for p in POLICIES for c in conds]
     runs: dict[tuple, list[dict]] = {arm: [] for arm in arms}

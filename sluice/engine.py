@@ -32,7 +32,7 @@ from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
 from .host.procstat import counters, memory_status
-from .host.cpus import usable_cpus
+from .host.cpus import ThreadGovernor, usable_cpus
 from .host.memory import MemoryRoom, available_memory
 from .store.weights import load_resident, resident_refs
 
@@ -60,9 +60,12 @@ class Model:
         s = self.spec
         refs = resident_refs(self.index, s, self.arch)
         self.dtype = options.compute_dtype(refs["layers.0.q"].torch_dtype)
-        threads = options.threads or usable_cpus()  # torch's own default ignores cgroup CPU quotas
+        # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
+        # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
+        threads = options.threads or usable_cpus()
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+        self.governor = ThreadGovernor(threads) if not options.threads and threads > 1 else None
         self.layout = ExpertLayout(self.index, s, self.arch)
         lazy_embed = options.embeddings != "resident" and not s.tie_word_embeddings
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
@@ -102,6 +105,11 @@ class Model:
         self._times = StepTimes()
         self._gen_faults = (0, 0, 0)
         self._generated = 0
+
+    def _tick(self) -> None:
+        """Between forward passes: match the thread count to the CPUs other processes leave free."""
+        if self.governor is not None:
+            self.governor.tick()
 
     def _make_rows(self, ref) -> RowTable:
         mode = self.options.embeddings
@@ -222,7 +230,8 @@ class Model:
         f0 = counters()
         with torch.inference_mode():
             gen = generate_step(
-                self.model, ids, sampler, processors, max_tokens, start, self.options.prefill_chunk, self._times
+                self.model, ids, sampler, processors, max_tokens, start, self.options.prefill_chunk, self._times,
+                between=self._tick,
             )
             try:
                 for token in gen:
@@ -287,12 +296,13 @@ class Model:
         argmax: list[int] = []
         with torch.inference_mode():
             t0 = time.perf_counter()
-            hidden = prefill(self.model, ids[:n], 0, self.options.prefill_chunk)
+            hidden = prefill(self.model, ids[:n], 0, self.options.prefill_chunk, self._tick)
             argmax.append(int(self.model.logits(hidden)[0].argmax()))
             self._times.prefill_tokens, self._times.prefill_s = n, time.perf_counter() - t0
             if on_step is not None:
                 on_step(n)
             for pos in range(n, len(ids)):
+                self._tick()
                 t0 = time.perf_counter()
                 hidden = decode_one(self.model, ids[pos], pos)
                 argmax.append(int(self.model.logits(hidden)[0].argmax()))
@@ -339,6 +349,8 @@ class Model:
             "memory_plan": self.memory_plan.describe() if self.memory_plan else
             ("everything resident" if self.memory is None else f"budget {format_bytes(self.memory)}"),
             "dtype": str(self.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(),
+            "thread_changes": self.governor.changes if self.governor is not None else 0,
         }
         if self.rows is not None:
             rs = self.rows.stats()

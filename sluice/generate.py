@@ -7,7 +7,7 @@ in `Model.generate`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,11 +25,15 @@ class StepTimes:
     decode_s: list[float] = field(default_factory=list)
 
 
-def prefill(model: Transformer, tokens: Sequence[int], pos: int, chunk: int) -> torch.Tensor:
-    """Run `tokens` from position `pos` in chunks of `chunk`; return the last position's hidden state [1, H]."""
+def prefill(model: Transformer, tokens: Sequence[int], pos: int, chunk: int,
+            between: Callable[[], object] | None = None) -> torch.Tensor:
+    """Run `tokens` from position `pos` in chunks of `chunk`; return the last position's hidden state [1, H].
+    `between` is called before each chunk (the thread governor's tick)."""
     ids = torch.tensor(list(tokens), dtype=torch.long)
     hidden = None
     for start in range(0, len(ids), chunk):
+        if between is not None:
+            between()
         hidden = model.forward(ids[start : start + chunk], pos + start)
     assert hidden is not None, "prefill needs at least one token"
     return hidden[-1:]
@@ -49,13 +53,15 @@ def generate_step(
     start_pos: int = 0,
     prefill_chunk: int = 256,
     times: StepTimes | None = None,
+    between: Callable[[], object] | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled ids after `prompt` (positions from `start_pos`; the KV cache before it is
-    reused as is). The caller stops early by closing the generator."""
+    reused as is). The caller stops early by closing the generator. `between` is called before every forward pass
+    (the thread governor's tick: untimed, outside the steps)."""
     times = times if times is not None else StepTimes()
     history = list(prompt)
     t0 = time.perf_counter()
-    hidden = prefill(model, prompt[start_pos:], start_pos, prefill_chunk)
+    hidden = prefill(model, prompt[start_pos:], start_pos, prefill_chunk, between)
     pos = len(prompt)
     times.prefill_tokens = len(prompt) - start_pos
     for i in range(max_tokens):
@@ -71,6 +77,8 @@ def generate_step(
         history.append(token)
         if i + 1 == max_tokens:
             break
+        if between is not None:
+            between()
         t0 = time.perf_counter()
         hidden = decode_one(model, token, pos)
         pos += 1
