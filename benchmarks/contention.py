@@ -147,7 +147,7 @@ def main() -> None:
     (OUT / "contention.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, OUT / "contention.png")
     md = [f"# Decode under CPU contention ({model.name}, {os.cpu_count()} CPUs, median of {a.rounds} rounds)", "",
-          "| scenario | wait policy | " + " | ".join(f"{c} ms/token" for c in conds) + " | "
+          "| scenario | arm | " + " | ".join(f"{c} ms/token" for c in conds) + " | "
           + " | ".join(f"{c} / quiet" for c in conds if c != "quiet") + " |",
           "|---|---|" + "---|" * (2 * len(conds) - 1)]
     for sc in scenarios:
