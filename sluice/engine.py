@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.index import CONFIG, GENERATION_CONFIG, CheckpointIndex
-from .errors import ConfigError, ContextLengthError, RequestError
+from .errors import ConfigError, ContextLengthError, RequestError, SluiceError
 from .generate import StepTimes, decode_one, generate_step, prefill
 from .io import DEFAULT_WORKERS, make_reader
 from .models import model_args
@@ -31,6 +31,7 @@ from .tokenizer.limit import PIECE, tokens_at_least
 from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .store.rows import RowTable
 from .tokenizer import StopMatcher, Tokenizer
+from .tokenizer.gguf import tokenizer_from_gguf
 from .host.procstat import counters, memory_status
 from .host.cpus import ThreadGovernor, usable_cpus
 from .host.memory import MemoryRoom, available_memory
@@ -42,6 +43,7 @@ def _eos_ids(args, generation: GenerationArgs, tok: Tokenizer | None) -> set[int
     ids = eos_ids(generation.eos_token_id, args.eos_token_id)
     if tok is not None and tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)
+    ids.update(getattr(tok, "eog_token_ids", ()))  # a GGUF vocabulary's end-of-generation tokens (llama.cpp's)
     return ids
 
 
@@ -59,7 +61,10 @@ class Model:
         self.spec = self.args.spec()
         s = self.spec
         refs = resident_refs(self.index, s, self.arch)
-        self.dtype = options.compute_dtype(refs["layers.0.q"].torch_dtype)
+        q = refs["layers.0.q"]
+        # a quantized checkpoint (GGUF Q4_K, ...) has no dtype of its own: its dequantized weights compute in bf16
+        # unless asked otherwise (dtype=float32 is the exact reference)
+        self.dtype = options.compute_dtype(torch.bfloat16 if q.quantized else q.torch_dtype)
         # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
         # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
         threads = options.threads or usable_cpus()
@@ -68,6 +73,9 @@ class Model:
         self.governor = ThreadGovernor(threads) if not options.threads and threads > 1 else None
         self.layout = ExpertLayout(self.index, s, self.arch)
         lazy_embed = options.embeddings != "resident" and not s.tie_word_embeddings
+        if lazy_embed and refs["embed"].quantized:
+            raise ConfigError(f"embeddings: {options.embeddings!r} reads plain rows, and this checkpoint stores the "
+                              f"token embeddings as {refs['embed'].dtype}: use --embeddings resident")
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
         self.resident_bytes = itemsize * sum(r.numel for k, r in refs.items() if not (lazy_embed and k == "embed"))
         max_ctx = min(options.max_context, s.rope.max_position_embeddings)
@@ -97,7 +105,7 @@ class Model:
             fingerprint = model_fingerprint(s, self.index.config, refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, options.prefetch_margin)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
-        self.tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").exists() else None
+        self.tokenizer = self._tokenizer()
         self.eos_ids = _eos_ids(self.args, generation, self.tokenizer)
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
@@ -105,6 +113,29 @@ class Model:
         self._times = StepTimes()
         self._gen_faults = (0, 0, 0)
         self._generated = 0
+
+    def _tokenizer(self) -> Tokenizer | None:
+        """tokenizer.json of a model folder, or the tokenizer a GGUF file carries in its metadata.
+
+        A GGUF whose tokenizer sluice cannot rebuild (an unknown pre-tokenizer, missing merges) still runs on token
+        ids: the error is kept and raised, naming the key, when text has to be encoded."""
+        metadata = getattr(self.index, "metadata", None)
+        if metadata is None:
+            return Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").exists() else None
+        if "tokenizer.ggml.model" not in metadata:
+            self._no_tokenizer = f"{self.path} carries no tokenizer (tokenizer.ggml.model)"
+            return None
+        try:
+            return tokenizer_from_gguf(metadata, str(self.path))
+        except SluiceError as e:
+            self._no_tokenizer = f"its tokenizer cannot be used: {e}"
+            return None
+
+    def _need_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            why = getattr(self, "_no_tokenizer", f"{self.path} has no tokenizer.json")
+            raise ConfigError(f"{why}: {what}")
+        return self.tokenizer
 
     def _tick(self) -> None:
         """Between forward passes: match the thread count to the CPUs other processes leave free."""
@@ -183,16 +214,14 @@ class Model:
         """Token ids of a prompt: ids pass through; text is tokenized (through the chat template if `chat`)."""
         if not isinstance(prompt, str):
             return self._check_ids(prompt)
-        if self.tokenizer is None:
-            raise ConfigError(f"{self.path} has no tokenizer.json: pass token ids instead of text")
+        self._need_tokenizer("pass token ids instead of text")
         if chat:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self._encode_text(prompt, add_special_tokens=True)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the assistant's turn."""
-        if self.tokenizer is None:
-            raise ConfigError(f"{self.path} has no tokenizer.json: chat needs one")
+        self._need_tokenizer("chat needs one")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self._encode_text(text, add_special_tokens=False)
 
@@ -254,8 +283,7 @@ class Model:
         Keyword arguments: temperature, top_p, top_k, min_p, repetition_penalty, seed, chat (apply the chat
         template to a text prompt).
         """
-        if self.tokenizer is None:
-            raise ConfigError(f"{self.path} has no tokenizer.json: use generate_tokens with token ids")
+        self._need_tokenizer("use generate_tokens with token ids")
         decoder = self.tokenizer.stream_decoder()
         matcher = StopMatcher(stop or []) if stop else None
         gen = self.generate_tokens(prompt, max_tokens=max_tokens, **kw)

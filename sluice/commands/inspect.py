@@ -38,10 +38,12 @@ def describe(folder: str, memory: int | str | None = None, max_context: int = 40
     layout = ExpertLayout(index, spec, arch)
     refs = resident_refs(index, spec, arch)
     resident_params = sum(r.numel for r in refs.values())
-    resident_bytes = sum(r.nbytes for r in refs.values())
+    # what the engine holds: resident weights in the compute dtype (a quantized checkpoint's dequantized to bf16)
+    itemsize = (layout.plain_dtype or torch.bfloat16).itemsize
+    resident_bytes = resident_params * itemsize
     moe_layers = len(layout.layers)
     n_experts = layout.total_experts
-    expert_params = n_experts * (layout.expert_nbytes // layout.itemsize)
+    expert_params = n_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
     info = {
         "model_type": index.config.get("model_type"),
         "layers": spec.n_layers,
@@ -56,7 +58,7 @@ def describe(folder: str, memory: int | str | None = None, max_context: int = 40
         "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
         "vocab_size": spec.vocab_size,
         "expert_layout": layout.kind or "per_expert",
-        "dtype": layout.dtype,
+        "dtype": "/".join(layout.format_names),
         "files": len(index.files),
         "params": resident_params + expert_params,
         "resident_params": resident_params,
@@ -68,7 +70,7 @@ def describe(folder: str, memory: int | str | None = None, max_context: int = 40
     }
     if memory == "auto":
         kv_bytes = KVCache.bytes_for(spec.n_layers, spec.n_kv_heads, spec.head_dim,
-                                     min(max_context, spec.rope.max_position_embeddings), layout.itemsize)
+                                     min(max_context, spec.rope.max_position_embeddings), itemsize)
         room = available_memory()
         try:
             auto = auto_memory(room.bytes, room.source, resident_bytes, layout.expert_nbytes, n_experts, spec.top_k,

@@ -8,14 +8,17 @@ from sluice.checkpoint.ref import TensorRef
 from sluice.errors import CheckpointError
 
 
-def read_tensor(ref: TensorRef) -> torch.Tensor:
+def read_tensor(ref: TensorRef, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Read `ref`'s bytes into a fresh tensor of `ref.torch_dtype` and `ref.shape` (scalars and empty tensors too).
 
-    Rows a GGUF converter permuted for llama.cpp's rope (`ref.rope_heads`) come back in Hugging Face order. Raises
-    CheckpointError (naming the file and tensor) when the file is missing, short, not the version its header was
-    read from (`ref.stamp`), the byte count does not match the dtype and shape, or the tensor is in a block format
-    (read its raw bytes and dequantize those instead).
+    A tensor in a block format (GGUF Q4_K, ...) comes back dequantized, in `dtype` (bitwise the gguf reference in
+    float32; another dtype is that value rounded once). Rows a GGUF converter permuted for llama.cpp's rope
+    (`ref.rope_heads`) come back in Hugging Face order. Raises CheckpointError (naming the file and tensor) when the
+    file is missing, short, not the version its header was read from (`ref.stamp`), or the byte count does not
+    match the dtype and shape.
     """
+    if ref.quantized:
+        return _read_blocks(ref, dtype)
     expected = ref.numel * ref.itemsize
     if ref.nbytes != expected:
         raise CheckpointError(
@@ -23,6 +26,28 @@ def read_tensor(ref: TensorRef) -> torch.Tensor:
             file=ref.path,
             tensor=ref.name,
         )
+    out = read_bytes(ref).view(ref.torch_dtype).reshape(ref.shape)
+    order = ref.row_order()
+    return out if order is None else out[order]
+
+
+def _read_blocks(ref: TensorRef, dtype: torch.dtype) -> torch.Tensor:
+    from ..quant import ggml
+
+    rows = ref.numel // ref.shape[-1]
+    raw = read_bytes(ref).view(rows, ref.row_nbytes)  # whole blocks per row
+    order = ref.row_order()
+    if order is not None:
+        raw = raw[order]
+    out = torch.empty(ref.shape, dtype=dtype)
+    try:
+        return ggml.dequantize(raw, ref.dtype, shape=ref.shape, out=out)
+    except ValueError as e:
+        raise CheckpointError(str(e), file=ref.path, tensor=ref.name) from None
+
+
+def read_bytes(ref: TensorRef) -> torch.Tensor:
+    """`ref`'s bytes as stored: uint8 [nbytes] (CheckpointError as read_tensor)."""
     raw = torch.empty(ref.nbytes, dtype=torch.uint8)  # [nbytes], filled in place
     if ref.nbytes:
         view = memoryview(raw.numpy()).cast("B")
@@ -44,6 +69,4 @@ def read_tensor(ref: TensorRef) -> torch.Tensor:
                     done += n
         except OSError as e:
             raise CheckpointError(f"cannot read: {e}", file=ref.path, tensor=ref.name) from e
-    out = raw.view(ref.torch_dtype).reshape(ref.shape)
-    order = ref.row_order()
-    return out if order is None else out[order]
+    return raw

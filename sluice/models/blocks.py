@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..store.base import ExpertStore
+from .experts import ExpertMath
 from .rope import apply_rope, rope_table
 from .spec import KVCache, MLPWeights, Spec, Weights
 
@@ -62,6 +63,7 @@ class Transformer:
         self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
         self.prerouter = prerouter
         self.act = ACTIVATIONS[spec.hidden_act]
+        self.expert_math = ExpertMath(dtype, self.act)
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
 
     # -- attention -------------------------------------------------------------------------------------------
@@ -141,13 +143,8 @@ class Transformer:
         return out
 
     def _expert(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of the j-th expert of `batch` on x [n, H] -> [n, H], straight from the slot views."""
-        gu = batch.gate_up[batch.slots[j]]  # [2I, H]
-        dn = batch.down[batch.slots[j]]  # [H, I]
-        if gu.dtype != x.dtype:  # streamed slots keep the checkpoint dtype
-            gu, dn = gu.to(x.dtype), dn.to(x.dtype)
-        g, u = F.linear(x, gu).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(self.act(g) * u, dn)
+        """SwiGLU of the j-th expert of `batch` on x [n, H] -> [n, H], straight from the slots (models/experts.py)."""
+        return self.expert_math(batch, j, x)
 
     def _experts_one_token(
         self, L: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor

@@ -9,25 +9,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .layout import ExpertFormat
 
 
 @dataclass
 class ExpertBatch:
     """Weights of a set of experts of one layer, as views into slot stacks.
 
-    gate_up: [S, 2I, H] (gate rows first, then up), down: [S, H, I]; `slots[j]` holds the j-th requested expert.
-    `pending[j]`, when present, blocks until slot j's bytes have landed: a streaming store returns as soon as its
-    reads are queued, so the math can run the experts already in memory while the disk fills the others. Call
-    `wait(j)` before touching slot j (`ready(j)` says whether that would block).
+    raw: uint8 [S, slot bytes], each slot one expert as stored (layout.ExpertFormat `format` says where gate, up and
+    down are and in which format). When the layer's experts are plain (BF16/F16/F32), gate_up [S, 2I, H] (gate rows
+    first, then up) and down [S, H, I] are typed views of the same slots (None otherwise). `slots[j]` holds the j-th
+    requested expert. `pending[j]`, when present, blocks until slot j's bytes have landed: a streaming store returns
+    as soon as its reads are queued, so the math can run the experts already in memory while the disk fills the
+    others. Call `wait(j)` before touching slot j (`ready(j)` says whether that would block).
     """
 
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
     slots: list[int]
     pending: dict[int, Callable[[], None]] = field(default_factory=dict)
+    raw: torch.Tensor | None = None
+    format: "ExpertFormat | None" = None
 
     def ready(self, j: int) -> bool:
         return j not in self.pending

@@ -1,4 +1,4 @@
-"""Where each expert's bytes are: (layer, expert) -> byte ranges that land in a slot's gate_up / down buffers.
+"""Where each expert's bytes are: (layer, expert) -> byte ranges that land in one slot buffer, and how they are stored.
 
 The unit of streaming is one expert of one layer. Three checkpoint layouts are read:
 - per expert (hub, `save_pretrained` default): `{p}.experts.{e}.gate_proj.weight [I, H]`, `up_proj [I, H]`,
@@ -7,8 +7,13 @@ The unit of streaming is one expert of one layer. Three checkpoint layouts are r
   [E, 2I, H]` and `{p}.experts.down_proj [E, H, I]` -> expert e is one contiguous slice of each, two ranges;
 - stacked (GGUF `ffn_{gate,up,down}_exps`, see checkpoint/gguf_index.py): `{p}.experts.gate_proj [E, I, H]`,
   `up_proj [E, I, H]`, `down_proj [E, H, I]` -> one contiguous slice of each, three ranges.
-Either way a slot holds gate_up [2I, H] (gate rows, then up rows) and down [H, I] in the checkpoint's dtype; for a
-block format (GGUF Q4_K, ...) the same rows as whole blocks, `ref.row_nbytes` bytes per row.
+
+A slot is one uint8 buffer holding the expert's bytes as stored (`ExpertFormat`): gate, then up, then down, each a
+`QuantSpec` (quant/kernels.py) -- plain BF16/F16/F32 rows, or GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row.
+Nothing converts them between the read and the math: the kernels compute from the stored bytes. Formats may differ
+between layers (a Q4_K_M file stores some layers' down projections as Q6_K); slots are sized for the largest.
+When every layer's experts are one plain dtype (`plain_dtype`), gate and up are back to back, so the store can
+view a slot as gate_up [2I, H] and down [H, I] of that dtype.
 """
 
 from __future__ import annotations
@@ -16,20 +21,75 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
+import torch
+
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
 from ..io.ranges import ReadRange
 from ..models.spec import Spec
+from ..quant import QuantSpec, UnsupportedFormat
+
+_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+ALIGN = 64  # quantized projections start at 64-byte offsets inside a slot (SIMD loads of whole blocks)
 
 
 @dataclass(frozen=True)
 class ExpertPart:
-    """One contiguous byte range of one expert: lands at byte `dest_offset` of the slot's `proj` buffer."""
+    """One contiguous byte range of one expert: lands at byte `dest_offset` of the expert's slot."""
 
-    proj: str  # "gate_up" | "down"
+    proj: str  # "gate" | "up" | "down" | "gate_up" (fused: gate and up rows in one range)
     dest_offset: int
     range: ReadRange
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """How one expert of one layer is stored in its slot: the three projections and where each starts."""
+
+    gate: QuantSpec  # [I, H]
+    up: QuantSpec  # [I, H]
+    down: QuantSpec  # [H, I]
+    up_offset: int
+    down_offset: int
+    nbytes: int  # one expert's slot bytes (the stored bytes, plus alignment padding between quantized projections)
+
+    @staticmethod
+    def of(gate: QuantSpec, up: QuantSpec, down: QuantSpec) -> "ExpertFormat":
+        # gate and up of one format stay back to back: [gate; up] is one [2I, H] matrix of whole rows, one matmul
+        # (or one kernel call) for both; plain experts of one dtype keep down right after them too
+        up_offset = gate.nbytes if up.name == gate.name else _aligned(gate.nbytes)
+        end = up_offset + up.nbytes
+        down_offset = end if gate.plain and down.name == gate.name == up.name else _aligned(end)
+        return ExpertFormat(gate, up, down, up_offset, down_offset, down_offset + down.nbytes)
+
+    @property
+    def gate_up(self) -> QuantSpec | None:
+        """[gate; up] as one [2I, H] weight when both are stored in one format, back to back; else None."""
+        if self.up.name != self.gate.name or self.up_offset != self.gate.nbytes:
+            return None
+        return QuantSpec.ggml(self.gate.name, 2 * self.gate.out_features, self.gate.in_features)
+
+    def spec(self, proj: str) -> QuantSpec:
+        return {"gate": self.gate, "up": self.up, "down": self.down}[proj]
+
+    def offset(self, proj: str) -> int:
+        return {"gate": 0, "up": self.up_offset, "down": self.down_offset}[proj]
+
+    @property
+    def plain_dtype(self) -> torch.dtype | None:
+        """The torch dtype when all three projections are plain and of one dtype, else None."""
+        names = {self.gate.name, self.up.name, self.down.name}
+        return _PLAIN[self.gate.name] if len(names) == 1 and self.gate.plain else None
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes read from disk for one expert (no padding)."""
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def moe_prefix(index: CheckpointIndex, arch: ModuleType, layer: int) -> str:
@@ -43,36 +103,34 @@ def moe_prefix(index: CheckpointIndex, arch: ModuleType, layer: int) -> str:
 
 
 class ExpertLayout:
-    """Byte ranges of every expert of every MoE layer, validated against the Spec's shapes and one dtype."""
+    """Byte ranges and storage format of every expert of every MoE layer, validated against the Spec's shapes."""
 
     def __init__(self, index: CheckpointIndex, spec: Spec, arch: ModuleType):
         self.spec = spec
         H, I = spec.hidden_size, spec.moe_intermediate_size
         self.gate_up_shape, self.down_shape = (2 * I, H), (H, I)
-        self.dtype: str | None = None
         self._parts: dict[tuple[int, int], list[ExpertPart]] = {}
+        self._formats: dict[int, ExpertFormat] = {}
         self.kind: str | None = None  # "per_expert" | "fused" | "stacked"
         for layer, sparse in enumerate(spec.moe_layers):
             if sparse:
                 self._index_layer(index, arch, layer)
         self.fused = None if self.kind is None else self.kind != "per_expert"  # one tensor holds all experts
-        if self.dtype is None:
-            self.dtype = "F32"
-        from ..checkpoint.ref import DTYPES
-
-        if self.dtype not in DTYPES:
-            # TODO(issue 14): the stores allocate slots in a torch dtype; quantized experts need byte slots and the
-            # kernels in sluice/quant. Until then, refuse cleanly here.
-            raise CheckpointError(f"experts stored as {self.dtype} (a block format) cannot be streamed yet",
-                                  file=str(index.folder))
-        self.itemsize = DTYPES[self.dtype][0]
-        self.gate_up_nbytes = 2 * I * H * self.itemsize
-        self.down_nbytes = H * I * self.itemsize
+        formats = set(self._formats.values())
+        if not formats:  # no MoE layer: nothing is ever acquired
+            f32 = QuantSpec.ggml("F32", I, H)
+            formats = {ExpertFormat.of(f32, f32, QuantSpec.ggml("F32", H, I))}
+        self.slot_nbytes = max(f.nbytes for f in formats)
+        dtypes = {f.plain_dtype for f in formats}
+        #: the experts' torch dtype when every layer stores them in one plain dtype (slots then have typed views)
+        self.plain_dtype: torch.dtype | None = dtypes.pop() if len(dtypes) == 1 else None
+        #: the format names, e.g. {"Q4_K", "Q6_K"}: what `inspect` and the stats report
+        self.format_names = sorted({s.name for f in formats for s in (f.gate, f.up, f.down)})
 
     @property
     def expert_nbytes(self) -> int:
-        """Bytes of one expert (all projections)."""
-        return self.gate_up_nbytes + self.down_nbytes
+        """Bytes of one expert's slot (the largest layer's): the unit of the memory budget."""
+        return self.slot_nbytes
 
     @property
     def layers(self) -> list[int]:
@@ -86,67 +144,81 @@ class ExpertLayout:
     def parts(self, layer: int, expert: int) -> list[ExpertPart]:
         return self._parts[(layer, expert)]
 
+    def format(self, layer: int) -> ExpertFormat:
+        return self._formats[layer]
+
     # -- building ----------------------------------------------------------------------------------------------
-    def _check(self, ref: TensorRef, shape: tuple[int, ...]) -> TensorRef:
+    def _spec_of(self, ref: TensorRef, shape: tuple[int, ...]) -> QuantSpec:
+        """The QuantSpec of one expert's projection [out, in] stored in `ref` (whose shape is `shape`)."""
         if tuple(ref.shape) != tuple(shape):
             raise CheckpointError(
                 f"shape {list(ref.shape)} does not match config.json (expected {list(shape)})",
                 file=ref.path,
                 tensor=ref.name,
             )
-        if self.dtype is None:
-            self.dtype = ref.dtype
-        elif ref.dtype != self.dtype:
-            raise CheckpointError(
-                f"dtype {ref.dtype} differs from the other experts' {self.dtype}; sluice needs one expert dtype",
-                file=ref.path,
-                tensor=ref.name,
-            )
-        return ref
+        out_features, in_features = shape[-2], shape[-1]
+        if len(shape) == 3 and ref.nbytes % shape[0]:
+            raise CheckpointError(f"{ref.nbytes} bytes do not split into {shape[0]} experts", file=ref.path,
+                                  tensor=ref.name)
+        try:
+            return QuantSpec.ggml(ref.dtype, out_features, in_features)
+        except (UnsupportedFormat, ValueError) as e:
+            raise CheckpointError(f"experts stored as {ref.dtype}: {e}", file=ref.path, tensor=ref.name) from None
+
+    def _set_format(self, layer: int, ref: TensorRef, gate: QuantSpec, up: QuantSpec,
+                    down: QuantSpec) -> ExpertFormat:
+        fmt = ExpertFormat.of(gate, up, down)
+        old = self._formats.setdefault(layer, fmt)
+        if old != fmt:
+            raise CheckpointError(f"experts of layer {layer} are stored in different formats ({old.gate.name}/"
+                                  f"{old.down.name} and {gate.name}/{down.name}); sluice needs one per layer",
+                                  file=ref.path, tensor=ref.name)
+        return fmt
 
     def _index_layer(self, index: CheckpointIndex, arch: ModuleType, layer: int) -> None:
         s = self.spec
         E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
         p = moe_prefix(index, arch, layer)
-        fused = f"{p}.experts.gate_up_proj" in index
         if f"{p}.experts.gate_proj" in index:
             self.kind = "stacked"
             self._stacked_layer(index, p, layer)
             return
+        fused = f"{p}.experts.gate_up_proj" in index
         if self.kind is None:
             self.kind = "fused" if fused else "per_expert"
         if fused:
-            gu = self._check(index[f"{p}.experts.gate_up_proj"], (E, 2 * I, H))
-            dn = self._check(index[f"{p}.experts.down_proj"], (E, H, I))
+            gu = index[f"{p}.experts.gate_up_proj"]
+            dn = index[f"{p}.experts.down_proj"]
+            half = self._spec_of(gu, (E, 2 * I, H))
+            gate = up = QuantSpec.ggml(half.name, I, H)  # gate rows, then up rows: one range of whole rows
+            down = self._spec_of(dn, (E, H, I))
+            fmt = self._set_format(layer, gu, gate, up, down)  # gate and up back to back: one range fills both
             gu_n, dn_n = gu.nbytes // E, dn.nbytes // E
             for e in range(E):
                 self._parts[(layer, e)] = [
                     ExpertPart("gate_up", 0, ReadRange(gu.path, gu.offset + e * gu_n, gu_n)),
-                    ExpertPart("down", 0, ReadRange(dn.path, dn.offset + e * dn_n, dn_n)),
+                    ExpertPart("down", fmt.down_offset, ReadRange(dn.path, dn.offset + e * dn_n, dn_n)),
                 ]
             return
         g_name, u_name, d_name = arch.EXPERT_PROJ
         for e in range(E):
             base = f"{p}.experts.{e}"
-            g = self._check(index[f"{base}.{g_name}.weight"], (I, H))
-            u = self._check(index[f"{base}.{u_name}.weight"], (I, H))
-            d = self._check(index[f"{base}.{d_name}.weight"], (H, I))
-            self._parts[(layer, e)] = [
-                ExpertPart("gate_up", 0, ReadRange(g.path, g.offset, g.nbytes)),
-                ExpertPart("gate_up", g.nbytes, ReadRange(u.path, u.offset, u.nbytes)),
-                ExpertPart("down", 0, ReadRange(d.path, d.offset, d.nbytes)),
-            ]
+            refs = {"gate": index[f"{base}.{g_name}.weight"], "up": index[f"{base}.{u_name}.weight"],
+                    "down": index[f"{base}.{d_name}.weight"]}
+            specs = {k: self._spec_of(r, (H, I) if k == "down" else (I, H)) for k, r in refs.items()}
+            fmt = self._set_format(layer, refs["gate"], specs["gate"], specs["up"], specs["down"])
+            self._parts[(layer, e)] = [ExpertPart(k, fmt.offset(k), ReadRange(r.path, r.offset, r.nbytes))
+                                       for k, r in refs.items()]
 
     def _stacked_layer(self, index: CheckpointIndex, p: str, layer: int) -> None:
         s = self.spec
         E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
-        g = self._check(index[f"{p}.experts.gate_proj"], (E, I, H))
-        u = self._check(index[f"{p}.experts.up_proj"], (E, I, H))
-        d = self._check(index[f"{p}.experts.down_proj"], (E, H, I))
-        g_n, d_n = g.nbytes // E, d.nbytes // E  # experts are the outermost dim: expert e is one contiguous slice
-        for e in range(E):
+        refs = {"gate": index[f"{p}.experts.gate_proj"], "up": index[f"{p}.experts.up_proj"],
+                "down": index[f"{p}.experts.down_proj"]}
+        specs = {k: self._spec_of(r, (E, H, I) if k == "down" else (E, I, H)) for k, r in refs.items()}
+        fmt = self._set_format(layer, refs["gate"], specs["gate"], specs["up"], specs["down"])
+        for e in range(E):  # experts are the outermost dim: expert e is one contiguous slice of each
             self._parts[(layer, e)] = [
-                ExpertPart("gate_up", 0, ReadRange(g.path, g.offset + e * g_n, g_n)),
-                ExpertPart("gate_up", g_n, ReadRange(u.path, u.offset + e * g_n, g_n)),
-                ExpertPart("down", 0, ReadRange(d.path, d.offset + e * d_n, d_n)),
+                ExpertPart(k, fmt.offset(k), ReadRange(r.path, r.offset + e * (r.nbytes // E), r.nbytes // E))
+                for k, r in refs.items()
             ]

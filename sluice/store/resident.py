@@ -11,52 +11,69 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from ..checkpoint.ref import DTYPES
 from .base import ExpertBatch
 from .layout import ExpertLayout
 
 
-def expert_requests(layout: ExpertLayout, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor):
-    """(ReadRange, destination) pairs that fill one expert's slot views gate_up [2I, H] and down [H, I]."""
-    bufs = {"gate_up": gate_up.view(-1).view(torch.uint8), "down": down.view(-1).view(torch.uint8)}
-    return [
-        (part.range, bufs[part.proj][part.dest_offset : part.dest_offset + part.range.nbytes])
-        for part in layout.parts(layer, expert)
-    ]
+def expert_requests(layout: ExpertLayout, layer: int, expert: int, slot: torch.Tensor):
+    """(ReadRange, destination) pairs that fill one expert's slot (uint8 [slot bytes]) with its stored bytes."""
+    return [(part.range, slot[part.dest_offset : part.dest_offset + part.range.nbytes])
+            for part in layout.parts(layer, expert)]
+
+
+def typed_views(layout: ExpertLayout, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """gate_up [S, 2I, H] and down [S, H, I] viewing raw uint8 [S, slot bytes] in the experts' plain dtype, or
+    (None, None) when the experts are stored quantized (the kernels read raw)."""
+    dt = layout.plain_dtype
+    if dt is None:
+        return None, None
+    S, item = raw.shape[0], torch.tensor([], dtype=dt).element_size()
+    typed = raw.view(dt)  # [S, slot bytes / itemsize]
+    fmt = layout.format(layout.layers[0]) if layout.layers else None
+    gu_n = layout.gate_up_shape[0] * layout.gate_up_shape[1]
+    dn_at = fmt.down_offset // item if fmt is not None else gu_n
+    dn_n = layout.down_shape[0] * layout.down_shape[1]
+    return typed[:, :gu_n].view(S, *layout.gate_up_shape), typed[:, dn_at : dn_at + dn_n].view(S, *layout.down_shape)
 
 
 class ResidentExpertStore:
-    """All experts resident, stacked per layer as gate_up [E, 2I, H] and down [E, H, I] in the compute dtype."""
+    """All experts resident. Plain experts are stacked per layer as gate_up [E, 2I, H] and down [E, H, I] in the
+    compute dtype; quantized experts stay in their stored bytes, raw [E, slot bytes] per layer (the kernels compute
+    from them: a Q4_K model stays ~4.5 bits per weight in memory)."""
 
     def __init__(self, layout: ExpertLayout, reader, dtype: torch.dtype, progress: bool = False):
         s = layout.spec
         self.max_batch = s.num_experts
         self.layout = layout
-        raw_dtype = DTYPES[layout.dtype][1]
         self.gate_up: dict[int, torch.Tensor] = {}
         self.down: dict[int, torch.Tensor] = {}
+        self.raw: dict[int, torch.Tensor] = {}
         self.bytes_read = 0
         self.requests = 0
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
         for layer in tqdm(layout.layers, desc="loading experts", unit="layer", disable=not progress, leave=False):
-            gu = torch.empty((s.num_experts, *layout.gate_up_shape), dtype=raw_dtype)
-            dn = torch.empty((s.num_experts, *layout.down_shape), dtype=raw_dtype)
+            raw = torch.empty((s.num_experts, layout.slot_nbytes), dtype=torch.uint8)
             reqs = []
             for e in range(s.num_experts):
-                reqs += expert_requests(layout, layer, e, gu[e], dn[e])
+                reqs += expert_requests(layout, layer, e, raw[e])
             reader.read(reqs)
             self.bytes_read += sum(r.nbytes for r, _ in reqs)
-            self.gate_up[layer] = gu.to(dtype)
-            self.down[layer] = dn.to(dtype)
+            gu, dn = typed_views(layout, raw)
+            if gu is None:
+                self.raw[layer] = raw
+            else:  # contiguous copies in the compute dtype (the math indexes them per expert)
+                self.gate_up[layer] = gu.to(dtype, copy=True).contiguous()
+                self.down[layer] = dn.to(dtype, copy=True).contiguous()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.gate_up, self.down) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.gate_up, self.down, self.raw) for t in d.values())
 
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         self.requests += len(experts)
         self.usage[layer, list(experts)] += 1
-        return ExpertBatch(self.gate_up[layer], self.down[layer], list(experts))
+        return ExpertBatch(self.gate_up.get(layer), self.down.get(layer), list(experts), raw=self.raw.get(layer),
+                           format=self.layout.format(layer))
 
     def release(self, layer: int) -> None:
         pass

@@ -17,13 +17,12 @@ from typing import Sequence
 
 import torch
 
-from ..checkpoint.ref import DTYPES
 from .base import ExpertBatch
 from .budget import plan_budget
 from .layout import ExpertLayout
 from .policy import FairShareLFU, GlobalLRU, Key
 from .prefetch import PrefetchTracker
-from .resident import expert_requests
+from .resident import expert_requests, typed_views
 
 
 class StreamingExpertStore:
@@ -38,11 +37,10 @@ class StreamingExpertStore:
         self.layout, self.reader, self.overlap = layout, reader, overlap
         self.n_slots = slots
         self.max_batch = slots
-        raw = DTYPES[layout.dtype][1]
-        # The only large allocation of the store: written in place for the whole run.
-        # zeros, not empty: first-touch page faults happen here at load, not inside timed decode steps
-        self.gate_up = torch.zeros((slots, *layout.gate_up_shape), dtype=raw)  # [S, 2I, H]
-        self.down = torch.zeros((slots, *layout.down_shape), dtype=raw)  # [S, H, I]
+        # The only large allocation of the store: written in place for the whole run, each slot one expert as
+        # stored. zeros, not empty: first-touch page faults happen here at load, not inside timed decode steps
+        self.raw = torch.zeros((slots, layout.slot_nbytes), dtype=torch.uint8)  # [S, slot bytes]
+        self.gate_up, self.down = typed_views(layout, self.raw)  # [S, 2I, H], [S, H, I] when plain, else None
         self.policy = policy if policy is not None else FairShareLFU(layout.layers, s.num_experts, s.top_k, slots)
         self._owner: list[Key | None] = [None] * slots
         self._free = list(range(slots - 1, -1, -1))
@@ -66,7 +64,7 @@ class StreamingExpertStore:
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        return self.raw.numel()
 
     def _victim(self, layer: int, exclude: set | None = None) -> int | None:
         """A slot for an expert of `layer`: a free one, else one the policy evicts.
@@ -138,7 +136,7 @@ class StreamingExpertStore:
                     assert slot is not None, "acquire asks for at most max_batch experts"
                     self._insert(key, slot)
                     self._pinned.add(slot)
-                    requests = expert_requests(self.layout, layer, e, self.gate_up[slot], self.down[slot])
+                    requests = expert_requests(self.layout, layer, e, self.raw[slot])
                     self.misses += 1
                     slots[j] = slot
                     inflight[j] = self.reader.submit(requests)
@@ -148,7 +146,8 @@ class StreamingExpertStore:
             raise
         finally:
             self.io_wait_s += time.perf_counter() - t0
-        batch = ExpertBatch(self.gate_up, self.down, slots, {j: functools.partial(self._wait, j) for j in inflight})
+        batch = ExpertBatch(self.gate_up, self.down, slots, {j: functools.partial(self._wait, j) for j in inflight},
+                            raw=self.raw, format=self.layout.format(layer))
         if not self.overlap:
             batch.wait_all()
         if (deferred := self.prefetching.take_deferred()) is not None:
@@ -228,7 +227,7 @@ class StreamingExpertStore:
                 break
             placing.add(key)
             self._insert(key, slot)
-            requests += expert_requests(self.layout, layer, e, self.gate_up[slot], self.down[slot])
+            requests += expert_requests(self.layout, layer, e, self.raw[slot])
             keys.append(key)
         if not requests:
             return

@@ -77,7 +77,7 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
 def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, lazy_embed: bool = False) -> Weights:
     """Read every resident tensor and assemble the Weights struct in `dtype` (`lazy_embed`: leave the token
     embedding on disk; the model then gathers its rows through a RowTable)."""
-    t = {role: read_tensor(ref).to(dtype) for role, ref in refs.items() if not (lazy_embed and role == "embed")}
+    t = {role: read_tensor(ref, dtype).to(dtype) for role, ref in refs.items() if not (lazy_embed and role == "embed")}
 
     def mlp(prefix: str) -> MLPWeights | None:
         if prefix + "gate" not in t:

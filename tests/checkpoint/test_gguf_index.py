@@ -94,14 +94,16 @@ def test_expert_layout_reads_stacked_experts(pair):
     assert layout.kind == "stacked" and layout.fused
     sd = model.state_dict()
     for layer, e in ((0, 0), (1, spec.num_experts - 1)):
-        buf = {"gate_up": bytearray(layout.gate_up_nbytes), "down": bytearray(layout.down_nbytes)}
+        buf = bytearray(layout.slot_nbytes)  # one expert's slot: gate, up, down as stored
         for part in layout.parts(layer, e):
             with open(part.range.path, "rb") as f:
                 f.seek(part.range.offset)
                 data = f.read(part.range.nbytes)
-            buf[part.proj][part.dest_offset:part.dest_offset + len(data)] = data
-        gu = torch.frombuffer(buf["gate_up"], dtype=torch.float32).view(layout.gate_up_shape)
-        dn = torch.frombuffer(buf["down"], dtype=torch.float32).view(layout.down_shape)
+            buf[part.dest_offset:part.dest_offset + len(data)] = data
+        fmt = layout.format(layer)
+        values = torch.frombuffer(buf, dtype=torch.float32)
+        gu = values[: fmt.down_offset // 4].view(layout.gate_up_shape)
+        dn = values[fmt.down_offset // 4 :].view(layout.down_shape)
         assert torch.equal(gu, sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e])
         assert torch.equal(dn, sd[f"model.layers.{layer}.mlp.experts.down_proj"][e])
 
@@ -240,7 +242,7 @@ def test_export_gguf_round_trip_config(tmp_path):
         assert torch.equal(a.logits(IDS), b.logits(IDS))
 
 
-def test_quantized_file_opens_and_fails_cleanly_at_load(tmp_path):
+def test_quantized_file_opens_and_loads(tmp_path):
     model = hf_model("qwen3_moe", **GGUF_TINY["qwen3_moe"])
 
     def pick(name: str):
@@ -254,8 +256,8 @@ def test_quantized_file_opens_and_fails_cleanly_at_load(tmp_path):
         assert (ref.offset, ref.nbytes, ref.dtype) == (t.data_offset, t.n_bytes, t.tensor_type.name), hname
     assert index["model.layers.0.mlp.experts.gate_proj"].dtype == "Q8_0"
     assert index["model.layers.0.self_attn.q_proj.weight"].quantized
-    with pytest.raises(CheckpointError, match=r"blk.0.attn_q.weight.*Q4_0, a block format"):
-        sluice.load(path, memory="all")
+    with sluice.load(path, memory="all", dtype="float32") as m:  # block formats are dequantized (tests/quant)
+        assert torch.isfinite(m.logits(IDS)).all()
 
 
 # -- names -------------------------------------------------------------------------------------------------------------
@@ -378,6 +380,7 @@ def test_cli_takes_a_gguf(qwen3, tmp_path):
     info = json.loads(r.stdout)
     assert info["model_type"] == "qwen3_moe" and info["expert_layout"] == "stacked" and info["dtype"] == "F32"
     quantized = convert(qwen3, tmp_path / "q.gguf", qtype=lambda name: Q.Q8_0)
-    r = cli("inspect", str(quantized))
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "error: file " in r.stderr and "Q8_0" in r.stderr and "a block format" in r.stderr  # one clean line
+    r = cli("inspect", str(quantized), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["dtype"] == "Q8_0"  # experts are reported in their stored format

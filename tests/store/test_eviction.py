@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sluice.io.ranges import ReadRange
 from sluice.store.layout import ExpertPart
@@ -24,11 +26,19 @@ class _NullReader:
         return SimpleNamespace(result=lambda: None)
 
 
+def fake_layout(spec, layers, parts, gate_up_shape, down_shape, dtype=torch.bfloat16) -> SimpleNamespace:
+    """What the streaming store reads of an ExpertLayout, for plain experts: one slot = gate_up bytes then down."""
+    gu, dn = math.prod(gate_up_shape) * dtype.itemsize, math.prod(down_shape) * dtype.itemsize
+    fmt = SimpleNamespace(down_offset=gu)
+    return SimpleNamespace(spec=spec, layers=layers, plain_dtype=dtype, gate_up_shape=gate_up_shape,
+                           down_shape=down_shape, slot_nbytes=gu + dn, expert_nbytes=gu + dn, parts=parts,
+                           format=lambda layer: fmt)
+
+
 def _store(slots: int, policy=None) -> StreamingExpertStore:
     spec = SimpleNamespace(n_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, moe_layers=[True] * LAYERS)
-    part = [ExpertPart("gate_up", 0, ReadRange("/dev/null", 0, 16)), ExpertPart("down", 0, ReadRange("/dev/null", 0, 8))]
-    layout = SimpleNamespace(spec=spec, layers=list(range(LAYERS)), dtype="BF16", gate_up_shape=(4, 2),
-                             down_shape=(2, 2), expert_nbytes=24, parts=lambda layer, e: part)
+    part = [ExpertPart("gate_up", 0, ReadRange("/dev/null", 0, 16)), ExpertPart("down", 16, ReadRange("/dev/null", 0, 8))]
+    layout = fake_layout(spec, list(range(LAYERS)), lambda layer, e: part, (4, 2), (2, 2))
     return StreamingExpertStore(layout, _NullReader(), slots, policy=policy)
 
 
@@ -109,10 +119,9 @@ def _marked_store(slots: int) -> StreamingExpertStore:
 
     def parts(layer, e):
         off = (layer * EXPERTS + e) * 64
-        return [ExpertPart("gate_up", 0, ReadRange("/fake", off, 16)), ExpertPart("down", 0, ReadRange("/fake", off, 8))]
+        return [ExpertPart("gate_up", 0, ReadRange("/fake", off, 16)), ExpertPart("down", 16, ReadRange("/fake", off, 8))]
 
-    layout = SimpleNamespace(spec=spec, layers=list(range(LAYERS)), dtype="U8", gate_up_shape=(4, 4),
-                             down_shape=(2, 4), expert_nbytes=24, parts=parts)
+    layout = fake_layout(spec, list(range(LAYERS)), parts, (4, 4), (2, 4), torch.uint8)
     return StreamingExpertStore(layout, _MarkingReader(), slots)
 
 
@@ -183,9 +192,8 @@ def test_a_layers_favourite_expert_survives_a_short_absence():
     """Within a layer the victim is the least used (decayed count), not the least recent: an expert the router
     keeps choosing stays cached while a run of one-off experts passes through (plain LRU would evict it first)."""
     spec = SimpleNamespace(n_layers=1, num_experts=8, top_k=1, moe_layers=[True])
-    part = [ExpertPart("gate_up", 0, ReadRange("/dev/null", 0, 16)), ExpertPart("down", 0, ReadRange("/dev/null", 0, 8))]
-    layout = SimpleNamespace(spec=spec, layers=[0], dtype="BF16", gate_up_shape=(4, 2), down_shape=(2, 2),
-                             expert_nbytes=24, parts=lambda layer, e: part)
+    part = [ExpertPart("gate_up", 0, ReadRange("/dev/null", 0, 16)), ExpertPart("down", 16, ReadRange("/dev/null", 0, 8))]
+    layout = fake_layout(spec, [0], lambda layer, e: part, (4, 2), (2, 2))
     store = StreamingExpertStore(layout, _NullReader(), 3)
     for e in [0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 0]:  # 0 is the favourite; 1..5 each come once
         store.acquire(0, [e]).wait_all()

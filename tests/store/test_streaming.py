@@ -121,10 +121,9 @@ class _SpyReader:
         for _, dest in requests if self.in_prefetch else ():
             base = dest.data_ptr()
             for s in store._pinned:
-                for stack in (store.gate_up, store.down):
-                    start = stack[s].data_ptr()
-                    if start <= base < start + stack[s].numel() * stack.element_size():
-                        self.violations += 1
+                start = store.raw[s].data_ptr()
+                if start <= base < start + store.raw.shape[1]:
+                    self.violations += 1
         return self.inner.submit(requests)
 
     def __getattr__(self, name):
@@ -169,7 +168,8 @@ def test_decode_allocates_no_weight_sized_tensor(model_dir, reference):
             for pos, tok in enumerate(IDS[6:10], start=8):
                 m.model.forward(torch.tensor([tok]), pos)
         assert m.store.misses > misses0  # the profiled steps did read experts into slots
-        smallest_projection = min(m.layout.gate_up_nbytes, m.layout.down_nbytes)
+        fmt = m.layout.format(m.layout.layers[0])
+        smallest_projection = min(fmt.gate.nbytes, fmt.down.nbytes)
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert 0 < largest < smallest_projection
 

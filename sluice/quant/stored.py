@@ -1,0 +1,31 @@
+"""y = x @ W^T straight from W's stored bytes (a slot holds an expert exactly as the checkpoint stores it).
+
+This is what the MoE math calls for quantized experts: nothing converts the bytes between the read and the math,
+so a miss costs one read and no repacking. The torch path below dequantizes the stored blocks into a reusable
+float32 scratch (bitwise the reference weights, quant/ggml.py) and runs one float32 matmul; the result is cast to
+the compute dtype. In float32 this is the exact reference computation the tests compare with.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import QuantSpec
+
+
+class StoredLinear:
+    """One projection's matmul from its stored bytes (uint8 [spec.nbytes]) at one compute dtype."""
+
+    def __init__(self, spec: QuantSpec, dtype: torch.dtype):
+        self.spec, self.dtype = spec, dtype
+
+    @property
+    def scratch_numel(self) -> int:
+        return self.spec.out_features * self.spec.in_features
+
+    def __call__(self, x: torch.Tensor, raw: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> y [T, out] in the compute dtype; `scratch` float32 with >= scratch_numel elements."""
+        s = self.spec
+        w = s.dequantize(raw, out=scratch[: self.scratch_numel].view(s.out_features, s.in_features))
+        return F.linear(x.float(), w).to(self.dtype)
