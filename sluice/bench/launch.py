@@ -21,7 +21,12 @@ MAX_COLD_FRACTION = 0.01  # "verified cold": at most 1% of the model's pages cac
 
 
 def model_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """Every regular file of the model folder (weights, config, tokenizer): all of it is what a run may read."""
+    """Every regular file of the model folder (weights, config, tokenizer): all of it is what a run may read.
+    A GGUF model is its file and, when split, its other parts (the checkpoint index finds them)."""
+    if Path(folder).is_file():
+        from ..checkpoint import CheckpointIndex
+
+        return sorted(Path(p) for p in CheckpointIndex.open(folder).files)
     return sorted(p for p in Path(folder).iterdir() if p.is_file())
 
 

@@ -1,6 +1,7 @@
 """Peer arms: the tools users would pick instead of sluice, run by `sluice bench` beside sluice's own arms.
 
-    --arm llama.cpp='peer:llama.cpp'                      llama-cpp-python on MODEL/model.gguf (`sluice export-gguf`)
+    --arm llama.cpp='peer:llama.cpp'                      llama-cpp-python on MODEL/model.gguf (`sluice export-gguf`),
+                                                          or on MODEL itself when it is a GGUF file
     --arm llama.cpp+random='peer:llama.cpp --madvise random'
     --arm accelerate='peer:accelerate --max-memory 256MiB' transformers + accelerate disk offload
 
@@ -89,8 +90,8 @@ def parse_peer(name: str, flags: str) -> tuple[str, dict[str, Any]]:
 def resolved(kind: str, options: dict[str, Any], model: str) -> dict[str, Any]:
     """Options with the model-dependent defaults filled in (the GGUF path)."""
     out = dict(options)
-    if kind == "llama.cpp" and not out.get("gguf"):
-        out["gguf"] = str(Path(model) / DEFAULT_GGUF)
+    if kind == "llama.cpp" and not out.get("gguf"):  # the model itself when it is a GGUF file
+        out["gguf"] = str(model) if Path(model).is_file() else str(Path(model) / DEFAULT_GGUF)
     return out
 
 

@@ -80,8 +80,9 @@ def disk_main(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> None:
     if args.model is None:
         raise BenchError("give MODEL and at least one --arm, or --disk PATH")
-    if not (Path(args.model) / "config.json").is_file():
-        raise BenchError(f"{args.model}: not a model folder (no config.json)")
+    model = Path(args.model)
+    if not ((model / "config.json").is_file() or (model.is_file() and model.suffix == ".gguf")):
+        raise BenchError(f"{args.model}: neither a model folder (no config.json) nor a .gguf file")
     for name, low in (("rounds", 1), ("steps", 1), ("warmup", 0)):
         if getattr(args, name) < low:
             raise BenchError(f"--{name} must be >= {low}, got {getattr(args, name)}")

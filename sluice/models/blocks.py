@@ -115,31 +115,40 @@ class Transformer:
     def experts(self, L: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's top-k experts, in ascending expert id (the reference's order, so bf16 sums match).
 
-        x [T, H], ids/weights [T, K]. Experts come from the store in passes of at most `store.max_batch`.
+        x [T, H], ids/weights [T, K]. Expert-major: the rows routed to each expert are gathered once into one
+        expert-sorted [T*K, H] block, each expert runs once on its contiguous slice (its bytes read once for the
+        whole chunk; experts come from the store in passes of at most `store.max_batch`, the ones in memory first,
+        the rest as their reads land), and one scatter puts every row back at (token, rank of its expert id among
+        the token's k). The k partial results are then added in ascending id, each from zeros: bitwise what the
+        decode path (and an index_add_ per expert) computes, whatever order the experts ran in.
         """
-        out = torch.zeros_like(x)
-        if x.shape[0] == 1:
-            return self._experts_one_token(L, x, ids, weights, out)
-        flat = ids.flatten()  # [T*K]
-        uniq, counts = torch.unique(flat, return_counts=True)  # ascending ids
-        order = torch.argsort(flat, stable=True)  # positions grouped by expert id
-        starts = torch.cumsum(counts, 0) - counts
-        eids, starts_l, counts_l = uniq.tolist(), starts.tolist(), counts.tolist()
-        K = ids.shape[1]
+        T, K = ids.shape
+        if T == 1:
+            return self._experts_one_token(L, x, ids, weights, torch.zeros_like(x))
+        ranked, rank_of = torch.sort(ids, dim=1, stable=True)  # [T, K]: each token's ids ascending
+        flat = ranked.flatten()  # [T*K], row t*K + r = token t's r-th smallest expert id
+        order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens ascending within one
+        eids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        starts = (torch.cumsum(counts, 0) - counts).tolist()
+        eids, counts = eids.tolist(), counts.tolist()
+        xs = x.index_select(0, order // K)  # [T*K, H] expert-sorted inputs, gathered once
+        ys = torch.empty_like(xs)  # [T*K, H] expert outputs, same order
         step = max(1, self.store.max_batch)
         for c0 in range(0, len(eids), step):
             chunk = eids[c0 : c0 + step]
             batch = self.store.acquire(L, chunk)
             try:
-                batch.wait_all()
-                for j, e in enumerate(chunk):
-                    sel = order[starts_l[c0 + j] : starts_l[c0 + j] + counts_l[c0 + j]]  # flat positions
-                    tok = sel // K  # [n] token rows
-                    kpos = sel % K
-                    y = self._expert(batch, j, x[tok]) * weights[tok, kpos, None]  # [n, H]
-                    out.index_add_(0, tok, y.to(out.dtype))
+                for j in sorted(range(len(chunk)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
+                    batch.wait(j)
+                    a, n = starts[c0 + j], counts[c0 + j]
+                    ys[a : a + n] = self._expert(batch, j, xs[a : a + n])
             finally:
                 self.store.release(L)
+        w = torch.gather(weights, 1, rank_of).flatten()[order, None]  # [T*K, 1] each row's routing weight
+        by_rank = torch.empty_like(xs).index_copy_(0, order, (ys * w).to(x.dtype)).view(T, K, -1)  # [T, K, H]
+        out = torch.zeros_like(x)
+        for r in range(K):
+            out += by_rank[:, r]
         return out
 
     def _expert(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:

@@ -124,3 +124,23 @@ def test_parse_arms_keeps_order_with_peers():
     arms = parse_arms(["d=--io direct", "l=peer:llama.cpp", "a=peer:accelerate"])
     assert [a.peer for a in arms] == [None, "llama.cpp", "accelerate"]
     assert Path(CHILD).is_file()
+
+
+def test_a_gguf_model_is_its_own_peer_file_and_cold_set(tmp_path):
+    """`sluice bench model.gguf`: llama.cpp reads the same file, and the cold protocol evicts every split part."""
+    from sluice.bench.launch import model_files
+    from sluice.commands.bench import _check
+    from tests.checkpoint.gguf_files import GGUF_TINY, convert
+    from tests.models.tiny import hf_model
+
+    first = convert(hf_model("qwen3_moe", **GGUF_TINY["qwen3_moe"]), tmp_path / "m.gguf", split_max_tensors=10)
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(parts) > 1 and first == parts[0]
+    assert model_files(first) == parts
+    arm = parse_arm("l=peer:llama.cpp")
+    assert peer_files(arm.peer, arm.options, str(first)) == [first]
+    args = cli.build_parser().parse_args(["bench", str(first), "--arm", "a=--io direct"])
+    _check(args)  # a .gguf file is a model
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(BenchError, match="neither a model folder .* nor a .gguf file"):
+        _check(cli.build_parser().parse_args(["bench", str(tmp_path / "notes.txt"), "--arm", "a=--io direct"]))
