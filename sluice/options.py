@@ -1,18 +1,28 @@
-"""Typed options with one documented default each. Unknown names are errors; sizes accept "4GiB" / "512MB"."""
+"""Load options: one declaration per option, from which come the LoadOptions type and its checks, the command-line
+flags (`add_load_arguments`), the way back from flags (`options_from_args`) and the README "Options" table
+(`options_table`). Unknown names are errors; sizes accept "4GiB" / "512MB".
+
+A new option is one `option(...)` field below, the code that uses it, and a test; every command that loads a model
+(run, chat, serve, inspect, bench arms) gets its flag from here.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .errors import ConfigError
+from .io import DEFAULT_WORKERS
+from .io import MODES as IO_MODES
+from .store.rows import MODES as EMBEDDING_MODES
 
-IO_MODES = ("mmap", "willneed", "direct")
-EMBEDDING_MODES = ("resident", "mmap", "direct")
 PREFETCH_MODES = ("none", "router", "learned")
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
@@ -58,89 +68,161 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-@dataclass
-class LoadOptions:
-    """How a model is loaded and run.
+# --- the declaration ----------------------------------------------------------------------------------------------
 
-    memory:        budget in bytes for resident weights + expert slots; None (or "all") = everything resident, no
-                   streaming; "auto" = resident when the model fits in the memory this process may still take
-                   (MemAvailable and any memory cgroup limit), else stream with that room, less the KV cache and a
-                   runtime reserve, as the budget (store/budget.py auto_memory).
-    io:            how expert bytes move: "mmap" (demand faults), "willneed" (mmap + MADV_WILLNEED hints),
-                   "direct" (pread by a worker pool into owned buffers). Also used for the resident load.
-    io_workers:    threads of the direct reader; 0 = the measured default of the reader; at most MAX_IO_WORKERS (64).
-    odirect:       open files with O_DIRECT (direct mode), so streamed bytes do not also fill the page cache. None
-                   (default) = auto: O_DIRECT when streaming and the experts cannot fit in the memory left beside the
-                   budget either (then page cache only adds a copy and constant reclaim: buffered reads measured
-                   1.3-1.6x slower in every benchmark under a ceiling), buffered otherwise (a roomy box keeps the
-                   model in page cache after the first pass). True / False force it.
-    dtype:         compute dtype: "auto" (the checkpoint's: float32 stays float32, bf16 stays bf16 -- on this class
-                   of CPU bf16 GEMV runs ~1.8x faster than float32, measured 2.8 vs 5.2 ms for 8 experts of
-                   2048x1536), or "float32" / "bfloat16" / "float16".
-    max_context:   KV cache positions allocated once at load (capped by the model's max_position_embeddings).
-    prefill_chunk: prompt tokens per forward pass during prefill.
-    threads:       torch intra-op threads; 0 = the CPUs this process may use (its affinity mask, capped by a cgroup CPU
-                   quota: sysmem.usable_cpus); at most MAX_THREADS (os.cpu_count()).
-    embeddings:    token embedding table: "resident", or rows read per batch ("mmap" | "direct") so the table
-                   stays on disk (forced resident when the LM head is tied to it).
-    prefetch:      "none", "router" or "learned": during decode, the hidden state after layer L's attention
-                   predicts layer L+1's experts, read in the background (streaming stores only). "router" applies
-                   layer L+1's router to it (training-free); "learned" applies heads fit by `sluice prerouter fit`,
-                   read from prerouter.safetensors beside the model (a CheckpointError when missing or stale).
-    prefetch_margin: experts predicted beyond top_k per token.
-    overlap:       streaming: run the experts already in memory while the others are read, each as soon as its
-                   bytes land (False: wait for all of a layer's reads first). Same output either way.
+_OPTION = "sluice.option"  # the dataclass field metadata key holding an Option
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one LoadOptions field is checked, offered as a flag and documented; the field's default is the default.
+
+    The kind of check follows from what is given: `parse` (a function value -> value raising ConfigError),
+    `choices` (strings; `aliases` are accepted and normalized first), `boolean` (a --x / --no-x flag; None is
+    accepted when the default is None, meaning auto) or `least` (an integer >= least, and <= `most` when given,
+    `most_why` saying why).
     """
 
-    memory: int | str | None = "auto"
-    io: str = "direct"
-    io_workers: int = 0
-    odirect: bool | None = None
-    dtype: str = "auto"
-    max_context: int = 4096
-    prefill_chunk: int = 256
-    threads: int = 0
-    embeddings: str = "resident"
-    prefetch: str = "none"
-    prefetch_margin: int = 0
-    overlap: bool = True
+    help: str  # --help text; " (default: SHOWN)" is appended
+    doc: str  # the README "Options" table's meaning column
+    shown: str | None = None  # the default as people read it where str(default) would mislead (0 = "measured")
+    metavar: str | None = None
+    parse: Callable[[Any], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    boolean: bool = False
+    least: int | None = None
+    most: int | None = None
+    most_why: str = ""
+
+    def check(self, name: str, value: Any, default: Any) -> Any:
+        """`value` as the option holds it (a size parsed, an alias resolved); ConfigError naming `name` if bad."""
+        if self.parse is not None:
+            return self.parse(value)
+        if self.choices is not None:
+            value = self.aliases.get(value, value) if isinstance(value, str) else value
+            if not isinstance(value, str) or value not in self.choices:
+                raise ConfigError(f"{name}: {value!r} is not one of {', '.join(self.choices)}")
+        elif self.boolean:
+            if not (isinstance(value, bool) or (value is None and default is None)):
+                auto = " or None (auto)" if default is None else ""
+                raise ConfigError(f"{name}: expected True or False{auto}, got {value!r}")
+        elif self.least is not None:
+            self._check_int(name, value, default)
+        return value
+
+    def _check_int(self, name: str, value: Any, default: Any) -> None:
+        if _is_int(value) and value >= self.least and (self.most is None or value <= self.most):
+            return
+        if self.most is not None:
+            least = f"{self.least} (the default)" if default == self.least else str(self.least)
+            raise ConfigError(f"{name}: must be an integer from {least} to {self.most} ({self.most_why}), got "
+                              f"{value!r}")
+        if self.least == 1:
+            raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        raise ConfigError(f"{name}: must be an integer >= {self.least}, got {value!r}")
+
+
+def option(default: Any, **declaration: Any) -> Any:
+    """A LoadOptions field: its default and its Option declaration (help, doc, checks; see Option)."""
+    return dataclasses.field(default=default, metadata={_OPTION: Option(**declaration)})
+
+
+def _parse_memory(value: Any) -> int | str | None:
+    if isinstance(value, str) and value.strip().lower() in ("auto", "all"):
+        return None if value.strip().lower() == "all" else "auto"
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ConfigError:
+        raise ConfigError(f"memory: expected auto, all, or a size like 4GiB / 512MB / a byte count, got "
+                          f"{value!r}") from None
+
+
+@dataclass
+class LoadOptions:
+    """How a model is loaded and run: one field per option, each declared with its flag help, README text and check
+    (see `option`); build one with `LoadOptions.make(**kwargs)` or from flags with `options_from_args`."""
+
+    # memory: bytes, or "auto" (store/budget.py auto_memory), or None ("all": everything resident, no streaming)
+    memory: int | str | None = option(
+        "auto", metavar="SIZE|auto|all", parse=_parse_memory,
+        help="budget for resident weights + expert cache, e.g. 4GiB; 'all' = everything resident; 'auto' = resident "
+             "if the model fits in the memory available (MemAvailable, cgroup limits), else stream experts with that "
+             "memory as the budget",
+        doc="budget for resident weights + expert slots (`4GiB`, `512MB`); too small -> error naming the smallest "
+            "budget that works. `auto`: everything resident if the model, the KV cache and a runtime reserve fit in "
+            "the memory this process may take (the smallest of `MemAvailable` and any memory cgroup limit around "
+            "it, e.g. a container's), else stream experts with that room as the budget; the stats line says which. "
+            "`all`: everything resident")
+    # io: also used for the resident load
+    io: str = option(
+        "direct", choices=IO_MODES, help="how expert bytes are read",
+        doc="how expert bytes are read: demand-faulted mapping, mapping + `MADV_WILLNEED`, or `pread` by a worker "
+            "pool into owned slot buffers")
+    # io_workers 0: the reader's measured default (io/direct.py DEFAULT_WORKERS)
+    io_workers: int = option(
+        0, metavar="N", least=0, most=MAX_IO_WORKERS, most_why="the disk saturates at ~8 reads in flight",
+        shown=f"measured, {DEFAULT_WORKERS}", help=f"direct-read threads, at most {MAX_IO_WORKERS}",
+        doc="direct-read threads")
+    # odirect None = auto (engine.py): O_DIRECT when streaming and the experts cannot fit in the memory left beside
+    # the budget either (then page cache only adds a copy and constant reclaim: buffered reads measured 1.3-1.6x
+    # slower in every benchmark under a ceiling), buffered otherwise (a roomy box keeps the model in page cache after
+    # the first pass). True / False force it.
+    odirect: bool | None = option(
+        None, boolean=True, shown="auto",
+        help="read with O_DIRECT, bypassing the page cache; auto = on when streaming a model that the memory left "
+             "beside the budget could not cache anyway",
+        doc="read with `O_DIRECT` so streamed bytes do not also fill the page cache. Auto: on when streaming with "
+            "`--io direct` and the experts could not fit in the memory left beside the budget anyway (buffered "
+            "reads then only add a copy and constant reclaim: 1.3-1.6x slower in every benchmark below); off when "
+            "the page cache can keep the model after one pass")
+    # dtype auto: float32 stays float32, bf16 stays bf16 (on this class of CPU bf16 GEMV runs ~1.8x faster than
+    # float32, measured 2.8 vs 5.2 ms for 8 experts of 2048x1536); quantized files compute in bf16 (engine.py)
+    dtype: str = option(
+        "auto", choices=("auto", *COMPUTE_DTYPES), aliases=_DTYPE_ALIASES,
+        help="compute dtype; auto = the checkpoint's",
+        doc="compute dtype: the checkpoint's (bf16 stays bf16, quantized experts compute in bf16), or float32 / "
+            "bfloat16 / float16")
+    # max_context: capped by the model's max_position_embeddings
+    max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",
+                              doc="KV cache positions, allocated once")
+    prefill_chunk: int = option(256, metavar="N", least=1, help="prompt tokens per pass",
+                                doc="prompt tokens per forward pass during prefill")
+    # threads 0: the CPUs this process may use (affinity mask, capped by a cgroup CPU quota: host/cpus.usable_cpus),
+    # fewer while other processes keep CPUs busy (host/cpus.ThreadGovernor)
+    threads: int = option(
+        0, metavar="N", least=0, most=MAX_THREADS, most_why="this machine's logical CPUs",
+        shown="free CPUs", help=f"torch threads, at most {MAX_THREADS} (this machine's logical CPUs)",
+        doc="torch threads. Default: one per CPU this process may use (affinity, cgroup CPU quota) that other "
+            "processes leave free, re-checked between forward passes (see \"A shared machine\" below); an explicit "
+            "count is kept")
+    # embeddings: forced resident when the LM head is tied to the table
+    embeddings: str = option(
+        "resident", choices=EMBEDDING_MODES, help="token embedding rows: resident, or read per batch from disk",
+        doc="token-embedding rows read per batch from disk instead of held")
+    # prefetch: streaming stores only; "learned" reads prerouter.safetensors beside the model (a CheckpointError
+    # when missing or stale)
+    prefetch: str = option(
+        "none", choices=PREFETCH_MODES, help="predict the next layer's experts and read them in the background",
+        doc="predict the next layer's experts (its router on the current hidden state, or heads fitted by `sluice "
+            "prerouter fit MODEL`) and read them in the background; output is unchanged")
+    prefetch_margin: int = option(0, metavar="N", least=0, help="experts predicted beyond top_k per token",
+                                  doc="experts predicted beyond top_k")
+    overlap: bool = option(
+        True, boolean=True, shown="on", help="run a layer's experts that are in memory while the others are read",
+        doc="streaming: a layer's experts already in memory run while the others are read, each as soon as its "
+            "bytes land; outputs are summed in a fixed order, so the result is bitwise the same")
 
     def __post_init__(self):
-        if isinstance(self.memory, str) and self.memory.strip().lower() in ("auto", "all"):
-            self.memory = None if self.memory.strip().lower() == "all" else "auto"
-        elif self.memory is not None:
-            try:
-                self.memory = parse_size(self.memory)
-            except ConfigError:
-                raise ConfigError(f"memory: expected auto, all, or a size like 4GiB / 512MB / a byte count, got "
-                                  f"{self.memory!r}") from None
-        if self.io not in IO_MODES:
-            raise ConfigError(f"io: {self.io!r} is not one of {', '.join(IO_MODES)}")
-        if self.embeddings not in EMBEDDING_MODES:
-            raise ConfigError(f"embeddings: {self.embeddings!r} is not one of {', '.join(EMBEDDING_MODES)}")
-        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if self.dtype != "auto" and self.dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(COMPUTE_DTYPES)}")
-        for name in ("max_context", "prefill_chunk"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
-        if self.prefetch not in PREFETCH_MODES:
-            raise ConfigError(f"prefetch: {self.prefetch!r} is not one of {', '.join(PREFETCH_MODES)}")
-        if not _is_int(self.prefetch_margin) or self.prefetch_margin < 0:
-            raise ConfigError(f"prefetch_margin: must be an integer >= 0, got {self.prefetch_margin!r}")
-        for name, most, why in (("io_workers", MAX_IO_WORKERS, "the disk saturates at ~8 reads in flight"),
-                                ("threads", MAX_THREADS, "this machine's logical CPUs")):
-            value = getattr(self, name)
-            if not _is_int(value) or not 0 <= value <= most:
-                raise ConfigError(f"{name}: must be an integer from 0 (the default) to {most} ({why}), got {value!r}")
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.metadata[_OPTION].check(f.name, getattr(self, f.name), f.default))
 
     @classmethod
     def make(cls, **kwargs) -> "LoadOptions":
         """Build from keyword arguments; an unknown name is a ConfigError listing the known ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        _check_names(cls, kwargs)
         return cls(**kwargs)
 
     def compute_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
@@ -148,3 +230,88 @@ class LoadOptions:
         if self.dtype != "auto":
             return COMPUTE_DTYPES[self.dtype]
         return checkpoint_dtype if checkpoint_dtype in COMPUTE_DTYPES.values() else torch.float32
+
+
+# --- what the declaration generates ----------------------------------------------------------------------------------
+
+
+def declarations(cls: type | None = None) -> list[tuple[dataclasses.Field, Option]]:
+    """(field, Option) per load option of `cls` (default: LoadOptions, looked up when called), in declaration order."""
+    return [(f, f.metadata[_OPTION]) for f in dataclasses.fields(cls or LoadOptions)]
+
+
+def flag(name: str) -> str:
+    """The command-line flag of option `name`: io_workers -> --io-workers."""
+    return "--" + name.replace("_", "-")
+
+
+def _check_names(cls: type, names: Iterable[str]) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+
+def _shown(f: dataclasses.Field, opt: Option) -> str:
+    return opt.shown if opt.shown is not None else str(f.default)
+
+
+def add_load_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, only: Iterable[str] | None = None,
+                       defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None,
+                       cls: type | None = None) -> None:
+    """One flag per load option on `parser` (a parser or an argument group): `--io-workers N` with dest io_workers,
+    `--odirect / --no-odirect` for a boolean, argparse choices for a choice. `only`: the option names to offer
+    (default: all). `defaults`: name -> the flag's default where a command's differs from LoadOptions'
+    (argparse.SUPPRESS keeps an absent flag out of the namespace). `helps`: name -> a help text replacing the
+    declared one. `cls`: the options class (default LoadOptions). An unknown name is a ConfigError."""
+    cls = cls or LoadOptions
+    names = None if only is None else set(only)
+    defaults, helps = dict(defaults or {}), dict(helps or {})
+    _check_names(cls, [*(names or ()), *defaults, *helps])
+    for f, opt in declarations(cls):
+        if names is not None and f.name not in names:
+            continue
+        default = defaults.get(f.name, f.default)
+        if f.name in helps or default is argparse.SUPPRESS:
+            text = helps.get(f.name, opt.help)
+        else:
+            text = f"{opt.help} (default: {default if f.name in defaults else _shown(f, opt)})"
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": text}
+        if opt.boolean:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif opt.choices is not None:
+            kw["choices"] = opt.choices
+        else:
+            kw["metavar"] = opt.metavar
+            if opt.least is not None:
+                kw["type"] = int
+        parser.add_argument(flag(f.name), **kw)
+
+
+def option_kwargs(namespace: argparse.Namespace, cls: type | None = None) -> dict[str, Any]:
+    """The load options an argparse namespace holds (attributes named like a field), as keyword arguments of
+    `LoadOptions.make` / `sluice.load`; options whose flags were not added (or were SUPPRESSed) are left out."""
+    return {f.name: getattr(namespace, f.name) for f, _ in declarations(cls) if hasattr(namespace, f.name)}
+
+
+def options_from_args(namespace: argparse.Namespace, cls: type | None = None) -> LoadOptions:
+    """LoadOptions from the flags `add_load_arguments` added (the others keep their defaults); ConfigError if bad."""
+    cls = cls or LoadOptions
+    return cls.make(**option_kwargs(namespace, cls))
+
+
+def _usage(name: str, opt: Option) -> str:
+    if opt.boolean:
+        return f"{flag(name)} / --no-{flag(name)[2:]}"
+    if opt.choices is not None:
+        return f"{flag(name)} {'|'.join(opt.choices)}"
+    return f"{flag(name)} {opt.metavar}" if opt.metavar else flag(name)
+
+
+def options_table(cls: type | None = None) -> str:
+    """The README "Options" table rows for the load options (markdown; tests/test_options.py checks README has it)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f, opt in declarations(cls):
+        cells = (f"`{_usage(f.name, opt)}`", _shown(f, opt), opt.doc)
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)

@@ -1,8 +1,8 @@
 """Arms: named sets of `sluice run` flags, e.g. `direct='--io direct --memory 1.5GiB --io-workers 8'`.
 
-The flags are parsed by the very parser `sluice run` uses (commands/common.add_model_arguments), so an arm accepts
-exactly the loading flags users know, including ones added later, and nothing else. The result is the keyword
-arguments of `sluice.load` / `LoadOptions.make`, holding only what the arm sets (defaults stay LoadOptions').
+The flags are generated from the load option declarations as for `sluice run` (options.add_load_arguments), so an
+arm accepts exactly the loading flags users know, including ones added later, and nothing else. The result is the
+keyword arguments of `sluice.load` / `LoadOptions.make`, holding only what the arm sets (defaults stay LoadOptions').
 """
 
 from __future__ import annotations
@@ -11,17 +11,15 @@ import argparse
 import re
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..commands.common import add_model_arguments
 from ..errors import SluiceError
-from ..options import LoadOptions
+from ..options import add_load_arguments, declarations, option_kwargs, options_from_args
 from . import BenchError, FlagError, FlagParser
 from .peers import is_peer, parse_peer
 
 _NAME = re.compile(r"[A-Za-z0-9_.+:@-]+")
-_PLACEHOLDER = "MODEL"  # add_model_arguments declares the positional MODEL; arms never give one
 
 
 @dataclass(frozen=True)
@@ -44,10 +42,8 @@ class Arm:
 
 def _flag_parser() -> FlagParser:
     p = FlagParser(prog="arm", add_help=False, allow_abbrev=False)  # no prefixes: "--mem" is not "--memory"
-    add_model_arguments(p)
-    for action in p._actions:
-        # SUPPRESS: flags the arm does not give stay out of the namespace, so LoadOptions' defaults apply
-        action.default = argparse.SUPPRESS
+    # SUPPRESS: flags the arm does not give stay out of the namespace, so LoadOptions' defaults apply
+    add_load_arguments(p, defaults={f.name: argparse.SUPPRESS for f, _ in declarations()})
     return p
 
 
@@ -58,19 +54,14 @@ def parse_flags(name: str, flags: str) -> dict[str, Any]:
     except ValueError as e:
         raise BenchError(f"arm {name!r}: cannot split flags {flags!r}: {e}") from e
     try:
-        ns = _flag_parser().parse_args([_PLACEHOLDER, *tokens])
+        ns = _flag_parser().parse_args(tokens)
     except FlagError as e:
         raise BenchError(f"arm {name!r}: {e} (arms take the loading flags of `sluice run`; see sluice run --help)")
-    opts = {k: v for k, v in vars(ns).items() if k != "model"}
-    known = {f.name for f in fields(LoadOptions)}
-    stray = sorted(set(opts) - known)
-    if stray:  # a flag of add_model_arguments that is not a LoadOptions field: nothing to hand the child
-        raise BenchError(f"arm {name!r}: flag(s) {', '.join(stray)} are not load options")
     try:
-        LoadOptions.make(**opts)  # values checked here, before any child starts
+        options_from_args(ns)  # values checked here, before any child starts
     except SluiceError as e:
         raise BenchError(f"arm {name!r}: {e}") from e
-    return opts
+    return option_kwargs(ns)
 
 
 def parse_arm(spec: str) -> Arm:

@@ -4,39 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..engine import Model, load
-from ..io import DEFAULT_WORKERS
-from ..options import IO_MODES, MAX_IO_WORKERS, MAX_THREADS, format_bytes
+from ..engine import Model
+from ..options import add_load_arguments, format_bytes, options_from_args
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """MODEL plus the loading/streaming flags, with the LoadOptions defaults."""
+    """MODEL plus the loading/streaming flags, one per LoadOptions field (options.add_load_arguments)."""
     p.add_argument("model", metavar="MODEL", help="Hugging Face model folder (config.json + safetensors)")
-    g = p.add_argument_group("memory and I/O")
-    g.add_argument("--memory", metavar="SIZE", default="auto",
-                   help="budget for resident weights + expert cache, e.g. 4GiB; 'all' = everything resident; "
-                        "'auto' (default) = resident if the model fits in the memory available (MemAvailable, "
-                        "cgroup limits), else stream experts with that memory as the budget")
-    g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
-    g.add_argument("--io-workers", type=int, default=0, metavar="N",
-                   help=f"direct-read threads (default: measured, {DEFAULT_WORKERS}; at most {MAX_IO_WORKERS})")
-    g.add_argument("--odirect", action=argparse.BooleanOptionalAction, default=None,
-                   help="read with O_DIRECT, bypassing the page cache (default: on when streaming a model that the "
-                        "memory left beside the budget could not cache anyway)")
-    g.add_argument("--embeddings", choices=["resident", "mmap", "direct"], default="resident",
-                   help="token embedding rows: resident, or read per batch from disk (default: resident)")
-    g.add_argument("--prefetch", choices=["none", "router", "learned"], default="none",
-                   help="predict the next layer's experts and read them in the background (default: none)")
-    g.add_argument("--prefetch-margin", type=int, default=0, metavar="N",
-                   help="experts predicted beyond top_k per token (default 0)")
-    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="run a layer's experts that are in memory while the others are read (default: on)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--max-context", type=int, default=4096, metavar="N", help="KV cache positions (default 4096)")
-    g.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per pass (256)")
-    g.add_argument("--threads", type=int, default=0, metavar="N",
-                   help=f"torch threads (default: the CPUs this process may use; at most {MAX_THREADS}, this machine's logical CPUs)")
+    add_load_arguments(p.add_argument_group("memory and I/O"))
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,10 +32,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 
 def load_from_args(args: argparse.Namespace, progress: bool = True) -> Model:
-    return load(args.model, progress=progress, memory=args.memory, io=args.io, io_workers=args.io_workers,
-                odirect=args.odirect, dtype=args.dtype, max_context=args.max_context,
-                prefill_chunk=args.prefill_chunk, threads=args.threads, embeddings=args.embeddings,
-                prefetch=args.prefetch, prefetch_margin=args.prefetch_margin, overlap=args.overlap)
+    """The model named by args.model, loaded with the load options the flags hold."""
+    return Model(args.model, options_from_args(args), progress=progress)
 
 
 def stats_line(st: dict) -> str:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..engine import load
-from ..options import format_bytes, parse_size
+from ..options import add_load_arguments, format_bytes, options_from_args, parse_size
 from .common import stats_line
 
 DEFAULT_MEMORY = 384 * 2**20
@@ -32,10 +32,10 @@ def cache_dir() -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="1GiB",
                    help="size of the inflated demo model (default 1GiB; the smallest expert scale reaching it)")
-    p.add_argument("--memory", default=None,
-                   help="budget for resident weights + expert cache (default 384MiB, or half the model if "
-                        "smaller, so it streams)")
-    p.add_argument("--io", default="direct", choices=["mmap", "willneed", "direct"])
+    # no --memory: a budget chosen so that the demo streams
+    add_load_arguments(p, only=("memory", "io"), defaults={"memory": None}, helps={
+        "memory": "budget for resident weights + expert cache, as `sluice run` takes it (default 384MiB, or half the "
+                  "model if smaller, so it streams)"})
     p.add_argument("--prompt", default="When you")
     p.add_argument("--max-tokens", type=int, default=48)
     # Greedy decoding of a model this small loops on one sentence ("The module defines the following functions:");
@@ -67,12 +67,14 @@ def ensure_demo_model(size: int) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size")
+    given = options_from_args(args)  # --memory, --io checked before the model is inflated
     folder = ensure_demo_model(size)
     model_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    memory = parse_size(args.memory) if args.memory else min(DEFAULT_MEMORY, model_bytes // 2)
-    print(f"model {folder.name}: {format_bytes(model_bytes)} on disk, running with --memory {format_bytes(memory)}"
-          f" --io {args.io}", file=sys.stderr)
-    with load(folder, memory=memory, io=args.io, progress=True) as m:
+    memory = given.memory if args.memory else min(DEFAULT_MEMORY, model_bytes // 2)
+    shown = format_bytes(memory) if isinstance(memory, int) else memory or "all"
+    print(f"model {folder.name}: {format_bytes(model_bytes)} on disk, running with --memory {shown} --io {given.io}",
+          file=sys.stderr)
+    with load(folder, memory=memory, io=given.io, progress=True) as m:
         print(args.prompt, end="", flush=True)
         for piece in m.generate(args.prompt, max_tokens=args.max_tokens,
                                 repetition_penalty=args.repetition_penalty):

@@ -11,8 +11,12 @@ import argparse
 import json
 import sys
 
-from ..options import IO_MODES
+from ..options import add_load_arguments, option_kwargs
 from ..prerouter.predict import HEAD_KINDS, PREROUTER_FILE
+
+
+# the load options that matter while recording (fit sets max_context to --seq-len)
+LOAD_OPTIONS = ("memory", "io", "dtype", "threads")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,13 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--out", metavar="PATH", default=None,
                    help=f"heads file to write (default MODEL/{PREROUTER_FILE}, where --prefetch learned looks)")
     g = f.add_argument_group("loading (for models bigger than memory)")
-    g.add_argument("--memory", metavar="SIZE", default="auto",
-                   help="budget for resident weights + expert cache while recording; 'all' = resident; 'auto' "
-                        "(default) = resident if it fits in the memory available, else streamed")
-    g.add_argument("--io", choices=IO_MODES, default="direct", help="how expert bytes are read (default: direct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: the CPUs this process may use)")
+    add_load_arguments(g, only=LOAD_OPTIONS)
     f.add_argument("--json", action="store_true", help="print the report as one JSON object")
     f.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -54,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     opts = FitOptions(tokens=args.tokens, seq_len=args.seq_len, kind=args.kind, epochs=args.epochs, lr=args.lr,
                       hidden=args.hidden, margin=args.margin, seed=args.seed)
     report = fit(args.model, opts, prompts=args.prompts, out=args.out, progress=not args.no_progress,
-                 memory=args.memory, io=args.io, dtype=args.dtype, threads=args.threads)
+                 **option_kwargs(args))
     if args.json:
         print(json.dumps(report.as_dict()))
         return 0
