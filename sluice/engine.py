@@ -25,7 +25,7 @@ from .models.spec import KVCache
 from .options import LoadOptions, format_bytes
 from .sampling import make_logits_processors, make_sampler
 from .store.layout import ExpertLayout
-from .store.budget import RUNTIME_RESERVE, AutoPlan, auto_memory, check_room
+from .store.budget import RUNTIME_RESERVE, AutoPlan, auto_memory, check_room, prefill_tokens_per_chunk
 from .store.resident import ResidentExpertStore
 from .tokenizer.limit import PIECE, tokens_at_least
 from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
@@ -65,6 +65,8 @@ class Model:
         # a quantized checkpoint (GGUF Q4_K, ...) has no dtype of its own: its dequantized weights compute in bf16
         # unless asked otherwise (dtype=float32 is the exact reference)
         self.dtype = options.compute_dtype(torch.bfloat16 if q.quantized else q.torch_dtype)
+        self.prefill_chunk = (prefill_tokens_per_chunk(s, self.dtype.itemsize) if options.prefill_chunk == "auto"
+                              else options.prefill_chunk)
         # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
         # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
         threads = options.threads or usable_cpus()
@@ -175,7 +177,7 @@ class Model:
         """Full-sequence prefill logits [T, vocab] in float32, from an empty cache."""
         ids = self._check_ids(ids)
         self._kv_tokens = []
-        chunk = self.options.prefill_chunk
+        chunk = self.prefill_chunk
         out = []
         with torch.inference_mode():
             for start in range(0, len(ids), chunk):
@@ -259,7 +261,7 @@ class Model:
         f0 = counters()
         with torch.inference_mode():
             gen = generate_step(
-                self.model, ids, sampler, processors, max_tokens, start, self.options.prefill_chunk, self._times,
+                self.model, ids, sampler, processors, max_tokens, start, self.prefill_chunk, self._times,
                 between=self._tick,
             )
             try:
@@ -324,7 +326,7 @@ class Model:
         argmax: list[int] = []
         with torch.inference_mode():
             t0 = time.perf_counter()
-            hidden = prefill(self.model, ids[:n], 0, self.options.prefill_chunk, self._tick)
+            hidden = prefill(self.model, ids[:n], 0, self.prefill_chunk, self._tick)
             argmax.append(int(self.model.logits(hidden)[0].argmax()))
             self._times.prefill_tokens, self._times.prefill_s = n, time.perf_counter() - t0
             if on_step is not None:

@@ -140,6 +140,16 @@ def _parse_memory(value: Any) -> int | str | None:
                           f"{value!r}") from None
 
 
+def _parse_chunk(value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"prefill_chunk: must be a positive integer, got {value!r} (or auto)")
+    return value
+
+
 @dataclass
 class LoadOptions:
     """How a model is loaded and run: one field per option, each declared with its flag help, README text and check
@@ -188,8 +198,12 @@ class LoadOptions:
     # max_context: capped by the model's max_position_embeddings
     max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",
                               doc="KV cache positions, allocated once")
-    prefill_chunk: int = option(256, metavar="N", least=1, help="prompt tokens per pass",
-                                doc="prompt tokens per forward pass during prefill")
+    # prefill_chunk "auto": store/budget.prefill_tokens_per_chunk (activations of one chunk within 64 MiB, 256-4096)
+    prefill_chunk: int | str = option(
+        "auto", metavar="N|auto", parse=_parse_chunk, help="prompt tokens per pass; auto: as many as 64 MiB of "
+        "activations hold (256-4096)",
+        doc="prompt tokens per forward pass during prefill; each streamed layer reads its touched experts once per "
+            "pass. `auto`: as many as 64 MiB of activations hold, within 256-4096")
     # threads 0: the CPUs this process may use (affinity mask, capped by a cgroup CPU quota: host/cpus.usable_cpus),
     # fewer while other processes keep CPUs busy (host/cpus.ThreadGovernor)
     threads: int = option(

@@ -20,7 +20,8 @@ LOADING_COMMANDS = ("run", "chat", "serve", "inspect")
 # argv after `sluice COMMAND` that satisfies each loading command's other required arguments
 REQUIRED = {"run": ["M", "--prompt", "x"], "chat": ["M"], "serve": ["M"], "inspect": ["M"]}
 # options with their own parse function: (flag value, value LoadOptions holds), none of them the default
-PARSED = {"memory": [("1GiB", 2**30), ("512MB", 512 * 10**6), ("123", 123), ("all", None), ("AUTO", "auto")]}
+PARSED = {"memory": [("1GiB", 2**30), ("512MB", 512 * 10**6), ("123", 123), ("all", None), ("AUTO", "auto")],
+          "prefill_chunk": [("1", 1), ("2048", 2048)]}
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -110,6 +111,8 @@ def test_unknown_names_are_errors_listing_the_known_ones():
     (dict(embeddings="disk"), "embeddings: 'disk' is not one of resident, mmap, direct"),
     (dict(prefetch_margin=-1), "prefetch_margin: must be an integer >= 0, got -1"),
     (dict(prefill_chunk=0), "prefill_chunk: must be a positive integer, got 0"),
+    (dict(prefill_chunk="many"), "prefill_chunk: must be a positive integer, got 'many'"),
+    (dict(prefill_chunk=True), "prefill_chunk: must be a positive integer, got True"),
 ])
 def test_checks_come_from_the_declaration(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
