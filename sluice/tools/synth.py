@@ -28,6 +28,7 @@ import torch
 from ..errors import ConfigError, SluiceError
 from ..models import get_arch, supported
 from ..models.arch import TensorName
+from ..models.args import MAX_LAYERS
 from ..models.spec import Spec
 from ..options import COMPUTE_DTYPES, format_bytes
 
@@ -129,7 +130,8 @@ class SynthConfig:
 
 # -- shapes and sizes ------------------------------------------------------------------------------------------------
 def _spec(sc: SynthConfig) -> Spec:
-    """The Spec sluice reads from the checkpoint's config.json: which layers are sparse, which tensors each has."""
+    """The Spec sluice reads from the checkpoint's config.json: which layers are sparse, which tensors each has
+    (ConfigError naming the field for a shape sluice would refuse to load)."""
     return get_arch(sc.arch).ModelArgs.from_dict(config_json(sc)).spec()
 
 
@@ -161,9 +163,14 @@ def size_of(sc: SynthConfig) -> SizeReport:
     """Exact counts for `sc`, from the same tensor list `tensors` generates."""
     resident = 2 * sc.vocab_size * sc.hidden_size if not sc.tie_word_embeddings else sc.vocab_size * sc.hidden_size
     resident += sc.hidden_size  # model.norm
-    spec = _spec(sc)
-    resident += sum(math.prod(t.shape) for L in range(sc.num_layers) for t in _layer_resident(sc, spec, L))
-    experts = sum(spec.moe_layers) * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
+    # More layers than sluice reads (MAX_LAYERS) are only ever sized to be refused as oversized (config_for_size's
+    # "over twice the target"): size them as copies of the last layer rather than parse a config sluice refuses.
+    n = min(sc.num_layers, MAX_LAYERS)
+    spec = _spec(dataclasses.replace(sc, num_layers=n))
+    layers = [sum(math.prod(t.shape) for t in _layer_resident(sc, spec, L)) for L in range(n)]
+    resident += sum(layers) + (sc.num_layers - n) * layers[-1]
+    sparse = sum(spec.moe_layers) + (sc.num_layers - n) * spec.moe_layers[-1]
+    experts = sparse * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
     params = resident + experts
     return SizeReport(params, params * sc.itemsize, experts * sc.itemsize, sc.expert_nbytes)
 
