@@ -4,6 +4,7 @@ loads and inflates with no other file touched."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -19,7 +20,7 @@ from sluice.checkpoint import CheckpointIndex
 from sluice.errors import ConfigError
 from sluice.models.arch import TensorName
 from sluice.tools.inflate import inflate
-from sluice.tools.synth import SynthConfig, config_json, make_model, tensors
+from sluice.tools.synth import SynthConfig, config_json, make_model, size_of, tensors
 
 IDS = [5, 17, 3, 250, 42, 7, 99, 1]
 
@@ -136,3 +137,25 @@ def test_a_registered_module_synthesizes_loads_and_inflates(toy, tmp_path):
     assert CheckpointIndex.open(big).config["moe_intermediate_size"] == 96
     with sluice.load(big, memory="all") as m:
         torch.testing.assert_close(m.logits(IDS), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_layers_come_from_the_architecture(toy, tmp_path, monkeypatch):
+    """Which layers are dense is the architecture's rule (ModelArgs.moe_layers): synth writes a dense MLP and no
+    experts there, sizes the checkpoint by it, and the model loads and streams."""
+    plain = toy.synth_config
+    monkeypatch.setattr(toy, "synth_config", lambda sc: {**plain(sc), "mlp_only_layers": [0]})
+    sc = tiny("toy_moe", num_layers=3)
+    out = make_model(tmp_path / "dense", sc, progress=False)
+    index = CheckpointIndex.open(out)
+    names = set(index.names())
+    assert {f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} <= names
+    assert not any(n.startswith("model.layers.0.moe.") for n in names)
+    assert "model.layers.2.moe.experts.3.w_up.weight" in names
+    written = dataclasses.replace(sc, vocab_size=index.config["vocab_size"])
+    assert size_of(written).total_bytes == sum(index[n].nbytes for n in names)
+    with sluice.load(out, memory="all") as m:
+        want = m.logits(IDS)
+        assert m.spec.moe_layers == [False, True, True]
+        memory = m.resident_bytes + m.spec.top_k * m.layout.expert_nbytes
+    with sluice.load(out, memory=memory, io="direct") as m:
+        assert torch.equal(m.logits(IDS), want)
