@@ -12,10 +12,11 @@ import torch
 
 from sluice import cli
 from sluice.errors import ConfigError
-from sluice.tools.synth import ARCHS, OutputExistsError, SynthConfig, config_for_size, make_model, size_of, tensors
+from sluice.models import get_arch, supported
+from sluice.tools.synth import OutputExistsError, SynthConfig, config_for_size, make_model, size_of, tensors
 
 MiB, GiB = 2**20, 2**30
-ARCH_NAMES = list(ARCHS)
+ARCH_NAMES = list(supported())
 
 
 def tiny(arch: str, **kw) -> SynthConfig:
@@ -43,7 +44,7 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, l
     assert not info["missing_keys"], info
     assert not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
-    assert type(model).__name__ == ARCHS[arch].hf_class
+    assert type(model).__name__ == get_arch(arch).SYNTH.hf_class
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["vocab_size"] >= 300 and cfg["eos_token_id"] == 2
     # The generated numbers reach the right parameters: expert 1 of layer 1, gate rows then up rows.
@@ -52,8 +53,8 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, l
     if layout == "fused":
         want_gu = gen["model.layers.1.mlp.experts.gate_up_proj"][1]
     else:
-        g, u, _ = ARCHS[arch].expert_proj
-        p = f"model.layers.1.{ARCHS[arch].moe_prefix}.experts.1"
+        g, u, _ = get_arch(arch).EXPERT_PROJ
+        p = f"model.layers.1.{get_arch(arch).MOE_PREFIXES[0]}.experts.1"
         want_gu = torch.cat([gen[f"{p}.{g}.weight"], gen[f"{p}.{u}.weight"]])
     assert torch.equal(experts.gate_up_proj[1], want_gu)
     assert torch.equal(model.model.embed_tokens.weight, gen["model.embed_tokens.weight"])

@@ -33,9 +33,10 @@ router normalisation than its graph hard-codes) are set so that sluice computes 
                                                                            architectures attend to the whole context
     `blk.0.attn_q.bias` present           qkv_bias (qwen2moe)
 
-Architectures: qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe, llama with expert_count > 0 ->
-mixtral. Keys whose math sluice does not compute (another gating function, an expert weight scale, an attention scale,
-longrope) are a ConfigError naming the key, never silently dropped.
+Architectures: each models/<model_type>.py names its llama.cpp architecture and adds its own keys (`GGUF`, a
+models.arch.GGUFArch; None when llama.cpp has none): qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe,
+llama with expert_count > 0 -> mixtral. Keys whose math sluice does not compute (another gating function, an expert
+weight scale, an attention scale, longrope) are a ConfigError naming the key, never silently dropped.
 """
 
 from __future__ import annotations
@@ -43,14 +44,13 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from types import ModuleType
+
 from ..errors import CheckpointError, ConfigError
+from ..models import archs, by_gguf_name
 from .gguf import INTEGER_TYPES, GGUFFile
 from .ref import TensorRef
 
-#: GGUF general.architecture -> config.json model_type
-ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral"}
-#: norm_topk_prob when expert_weights_norm is absent: what each llama.cpp graph passes to build_moe_ffn
-_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True}
 _MISSING = object()
 
 
@@ -67,8 +67,13 @@ def _shortest_f32(x: float) -> float:
     return x
 
 
-class _Meta:
-    """Typed access to one file's metadata; errors name the key and the file."""
+class GGUFMeta:
+    """Typed access to one file's metadata; errors name the key and the file. Names without a `general.`,
+    `tokenizer.` or `split.` prefix get the architecture's (`block_count` -> `qwen3moe.block_count`). A missing key
+    is a CheckpointError unless a default is given; `REQUIRED` as the default makes it required too (for defaults
+    computed from other keys that may come out empty)."""
+
+    REQUIRED = _MISSING
 
     def __init__(self, gf: GGUFFile, arch: str):
         self.gf, self.arch, self.file = gf, arch, str(gf.path)
@@ -146,24 +151,27 @@ class _Meta:
         return self.gf.metadata[key]
 
 
-def gguf_arch(gf: GGUFFile) -> str:
-    """general.architecture, checked against the supported ones (ConfigError listing them otherwise)."""
-    m = _Meta(gf, "general")
-    arch = m.str("general.architecture")
-    if arch not in ARCHS:
-        raise ConfigError(f"{gf.path}: GGUF architecture {arch!r} is not supported; supported: "
-                          f"{', '.join(ARCHS)} (llama only with experts, i.e. Mixtral)")
-    if arch == "llama" and _Meta(gf, arch).int("expert_count", 0, minimum=0) == 0:
-        raise ConfigError(f"{gf.path}: a llama GGUF without experts (llama.expert_count absent or 0) is a dense model; "
-                          "sluice runs MoE models: qwen3moe, qwen2moe, olmoe, and llama with experts (Mixtral)")
+def gguf_arch(gf: GGUFFile) -> ModuleType:
+    """The architecture module (models/) of general.architecture; ConfigError listing the supported ones when sluice
+    has none, or when the architecture's `accept` refuses the file (a llama GGUF without experts)."""
+    name = GGUFMeta(gf, "general").str("general.architecture")
+    arch = by_gguf_name(name)
+    if arch is None:
+        known = ", ".join(f"{a.GGUF.name} ({t})" for t, a in archs().items() if a.GGUF is not None)
+        raise ConfigError(f"{gf.path}: GGUF architecture {name!r} is not supported; supported (llama.cpp's name and "
+                          f"config.json model_type): {known}")
+    if arch.GGUF.accept is not None:
+        arch.GGUF.accept(GGUFMeta(gf, name))
     return arch
 
 
 def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef]) -> dict[str, Any]:
-    """The config.json dict for the GGUF whose first file is `gf` and whose tensors (GGUF names) are `tensors`."""
+    """The config.json dict for the GGUF whose first file is `gf` and whose tensors (GGUF names) are `tensors`: the
+    keys every architecture reads the same, then the architecture's own (its GGUFArch.config hook)."""
     arch = gguf_arch(gf)
-    m = _Meta(gf, arch)
-    _refuse_unsupported(m)
+    facts = arch.GGUF
+    m = GGUFMeta(gf, facts.name)
+    _refuse_unsupported(m, facts.norm_topk_prob, facts.router_keys)
     heads = m.int("attention.head_count")
     hidden = m.int("embedding_length")
     head_dim = m.int("attention.key_length", hidden // heads)
@@ -177,7 +185,7 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef]) -> dict[str, Any]:
                           f"{m.key('expert_count')} {n_experts}")
     theta = m.float("rope.freq_base", 10000.0, positive=True)
     cfg: dict[str, Any] = {
-        "model_type": ARCHS[arch],
+        "model_type": arch.MODEL_TYPE,
         "num_hidden_layers": m.int("block_count"),
         "hidden_size": hidden,
         "num_attention_heads": heads,
@@ -191,50 +199,37 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef]) -> dict[str, Any]:
         "num_experts_per_tok": top_k,
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
-        "norm_topk_prob": _NORM_TOPK[arch],
+        "norm_topk_prob": facts.norm_topk_prob,
     }
     for name in ("bos", "eos"):
         if m.has(f"tokenizer.ggml.{name}_token_id"):
             cfg[f"{name}_token_id"] = m.int(f"tokenizer.ggml.{name}_token_id", minimum=0)
-    ff = m.int("feed_forward_length", 0, minimum=0)
-    if arch in ("qwen3moe", "qwen2moe"):
-        cfg.update(num_experts=n_experts, intermediate_size=ff, decoder_sparse_step=1, mlp_only_layers=[],
-                   use_sliding_window=False,  # llama.cpp's qwen graphs attend to the whole context
-                   moe_intermediate_size=m.int("expert_feed_forward_length", ff // top_k or _MISSING))
-        if arch == "qwen3moe":
-            cfg["attention_bias"] = False
-        else:
-            cfg["shared_expert_intermediate_size"] = m.int("expert_shared_feed_forward_length", ff or _MISSING)
-            cfg["qkv_bias"] = "blk.0.attn_q.bias" in tensors
-    elif arch == "olmoe":  # llama.cpp's olmoe graph neither clamps q/k/v nor adds biases
-        cfg.update(num_experts=n_experts, intermediate_size=m.int("feed_forward_length"), attention_bias=False)
-    else:  # llama with experts: Mixtral; full attention (llama.cpp's llama graph has no sliding window)
-        cfg.update(num_local_experts=n_experts, intermediate_size=m.int("feed_forward_length"), sliding_window=None)
+    cfg.update(facts.config(m, tensors))
     return cfg
 
 
-def _refuse_unsupported(m: _Meta) -> None:
+def _refuse_unsupported(m: GGUFMeta, norm: bool, router_keys: frozenset[str]) -> None:
     """Keys that would change the math in a way sluice's model files do not compute, or that contradict what llama.cpp's
-    graph for the architecture hard-codes (its loaders for these four architectures read none of the expert_* router
-    keys below; neither does transformers' GGUF loader): refuse rather than guess which one the file means."""
-    norm = _NORM_TOPK[m.arch]
-    if m.bool("expert_weights_norm", norm) != norm:
+    graph for the architecture hard-codes (`norm`: its top-k renormalisation; its loaders for the softmax-routed
+    architectures read none of the expert_* router keys below; neither does transformers' GGUF loader): refuse rather
+    than guess which one the file means. `router_keys`: the ones the architecture's config hook reads itself."""
+    if "expert_weights_norm" not in router_keys and m.bool("expert_weights_norm", norm) != norm:
         raise ConfigError(f"{m.file}: metadata {m.key('expert_weights_norm')} is {not norm}, but llama.cpp's {m.arch} "
                           f"graph always computes it as {norm} (and so do transformers and sluice); not supported")
-    if m.int("expert_gating_func", 1, minimum=0) != 1:  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    # 1: LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    if "expert_gating_func" not in router_keys and m.int("expert_gating_func", 1, minimum=0) != 1:
         raise ConfigError(f"{m.file}: metadata {m.key('expert_gating_func')} selects a router other than softmax; "
                           "sluice's models route with softmax")
-    if m.float("expert_weights_scale", 1.0) not in (0.0, 1.0):  # 0 is llama.cpp's "unset"
+    # 0 is llama.cpp's "unset"
+    if "expert_weights_scale" not in router_keys and m.float("expert_weights_scale", 1.0) not in (0.0, 1.0):
         raise ConfigError(f"{m.file}: metadata {m.key('expert_weights_scale')} scales the expert weights; "
                           "not supported")
     if m.float("attention.scale", 0.0) != 0.0:
         raise ConfigError(f"{m.file}: metadata {m.key('attention.scale')} sets a custom attention scale; "
                           "not supported")
-    if m.arch == "llama" and m.int("expert_shared_feed_forward_length", 0, minimum=0):
-        raise ConfigError(f"{m.file}: a llama GGUF with shared experts (Granite-MoE) is not supported")
 
 
-def _rope_scaling(m: _Meta) -> dict[str, Any]:
+def _rope_scaling(m: GGUFMeta) -> dict[str, Any]:
     kind = m.str("rope.scaling.type", "none")
     linear = m.float("rope.scale_linear", 1.0, positive=True)  # the older key for linear scaling
     if kind == "none" and linear == 1.0:
@@ -255,7 +250,7 @@ def _rope_scaling(m: _Meta) -> dict[str, Any]:
     raise ConfigError(f"{m.file}: metadata {m.key('rope.scaling.type')} is {kind!r}; supported: none, linear, yarn")
 
 
-def _vocab_size(m: _Meta, tensors: dict[str, TensorRef]) -> int:
+def _vocab_size(m: GGUFMeta, tensors: dict[str, TensorRef]) -> int:
     key = "tokenizer.ggml.tokens"
     if key in m.gf.metadata:
         if m.gf.types[key] != 9 or m.gf.array_types.get(key) != 8:

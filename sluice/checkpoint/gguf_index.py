@@ -14,10 +14,11 @@ Tensor names map to the ones sluice's model files read (models/*.py, weights.py,
     blk.N.ffn_{gate,up,down}_shexp    model.layers.N.mlp.shared_expert.*_proj.weight  (qwen2moe)
     blk.N.ffn_gate_inp_shexp          model.layers.N.mlp.shared_expert_gate.weight    [1, H] (stored [H] or [1, H])
 
-The MoE block is always `mlp` (Mixtral included: its fused HF layout uses that prefix too). Each mapped TensorRef keeps
-the GGUF name as `ref.name`, so errors name the tensor as it is in the file. A tensor the architecture does not have
-in llama.cpp is an error (llama.cpp refuses such files too). For `llama` (Mixtral) the q/k rows are stored permuted
-for llama.cpp's interleaved rope; their refs carry `rope_heads` (see TensorRef.row_order).
+Each architecture's table is its module's `GGUF.tensors` (models/<model_type>.py). The MoE block is always `mlp`
+(Mixtral included: its fused HF layout uses that prefix too). Each mapped TensorRef keeps the GGUF name as
+`ref.name`, so errors name the tensor as it is in the file. A tensor the architecture does not have in llama.cpp is an
+error (llama.cpp refuses such files too). Where the architecture says `rope_permuted` (`llama`: Mixtral) the q/k rows
+are stored permuted for llama.cpp's interleaved rope; their refs carry `rope_heads` (see TensorRef.row_order).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .gguf import INTEGER_TYPES, GGUFFile, read_gguf
-from .gguf_config import ARCHS, gguf_arch, gguf_config
+from ..models import by_gguf_name
+from .gguf_config import gguf_arch, gguf_config
 from .index import CheckpointIndex
 from .ref import TensorRef
 
@@ -39,32 +41,16 @@ _BLK_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<rest>.+)")
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
-_ATTN = {f"attn_{g}.weight": f"self_attn.{h}_proj.weight" for g, h in (("q", "q"), ("k", "k"), ("v", "v"),
-                                                                          ("output", "o"))}
-_COMMON = {
-    **_ATTN,
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
-    "ffn_up_exps.weight": "mlp.experts.up_proj",
-    "ffn_down_exps.weight": "mlp.experts.down_proj",
-    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
-}
-_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
-_QKV_BIAS = {f"attn_{g}.bias": f"self_attn.{g}_proj.bias" for g in "qkv"}
-_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-           **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}}
-#: per GGUF architecture: blk.N.<suffix> -> model.layers.N.<name>
-LAYER_NAMES: dict[str, dict[str, str]] = {
-    "qwen3moe": {**_COMMON, **_QK_NORM},
-    "qwen2moe": {**_COMMON, **_QKV_BIAS, **_SHARED},
-    "olmoe": {**_COMMON, **_QK_NORM},
-    "llama": dict(_COMMON),
-}
 _ROPE_FREQS_HINT = "per-dimension rope factors (llama3-style rope scaling) are not supported"
 _OLD_EXPERTS = re.compile(r"ffn_(gate|up|down)\.\d+\.weight")
 _OLD_EXPERTS_HINT = "this is the old per-expert Mixtral layout: re-convert the model with a current llama.cpp"
+
+
+def _layer_names(arch: str) -> dict[str, str]:
+    """blk.N.<suffix> -> model.layers.N.<name> of GGUF architecture `arch` (one sluice runs)."""
+    module = by_gguf_name(arch)
+    assert module is not None, f"{arch!r} is not a GGUF architecture sluice runs"
+    return module.GGUF.tensors
 
 
 def gguf_name(name: str, arch: str) -> str | None:
@@ -74,7 +60,7 @@ def gguf_name(name: str, arch: str) -> str | None:
             return g
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
-        for g, h in LAYER_NAMES[arch].items():
+        for g, h in _layer_names(arch).items():
             if h == m[2]:
                 return f"blk.{m[1]}.{g}"
     return None
@@ -87,7 +73,7 @@ def hf_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     m = _BLK_RE.fullmatch(gguf_name)
     if m is None or int(m["layer"]) >= n_layers or str(int(m["layer"])) != m["layer"]:
         return None
-    rest = LAYER_NAMES[arch].get(m["rest"])
+    rest = _layer_names(arch).get(m["rest"])
     return None if rest is None else f"model.layers.{m['layer']}.{rest}"
 
 
@@ -189,7 +175,7 @@ class GGUFIndex(CheckpointIndex):
             raise CheckpointError("not found; pass a .gguf file", file=str(path))
         first = read_gguf(path)
         files = split_files(first)  # first: a later split gets "open the first split", not a missing-metadata error
-        arch = gguf_arch(first)
+        arch = gguf_arch(first).GGUF.name
         raw: dict[str, TensorRef] = {}
         for gf in files:
             for name, ref in gf.tensors.items():
@@ -219,6 +205,7 @@ class GGUFIndex(CheckpointIndex):
 def _map_tensors(raw: dict[str, TensorRef], arch: str, config: dict, file: str
                  ) -> tuple[dict[str, TensorRef], dict[str, str]]:
     """HF name -> TensorRef (GGUF name kept as ref.name), and HF name -> GGUF name."""
+    facts, model_type = by_gguf_name(arch).GGUF, config["model_type"]
     n_layers = config["num_hidden_layers"]
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     tensors: dict[str, TensorRef] = {}
@@ -229,14 +216,14 @@ def _map_tensors(raw: dict[str, TensorRef], arch: str, config: dict, file: str
             m = _BLK_RE.fullmatch(gname)
             hint = _ROPE_FREQS_HINT if gname == "rope_freqs.weight" else \
                 _OLD_EXPERTS_HINT if m and _OLD_EXPERTS.fullmatch(m["rest"]) else None
-            known = ", ".join(sorted(LAYER_NAMES[arch]))
+            known = ", ".join(sorted(facts.tensors))
             raise CheckpointError(
-                f"is not part of a {arch} model ({ARCHS[arch]}) with {n_layers} layers as llama.cpp and sluice run "
-                f"it; " + (hint or f"known: {', '.join(_GLOBAL)} and blk.N.{{{known}}}"), file=file, tensor=gname)
+                f"is not part of a {arch} model ({model_type}) with {n_layers} layers as llama.cpp and sluice run it; "
+                + (hint or f"known: {', '.join(_GLOBAL)} and blk.N.{{{known}}}"), file=file, tensor=gname)
         if hname.endswith("shared_expert_gate.weight") and len(ref.shape) == 1:
             ref = dataclasses.replace(ref, shape=(1, *ref.shape))  # transformers' [1, H]; the same bytes
         proj = hname.rsplit(".", 2)[-2]
-        if arch == "llama" and proj in heads and hname.endswith(".weight"):
+        if facts.rope_permuted and proj in heads and hname.endswith(".weight"):
             ref = _rope_permuted(ref, heads[proj], file)
         tensors[hname] = ref
         names[hname] = gname

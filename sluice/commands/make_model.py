@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 
 from ..errors import ConfigError, OutputError
-from ..models import SUPPORTED
+from ..models import archs, supported
 from ..options import format_bytes, parse_size
 
 # CLI flag -> SynthConfig field, for the overrides of the size rule.
@@ -35,7 +35,7 @@ _OVERRIDES = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT", help="folder to write (must not exist or be empty; see --force)")
     # --arch is checked in main, not by argparse: with --from the architecture is the source model's.
-    parser.add_argument("--arch", choices=SUPPORTED, help="architecture (config.json model_type)")
+    parser.add_argument("--arch", choices=supported(), help="architecture (config.json model_type)")
     parser.add_argument("--size", help="target checkpoint size, e.g. 2GiB, 512MiB (within ~5%%); with --from: "
                                        "the smallest expert scale that reaches it")
     f = parser.add_argument_group("inflating a trained model (instead of random weights)")
@@ -46,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --from: each expert's intermediate size (and bytes) times N")
     g = parser.add_argument_group("overrides of the size rule (the rest is solved to hit --size)")
     g.add_argument("--layers", type=int, help="decoder layers")
-    g.add_argument("--experts", type=int, help="experts per MoE layer (default 64; mixtral 8)")
-    g.add_argument("--top-k", type=int, help="experts per token (default 8; mixtral 2)")
+    family = ", ".join(f"{t} {a.SYNTH.num_experts} top-{a.SYNTH.top_k}" for t, a in archs().items())
+    g.add_argument("--experts", type=int, help=f"experts per MoE layer (default: the family's: {family})")
+    g.add_argument("--top-k", type=int, help="experts per token (default: the family's)")
     g.add_argument("--hidden", type=int, help="hidden size")
     g.add_argument("--expert-intermediate", type=int, help="one expert's intermediate size")
     g.add_argument("--vocab", type=int, help="config.json vocab size (the tokenizer is trained up to it)")
@@ -72,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     from ..tools.synth import config_for_size, describe, make_model, size_of
 
     if args.arch is None:
-        raise ConfigError(f"--arch is required (one of {', '.join(SUPPORTED)})")
+        raise ConfigError(f"--arch is required (one of {', '.join(supported())})")
     if args.size is None:
         raise ConfigError("--size is required, e.g. --size 2GiB")
     overrides = {field: getattr(args, flag) for flag, field in _OVERRIDES.items() if getattr(args, flag) is not None}

@@ -7,13 +7,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from typing import Any
+
+from .arch import GGUF_COMMON, GGUF_QKV_BIAS, GGUFArch, SynthDefaults
+from .arch import layer_tensors as layer_tensors  # the shared layout; the shared expert is spec-driven
 from .args import BaseArgs, moe_layer_flags, sliding_windows
 from .spec import Spec
-from .qwen3_moe import dense_and_window_problems
+from .qwen3_moe import dense_and_window_problems, qwen_gguf_config
 from .schema import cfg, override
 
+MODEL_TYPE = "qwen2_moe"
 MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+INTERMEDIATE_KEY = "moe_intermediate_size"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -57,3 +63,32 @@ class ModelArgs(BaseArgs):
             qkv_bias=self.qkv_bias,
             o_bias=False,
         )
+
+
+# -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
+# Qwen1.5-MoE-A2.7B: 60 experts top-4 plus a shared expert; 64 top-8 here like the others.
+SYNTH = SynthDefaults("Qwen2MoeForCausalLM", num_experts=64, top_k=8, rope_theta=1e6, rms_norm_eps=1e-6,
+                      shared_expert=True)
+
+
+def synth_config(sc) -> dict[str, Any]:
+    """config.json keys of a synthetic qwen2_moe: a shared expert of `sc.shared_size`, q/k/v biases, every layer
+    sparse, no sliding window."""
+    Is = sc.shared_size
+    return dict(num_experts=sc.num_experts, moe_intermediate_size=sc.moe_intermediate_size,
+                shared_expert_intermediate_size=Is, intermediate_size=Is, decoder_sparse_step=1, mlp_only_layers=[],
+                norm_topk_prob=False, qkv_bias=True, use_sliding_window=False, sliding_window=None)
+
+
+# -- GGUF (checkpoint/gguf_config.py) --------------------------------------------------------------------------------
+def _gguf_config(m, tensors) -> dict[str, Any]:
+    ff = m.int("feed_forward_length", 0, minimum=0)
+    return {**qwen_gguf_config(m, tensors),
+            "shared_expert_intermediate_size": m.int("expert_shared_feed_forward_length", ff or m.REQUIRED),
+            "qkv_bias": "blk.0.attn_q.bias" in tensors}
+
+
+_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+           **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}}
+GGUF = GGUFArch("qwen2moe", tensors={**GGUF_COMMON, **GGUF_QKV_BIAS, **_SHARED}, config=_gguf_config,
+                norm_topk_prob=False)

@@ -6,13 +6,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from typing import Any
+
+from .arch import GGUF_COMMON, GGUF_QK_NORM, GGUFArch, SynthDefaults
+from .arch import layer_tensors as layer_tensors  # the shared Qwen/Mixtral/OLMoE layer layout
 from .args import BaseArgs, moe_layer_flags, sliding_windows
 from .spec import Spec
 from .schema import cfg, override
 
+MODEL_TYPE = "qwen3_moe"
 # Checkpoint naming: the MoE block lives under `mlp`; per-expert projections are gate/up/down.
 MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+INTERMEDIATE_KEY = "moe_intermediate_size"
 
 
 @dataclass(kw_only=True)
@@ -59,3 +65,34 @@ def dense_and_window_problems(args) -> Iterator[tuple[str, str]]:
         )
     if args.use_sliding_window and args.sliding_window == 0:
         yield "sliding_window", "got 0 while use_sliding_window is true; expected a window >= 1 (or null for none)"
+
+
+# -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
+# Qwen3-30B-A3B: 128 experts top-8, moe_intermediate 768 / hidden 2048; 64 top-8 here.
+SYNTH = SynthDefaults("Qwen3MoeForCausalLM", num_experts=64, top_k=8, rope_theta=1e6, rms_norm_eps=1e-6)
+
+
+def synth_config(sc) -> dict[str, Any]:
+    """config.json keys of a synthetic qwen3_moe: every layer sparse, renormalised top-k, full attention."""
+    I = sc.moe_intermediate_size
+    return dict(num_experts=sc.num_experts, moe_intermediate_size=I, intermediate_size=4 * I, decoder_sparse_step=1,
+                mlp_only_layers=[], norm_topk_prob=True, attention_bias=False, use_sliding_window=False,
+                sliding_window=None)
+
+
+# -- GGUF (checkpoint/gguf_config.py) --------------------------------------------------------------------------------
+def qwen_gguf_config(m, tensors) -> dict[str, Any]:
+    """The keys llama.cpp's qwen2moe / qwen3moe loaders give: every layer sparse (llama.cpp's graph has no dense
+    layers), full attention, the experts' size by llama.cpp's rule (feed_forward_length / top-k when absent)."""
+    ff = m.int("feed_forward_length", 0, minimum=0)
+    return dict(num_experts=m.int("expert_count"), intermediate_size=ff, decoder_sparse_step=1, mlp_only_layers=[],
+                use_sliding_window=False,  # llama.cpp's qwen graphs attend to the whole context
+                moe_intermediate_size=m.int("expert_feed_forward_length",
+                                            ff // m.int("expert_used_count") or m.REQUIRED))
+
+
+def _gguf_config(m, tensors) -> dict[str, Any]:
+    return {**qwen_gguf_config(m, tensors), "attention_bias": False}  # llama.cpp's qwen3moe has no q/k/v biases
+
+
+GGUF = GGUFArch("qwen3moe", tensors={**GGUF_COMMON, **GGUF_QK_NORM}, config=_gguf_config, norm_topk_prob=True)

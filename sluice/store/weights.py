@@ -30,8 +30,7 @@ def _expect(index: CheckpointIndex, name: str, shape: tuple[int, ...]) -> Tensor
 def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[str, TensorRef]:
     """Every resident tensor as role -> TensorRef, roles like `layers.3.q` / `embed`; shapes validated."""
     s = spec
-    H, D, V = s.hidden_size, s.head_dim, s.vocab_size
-    qd, kvd = s.n_heads * D, s.n_kv_heads * D
+    H, V = s.hidden_size, s.vocab_size
     refs: dict[str, TensorRef] = {
         "embed": _expect(index, "model.embed_tokens.weight", (V, H)),
         "norm": _expect(index, "model.norm.weight", (H,)),
@@ -45,32 +44,9 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
             "lm_head.weight is missing and config.json does not set tie_word_embeddings", file=str(index.folder)
         )
     for L in range(s.n_layers):
-        p, r = f"model.layers.{L}", f"layers.{L}."
-        a = f"{p}.self_attn"
-        refs[r + "input_norm"] = _expect(index, f"{p}.input_layernorm.weight", (H,))
-        refs[r + "post_norm"] = _expect(index, f"{p}.post_attention_layernorm.weight", (H,))
-        for key, out_dim in (("q", qd), ("k", kvd), ("v", kvd)):
-            refs[r + key] = _expect(index, f"{a}.{key}_proj.weight", (out_dim, H))
-            if s.qkv_bias:
-                refs[r + key + "_bias"] = _expect(index, f"{a}.{key}_proj.bias", (out_dim,))
-        refs[r + "o"] = _expect(index, f"{a}.o_proj.weight", (H, qd))
-        if s.o_bias:
-            refs[r + "o_bias"] = _expect(index, f"{a}.o_proj.bias", (H,))
-        if s.qk_norm != "none":
-            refs[r + "q_norm"] = _expect(index, f"{a}.q_norm.weight", (D if s.qk_norm == "head" else qd,))
-            refs[r + "k_norm"] = _expect(index, f"{a}.k_norm.weight", (D if s.qk_norm == "head" else kvd,))
-        if s.moe_layers[L]:
-            m = moe_prefix(index, arch, L)
-            refs[r + "router"] = _expect(index, f"{m}.gate.weight", (s.num_experts, H))
-            if s.shared_expert_intermediate_size:
-                Is = s.shared_expert_intermediate_size
-                for key, shape in (("gate", (Is, H)), ("up", (Is, H)), ("down", (H, Is))):
-                    refs[r + "shared." + key] = _expect(index, f"{m}.shared_expert.{key}_proj.weight", shape)
-                refs[r + "shared_gate"] = _expect(index, f"{m}.shared_expert_gate.weight", (1, H))
-        else:
-            Id = s.dense_intermediate_size
-            for key, shape in (("gate", (Id, H)), ("up", (Id, H)), ("down", (H, Id))):
-                refs[r + "mlp." + key] = _expect(index, f"{p}.mlp.{key}_proj.weight", shape)
+        moe = moe_prefix(index, arch, L) if s.moe_layers[L] else None
+        for t in arch.layer_tensors(s, L, moe):  # names and shapes: the architecture's (models/arch.py)
+            refs[f"layers.{L}.{t.role}"] = _expect(index, t.name, t.shape)
     return refs
 
 

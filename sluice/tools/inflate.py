@@ -34,23 +34,16 @@ import torch
 
 from ..checkpoint import CheckpointIndex, TensorRef
 from ..errors import CheckpointError, ConfigError
+from ..models import get_arch
 from ..options import format_bytes
 from .synth import writing_model
 
 GiB = 2**30
 SOURCES = ("demo",)  # named sources; anything else is a model folder path
-# config.json key of one routed expert's intermediate size, per model_type.
-INTERMEDIATE_KEY = {
-    "qwen3_moe": "moe_intermediate_size",
-    "qwen2_moe": "moe_intermediate_size",
-    "mixtral": "intermediate_size",
-    "olmoe": "intermediate_size",
-}
 _FLOATS = ("F32", "F16", "BF16")  # zero bytes are +0.0 in these; quantized blocks would need their own padding
-# Per-expert hub names (gate, up / w1, w3: rows; down / w2: columns) and the fused names of transformers 5.
-_PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# The fused names of transformers 5; the per-expert names are the architecture's EXPERT_PROJ (gate, up: rows; down:
+# columns).
 _FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-_ROWS = {"gate_proj", "up_proj", "w1", "w3"}
 _COPY_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
 _NOT_COPIED = {"model.safetensors.index.json"}
 _ZEROS = bytes(1 << 22)  # 4 MiB of zeros, written in pieces
@@ -106,10 +99,10 @@ def plan(index: CheckpointIndex, scale: int) -> Plan:
     """Check the source and list the output tensors. ConfigError / CheckpointError name what does not fit."""
     if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
         raise ConfigError(f"--expert-scale: must be an integer >= 1, got {scale!r}")
-    model_type = index.config.get("model_type")
-    if model_type not in INTERMEDIATE_KEY:
-        raise ConfigError(f"model_type: cannot inflate {model_type!r}; supported: {', '.join(INTERMEDIATE_KEY)}")
-    key = INTERMEDIATE_KEY[model_type]
+    arch = get_arch(index.config.get("model_type"), index.folder / "config.json")
+    key = arch.INTERMEDIATE_KEY  # config.json field of one routed expert's intermediate size
+    gate, up, down = arch.EXPERT_PROJ
+    per_expert = re.compile(rf"\.experts\.\d+\.({re.escape(gate)}|{re.escape(up)}|{re.escape(down)})\.weight$")
     I = index.config.get(key)
     if not isinstance(I, int) or I < 1:
         raise ConfigError(f"config.json {key}: expected a positive integer, got {I!r}")
@@ -117,8 +110,8 @@ def plan(index: CheckpointIndex, scale: int) -> Plan:
     for name in index.names():
         ref = index[name]
         kind, shape = "copy", ref.shape
-        if m := _PER_EXPERT.search(name):
-            kind = "rows" if m.group(1) in _ROWS else "cols"
+        if m := per_expert.search(name):
+            kind = "cols" if m.group(1) == down else "rows"
             axis = 0 if kind == "rows" else 1
             if len(ref.shape) != 2 or ref.shape[axis] != I:
                 raise CheckpointError(f"expected {'[I, H]' if axis == 0 else '[H, I]'} with I = {key} = {I}, "

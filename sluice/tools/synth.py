@@ -26,7 +26,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, SluiceError
-from ..models import SUPPORTED
+from ..models import get_arch, supported
+from ..models.arch import TensorName
+from ..models.args import MAX_LAYERS
+from ..models.spec import Spec
 from ..options import COMPUTE_DTYPES, format_bytes
 
 GiB = 2**30
@@ -39,35 +42,11 @@ class OutputExistsError(SluiceError):
 
 
 @dataclass(frozen=True)
-class ArchInfo:
-    """What differs per architecture when synthesizing: defaults of the real models and checkpoint names."""
-
-    hf_class: str  # config.json `architectures`
-    num_experts: int
-    top_k: int
-    rope_theta: float
-    rms_norm_eps: float
-    moe_prefix: str  # per-expert layout; the fused layout is always `mlp`
-    expert_proj: tuple[str, str, str]  # gate, up, down
-
-
-ARCHS: dict[str, ArchInfo] = {
-    # Qwen3-30B-A3B: 128 experts top-8, moe_intermediate 768 / hidden 2048.
-    "qwen3_moe": ArchInfo("Qwen3MoeForCausalLM", 64, 8, 1e6, 1e-6, "mlp", ("gate_proj", "up_proj", "down_proj")),
-    # Mixtral-8x7B: 8 experts top-2, intermediate 14336 / hidden 4096.
-    "mixtral": ArchInfo("MixtralForCausalLM", 8, 2, 1e6, 1e-5, "block_sparse_moe", ("w1", "w3", "w2")),
-    # OLMoE-1B-7B: 64 experts top-8, intermediate 1024 / hidden 2048.
-    "olmoe": ArchInfo("OlmoeForCausalLM", 64, 8, 1e4, 1e-5, "mlp", ("gate_proj", "up_proj", "down_proj")),
-    # Qwen1.5-MoE-A2.7B: 60 experts top-4 plus a shared expert; 64 top-8 here like the others.
-    "qwen2_moe": ArchInfo("Qwen2MoeForCausalLM", 64, 8, 1e6, 1e-6, "mlp", ("gate_proj", "up_proj", "down_proj")),
-}
-
-
-@dataclass(frozen=True)
 class SynthConfig:
     """The blueprint of a synthetic checkpoint. `config_for_size` fills it for a target size.
 
-    arch:               config.json model_type: qwen3_moe | mixtral | olmoe | qwen2_moe.
+    arch:               config.json model_type (models.supported()); the family's defaults, names and config keys
+                        are its module's (SYNTH, synth_config, layer_tensors, MOE_PREFIXES, EXPERT_PROJ).
     hidden_size, num_layers, num_heads, num_kv_heads, head_dim: the transformer's shape.
     num_experts, top_k: experts per MoE layer and experts per token.
     moe_intermediate_size: one expert's intermediate size (I): gate/up [I, H], down [H, I].
@@ -79,7 +58,8 @@ class SynthConfig:
     layout:             per_expert (the hub's `experts.{e}.gate_proj.weight`) | fused (`experts.gate_up_proj`).
     tie_word_embeddings: no lm_head tensor; the head is the embedding.
     max_shard_bytes:    shard size limit, like save_pretrained's max_shard_size.
-    shared_expert_intermediate_size: qwen2_moe's shared expert; None = one routed expert's size (small, resident).
+    shared_expert_intermediate_size: the shared expert of an architecture that has one (qwen2_moe); None = one
+                        routed expert's size (small, resident).
     """
 
     arch: str
@@ -102,8 +82,8 @@ class SynthConfig:
     shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ConfigError(f"arch: {self.arch!r} is not one of {', '.join(SUPPORTED)}")
+        if self.arch not in supported():
+            raise ConfigError(f"arch: {self.arch!r} is not one of {', '.join(supported())}")
         if self.dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
         if self.layout not in LAYOUTS:
@@ -117,20 +97,18 @@ class SynthConfig:
             raise ConfigError(f"top_k: {self.top_k} exceeds num_experts {self.num_experts}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
-        if self.arch == "olmoe" and self.num_heads * self.head_dim != self.hidden_size:
-            # OLMoE's q_norm is sized hidden_size while q_proj is heads*head_dim: they must agree.
-            raise ConfigError(f"olmoe needs num_heads * head_dim == hidden_size ({self.hidden_size})")
         if self.embed_std <= 0 or self.init_std <= 0:
             raise ConfigError("embed_std and init_std must be positive")
         shared = self.shared_expert_intermediate_size
         if shared is not None and (not isinstance(shared, int) or shared < 1):
             raise ConfigError(f"shared_expert_intermediate_size: must be a positive integer or None, got {shared!r}")
+        get_arch(self.arch).synth_config(self)  # the architecture's own checks (ConfigError)
 
     @property
     def shared_size(self) -> int:
-        """Intermediate size of qwen2_moe's shared expert (0: none). Resolved here, not in __post_init__, so
-        `dataclasses.replace(sc, moe_intermediate_size=...)` keeps following the routed experts' size."""
-        if self.arch != "qwen2_moe":
+        """Intermediate size of the shared expert (0: the architecture has none). Resolved here, not in
+        __post_init__, so `dataclasses.replace(sc, moe_intermediate_size=...)` keeps following the routed experts'."""
+        if not get_arch(self.arch).SYNTH.shared_expert:
             return 0
         if self.shared_expert_intermediate_size is None:
             return self.moe_intermediate_size
@@ -151,42 +129,20 @@ class SynthConfig:
 
 
 # -- shapes and sizes ------------------------------------------------------------------------------------------------
-# A tensor to generate: name, shape and how it is initialised ("embed", "norm", "proj", "bias").
-TensorSpec = tuple[str, tuple[int, ...], str]
+def _spec(sc: SynthConfig) -> Spec:
+    """The Spec sluice reads from the checkpoint's config.json: which layers are sparse, which tensors each has
+    (ConfigError naming the field for a shape sluice would refuse to load)."""
+    return get_arch(sc.arch).ModelArgs.from_dict(config_json(sc)).spec()
 
 
-def _layer_resident(sc: SynthConfig, L: int) -> list[TensorSpec]:
-    """One layer's non-expert tensors, in file order."""
-    H, D, E = sc.hidden_size, sc.head_dim, sc.num_experts
-    qd, kvd = sc.num_heads * D, sc.num_kv_heads * D
-    p, a = f"model.layers.{L}", f"model.layers.{L}.self_attn"
-    m = f"{p}.{_moe_prefix(sc)}"
-    out: list[TensorSpec] = [(f"{p}.input_layernorm.weight", (H,), "norm")]
-    for key, dim in (("q", qd), ("k", kvd), ("v", kvd)):
-        out.append((f"{a}.{key}_proj.weight", (dim, H), "proj"))
-        if sc.arch == "qwen2_moe":  # qkv_bias
-            out.append((f"{a}.{key}_proj.bias", (dim,), "bias"))
-    out.append((f"{a}.o_proj.weight", (H, qd), "proj"))
-    if sc.arch == "qwen3_moe":  # per-head q/k norm
-        out += [(f"{a}.q_norm.weight", (D,), "norm"), (f"{a}.k_norm.weight", (D,), "norm")]
-    elif sc.arch == "olmoe":  # q/k norm over the whole projection
-        out += [(f"{a}.q_norm.weight", (qd,), "norm"), (f"{a}.k_norm.weight", (kvd,), "norm")]
-    out.append((f"{p}.post_attention_layernorm.weight", (H,), "norm"))
-    out.append((f"{m}.gate.weight", (E, H), "proj"))
-    if sc.shared_size:
-        Is = sc.shared_size
-        out += [
-            (f"{m}.shared_expert.gate_proj.weight", (Is, H), "proj"),
-            (f"{m}.shared_expert.up_proj.weight", (Is, H), "proj"),
-            (f"{m}.shared_expert.down_proj.weight", (H, Is), "proj"),
-            (f"{m}.shared_expert_gate.weight", (1, H), "proj"),
-        ]
-    return out
+def _layer_resident(sc: SynthConfig, spec: Spec, L: int) -> list[TensorName]:
+    """One layer's non-expert tensors, in file order (the architecture's names and shapes)."""
+    return get_arch(sc.arch).layer_tensors(spec, L, f"model.layers.{L}.{_moe_prefix(sc)}")
 
 
 def _moe_prefix(sc: SynthConfig) -> str:
     # transformers>=5 writes the fused layout of every arch under `mlp` (Mixtral included).
-    return ARCHS[sc.arch].moe_prefix if sc.layout == "per_expert" else "mlp"
+    return get_arch(sc.arch).MOE_PREFIXES[0] if sc.layout == "per_expert" else "mlp"
 
 
 @dataclass(frozen=True)
@@ -207,8 +163,14 @@ def size_of(sc: SynthConfig) -> SizeReport:
     """Exact counts for `sc`, from the same tensor list `tensors` generates."""
     resident = 2 * sc.vocab_size * sc.hidden_size if not sc.tie_word_embeddings else sc.vocab_size * sc.hidden_size
     resident += sc.hidden_size  # model.norm
-    resident += sc.num_layers * sum(math.prod(shape) for _, shape, _ in _layer_resident(sc, 0))
-    experts = sc.num_layers * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
+    # More layers than sluice reads (MAX_LAYERS) are only ever sized to be refused as oversized (config_for_size's
+    # "over twice the target"): size them as copies of the last layer rather than parse a config sluice refuses.
+    n = min(sc.num_layers, MAX_LAYERS)
+    spec = _spec(dataclasses.replace(sc, num_layers=n))
+    layers = [sum(math.prod(t.shape) for t in _layer_resident(sc, spec, L)) for L in range(n)]
+    resident += sum(layers) + (sc.num_layers - n) * layers[-1]
+    sparse = sum(spec.moe_layers) + (sc.num_layers - n) * spec.moe_layers[-1]
+    experts = sparse * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
     params = resident + experts
     return SizeReport(params, params * sc.itemsize, experts * sc.itemsize, sc.expert_nbytes)
 
@@ -229,7 +191,8 @@ def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
     """A SynthConfig whose checkpoint is within ~5% of `target_bytes`, experts > 85% of it, like real MoEs.
 
     The rule, for P = target_bytes / dtype size parameters (each step skipped for a field given in `overrides`):
-      1. experts, top_k: the family's (64 top-8 for qwen3_moe / olmoe / qwen2_moe, 8 top-2 for mixtral);
+      1. experts, top_k: the family's (its module's SYNTH: 64 top-8 for qwen3_moe / olmoe / qwen2_moe, 8 top-2
+         for mixtral);
       2. hidden: 128 below 2^24 params, 256 below 2^27, 512 below 2^29, 1024 below 2^33, else 2048 (in bf16:
          below 32 MiB, 256 MiB, 1 GiB, 16 GiB); head_dim 64 (hidden <= 512) or 128; heads = hidden / head_dim;
          kv heads = heads / 4 (GQA, at least 1);
@@ -243,13 +206,13 @@ def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
     Overrides that leave a checkpoint over twice the target are a ConfigError: without that check, --layers 10^9
     wrote until the disk was full and --hidden 10^9 failed allocating 2 TB.
     """
-    if arch not in ARCHS:
-        raise ConfigError(f"arch: {arch!r} is not one of {', '.join(SUPPORTED)}")
+    if arch not in supported():
+        raise ConfigError(f"arch: {arch!r} is not one of {', '.join(supported())}")
     known = {f.name for f in dataclasses.fields(SynthConfig)} - {"arch"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ConfigError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    info = ARCHS[arch]
+    info = get_arch(arch).SYNTH
     dtype = overrides.get("dtype", "bfloat16")
     if dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
@@ -303,9 +266,10 @@ def config_json(sc: SynthConfig, bos_token_id: int = 0, eos_token_id: int = 2) -
     """config.json as the architecture's transformers class reads it (hub spellings: rope_theta, torch_dtype).
 
     Token ids default to the trained tokenizer's: `<|endoftext|>` = 0 (bos/pad, as Qwen), `<|im_end|>` = 2 (eos).
+    The architecture adds its own keys (its module's `synth_config`).
     """
-    info = ARCHS[sc.arch]
-    I = sc.moe_intermediate_size
+    arch = get_arch(sc.arch)
+    info = arch.SYNTH
     cfg: dict = {
         "architectures": [info.hf_class],
         "model_type": sc.arch,
@@ -332,20 +296,7 @@ def config_json(sc: SynthConfig, bos_token_id: int = 0, eos_token_id: int = 2) -
         "torch_dtype": sc.dtype,  # transformers<5 and most tools
         "dtype": sc.dtype,  # transformers>=5
     }
-    if sc.arch == "mixtral":
-        cfg.update(num_local_experts=sc.num_experts, intermediate_size=I, sliding_window=None)
-    elif sc.arch == "olmoe":
-        cfg.update(num_experts=sc.num_experts, intermediate_size=I, norm_topk_prob=False, clip_qkv=None,
-                   attention_bias=False)
-    elif sc.arch == "qwen3_moe":
-        cfg.update(num_experts=sc.num_experts, moe_intermediate_size=I, intermediate_size=4 * I,
-                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, attention_bias=False,
-                   use_sliding_window=False, sliding_window=None)
-    else:  # qwen2_moe
-        Is = sc.shared_size
-        cfg.update(num_experts=sc.num_experts, moe_intermediate_size=I, shared_expert_intermediate_size=Is,
-                   intermediate_size=Is, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
-                   qkv_bias=True, use_sliding_window=False, sliding_window=None)
+    cfg.update(arch.synth_config(sc))
     return cfg
 
 
@@ -373,13 +324,16 @@ def tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
         return torch.empty(shape, dtype=dt).normal_(0.0, std, generator=g)
 
     H, I, E = sc.hidden_size, sc.moe_intermediate_size, sc.num_experts
+    spec = _spec(sc)
     yield "model.embed_tokens.weight", draw((sc.vocab_size, H), "embed")
     for L in range(sc.num_layers):
-        for name, shape, kind in _layer_resident(sc, L):
-            yield name, draw(shape, kind)
+        for t in _layer_resident(sc, spec, L):
+            yield t.name, draw(t.shape, t.init)
+        if not spec.moe_layers[L]:
+            continue
         m = f"model.layers.{L}.{_moe_prefix(sc)}.experts"
         if sc.layout == "per_expert":
-            g_name, u_name, d_name = ARCHS[sc.arch].expert_proj
+            g_name, u_name, d_name = get_arch(sc.arch).EXPERT_PROJ
             for e in range(E):
                 yield f"{m}.{e}.{g_name}.weight", draw((I, H), "proj")
                 yield f"{m}.{e}.{u_name}.weight", draw((I, H), "proj")

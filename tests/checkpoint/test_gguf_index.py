@@ -14,10 +14,10 @@ import torch
 
 import sluice
 from sluice.checkpoint import CheckpointIndex
-from sluice.checkpoint.gguf_index import LAYER_NAMES, GGUFIndex, gguf_name, hf_name
+from sluice.checkpoint.gguf_index import GGUFIndex, gguf_name, hf_name
 from sluice.errors import CheckpointError, ConfigError
 from sluice.io import read_tensor
-from sluice.models import get_arch
+from sluice.models import archs, get_arch
 from sluice.models.rope import inv_freq
 from sluice.store.layout import ExpertLayout
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert, gguf, kv, raw_gguf, s, tinfo
@@ -262,7 +262,7 @@ def test_quantized_file_opens_and_loads(tmp_path):
 
 # -- names -------------------------------------------------------------------------------------------------------------
 def test_names_round_trip():
-    for arch, table in LAYER_NAMES.items():
+    for arch, table in ((a.GGUF.name, a.GGUF.tensors) for a in archs().values() if a.GGUF is not None):
         for g in table:
             h = hf_name(f"blk.3.{g}", arch, 4)
             assert h is not None and gguf_name(h, arch) == f"blk.3.{g}"
@@ -296,8 +296,9 @@ def _set(key, adder, *value):
 
 def test_unsupported_architectures(qwen3, tmp_path):
     path = _with(qwen3, tmp_path, _set("general.architecture", "add_string", "gemma3"))
-    with pytest.raises(ConfigError, match=r"architecture 'gemma3' is not supported; supported: qwen3moe, qwen2moe, "
-                                          r"olmoe, llama"):
+    with pytest.raises(ConfigError, match=r"architecture 'gemma3' is not supported; supported \(llama.cpp's name and "
+                                          r"config.json model_type\): llama \(mixtral\), olmoe \(olmoe\), "
+                                          r"qwen2moe \(qwen2_moe\), qwen3moe \(qwen3_moe\)"):
         GGUFIndex.open(path)
     dense = _with(qwen3, tmp_path, lambda w: (_set("general.architecture", "add_string", "llama")(w),
                                               w.kv_data[0].pop("qwen3moe.expert_count")))

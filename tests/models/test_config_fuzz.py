@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from sluice.errors import ConfigError, SluiceError
-from sluice.models import SUPPORTED, model_args
+from sluice.models import model_args, supported
 from sluice.models.args import ACTIVATIONS
 from sluice.models.blocks import Transformer
 from sluice.models.spec import KVCache, LayerWeights, MLPWeights, Spec, Weights
@@ -51,7 +51,7 @@ def _bases() -> list[dict]:
 
 def _schema_keys() -> list[str]:
     keys: set[str] = set()
-    for arch in SUPPORTED:
+    for arch in supported():
         module = __import__(f"sluice.models.{arch}", fromlist=["ModelArgs"])
         keys.update(name for name, *_ in describe_fields(module.ModelArgs))
     return sorted(keys | {"num_local_experts", "rope_theta", "rope_scaling", "rope_parameters", "model_type"})

@@ -1,0 +1,129 @@
+"""What an architecture module provides besides its math, and the shared pieces most of them reuse.
+
+Generic code reads these from the module `models.get_arch(model_type)` returns (see `models/__init__.py` for the
+whole interface): `SynthDefaults` (tools/synth.py), `layer_tensors` (store/weights.py and tools/synth.py: the
+checkpoint names of one decoder layer's resident tensors) and `GGUFArch` (checkpoint/gguf_config.py and
+gguf_index.py). No torch and no math here, so the loaders and tools can import it cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from .spec import Spec
+
+
+@dataclass(frozen=True)
+class SynthDefaults:
+    """What `sluice make-model --arch` needs beyond the SynthConfig's shape: the real family's defaults."""
+
+    hf_class: str  # config.json `architectures`: the transformers class that loads the checkpoint
+    num_experts: int  # experts per MoE layer and per token when the size rule picks them
+    top_k: int
+    rope_theta: float
+    rms_norm_eps: float
+    # writes a shared expert beside the routed ones (size: SynthConfig.shared_expert_intermediate_size, else one
+    # routed expert's); the module's `synth_config` puts its size in config.json
+    shared_expert: bool = False
+
+
+class TensorName(NamedTuple):
+    """One resident tensor of a decoder layer as the checkpoint names it."""
+
+    role: str  # what the loader builds from it (store/weights.py): "q", "q_bias", "router", "shared.gate", ...
+    name: str  # the checkpoint's name, e.g. model.layers.3.self_attn.q_proj.weight
+    shape: tuple[int, ...]
+    init: str  # how a synthetic checkpoint draws it: "norm" (1 + noise), "proj" or "bias" (noise)
+
+
+def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
+    """The resident (non-expert) tensors of decoder layer `layer` of a Qwen / Mixtral / OLMoE style checkpoint, in
+    the order a synthetic checkpoint writes them. `moe`: the MoE block's prefix in this checkpoint (e.g.
+    `model.layers.3.mlp`, Mixtral's hub files `...block_sparse_moe`); unused on a dense layer.
+
+    What the Spec turns on: q/k/v biases (qkv_bias), o bias (o_bias), q/k RMSNorm per head (qk_norm "head": [D]) or
+    over the whole projection ("full": [heads*D]), a shared expert with its sigmoid gate, a dense MLP on layers
+    moe_layers marks False.
+    """
+    s = spec
+    H, D = s.hidden_size, s.head_dim
+    qd, kvd = s.n_heads * D, s.n_kv_heads * D
+    p = f"model.layers.{layer}"
+    a = f"{p}.self_attn"
+    out = [TensorName("input_norm", f"{p}.input_layernorm.weight", (H,), "norm")]
+    for key, dim in (("q", qd), ("k", kvd), ("v", kvd)):
+        out.append(TensorName(key, f"{a}.{key}_proj.weight", (dim, H), "proj"))
+        if s.qkv_bias:
+            out.append(TensorName(f"{key}_bias", f"{a}.{key}_proj.bias", (dim,), "bias"))
+    out.append(TensorName("o", f"{a}.o_proj.weight", (H, qd), "proj"))
+    if s.o_bias:
+        out.append(TensorName("o_bias", f"{a}.o_proj.bias", (H,), "bias"))
+    if s.qk_norm != "none":
+        head = s.qk_norm == "head"
+        out += [TensorName("q_norm", f"{a}.q_norm.weight", (D,) if head else (qd,), "norm"),
+                TensorName("k_norm", f"{a}.k_norm.weight", (D,) if head else (kvd,), "norm")]
+    out.append(TensorName("post_norm", f"{p}.post_attention_layernorm.weight", (H,), "norm"))
+    if s.moe_layers[layer]:
+        out.append(TensorName("router", f"{moe}.gate.weight", (s.num_experts, H), "proj"))
+        if s.shared_expert_intermediate_size:
+            out += mlp_tensors("shared.", f"{moe}.shared_expert", s.shared_expert_intermediate_size, H)
+            out.append(TensorName("shared_gate", f"{moe}.shared_expert_gate.weight", (1, H), "proj"))
+    else:
+        out += mlp_tensors("mlp.", f"{p}.mlp", s.dense_intermediate_size, H)
+    return out
+
+
+def mlp_tensors(role: str, prefix: str, inter: int, hidden: int) -> list[TensorName]:
+    """A SwiGLU MLP's gate/up [inter, hidden] and down [hidden, inter] named `{prefix}.{gate,up,down}_proj.weight`."""
+    return [TensorName(f"{role}{k}", f"{prefix}.{k}_proj.weight", shape, "proj")
+            for k, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))]
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------------------
+#: GGUFArch.config's signature: (typed metadata of the file -- checkpoint/gguf_config.GGUFMeta --, the file's tensors
+#: by GGUF name) -> the architecture's config.json keys
+GGUFConfigHook = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How llama.cpp stores the architecture: checkpoint/gguf_config.py and gguf_index.py read files by this.
+
+    The generic part of the config (sizes, heads, rope, eps, vocab, bos/eos, tied head, top-k, norm_topk_prob) is
+    read the same for every architecture; `config` adds the architecture's own keys (expert count spelling,
+    intermediate sizes, biases, dense layers) and may override norm_topk_prob.
+    """
+
+    name: str  # general.architecture, e.g. "qwen3moe"
+    tensors: Mapping[str, str]  # blk.N.<GGUF suffix> -> model.layers.N.<config.json-world suffix>
+    config: GGUFConfigHook
+    # top-k renormalisation when expert_weights_norm is absent: what llama.cpp's graph passes to build_moe_ffn
+    norm_topk_prob: bool
+    # q/k rows stored permuted for llama.cpp's interleaved rope (its llama converter); read_tensor un-permutes them
+    rope_permuted: bool = False
+    # runs first, before any other key is read: raises ConfigError for files of this GGUF architecture that are not
+    # this model (a llama file without experts is a dense Llama, not Mixtral)
+    accept: Callable[[Any], None] | None = None
+    # router keys the `config` hook reads itself; the others are refused when they ask for math sluice does not do
+    # (expert_gating_func other than softmax, expert_weights_scale, an expert_weights_norm != norm_topk_prob)
+    router_keys: frozenset[str] = frozenset()
+
+
+# llama.cpp's tensor names (blk.N.<suffix>) shared by the architectures here, -> transformers' names under the layer
+GGUF_ATTN = {f"attn_{g}.weight": f"self_attn.{h}_proj.weight"
+             for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))}
+GGUF_COMMON = {
+    **GGUF_ATTN,
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+}
+GGUF_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+GGUF_QKV_BIAS = {f"attn_{g}.bias": f"self_attn.{g}_proj.bias" for g in "qkv"}
