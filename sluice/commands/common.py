@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..engine import Model, load
+from ..engine import Model
 from ..io import DEFAULT_WORKERS
-from ..options import IO_MODES, MAX_IO_WORKERS, MAX_THREADS, format_bytes
+from ..options import IO_MODES, MAX_IO_WORKERS, MAX_THREADS, LoadOptions, format_bytes
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,11 +56,16 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
+def options_from_args(args: argparse.Namespace) -> LoadOptions:
+    """The LoadOptions of the flags add_model_arguments declared."""
+    return LoadOptions.make(memory=args.memory, io=args.io, io_workers=args.io_workers, odirect=args.odirect,
+                            dtype=args.dtype, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                            threads=args.threads, embeddings=args.embeddings, prefetch=args.prefetch,
+                            prefetch_margin=args.prefetch_margin, overlap=args.overlap)
+
+
 def load_from_args(args: argparse.Namespace, progress: bool = True) -> Model:
-    return load(args.model, progress=progress, memory=args.memory, io=args.io, io_workers=args.io_workers,
-                odirect=args.odirect, dtype=args.dtype, max_context=args.max_context,
-                prefill_chunk=args.prefill_chunk, threads=args.threads, embeddings=args.embeddings,
-                prefetch=args.prefetch, prefetch_margin=args.prefetch_margin, overlap=args.overlap)
+    return Model(args.model, options_from_args(args), progress=progress)
 
 
 def stats_line(st: dict) -> str:
