@@ -39,7 +39,7 @@ class Model:
         """Load what `load_plan` (default: `plan(path, options)`) decided."""
         t0 = time.perf_counter()
         p = load_plan if load_plan is not None else plan(path, options)
-        self.plan = p
+        self.load_plan = p  # every decision made before the weights loaded (plan.py)
         self.path, self.options, self.index, self.arch, self.args = p.path, p.options, p.index, p.arch, p.args
         self.spec, self.layout, self.dtype, self.resident_bytes = p.spec, p.layout, p.dtype, p.resident_bytes
         self.memory, self.memory_plan, self.odirect = p.memory, p.memory_plan, p.odirect
@@ -71,7 +71,7 @@ class Model:
 
     def _need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
-            raise ConfigError(f"{self.plan.no_tokenizer}: {what}")
+            raise ConfigError(f"{self.load_plan.no_tokenizer}: {what}")
         return self.tokenizer
 
     def _tick(self) -> None:
@@ -263,7 +263,7 @@ class Model:
             "io": self.options.io,
             "odirect": self.odirect,
             "memory": self.memory,  # the budget in bytes; None = everything resident
-            "memory_plan": self.plan.describe_memory(),
+            "memory_plan": self.load_plan.describe_memory(),
             "dtype": str(self.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(),
             "thread_changes": self.governor.changes if self.governor is not None else 0,

@@ -56,6 +56,7 @@ class Engine(Protocol):
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]: ...
 
+    # lazy (a generator): nothing runs until the first id is asked for, and closing it stops the model
     def generate_tokens(self, prompt: Sequence[int], max_tokens: int, **sampling: Any) -> Iterator[int]: ...
 
 
