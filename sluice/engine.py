@@ -289,9 +289,11 @@ class Model:
 
 
 def load(path: str | os.PathLike, *, progress: bool = False, **options) -> Model:
-    """Load a Hugging Face MoE checkpoint folder.
+    """Load an MoE checkpoint: a Hugging Face or MLX folder, or a .gguf file.
 
-    Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" | "willneed" | "direct"),
-    io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context, prefill_chunk, threads.
+    Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" |
+    "willneed" | "direct"), io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context,
+    prefill_chunk, threads, embeddings, prefetch, prefetch_margin, overlap. `sluice.plan.plan(path, options)` shows
+    what a load would decide without reading weights.
     """
     return Model(path, LoadOptions.make(**options), progress=progress)

@@ -80,8 +80,8 @@ def _print(info: dict) -> None:
           f"positions, {info['threads']} threads, O_DIRECT {'on' if info['odirect'] else 'off'}")
     print(f"memory: {info['memory_plan']}")
     if "memory" in info:
-        print(f"--memory {fb(info['memory'])}: {info['expert_slots']} expert slots = {fb(info['expert_cache_bytes'])}"
-              f" ({100 * info['cached_fraction']:.1f}% of all experts)")
+        print(f"expert cache: {info['expert_slots']} slots = {fb(info['expert_cache_bytes'])} "
+              f"({100 * info['cached_fraction']:.1f}% of all experts)")
     if "usage" in info:
         used = info["usage"]["experts_used_per_layer"]
         print(f"expert usage over {info['usage']['tokens']} sample tokens: {min(used)}-{max(used)} of "
