@@ -32,7 +32,7 @@ def child(arm: str, folder: str, tokens: int, prompt_len: int) -> dict:
         with sluice.load(folder) as m:
             out = list(m.generate_tokens(prompt, max_tokens=tokens, stop_at_eos=False))
             st = m.stats()
-        return {"tokens": out, "step_ms": [1000 * s for s in m._times.decode_s], "prefill_ms": st["prefill_ms"]}
+        return {"tokens": out, "step_ms": [1000 * s for s in m.step_times.decode_s], "prefill_ms": st["prefill_ms"]}
     from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()

@@ -1,7 +1,7 @@
 """`sluice.load(path, ...)` -> Model: the public Python API (DESIGN.md "Public contracts").
 
-Wires the components: CheckpointIndex (where bytes are) -> reader (how bytes move) -> ExpertStore (what stays in
-memory) -> Transformer (math) -> generate loop, tokenizer and sampler.
+Wires the components that `plan()` (plan.py) decided: CheckpointIndex (where bytes are) -> reader (how bytes move)
+-> ExpertStore (what stays in memory) -> Transformer (math) -> generate loop (generate.py), tokenizer and sampler.
 """
 
 from __future__ import annotations
@@ -9,134 +9,70 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import torch
 
-from .checkpoint.index import CONFIG, GENERATION_CONFIG, CheckpointIndex
-from .errors import ConfigError, ContextLengthError, RequestError, SluiceError
-from .generate import StepTimes, decode_one, generate_step, prefill
+from .errors import ConfigError, ContextLengthError, RequestError
+from .generate import StepTimes, Teacher, TextStream, generate_step
+from .host.cpus import ThreadGovernor
+from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
-from .models import model_args
-from .models.args import GenerationArgs, eos_ids
-from .models.schema import parse
 from .models.blocks import Transformer
 from .models.spec import KVCache
-from .options import LoadOptions, format_bytes
-from .sampling import make_logits_processors, make_sampler
-from .store.layout import ExpertLayout
-from .store.budget import RUNTIME_RESERVE, AutoPlan, auto_memory, check_room, prefill_tokens_per_chunk
-from .store.resident import ResidentExpertStore
-from .tokenizer.limit import PIECE, tokens_at_least
+from .options import LoadOptions
+from .plan import LoadPlan, plan
 from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
+from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from .store.resident import ResidentExpertStore
 from .store.rows import RowTable
-from .tokenizer import StopMatcher, Tokenizer
-from .tokenizer.gguf import tokenizer_from_gguf
-from .host.procstat import counters, memory_status
-from .host.cpus import ThreadGovernor, usable_cpus
-from .host.memory import MemoryRoom, available_memory
-from .store.weights import load_resident, resident_refs
-
-
-def _eos_ids(args, generation: GenerationArgs, tok: Tokenizer | None) -> set[int]:
-    """End-of-sequence ids: generation_config.json's and config.json's (both validated), and the tokenizer's."""
-    ids = eos_ids(generation.eos_token_id, args.eos_token_id)
-    if tok is not None and tok.eos_token_id is not None:
-        ids.add(tok.eos_token_id)
-    ids.update(getattr(tok, "eog_token_ids", ()))  # a GGUF vocabulary's end-of-generation tokens (llama.cpp's)
-    return ids
+from .store.weights import load_resident
+from .tokenizer import Tokenizer
+from .tokenizer.limit import PIECE, tokens_at_least
 
 
 class Model:
-    """A loaded model. `logits(ids)`, `generate(prompt, ...)`, `stats()`; `last_tokens` holds the last output ids."""
+    """A loaded model. `logits(ids)`, `generate(prompt, ...)`, `stats()`; `last_tokens` holds the last output ids and
+    `step_times` the last generation's (or replay's) prefill and per-step wall times."""
 
-    def __init__(self, path: str | os.PathLike, options: LoadOptions, progress: bool = False):
+    def __init__(self, path: str | os.PathLike, options: LoadOptions, progress: bool = False,
+                 load_plan: LoadPlan | None = None):
+        """Load what `load_plan` (default: `plan(path, options)`) decided."""
         t0 = time.perf_counter()
-        self.path = Path(path)
-        self.options = options
-        self.index = CheckpointIndex.open(self.path)
-        self.arch, self.args = model_args(self.index.config, self.index.folder / CONFIG)
-        generation = parse(GenerationArgs, self.index.generation_config or {},
-                           source=str(self.index.folder / GENERATION_CONFIG))
-        self.spec = self.args.spec()
+        p = load_plan if load_plan is not None else plan(path, options)
+        self.load_plan = p  # every decision made before the weights loaded (plan.py)
+        self.path, self.options, self.index, self.arch, self.args = p.path, p.options, p.index, p.arch, p.args
+        self.spec, self.layout, self.dtype, self.resident_bytes = p.spec, p.layout, p.dtype, p.resident_bytes
+        self.memory, self.memory_plan, self.odirect = p.memory, p.memory_plan, p.odirect
+        self.prefill_chunk = p.prefill_chunk
+        self.tokenizer, self.eos_ids = p.tokenizer, p.eos_ids
         s = self.spec
-        refs = resident_refs(self.index, s, self.arch)
-        q = refs["layers.0.q"]
-        # a quantized checkpoint (GGUF Q4_K, ...) has no dtype of its own: its dequantized weights compute in bf16
-        # unless asked otherwise (dtype=float32 is the exact reference)
-        self.dtype = options.compute_dtype(torch.bfloat16 if q.quantized else q.torch_dtype)
-        self.prefill_chunk = (prefill_tokens_per_chunk(s, self.dtype.itemsize) if options.prefill_chunk == "auto"
-                              else options.prefill_chunk)
-        # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
-        # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
-        threads = options.threads or usable_cpus()
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        self.governor = ThreadGovernor(threads) if not options.threads and threads > 1 else None
-        self.layout = ExpertLayout(self.index, s, self.arch)
-        lazy_embed = options.embeddings != "resident" and not s.tie_word_embeddings
-        if lazy_embed and refs["embed"].quantized:
-            raise ConfigError(f"embeddings: {options.embeddings!r} reads plain rows, and this checkpoint stores the "
-                              f"token embeddings as {refs['embed'].dtype}: use --embeddings resident")
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        self.resident_bytes = itemsize * sum(r.numel for k, r in refs.items() if not (lazy_embed and k == "embed"))
-        max_ctx = min(options.max_context, s.rope.max_position_embeddings)
-        self.cache = KVCache(s, max_ctx, self.dtype)  # torch.empty: costs nothing until positions are written
-        # the budget: None = everything resident; decided before any weight is loaded, so a model that cannot fit
-        # fails with a BudgetError instead of an OOM kill
-        self.memory, self.memory_plan = options.memory, None
-        room = available_memory()
-        if options.memory == "auto":
-            self.memory_plan = self._auto_memory(room)
-            self.memory = self.memory_plan.memory
-        else:
-            check_room(self.memory, room.bytes, room.source, self.resident_bytes, self.layout.expert_nbytes,
-                       self.layout.total_experts, self.cache.nbytes)
-        self.odirect = self._odirect(room)
-        self.reader = make_reader(options.io, workers=options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
+        if p.threads != torch.get_num_threads():
+            torch.set_num_threads(p.threads)
+        self.governor = ThreadGovernor(p.threads) if p.governed else None
+        self.cache = KVCache(s, p.max_context, self.dtype)  # torch.empty: costs nothing until positions are written
+        self.reader = make_reader(p.options.io, workers=p.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
         # read each weight file only as the version whose header was read: a shard replaced, truncated or rewritten
         # while the model runs is a CheckpointError naming it (io/base.py FileGuard), not a SIGBUS or wrong bytes
         self.reader.expect(self.index.stamps())
-        weights = load_resident(refs, s, self.dtype, lazy_embed=lazy_embed)
-        self.rows = self._make_rows(refs["embed"]) if lazy_embed else None
+        weights = load_resident(p.refs, s, self.dtype, lazy_embed=p.lazy_embed)
+        self.rows = self._make_rows(p.refs["embed"]) if p.lazy_embed else None
         self.store = self._make_store(progress)
         prerouter = None
-        if options.prefetch == "router" and self.memory is not None:
-            prerouter = RouterPrerouter(s, weights, margin=options.prefetch_margin)
-        elif options.prefetch == "learned" and self.memory is not None:
-            fingerprint = model_fingerprint(s, self.index.config, refs)
-            prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, options.prefetch_margin)
+        if p.options.prefetch == "router" and self.memory is not None:
+            prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin)
+        elif p.options.prefetch == "learned" and self.memory is not None:
+            fingerprint = model_fingerprint(s, self.index.config, p.refs)
+            prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
-        self.tokenizer = self._tokenizer()
-        self.eos_ids = _eos_ids(self.args, generation, self.tokenizer)
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
+        self.step_times = StepTimes()
         self._kv_tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
-        self._times = StepTimes()
         self._gen_faults = (0, 0, 0)
-        self._generated = 0
-
-    def _tokenizer(self) -> Tokenizer | None:
-        """tokenizer.json of a model folder, or the tokenizer a GGUF file carries in its metadata.
-
-        A GGUF whose tokenizer sluice cannot rebuild (an unknown pre-tokenizer, missing merges) still runs on token
-        ids: the error is kept and raised, naming the key, when text has to be encoded."""
-        metadata = getattr(self.index, "metadata", None)
-        if metadata is None:
-            return Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").exists() else None
-        if "tokenizer.ggml.model" not in metadata:
-            self._no_tokenizer = f"{self.path} carries no tokenizer (tokenizer.ggml.model)"
-            return None
-        try:
-            return tokenizer_from_gguf(metadata, str(self.path))
-        except SluiceError as e:
-            self._no_tokenizer = f"its tokenizer cannot be used: {e}"
-            return None
 
     def _need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
-            why = getattr(self, "_no_tokenizer", f"{self.path} has no tokenizer.json")
-            raise ConfigError(f"{why}: {what}")
+            raise ConfigError(f"{self.load_plan.no_tokenizer}: {what}")
         return self.tokenizer
 
     def _tick(self) -> None:
@@ -149,20 +85,6 @@ class Model:
         # share the reader when it is of the kind the table needs; otherwise the table makes its own
         same = (mode == "direct") == (self.options.io == "direct")
         return RowTable(ref, mode, reader=self.reader if same else None, dtype=self.dtype)
-
-    def _odirect(self, room: MemoryRoom) -> bool:
-        """options.odirect, or when None: O_DIRECT iff streaming with the direct reader and all the experts would
-        not fit in the memory left beside the budget, the KV cache and the runtime (see LoadOptions.odirect)."""
-        if self.options.odirect is not None:
-            return self.options.odirect
-        if self.memory is None or self.options.io != "direct":
-            return False
-        left = room.bytes - self.memory - self.cache.nbytes - RUNTIME_RESERVE
-        return self.layout.total_experts * self.layout.expert_nbytes > left
-
-    def _auto_memory(self, room: MemoryRoom) -> AutoPlan:
-        return auto_memory(room.bytes, room.source, self.resident_bytes, self.layout.expert_nbytes,
-                           self.layout.total_experts, self.spec.top_k, self.cache.nbytes)
 
     def _make_store(self, progress: bool):
         if self.memory is None:
@@ -255,15 +177,18 @@ class Model:
             if a != b:
                 break
             start += 1
-        self._kv_tokens = []  # invalid while the loop runs; set again below
-        self.last_tokens = []
-        self._times = StepTimes()
+        yield from self._run(ids, sampler, processors, max_tokens, start, stop_at_eos)
+
+    def _run(self, ids: list[int], sampler: Sampler, processors: Sequence[LogitsProcessor], max_tokens: int,
+             start: int = 0, stop_at_eos: bool = True) -> Iterator[int]:
+        """The one loop under generate_tokens, generate, replay, the server's jobs and the bench: `generate_step`
+        with the thread governor's tick between forward passes. However the caller stops, it leaves `last_tokens`,
+        `step_times`, the fault counters and the record of what the KV cache holds consistent."""
+        self._kv_tokens, self.last_tokens, self.step_times = [], [], StepTimes()  # the record is invalid meanwhile
         f0 = counters()
         with torch.inference_mode():
-            gen = generate_step(
-                self.model, ids, sampler, processors, max_tokens, start, self.prefill_chunk, self._times,
-                between=self._tick,
-            )
+            gen = generate_step(self.model, ids, sampler, processors, max_tokens, start, self.prefill_chunk,
+                                self.step_times, between=self._tick)
             try:
                 for token in gen:
                     if stop_at_eos and token in self.eos_ids:
@@ -277,37 +202,16 @@ class Model:
                 # every yielded token but the last has been fed back through the model
                 self._kv_tokens = ids + self.last_tokens[:-1] if self.last_tokens else list(ids)
 
-    def generate(
-        self, prompt: str | Sequence[int], max_tokens: int = 256, stop: Sequence[str] | str | None = None, **kw
-    ) -> Iterator[str]:
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+                 cancelled: Callable[[], bool] | None = None, **kw) -> Iterator[str]:
         """Yield text pieces; stop strings end generation (the stop text is not yielded). `last_tokens` holds ids.
 
-        Keyword arguments: temperature, top_p, top_k, min_p, repetition_penalty, seed, chat (apply the chat
-        template to a text prompt).
+        `cancelled()`, when given, is asked after every token; True ends the generation there. Keyword arguments:
+        temperature, top_p, top_k, min_p, repetition_penalty, seed, chat (apply the chat template to a text prompt).
         """
         self._need_tokenizer("use generate_tokens with token ids")
-        decoder = self.tokenizer.stream_decoder()
-        matcher = StopMatcher(stop or []) if stop else None
-        gen = self.generate_tokens(prompt, max_tokens=max_tokens, **kw)
-        try:
-            for token in gen:
-                piece = decoder.add(token)
-                if matcher is not None:
-                    piece, stopped = matcher.feed(piece)
-                    if piece:
-                        yield piece
-                    if stopped:
-                        return
-                elif piece:
-                    yield piece
-            tail = decoder.flush()
-            if matcher is not None:
-                tail, _ = matcher.feed(tail)
-                tail += "" if matcher.stopped else matcher.flush()
-            if tail:
-                yield tail
-        finally:
-            gen.close()
+        tokens = self.generate_tokens(prompt, max_tokens=max_tokens, **kw)
+        yield from TextStream(tokens, self.tokenizer.stream_decoder(), max_tokens, stop, cancelled)
 
     def replay(
         self, prompt: Sequence[int], tokens: Sequence[int], on_step: Callable[[int], None] | None = None
@@ -316,39 +220,23 @@ class Model:
 
         Returns the greedy argmax after the prompt and after each fed token (len(tokens) + 1 ids), so an arm's
         choices can be checked against a reference while every arm does identical work. Step times land in
-        stats() like a generation's. `on_step(n)` is called (outside the timed region) each time the cache holds n
-        tokens: once after the prefill, then after every fed token -- benchmarks read their counters there.
+        `step_times` and stats() like a generation's. `on_step(n)` is called (outside the timed steps) each time
+        the cache holds n tokens: once after the prefill, then after every fed token -- benchmarks read their
+        counters there.
         """
+        n = len(self._check_ids(prompt))
         ids = self._check_ids(list(prompt) + list(tokens))
-        n = len(prompt)
-        self._kv_tokens, self.last_tokens, self._times = [], [], StepTimes()
-        f0 = counters()
-        argmax: list[int] = []
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            hidden = prefill(self.model, ids[:n], 0, self.prefill_chunk, self._tick)
-            argmax.append(int(self.model.logits(hidden)[0].argmax()))
-            self._times.prefill_tokens, self._times.prefill_s = n, time.perf_counter() - t0
+        teacher = Teacher(ids[n:])
+        for i, _ in enumerate(self._run(ids[:n], teacher, (), len(ids) - n + 1, stop_at_eos=False)):
             if on_step is not None:
-                on_step(n)
-            for pos in range(n, len(ids)):
-                self._tick()
-                t0 = time.perf_counter()
-                hidden = decode_one(self.model, ids[pos], pos)
-                argmax.append(int(self.model.logits(hidden)[0].argmax()))
-                self._times.decode_s.append(time.perf_counter() - t0)
-                if on_step is not None:
-                    on_step(pos + 1)
-        f1 = counters()
-        self._gen_faults = (f1[0] - f0[0], f1[1] - f0[1], f1[2] - f0[2])
-        self._kv_tokens = ids
-        self.last_tokens = list(tokens)
-        return argmax
+                on_step(n + i)
+        self.last_tokens = ids[n:]
+        return teacher.argmax
 
     # -- stats ---------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters of the last generation and of the store, with derived rates; all JSON-serialisable."""
-        t = self._times
+        t = self.step_times
         dec = sorted(t.decode_s)
         decode_ms = 1000 * sum(dec) / len(dec) if dec else 0.0
         st = self.store.stats()
@@ -376,8 +264,7 @@ class Model:
             "io": self.options.io,
             "odirect": self.odirect,
             "memory": self.memory,  # the budget in bytes; None = everything resident
-            "memory_plan": self.memory_plan.describe() if self.memory_plan else
-            ("everything resident" if self.memory is None else f"budget {format_bytes(self.memory)}"),
+            "memory_plan": self.load_plan.describe_memory(),
             "dtype": str(self.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(),
             "thread_changes": self.governor.changes if self.governor is not None else 0,
@@ -403,9 +290,11 @@ class Model:
 
 
 def load(path: str | os.PathLike, *, progress: bool = False, **options) -> Model:
-    """Load a Hugging Face MoE checkpoint folder.
+    """Load an MoE checkpoint: a Hugging Face or MLX folder, or a .gguf file.
 
-    Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" | "willneed" | "direct"),
-    io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context, prefill_chunk, threads.
+    Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" |
+    "willneed" | "direct"), io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context,
+    prefill_chunk, threads, embeddings, prefetch, prefetch_margin, overlap. `sluice.plan.plan(path, options)` shows
+    what a load would decide without reading weights.
     """
     return Model(path, LoadOptions.make(**options), progress=progress)

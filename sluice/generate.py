@@ -1,7 +1,9 @@
 """The generation loop, top to bottom: prefill the prompt in chunks, then decode one token at a time and sample.
 
-`generate_step` is a generator of token ids (mlx-lm shape); text, stop strings and EOS handling sit on top of it
-in `Model.generate`.
+`generate_step` is the one loop (a generator of token ids, the mlx-lm shape): `Model.generate_tokens` samples with
+it, `Model.replay` teacher-forces with it (a "sampler" that records the argmax and returns the recorded token).
+`TextStream` turns any stream of token ids into text pieces, with stop strings and a cancellation check after every
+token: `Model.generate` and the server's jobs read text through it.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import torch
 
 from .models.blocks import Transformer
 from .sampling import LogitsProcessor, Sampler, apply_logits_processors
+from .tokenizer import StopMatcher
 
 
 @dataclass
 class StepTimes:
-    """Wall-clock split of one generation: prefill (whole prompt) and each decode step."""
+    """Wall-clock split of one generation: prefill (whole prompt, with the first token's logits) and each decode
+    step (one forward pass and its sampling); `Model.step_times` holds the last generation's."""
 
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -56,8 +60,9 @@ def generate_step(
     between: Callable[[], object] | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled ids after `prompt` (positions from `start_pos`; the KV cache before it is
-    reused as is). The caller stops early by closing the generator. `between` is called before every forward pass
-    (the thread governor's tick: untimed, outside the steps)."""
+    reused as is). A yielded id is fed back only when the next one is asked for, so after n ids the cache holds
+    len(prompt) + n - 1 positions. The caller stops early by closing the generator. `between` is called before
+    every forward pass (the thread governor's tick: outside the timed steps, except inside the prefill's)."""
     times = times if times is not None else StepTimes()
     history = list(prompt)
     t0 = time.perf_counter()
@@ -82,3 +87,70 @@ def generate_step(
         t0 = time.perf_counter()
         hidden = decode_one(model, token, pos)
         pos += 1
+
+
+class Teacher:
+    """A sampler for teacher forcing: records the greedy argmax of every logits row it sees (`argmax`) and returns
+    the recorded `tokens` in order, so `generate_step` feeds them whatever the model would pick. Past the recorded
+    tokens it returns the argmax (the last step's logits are only read, never fed)."""
+
+    def __init__(self, tokens: Sequence[int]):
+        self.tokens = list(tokens)
+        self.argmax: list[int] = []
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        self.argmax.append(int(logits.argmax()))
+        i = len(self.argmax) - 1
+        return self.tokens[i] if i < len(self.tokens) else self.argmax[-1]
+
+
+class TextStream:
+    """Token ids -> text pieces: incremental detokenization, stop strings cut (the stop text is never yielded), and
+    `cancelled()` polled after every token (text pieces skip tokens that decode to nothing, so a check per piece
+    would come late).
+
+    Iterate it once. When the iteration ends, `completion_tokens` counts the ids taken from `tokens` and
+    `finish_reason` says why it ended: "stop" (a stop string, or `tokens` ended before `limit` ids: EOS), "length"
+    (`limit` ids) or "cancelled". However it ends (a stop, cancellation, the consumer closing it, an error),
+    `tokens` is closed at once, so the model's loop stops and keeps its KV bookkeeping consistent.
+    """
+
+    def __init__(self, tokens: Iterator[int], decoder, limit: int, stop: Sequence[str] | str | None = None,
+                 cancelled: Callable[[], bool] | None = None):
+        """`decoder`: `add(id) -> str` and `flush() -> str` (Tokenizer.stream_decoder()); `limit`: the most ids
+        `tokens` yields (its max_tokens)."""
+        self.tokens, self.decoder, self.limit = tokens, decoder, limit
+        self.matcher = StopMatcher(stop) if stop else None
+        self.cancelled = cancelled
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+
+    def _cut(self, text: str) -> tuple[str, bool]:
+        return self.matcher.feed(text) if self.matcher is not None else (text, False)
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            if self.cancelled is not None and self.cancelled():  # e.g. the client left while the job waited
+                self.finish_reason = "cancelled"
+                return
+            for token in self.tokens:
+                self.completion_tokens += 1
+                piece, stopped = self._cut(self.decoder.add(token))
+                if piece:
+                    yield piece
+                if stopped:
+                    self.finish_reason = "stop"
+                    return
+                if self.cancelled is not None and self.cancelled():
+                    self.finish_reason = "cancelled"
+                    return
+            piece, stopped = self._cut(self.decoder.flush())
+            if piece:
+                yield piece
+            if not stopped and self.matcher is not None and (rest := self.matcher.flush()):
+                yield rest
+            self.finish_reason = "length" if stopped is False and self.completion_tokens >= self.limit else "stop"
+        finally:
+            close = getattr(self.tokens, "close", None)
+            if close is not None:
+                close()

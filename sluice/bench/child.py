@@ -87,7 +87,7 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
         end = process_counters(m)
         if probe.start is None:
             raise BenchError(f"the timed window never opened: {len(tokens)} tokens for {warmup} warm-up steps")
-        times = m._times.decode_s
+        times = m.step_times.decode_s
         window = {k: end[k] - probe.start[k] for k in end}
         window["steps"] = len(times) - warmup
         for i, k in enumerate(IO_FIELDS):
@@ -97,7 +97,7 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
             "ok": True,
             "argmax": argmax,
             "load_s": round(load_s, 4),
-            "prefill_s": m._times.prefill_s,
+            "prefill_s": m.step_times.prefill_s,
             "warmup_step_s": times[:warmup],
             "step_s": times[warmup:],
             "step_bytes_read": _deltas(probe.marks, 2),

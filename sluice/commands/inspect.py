@@ -6,18 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
-from ..checkpoint.index import CONFIG, CheckpointIndex
-from ..models import model_args
-from ..models.spec import KVCache
-from ..options import LoadOptions, format_bytes
-from ..errors import BudgetError
-from ..store.budget import auto_memory, plan_budget
-from ..host.memory import available_memory
-from ..store.layout import ExpertLayout
-from ..store.weights import resident_refs
-from .common import add_model_arguments, load_from_args
+from ..engine import Model
+from ..options import format_bytes
+from ..plan import LoadPlan, plan
+from .common import add_model_arguments, options_from_args
 
 SAMPLE = "The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was with God."
 
@@ -29,25 +21,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def describe(folder: str, memory: int | str | None = None, max_context: int = 4096) -> dict:
-    """Everything `inspect` reports that needs only the headers (no weight bytes are read). `memory` as --memory
-    takes it (bytes, "auto", or None = resident); "auto" reports what `sluice run` would choose here."""
-    index = CheckpointIndex.open(folder)
-    arch, args = model_args(index.config, index.folder / CONFIG)
-    spec = args.spec()
-    layout = ExpertLayout(index, spec, arch)
-    refs = resident_refs(index, spec, arch)
-    resident_params = sum(r.numel for r in refs.values())
-    # what the engine holds: resident weights in the compute dtype (a quantized checkpoint's dequantized to bf16)
-    itemsize = (layout.plain_dtype or torch.bfloat16).itemsize
-    resident_bytes = resident_params * itemsize
-    moe_layers = len(layout.layers)
+def describe(p: LoadPlan) -> dict:
+    """Everything `inspect` reports from a load plan (headers only: no weight bytes are read); `sluice run` with the
+    same flags would load exactly this."""
+    spec, layout = p.spec, p.layout
+    resident_params = sum(r.numel for r in p.refs.values())
     n_experts = layout.total_experts
     expert_params = n_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
     info = {
-        "model_type": index.config.get("model_type"),
+        "model_type": p.index.config.get("model_type"),
         "layers": spec.n_layers,
-        "moe_layers": moe_layers,
+        "moe_layers": len(layout.layers),
         "hidden_size": spec.hidden_size,
         "heads": spec.n_heads,
         "kv_heads": spec.n_kv_heads,
@@ -58,30 +42,27 @@ def describe(folder: str, memory: int | str | None = None, max_context: int = 40
         "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
         "vocab_size": spec.vocab_size,
         "expert_layout": layout.kind or "per_expert",
-        "dtype": "/".join(layout.format_names),
-        "files": len(index.files),
+        "dtype": "/".join(layout.format_names),  # the experts' stored format(s)
+        "compute_dtype": str(p.dtype).replace("torch.", ""),
+        "files": len(p.index.files),
         "params": resident_params + expert_params,
         "resident_params": resident_params,
         "expert_params": expert_params,
-        "resident_bytes": resident_bytes,
+        # what the engine holds: resident weights in the compute dtype (a lazy embedding table excluded)
+        "resident_bytes": p.resident_bytes,
         "expert_bytes_total": n_experts * layout.expert_nbytes,
         "bytes_per_expert": layout.expert_nbytes,
-        "expert_bytes_per_token": moe_layers * spec.top_k * layout.expert_nbytes,
+        "expert_bytes_per_token": len(layout.layers) * spec.top_k * layout.expert_nbytes,
+        "max_context": p.max_context,
+        "prefill_chunk": p.prefill_chunk,
+        "kv_cache_bytes": p.kv_bytes,
+        "memory_plan": p.describe_memory(),
+        "odirect": p.odirect,
+        "threads": p.threads,
     }
-    if memory == "auto":
-        kv_bytes = KVCache.bytes_for(spec.n_layers, spec.n_kv_heads, spec.head_dim,
-                                     min(max_context, spec.rope.max_position_embeddings), itemsize)
-        room = available_memory()
-        try:
-            auto = auto_memory(room.bytes, room.source, resident_bytes, layout.expert_nbytes, n_experts, spec.top_k,
-                               kv_bytes)
-            info["memory_plan"], memory = auto.describe(), auto.memory
-        except BudgetError as e:
-            info["memory_plan"], memory = f"auto: {e}", None
-    if memory is not None:
-        plan = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, n_experts)
-        info.update(memory=memory, expert_slots=plan.slots, expert_cache_bytes=plan.cache_bytes,
-                    cached_fraction=round(plan.cached_fraction, 4))
+    if p.budget is not None:
+        info.update(memory=p.memory, expert_slots=p.budget.slots, expert_cache_bytes=p.budget.cache_bytes,
+                    cached_fraction=round(p.budget.cached_fraction, 4))
     return info
 
 
@@ -96,11 +77,12 @@ def _print(info: dict) -> None:
     print(f"bytes: resident {fb(info['resident_bytes'])} + experts {fb(info['expert_bytes_total'])} "
           f"({fb(info['bytes_per_expert'])} each)")
     print(f"expert bytes touched per decoded token: {fb(info['expert_bytes_per_token'])}")
-    if "memory_plan" in info:
-        print(f"--memory {info['memory_plan']}")
+    print(f"compute {info['compute_dtype']}, KV cache {fb(info['kv_cache_bytes'])} for {info['max_context']} "
+          f"positions, prefill {info['prefill_chunk']} tokens per pass, {info['threads']} threads, O_DIRECT {'on' if info['odirect'] else 'off'}")
+    print(f"memory: {info['memory_plan']}")
     if "memory" in info:
-        print(f"--memory {fb(info['memory'])}: {info['expert_slots']} expert slots = {fb(info['expert_cache_bytes'])}"
-              f" ({100 * info['cached_fraction']:.1f}% of all experts)")
+        print(f"expert cache: {info['expert_slots']} slots = {fb(info['expert_cache_bytes'])} "
+              f"({100 * info['cached_fraction']:.1f}% of all experts)")
     if "usage" in info:
         used = info["usage"]["experts_used_per_layer"]
         print(f"expert usage over {info['usage']['tokens']} sample tokens: {min(used)}-{max(used)} of "
@@ -108,9 +90,10 @@ def _print(info: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    info = describe(args.model, LoadOptions.make(memory=args.memory).memory, args.max_context)
+    p = plan(args.model, options_from_args(args))
+    info = describe(p)
     if args.usage_tokens > 0:
-        with load_from_args(args, progress=not args.json) as m:
+        with Model(p.path, p.options, progress=not args.json, load_plan=p) as m:
             n = min(args.usage_tokens, m.cache.max_context)
             ids = (m.tokenizer.encode(SAMPLE * 8) if m.tokenizer else list(range(m.spec.vocab_size)))[:n]
             m.logits(ids)

@@ -20,7 +20,6 @@ import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
@@ -34,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..errors import ConfigError, ContextLengthError, RequestError
 from ..options import format_bytes
 from ..sampling import validate_sampling
-from ..tokenizer import StopMatcher
+from ..generate import TextStream
 from . import schemas as S
 from .queue import EngineWorker, Job, QueueFull
 
@@ -57,57 +56,23 @@ class Engine(Protocol):
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]: ...
 
+    # lazy (a generator): nothing runs until the first id is asked for, and closing it stops the model
     def generate_tokens(self, prompt: Sequence[int], max_tokens: int, **sampling: Any) -> Iterator[int]: ...
 
 
-@dataclass
-class Outcome:
-    """How a generation ended: tokens generated, and "stop" (EOS or a stop string), "length" or "cancelled"."""
+def generation_work(engine: Engine, ids: list[int], limit: int, stops: list[str],
+                    sampling: dict) -> Callable[[Callable[[str], None], Callable[[], bool]], TextStream]:
+    """The job run on the engine thread: `generate_tokens` read through a TextStream (stop strings cut, the cancel
+    flag polled per token); its result is the spent stream, whose `completion_tokens` and `finish_reason` ("stop",
+    "length" or "cancelled") the reply reports."""
 
-    completion_tokens: int
-    finish_reason: str
-
-
-def generation_work(
-    engine: Engine, ids: list[int], limit: int, stops: list[str], sampling: dict
-) -> Callable[[Callable[[str], None], Callable[[], bool]], Outcome]:
-    """The job run on the engine thread: tokens -> text pieces, stop strings cut, the cancel flag polled per token.
-
-    Built on `generate_tokens` rather than `generate` so that cancellation is checked after every token (text
-    pieces skip tokens that decode to nothing) and the finish reason is known exactly.
-    """
-
-    def work(emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Outcome:
-        if cancelled():  # the client left while the job waited
-            return Outcome(0, "cancelled")
-        decoder = engine.tokenizer.stream_decoder()
-        matcher = StopMatcher(stops) if stops else None
-
-        def out(text: str) -> bool:
-            stopped = False
-            if matcher is not None:
-                text, stopped = matcher.feed(text)
-            if text:
-                emit(text)
-            return stopped
-
-        tokens = engine.generate_tokens(ids, max_tokens=limit, **sampling)
-        count = 0
-        try:
-            for token in tokens:
-                count += 1
-                if out(decoder.add(token)):
-                    return Outcome(count, "stop")
-                if cancelled():
-                    return Outcome(count, "cancelled")
-            if out(decoder.flush()):
-                return Outcome(count, "stop")
-            if matcher is not None and (rest := matcher.flush()):
-                emit(rest)
-        finally:
-            tokens.close()  # stops the engine's loop now and leaves its KV bookkeeping consistent
-        # generate_tokens ends early only on EOS
-        return Outcome(count, "length" if count >= limit else "stop")
+    def work(emit: Callable[[str], None], cancelled: Callable[[], bool]) -> TextStream:
+        # generate_tokens is lazy: a job cancelled while it waited never starts the model
+        stream = TextStream(engine.generate_tokens(ids, max_tokens=limit, **sampling),
+                            engine.tokenizer.stream_decoder(), limit, stops, cancelled)
+        for piece in stream:
+            emit(piece)
+        return stream
 
     return work
 
@@ -180,25 +145,62 @@ async def read_body(request: Request, max_body: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, max_queue: int = 16,
-               max_body: int = DEFAULT_MAX_BODY) -> ASGIApp:
-    """The ASGI app serving `engine` under `model_name`; `max_queue` requests may wait behind the running one;
-    request bodies over `max_body` bytes are refused (413)."""
-    if getattr(engine, "tokenizer", None) is None:
-        raise ConfigError("the server needs a model folder with tokenizer.json (text in, text out)")
-    if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1:
-        raise ConfigError(f"max_body must be a positive number of bytes, got {max_body!r}")
-    check_model_name(model_name)
-    worker = EngineWorker(max_queue)
-    created = int(time.time())
-    ctx = int(engine.cache.max_context)
+class Api:
+    """The routes of one served model and the state they share: the engine's worker (one generation at a time, a
+    bounded queue), the model's name and context, the body limit."""
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise S.ApiError(404, f"model {name!r} does not exist: this server serves {model_name!r}",
+    def __init__(self, engine: Engine, model_name: str, max_queue: int, max_body: int):
+        self.engine, self.model_name, self.max_body = engine, model_name, max_body
+        self.worker = EngineWorker(max_queue)
+        self.created = int(time.time())
+        self.ctx = int(engine.cache.max_context)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{name:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+
+    # -- routes ------------------------------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        req = S.parse_request(await read_body(request, self.max_body), S.ChatRequest)
+        self.check_model(req.model)
+        ids = await encode(self.engine.encode_chat, [m.to_template() for m in req.messages], "messages")
+        return await self.respond(request, req, ids)
+
+    async def completions(self, request: Request) -> Response:
+        req = S.parse_request(await read_body(request, self.max_body), S.CompletionRequest)
+        self.check_model(req.model)
+        ids = await encode(self.engine.encode_prompt, req.prompt, "prompt")
+        return await self.respond(request, req, ids)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self.check_model(request.path_params["name"])
+        return JSONResponse(self.model_card())
+
+    async def health(self, request: Request) -> Response:
+        w = self.worker
+        return JSONResponse({"status": "ok", "model": self.model_name, "busy": w.busy, "waiting": w.waiting,
+                             "max_queue": w.max_queue, "max_context": self.ctx})
+
+    # -- their parts -------------------------------------------------------------------------------------------------
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "sluice"}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise S.ApiError(404, f"model {name!r} does not exist: this server serves {self.model_name!r}",
                              code="model_not_found", param="model")
 
-    def completion_limit(req: S.ChatRequest | S.CompletionRequest, prompt_tokens: int) -> int:
+    def completion_limit(self, req: S.ChatRequest | S.CompletionRequest, prompt_tokens: int) -> int:
+        """The most tokens this request may generate: its own limit, cut to the room left in the context."""
+        ctx = self.ctx
         room = ctx - prompt_tokens
         if room < 1:
             raise S.ApiError(400, f"the prompt has {prompt_tokens} tokens, which leaves no room to generate in "
@@ -213,49 +215,18 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, m
         # A limit past the end of the context is cut to fit (finish_reason "length" says so), as llama.cpp does.
         return min(limit, room)
 
-    def encode_or_refuse(fn: Callable[..., list[int]], arg: Any, param: str) -> list[int] | S.ApiError:
-        # The refusal is returned, not raised: a traceback that crosses the thread pool's futures forms a reference
-        # cycle holding the frames, and the prompt in them, until the cyclic GC happens to run (measured: RSS +5 MB
-        # per refused 3 MB prompt, growing without bound over 90 requests).
-        try:
-            return fn(arg)
-        except RequestError as e:
-            # Clients that trim history react to this code (tested).
-            code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
-            return S.ApiError(400, str(e), code=code, param=param)
-
-    async def encode(fn: Callable[..., list[int]], arg: Any, param: str) -> list[int]:
-        ids = await run_in_threadpool(encode_or_refuse, fn, arg, param)
-        if isinstance(ids, S.ApiError):
-            raise ids
-        return ids
-
-    def submit(req: S.ChatRequest | S.CompletionRequest, ids: list[int]) -> Job:
-        limit = completion_limit(req, len(ids))
+    def submit(self, req: S.ChatRequest | S.CompletionRequest, ids: list[int]) -> Job:
+        limit = self.completion_limit(req, len(ids))
         sampling = req.sampling()
         validate_sampling(**sampling)  # the engine's own ranges, checked before queueing (RequestError -> 400)
         try:
-            return worker.submit(generation_work(engine, ids, limit, req.stop, sampling))
+            return self.worker.submit(generation_work(self.engine, ids, limit, req.stop, sampling))
         except QueueFull as e:
             raise S.ApiError(503, str(e), type="server_error", code="queue_full", headers={"Retry-After": "1"}) from e
 
-    async def wait(job: Job, request: Request) -> tuple[str, Outcome] | None:
-        """The job's (text, outcome); None (and the job cancelled) if the client went away first."""
-        task = asyncio.ensure_future(job.result())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    return None
-        finally:
-            job.cancel()  # no-op when finished; stops the engine when the client left or the server shuts down
-            task.cancel()
-
-    async def respond(request: Request, req: S.ChatRequest | S.CompletionRequest, ids: list[int]) -> Response:
-        job = submit(req, ids)
-        reply = S.Reply(chat=isinstance(req, S.ChatRequest), model=model_name, prompt_tokens=len(ids))
+    async def respond(self, request: Request, req: S.ChatRequest | S.CompletionRequest, ids: list[int]) -> Response:
+        job = self.submit(req, ids)
+        reply = S.Reply(chat=isinstance(req, S.ChatRequest), model=self.model_name, prompt_tokens=len(ids))
         if req.stream:
             return _JobStream(_events(job, reply, req.include_usage), job)
         if (done := await wait(job, request)) is None:
@@ -263,67 +234,88 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, m
         text, outcome = done
         return JSONResponse(reply.whole(text, outcome.finish_reason, outcome.completion_tokens))
 
-    async def chat(request: Request) -> Response:
-        req = S.parse_request(await read_body(request, max_body), S.ChatRequest)
-        check_model(req.model)
-        ids = await encode(engine.encode_chat, [m.to_template() for m in req.messages], "messages")
-        return await respond(request, req, ids)
 
-    async def completions(request: Request) -> Response:
-        req = S.parse_request(await read_body(request, max_body), S.CompletionRequest)
-        check_model(req.model)
-        ids = await encode(engine.encode_prompt, req.prompt, "prompt")
-        return await respond(request, req, ids)
+def encode_or_refuse(fn: Callable[..., list[int]], arg: Any, param: str) -> list[int] | S.ApiError:
+    """`fn(arg)` (a prompt -> token ids), or the 400 a RequestError becomes.
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "sluice"}
+    The refusal is returned, not raised: a traceback that crosses the thread pool's futures forms a reference cycle
+    holding the frames, and the prompt in them, until the cyclic GC happens to run (measured: RSS +5 MB per refused
+    3 MB prompt, growing without bound over 90 requests)."""
+    try:
+        return fn(arg)
+    except RequestError as e:
+        # Clients that trim history react to this code (tested).
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
+        return S.ApiError(400, str(e), code=code, param=param)
 
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
 
-    async def model(request: Request) -> Response:
-        check_model(request.path_params["name"])
-        return JSONResponse(model_card())
+async def encode(fn: Callable[..., list[int]], arg: Any, param: str) -> list[int]:
+    """Encode in Starlette's thread pool (a long prompt must not stall the event loop)."""
+    ids = await run_in_threadpool(encode_or_refuse, fn, arg, param)
+    if isinstance(ids, S.ApiError):
+        raise ids
+    return ids
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": model_name, "busy": worker.busy, "waiting": worker.waiting,
-                             "max_queue": worker.max_queue, "max_context": ctx})
 
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, S.ApiError)
-        return _error_response(exc)
+async def wait(job: Job, request: Request) -> tuple[str, TextStream] | None:
+    """The job's (text, spent stream); None (and the job cancelled) if the client went away first."""
+    task = asyncio.ensure_future(job.result())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        job.cancel()  # no-op when finished; stops the engine when the client left or the server shuts down
+        task.cancel()
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return _error_response(S.ApiError(exc.status_code, msg, code=code, headers=exc.headers))
 
-    async def request_error(request: Request, exc: Exception) -> Response:
-        return _error_response(S.ApiError(400, str(exc)))  # the engine refused the request's values
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, S.ApiError)
+    return _error_response(exc)
 
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        msg = f"internal error: {type(exc).__name__}: {exc}"
-        return _error_response(S.ApiError(500, msg, type="server_error", code="internal_error"))
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    msg = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error_response(S.ApiError(exc.status_code, msg, code=code, headers=exc.headers))
+
+
+async def _request_error(request: Request, exc: Exception) -> Response:
+    return _error_response(S.ApiError(400, str(exc)))  # the engine refused the request's values
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    msg = f"internal error: {type(exc).__name__}: {exc}"
+    return _error_response(S.ApiError(500, msg, type="server_error", code="internal_error"))
+
+
+def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, max_queue: int = 16,
+               max_body: int = DEFAULT_MAX_BODY) -> ASGIApp:
+    """The ASGI app serving `engine` under `model_name`; `max_queue` requests may wait behind the running one;
+    request bodies over `max_body` bytes are refused (413)."""
+    if getattr(engine, "tokenizer", None) is None:
+        raise ConfigError("the server needs a model folder with tokenizer.json (text in, text out)")
+    if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1:
+        raise ConfigError(f"max_body must be a positive number of bytes, got {max_body!r}")
+    check_model_name(model_name)
+    api = Api(engine, model_name, max_queue, max_body)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
-        await run_in_threadpool(worker.close)
+        await run_in_threadpool(api.worker.close)
 
     app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/models/{name:path}", model, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-        ],
-        exception_handlers={S.ApiError: api_error, RequestError: request_error, HTTPException: http_error,
-                            Exception: internal_error},
+        routes=api.routes(),
+        exception_handlers={S.ApiError: _api_error, RequestError: _request_error, HTTPException: _http_error,
+                            Exception: _internal_error},
         lifespan=lifespan,
     )
-    app.state.worker = worker
+    app.state.worker = api.worker
     return _ApiKey(app, api_key) if api_key else app
 
 
@@ -344,7 +336,7 @@ async def _events(job: Job, reply: S.Reply, include_usage: bool) -> AsyncIterato
     except Exception as e:  # noqa: BLE001 - the stream must end with a readable error, not a cut connection
         yield S.sse(S.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body())
         return
-    outcome: Outcome = job.outcome
+    outcome: TextStream = job.outcome
     yield S.sse(reply.closing(outcome.finish_reason))
     if include_usage:
         yield S.sse(reply.usage_chunk(outcome.completion_tokens))

@@ -68,7 +68,7 @@ def resident(model_dir):
 
 
 def _room(monkeypatch, nbytes: int) -> None:
-    monkeypatch.setattr("sluice.engine.available_memory", lambda: MemoryRoom(nbytes, "cgroup /test limit"))
+    monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(nbytes, "cgroup /test limit"))
 
 
 def test_auto_loads_resident_when_it_fits(model_dir, resident, monkeypatch):
@@ -142,7 +142,7 @@ def test_explicit_budget_above_a_cgroup_limit_is_refused(model_dir, resident, mo
 def test_budget_above_mem_available_warns_and_runs(model_dir, resident, monkeypatch):
     """MemAvailable is not a hard limit (others may free memory, or swap): a warning, and the run goes on."""
     tokens, resident_bytes, _ = resident
-    monkeypatch.setattr("sluice.engine.available_memory", lambda: MemoryRoom(resident_bytes, "MemAvailable"))
+    monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(resident_bytes, "MemAvailable"))
     with pytest.warns(MemoryWarning, match="MemAvailable"):
         with sluice.load(model_dir, memory="all") as m:
             assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens

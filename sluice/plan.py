@@ -1,0 +1,168 @@
+"""`plan(path, options) -> LoadPlan`: every decision made before a weight byte is read.
+
+The engine (`Model.__init__`) loads what the plan says; `sluice inspect` prints the plan without loading. Both take
+their decisions from here, so they cannot disagree: a budget too small for the model is the same BudgetError from
+either, before any weight loads (instead of an OOM kill halfway through).
+
+Order: index -> architecture -> spec -> resident tensors -> compute dtype -> expert layout -> resident bytes -> KV
+cache bytes -> memory (auto / explicit, checked against the room this process may take) -> slots -> O_DIRECT ->
+threads -> tokenizer and end-of-generation ids.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .checkpoint.index import CONFIG, GENERATION_CONFIG, CheckpointIndex
+from .checkpoint.ref import TensorRef
+from .errors import ConfigError, SluiceError
+from .host.cpus import usable_cpus
+from .host.memory import MemoryRoom, available_memory
+from .models import model_args
+from .models.args import GenerationArgs, eos_ids
+from .models.schema import parse
+from .models.spec import KVCache, Spec
+from .options import LoadOptions, format_bytes
+from .store.budget import RUNTIME_RESERVE, AutoPlan, BudgetPlan, auto_memory, check_room, plan_budget, prefill_tokens_per_chunk
+from .store.layout import ExpertLayout
+from .store.weights import resident_refs
+from .tokenizer import Tokenizer
+from .tokenizer.gguf import tokenizer_from_gguf
+
+
+@dataclass
+class LoadPlan:
+    """What `Model` will build, decided from the headers, the options and the room; nothing here holds weights."""
+
+    path: Path
+    options: LoadOptions
+    index: CheckpointIndex
+    arch: ModuleType  # the architecture module (models/<model_type>.py)
+    args: Any  # its validated ModelArgs
+    generation: GenerationArgs
+    spec: Spec
+    refs: dict[str, TensorRef]  # resident tensors, role -> where their bytes are
+    layout: ExpertLayout  # where each expert's bytes are, and their stored format
+    dtype: torch.dtype  # compute dtype of the resident weights, activations and KV cache
+    lazy_embed: bool  # the token embedding table stays on disk (rows read per batch)
+    resident_bytes: int  # resident weights in `dtype` (the embedding table excluded when lazy)
+    max_context: int  # KV positions: options.max_context capped by the model's
+    prefill_chunk: int  # prompt tokens per forward pass (options.prefill_chunk, "auto" resolved)
+    kv_bytes: int
+    room: MemoryRoom  # the memory this process may take, when the plan was made
+    memory: int | None  # budget for resident weights + expert slots; None = everything resident
+    memory_plan: AutoPlan | None  # what `memory="auto"` chose (None when the budget was given)
+    budget: BudgetPlan | None  # the expert slots `memory` buys (None when resident)
+    odirect: bool
+    threads: int  # torch threads at load
+    governed: bool  # the thread count follows the CPUs other processes leave free (host/cpus.py ThreadGovernor)
+    tokenizer: Tokenizer | None
+    no_tokenizer: str  # why `tokenizer` is None, for the error raised when text has to be encoded
+    eos_ids: set[int]
+
+    def describe_memory(self) -> str:
+        """The memory decision in words (stats()["memory_plan"], inspect's "--memory" line)."""
+        if self.memory_plan is not None:
+            return self.memory_plan.describe()
+        return "everything resident" if self.memory is None else f"budget {format_bytes(self.memory)}"
+
+
+def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
+    """Read the checkpoint's headers and decide everything a load needs. Raises CheckpointError / ConfigError for
+    a file or option sluice cannot run, BudgetError when the memory cannot hold one step (the message says the
+    smallest budget that works)."""
+    path = Path(path)
+    index = CheckpointIndex.open(path)
+    arch, args = model_args(index.config, index.folder / CONFIG)
+    generation = parse(GenerationArgs, index.generation_config or {}, source=str(index.folder / GENERATION_CONFIG))
+    spec = args.spec()
+    refs = resident_refs(index, spec, arch)
+    # a quantized checkpoint (GGUF Q4_K, ...) has no dtype of its own: its dequantized weights compute in bf16
+    # unless asked otherwise (dtype=float32 is the exact reference)
+    q = refs["layers.0.q"]
+    dtype = options.compute_dtype(torch.bfloat16 if q.quantized else q.torch_dtype)
+    layout = ExpertLayout(index, spec, arch)
+    lazy_embed = options.embeddings != "resident" and not spec.tie_word_embeddings
+    if lazy_embed and refs["embed"].quantized:
+        raise ConfigError(f"embeddings: {options.embeddings!r} reads plain rows, and this checkpoint stores the "
+                          f"token embeddings as {refs['embed'].dtype}: use --embeddings resident")
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    resident_bytes = itemsize * sum(r.numel for k, r in refs.items() if not (lazy_embed and k == "embed"))
+    max_context = min(options.max_context, spec.rope.max_position_embeddings)
+    kv_bytes = KVCache.bytes_for(spec.n_layers, spec.n_kv_heads, spec.head_dim, max_context, itemsize)
+    chunk = prefill_tokens_per_chunk(spec, itemsize) if options.prefill_chunk == "auto" else options.prefill_chunk
+    room = available_memory()
+    memory, memory_plan = _memory(options, room, spec, layout, resident_bytes, kv_bytes)
+    budget = None
+    if memory is not None:  # fewer than top_k slots: BudgetError naming the smallest budget that works
+        budget = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, layout.total_experts)
+    # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
+    # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
+    threads = options.threads or usable_cpus()
+    tokenizer, no_tokenizer = _tokenizer(index, path)
+    return LoadPlan(
+        path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
+        layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
+        prefill_chunk=chunk, kv_bytes=kv_bytes, room=room, memory=memory, memory_plan=memory_plan, budget=budget,
+        odirect=_odirect(options, memory, room, layout, kv_bytes), threads=threads,
+        governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
+        eos_ids=_eos_ids(args, generation, tokenizer),
+    )
+
+
+def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLayout, resident_bytes: int,
+            kv_bytes: int) -> tuple[int | None, AutoPlan | None]:
+    """(budget, what auto chose): decided before any weight is loaded, so a model that cannot fit fails with a
+    BudgetError instead of an OOM kill."""
+    if options.memory == "auto":
+        auto = auto_memory(room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
+                           spec.top_k, kv_bytes)
+        return auto.memory, auto
+    check_room(options.memory, room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
+               kv_bytes)
+    return options.memory, None
+
+
+def _odirect(options: LoadOptions, memory: int | None, room: MemoryRoom, layout: ExpertLayout, kv_bytes: int) -> bool:
+    """options.odirect, or when None: O_DIRECT iff streaming with the direct reader and all the experts would not
+    fit in the memory left beside the budget, the KV cache and the runtime (see LoadOptions.odirect)."""
+    if options.odirect is not None:
+        return options.odirect
+    if memory is None or options.io != "direct":
+        return False
+    left = room.bytes - memory - kv_bytes - RUNTIME_RESERVE
+    return layout.total_experts * layout.expert_nbytes > left
+
+
+def _tokenizer(index: CheckpointIndex, path: Path) -> tuple[Tokenizer | None, str]:
+    """tokenizer.json of a model folder, or the tokenizer a GGUF file carries in its metadata; with the reason when
+    there is none.
+
+    A GGUF whose tokenizer sluice cannot rebuild (an unknown pre-tokenizer, missing merges) still runs on token ids:
+    the error is kept and raised, naming the key, when text has to be encoded."""
+    metadata = getattr(index, "metadata", None)
+    if metadata is None:
+        if (path / "tokenizer.json").exists():
+            return Tokenizer.from_folder(path), ""
+        return None, f"{path} has no tokenizer.json"
+    if "tokenizer.ggml.model" not in metadata:
+        return None, f"{path} carries no tokenizer (tokenizer.ggml.model)"
+    try:
+        return tokenizer_from_gguf(metadata, str(path)), ""
+    except SluiceError as e:
+        return None, f"its tokenizer cannot be used: {e}"
+
+
+def _eos_ids(args, generation: GenerationArgs, tok: Tokenizer | None) -> set[int]:
+    """End-of-sequence ids: generation_config.json's and config.json's (both validated), and the tokenizer's."""
+    ids = eos_ids(generation.eos_token_id, args.eos_token_id)
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    ids.update(getattr(tok, "eog_token_ids", ()))  # a GGUF vocabulary's end-of-generation tokens (llama.cpp's)
+    return ids

@@ -1,0 +1,111 @@
+"""`plan(path, options)`: one set of decisions for `sluice.load` and `sluice inspect`. What inspect prints is what
+load builds, for every option that changes a decision, and a budget that cannot work is the same BudgetError from
+both, raised before any weight is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import sluice
+from sluice import cli
+from sluice.errors import BudgetError
+from sluice.host.memory import MemoryRoom
+from sluice.options import LoadOptions
+from sluice.plan import plan
+from sluice.store.budget import RUNTIME_RESERVE
+
+from .models.tiny import hf_model, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path_factory.mktemp("plan"), "per_expert")
+
+
+@pytest.fixture(scope="module")
+def sizes(model_dir) -> dict:
+    p = plan(model_dir, LoadOptions.make(memory="all"))
+    return {"resident": p.resident_bytes, "expert": p.layout.expert_nbytes, "kv": p.kv_bytes, "top_k": p.spec.top_k}
+
+
+def _room(monkeypatch, nbytes: int) -> None:
+    monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(nbytes, "cgroup /test limit"))
+
+
+def _flags(options: dict) -> list[str]:
+    out = []
+    for k, v in options.items():
+        if isinstance(v, bool):
+            out.append(f"--{'' if v else 'no-'}{k}")
+        else:
+            out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def inspect(model_dir, options: dict, capsys) -> dict:
+    assert cli.main(["inspect", str(model_dir), "--json", "--usage-tokens", "0", *_flags(options)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+GiB = 2**30
+# case -> sizes -> (options, the room this process may take)
+CASES = {
+    "resident": lambda s: ({"memory": "all"}, 16 * GiB),
+    # the room left beside the budget holds one expert: O_DIRECT (page cache could not hold the experts anyway)
+    "budget": lambda s: ({"memory": s["resident"] + 5 * s["expert"], "io": "direct"},
+                         s["resident"] + 6 * s["expert"] + s["kv"] + RUNTIME_RESERVE),
+    "auto streams": lambda s: ({"memory": "auto"},
+                               RUNTIME_RESERVE + s["kv"] + s["resident"] + 3 * s["expert"] + s["expert"] // 2),
+    "float32, lazy rows, short context, odirect": lambda s: (
+        {"memory": 2 * s["resident"] + 4 * 2 * s["expert"], "dtype": "float32", "embeddings": "mmap",
+         "max_context": 64, "odirect": True, "threads": 1}, 16 * GiB),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_and_load_agree_on_every_decision(model_dir, sizes, monkeypatch, capsys, case):
+    options, room = CASES[case](sizes)
+    _room(monkeypatch, room)
+    info = inspect(model_dir, options, capsys)
+    threads = torch.get_num_threads()
+    try:
+        with sluice.load(model_dir, **options) as m:
+            st = m.stats()
+            got = {"resident_bytes": m.resident_bytes, "compute_dtype": st["dtype"], "memory": m.memory,
+                   "memory_plan": st["memory_plan"], "expert_slots": st.get("slots"), "odirect": m.odirect,
+                   "kv_cache_bytes": m.cache.nbytes, "max_context": m.cache.max_context, "threads": st["threads"],
+                   "prefill_chunk": m.prefill_chunk}
+    finally:
+        torch.set_num_threads(threads)
+    assert {k: info.get(k) for k in got} == got
+    expected = {"resident": {"memory": None, "odirect": False}, "budget": {"expert_slots": 5, "odirect": True},
+                "auto streams": {"expert_slots": 3},
+                "float32, lazy rows, short context, odirect": {"compute_dtype": "float32", "max_context": 64,
+                                                               "odirect": True, "threads": 1}}[case]
+    assert {k: got[k] for k in expected} == expected  # the cases do reach the decisions they are named after
+
+
+@pytest.mark.parametrize("too_small", ["budget", "room"])
+def test_a_budget_that_cannot_work_is_the_same_error_from_both_before_any_weight(model_dir, sizes, monkeypatch,
+                                                                                  capsys, too_small):
+    s = sizes
+    if too_small == "budget":  # one slot short of one layer's top_k
+        options = {"memory": s["resident"] + (s["top_k"] - 1) * s["expert"]}
+    else:  # --memory auto in a room that cannot hold one layer
+        _room(monkeypatch, RUNTIME_RESERVE)
+        options = {"memory": "auto"}
+    with pytest.raises(BudgetError) as planned:
+        plan(model_dir, LoadOptions.make(**options))
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were read before the budget was checked")
+
+    monkeypatch.setattr("sluice.engine.load_resident", no_weights)
+    with pytest.raises(BudgetError) as loaded:
+        sluice.load(model_dir, **options)
+    assert str(loaded.value) == str(planned.value)
+    assert cli.main(["inspect", str(model_dir), "--json", "--usage-tokens", "0", *_flags(options)]) == 2
+    assert str(planned.value) in capsys.readouterr().err
