@@ -1,0 +1,52 @@
+"""The native kernels behind kernel_for's interface: a slot holds the stored bytes, `linear` picks the faster of the
+row kernel and (native dequantization into the float32 scratch + one float32 matmul) by the number of rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import Kernel
+from . import dequantize, linear, supports
+
+# Rows (tokens of one expert) up to which the native row kernel runs; above it the weights are dequantized natively
+# into the float32 scratch (bitwise the reference weights) and torch's float32 matmul runs, whose blocking keeps x
+# in cache where the row kernel re-reads it per output row. One projection, ms (row kernel / dequantize + matmul),
+# one thread, thread CPU time, median of 15, dev VM at load 6-7 (noisy; benchmarks/native_kernels.py --crossover):
+#   Q4_K [768 x 2048]  T=16 2.33 / 2.63   T=24 3.13 / 3.31   T=32 4.10 / 4.71   T=64 7.02 / 5.10
+#   Q8_0 [768 x 2048]  T=16 1.69 / 3.35   T=24 3.47 / 3.48   T=32 3.79 / 3.97   T=64 7.19 / 4.62
+#   MLX4 [768 x 2048]  T=16 1.59 / 1.93   T=24 2.36 / 3.36   T=32 3.43 / 3.56   T=64 6.06 / 5.45
+# so the crossover lies between 32 and 64 rows for every format measured.
+NATIVE_MAX_ROWS = 32
+
+
+class NativeKernel(Kernel):
+    """kernel_for's Kernel for a format native.supports: name "native", the slot holds the stored bytes
+    (nbytes = spec.nbytes, prepare is a copy), linear(x, slot, scratch) -> y in the compute dtype."""
+
+    name = "native"
+
+    def _parts(self):
+        return self.spec.parts, self.spec.nbytes
+
+    def _prepare(self, raw, slot):
+        slot[: self.nbytes].copy_(raw[: self.nbytes])
+
+    def dequantize(self, slot, scratch):
+        return dequantize(self.spec, slot[: self.nbytes], scratch[: self.scratch_numel])
+
+    def linear(self, x, slot, scratch):
+        x = x.float().contiguous()  # [T, in]: a no-op at float32
+        if x.shape[0] <= NATIVE_MAX_ROWS:
+            return linear(self.spec, x, slot[: self.nbytes]).to(self.dtype)
+        return F.linear(x, self.dequantize(slot, scratch)).to(self.dtype)
+
+
+def native_kernel(spec, dtype: torch.dtype) -> NativeKernel:
+    """The native kernel for spec at compute dtype (float32 / bfloat16 / float16); ValueError for a format the
+    native kernels do not compute (check native.supports first)."""
+    if not supports(spec):
+        raise ValueError(f"the native kernels do not compute {spec.family} {spec.name}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"compute dtype must be float32, bfloat16 or float16, got {dtype}")
+    return NativeKernel(spec, dtype)
