@@ -178,17 +178,27 @@ static float dot_scalar(const float *w, const float *x, int64_t K) {
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
-/* 16 int8 codes -> 16 floats scale * code (+ bias) at o; uns: the codes are uint8 */
-AVX2_INLINE void emit16(__m128i q, float scale, float bias, int has_bias, int uns, float *o) {
+/* 16 int8 codes -> 16 weights scale * code (+ bias) (uns: the codes are uint8), for the values at o. Without x
+ * they are stored at o; with x (the fused T = 1 path) they go straight into the dot product with x's values at the
+ * same offset (xk), vector 8j + v of a 32-value step into accumulator j + v: the buffered path's order exactly. */
+AVX2_INLINE void emit16(__m128i q, float scale, float bias, int has_bias, int uns, float *o, int j, const float *x,
+                        const float *o0, __m256 *acc) {
     __m256 s = _mm256_set1_ps(scale), b = _mm256_set1_ps(bias);
     __m128i q1 = _mm_srli_si128(q, 8);
     __m256i i0 = uns ? _mm256_cvtepu8_epi32(q) : _mm256_cvtepi8_epi32(q);
     __m256i i1 = uns ? _mm256_cvtepu8_epi32(q1) : _mm256_cvtepi8_epi32(q1);
     __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(i0), s), v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(i1), s);
     if (has_bias) { v0 = _mm256_add_ps(v0, b); v1 = _mm256_add_ps(v1, b); }
-    _mm256_storeu_ps(o, v0);
-    _mm256_storeu_ps(o + 8, v1);
+    if (x) {
+        const float *xk = x + (o - o0);
+        acc[j] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xk), acc[j]);
+        acc[j + 1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xk + 8), acc[j + 1]);
+    } else {
+        _mm256_storeu_ps(o, v0);
+        _mm256_storeu_ps(o + 8, v1);
+    }
 }
+#define EMIT(q, scale, bias, has_bias, uns, o, j) emit16(q, scale, bias, has_bias, uns, o, j, x, o0, acc)
 
 /* bits 0-15 of m -> 16 bytes, 0x10 where the bit is set (Q5 high bits) */
 AVX2_INLINE __m128i bits16(uint32_t m) {
@@ -199,7 +209,20 @@ AVX2_INLINE __m128i bits16(uint32_t m) {
 
 AVX2_INLINE float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
-AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
+/* k_affine with vector products (the scalar one is ~25% of a Q4_K row's time); the negation flips the sign bit,
+ * as the reference's neg does (0 - p would turn -(+0) into +0) */
+AVX2_INLINE void k_affine_avx2(const uint8_t *blk, float *scale, float *bias) {
+    uint8_t sc[8], mn[8];
+    k_scale_min(blk + 4, sc, mn);
+    __m256 vs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    __m256 vm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(f16c(blk)), vs));
+    _mm256_storeu_ps(bias, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16c(blk + 2)), vm), _mm256_set1_ps(-0.0f)));
+}
+
+/* one row of W: stored at o (x NULL), or dotted with x into acc[4] (o then only marks offsets) */
+AVX2_INLINE void row_avx2(const wdesc *w, int64_t n, float *o, const float *x, __m256 *acc) {
+    const float *o0 = o;
     const uint8_t *row = w->q + n * w->row_bytes;
     const int64_t K = w->K;
     const __m128i m4 = _mm_set1_epi8(15);
@@ -212,11 +235,11 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
             float d = f16c(blk), m = one ? f16c(blk + 2) : 0.0f;
             __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (one ? 4 : 2)));
             __m128i lo = _mm_and_si128(qs, m4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
-            if (one) { emit16(lo, d, m, 1, 0, o); emit16(hi, d, m, 1, 0, o + 16); }
+            if (one) { EMIT(lo, d, m, 1, 0, o, 0); EMIT(hi, d, m, 1, 0, o + 16, 2); }
             else {
                 __m128i e = _mm_set1_epi8(8);
-                emit16(_mm_sub_epi8(lo, e), d, 0, 0, 0, o);
-                emit16(_mm_sub_epi8(hi, e), d, 0, 0, 0, o + 16);
+                EMIT(_mm_sub_epi8(lo, e), d, 0, 0, 0, o, 0);
+                EMIT(_mm_sub_epi8(hi, e), d, 0, 0, 0, o + 16, 2);
             }
         }
         break;
@@ -230,11 +253,11 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
             __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (one ? 8 : 6)));
             __m128i lo = _mm_or_si128(_mm_and_si128(qs, m4), bits16(qh));
             __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), bits16(qh >> 16));
-            if (one) { emit16(lo, d, m, 1, 0, o); emit16(hi, d, m, 1, 0, o + 16); }
+            if (one) { EMIT(lo, d, m, 1, 0, o, 0); EMIT(hi, d, m, 1, 0, o + 16, 2); }
             else {
                 __m128i e = _mm_set1_epi8(16);
-                emit16(_mm_sub_epi8(lo, e), d, 0, 0, 0, o);
-                emit16(_mm_sub_epi8(hi, e), d, 0, 0, 0, o + 16);
+                EMIT(_mm_sub_epi8(lo, e), d, 0, 0, 0, o, 0);
+                EMIT(_mm_sub_epi8(hi, e), d, 0, 0, 0, o + 16, 2);
             }
         }
         break;
@@ -242,8 +265,8 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
         for (int64_t b = 0; b < K / 32; b++, o += 32) {
             const uint8_t *blk = row + b * 34;
             float d = f16c(blk);
-            emit16(_mm_loadu_si128((const __m128i *)(blk + 2)), d, 0, 0, 0, o);
-            emit16(_mm_loadu_si128((const __m128i *)(blk + 18)), d, 0, 0, 0, o + 16);
+            EMIT(_mm_loadu_si128((const __m128i *)(blk + 2)), d, 0, 0, 0, o, 0);
+            EMIT(_mm_loadu_si128((const __m128i *)(blk + 18)), d, 0, 0, 0, o + 16, 2);
         }
         break;
     case Q4_K: case Q5_K:
@@ -251,7 +274,7 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
             int five = w->fmt == Q5_K;
             const uint8_t *blk = row + b * (five ? 176 : 144), *qs = blk + (five ? 48 : 16);
             float scale[8], bias[8];
-            k_affine(blk, scale, bias);
+            k_affine_avx2(blk, scale, bias);
             __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
             for (int i = 0; i < 4; i++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
@@ -263,8 +286,8 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
                         __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
                         c[h] = _mm256_or_si256(c[h], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
                     }
-                    emit16(_mm256_castsi256_si128(c[h]), scale[s], bias[s], 1, 0, o + 32 * s);
-                    emit16(_mm256_extracti128_si256(c[h], 1), scale[s], bias[s], 1, 0, o + 32 * s + 16);
+                    EMIT(_mm256_castsi256_si128(c[h]), scale[s], bias[s], 1, 0, o + 32 * s, 0);
+                    EMIT(_mm256_extracti128_si256(c[h], 1), scale[s], bias[s], 1, 0, o + 32 * s + 16, 2);
                 }
             }
         }
@@ -272,7 +295,11 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
     case Q6_K:
         for (int64_t b = 0; b < K / 256; b++, o += 256) {
             const uint8_t *blk = row + b * 210;
-            float d = f16c(blk + 208);
+            float sc[16];  /* d * scale per 16 values: float32 products, as the reference */
+            __m256 d = _mm256_set1_ps(f16c(blk + 208));
+            __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+            _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
+            _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
             const __m256i m2 = _mm256_set1_epi8(3), e = _mm256_set1_epi8(32);
             for (int h = 0; h < 2; h++) {
                 __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
@@ -286,8 +313,8 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
                     __m256i c = _mm256_sub_epi8(_mm256_or_si256(lo[k], _mm256_slli_epi16(hi, 4)), e);
                     int s = 8 * h + 2 * k;
                     float *ok = o + 128 * h + 32 * k;
-                    emit16(_mm256_castsi256_si128(c), d * (float)(int8_t)blk[192 + s], 0, 0, 0, ok);
-                    emit16(_mm256_extracti128_si256(c, 1), d * (float)(int8_t)blk[193 + s], 0, 0, 0, ok + 16);
+                    EMIT(_mm256_castsi256_si128(c), sc[s], 0, 0, 0, ok, 0);
+                    EMIT(_mm256_extracti128_si256(c, 1), sc[s + 1], 0, 0, 0, ok + 16, 2);
                 }
             }
         }
@@ -298,8 +325,8 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
             const uint8_t *blk = row + b * 17;
             float hs = e8m0_half(blk[0]);
             __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 1));
-            emit16(_mm_shuffle_epi8(table, _mm_and_si128(qs, m4)), hs, 0, 0, 0, o);
-            emit16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), m4)), hs, 0, 0, 0, o + 16);
+            EMIT(_mm_shuffle_epi8(table, _mm_and_si128(qs, m4)), hs, 0, 0, 0, o, 0);
+            EMIT(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), m4)), hs, 0, 0, 0, o + 16, 2);
         }
         break;
     }
@@ -310,13 +337,13 @@ AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) {
             for (int j = 0; j < w->gs; j += 32, o += 32) {
                 int64_t i = g * w->gs + j;
                 if (w->fmt == MLX8) {
-                    emit16(_mm_loadu_si128((const __m128i *)(row + i)), sc, bi, 1, 1, o);
-                    emit16(_mm_loadu_si128((const __m128i *)(row + i + 16)), sc, bi, 1, 1, o + 16);
+                    EMIT(_mm_loadu_si128((const __m128i *)(row + i)), sc, bi, 1, 1, o, 0);
+                    EMIT(_mm_loadu_si128((const __m128i *)(row + i + 16)), sc, bi, 1, 1, o + 16, 2);
                 } else {  /* byte i holds value 2i (low nibble) and 2i + 1 (high nibble) */
                     __m128i qs = _mm_loadu_si128((const __m128i *)(row + i / 2));
                     __m128i lo = _mm_and_si128(qs, m4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
-                    emit16(_mm_unpacklo_epi8(lo, hi), sc, bi, 1, 0, o);
-                    emit16(_mm_unpackhi_epi8(lo, hi), sc, bi, 1, 0, o + 16);
+                    EMIT(_mm_unpacklo_epi8(lo, hi), sc, bi, 1, 0, o, 0);
+                    EMIT(_mm_unpackhi_epi8(lo, hi), sc, bi, 1, 0, o + 16, 2);
                 }
             }
         }
@@ -330,6 +357,16 @@ AVX2_INLINE float hsum(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
+AVX2 static void deq_row_avx2(const wdesc *w, int64_t n, float *o) { row_avx2(w, n, o, NULL, NULL); }
+
+/* T = 1: the row's weights never leave registers: 0.85 -> 0.74 ms per Q4_K expert [768 x 2048 x 3] (dev VM, load
+ * 10, best of 200), Q8_0 0.59 -> 0.49 */
+AVX2 static float dot_row_avx2(const wdesc *w, int64_t n, float *buf, const float *x) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    row_avx2(w, n, buf, x, acc);
+    return hsum(acc[0], acc[1], acc[2], acc[3]);
 }
 
 /* R x rows (R <= 3) against one dequantized row: 4 accumulators each, one weight load shared by the R rows */
@@ -350,6 +387,10 @@ DOT_ROWS(2)
 DOT_ROWS(3)
 
 AVX2 static void rows_avx2(const wdesc *w, const float *x, int64_t T, float *y, int64_t n0, int64_t n1, float *buf) {
+    if (T == 1) {
+        for (int64_t n = n0; n < n1; n++) y[n] = dot_row_avx2(w, n, buf, x);
+        return;
+    }
     for (int64_t n = n0; n < n1; n++) {
         deq_row_avx2(w, n, buf);
         int64_t t = 0;
