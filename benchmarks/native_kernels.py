@@ -13,7 +13,8 @@ rounds, arms interleaved in a rotating order after one untimed warm-up round. Ar
   NATIVE_MAX_ROWS rows, native dequantization + float32 matmul above), for Q4_K, Q6_K, Q8_0, Q4_0 and MLX 4-bit
   (group 64, bf16 scales);
 plus GB/s of stored weight bytes at T=1, the crossover per projection (row kernel vs native dequantize + matmul
-per row count), and the 8 experts of one layer at T=1 on 1 and 2 threads (native.Pool, wall time).
+per row count), and the 8 experts of one layer at T=1 on 1 and 2 threads (wall time: the experts spread over
+native.Pool(2), or each projection's rows split as native.set_threads(2) does).
 --quick: 2048 x 768 only, T in {1, 32}, 3 rounds, crossover at 3 row counts (under a minute on the dev VM).
 """
 
@@ -120,24 +121,28 @@ def crossover(h: int, i: int, rows: list[int], rounds: int) -> dict:
 
 
 def threads(h: int, i: int, rounds: int) -> dict:
-    """The 8 experts of one layer at T=1 (Q4_K), sequential on this thread vs on native.Pool(2); wall ms."""
+    """The 8 experts of one layer at T=1 (Q4_K), wall ms: sequential on this thread; the experts spread over
+    native.Pool(2); each projection's rows split over 2 threads (native.set_threads(2), what NativeKernel does)."""
     experts = [Expert("Q4_K", h, i, seed=3 * k) for k in range(8)]
     x = torch.randn(1, h)
+    pool = native.Pool(2)
 
-    def expert(e):
-        g, u, d = (lambda v, s=s, r=r: native.linear(s, v, r) for s, r in zip(e.specs, e.raw))
+    def expert(e, split=False):
+        g, u, d = ((lambda v, s=s, r=r: pool.linear(s, v, r)) if split else (lambda v, s=s, r=r: native.linear(s, v, r))
+                   for s, r in zip(e.specs, e.raw))
         return d(F.silu(g(x)) * u(x))
 
-    pool = native.Pool(2)
     clock = quant_kernels.CLOCK
     quant_kernels.CLOCK = time.perf_counter  # two threads: wall time
     try:
         m = interleaved({"1 thread": lambda: [expert(e) for e in experts],
-                         "2 threads": lambda: pool.run([lambda e=e: expert(e) for e in experts])}, rounds)
+                         "experts on 2 threads": lambda: pool.run([lambda e=e: expert(e) for e in experts]),
+                         "rows split over 2": lambda: [expert(e, True) for e in experts]}, rounds * 3)
     finally:
         quant_kernels.CLOCK = clock
         pool.close()
-    m["speedup"] = m["1 thread"] / m["2 threads"]
+    m["speedup experts"] = m["1 thread"] / m["experts on 2 threads"]
+    m["speedup rows"] = m["1 thread"] / m["rows split over 2"]
     print(f"8 experts T=1: {m}", flush=True)
     return m
 
@@ -162,8 +167,9 @@ def to_markdown(res: dict) -> str:
     for fmt, r in res["crossover"].items():
         lines.append(f"- {fmt}: " + ", ".join(f"T={t} {a:.2f} / {b:.2f}" for t, (a, b) in r.items()))
     t = res["threads"]
-    lines += ["", f"## 8 Q4_K experts at T=1, wall ms: 1 thread {t['1 thread']:.2f}, native.Pool(2) "
-              f"{t['2 threads']:.2f} ({t['speedup']:.2f}x)", ""]
+    lines += ["", f"## 8 Q4_K experts at T=1, wall ms: 1 thread {t['1 thread']:.2f}; experts on native.Pool(2) "
+              f"{t['experts on 2 threads']:.2f} ({t['speedup experts']:.2f}x); each projection's rows split over 2 "
+              f"threads {t['rows split over 2']:.2f} ({t['speedup rows']:.2f}x)", ""]
     return "\n".join(lines)
 
 

@@ -12,8 +12,8 @@ from sluice.quant.native.kernel import NATIVE_MAX_ROWS, native_kernel
 from sluice.quant.samples import random_stored
 from sluice.quant.stored import StoredLinear
 
-pytestmark = pytest.mark.skipif(not native.native_available(),
-                                reason="native kernels not built (pip install -e . with a C compiler builds them)")
+built = pytest.mark.skipif(not native.native_available(),
+                           reason="native kernels not built (pip install -e . with a C compiler builds them)")
 
 GGML = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
 # odd row counts; rows of whole blocks (256 for the K-quants, 32 for the rest) and odd block counts
@@ -45,12 +45,14 @@ def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert bool(((y.double() - ref).abs() <= bound).all())
 
 
+@built
 @pytest.mark.parametrize("spec", SPECS, ids=_ids)
 def test_dequantize_is_the_reference_bitwise(spec, path):
     raw = random_stored(spec, seed=3)
     assert torch.equal(native.dequantize(spec, raw), spec.dequantize(raw))
 
 
+@built
 @pytest.mark.parametrize("T", [1, 3, 17, 64])
 @pytest.mark.parametrize("spec", SPECS, ids=_ids)
 def test_linear_matches_the_exact_weights(spec, T, path):
@@ -63,6 +65,7 @@ def test_linear_matches_the_exact_weights(spec, T, path):
     assert torch.equal(native.linear(spec, x[T // 2:T // 2 + 1].contiguous(), raw), y[T // 2:T // 2 + 1])
 
 
+@built
 def test_mlx_three_buffers_equal_the_packed_spec():
     spec = QuantSpec.mlx(4, 64, 29, 384, torch.bfloat16)
     raw = random_stored(spec, seed=1)
@@ -72,6 +75,7 @@ def test_mlx_three_buffers_equal_the_packed_spec():
     assert torch.equal(y, native.linear(spec, x, raw))
 
 
+@built
 def test_a_wrong_weight_is_caught():
     spec = SPECS[GGML.index("Q4_K")]
     raw = random_stored(spec, seed=1)
@@ -82,6 +86,7 @@ def test_a_wrong_weight_is_caught():
         check_close(native.linear(spec, x, raw), x, w)
 
 
+@built
 def test_repeated_threaded_and_split_calls_are_bitwise_identical():
     spec = QuantSpec.ggml("Q6_K", 301, 512)
     raw = random_stored(spec, seed=2)
@@ -99,6 +104,7 @@ def test_repeated_threaded_and_split_calls_are_bitwise_identical():
     assert torch.equal(part[:, 100:200], y[:, 100:200]) and not part[:, :100].any() and not part[:, 200:].any()
 
 
+@built
 def test_bad_inputs_raise_value_errors():
     spec = QuantSpec.ggml("Q4_K", 8, 256)
     raw = random_stored(spec)
@@ -133,6 +139,7 @@ def test_bad_inputs_raise_value_errors():
         native.Pool(0)
 
 
+@built
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_and_stored_linear_choose_by_rows(dtype):
     spec = QuantSpec.ggml("Q4_K", 40, 512)
@@ -153,5 +160,24 @@ def test_kernel_and_stored_linear_choose_by_rows(dtype):
             if T > NATIVE_MAX_ROWS:  # the dequantize + matmul path: the reference computation itself
                 assert torch.equal(y, F.linear(x, w))
         assert torch.equal(StoredLinear(spec, dtype)(x, raw, scratch), y)
+        native.set_threads(3)  # the rows split over 3 threads: the same bits
+        try:
+            assert torch.equal(k.linear(x, slot, scratch), y)
+        finally:
+            native.set_threads(1)
+        assert native.shared_pool() is None
     with pytest.raises(ValueError, match="do not compute"):
         native_kernel(QuantSpec.mlx(2, 32, 8, 256), torch.float32)
+
+
+def test_without_the_extension_stored_linear_runs_the_torch_path(monkeypatch):
+    monkeypatch.setattr(native, "_LIB", None)  # as after an install without a C compiler
+    assert not native.native_available() and not native.simd()
+    spec = QuantSpec.ggml("Q4_K", 8, 256)
+    raw = random_stored(spec)
+    x = torch.randn(2, 256)
+    lin = StoredLinear(spec, torch.float32)
+    assert lin.native is None
+    assert torch.equal(lin(x, raw, torch.empty(lin.scratch_numel)), F.linear(x, spec.dequantize(raw)))
+    with pytest.raises(RuntimeError, match="not built"):
+        native.linear(spec, x, raw)

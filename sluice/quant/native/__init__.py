@@ -8,6 +8,7 @@
     w = native.dequantize(spec, raw, out)     # the exact float32 weights [out, in] (bitwise the reference)
     k = native.NativeKernel(spec, dtype)      # kernel_for's interface: name "native", nbytes = stored bytes
     pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent threads, results in order
+    native.set_threads(2)                     # NativeKernel splits each projection's rows over 2 threads
 
 Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file) and MLX
 affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales. Each output row's weights are
@@ -193,13 +194,40 @@ class Pool:
         return [f.result() for f in [self._ex.submit(j) for j in jobs]]
 
     def linear(self, spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None):
-        """native.linear with the output columns split into `threads` ranges, one per thread (bitwise the same
-        result as one call: each column is one dot product whichever thread computes it)."""
+        """native.linear with the output columns split into `threads` ranges, the first computed on the calling
+        thread and the others on the pool (bitwise the same result as one call: each column is one dot product
+        whichever thread computes it)."""
         n = spec.out_features
+        desc = _desc(spec, raw)
         x, out = _x_out(x, out, n, spec.in_features)
         bounds = [n * i // self.threads for i in range(self.threads + 1)]
-        self.run([lambda a=a, b=b: linear(spec, x, raw, out, (a, b)) for a, b in zip(bounds, bounds[1:])])
+        futures = [self._ex.submit(_run, desc, x, out, (a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+        _run(desc, x, out, (bounds[0], bounds[1]))
+        for f in futures:
+            f.result()
         return out
 
     def close(self) -> None:
         self._ex.shutdown(wait=True)
+
+
+_SHARED: Pool | None = None
+
+
+def set_threads(threads: int) -> None:
+    """Threads NativeKernel.linear splits one projection's output rows over (default 1: the calling thread only).
+
+    Not on by default: on the shared 2-core dev VM at load ~10 a split [768 x 2048] Q4_K projection took 0.34-0.57
+    ms against 0.25-0.40 on one thread (the second core was busy elsewhere); benchmarks/native_kernels.py times
+    both on a quiet machine. The result is bitwise the same for any thread count."""
+    global _SHARED
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    old, _SHARED = _SHARED, (Pool(threads) if threads > 1 else None)
+    if old is not None:
+        old.close()
+
+
+def shared_pool() -> Pool | None:
+    """The pool set_threads made (None for one thread)."""
+    return _SHARED

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import Kernel
-from . import dequantize, linear, supports
+from . import dequantize, linear, shared_pool, supports
 
 # Rows (tokens of one expert) up to which the native row kernel runs; above it the weights are dequantized natively
 # into the float32 scratch (bitwise the reference weights) and torch's float32 matmul runs, whose blocking keeps x
@@ -38,6 +38,9 @@ class NativeKernel(Kernel):
     def linear(self, x, slot, scratch):
         x = x.float().contiguous()  # [T, in]: a no-op at float32
         if x.shape[0] <= NATIVE_MAX_ROWS:
+            pool = shared_pool()
+            if pool is not None:  # native.set_threads(n > 1): the output rows split over n threads, same bits
+                return pool.linear(self.spec, x, slot[: self.nbytes]).to(self.dtype)
             return linear(self.spec, x, slot[: self.nbytes]).to(self.dtype)
         return F.linear(x, self.dequantize(slot, scratch)).to(self.dtype)
 
