@@ -21,6 +21,7 @@ SPECS = [QuantSpec.ggml(n, 37, 768 if n.endswith("K") else 224) for n in GGML]
 SPECS += [QuantSpec.mlx(bits, group, 29, 384, dt) for bits, group, dt in
           [(4, 32, torch.bfloat16), (4, 64, torch.float16), (4, 128, torch.float32), (8, 32, torch.float16),
            (8, 64, torch.bfloat16), (8, 128, torch.float32)]]
+SPECS += [QuantSpec.mxfp4(29, 224)]  # gpt-oss layout
 PATHS = ["simd", "scalar"]
 
 

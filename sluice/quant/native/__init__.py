@@ -10,8 +10,9 @@
     pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent threads, results in order
     native.set_threads(2)                     # NativeKernel splits each projection's rows over 2 threads
 
-Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file) and MLX
-affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales. Each output row's weights are
+Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file), MLX
+affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales, and gpt-oss MXFP4 (QuantSpec.mxfp4:
+*_blocks and *_scales; code 8 is +0, as spec.dequantize has it). Each output row's weights are
 dequantized exactly (the value each weight has is sluice.quant.ggml.dequantize's, i.e. gguf's) and dotted with
 FMA in float32; the dot products' order depends on in_features only, so the result is deterministic (whatever T,
 thread or row range) and within ~1e-6 relative of F.linear on the exact weights. No activation quantization.
@@ -36,8 +37,9 @@ log = logging.getLogger(__name__)
 
 _GGML = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "MXFP4": 8}
 _MLX = {4: 9, 8: 10}
+_MXFP4_OAI = 11  # gpt-oss's *_blocks / *_scales (QuantSpec.mxfp4)
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-FORMATS = frozenset(_GGML) | {"mlx4", "mlx8"}
+FORMATS = frozenset(_GGML) | {"mlx4", "mlx8", "mxfp4"}
 
 
 def _load() -> ctypes.CDLL | None:
@@ -74,6 +76,8 @@ def supports(spec: QuantSpec) -> bool:
     """Whether the native kernels compute this format (MLX: 4 or 8 bits, groups a multiple of 32)."""
     if spec.family == "ggml":
         return spec.name in _GGML
+    if spec.family == "mxfp4":
+        return True
     return spec.family == "mlx" and spec.bits in _MLX and spec.group_size % 32 == 0
 
 
@@ -108,6 +112,10 @@ def _desc(spec: QuantSpec, raw: torch.Tensor) -> tuple:
     if spec.family == "ggml":
         p = parts["blocks"]
         return (_GGML[spec.name], spec.out_features, spec.in_features, base + p.offset, p.shape[1], None, None, 0, 0)
+    if spec.family == "mxfp4":
+        blocks, scales = parts["blocks"], parts["scales"]
+        return (_MXFP4_OAI, spec.out_features, spec.in_features, base + blocks.offset, spec.in_features // 2,
+                base + scales.offset, None, 0, 32)
     w, s, b = parts["weight"], parts["scales"], parts["biases"]
     if spec.scale_dtype not in _SCALE_DTYPES:
         raise ValueError(f"MLX scales must be float32, float16 or bfloat16, got {spec.scale_dtype}")

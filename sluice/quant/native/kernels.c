@@ -18,7 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, N_FORMATS };
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI, N_FORMATS };
+/* MXFP4_OAI: gpt-oss's *_blocks [N, K/32, 16] (value 2i the low nibble of byte i) and *_scales [N, K/32] (in s) */
 enum { S_F32, S_F16, S_BF16 };  /* MLX scale / bias dtype */
 
 typedef struct {
@@ -26,7 +27,7 @@ typedef struct {
     int64_t N, K;
     const uint8_t *q;     /* ggml: the blocks [N, row_bytes]; MLX: the packed codes [N, K * bits / 8] */
     int64_t row_bytes;
-    const uint8_t *s, *b; /* MLX scales and biases [N, K / gs] in dtype sdt */
+    const uint8_t *s, *b; /* MLX scales and biases [N, K / gs] in dtype sdt; MXFP4_OAI: the exponents in s */
     int sdt, gs;
 } wdesc;
 
@@ -145,6 +146,12 @@ static void deq_row_scalar(const wdesc *w, int64_t n, float *o) {
             float h = e8m0_half(blk[0]);
             for (int j = 0; j < 32; j++)
                 o[j] = h * (float)FP4_DOUBLED[j < 16 ? blk[1 + j] & 15 : blk[1 + j - 16] >> 4];
+        }
+        break;
+    case MXFP4_OAI:
+        for (int64_t g = 0; g < K / 32; g++, o += 32) {
+            float h = e8m0_half(w->s[n * (K / 32) + g]);
+            for (int j = 0; j < 32; j++) o[j] = h * (float)FP4_DOUBLED[(row[16 * g + j / 2] >> (4 * (j & 1))) & 15];
         }
         break;
     case MLX4: case MLX8:
@@ -327,6 +334,17 @@ AVX2_INLINE void row_avx2(const wdesc *w, int64_t n, float *o, const float *x, _
             __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 1));
             EMIT(_mm_shuffle_epi8(table, _mm_and_si128(qs, m4)), hs, 0, 0, 0, o, 0);
             EMIT(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), m4)), hs, 0, 0, 0, o + 16, 2);
+        }
+        break;
+    }
+    case MXFP4_OAI: {
+        const __m128i table = _mm_loadu_si128((const __m128i *)FP4_DOUBLED);
+        for (int64_t g = 0; g < K / 32; g++, o += 32) {
+            float hs = e8m0_half(w->s[n * (K / 32) + g]);
+            __m128i qs = _mm_loadu_si128((const __m128i *)(row + 16 * g));
+            __m128i lo = _mm_and_si128(qs, m4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
+            EMIT(_mm_shuffle_epi8(table, _mm_unpacklo_epi8(lo, hi)), hs, 0, 0, 0, o, 0);
+            EMIT(_mm_shuffle_epi8(table, _mm_unpackhi_epi8(lo, hi)), hs, 0, 0, 0, o + 16, 2);
         }
         break;
     }
