@@ -18,6 +18,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* the AVX2 path is compiled on x86 (-DSLUICE_NO_SIMD builds the portable path alone, as on aarch64) */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(SLUICE_NO_SIMD)
+#define SLUICE_X86 1
+#else
+#define SLUICE_X86 0
+#endif
+
 enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI, N_FORMATS };
 /* MXFP4_OAI: gpt-oss's *_blocks [N, K/32, 16] (value 2i the low nibble of byte i) and *_scales [N, K/32] (in s) */
 enum { S_F32, S_F16, S_BF16 };  /* MLX scale / bias dtype */
@@ -180,7 +187,7 @@ static float dot_scalar(const float *w, const float *x, int64_t K) {
 }
 
 /* ---- AVX2 + FMA + F16C path ---- */
-#if defined(__x86_64__) || defined(__i386__)
+#if SLUICE_X86
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
@@ -453,11 +460,12 @@ static wdesc desc(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_b
 int sluice_linear(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *s,
                   const uint8_t *b, int sdt, int gs, const float *x, int64_t T, float *y, int64_t n0, int64_t n1,
                   int scalar) {
+    (void)scalar;  /* unused where only the portable path is compiled */
     if (fmt < 0 || fmt >= N_FORMATS) return -2;
     wdesc w = desc(fmt, N, K, q, row_bytes, s, b, sdt, gs);
     float *buf = (float *)malloc((size_t)K * sizeof(float) + 64);
     if (!buf) return -1;
-#if defined(__x86_64__) || defined(__i386__)
+#if SLUICE_X86
     if (!scalar && have_avx2()) rows_avx2(&w, x, T, y, n0, n1, buf);
     else
 #endif
@@ -469,10 +477,11 @@ int sluice_linear(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_b
 /* the float32 weights of rows [n0, n1) into out [N, K] (row stride K): the reference dequantization, bitwise */
 int sluice_dequantize(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *s,
                       const uint8_t *b, int sdt, int gs, float *out, int64_t n0, int64_t n1, int scalar) {
+    (void)scalar;  /* unused where only the portable path is compiled */
     if (fmt < 0 || fmt >= N_FORMATS) return -2;
     wdesc w = desc(fmt, N, K, q, row_bytes, s, b, sdt, gs);
     for (int64_t n = n0; n < n1; n++) {
-#if defined(__x86_64__) || defined(__i386__)
+#if SLUICE_X86
         if (!scalar && have_avx2()) { deq_row_avx2(&w, n, out + n * K); continue; }
 #endif
         deq_row_scalar(&w, n, out + n * K);
