@@ -25,6 +25,7 @@ reads its buffers with unaligned loads, so no alignment is required.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -91,36 +92,52 @@ def _buffer(t: torch.Tensor, what: str, dtype: torch.dtype, numel: int) -> int:
 
 
 def _x_out(x: torch.Tensor, out: torch.Tensor | None, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [T, {k}], got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
-    _buffer(x, "x", torch.float32, x.numel())
+    # the checks cost ~1 us each: the common case is tested first, the message built only for a bad argument
+    if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == k
+            and x.is_cpu and x.is_contiguous()):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be [T, {k}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        _buffer(x, "x", torch.float32, x.numel())
+    t = x.shape[0]
     if out is None:
-        out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    _buffer(out, f"out ([{x.shape[0]}, {n}])", torch.float32, x.shape[0] * n)
-    return x, out.view(x.shape[0], n)
+        return x, torch.empty(t, n, dtype=torch.float32)
+    _buffer(out, f"out ([{t}, {n}])", torch.float32, t * n)
+    return x, out.view(t, n)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(spec: QuantSpec) -> tuple:
+    """(stored bytes, C format, N, K, codes offset, codes bytes per row, scales offset, biases offset, scale dtype,
+    group) of a format native computes; computed once per spec (spec.parts builds its layout on every access)."""
+    if not supports(spec):
+        raise ValueError(f"the native kernels do not compute {spec.family} {spec.name} (see native.FORMATS)")
+    n, k = spec.out_features, spec.in_features
+    parts = {p.name: p for p in spec.parts}
+    if spec.family == "ggml":
+        return (spec.nbytes, _GGML[spec.name], n, k, parts["blocks"].offset, parts["blocks"].shape[1], None, None,
+                0, 0)
+    if spec.family == "mxfp4":
+        return (spec.nbytes, _MXFP4_OAI, n, k, parts["blocks"].offset, k // 2, parts["scales"].offset, None, 0, 32)
+    if spec.scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"MLX scales must be float32, float16 or bfloat16, got {spec.scale_dtype}")
+    w = parts["weight"]
+    return (spec.nbytes, _MLX[spec.bits], n, k, w.offset, w.nbytes // n, parts["scales"].offset,
+            parts["biases"].offset, _SCALE_DTYPES[spec.scale_dtype], spec.group_size)
 
 
 def _desc(spec: QuantSpec, raw: torch.Tensor) -> tuple:
     """The C descriptor arguments of one projection's stored bytes (checked)."""
-    if not supports(spec):
-        raise ValueError(f"the native kernels do not compute {spec.family} {spec.name} (see native.FORMATS)")
-    if not isinstance(raw, torch.Tensor) or raw.dim() != 1:
-        raise ValueError(f"raw must be the 1-D uint8 stored bytes of {spec.name}, got "
-                         f"{tuple(raw.shape) if isinstance(raw, torch.Tensor) else type(raw).__name__}")
-    base = _buffer(raw, f"raw ({spec.name} [{spec.out_features}, {spec.in_features}])", torch.uint8, spec.nbytes)
-    parts = {p.name: p for p in spec.parts}
-    if spec.family == "ggml":
-        p = parts["blocks"]
-        return (_GGML[spec.name], spec.out_features, spec.in_features, base + p.offset, p.shape[1], None, None, 0, 0)
-    if spec.family == "mxfp4":
-        blocks, scales = parts["blocks"], parts["scales"]
-        return (_MXFP4_OAI, spec.out_features, spec.in_features, base + blocks.offset, spec.in_features // 2,
-                base + scales.offset, None, 0, 32)
-    w, s, b = parts["weight"], parts["scales"], parts["biases"]
-    if spec.scale_dtype not in _SCALE_DTYPES:
-        raise ValueError(f"MLX scales must be float32, float16 or bfloat16, got {spec.scale_dtype}")
-    return (_MLX[spec.bits], spec.out_features, spec.in_features, base + w.offset, w.nbytes // spec.out_features,
-            base + s.offset, base + b.offset, _SCALE_DTYPES[spec.scale_dtype], spec.group_size)
+    nbytes, fmt, n, k, q, row_bytes, s, b, sdt, gs = _layout(spec)
+    if not (type(raw) is torch.Tensor and raw.dtype is torch.uint8 and raw.dim() == 1 and raw.numel() == nbytes
+            and raw.is_cpu and raw.is_contiguous()):
+        if not isinstance(raw, torch.Tensor) or raw.dim() != 1:
+            raise ValueError(f"raw must be the 1-D uint8 stored bytes of {spec.name}, got "
+                             f"{tuple(raw.shape) if isinstance(raw, torch.Tensor) else type(raw).__name__}")
+        _buffer(raw, f"raw ({spec.name} [{n}, {k}])", torch.uint8, nbytes)
+    base = raw.data_ptr()
+    return (fmt, n, k, base + q, row_bytes, None if s is None else base + s, None if b is None else base + b, sdt,
+            gs)
 
 
 def _rows(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
@@ -133,7 +150,7 @@ def _rows(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
 def _run(desc: tuple, x: torch.Tensor, out: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False); use the torch kernels")
-    n0, n1 = _rows(rows, desc[1])
+    n0, n1 = (0, desc[1]) if rows is None else _rows(rows, desc[1])
     rc = _LIB.sluice_linear(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), n0, n1, int(FORCE_SCALAR))
     if rc:
         raise MemoryError(f"native linear failed (code {rc}): no memory for a {desc[2]}-value row buffer")

@@ -36,13 +36,21 @@ class NativeKernel(Kernel):
         return dequantize(self.spec, slot[: self.nbytes], scratch[: self.scratch_numel])
 
     def linear(self, x, slot, scratch):
-        x = x.float().contiguous()  # [T, in]: a no-op at float32
+        # per call ~20 us of Python around the C call (was 155 before the checks' fast paths): each step is
+        # skipped when it would be a no-op
+        if x.dtype is not torch.float32:
+            x = x.float()  # [T, in]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if slot.numel() != self.nbytes:
+            slot = slot[: self.nbytes]
         if x.shape[0] <= NATIVE_MAX_ROWS:
             pool = shared_pool()
-            if pool is not None:  # native.set_threads(n > 1): the output rows split over n threads, same bits
-                return pool.linear(self.spec, x, slot[: self.nbytes]).to(self.dtype)
-            return linear(self.spec, x, slot[: self.nbytes]).to(self.dtype)
-        return F.linear(x, self.dequantize(slot, scratch)).to(self.dtype)
+            # native.set_threads(n > 1): the output rows split over n threads, the same bits
+            y = linear(self.spec, x, slot) if pool is None else pool.linear(self.spec, x, slot)
+        else:
+            y = F.linear(x, self.dequantize(slot, scratch))
+        return y if self.dtype is torch.float32 else y.to(self.dtype)
 
 
 def native_kernel(spec, dtype: torch.dtype) -> NativeKernel:
