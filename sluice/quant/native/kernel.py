@@ -11,12 +11,13 @@ from . import dequantize, linear, shared_pool, supports
 
 # Rows (tokens of one expert) up to which the native row kernel runs; above it the weights are dequantized natively
 # into the float32 scratch (bitwise the reference weights) and torch's float32 matmul runs, whose blocking keeps x
-# in cache where the row kernel re-reads it per output row. One projection, ms (row kernel / dequantize + matmul),
-# one thread, thread CPU time, median of 15, dev VM at load 6-7 (noisy; benchmarks/native_kernels.py --crossover):
-#   Q4_K [768 x 2048]  T=16 2.33 / 2.63   T=24 3.13 / 3.31   T=32 4.10 / 4.71   T=64 7.02 / 5.10
-#   Q8_0 [768 x 2048]  T=16 1.69 / 3.35   T=24 3.47 / 3.48   T=32 3.79 / 3.97   T=64 7.19 / 4.62
-#   MLX4 [768 x 2048]  T=16 1.59 / 1.93   T=24 2.36 / 3.36   T=32 3.43 / 3.56   T=64 6.06 / 5.45
-# so the crossover lies between 32 and 64 rows for every format measured.
+# in cache where the row kernel re-reads it per output row. One [768 x 2048] projection, ms (row kernel /
+# dequantize + matmul), one thread, thread CPU time, median of 11 interleaved rounds, dev VM at load ~10
+# (benchmarks/results/native_kernels.md):
+#   Q4_K  T=16 2.30 / 3.14   T=24 3.18 / 3.91   T=32 4.00 / 4.18   T=48 6.12 / 4.75   T=64 8.18 / 5.39
+#   Q8_0  T=16 1.62 / 2.21   T=24 2.30 / 2.42   T=32 3.06 / 3.05   T=48 4.63 / 3.50   T=64 6.73 / 4.37
+#   MLX4  T=16 1.65 / 2.33   T=24 2.36 / 2.99   T=32 3.08 / 3.16   T=48 5.20 / 4.44   T=64 6.62 / 4.59
+# so the crossover is at ~32 rows for every format measured (an earlier run at load 6 agreed: 32 < it < 64).
 NATIVE_MAX_ROWS = 32
 
 

@@ -18,6 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the stored formats are little-endian and read as such here (x86-64, aarch64)"
+#endif
+
 /* the AVX2 path is compiled on x86 (-DSLUICE_NO_SIMD builds the portable path alone, as on aarch64) */
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(SLUICE_NO_SIMD)
 #define SLUICE_X86 1
@@ -66,14 +70,18 @@ static inline float e8m0_half(uint8_t e) { return f32_bits(e < 2 ? 0x00200000u <
 
 static const int8_t FP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-/* Q4_K / Q5_K: the 12 packed scale bytes -> 8 scales and 8 mins (ggml's get_scale_min_k4) */
+/* Q4_K / Q5_K: the 12 packed scale bytes -> 8 scales and 8 mins (ggml's get_scale_min_k4), four bytes at a time:
+ * scales 0-3 / mins 0-3 are the low 6 bits of bytes 0-3 / 4-7; scales 4-7 (mins 4-7) the low (high) nibbles of
+ * bytes 8-11 with the top 2 bits of bytes 0-3 (4-7) above them */
 static inline void k_scale_min(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = q[j] & 63;
-        mn[j] = q[j + 4] & 63;
-        sc[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
-        mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-    }
+    uint32_t u0, u1, u2, v;
+    memcpy(&u0, q, 4);
+    memcpy(&u1, q + 4, 4);
+    memcpy(&u2, q + 8, 4);
+    v = u0 & 0x3f3f3f3fu; memcpy(sc, &v, 4);
+    v = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u); memcpy(sc + 4, &v, 4);
+    v = u1 & 0x3f3f3f3fu; memcpy(mn, &v, 4);
+    v = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u); memcpy(mn + 4, &v, 4);
 }
 
 /* per 32-value sub-block s of a Q4_K / Q5_K block: scale d * sc, bias -(dmin * m) (the reference's subtraction) */
