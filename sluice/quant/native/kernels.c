@@ -224,7 +224,8 @@ AVX2_INLINE void emit16(__m128i q, float scale, float bias, int has_bias, int un
 
 /* bits 0-15 of m -> 16 bytes, 0x10 where the bit is set (Q5 high bits) */
 AVX2_INLINE __m128i bits16(uint32_t m) {
-    __m128i v = _mm_shuffle_epi8(_mm_set1_epi16((short)m), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    __m128i byte = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);  /* byte j: bits 8(j/8)..+7 */
+    __m128i v = _mm_shuffle_epi8(_mm_set1_epi16((short)m), byte);
     __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
     return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), _mm_set1_epi8(0x10));
 }
@@ -411,7 +412,8 @@ AVX2 static float dot_row_avx2(const wdesc *w, int64_t n, float *buf, const floa
         for (int64_t k = 0; k < K; k += 32)                                                                            \
             for (int j = 0; j < 4; j++) {                                                                              \
                 __m256 wv = _mm256_loadu_ps(w + k + 8 * j);                                                            \
-                for (int r = 0; r < R; r++) a[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k + 8 * j), a[r][j]); \
+                for (int r = 0; r < R; r++)                                                                            \
+                    a[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k + 8 * j), a[r][j]);                    \
             }                                                                                                          \
         for (int r = 0; r < R; r++) y[r * ldy] = hsum(a[r][0], a[r][1], a[r][2], a[r][3]);                            \
     }
