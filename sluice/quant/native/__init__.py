@@ -243,8 +243,10 @@ def set_threads(threads: int) -> None:
     """Threads NativeKernel.linear splits one projection's output rows over (default 1: the calling thread only).
 
     Not on by default: on the shared 2-core dev VM at load ~10 a split [768 x 2048] Q4_K projection took 0.34-0.57
-    ms against 0.25-0.40 on one thread (the second core was busy elsewhere); benchmarks/native_kernels.py times
-    both on a quiet machine. The result is bitwise the same for any thread count."""
+    ms wall against 0.25-0.40 on one thread (the second core was busy elsewhere), and 8 Q4_K experts at T=1 cost
+    15.4 ms of CPU split this way against 10.1 on one thread and 11.0 with the experts themselves spread over a
+    Pool(2) (benchmarks/native_kernels.py): parallelism over a layer's experts is the cheaper kind. The result is
+    bitwise the same for any thread count."""
     global _SHARED
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
