@@ -14,10 +14,10 @@ from . import dequantize, linear, shared_pool, supports
 # in cache where the row kernel re-reads it per output row. One [768 x 2048] projection, ms (row kernel /
 # dequantize + matmul), one thread, thread CPU time, median of 11 interleaved rounds, dev VM at load ~10
 # (benchmarks/results/native_kernels.md):
-#   Q4_K  T=16 2.30 / 3.14   T=24 3.18 / 3.91   T=32 4.00 / 4.18   T=48 6.12 / 4.75   T=64 8.18 / 5.39
-#   Q8_0  T=16 1.62 / 2.21   T=24 2.30 / 2.42   T=32 3.06 / 3.05   T=48 4.63 / 3.50   T=64 6.73 / 4.37
-#   MLX4  T=16 1.65 / 2.33   T=24 2.36 / 2.99   T=32 3.08 / 3.16   T=48 5.20 / 4.44   T=64 6.62 / 4.59
-# so the crossover is at ~32 rows for every format measured (an earlier run at load 6 agreed: 32 < it < 64).
+#   Q4_K  T=16 2.31 / 3.67   T=24 3.15 / 4.08   T=32 3.94 / 4.47   T=48 5.90 / 5.23   T=64 6.33 / 4.87
+#   Q8_0  T=16 1.85 / 2.83   T=24 2.73 / 3.27   T=32 3.75 / 3.74   T=48 4.92 / 4.30   T=64 6.43 / 5.56
+#   MLX4  T=16 2.36 / 3.37   T=24 2.44 / 3.22   T=32 3.59 / 4.02   T=48 6.01 / 4.63   T=64 7.69 / 6.67
+# so the crossover is at 32-48 rows for every format measured (two earlier runs at load 6 and 10 agreed).
 NATIVE_MAX_ROWS = 32
 
 
