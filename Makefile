@@ -7,7 +7,8 @@ TORCH := torch==2.13.0
 
 .PHONY: demo test install clean
 
-$(BIN)/.installed: pyproject.toml
+# setup.py builds the native kernels in place (pip install -e): a changed C source reinstalls
+$(BIN)/.installed: pyproject.toml setup.py sluice/quant/native/kernels.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)

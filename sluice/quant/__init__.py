@@ -18,6 +18,11 @@ What the rest of sluice calls (all functional, no files; shapes are [out_feature
     w = k.dequantize(slot, scratch)  # the float32 weights the kernel computes with (a view of scratch)
     spec.dequantize(raw)        # the exact float32 weights (the reference, bitwise gguf / mx.dequantize)
 
+Native kernels (sluice/quant/native, C built at install; what stored.StoredLinear runs for the experts when built):
+`native.linear(spec, x, raw)` computes y from the stored bytes themselves (no prepare step, the slot is the file's
+bytes), from exactly dequantized weights with float32 FMA dots; `native.native_available()` is False without a
+compiler at install, and the torch paths above run instead. See native/__init__.py and native/kernel.py.
+
 Lower level, for the checkpoint readers and tests:
 - `ggml.dequantize(raw, "Q4_K", shape=None, out=None)`: raw block bytes -> float32 (or rounded once into out's
   bf16/f16), bitwise `gguf.quants.dequantize`; `ggml.DEQUANTIZABLE` lists the types.

@@ -1,7 +1,10 @@
 """y = x @ W^T straight from W's stored bytes (a slot holds an expert exactly as the checkpoint stores it).
 
 This is what the MoE math calls for quantized experts: nothing converts the bytes between the read and the math,
-so a miss costs one read and no repacking. The torch path below dequantizes the stored blocks into a reusable
+so a miss costs one read and no repacking. Where the native kernels are built and compute the format
+(quant/native: GGUF Q4_0-Q8_0, K-quants, MXFP4, MLX 4/8-bit) they run: up to native.kernel.NATIVE_MAX_ROWS rows
+straight from the blocks, more rows through a native dequantization into the scratch and one float32 matmul
+(the crossover is measured there). Otherwise the torch path below dequantizes the stored blocks into a reusable
 float32 scratch (bitwise the reference weights, quant/ggml.py) and runs one float32 matmul; the result is cast to
 the compute dtype. In float32 this is the exact reference computation the tests compare with.
 """
@@ -11,7 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .kernels import QuantSpec
+from .native.kernel import NativeKernel
 
 
 class StoredLinear:
@@ -19,6 +24,8 @@ class StoredLinear:
 
     def __init__(self, spec: QuantSpec, dtype: torch.dtype):
         self.spec, self.dtype = spec, dtype
+        # the choice is fixed per format, so a streamed and a resident run compute the same way
+        self.native = NativeKernel(spec, dtype) if native.native_available() and native.supports(spec) else None
 
     @property
     def scratch_numel(self) -> int:
@@ -26,6 +33,8 @@ class StoredLinear:
 
     def __call__(self, x: torch.Tensor, raw: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> y [T, out] in the compute dtype; `scratch` float32 with >= scratch_numel elements."""
+        if self.native is not None:
+            return self.native.linear(x, raw, scratch)
         s = self.spec
         w = s.dequantize(raw, out=scratch[: self.scratch_numel].view(s.out_features, s.in_features))
         return F.linear(x.float(), w).to(self.dtype)

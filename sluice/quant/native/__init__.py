@@ -1,0 +1,260 @@
+"""Native CPU kernels: y = x @ W^T straight from W's stored bytes (kernels.c, built at install time by setup.py).
+
+    from sluice.quant import native
+    native.native_available()                 # False when the extension was not built (no compiler): use torch
+    native.supports(spec)                     # the formats below, for this QuantSpec
+    y = native.linear(spec, x, raw)           # x float32 [T, in] contiguous, raw uint8 [spec.nbytes] -> y [T, out]
+    y = native.linear_mlx(x, weight, scales, biases, bits=4, group_size=64)   # MLX's three separate buffers
+    w = native.dequantize(spec, raw, out)     # the exact float32 weights [out, in] (bitwise the reference)
+    k = native.NativeKernel(spec, dtype)      # kernel_for's interface: name "native", nbytes = stored bytes
+    pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent threads, results in order
+    native.set_threads(2)                     # NativeKernel splits each projection's rows over 2 threads
+
+Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file), MLX
+affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales, and gpt-oss MXFP4 (QuantSpec.mxfp4:
+*_blocks and *_scales; code 8 is +0, as spec.dequantize has it). Each output row's weights are
+dequantized exactly (the value each weight has is sluice.quant.ggml.dequantize's, i.e. gguf's) and dotted with
+FMA in float32; the dot products' order depends on in_features only, so the result is deterministic (whatever T,
+thread or row range) and within ~1e-6 relative of F.linear on the exact weights. No activation quantization.
+
+The C functions hold no lock and keep no state, and ctypes releases the GIL while they run: calls on several Python
+threads run in parallel (Pool). Arguments are checked here and a bad one raises ValueError naming it; the C code
+reads its buffers with unaligned loads, so no alignment is required.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..kernels import QuantSpec
+
+log = logging.getLogger(__name__)
+
+_GGML = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "MXFP4": 8}
+_MLX = {4: 9, 8: 10}
+_MXFP4_OAI = 11  # gpt-oss's *_blocks / *_scales (QuantSpec.mxfp4)
+_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+FORMATS = frozenset(_GGML) | {"mlx4", "mlx8", "mxfp4"}
+
+
+def _load() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec(f"{__name__}._kernels")
+    if spec is None or spec.origin is None:
+        log.warning("sluice: native quantized kernels not built (no C compiler at install?); using the slower torch "
+                    "kernels. Reinstall with a C compiler (gcc or clang) to build them.")
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    desc = [i32, i64, i64, ptr, i64, ptr, ptr, i32, i32]  # fmt, N, K, q, row_bytes, scales, biases, sdt, gs
+    lib.sluice_linear.argtypes = desc + [ptr, i64, ptr, i64, i64, i32]  # x, T, y, n0, n1, scalar
+    lib.sluice_dequantize.argtypes = desc + [ptr, i64, i64, i32]  # out, n0, n1, scalar
+    lib.sluice_linear.restype = lib.sluice_dequantize.restype = lib.sluice_simd.restype = i32
+    return lib
+
+
+_LIB = _load()
+#: test hook: True runs the portable scalar C path even where AVX2 is available
+FORCE_SCALAR = False
+
+
+def native_available() -> bool:
+    """Whether the extension is built and loaded (False: callers use the torch kernels)."""
+    return _LIB is not None
+
+
+def simd() -> bool:
+    """Whether the AVX2 + FMA + F16C path runs on this CPU (else the portable scalar one)."""
+    return _LIB is not None and bool(_LIB.sluice_simd())
+
+
+def supports(spec: QuantSpec) -> bool:
+    """Whether the native kernels compute this format (MLX: 4 or 8 bits, groups a multiple of 32)."""
+    if spec.family == "ggml":
+        return spec.name in _GGML
+    if spec.family == "mxfp4":
+        return True
+    return spec.family == "mlx" and spec.bits in _MLX and spec.group_size % 32 == 0
+
+
+def _buffer(t: torch.Tensor, what: str, dtype: torch.dtype, numel: int) -> int:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        got = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{what} must be a contiguous CPU {dtype} tensor, got {got}")
+    if t.numel() != numel:
+        raise ValueError(f"{what} must have {numel} elements, got {t.numel()} (shape {tuple(t.shape)})")
+    return t.data_ptr()
+
+
+def _x_out(x: torch.Tensor, out: torch.Tensor | None, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # the checks cost ~1 us each: the common case is tested first, the message built only for a bad argument
+    if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == k
+            and x.is_cpu and x.is_contiguous()):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be [T, {k}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        _buffer(x, "x", torch.float32, x.numel())
+    t = x.shape[0]
+    if out is None:
+        return x, torch.empty(t, n, dtype=torch.float32)
+    _buffer(out, f"out ([{t}, {n}])", torch.float32, t * n)
+    return x, out.view(t, n)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(spec: QuantSpec) -> tuple:
+    """(stored bytes, C format, N, K, codes offset, codes bytes per row, scales offset, biases offset, scale dtype,
+    group) of a format native computes; computed once per spec (spec.parts builds its layout on every access)."""
+    if not supports(spec):
+        raise ValueError(f"the native kernels do not compute {spec.family} {spec.name} (see native.FORMATS)")
+    n, k = spec.out_features, spec.in_features
+    parts = {p.name: p for p in spec.parts}
+    if spec.family == "ggml":
+        return (spec.nbytes, _GGML[spec.name], n, k, parts["blocks"].offset, parts["blocks"].shape[1], None, None,
+                0, 0)
+    if spec.family == "mxfp4":
+        return (spec.nbytes, _MXFP4_OAI, n, k, parts["blocks"].offset, k // 2, parts["scales"].offset, None, 0, 32)
+    if spec.scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"MLX scales must be float32, float16 or bfloat16, got {spec.scale_dtype}")
+    w = parts["weight"]
+    return (spec.nbytes, _MLX[spec.bits], n, k, w.offset, w.nbytes // n, parts["scales"].offset,
+            parts["biases"].offset, _SCALE_DTYPES[spec.scale_dtype], spec.group_size)
+
+
+def _desc(spec: QuantSpec, raw: torch.Tensor) -> tuple:
+    """The C descriptor arguments of one projection's stored bytes (checked)."""
+    nbytes, fmt, n, k, q, row_bytes, s, b, sdt, gs = _layout(spec)
+    if not (type(raw) is torch.Tensor and raw.dtype is torch.uint8 and raw.dim() == 1 and raw.numel() == nbytes
+            and raw.is_cpu and raw.is_contiguous()):
+        if not isinstance(raw, torch.Tensor) or raw.dim() != 1:
+            raise ValueError(f"raw must be the 1-D uint8 stored bytes of {spec.name}, got "
+                             f"{tuple(raw.shape) if isinstance(raw, torch.Tensor) else type(raw).__name__}")
+        _buffer(raw, f"raw ({spec.name} [{n}, {k}])", torch.uint8, nbytes)
+    base = raw.data_ptr()
+    return (fmt, n, k, base + q, row_bytes, None if s is None else base + s, None if b is None else base + b, sdt,
+            gs)
+
+
+def _rows(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
+    n0, n1 = (0, n) if rows is None else rows
+    if not 0 <= n0 <= n1 <= n:
+        raise ValueError(f"rows must be (n0, n1) with 0 <= n0 <= n1 <= {n}, got {rows}")
+    return n0, n1
+
+
+def _run(desc: tuple, x: torch.Tensor, out: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    if _LIB is None:
+        raise RuntimeError("the native kernels are not built (native_available() is False); use the torch kernels")
+    n0, n1 = (0, desc[1]) if rows is None else _rows(rows, desc[1])
+    rc = _LIB.sluice_linear(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), n0, n1, int(FORCE_SCALAR))
+    if rc:
+        raise MemoryError(f"native linear failed (code {rc}): no memory for a {desc[2]}-value row buffer")
+    return out
+
+
+def linear(spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
+           rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """y [T, out] (float32) = x [T, in] (float32, contiguous) @ W^T, W from its stored bytes raw (uint8
+    [spec.nbytes], spec.parts' layout). out: optional float32 [T, out] to write into. rows=(n0, n1): only those
+    output columns are written (one projection split over threads; each column is one whole dot product)."""
+    desc = _desc(spec, raw)
+    x, out = _x_out(x, out, spec.out_features, spec.in_features)
+    return _run(desc, x, out, rows)
+
+
+def linear_mlx(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, *, bits: int,
+               group_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """MLX affine from its three buffers: weight uint32/int32 [out, in * bits / 32], scales and biases
+    [out, in / group_size] (f32 / f16 / bf16, one dtype); y [T, out] = x [T, in] @ W^T, float32."""
+    if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or weight.dim() != 2:
+        raise ValueError("MLX weight, scales and biases must be 2-D tensors")
+    n, groups = scales.shape
+    spec = QuantSpec.mlx(bits, group_size, n, groups * group_size, scales.dtype)
+    if not supports(spec):
+        raise ValueError(f"the native kernels compute MLX 4 and 8 bits with groups of 32/64/128, got bits={bits} "
+                         f"group_size={group_size}")
+    if weight.dtype not in (torch.int32, torch.uint32) or biases.dtype != scales.dtype:
+        raise ValueError(f"MLX weight must be uint32/int32 and biases {scales.dtype}, got {weight.dtype} and "
+                         f"{biases.dtype}")
+    k = spec.in_features
+    q = _buffer(weight, "weight", weight.dtype, n * k * bits // 32)
+    s = _buffer(scales, "scales", scales.dtype, n * groups)
+    b = _buffer(biases, "biases", scales.dtype, n * groups)
+    x, out = _x_out(x, out, n, k)
+    desc = (_MLX[bits], n, k, q, k * bits // 8, s, b, _SCALE_DTYPES[scales.dtype], group_size)
+    return _run(desc, x, out, None)
+
+
+def dequantize(spec: QuantSpec, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weights [out, in] of the stored bytes, bitwise spec.dequantize(raw), into out (float32,
+    contiguous, out * in elements) or a new tensor."""
+    if _LIB is None:
+        raise RuntimeError("the native kernels are not built (native_available() is False); use spec.dequantize")
+    desc = _desc(spec, raw)
+    n, k = spec.out_features, spec.in_features
+    if out is None:
+        out = torch.empty(n, k)
+    _buffer(out, f"out ([{n}, {k}])", torch.float32, n * k)
+    _LIB.sluice_dequantize(*desc, out.data_ptr(), 0, n, int(FORCE_SCALAR))
+    return out.view(n, k)
+
+
+class Pool:
+    """`threads` persistent worker threads for native calls (each releases the GIL): e.g. the experts of one MoE
+    layer at decode split over the CPUs. Results come back in job order, so sums over them are deterministic."""
+
+    def __init__(self, threads: int):
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._ex = ThreadPoolExecutor(threads, thread_name_prefix="sluice-native")
+
+    def run(self, jobs: list) -> list:
+        """Runs each job (a callable without arguments) on the pool; returns their results in job order."""
+        return [f.result() for f in [self._ex.submit(j) for j in jobs]]
+
+    def linear(self, spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None):
+        """native.linear with the output columns split into `threads` ranges, the first computed on the calling
+        thread and the others on the pool (bitwise the same result as one call: each column is one dot product
+        whichever thread computes it)."""
+        n = spec.out_features
+        desc = _desc(spec, raw)
+        x, out = _x_out(x, out, n, spec.in_features)
+        bounds = [n * i // self.threads for i in range(self.threads + 1)]
+        futures = [self._ex.submit(_run, desc, x, out, (a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+        _run(desc, x, out, (bounds[0], bounds[1]))
+        for f in futures:
+            f.result()
+        return out
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True)
+
+
+_SHARED: Pool | None = None
+
+
+def set_threads(threads: int) -> None:
+    """Threads NativeKernel.linear splits one projection's output rows over (default 1: the calling thread only).
+
+    Not on by default: on the shared 2-core dev VM at load ~10 a split [768 x 2048] Q4_K projection took 0.34-0.57
+    ms wall against 0.25-0.40 on one thread (the second core was busy elsewhere), and 8 Q4_K experts at T=1 cost
+    15.4 ms of CPU split this way against 10.1 on one thread and 11.0 with the experts themselves spread over a
+    Pool(2) (benchmarks/native_kernels.py): parallelism over a layer's experts is the cheaper kind. The result is
+    bitwise the same for any thread count."""
+    global _SHARED
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    old, _SHARED = _SHARED, (Pool(threads) if threads > 1 else None)
+    if old is not None:
+        old.close()
+
+
+def shared_pool() -> Pool | None:
+    """The pool set_threads made (None for one thread)."""
+    return _SHARED

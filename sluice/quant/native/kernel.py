@@ -1,0 +1,64 @@
+"""The native kernels behind kernel_for's interface: a slot holds the stored bytes, `linear` picks the faster of the
+row kernel and (native dequantization into the float32 scratch + one float32 matmul) by the number of rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import Kernel
+from . import dequantize, linear, shared_pool, supports
+
+# Rows (tokens of one expert) up to which the native row kernel runs; above it the weights are dequantized natively
+# into the float32 scratch (bitwise the reference weights) and torch's float32 matmul runs, whose blocking keeps x
+# in cache where the row kernel re-reads it per output row. One [768 x 2048] projection, ms (row kernel /
+# dequantize + matmul), one thread, thread CPU time, median of 11 interleaved rounds, dev VM at load ~10
+# (benchmarks/results/native_kernels.md):
+#   Q4_K  T=16 2.31 / 3.67   T=24 3.15 / 4.08   T=32 3.94 / 4.47   T=48 5.90 / 5.23   T=64 6.33 / 4.87
+#   Q8_0  T=16 1.85 / 2.83   T=24 2.73 / 3.27   T=32 3.75 / 3.74   T=48 4.92 / 4.30   T=64 6.43 / 5.56
+#   MLX4  T=16 2.36 / 3.37   T=24 2.44 / 3.22   T=32 3.59 / 4.02   T=48 6.01 / 4.63   T=64 7.69 / 6.67
+# so the crossover is at 32-48 rows for every format measured (two earlier runs at load 6 and 10 agreed).
+NATIVE_MAX_ROWS = 32
+
+
+class NativeKernel(Kernel):
+    """kernel_for's Kernel for a format native.supports: name "native", the slot holds the stored bytes
+    (nbytes = spec.nbytes, prepare is a copy), linear(x, slot, scratch) -> y in the compute dtype."""
+
+    name = "native"
+
+    def _parts(self):
+        return self.spec.parts, self.spec.nbytes
+
+    def _prepare(self, raw, slot):
+        slot[: self.nbytes].copy_(raw[: self.nbytes])
+
+    def dequantize(self, slot, scratch):
+        return dequantize(self.spec, slot[: self.nbytes], scratch[: self.scratch_numel])
+
+    def linear(self, x, slot, scratch):
+        # per call ~20 us of Python around the C call (was 155 before the checks' fast paths): each step is
+        # skipped when it would be a no-op
+        if x.dtype is not torch.float32:
+            x = x.float()  # [T, in]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if slot.numel() != self.nbytes:
+            slot = slot[: self.nbytes]
+        if x.shape[0] <= NATIVE_MAX_ROWS:
+            pool = shared_pool()
+            # native.set_threads(n > 1): the output rows split over n threads, the same bits
+            y = linear(self.spec, x, slot) if pool is None else pool.linear(self.spec, x, slot)
+        else:
+            y = F.linear(x, self.dequantize(slot, scratch))
+        return y if self.dtype is torch.float32 else y.to(self.dtype)
+
+
+def native_kernel(spec, dtype: torch.dtype) -> NativeKernel:
+    """The native kernel for spec at compute dtype (float32 / bfloat16 / float16); ValueError for a format the
+    native kernels do not compute (check native.supports first)."""
+    if not supports(spec):
+        raise ValueError(f"the native kernels do not compute {spec.family} {spec.name}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"compute dtype must be float32, bfloat16 or float16, got {dtype}")
+    return NativeKernel(spec, dtype)

@@ -1,0 +1,215 @@
+"""The native kernels (sluice/quant/native) against the exact dequantization + a float64 matmul, on both C paths."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sluice.quant import native
+from sluice.quant.kernels import QuantSpec
+from sluice.quant.native.kernel import NATIVE_MAX_ROWS, native_kernel
+from sluice.quant.samples import random_stored
+from sluice.quant.stored import StoredLinear
+
+built = pytest.mark.skipif(not native.native_available(),
+                           reason="native kernels not built (pip install -e . with a C compiler builds them)")
+
+GGML = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
+# odd row counts; rows of whole blocks (256 for the K-quants, 32 for the rest) and odd block counts
+SPECS = [QuantSpec.ggml(n, 37, 768 if n.endswith("K") else 224) for n in GGML]
+SPECS += [QuantSpec.mlx(bits, group, 29, 384, dt) for bits, group, dt in
+          [(4, 32, torch.bfloat16), (4, 64, torch.float16), (4, 128, torch.float32), (8, 32, torch.float16),
+           (8, 64, torch.bfloat16), (8, 128, torch.float32)]]
+SPECS += [QuantSpec.mxfp4(29, 224)]  # gpt-oss layout
+PATHS = ["simd", "scalar"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    if request.param == "simd" and not native.simd():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C: only the scalar path runs")
+    monkeypatch.setattr(native, "FORCE_SCALAR", request.param == "scalar")
+    return request.param
+
+
+def _ids(s: QuantSpec) -> str:
+    return f"{s.name}-g{s.group_size}-{str(s.scale_dtype).split('.')[-1]}" if s.family == "mlx" else s.name
+
+
+def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y within float32 dot-product error of x @ w^T (computed in float64): relative L2 <= 1e-5, and every element
+    within K * 2^-24 * (|x| @ |w|^T), the bound of a float32 sum of K products."""
+    ref = F.linear(x.double(), w.double())
+    assert float((y.double() - ref).norm() / ref.norm()) <= 1e-5
+    bound = F.linear(x.double().abs(), w.double().abs()) * x.shape[1] * 2.0 ** -24
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+@built
+@pytest.mark.parametrize("spec", SPECS, ids=_ids)
+def test_dequantize_is_the_reference_bitwise(spec, path):
+    raw = random_stored(spec, seed=3)
+    assert torch.equal(native.dequantize(spec, raw), spec.dequantize(raw))
+
+
+@built
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("spec", SPECS, ids=_ids)
+def test_linear_matches_the_exact_weights(spec, T, path):
+    raw = random_stored(spec, seed=T)
+    x = torch.randn(T, spec.in_features, generator=torch.Generator().manual_seed(T))
+    y = native.linear(spec, x, raw)
+    assert y.shape == (T, spec.out_features) and y.dtype == torch.float32
+    check_close(y, x, spec.dequantize(raw))
+    # row t does not depend on T: each output is one dot product whose order depends on in_features only
+    assert torch.equal(native.linear(spec, x[T // 2:T // 2 + 1].contiguous(), raw), y[T // 2:T // 2 + 1])
+
+
+@built
+def test_mlx_three_buffers_equal_the_packed_spec():
+    spec = QuantSpec.mlx(4, 64, 29, 384, torch.bfloat16)
+    raw = random_stored(spec, seed=1)
+    v = {p.name: p.view(raw).clone() for p in spec.parts}  # separate buffers
+    x = torch.randn(5, 384)
+    y = native.linear_mlx(x, v["weight"], v["scales"], v["biases"], bits=4, group_size=64)
+    assert torch.equal(y, native.linear(spec, x, raw))
+
+
+@built
+def test_a_wrong_weight_is_caught():
+    spec = SPECS[GGML.index("Q4_K")]
+    raw = random_stored(spec, seed=1)
+    x = torch.randn(3, spec.in_features)
+    w = spec.dequantize(raw)
+    w[5, 100] += 0.05 * w.abs().max()  # a one-code error in a 4-bit weight is ~1/15 of its row's range
+    with pytest.raises(AssertionError):
+        check_close(native.linear(spec, x, raw), x, w)
+
+
+@built
+def test_repeated_threaded_and_split_calls_are_bitwise_identical():
+    spec = QuantSpec.ggml("Q6_K", 301, 512)
+    raw = random_stored(spec, seed=2)
+    x = torch.randn(5, 512)
+    y = native.linear(spec, x, raw)
+    pool = native.Pool(3)
+    try:
+        ys = pool.run([lambda: native.linear(spec, x, raw) for _ in range(12)])
+        assert all(torch.equal(y, z) for z in ys)
+        assert torch.equal(pool.linear(spec, x, raw), y)  # output columns split over the 3 threads
+    finally:
+        pool.close()
+    part = torch.zeros(5, 301)
+    native.linear(spec, x, raw, out=part, rows=(100, 200))
+    assert torch.equal(part[:, 100:200], y[:, 100:200]) and not part[:, :100].any() and not part[:, 200:].any()
+
+
+@built
+def test_bad_inputs_raise_value_errors():
+    spec = QuantSpec.ggml("Q4_K", 8, 256)
+    raw = random_stored(spec)
+    x = torch.randn(2, 256)
+    bad = [
+        (x.double(), raw, None, None, "x must be a contiguous CPU torch.float32"),
+        (torch.randn(256, 2).t(), raw, None, None, "x must be a contiguous"),
+        (torch.randn(2, 255), raw, None, None, "x must be"),
+        (torch.randn(256), raw, None, None, "x must be"),
+        (x, raw[:-1], None, None, "must have 1152 elements"),
+        (x, raw.view(torch.int8), None, None, "raw .* must be a contiguous CPU torch.uint8"),
+        (x, raw.view(8, -1), None, None, "raw must be the 1-D"),
+        (x, raw, torch.empty(2, 7), None, "out"),
+        (x, raw, torch.empty(2, 8, dtype=torch.float64), None, "out"),
+        (x, raw, None, (3, 9), "rows"),
+        (x, raw, None, (5, 2), "rows"),
+    ]
+    for xi, ri, out, rows, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            native.linear(spec, xi, ri, out, rows)
+    with pytest.raises(ValueError, match="do not compute"):
+        native.linear(QuantSpec.mlx(3, 32, 8, 256), x, random_stored(QuantSpec.mlx(3, 32, 8, 256)))
+    with pytest.raises(ValueError, match="do not compute"):
+        native.linear(QuantSpec.ggml("BF16", 8, 256), x, torch.zeros(8 * 512, dtype=torch.uint8))
+    w = torch.zeros(8, 32, dtype=torch.int32)
+    s = torch.zeros(8, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="biases"):
+        native.linear_mlx(x, w, s, s.half(), bits=4, group_size=64)
+    with pytest.raises(ValueError, match="bits=3"):
+        native.linear_mlx(x, w, s, s, bits=3, group_size=64)
+    with pytest.raises(ValueError, match="threads"):
+        native.Pool(0)
+
+
+@built
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_and_stored_linear_choose_by_rows(dtype):
+    spec = QuantSpec.ggml("Q4_K", 40, 512)
+    raw = random_stored(spec, seed=4)
+    k = native_kernel(spec, dtype)
+    assert k.name == "native" and k.nbytes == spec.nbytes
+    slot = k.prepare(raw, torch.empty(k.nbytes, dtype=torch.uint8))
+    assert torch.equal(slot, raw)
+    scratch = torch.empty(k.scratch_numel)
+    w = spec.dequantize(raw)
+    assert torch.equal(k.dequantize(slot, scratch), w)
+    for T in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1):
+        x = torch.randn(T, 512).to(dtype)
+        y = k.linear(x, slot, scratch)
+        assert y.dtype == dtype and y.shape == (T, 40)
+        if dtype == torch.float32:
+            check_close(y, x, w)
+            if T > NATIVE_MAX_ROWS:  # the dequantize + matmul path: the reference computation itself
+                assert torch.equal(y, F.linear(x, w))
+        assert torch.equal(StoredLinear(spec, dtype)(x, raw, scratch), y)
+        native.set_threads(3)  # the rows split over 3 threads: the same bits
+        try:
+            assert torch.equal(k.linear(x, slot, scratch), y)
+        finally:
+            native.set_threads(1)
+        assert native.shared_pool() is None
+    with pytest.raises(ValueError, match="do not compute"):
+        native_kernel(QuantSpec.mlx(2, 32, 8, 256), torch.float32)
+
+
+def test_without_the_extension_stored_linear_runs_the_torch_path(monkeypatch):
+    monkeypatch.setattr(native, "_LIB", None)  # as after an install without a C compiler
+    assert not native.native_available() and not native.simd()
+    spec = QuantSpec.ggml("Q4_K", 8, 256)
+    raw = random_stored(spec)
+    x = torch.randn(2, 256)
+    lin = StoredLinear(spec, torch.float32)
+    assert lin.native is None
+    assert torch.equal(lin(x, raw, torch.empty(lin.scratch_numel)), F.linear(x, spec.dequantize(raw)))
+    with pytest.raises(RuntimeError, match="not built"):
+        native.linear(spec, x, raw)
+
+
+@built
+def test_a_layers_experts_on_threads_give_the_same_bits(tmp_path, monkeypatch):
+    """Decode with the experts of each layer spread over threads (models/experts.py pool_for) == one thread."""
+    import sluice
+    from sluice.models.experts import ExpertMath
+    from tests.checkpoint.gguf_files import GGUF_TINY, convert
+    from tests.models.tiny import hf_model
+    from tests.quant.test_gguf_models import IDS, K_SHAPES, q4_k_m
+
+    path = convert(hf_model("qwen3_moe", **{**GGUF_TINY["qwen3_moe"], **K_SHAPES}), tmp_path / "m.gguf",
+                   qtype=q4_k_m)
+    pools = []
+    pool_for = ExpertMath.pool_for
+    monkeypatch.setattr(ExpertMath, "pool_for", lambda self, batch: pools.append(pool_for(self, batch)) or pools[-1])
+    got, before = {}, torch.get_num_threads()
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: sluice allows one thread only")
+    try:
+        for threads in (1, 2):
+            with sluice.load(path, memory="all", dtype="float32", threads=threads) as m:
+                got[threads] = m.logits(IDS), list(m.generate_tokens(IDS, max_tokens=5, stop_at_eos=False))
+            if threads == 1:
+                assert pools and all(p is None for p in pools)
+    finally:
+        torch.set_num_threads(before)
+    assert any(p is not None for p in pools)  # the decode steps ran on the pool
+    assert torch.equal(got[1][0], got[2][0]) and got[1][1] == got[2][1]
