@@ -26,6 +26,8 @@ class StoredLinear:
         self.spec, self.dtype = spec, dtype
         # the choice is fixed per format, so a streamed and a resident run compute the same way
         self.native = NativeKernel(spec, dtype) if native.native_available() and native.supports(spec) else None
+        if self.native is None and spec.name in native.FORMATS:
+            native.warn_unbuilt()
 
     @property
     def scratch_numel(self) -> int:

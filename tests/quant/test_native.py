@@ -173,13 +173,18 @@ def test_kernel_and_stored_linear_choose_by_rows(dtype):
         native_kernel(QuantSpec.mlx(2, 32, 8, 256), torch.float32)
 
 
-def test_without_the_extension_stored_linear_runs_the_torch_path(monkeypatch):
+def test_without_the_extension_stored_linear_runs_the_torch_path(monkeypatch, caplog):
     monkeypatch.setattr(native, "_LIB", None)  # as after an install without a C compiler
+    monkeypatch.setattr(native, "_warned", False)
     assert not native.native_available() and not native.simd()
     spec = QuantSpec.ggml("Q4_K", 8, 256)
     raw = random_stored(spec)
     x = torch.randn(2, 256)
-    lin = StoredLinear(spec, torch.float32)
+    with caplog.at_level("WARNING"):
+        lin = StoredLinear(spec, torch.float32)
+        StoredLinear(spec, torch.float32)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # said once, when needed
+    assert "native quantized kernels not built" in caplog.records[0].message
     assert lin.native is None
     assert torch.equal(lin(x, raw, torch.empty(lin.scratch_numel)), F.linear(x, spec.dequantize(raw)))
     with pytest.raises(RuntimeError, match="not built"):

@@ -45,9 +45,7 @@ FORMATS = frozenset(_GGML) | {"mlx4", "mlx8", "mxfp4"}
 
 def _load() -> ctypes.CDLL | None:
     spec = importlib.util.find_spec(f"{__name__}._kernels")
-    if spec is None or spec.origin is None:
-        log.warning("sluice: native quantized kernels not built (no C compiler at install?); using the slower torch "
-                    "kernels. Reinstall with a C compiler (gcc or clang) to build them.")
+    if spec is None or spec.origin is None:  # said once, when a quantized model first needs it (warn_unbuilt)
         return None
     lib = ctypes.CDLL(spec.origin)
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -61,6 +59,19 @@ def _load() -> ctypes.CDLL | None:
 _LIB = _load()
 #: test hook: True runs the portable scalar C path even where AVX2 is available
 FORCE_SCALAR = False
+
+
+_warned = False
+
+
+def warn_unbuilt() -> None:
+    """One warning line, the first time a quantized projection runs on the torch kernels for want of the build
+    (a model without quantized experts never needs the extension, so it is not mentioned at import)."""
+    global _warned
+    if _LIB is None and not _warned:
+        _warned = True
+        log.warning("sluice: native quantized kernels not built (no C compiler at install?); using the slower torch "
+                    "kernels. Reinstall with a C compiler (gcc or clang) to build them.")
 
 
 def native_available() -> bool:
