@@ -154,7 +154,7 @@ class ExpertLayout:
         return self._formats[layer]
 
     # -- building ----------------------------------------------------------------------------------------------
-    def _spec_of(self, ref: TensorRef, shape: tuple[int, ...]) -> QuantSpec:
+    def _spec_of(self, ref: TensorRef, shape: tuple[int, ...], stacked: bool = False) -> QuantSpec:
         """The QuantSpec of one expert's projection [out, in] stored in `ref` (whose shape is `shape`)."""
         if tuple(ref.shape) != tuple(shape):
             raise CheckpointError(
@@ -168,6 +168,9 @@ class ExpertLayout:
                                   tensor=ref.name)
         try:
             if ref.mlx is not None:
+                if not stacked:  # only the stacked path reads the scales and biases beside the codes
+                    raise ValueError("MLX-quantized experts are read stacked [E, ...] as mlx-lm writes them "
+                                     "(switch_mlp); re-convert the model with mlx_lm.convert")
                 q = ref.mlx
                 return QuantSpec.mlx(q.bits, q.group_size, out_features, in_features, q.scales.torch_dtype)
             return QuantSpec.ggml(ref.dtype, out_features, in_features)
@@ -224,7 +227,7 @@ class ExpertLayout:
         E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
         refs = {"gate": index[f"{p}.experts.gate_proj"], "up": index[f"{p}.experts.up_proj"],
                 "down": index[f"{p}.experts.down_proj"]}
-        specs = {k: self._spec_of(r, (E, H, I) if k == "down" else (E, I, H)) for k, r in refs.items()}
+        specs = {k: self._spec_of(r, (E, H, I) if k == "down" else (E, I, H), stacked=True) for k, r in refs.items()}
         fmt = self._set_format(layer, refs["gate"], specs["gate"], specs["up"], specs["down"])
         pieces = [(k, t, fmt.offset(k) + at) for k, r in refs.items() for t, at in _pieces(r, specs[k])]
         for e in range(E):  # experts are the outermost dim: expert e is one contiguous slice of each

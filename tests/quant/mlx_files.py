@@ -35,8 +35,10 @@ MLX_COMPATIBLE = {
 }
 
 
-def mlx_folder(arch: str, out: Path, bits: int, group_size: int, dtype: str, **overrides) -> tuple[Path, object]:
-    """(an MLX folder converted by mlx-lm from a tiny random `arch` model, that transformers model)."""
+def mlx_folder(arch: str, out: Path, bits: int | None, group_size: int, dtype: str, **overrides
+               ) -> tuple[Path, object]:
+    """(an MLX folder converted by mlx-lm from a tiny random `arch` model, that transformers model); bits None:
+    converted without quantization (mlx-lm's names and stacked experts, plain weights)."""
     convert = pytest.importorskip("mlx_lm.convert", reason="mlx-lm is not installed (pip install mlx-lm)").convert
     model = hf_model(arch, **{**MLX_COMPATIBLE[arch], **overrides})
     hf = write_checkpoint(model, out / "hf", "per_expert")
@@ -48,7 +50,8 @@ def mlx_folder(arch: str, out: Path, bits: int, group_size: int, dtype: str, **o
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / name, hf / name)
     with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
-        convert(str(hf), str(out / "mlx"), quantize=True, q_group_size=group_size, q_bits=bits, dtype=dtype)
+        convert(str(hf), str(out / "mlx"), quantize=bits is not None, q_group_size=group_size, q_bits=bits,
+                dtype=dtype)
     return out / "mlx", model
 
 

@@ -107,3 +107,14 @@ def test_slots_hold_the_packed_bytes(converted):
         m.logits(IDS)
         st = m.stats()
     assert st["bytes_read"] == st["misses"] * stored
+
+
+def test_unquantized_mlx_folder_is_the_hf_checkpoint(tmp_path):
+    """mlx_lm.convert without -q: mlx-lm's names and stacked experts, plain float32 weights; the same model as the HF
+    folder it came from."""
+    folder, _ = mlx_folder("mixtral", tmp_path, None, 64, "float32")
+    with sluice.load(folder, memory="all", dtype="float32") as m:
+        assert m.layout.kind == "stacked" and m.layout.plain_dtype == torch.float32
+        got = m.logits(IDS)
+    with sluice.load(tmp_path / "hf", memory="all", dtype="float32") as m:
+        assert _rel_l2(got, m.logits(IDS)) <= 1e-6
