@@ -24,7 +24,9 @@ CASES = {  # name -> (arch, bits, group size, dtype of scales/biases and norms, 
     "qwen3_moe-4bit-g64-f32": ("qwen3_moe", 4, 64, "float32", dict(moe_intermediate_size=64)),
     # experts' down_proj (input 32) is not a whole group of 64: mlx-lm leaves it in bf16 beside 8-bit gate / up
     "qwen3_moe-8bit-g64-bf16": ("qwen3_moe", 8, 64, "bfloat16", {}),
-    "qwen3_moe-4bit-g32-f16": ("qwen3_moe", 4, 32, "float16", dict(moe_intermediate_size=64)),
+    # tied: mlx-lm drops lm_head and runs the quantized embedding as the output layer
+    "qwen3_moe-4bit-g32-f16-tied": ("qwen3_moe", 4, 32, "float16", dict(moe_intermediate_size=64,
+                                                                        tie_word_embeddings=True)),
     "mixtral-4bit-g64-bf16": ("mixtral", 4, 64, "bfloat16", dict(intermediate_size=64)),
     "olmoe-8bit-g32-f32": ("olmoe", 8, 32, "float32", {}),
     "qwen2_moe-4bit-g64-bf16": ("qwen2_moe", 4, 64, "bfloat16", dict(moe_intermediate_size=64)),
@@ -37,7 +39,10 @@ def converted(request, tmp_path_factory):
     arch, bits, group, dtype, overrides = CASES[request.param]
     folder, model = mlx_folder(arch, tmp_path_factory.mktemp(request.param), bits, group, dtype, **overrides)
     missing, unexpected = model.load_state_dict(dequantized_state_dict(folder), strict=False)
-    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    tied = model.config.tie_word_embeddings  # lm_head.weight is the embedding
+    assert not unexpected and not [m for m in missing if "rotary" not in m and not (tied and m == "lm_head.weight")]
+    if tied:
+        model.tie_weights()
     return request.param, folder, mlx_lm_float32(folder), model.float().eval()
 
 
