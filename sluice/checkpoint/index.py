@@ -12,6 +12,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from sluice.checkpoint.jsonfile import read_json
+from sluice.checkpoint.mlx_index import is_mlx, mlx_tensors
 from sluice.checkpoint.ref import FileStamp, TensorRef
 from sluice.checkpoint.safetensors import read_header, write_safetensors
 from sluice.errors import CheckpointError
@@ -49,7 +50,8 @@ class CheckpointIndex:
         """Read config.json, generation_config.json (optional) and every safetensors header in `folder`.
 
         Weights come from `model.safetensors`, else from the shards named by `model.safetensors.index.json`
-        (the order transformers uses). A path ending in .gguf is opened as a GGUF model instead (a GGUFIndex:
+        (the order transformers uses). An MLX folder (mlx-lm's `quantization` in config.json, or its stacked
+        `switch_mlp` experts) is presented under sluice's names, quantized modules dequantizable (mlx_index.py). A path ending in .gguf is opened as a GGUF model instead (a GGUFIndex:
         config and HF tensor names mapped from its metadata and tensor infos, see gguf_index.py). Raises
         CheckpointError for a missing/invalid config, missing weights, a missing shard, an index entry absent from
         its shard, a tensor stored twice, or any bad header.
@@ -77,6 +79,8 @@ class CheckpointIndex:
             tensors, files = _read_sharded(folder)
         else:
             raise _no_weights(folder)
+        if is_mlx(config, tensors):  # mlx-lm's names and affine-quantized modules, see mlx_index.py
+            tensors = mlx_tensors(tensors, config, folder / CONFIG)
         return cls(folder, config, generation_config, tensors, files)
 
     def __getitem__(self, name: str) -> TensorRef:

@@ -102,6 +102,10 @@ class TensorRef:
 
     `stamp`: the version of the file the header was read from (None when the ref was made by hand); readers
     refuse to read the tensor from any other version (see FileStamp). Not part of equality.
+
+    `mlx`: set on the `weight` of an MLX affine-quantized Linear (checkpoint/mlx_index.py). The ref is then its
+    packed uint32 codes (`dtype` "mlx4", "mlx8", ...; `shape` the logical [..., out, in]) and `mlx` holds the bits,
+    group size and the `scales` / `biases` tensors; `io.read_tensor` dequantizes the three.
     """
 
     name: str
@@ -112,11 +116,12 @@ class TensorRef:
     shape: tuple[int, ...]
     rope_heads: int = 0
     stamp: FileStamp | None = field(default=None, compare=False, repr=False)
+    mlx: MLXQuant | None = None
 
     @property
     def quantized(self) -> bool:
-        """A block format (Q4_K, Q8_0, ...): bytes are blocks of scales and packed values, not elements."""
-        return self.dtype not in DTYPES and self.dtype in BY_NAME
+        """A block format (Q4_K, Q8_0, ...) or MLX affine codes: bytes are scales and packed values, not elements."""
+        return self.mlx is not None or (self.dtype not in DTYPES and self.dtype in BY_NAME)
 
     @property
     def format(self) -> BlockFormat:
@@ -160,6 +165,17 @@ class TensorRef:
                 f"is stored as {self.dtype}, a block format with no torch dtype or element size; read its raw "
                 f"bytes ({self.nbytes}) and dequantize them (sluice/quant)", file=self.path, tensor=self.name,
             ) from None
+
+
+@dataclass(frozen=True)
+class MLXQuant:
+    """What makes an MLX affine weight's packed codes values: value = scale * code + bias per group of
+    `group_size` consecutive inputs of a row; `scales` and `biases` [..., out, in / group_size] (F32 / F16 / BF16)."""
+
+    bits: int
+    group_size: int
+    scales: TensorRef
+    biases: TensorRef
 
 
 def rope_row_order(rows: int, heads: int) -> torch.Tensor:

@@ -5,11 +5,14 @@ The unit of streaming is one expert of one layer. Three checkpoint layouts are r
   `down_proj [H, I]` (Mixtral: w1 / w3 / w2) -> three ranges;
 - fused (`save_pretrained(save_original_format=False)`, GGUF `ffn_gate_up_exps`): `{p}.experts.gate_up_proj
   [E, 2I, H]` and `{p}.experts.down_proj [E, H, I]` -> expert e is one contiguous slice of each, two ranges;
-- stacked (GGUF `ffn_{gate,up,down}_exps`, see checkpoint/gguf_index.py): `{p}.experts.gate_proj [E, I, H]`,
-  `up_proj [E, I, H]`, `down_proj [E, H, I]` -> one contiguous slice of each, three ranges.
+- stacked (GGUF `ffn_{gate,up,down}_exps`, see checkpoint/gguf_index.py; MLX `switch_mlp`, mlx_index.py):
+  `{p}.experts.gate_proj [E, I, H]`, `up_proj [E, I, H]`, `down_proj [E, H, I]` -> one contiguous slice of each,
+  three ranges; nine for MLX affine experts (the slices of each projection's packed weight, scales and biases).
 
 A slot is one uint8 buffer holding the expert's bytes as stored (`ExpertFormat`): gate, then up, then down, each a
-`QuantSpec` (quant/kernels.py) -- plain BF16/F16/F32 rows, or GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row.
+`QuantSpec` (quant/kernels.py) -- plain BF16/F16/F32 rows, GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row, or
+MLX affine weight / scales / biases, each in its QuantSpec part (typed views need aligned parts: MLX projections
+and slots start at 64-byte offsets).
 Nothing converts them between the read and the math: the kernels compute from the stored bytes. Formats may differ
 between layers (a Q4_K_M file stores some layers' down projections as Q6_K); slots are sized for the largest.
 When every layer's experts are one plain dtype (`plain_dtype`), gate and up are back to back, so the store can
@@ -56,17 +59,20 @@ class ExpertFormat:
 
     @staticmethod
     def of(gate: QuantSpec, up: QuantSpec, down: QuantSpec) -> "ExpertFormat":
-        # gate and up of one format stay back to back: [gate; up] is one [2I, H] matrix of whole rows, one matmul
-        # (or one kernel call) for both; plain experts of one dtype keep down right after them too
-        up_offset = gate.nbytes if up.name == gate.name else _aligned(gate.nbytes)
+        # gate and up of one ggml format stay back to back: [gate; up] is one [2I, H] matrix of whole rows, one
+        # matmul (or one kernel call) for both; plain experts of one dtype keep down right after them too. An MLX
+        # projection is three parts (weight, scales, biases): gate's and up's do not concatenate into one matrix
+        ggml = all(s.family == "ggml" for s in (gate, up, down))
+        up_offset = gate.nbytes if up.name == gate.name and gate.family == "ggml" else _aligned(gate.nbytes)
         end = up_offset + up.nbytes
         down_offset = end if gate.plain and down.name == gate.name == up.name else _aligned(end)
-        return ExpertFormat(gate, up, down, up_offset, down_offset, down_offset + down.nbytes)
+        end = down_offset + down.nbytes  # MLX: slots of whole 64 bytes, so every slot's int32 / float parts align
+        return ExpertFormat(gate, up, down, up_offset, down_offset, end if ggml else _aligned(end))
 
     @property
     def gate_up(self) -> QuantSpec | None:
         """[gate; up] as one [2I, H] weight when both are stored in one format, back to back; else None."""
-        if self.up.name != self.gate.name or self.up_offset != self.gate.nbytes:
+        if self.gate.family != "ggml" or self.up.name != self.gate.name or self.up_offset != self.gate.nbytes:
             return None
         return QuantSpec.ggml(self.gate.name, 2 * self.gate.out_features, self.gate.in_features)
 
@@ -85,7 +91,7 @@ class ExpertFormat:
     @property
     def stored_nbytes(self) -> int:
         """Bytes read from disk for one expert (no padding)."""
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        return sum(p.nbytes for s in (self.gate, self.up, self.down) for p in s.parts)
 
 
 def _aligned(n: int) -> int:
@@ -148,7 +154,7 @@ class ExpertLayout:
         return self._formats[layer]
 
     # -- building ----------------------------------------------------------------------------------------------
-    def _spec_of(self, ref: TensorRef, shape: tuple[int, ...]) -> QuantSpec:
+    def _spec_of(self, ref: TensorRef, shape: tuple[int, ...], stacked: bool = False) -> QuantSpec:
         """The QuantSpec of one expert's projection [out, in] stored in `ref` (whose shape is `shape`)."""
         if tuple(ref.shape) != tuple(shape):
             raise CheckpointError(
@@ -161,6 +167,12 @@ class ExpertLayout:
             raise CheckpointError(f"{ref.nbytes} bytes do not split into {shape[0]} experts", file=ref.path,
                                   tensor=ref.name)
         try:
+            if ref.mlx is not None:
+                if not stacked:  # only the stacked path reads the scales and biases beside the codes
+                    raise ValueError("MLX-quantized experts are read stacked [E, ...] as mlx-lm writes them "
+                                     "(switch_mlp); re-convert the model with mlx_lm.convert")
+                q = ref.mlx
+                return QuantSpec.mlx(q.bits, q.group_size, out_features, in_features, q.scales.torch_dtype)
             return QuantSpec.ggml(ref.dtype, out_features, in_features)
         except (UnsupportedFormat, ValueError) as e:
             raise CheckpointError(f"experts stored as {ref.dtype}: {e}", file=ref.path, tensor=ref.name) from None
@@ -215,10 +227,19 @@ class ExpertLayout:
         E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
         refs = {"gate": index[f"{p}.experts.gate_proj"], "up": index[f"{p}.experts.up_proj"],
                 "down": index[f"{p}.experts.down_proj"]}
-        specs = {k: self._spec_of(r, (E, H, I) if k == "down" else (E, I, H)) for k, r in refs.items()}
+        specs = {k: self._spec_of(r, (E, H, I) if k == "down" else (E, I, H), stacked=True) for k, r in refs.items()}
         fmt = self._set_format(layer, refs["gate"], specs["gate"], specs["up"], specs["down"])
+        pieces = [(k, t, fmt.offset(k) + at) for k, r in refs.items() for t, at in _pieces(r, specs[k])]
         for e in range(E):  # experts are the outermost dim: expert e is one contiguous slice of each
             self._parts[(layer, e)] = [
-                ExpertPart(k, fmt.offset(k), ReadRange(r.path, r.offset + e * (r.nbytes // E), r.nbytes // E))
-                for k, r in refs.items()
+                ExpertPart(k, dest, ReadRange(t.path, t.offset + e * (t.nbytes // E), t.nbytes // E))
+                for k, t, dest in pieces
             ]
+
+
+def _pieces(ref: TensorRef, spec: QuantSpec) -> list[tuple[TensorRef, int]]:
+    """The tensors that hold a stacked projection and where each expert's slice lands inside the projection's slot
+    bytes: the tensor itself for a ggml type; weight, scales and biases at their QuantSpec parts for MLX."""
+    if ref.mlx is None:
+        return [(ref, 0)]
+    return [(t, part.offset) for t, part in zip((ref, ref.mlx.scales, ref.mlx.biases), spec.parts)]
