@@ -1,4 +1,5 @@
-"""`quantize(src, out, to)`: a supported Hugging Face MoE folder made small, as a GGUF file of one type.
+"""`quantize(src, out, to)`: a supported Hugging Face MoE folder made small, as a GGUF file of one type or an MLX
+affine folder (mlx-4bit, mlx-8bit: tools/mlx_export.py, the layout `mlx_lm convert -q` writes).
 
 GGUF types (`to`): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, laid out as llama.cpp's convert_hf_to_gguf.py +
 llama-quantize would (tools/gguf_export.py for the names and metadata, tools/gguf_types.py for which tensors keep
@@ -18,9 +19,10 @@ from typing import Any
 
 from ..errors import ConfigError
 from .gguf_types import GGUF_TYPES
+from .mlx_export import MLX_TYPES
 
 #: every `to` quantize() accepts
-TYPES = tuple(GGUF_TYPES)
+TYPES = (*GGUF_TYPES, *MLX_TYPES)
 
 
 def check_type(to: str) -> str:
@@ -34,14 +36,20 @@ def check_type(to: str) -> str:
 
 def planned_bytes(src: str | os.PathLike[str], to: str) -> int:
     """Bytes the output of quantize(src, ..., to) will hold (its tensor data: for a progress bar)."""
+    to = check_type(to)
+    if to in MLX_TYPES:
+        from .mlx_export import planned_bytes as mlx_bytes
+
+        return mlx_bytes(src, MLX_TYPES[to])
     from .gguf_export import planned_bytes as gguf_bytes
 
-    return gguf_bytes(src, check_type(to))
+    return gguf_bytes(src, to)
 
 
 def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], to: str,
              progress: Callable[[int], None] | None = None, force: bool = False) -> dict[str, Any]:
-    """Write the model folder `src` as `out` in type `to` (see TYPES); `force` replaces an existing OUT file.
+    """Write the model folder `src` as `out` in type `to` (see TYPES); `force` replaces an existing OUT (a GGUF file,
+    or an MLX model folder).
 
     `progress(nbytes)` is called as output bytes are written. Returns a summary dict: path, bytes, type, tensors,
     and `fallbacks` (tensors whose rows are not whole blocks of the type, stored as F16, as llama.cpp does).
@@ -49,6 +57,10 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], to: str,
     OutputExistsError when OUT exists, OSError (disk full, ...) with nothing left behind.
     """
     to = check_type(to)
+    if to in MLX_TYPES:
+        from .mlx_export import export_mlx
+
+        return export_mlx(Path(src), Path(out), MLX_TYPES[to], force=force, progress=progress)
     from .gguf_export import export_gguf
 
     summary = export_gguf(Path(src), Path(out), to, progress=progress, force=force)
