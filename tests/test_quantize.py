@@ -18,7 +18,8 @@ from sluice.checkpoint.index import CheckpointIndex  # noqa: E402
 from sluice.errors import ConfigError  # noqa: E402
 from sluice.io import read_tensor  # noqa: E402
 from sluice.tools.gguf_export import ExportError  # noqa: E402
-from sluice.tools.quantize import TYPES, quantize  # noqa: E402
+from sluice.tools.gguf_types import GGUF_TYPES  # noqa: E402
+from sluice.tools.quantize import quantize  # noqa: E402
 from sluice.tools.synth import OutputExistsError, SynthConfig, make_model  # noqa: E402
 from tests.checkpoint.gguf_files import permute  # noqa: E402
 from tests.test_disk_full import full_disk, sluice_cli  # noqa: E402,F401 (a fixture)
@@ -105,7 +106,7 @@ def _check_file(src, out, to: str) -> None:
         assert raw == gguf.quants.quantize(values, Q[kind]).tobytes(), name  # the reference encoder's bytes
 
 
-@pytest.mark.parametrize("to", TYPES)
+@pytest.mark.parametrize("to", GGUF_TYPES)
 def test_every_type_is_the_reference_encoding_and_loads(models, tmp_path, to):
     src, out = models["qwen3_moe"], tmp_path / "m.gguf"
     summary = quantize(src, out, to)
