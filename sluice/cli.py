@@ -27,7 +27,9 @@ COMMANDS = {
     "inspect": "show a model's architecture, sizes and what a memory budget leaves for experts",
     "make-model": "write a synthetic checkpoint of a real architecture at a requested size",
     "demo": "create the demo model once and generate from it",
-    "export-gguf": "write a qwen3_moe checkpoint as GGUF (tokenizer included) so llama.cpp runs the same model",
+    "export-gguf": "write a checkpoint as GGUF (tokenizer included) so llama.cpp runs the same model",
+    "quantize": "write a model folder as a smaller GGUF (q8_0, q4_0, ..., bf16) or MLX 4/8-bit folder",
+    "perplexity": "perplexity of a model on a text file (llama.cpp's windows by default, so numbers compare)",
     "bench": "A/B runs of loading flags: replayed, rotated, paired, cold-verified, against the I/O floor",
     "prerouter": "fit the learned prerouter (--prefetch learned) and report its recall against the router",
 }

@@ -14,7 +14,7 @@ from ..options import format_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help="Hugging Face model folder (qwen3_moe)")
+    p.add_argument("model", metavar="MODEL", help="Hugging Face model folder (qwen3_moe, qwen2_moe, olmoe, mixtral)")
     p.add_argument("out", metavar="OUT.gguf", help="GGUF file to write (written as OUT.gguf.partial, then renamed)")
     p.add_argument("--dtype", choices=("bf16", "f32", "f16"), default="bf16",
                    help="dtype of the 2-D weights (default bf16: a bf16 checkpoint's exact bytes); norms and the "

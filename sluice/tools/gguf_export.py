@@ -1,25 +1,34 @@
-"""Export a Hugging Face qwen3_moe folder to GGUF, so llama.cpp runs the same weights with the same tokenizer.
+"""Export a Hugging Face MoE folder to GGUF, so llama.cpp runs the same weights with the same tokenizer.
 
-Benchmarks compare sluice with llama.cpp on one checkpoint; this writes that checkpoint in llama.cpp's layout, as
-its `convert_hf_to_gguf.py` lays out Qwen3-MoE (read to learn the mapping; nothing is copied):
+Benchmarks compare sluice with llama.cpp on one checkpoint, and `sluice quantize` makes GGUF files of any type; this
+writes the checkpoint in llama.cpp's layout, as its `convert_hf_to_gguf.py` lays out each architecture (read to
+learn the mapping; nothing is copied). config.json model_type -> GGUF architecture: qwen3_moe -> qwen3moe,
+qwen2_moe -> qwen2moe, olmoe -> olmoe, mixtral -> llama (with experts).
 
     model.embed_tokens.weight                     token_embd.weight          [V, H]
     model.layers.N.input_layernorm.weight         blk.N.attn_norm.weight     [H]            always F32
-    model.layers.N.self_attn.{q,k,v,o}_proj       blk.N.attn_{q,k,v,output}  no permutation: Qwen's rope is NeoX
-    model.layers.N.self_attn.{q,k}_norm           blk.N.attn_{q,k}_norm      [head_dim]     always F32
+    model.layers.N.self_attn.{q,k,v,o}_proj       blk.N.attn_{q,k,v,output}  llama (Mixtral): q/k rows permuted for
+                                                                             llama.cpp's interleaved rope; the Qwen
+                                                                             and OLMoE ropes are NeoX: unpermuted
+    model.layers.N.self_attn.{q,k,v}_proj.bias    blk.N.attn_{q,k,v}.bias    qwen2moe; always F32
+    model.layers.N.self_attn.{q,k}_norm           blk.N.attn_{q,k}_norm      qwen3moe [head_dim], olmoe [H]; F32
     model.layers.N.post_attention_layernorm       blk.N.ffn_norm             [H]            always F32
-    model.layers.N.mlp.gate.weight                blk.N.ffn_gate_inp         [E, H]         always F32 (exact routing)
-    model.layers.N.mlp.experts.{e}.gate_proj      blk.N.ffn_gate_exps        [E, I, H]      experts stacked on dim 0
-    model.layers.N.mlp.experts.{e}.up_proj        blk.N.ffn_up_exps          [E, I, H]
-    model.layers.N.mlp.experts.{e}.down_proj      blk.N.ffn_down_exps        [E, H, I]
-    model.norm.weight, lm_head.weight             output_norm, output
+    model.layers.N.{mlp,block_sparse_moe}.gate    blk.N.ffn_gate_inp         [E, H]         always F32 (exact routing)
+    ....experts.{e}.gate_proj (Mixtral: w1)       blk.N.ffn_gate_exps        [E, I, H]      experts stacked on dim 0
+    ....experts.{e}.up_proj (w3)                  blk.N.ffn_up_exps          [E, I, H]
+    ....experts.{e}.down_proj (w2)                blk.N.ffn_down_exps        [E, H, I]
+    model.layers.N.mlp.shared_expert.*_proj       blk.N.ffn_{gate,up,down}_shexp   qwen2moe
+    model.layers.N.mlp.shared_expert_gate         blk.N.ffn_gate_inp_shexp   [H] (squeezed from [1, H]), F32
+    model.norm.weight, lm_head.weight             output_norm, output        no output.weight when tied
 
 (shapes in torch order; GGUF stores dims reversed). The fused layout (`mlp.experts.gate_up_proj [E, 2I, H]` with
-gate rows first, `mlp.experts.down_proj [E, H, I]`) maps to the same three stacks.
+gate rows first, `mlp.experts.down_proj [E, H, I]`) maps to the same three stacks. Which GGML type each tensor gets
+is tools/gguf_types.py's rule (llama.cpp's tools' choices).
 
 Streaming: the header (metadata and tensor infos) is built from config.json and the safetensors headers alone, then
-tensors are read, converted and written one at a time, so peak memory is one layer's expert stack (E * I * H
-elements of the output dtype, 64 MiB for the 3.4 GB benchmark model in bf16), never the model.
+tensors are read, converted and written one at a time, so peak memory is one layer's expert stack in the
+checkpoint's dtype (E * I * H values: 403 MB in bf16 for Qwen3-30B-A3B's 128 x 768 x 2048) plus one expert in
+float32 while quantizing, never the model.
 
 Tokenizer: the byte-level BPE of tokenizer.json as llama.cpp's "gpt2" tokenizer model (tokens, types, merges), the
 pre-tokenizer named by what tokenizer.json declares, the special token ids, add-bos, and the chat template.
@@ -37,20 +46,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint.gguf_config import _NORM_TOPK
 from ..checkpoint.index import CONFIG, CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError, ConfigError, SluiceError
 from ..io.tensor import read_tensor
-from ..models import model_args
+from ..models import SUPPORTED, model_args
 from ..models.schema import show
+from ..store.layout import moe_prefix
 from ..tokenizer import Tokenizer
+from .gguf_types import GGUF_TYPES, TypeChoice, choose, encode, nbytes
 
-EXPORT_DTYPES = ("f32", "bf16", "f16")
-ARCH = "qwen3moe"  # llama.cpp's name for config.json model_type qwen3_moe
-
-# A 2-D weight's bytes are stored in the chosen dtype; these stay F32 whatever it is, as llama.cpp expects (norms
-# are applied with f32 ops) and because a bf16 -> f32 router is exact.
-_ALWAYS_F32 = ("_norm.weight", "ffn_gate_inp.weight")
+EXPORT_DTYPES = tuple(GGUF_TYPES)  # "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
+#: config.json model_type -> llama.cpp's GGUF architecture name
+GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
 
 # The qwen2 pre-tokenizer split regex (Qwen2/Qwen3 tokenizer.json); llama.cpp calls it "qwen2".
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -72,65 +81,111 @@ class GgufTensor:
     shape: tuple[int, ...]
     sources: tuple[TensorRef, ...]  # one tensor, or the E per-expert tensors stacked on dim 0
     rows: tuple[int, int] | None = None  # fused layout: the slice of dim 1 to keep (gate or up half)
+    rope_heads: int | None = None  # llama q/k: rows permuted for interleaved rope, in this many heads
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What a GGUF of one checkpoint holds: the architecture, its validated args, and every tensor in file order."""
+
+    arch: str  # GGUF architecture name
+    args: Any  # the model file's ModelArgs
+    tensors: list[GgufTensor]
 
     @property
-    def always_f32(self) -> bool:
-        return len(self.shape) == 1 or self.name.endswith(_ALWAYS_F32)
+    def tied(self) -> bool:
+        return all(t.name != "output.weight" for t in self.tensors)
+
+    def types(self, to: str) -> list[TypeChoice]:
+        """The GGML type of each tensor in a `--to to` file (tools/gguf_types.py)."""
+        E = self.args.num_experts
+        return [choose(t.name, t.shape, to, E, self.tied) for t in self.tensors]
 
 
 # -- the pure part: names and shapes ---------------------------------------------------------------------------------
 def export_args(index: CheckpointIndex):
-    """The validated qwen3_moe ModelArgs of `index` (ConfigError names a bad field); ExportError for a config
-    whose math llama.cpp's qwen3moe graph does not compute."""
+    """The validated ModelArgs of `index` (ConfigError names a bad field); ExportError for a config whose math
+    llama.cpp's graph for the architecture does not compute."""
     model_type = index.config.get("model_type")
-    if model_type != "qwen3_moe":
-        raise ExportError(f"config.json model_type {show(model_type)}: export-gguf supports qwen3_moe only")
+    if model_type not in GGUF_ARCHS:
+        raise ExportError(f"{index.folder / CONFIG}: model_type {show(model_type)} is not supported; GGUF export "
+                          f"supports {', '.join(SUPPORTED)}")
     _, args = model_args(index.config, index.folder / CONFIG)
-    if not args.norm_topk_prob:  # absent means false, in transformers as in sluice
-        raise ExportError("config.json norm_topk_prob is false or absent; llama.cpp's qwen3moe always renormalizes "
-                          "the top-k")
-    if not all(args.moe_layers()):
+    spec, arch = args.spec(), GGUF_ARCHS[model_type]
+    norm = _NORM_TOPK[arch]
+    if spec.norm_topk_prob != norm:  # absent means false, in transformers as in sluice
+        raise ExportError(f"config.json norm_topk_prob is {str(spec.norm_topk_prob).lower()} (or absent); llama.cpp's "
+                          f"{arch} graph always computes it as {str(norm).lower()}")
+    if not all(spec.moe_layers):
         raise ExportError("config.json mlp_only_layers / decoder_sparse_step: dense layers are not supported")
-    if args.rope.rope_type != "default" or args.rope.partial_rotary_factor != 1:
-        raise ExportError(f"config.json rope type {args.rope.rope_type!r} (partial_rotary_factor "
-                          f"{args.rope.partial_rotary_factor}): only plain full rope is supported")
-    if args.attention_bias:
-        raise ExportError("config.json attention_bias is true: qwen3_moe in llama.cpp has no q/k/v biases")
-    if args.use_sliding_window and args.sliding_window:
-        raise ExportError("config.json use_sliding_window is true: llama.cpp's qwen3moe attends to the whole context")
+    rope = spec.rope
+    if rope.rope_type != "default" or rope.partial_rotary_factor != 1:
+        raise ExportError(f"config.json rope type {rope.rope_type!r} (partial_rotary_factor "
+                          f"{rope.partial_rotary_factor}): only plain full rope is supported")
+    if (spec.qkv_bias and arch != "qwen2moe") or spec.o_bias:
+        raise ExportError(f"config.json attention_bias is true: {arch} in llama.cpp has no attention biases")
+    if any(w is not None for w in spec.sliding_window):
+        raise ExportError("config.json sliding window is on: llama.cpp's graph attends to the whole context; set "
+                          "sliding_window to null (or use_sliding_window false) if the model was trained without it")
+    if spec.clip_qkv is not None:
+        raise ExportError("config.json clip_qkv is set: llama.cpp's olmoe graph does not clamp q/k/v")
     return args
 
 
-def tensor_plan(index: CheckpointIndex) -> list[GgufTensor]:
+def export_plan(index: CheckpointIndex) -> ExportPlan:
     """Every GGUF tensor in file order, mapped from the checkpoint's names (nothing is read)."""
     args = export_args(index)
-    L, E = args.num_hidden_layers, args.num_experts
+    arch = GGUF_ARCHS[index.config["model_type"]]
+    spec = args.spec()
     out: list[GgufTensor] = []
 
-    def one(gguf_name: str, hf_name: str) -> None:
+    def one(gguf_name: str, hf_name: str, rope_heads: int | None = None, squeeze: bool = False) -> None:
         ref = index[hf_name]
-        out.append(GgufTensor(gguf_name, tuple(ref.shape), (ref,)))
+        shape = tuple(d for d in ref.shape if d != 1) if squeeze else tuple(ref.shape)
+        out.append(GgufTensor(gguf_name, shape, (ref,), rope_heads=rope_heads))
 
     one("token_embd.weight", "model.embed_tokens.weight")
-    for n in range(L):
+    for n in range(args.num_hidden_layers):
         p, g = f"model.layers.{n}", f"blk.{n}"
         one(f"{g}.attn_norm.weight", f"{p}.input_layernorm.weight")
-        for hf, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
-                       ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
-            one(f"{g}.{gg}.weight", f"{p}.self_attn.{hf}.weight")
+        for hf, gg in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            heads = {"q": spec.n_heads, "k": spec.n_kv_heads}.get(hf) if arch == "llama" else None
+            one(f"{g}.{gg}.weight", f"{p}.self_attn.{hf}_proj.weight", rope_heads=heads)
+            if spec.qkv_bias and hf != "o":
+                one(f"{g}.{gg}.bias", f"{p}.self_attn.{hf}_proj.bias")
+        if spec.qk_norm != "none":
+            one(f"{g}.attn_q_norm.weight", f"{p}.self_attn.q_norm.weight")
+            one(f"{g}.attn_k_norm.weight", f"{p}.self_attn.k_norm.weight")
         one(f"{g}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight")
-        one(f"{g}.ffn_gate_inp.weight", f"{p}.mlp.gate.weight")
-        out += _expert_stacks(index, p, g, E)
+        moe = moe_prefix(index, _arch_module(index), n)
+        one(f"{g}.ffn_gate_inp.weight", f"{moe}.gate.weight")
+        out += _expert_stacks(index, moe, g, args.num_experts, _arch_module(index).EXPERT_PROJ)
+        if spec.shared_expert_intermediate_size:
+            one(f"{g}.ffn_gate_inp_shexp.weight", f"{p}.mlp.shared_expert_gate.weight", squeeze=True)
+            for proj in ("gate", "up", "down"):
+                one(f"{g}.ffn_{proj}_shexp.weight", f"{p}.mlp.shared_expert.{proj}_proj.weight")
     one("output_norm.weight", "model.norm.weight")
-    head = "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"  # tied: reuse
-    one("output.weight", head)
-    return out
+    if "lm_head.weight" in index and not spec.tie_word_embeddings:  # tied: llama.cpp reuses token_embd
+        one("output.weight", "lm_head.weight")
+    return ExportPlan(arch, args, out)
 
 
-def _expert_stacks(index: CheckpointIndex, p: str, g: str, n_experts: int) -> list[GgufTensor]:
-    fused = f"{p}.mlp.experts.gate_up_proj"
+def tensor_plan(index: CheckpointIndex) -> list[GgufTensor]:
+    """Every GGUF tensor in file order (export_plan's tensors)."""
+    return export_plan(index).tensors
+
+
+def _arch_module(index: CheckpointIndex):
+    from ..models import get_arch
+
+    return get_arch(index.config["model_type"])
+
+
+def _expert_stacks(index: CheckpointIndex, p: str, g: str, n_experts: int,
+                   names: tuple[str, str, str]) -> list[GgufTensor]:
+    fused = f"{p}.experts.gate_up_proj"
     if fused in index:
-        gu, down = index[fused], index[f"{p}.mlp.experts.down_proj"]
+        gu, down = index[fused], index[f"{p}.experts.down_proj"]
         E, two_i, H = gu.shape
         if E != n_experts or two_i % 2:
             raise CheckpointError(f"expected [{n_experts}, 2*I, H], got {list(gu.shape)}", file=gu.path, tensor=fused)
@@ -139,8 +194,8 @@ def _expert_stacks(index: CheckpointIndex, p: str, g: str, n_experts: int) -> li
                 GgufTensor(f"{g}.ffn_up_exps.weight", (E, i, H), (gu,), rows=(i, two_i)),
                 GgufTensor(f"{g}.ffn_down_exps.weight", tuple(down.shape), (down,))]
     stacks = []
-    for hf, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-        refs = tuple(index[f"{p}.mlp.experts.{e}.{hf}.weight"] for e in range(n_experts))
+    for hf, gg in zip(names, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+        refs = tuple(index[f"{p}.experts.{e}.{hf}.weight"] for e in range(n_experts))
         shapes = {r.shape for r in refs}
         if len(shapes) != 1:
             raise CheckpointError(f"experts of {p} {hf} differ in shape: {sorted(shapes)}", tensor=refs[0].name)
@@ -218,22 +273,17 @@ def vocab_meta(folder: Path, config: dict) -> VocabMeta:
 
 
 # -- writing ---------------------------------------------------------------------------------------------------------
-def _convert(t: torch.Tensor, dtype: str) -> np.ndarray:
-    """A torch tensor as the numpy array whose bytes are the GGUF data (bf16 as its raw 16-bit patterns)."""
-    if dtype == "f32":
-        return t.to(torch.float32).numpy()
-    if dtype == "f16":
-        return t.to(torch.float16).numpy()
-    return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-
-
 def _data(gt: GgufTensor) -> torch.Tensor:
-    """The tensor's values in the source dtype (read now; one layer's expert stack at most)."""
+    """The tensor's values in the source dtype, in GGUF row order (read now; one layer's expert stack at most)."""
     if gt.rows is not None:
         lo, hi = gt.rows
         return read_tensor(gt.sources[0])[:, lo:hi]
     if len(gt.sources) == 1:
-        return read_tensor(gt.sources[0])
+        t = read_tensor(gt.sources[0]).reshape(gt.shape)
+        if gt.rope_heads is not None:  # convert_hf_to_gguf's LlamaModel.permute: [heads, 2, D/2, H] -> [heads, D/2, 2, H]
+            n = gt.rope_heads
+            t = t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        return t
     first = gt.sources[0]
     out = torch.empty(gt.shape, dtype=first.torch_dtype)  # [E, out, in]
     for e, ref in enumerate(gt.sources):
@@ -241,44 +291,114 @@ def _data(gt: GgufTensor) -> torch.Tensor:
     return out
 
 
-def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "bf16",
-                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write `model` (a qwen3_moe Hugging Face folder) as the GGUF file `out`, 2-D weights in `dtype`.
+def _bytes_of(t: torch.Tensor, type_name: str) -> np.ndarray:
+    """The GGUF data of `t` stored as `type_name`: bf16 as its raw 16-bit patterns (exact from a bf16 checkpoint, and
+    torch's round-to-nearest-even as gguf's BF16 encoder), other types through tools/gguf_types.encode."""
+    if type_name == "BF16":
+        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+    if t.dim() == 3:  # an expert stack: one expert in float32 at a time (gguf's encoder makes a few copies of it)
+        return np.stack([encode(t[e].to(torch.float32).numpy(), type_name) for e in range(t.shape[0])])
+    return encode(t.to(torch.float32).numpy(), type_name)
 
-    Written to `OUT.partial` and renamed at the end. `progress(nbytes)` is called after each tensor with the bytes
-    just written. Returns a summary: path, tensors, bytes, dtype, tokenizer pre-type, vocab size.
+
+def check_output(out: Path, force: bool) -> None:
+    """OUT must not exist unless `force` (then only a file is replaced, never a folder)."""
+    from .synth import OutputExistsError
+
+    if out.is_dir():
+        raise OutputExistsError(f"{out} is a directory; choose a file name for the GGUF")
+    if out.exists() and not force:
+        raise OutputExistsError(f"{out} exists; pass --force to replace it")
+
+
+def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "bf16",
+                progress: Callable[[int], None] | None = None, force: bool = True,
+                fallbacks: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Write `model` (a supported Hugging Face MoE folder) as the GGUF file `out`, 2-D weights in `dtype` (one of
+    EXPORT_DTYPES; see tools/gguf_types.py for the tensors kept in F32 or another type).
+
+    Written to `OUT.partial` and renamed at the end (removed on any error); an existing OUT is replaced only with
+    `force`. `progress(nbytes)` is called after each tensor with the bytes just written. Tensors that fall back to
+    another type are appended to `fallbacks` as (name, reason). Returns a summary: path, tensors, bytes, dtype,
+    tokenizer pre-type, vocab size, fallbacks.
     """
     import gguf  # optional extra: pip install 'sluice[gguf]'
 
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     folder, out = Path(model), Path(out)
+    check_output(out, force)
     index = CheckpointIndex.open(folder)
-    plan = tensor_plan(index)
+    plan = export_plan(index)
     vocab = vocab_meta(folder, index.config)
-    args = export_args(index)
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+    types = plan.types(dtype)
+    fell = [(t.name, c.reason) for t, c in zip(plan.tensors, types) if c.reason]
+    if fallbacks is not None:
+        fallbacks += fell
 
     partial = out.with_name(out.name + ".partial")
-    w = gguf.GGUFWriter(partial, ARCH)  # writes general.architecture
+    w = gguf.GGUFWriter(partial, plan.arch)  # writes general.architecture
     w.add_name(folder.name)
-    w.add_file_type(ftype)
+    w.add_file_type(gguf.LlamaFileType[GGUF_TYPES[dtype][1]])
+    if GGUF_TYPES[dtype][0] not in ("F32", "F16", "BF16"):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _hparams(w, plan, index.config)
+    _tokenizer_keys(w, vocab)
+    for gt, choice in zip(plan.tensors, types):
+        w.add_tensor_info(gt.name, gt.shape, np.dtype(np.float32), nbytes(choice.type, gt.shape),
+                          raw_dtype=gguf.GGMLQuantizationType[choice.type])
+
+    total = 0
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for gt, choice in zip(plan.tensors, types):
+            arr = np.ascontiguousarray(_bytes_of(_data(gt), choice.type))
+            w.write_tensor_data(arr)
+            total += arr.nbytes
+            if progress is not None:
+                progress(arr.nbytes)
+            del arr
+        w.close()
+        os.replace(partial, out)
+    except BaseException:
+        w.close()
+        partial.unlink(missing_ok=True)
+        raise
+    return {"path": str(out), "tensors": len(plan.tensors), "bytes": out.stat().st_size, "tensor_bytes": total,
+            "dtype": dtype, "arch": plan.arch, "tokenizer_pre": vocab.pre, "vocab": len(vocab.tokens),
+            "fallbacks": [f"{n}: {why}, F16" for n, why in fell]}
+
+
+def _hparams(w, plan: ExportPlan, config: dict) -> None:
+    """The `{arch}.*` keys convert_hf_to_gguf.py writes for the architecture (what checkpoint/gguf_config.py reads)."""
+    args, spec = plan.args, plan.args.spec()
     w.add_block_count(args.num_hidden_layers)
     w.add_context_length(args.max_position_embeddings)
     w.add_embedding_length(args.hidden_size)
-    if "intermediate_size" in index.config:
-        w.add_feed_forward_length(args.intermediate_size)
     w.add_head_count(args.num_attention_heads)
-    w.add_head_count_kv(args.num_key_value_heads)
-    w.add_key_length(args.head_dim)
-    w.add_value_length(args.head_dim)
-    w.add_rope_freq_base(args.rope.theta)
-    w.add_layer_norm_rms_eps(args.rms_norm_eps)
-    w.add_expert_count(args.num_experts)
-    w.add_expert_used_count(args.num_experts_per_tok)
-    w.add_expert_feed_forward_length(args.moe_intermediate_size)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_freq_base(spec.rope.theta)
+    w.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    w.add_expert_count(spec.num_experts)
+    w.add_expert_used_count(spec.top_k)
+    if plan.arch in ("qwen3moe", "qwen2moe"):
+        if config.get("intermediate_size"):
+            w.add_feed_forward_length(config["intermediate_size"])
+        w.add_expert_feed_forward_length(spec.moe_intermediate_size)
+        if spec.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
+    else:  # olmoe, llama: feed_forward_length is the experts' size
+        w.add_feed_forward_length(spec.moe_intermediate_size)
+    if plan.arch == "llama":
+        w.add_rope_dimension_count(spec.head_dim)
+        w.add_vocab_size(spec.vocab_size)
 
+
+def _tokenizer_keys(w, vocab: VocabMeta) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)
@@ -292,42 +412,8 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     if vocab.chat_template:
         w.add_chat_template(vocab.chat_template)
 
-    out_types = []
-    for gt in plan:
-        t_dtype = "f32" if gt.always_f32 else dtype
-        itemsize = 4 if t_dtype == "f32" else 2
-        np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[t_dtype]
-        raw = None if t_dtype != "bf16" else gguf.GGMLQuantizationType.BF16
-        nbytes = itemsize * int(np.prod(gt.shape))
-        w.add_tensor_info(gt.name, gt.shape, np.dtype(np_dtype), nbytes, raw_dtype=raw)
-        out_types.append(t_dtype)
-
-    total = 0
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for gt, t_dtype in zip(plan, out_types):
-            arr = np.ascontiguousarray(_convert(_data(gt), t_dtype))
-            w.write_tensor_data(arr)
-            total += arr.nbytes
-            if progress is not None:
-                progress(arr.nbytes)
-            del arr
-        w.close()
-        os.replace(partial, out)
-    except BaseException:
-        w.close()
-        partial.unlink(missing_ok=True)
-        raise
-    return {"path": str(out), "tensors": len(plan), "bytes": out.stat().st_size, "tensor_bytes": total,
-            "dtype": dtype, "tokenizer_pre": vocab.pre, "vocab": len(vocab.tokens)}
-
 
 def planned_bytes(model: str | os.PathLike[str], dtype: str = "bf16") -> int:
     """Tensor bytes the GGUF of `model` will hold in `dtype` (for a progress bar)."""
-    total = 0
-    for gt in tensor_plan(CheckpointIndex.open(model)):
-        total += (4 if gt.always_f32 or dtype == "f32" else 2) * int(np.prod(gt.shape))
-    return total
-
+    plan = export_plan(CheckpointIndex.open(model))
+    return sum(nbytes(c.type, t.shape) for t, c in zip(plan.tensors, plan.types(dtype)))

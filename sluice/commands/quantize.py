@@ -1,0 +1,59 @@
+"""`sluice quantize SRC OUT --to TYPE`: a Hugging Face MoE folder (qwen3_moe, qwen2_moe, olmoe, mixtral) as a
+smaller checkpoint: a GGUF file of one type that sluice and llama.cpp run, or an mlx-community-style MLX folder
+(mlx-4bit, mlx-8bit) that mlx-lm runs (see sluice/tools/quantize.py).
+
+K-quants (Q4_K_M, ...): `sluice quantize SRC model-bf16.gguf --to bf16`, then llama.cpp's
+`llama-quantize model-bf16.gguf model-Q4_K_M.gguf Q4_K_M`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import OutputError, SluiceError
+from ..options import format_bytes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..tools.quantize import TYPES
+
+    p.add_argument("src", metavar="SRC", help="Hugging Face model folder (config.json + safetensors + tokenizer.json)")
+    p.add_argument("out", metavar="OUT", help="GGUF file, or for mlx-*: a folder, to write (written as OUT.partial, "
+                                              "then renamed)")
+    p.add_argument("--to", required=True, metavar="TYPE",
+                   help=f"one of {', '.join(TYPES)}: norms and routers stay F32 and rows that are not whole blocks "
+                        "fall back to F16, as llama.cpp's tools do; K-quants come from llama.cpp's llama-quantize "
+                        "run on a bf16 file; mlx-4bit / mlx-8bit: affine groups of 64 as mlx_lm convert -q writes "
+                        "them (needs the mlx package)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..tools.quantize import check_type, planned_bytes, quantize
+
+    to = check_type(args.to)
+    try:
+        if not to.startswith("mlx"):
+            import gguf  # noqa: F401
+    except ImportError:
+        raise SluiceError("quantize to GGUF needs the gguf package: pip install 'sluice[gguf]' (or pip install gguf)")
+    from tqdm import tqdm
+
+    total = planned_bytes(args.src, to)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"quantize {to}",
+              disable=True if args.no_progress else None) as bar:
+        try:
+            summary = quantize(args.src, args.out, to, progress=bar.update, force=args.force)
+        except OSError as e:  # quantize removes OUT.partial on any error
+            raise OutputError(args.out, e, f"the partial output {args.out}.partial was removed") from e
+    for line in summary["fallbacks"]:
+        print(f"sluice quantize: note: {line} (as llama.cpp does)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {summary['path']}: {summary['tensors']} tensors, {format_bytes(summary['bytes'])}, {to}")
+    return 0

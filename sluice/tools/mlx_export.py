@@ -1,0 +1,180 @@
+"""Write a Hugging Face MoE folder as an mlx-community-style affine-quantized MLX folder (`--to mlx-4bit|mlx-8bit`).
+
+The layout is what `mlx_lm convert -q --q-bits B` writes (checked tensor by tensor in tests/test_quantize_mlx.py):
+- experts stacked per projection: `model.layers.N.{mlp|block_sparse_moe}.switch_mlp.{gate,up,down}_proj` [E, out, in]
+  (Mixtral keeps `block_sparse_moe`), every other tensor under its Hugging Face name (lm_head dropped when tied);
+- each quantized module as `weight` (uint32, 32/B values per word, little end first), `scales` and `biases` (one per
+  group of 64 along the input dimension, in the checkpoint's dtype): every 2-D+ `.weight` whose rows are whole groups
+  (Linear, Embedding and the expert stacks, as mlx-lm quantizes every module with `to_quantized`); norms and the
+  qwen2_moe attention biases stay as they are;
+- qwen3_moe's routers (`mlp.gate`) in 8 bits, mlx-lm's quant_predicate for that model (the other three have none);
+- config.json = the source's plus `quantization` (and its copy `quantization_config`): {group_size, bits, mode:
+  affine, "<module path>": {group_size, bits} per override}; the tokenizer and generation files copied.
+
+The numbers come from MLX's own quantizer (`mx.quantize`, on the checkpoint's own dtype as mlx-lm does), so this needs
+the `mlx` package (`pip install 'mlx[cpu]'` on Linux). Streaming: one tensor or expert stack at a time, written in
+shards of at most `max_shard_bytes` (checkpoint/index.py write_sharded) into OUT.partial, renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checkpoint.index import CONFIG, CheckpointIndex, write_sharded
+from ..errors import SluiceError
+from ..io.tensor import read_tensor
+from ..models import get_arch, model_args
+from ..store.layout import moe_prefix
+
+GROUP_SIZE = 64  # mlx-lm's default for affine quantization
+MLX_TYPES = {"mlx-4bit": 4, "mlx-8bit": 8}
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "chat_template.json", "generation_config.json")
+
+
+def _mx():
+    try:
+        import mlx.core as mx
+    except ImportError:
+        raise SluiceError("MLX output needs the mlx package (its quantizer makes the numbers): pip install "
+                          "'mlx[cpu]' (Linux) or pip install mlx (macOS)") from None
+    return mx
+
+
+def _to_mx(t: torch.Tensor):
+    mx = _mx()
+    if t.dtype == torch.bfloat16:
+        return mx.array(t.contiguous().view(torch.int16).numpy()).view(mx.bfloat16)
+    return mx.array(t.contiguous().numpy())
+
+
+def _to_torch(a) -> torch.Tensor:
+    mx = _mx()
+    if a.dtype == mx.bfloat16:
+        return torch.from_numpy(np.array(a.view(mx.int16))).view(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+def quantize_affine(w: torch.Tensor, bits: int, group_size: int = GROUP_SIZE) -> dict[str, torch.Tensor]:
+    """`mx.quantize` of `w` [..., in] in its own dtype: {"weight": uint32 [..., in*bits/32], "scales", "biases":
+    [..., in/group_size] in w's dtype}."""
+    mx = _mx()
+    wq, scales, biases = mx.quantize(_to_mx(w), group_size=group_size, bits=bits)
+    return {"weight": _to_torch(wq), "scales": _to_torch(scales), "biases": _to_torch(biases)}
+
+
+def _module_tensors(index: CheckpointIndex) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(MLX name, loader) of every tensor in mlx-lm's naming, experts stacked; nothing is read until called."""
+    cfg = index.config
+    arch = get_arch(cfg.get("model_type"), index.folder / CONFIG)
+    _, args = model_args(cfg, index.folder / CONFIG)
+    spec = args.spec()
+    expert_names = {}
+    for n, sparse in enumerate(spec.moe_layers):
+        if not sparse:
+            continue
+        src = moe_prefix(index, arch, n)
+        dst = f"model.layers.{n}.{'block_sparse_moe' if cfg['model_type'] == 'mixtral' else 'mlp'}"
+        expert_names[src] = dst
+    E = spec.num_experts
+    for name in index.tensors:
+        moe = next((p for p in expert_names if name.startswith(p + ".")), None)
+        if moe is not None and name.startswith(f"{moe}.experts."):
+            continue  # stacked below
+        if (name == "lm_head.weight" and spec.tie_word_embeddings) or "rotary_emb" in name:
+            continue
+        mlx_name = f"{expert_names[moe]}.gate.weight" if moe and name == f"{moe}.gate.weight" else name
+        yield mlx_name, lambda name=name: read_tensor(index[name])
+    for src, dst in expert_names.items():
+        if f"{src}.experts.gate_up_proj" in index:
+            I = spec.moe_intermediate_size
+            gu = lambda src=src: read_tensor(index[f"{src}.experts.gate_up_proj"])  # noqa: E731 [E, 2I, H]
+            yield f"{dst}.switch_mlp.gate_proj.weight", lambda gu=gu: gu()[:, :I]
+            yield f"{dst}.switch_mlp.up_proj.weight", lambda gu=gu: gu()[:, I:]
+            yield f"{dst}.switch_mlp.down_proj.weight", lambda src=src: read_tensor(index[f"{src}.experts.down_proj"])
+            continue
+        for hf, mlx in zip(arch.EXPERT_PROJ, ("gate_proj", "up_proj", "down_proj")):
+            yield (f"{dst}.switch_mlp.{mlx}.weight",
+                   lambda src=src, hf=hf: torch.stack([read_tensor(index[f"{src}.experts.{e}.{hf}.weight"])
+                                                       for e in range(E)]))
+
+
+def _override(path: str, model_type: str) -> dict[str, int] | None:
+    """mlx-lm's per-module parameters: qwen3_moe's quant_predicate puts the routers (`*.mlp.gate`) in 8 bits (and
+    the config records them even when the default is 8 bits too)."""
+    return {"group_size": GROUP_SIZE, "bits": 8} if model_type == "qwen3_moe" and path.endswith("mlp.gate") else None
+
+
+def mlx_stream(index: CheckpointIndex, bits: int, quantization: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of the MLX folder; records per-module overrides into `quantization`."""
+    model_type = index.config["model_type"]
+    for name, load in _module_tensors(index):
+        t = load()
+        if name.endswith(".weight") and t.dim() >= 2 and t.shape[-1] % GROUP_SIZE == 0:
+            path = name[: -len(".weight")]
+            override = _override(path, model_type)
+            if override is not None:
+                quantization[path] = override
+            for part, value in quantize_affine(t, override["bits"] if override else bits).items():
+                yield f"{path}.{part}", value
+        else:
+            yield name, t
+        del t
+
+
+def planned_bytes(model: str | os.PathLike[str], bits: int) -> int:
+    """About the bytes export_mlx writes (the routers' 8 bits aside): for a progress bar."""
+    total = 0
+    for ref in CheckpointIndex.open(model).tensors.values():
+        n = int(np.prod(ref.shape))
+        if ref.name.endswith(".weight") and len(ref.shape) >= 2 and ref.shape[-1] % GROUP_SIZE == 0:
+            total += n * bits // 8 + 2 * (n // GROUP_SIZE) * (ref.nbytes // max(n, 1))
+        else:
+            total += ref.nbytes
+    return total
+
+
+def export_mlx(model: str | os.PathLike[str], out: str | os.PathLike[str], bits: int, force: bool = False,
+               progress: Callable[[int], None] | None = None, max_shard_bytes: int = 2**30) -> dict[str, Any]:
+    """Write `model` (a supported HF MoE folder) as an MLX affine `bits`-bit folder at `out` (see the module doc).
+
+    `progress(nbytes)` after each tensor written. Returns a summary: path, bytes, bits, group_size, tensors."""
+    from .synth import writing_model
+
+    if bits not in MLX_TYPES.values():
+        raise SluiceError(f"MLX bits {bits}: 4 or 8")
+    _mx()
+    folder, out = Path(model), Path(out)
+    index = CheckpointIndex.open(folder)
+    model_args(index.config, folder / CONFIG)  # a ConfigError before anything is written
+    quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
+    count = 0
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal count
+        for name, t in mlx_stream(index, bits, quantization):
+            count += 1
+            yield name, t
+            if progress is not None:
+                progress(t.numel() * t.element_size())
+
+    with writing_model(out, force) as partial:
+        files = write_sharded(partial, counted(), max_shard_bytes)
+        config = dict(index.config)
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization
+        (partial / CONFIG).write_text(json.dumps(config, indent=4) + "\n", "utf-8")
+        for side in _SIDE_FILES:
+            if (folder / side).is_file():
+                shutil.copyfile(folder / side, partial / side)
+    size = sum((out / f.name).stat().st_size for f in files)
+    return {"path": str(out), "bytes": size, "bits": bits, "group_size": GROUP_SIZE, "tensors": count,
+            "type": f"mlx-{bits}bit", "fallbacks": []}
