@@ -1,5 +1,6 @@
-"""`sluice demo`: inflate the trained demo model once into the user cache folder to a size larger than the memory
-budget, then stream it under that budget and print the generated text and a stats line.
+"""`sluice demo`: inflate the trained demo model once into the user cache folder, quantize it once to a 4-bit GGUF
+(Q4_0, as a user would download it), then stream that file's experts under a memory budget smaller than it and print
+the generated text and a stats line.
 
 The demo model (sluice/assets/demo, see TRAINING.md there) is a small qwen3_moe trained on Python's documentation.
 Inflating pads every expert with zeros (sluice/inflate.py): the text is exactly what the small model writes, while
@@ -15,7 +16,8 @@ import sys
 from pathlib import Path
 
 from ..engine import load
-from ..options import add_load_arguments, format_bytes, options_from_args, parse_size
+from ..options import LoadOptions, add_load_arguments, format_bytes, options_from_args, parse_size
+from ..plan import plan
 from .common import stats_line
 
 DEFAULT_MEMORY = 384 * 2**20
@@ -34,8 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="size of the inflated demo model (default 1GiB; the smallest expert scale reaching it)")
     # no --memory: a budget chosen so that the demo streams
     add_load_arguments(p, only=("memory", "io"), defaults={"memory": None}, helps={
-        "memory": "budget for resident weights + expert cache, as `sluice run` takes it (default 384MiB, or half the "
-                  "model if smaller, so it streams)"})
+        "memory": "budget for resident weights + expert cache, as `sluice run` takes it (default 384MiB, or the "
+                  "resident weights and half the experts if smaller, so it streams)"})
+    p.add_argument("--quant", default="q4_0", choices=("q4_0", "q8_0", "none"),
+                   help="the inflated model quantized once with `sluice quantize` (default q4_0: 4-bit, the bytes "
+                        "users download); none: run the bf16 folder")
     p.add_argument("--prompt", default="When you")
     p.add_argument("--max-tokens", type=int, default=48)
     # Greedy decoding of a model this small loops on one sentence ("The module defines the following functions:");
@@ -65,16 +70,37 @@ def ensure_demo_model(size: int) -> Path:
     return out
 
 
+def ensure_quantized(folder: Path, to: str) -> Path:
+    """`folder` quantized to `to` as a GGUF beside it, written on first use (with a progress bar)."""
+    from tqdm import tqdm
+
+    from ..tools.quantize import planned_bytes, quantize
+
+    out = folder.parent / f"{folder.name}-{to}.gguf"
+    if not out.exists():
+        print(f"quantizing it to {to.upper()} into {out} (once)", file=sys.stderr)
+        with tqdm(total=planned_bytes(folder, to), unit="B", unit_scale=True, desc="quantize") as bar:
+            quantize(folder, out, to, progress=bar.update, force=True)
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size")
     given = options_from_args(args)  # --memory, --io checked before the model is inflated
-    folder = ensure_demo_model(size)
-    model_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    memory = given.memory if args.memory else min(DEFAULT_MEMORY, model_bytes // 2)
+    model = ensure_demo_model(size)
+    if args.quant != "none":
+        model = ensure_quantized(model, args.quant)
+    files = [model] if model.is_file() else list(model.glob("*.safetensors"))
+    model_bytes = sum(f.stat().st_size for f in files)
+    if args.memory:
+        memory = given.memory
+    else:  # the resident weights and half the experts, so it streams
+        p = plan(model, LoadOptions.make(memory="all", io=given.io))
+        memory = min(DEFAULT_MEMORY, p.resident_bytes + p.layout.expert_nbytes * p.layout.total_experts // 2)
     shown = format_bytes(memory) if isinstance(memory, int) else memory or "all"
-    print(f"model {folder.name}: {format_bytes(model_bytes)} on disk, running with --memory {shown} --io {given.io}",
+    print(f"model {model.name}: {format_bytes(model_bytes)} on disk, running with --memory {shown} --io {given.io}",
           file=sys.stderr)
-    with load(folder, memory=memory, io=given.io, progress=True) as m:
+    with load(model, memory=memory, io=given.io, progress=True) as m:
         print(args.prompt, end="", flush=True)
         for piece in m.generate(args.prompt, max_tokens=args.max_tokens,
                                 repetition_penalty=args.repetition_penalty):

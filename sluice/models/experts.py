@@ -25,6 +25,12 @@ from ..quant.stored import StoredLinear
 class ExpertMath:
     """Expert forward passes for every storage format the layout holds, at one compute dtype."""
 
+    # Off: a layer's native experts on a thread pool lost to one thread in a real decode. The peers model's Q4_K_M
+    # file, resident, 2 CPUs, 16 tokens (quiet machine): 118 ms/token with the pool, 69.6 without it (torch keeps its
+    # 2 OpenMP threads for the other ops), 93-101 on one thread: torch's OpenMP workers spin between ops and take
+    # the pool's second core. Kept (bitwise the same result, tested) for when the rest of the step leaves torch.
+    threads_for_experts = False
+
     def __init__(self, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor]):
         self.dtype, self.act = dtype, act
         self._kernels: dict[object, tuple] = {}
@@ -64,7 +70,7 @@ class ExpertMath:
         free; the loaded dev VM (load ~10 on 2 cores) could not show it in wall time.
         """
         n = torch.get_num_threads()
-        if n < 2 or batch.gate_up is not None or batch.format is None:
+        if not self.threads_for_experts or n < 2 or batch.gate_up is not None or batch.format is None:
             return None
         if not all(k is None or k.native is not None for k in self._kernels_for(batch.format)):
             return None

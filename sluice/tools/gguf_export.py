@@ -46,12 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint.gguf_config import _NORM_TOPK
 from ..checkpoint.index import CONFIG, CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError, ConfigError, SluiceError
 from ..io.tensor import read_tensor
-from ..models import SUPPORTED, model_args
+from ..models import archs, model_args
 from ..models.schema import show
 from ..store.layout import moe_prefix
 from ..tokenizer import Tokenizer
@@ -59,7 +58,9 @@ from .gguf_types import GGUF_TYPES, TypeChoice, choose, encode, nbytes
 
 EXPORT_DTYPES = tuple(GGUF_TYPES)  # "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 #: config.json model_type -> llama.cpp's GGUF architecture name
-GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
+def gguf_archs() -> dict[str, Any]:
+    """model_type -> its GGUFArch (models/<model_type>.py GGUF), for the architectures llama.cpp runs."""
+    return {t: m.GGUF for t, m in archs().items() if m.GGUF is not None}
 
 # The qwen2 pre-tokenizer split regex (Qwen2/Qwen3 tokenizer.json); llama.cpp calls it "qwen2".
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -107,12 +108,13 @@ def export_args(index: CheckpointIndex):
     """The validated ModelArgs of `index` (ConfigError names a bad field); ExportError for a config whose math
     llama.cpp's graph for the architecture does not compute."""
     model_type = index.config.get("model_type")
-    if model_type not in GGUF_ARCHS:
+    known = gguf_archs()
+    if model_type not in known:
         raise ExportError(f"{index.folder / CONFIG}: model_type {show(model_type)} is not supported; GGUF export "
-                          f"supports {', '.join(SUPPORTED)}")
+                          f"supports {', '.join(known)}")
     _, args = model_args(index.config, index.folder / CONFIG)
-    spec, arch = args.spec(), GGUF_ARCHS[model_type]
-    norm = _NORM_TOPK[arch]
+    spec, gg = args.spec(), known[model_type]
+    arch, norm = gg.name, gg.norm_topk_prob
     if spec.norm_topk_prob != norm:  # absent means false, in transformers as in sluice
         raise ExportError(f"config.json norm_topk_prob is {str(spec.norm_topk_prob).lower()} (or absent); llama.cpp's "
                           f"{arch} graph always computes it as {str(norm).lower()}")
@@ -135,7 +137,7 @@ def export_args(index: CheckpointIndex):
 def export_plan(index: CheckpointIndex) -> ExportPlan:
     """Every GGUF tensor in file order, mapped from the checkpoint's names (nothing is read)."""
     args = export_args(index)
-    arch = GGUF_ARCHS[index.config["model_type"]]
+    arch = gguf_archs()[index.config["model_type"]].name
     spec = args.spec()
     out: list[GgufTensor] = []
 

@@ -203,6 +203,7 @@ def test_a_layers_experts_on_threads_give_the_same_bits(tmp_path, monkeypatch):
     path = convert(hf_model("qwen3_moe", **{**GGUF_TINY["qwen3_moe"], **K_SHAPES}), tmp_path / "m.gguf",
                    qtype=q4_k_m)
     pools = []
+    monkeypatch.setattr(ExpertMath, "threads_for_experts", True)  # off by default (see its comment)
     pool_for = ExpertMath.pool_for
     monkeypatch.setattr(ExpertMath, "pool_for", lambda self, batch: pools.append(pool_for(self, batch)) or pools[-1])
     got, before = {}, torch.get_num_threads()
