@@ -18,6 +18,7 @@ from sluice.checkpoint import CheckpointIndex
 from sluice.io import read_tensor
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model, write_checkpoint
+from tests.quant.streaming import assert_streamed_equals_resident
 
 IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(11)).tolist()
 # K-quant rows are whole blocks of 256 values: hidden and expert sizes of 256
@@ -109,18 +110,7 @@ def test_default_dtype_is_within_3e_2(quantized):
 @pytest.mark.parametrize("io,odirect", [("mmap", False), ("willneed", False), ("direct", False), ("direct", True)])
 @pytest.mark.parametrize("cache", ["min", "half"])
 def test_streamed_equals_resident_bitwise(quantized, io, odirect, cache):
-    _, path, _, _ = quantized
-    with sluice.load(path, memory="all") as m:
-        want = m.logits(IDS)
-        tokens = list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False))
-        resident, spec, layout = m.resident_bytes, m.spec, m.layout
-    slots = spec.top_k if cache == "min" else layout.total_experts // 2
-    with sluice.load(path, memory=resident + slots * layout.expert_nbytes, io=io, odirect=odirect) as m:
-        assert m.store.n_slots == slots
-        assert torch.equal(m.logits(IDS), want)
-        assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens
-        st = m.stats()
-    assert st["misses"] > 0
+    assert_streamed_equals_resident(quantized[1], IDS, io, odirect, cache)
 
 
 def test_slots_hold_the_stored_bytes(quantized):

@@ -22,6 +22,7 @@ import torch
 
 import sluice
 from sluice.checkpoint import CheckpointIndex
+from tests.quant.streaming import assert_streamed_equals_resident
 from tests.quant.mlx_files import dequantized_state_dict, mlx_folder, mlx_lm_float32, mlx_lm_greedy, mlx_lm_logits
 
 IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -89,17 +90,7 @@ def test_greedy_tokens_equal_mlx_lm(converted):
 @pytest.mark.parametrize("io,odirect", [("mmap", False), ("willneed", False), ("direct", False), ("direct", True)])
 @pytest.mark.parametrize("cache", ["min", "half"])
 def test_streamed_equals_resident_bitwise(converted, io, odirect, cache):
-    _, folder, _, _ = converted
-    with sluice.load(folder, memory="all") as m:
-        want = m.logits(IDS)
-        tokens = list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False))
-        resident, spec, layout = m.resident_bytes, m.spec, m.layout
-    slots = spec.top_k if cache == "min" else layout.total_experts // 2
-    with sluice.load(folder, memory=resident + slots * layout.expert_nbytes, io=io, odirect=odirect) as m:
-        assert m.store.n_slots == slots
-        assert torch.equal(m.logits(IDS), want)
-        assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens
-        assert m.stats()["misses"] > 0
+    assert_streamed_equals_resident(converted[1], IDS, io, odirect, cache)
 
 
 def test_slots_hold_the_packed_bytes(converted):
