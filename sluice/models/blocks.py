@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..store.base import ExpertStore
-from .experts import ExpertMath
+from .experts import ExpertMath, rows_linear
 from .rope import apply_rope, rope_table
 from .spec import KVCache, MLPWeights, Spec, Weights
 
@@ -96,7 +96,7 @@ class Transformer:
 
     # -- feed-forward ----------------------------------------------------------------------------------------
     def mlp(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act(F.linear(x, m.gate)) * F.linear(x, m.up), m.down)
+        return rows_linear(self.act(rows_linear(x, m.gate)) * rows_linear(x, m.up), m.down)
 
     def moe(self, L: int, x: torch.Tensor) -> torch.Tensor:
         """Route x [T, H] with the true router and run the chosen experts from the store."""
