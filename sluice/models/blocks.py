@@ -7,7 +7,6 @@ weights are not held at all: the MoE block asks the `ExpertStore` for them by (l
 
 from __future__ import annotations
 
-from concurrent.futures import wait as futures_wait
 from typing import Callable
 
 import torch
@@ -152,10 +151,6 @@ class Transformer:
             out += by_rank[:, r]
         return out
 
-    def _expert_weighted(self, batch, j: int, x: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
-        """The j-th expert of `batch` on the single token x [1, H], times its routing weight weights[:, k]."""
-        return self._expert(batch, j, x) * weights[:, k : k + 1]  # [1, H]
-
     def _expert(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the j-th expert of `batch` on x [n, H] -> [n, H], straight from the slots (models/experts.py)."""
         return self.expert_math(batch, j, x)
@@ -168,8 +163,7 @@ class Transformer:
 
         Experts whose bytes are in memory run first, the rest as their reads land (batch.wait), so the math of
         one overlaps the reading of the next; the outputs are summed afterwards in ascending expert id, so the
-        result is bitwise the same whatever the disk's timing. Natively computed quantized experts run on
-        expert_math.pool_for's threads when torch may use several (each expert on one thread, the same sum).
+        result is bitwise the same whatever the disk's timing.
         """
         ids_l = ids[0].tolist()
         order = sorted(range(len(ids_l)), key=ids_l.__getitem__)  # top-k positions by ascending expert id
@@ -177,21 +171,14 @@ class Transformer:
         for c0 in range(0, len(order), step):
             pos = order[c0 : c0 + step]
             batch = self.store.acquire(L, [ids_l[k] for k in pos])
-            running = []
             try:
-                pool = self.expert_math.pool_for(batch)  # None: this thread computes every expert
-                ys: list = [None] * len(pos)  # [1, H] each, or its Future on the pool
+                ys: list[torch.Tensor | None] = [None] * len(pos)
                 for j in sorted(range(len(pos)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
                     batch.wait(j)
-                    if pool is None:
-                        ys[j] = self._expert_weighted(batch, j, x, weights, pos[j])
-                    else:
-                        ys[j] = pool.submit(self._expert_weighted, batch, j, x, weights, pos[j])
-                        running.append(ys[j])
+                    ys[j] = self._expert(batch, j, x) * weights[:, pos[j] : pos[j] + 1]  # [1, H]
                 for y in ys:
-                    out += (y if pool is None else y.result()).to(out.dtype)
+                    out += y.to(out.dtype)
             finally:
-                futures_wait(running)  # no expert still reads the slots when they are released
                 self.store.release(L)
         return out
 

@@ -5,16 +5,15 @@ experts run each projection from its stored bytes (quant/stored.py), with one fl
 The same function serves the resident and the streaming store, so a streamed run computes bitwise what a resident
 run computes on the same slots.
 
-At decode the experts of one layer may run on several threads (`pool_for`): each expert's result is computed by one
-thread with the same code whichever it is, and the caller sums them in a fixed order, so the output does not depend
-on the threads or their timing.
+One thread computes a layer's experts; torch's own threads run inside the matmuls. Spreading a layer's native
+experts over a thread pool was measured and dropped: the peers model's Q4_K_M file, resident, 2 CPUs, 16 tokens
+(quiet machine): 118 ms/token with the pool, 69.6 without it, 93-101 on one thread; torch's OpenMP workers spin
+between ops and take the pool's second core.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -39,19 +38,11 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class ExpertMath:
     """Expert forward passes for every storage format the layout holds, at one compute dtype."""
 
-    # Off: a layer's native experts on a thread pool lost to one thread in a real decode. The peers model's Q4_K_M
-    # file, resident, 2 CPUs, 16 tokens (quiet machine): 118 ms/token with the pool, 69.6 without it (torch keeps its
-    # 2 OpenMP threads for the other ops), 93-101 on one thread: torch's OpenMP workers spin between ops and take
-    # the pool's second core. Kept (bitwise the same result, tested) for when the rest of the step leaves torch.
-    threads_for_experts = False
-
     def __init__(self, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor]):
         self.dtype, self.act = dtype, act
         self._kernels: dict[object, tuple] = {}
-        self._scratch_numel = 0  # the largest projection of any format seen; each thread has its own scratch
-        self._local = threading.local()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_threads = 0
+        self._scratch_numel = 0  # the largest projection of any format seen
+        self._scratch_buf = torch.empty(0, dtype=torch.float32)
 
     def __call__(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
         """The j-th expert of `batch` (store/base.py ExpertBatch) on x [n, H] -> [n, H]."""
@@ -73,33 +64,12 @@ class ExpertMath:
             u = up(x, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], scratch)  # [n, I]
         return down(self.act(g) * u, raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes], scratch)
 
-    def pool_for(self, batch) -> ThreadPoolExecutor | None:
-        """Threads to run this batch's experts on, or None for the calling thread alone.
-
-        Only for experts stored quantized whose every projection runs the native kernels (single-threaded C that
-        releases the GIL; the torch paths parallelise inside their matmuls instead), and only when torch may use
-        more than one thread: torch.get_num_threads(), which the ThreadGovernor keeps at the CPUs other processes
-        leave free, sizes the pool. Measured (benchmarks/native_kernels.py, 8 Q4_K [768 x 2048] experts at T=1):
-        spread over 2 threads they cost 11.0 ms of CPU against 10.1 on one thread, so ~1.8x where two cores are
-        free; the loaded dev VM (load ~10 on 2 cores) could not show it in wall time.
-        """
-        n = torch.get_num_threads()
-        if not self.threads_for_experts or n < 2 or batch.gate_up is not None or batch.format is None:
-            return None
-        if not all(k is None or k.native is not None for k in self._kernels_for(batch.format)):
-            return None
-        if self._pool_threads != n:  # the governor changed torch's thread count
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool, self._pool_threads = ThreadPoolExecutor(n, thread_name_prefix="sluice-experts"), n
-        return self._pool
-
     def _scratch(self) -> torch.Tensor:
-        """This thread's float32 scratch (the torch paths and the native many-rows path write weights into it)."""
-        s = getattr(self._local, "scratch", None)
-        if s is None or s.numel() < self._scratch_numel:
-            s = self._local.scratch = torch.empty(self._scratch_numel, dtype=torch.float32)
-        return s
+        """The float32 scratch the torch paths and the native many-rows path write weights into (torch.empty: pages
+        are committed only where a call writes, so the native row kernels' unused scratch costs nothing)."""
+        if self._scratch_buf.numel() < self._scratch_numel:
+            self._scratch_buf = torch.empty(self._scratch_numel, dtype=torch.float32)
+        return self._scratch_buf
 
     def _kernels_for(self, fmt) -> tuple:
         """(gate_up or None, gate, up, down) StoredLinears of one ExpertFormat, built once."""
@@ -107,6 +77,6 @@ class ExpertMath:
         if k is None:
             specs = (fmt.gate_up, fmt.gate, fmt.up, fmt.down)
             k = self._kernels[fmt] = tuple(None if s is None else StoredLinear(s, self.dtype) for s in specs)
-            # sized once per format: each thread's scratch grows to it at its next expert
+            # sized once per format: the scratch grows to it at the next expert
             self._scratch_numel = max(self._scratch_numel, *(x.scratch_numel for x in k if x is not None))
         return k

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,33 +187,3 @@ def test_without_the_extension_stored_linear_runs_the_torch_path(monkeypatch, ca
     assert torch.equal(lin(x, raw, torch.empty(lin.scratch_numel)), F.linear(x, spec.dequantize(raw)))
     with pytest.raises(RuntimeError, match="not built"):
         native.linear(spec, x, raw)
-
-
-@built
-def test_a_layers_experts_on_threads_give_the_same_bits(tmp_path, monkeypatch):
-    """Decode with the experts of each layer spread over threads (models/experts.py pool_for) == one thread."""
-    import sluice
-    from sluice.models.experts import ExpertMath
-    from tests.checkpoint.gguf_files import GGUF_TINY, convert
-    from tests.models.tiny import hf_model
-    from tests.quant.test_gguf_models import IDS, K_SHAPES, q4_k_m
-
-    path = convert(hf_model("qwen3_moe", **{**GGUF_TINY["qwen3_moe"], **K_SHAPES}), tmp_path / "m.gguf",
-                   qtype=q4_k_m)
-    pools = []
-    monkeypatch.setattr(ExpertMath, "threads_for_experts", True)  # off by default (see its comment)
-    pool_for = ExpertMath.pool_for
-    monkeypatch.setattr(ExpertMath, "pool_for", lambda self, batch: pools.append(pool_for(self, batch)) or pools[-1])
-    got, before = {}, torch.get_num_threads()
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one CPU: sluice allows one thread only")
-    try:
-        for threads in (1, 2):
-            with sluice.load(path, memory="all", dtype="float32", threads=threads) as m:
-                got[threads] = m.logits(IDS), list(m.generate_tokens(IDS, max_tokens=5, stop_at_eos=False))
-            if threads == 1:
-                assert pools and all(p is None for p in pools)
-    finally:
-        torch.set_num_threads(before)
-    assert any(p is not None for p in pools)  # the decode steps ran on the pool
-    assert torch.equal(got[1][0], got[2][0]) and got[1][1] == got[2][1]
