@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..store.base import ExpertStore
 from .experts import ExpertMath, rows_linear
 from .rope import apply_rope, rope_table
+from .routing import route
 from .spec import KVCache, MLPWeights, Spec, Weights
 
 
@@ -99,14 +100,8 @@ class Transformer:
 
     def moe(self, L: int, x: torch.Tensor) -> torch.Tensor:
         """Route x [T, H] with the true router and run the chosen experts from the store."""
-        s, lw = self.spec, self.w.layers[L]
-        scores = F.linear(x, lw.router)  # [T, E]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, s.top_k, dim=-1)  # [T, K] each
-        if s.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not s.router_weights_fp32:
-            weights = weights.to(x.dtype)
+        lw = self.w.layers[L]
+        weights, ids = route(self.spec, lw, x)  # [T, K] each
         out = self.experts(L, x, ids, weights)
         if lw.shared is not None:
             out = out + torch.sigmoid(F.linear(x, lw.shared_gate)) * self.mlp(lw.shared, x)

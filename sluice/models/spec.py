@@ -37,6 +37,7 @@ class Spec:
     # Mixtral keeps the top-k weights in float32 and multiplies the expert output by them before casting back;
     # the Qwen/OLMoE routers cast the weights to the compute dtype first. Matters only for bf16/fp16 parity.
     router_weights_fp32: bool = False
+    router: str = "softmax"  # the routing family (models/routing.py ROUTERS)
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = "none"  # "none" | "head" (Qwen3: per head over head_dim) | "full" (OLMoE: over all heads)
