@@ -104,7 +104,8 @@ class Transformer:
         weights, ids = route(self.spec, lw, x)  # [T, K] each
         out = self.experts(L, x, ids, weights)
         if lw.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, lw.shared_gate)) * self.mlp(lw.shared, x)
+            shared = self.mlp(lw.shared, x)  # [T, H]
+            out = out + (shared if lw.shared_gate is None else torch.sigmoid(F.linear(x, lw.shared_gate)) * shared)
         return out
 
     def experts(self, L: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

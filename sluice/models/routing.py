@@ -4,6 +4,10 @@ chosen by `Spec.router`; the MoE block (models/blocks.py) only calls `route`.
 - "softmax" (Qwen2/3-MoE, Mixtral, OLMoE): softmax over all experts in float32, top-k, optional renormalisation
   (norm_topk_prob); the weights are cast to the compute dtype unless the reference keeps them in float32
   (router_weights_fp32, Mixtral).
+- "sigmoid_grouped" (GLM-4.5 glm4_moe, DeepSeek-V3 / Kimi K2 deepseek_v3): sigmoid scores in float32; the selection
+  adds a per-expert bias (e_score_correction_bias, selection only) and keeps only the `topk_group` best of `n_group`
+  expert groups (a group's score: the sum of its two best biased scores); the weights are the unbiased scores,
+  optionally renormalised, times routed_scaling_factor, kept in float32 as the reference multiplies them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,25 @@ def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.T
     return weights, ids
 
 
-ROUTERS = {"softmax": softmax_topk}
+def sigmoid_grouped_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (float32 weights [T, K], ids [T, K]): grouped top-k over biased sigmoid scores (see the module
+    docstring). Selection ties resolve as torch.topk does in the reference."""
+    T, E, G = x.shape[0], spec.num_experts, spec.n_group
+    scores = torch.sigmoid(F.linear(x.float(), lw.router.float()))  # [T, E] float32
+    choice = scores if lw.router_bias is None else scores + lw.router_bias  # [T, E]
+    if G > 1 and spec.topk_group < G:
+        group_scores = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        keep = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # [T, G]
+        choice = choice.masked_fill(~mask.repeat_interleave(E // G, dim=1), float("-inf"))
+    ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]  # [T, K]
+    weights = scores.gather(1, ids)  # [T, K]
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, ids
+
+
+ROUTERS = {"softmax": softmax_topk, "sigmoid_grouped": sigmoid_grouped_topk}
 
 
 def route(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,11 @@ class Spec:
     # the Qwen/OLMoE routers cast the weights to the compute dtype first. Matters only for bf16/fp16 parity.
     router_weights_fp32: bool = False
     router: str = "softmax"  # the routing family (models/routing.py ROUTERS)
+    # "sigmoid_grouped" routers: experts in n_group groups, only the topk_group best groups selectable; the top-k
+    # weights are multiplied by routed_scaling_factor
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = "none"  # "none" | "head" (Qwen3: per head over head_dim) | "full" (OLMoE: over all heads)
@@ -72,9 +77,10 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [D] ("head") or [nH*D] ("full")
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # [E, H] on MoE layers
+    router_bias: torch.Tensor | None = None  # [E] float32: e_score_correction_bias (selection only)
     mlp: MLPWeights | None = None  # dense layers
-    shared: MLPWeights | None = None  # Qwen2-MoE shared expert
-    shared_gate: torch.Tensor | None = None  # [1, H]
+    shared: MLPWeights | None = None  # shared expert(s) beside the routed ones, added to every token
+    shared_gate: torch.Tensor | None = None  # [1, H]: Qwen2-MoE scales the shared expert by sigmoid(gate x); None: 1
 
 
 @dataclass

@@ -53,7 +53,11 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
 def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, lazy_embed: bool = False) -> Weights:
     """Read every resident tensor and assemble the Weights struct in `dtype` (`lazy_embed`: leave the token
     embedding on disk; the model then gathers its rows through a RowTable)."""
-    t = {role: read_tensor(ref, dtype).to(dtype) for role, ref in refs.items() if not (lazy_embed and role == "embed")}
+    def as_dtype(role: str) -> torch.dtype:  # router biases (e_score_correction_bias) are added to float32 scores
+        return torch.float32 if role.endswith(".router_bias") else dtype
+
+    t = {role: read_tensor(ref, as_dtype(role)).to(as_dtype(role))
+         for role, ref in refs.items() if not (lazy_embed and role == "embed")}
 
     def mlp(prefix: str) -> MLPWeights | None:
         if prefix + "gate" not in t:
@@ -78,6 +82,7 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, la
                 q_norm=t.get(r + "q_norm"),
                 k_norm=t.get(r + "k_norm"),
                 router=t.get(r + "router"),
+                router_bias=t.get(r + "router_bias"),
                 mlp=mlp(r + "mlp."),
                 shared=mlp(r + "shared."),
                 shared_gate=t.get(r + "shared_gate"),
