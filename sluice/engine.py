@@ -69,6 +69,7 @@ class Model:
         self.step_times = StepTimes()
         self._kv_tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._gen_faults = (0, 0, 0)
+        self._prefill_io: tuple | None = None  # (bytes read, disk bytes, expert reads per layer) of the last prefill
 
     def _need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
@@ -185,12 +186,17 @@ class Model:
         with the thread governor's tick between forward passes. However the caller stops, it leaves `last_tokens`,
         `step_times`, the fault counters and the record of what the KV cache holds consistent."""
         self._kv_tokens, self.last_tokens, self.step_times = [], [], StepTimes()  # the record is invalid meanwhile
+        self._prefill_io = None
         f0 = counters()
+        io0 = self._io_counters()
         with torch.inference_mode():
             gen = generate_step(self.model, ids, sampler, processors, max_tokens, start, self.prefill_chunk,
                                 self.step_times, between=self._tick)
             try:
                 for token in gen:
+                    if self._prefill_io is None:  # the prefill just ended (the first token comes with it)
+                        read, disk, by_layer = self._io_counters()
+                        self._prefill_io = (read - io0[0], disk - io0[1], [b - a for a, b in zip(io0[2], by_layer)])
                     if stop_at_eos and token in self.eos_ids:
                         break
                     self.last_tokens.append(token)
@@ -234,6 +240,26 @@ class Model:
         return teacher.argmax
 
     # -- stats ---------------------------------------------------------------------------------------------------
+    def _io_counters(self) -> tuple:
+        """(bytes the expert store and the embedding rows read, disk read bytes, expert reads per layer): what the
+        prefill's share of stats() is a delta of."""
+        st = self.store.stats()
+        rows = self.rows.stats().get("bytes_read", 0) if self.rows is not None else 0
+        by_layer = st.get("misses_by_layer") or [0] * self.spec.n_layers
+        return st.get("bytes_read", 0) + rows, counters()[2], by_layer
+
+    def _prefill_stats(self) -> dict:
+        """The last prefill's reads: bytes (expert store + embedding rows), disk bytes, per prompt token, and the
+        expert reads per layer (each touched expert once per chunk when the budget holds a layer's experts)."""
+        io = self._prefill_io
+        n = self.step_times.prefill_tokens
+        if io is None or not n:
+            return {}
+        read, disk, by_layer = io
+        return {"prefill_bytes_read": read, "prefill_bytes_per_token": round(read / n, 1),
+                "prefill_disk_read_bytes": disk,
+                "prefill_expert_reads_by_layer": by_layer}
+
     def stats(self) -> dict:
         """Counters of the last generation and of the store, with derived rates; all JSON-serialisable."""
         t = self.step_times
@@ -272,6 +298,7 @@ class Model:
         if self.rows is not None:
             rs = self.rows.stats()
             out.update(embedding_rows_read=rs["rows_read"], embedding_bytes_read=rs["bytes_read"])
+        out.update(self._prefill_stats())
         out.update({k: v for k, v in st.items() if k not in out})
         return out
 

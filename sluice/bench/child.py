@@ -98,6 +98,10 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
             "argmax": argmax,
             "load_s": round(load_s, 4),
             "prefill_s": m.step_times.prefill_s,
+            "prefill_tokens": m.step_times.prefill_tokens,
+            # what the prefill read: the store's expert bytes + embedding rows, and what the disk delivered
+            "prefill_bytes_read": stats.get("prefill_bytes_read"),
+            "prefill_disk_read_bytes": stats.get("prefill_disk_read_bytes"),
             "warmup_step_s": times[:warmup],
             "step_s": times[warmup:],
             "step_bytes_read": _deltas(probe.marks, 2),

@@ -152,11 +152,13 @@ def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int],
         return int(np.argmax(logits))
 
     steps = Steps(warmup)
+    before = counters()
     t0 = time.perf_counter()
     llm.eval(prompt)
     out = [argmax()]
     prefill_s = time.perf_counter() - t0
     steps.mark()
+    prefill_disk = steps.marks[0]["disk_read_bytes"] - before["disk_read_bytes"]
     for tok in tokens:
         t0 = time.perf_counter()
         llm.eval([tok])
@@ -169,7 +171,8 @@ def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int],
                     system_info=llama_cpp.llama_print_system_info().decode(errors="replace").strip())
     if hasattr(llm, "close"):  # frees the model and context now, not at interpreter exit
         llm.close()
-    return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, **steps.record(),
+    return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, "prefill_tokens": len(prompt),
+            "prefill_disk_read_bytes": prefill_disk, **steps.record(),
             "peer": {"kind": "llama.cpp", "version": llama_cpp.__version__, "settings": settings}}
 
 
@@ -217,12 +220,14 @@ def replay_accelerate(model: str, opts: dict[str, Any], prompt: list[int], token
         cache_kw = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
         steps = Steps(warmup)
         with torch.inference_mode():
+            before = counters()
             t0 = time.perf_counter()
             o = lm(input_ids=torch.tensor([prompt]), use_cache=True)
             past = _cache_of(o, cache_kw)
             out = [int(o.logits[0, -1].argmax())]
             prefill_s = time.perf_counter() - t0
             steps.mark()
+            prefill_disk = steps.marks[0]["disk_read_bytes"] - before["disk_read_bytes"]
             for tok in tokens:
                 t0 = time.perf_counter()
                 o = lm(input_ids=torch.tensor([[tok]]), use_cache=True, **{cache_kw: past})
@@ -238,7 +243,8 @@ def replay_accelerate(model: str, opts: dict[str, Any], prompt: list[int], token
                 "offload_folder": "temporary" if own_folder else offload, "offload_files_written": len(written),
                 "offload_bytes_written": offload_bytes, "modules_by_device": placed,
                 "evicted_after_load": True, "threads": torch.get_num_threads()}
-    return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, **steps.record(),
+    return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, "prefill_tokens": len(prompt),
+            "prefill_disk_read_bytes": prefill_disk, **steps.record(),
             "peer": {"kind": "accelerate", "version": f"transformers {transformers.__version__}, accelerate "
                      f"{accelerate.__version__}, torch {torch.__version__}", "settings": settings}}
 

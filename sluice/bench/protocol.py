@@ -63,6 +63,11 @@ def _median(xs: Sequence[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _first(*xs):
+    """The first of xs that is not None (None when all are)."""
+    return next((x for x in xs if x is not None), None)
+
+
 def floor_ms(bytes_per_step: float | None, bandwidth: float | None) -> float | None:
     """The I/O floor of a step: bytes that missed the cache / the best measured disk bandwidth (bytes/s), in ms."""
     if bytes_per_step is None or not bandwidth:
@@ -98,6 +103,11 @@ def summarize(runs: Sequence[Run], bandwidth: float | None = None) -> dict[str, 
         step_ms_p90=percentile(steps, 90),
         tok_s=_median([len(r.record["step_s"]) / sum(r.record["step_s"]) for r in ok if sum(r.record["step_s"])]),
         prefill_ms=_median([1000 * r.record["prefill_s"] for r in ok]),
+        prefill_tok_s=_median([r.record["prefill_tokens"] / r.record["prefill_s"] for r in ok
+                               if r.record.get("prefill_tokens") and r.record["prefill_s"]]),
+        # the disk's count (/proc/self/io) is comparable across tools; sluice's own count when the kernel has none
+        prefill_read_bytes=_median([_first(r.record.get("prefill_disk_read_bytes"), r.record.get("prefill_bytes_read"))
+                                    for r in ok]),
         cpu_ms_per_step=_median([per_step(r, "cpu_s", 1000) for r in ok]),
         peak_rss_bytes=max(r.record["peak_rss_bytes"] for r in ok),
         cgroup_peak_bytes=max(r.cgroup_peak_bytes for r in runs) or None,

@@ -31,7 +31,8 @@ def _arm_cell(name: str, s: dict[str, Any], reference: str) -> str:
     return f"{name} ({', '.join(notes)})" if notes else name
 
 
-COLUMNS = ["arm", "ms/step", "p90", "tok/s", "vs ref", "paired wins", "prefill ms", "CPU ms/step", "peak RSS",
+COLUMNS = ["arm", "ms/step", "p90", "tok/s", "vs ref", "paired wins", "prefill ms", "prefill tok/s", "prefill read",
+           "CPU ms/step", "peak RSS",
            "major flt/step", "minor flt/step", "read/step", "disk read/step", "hit rate", "I/O wait ms/step",
            "floor ms", "step/floor", "argmax vs ref"]
 
@@ -58,6 +59,8 @@ def table(results: dict[str, Any]) -> str:
             DASH if name == ref or p.get("ratio_median") is None else f"{p['ratio_median']:.3f}x",
             DASH if name == ref else wins_text(p),
             _num(s["prefill_ms"]),
+            _num(s.get("prefill_tok_s"), ".1f"),
+            _size(s.get("prefill_read_bytes")),
             _num(s["cpu_ms_per_step"], ".2f"),
             _size(s["peak_rss_bytes"]),
             _num(s["major_faults_per_step"]),

@@ -39,7 +39,8 @@ def load_from_args(args: argparse.Namespace, progress: bool = True) -> Model:
 def stats_line(st: dict) -> str:
     """One readable line: speeds first, then the cache and I/O counters."""
     parts = [
-        f"prompt {st['prompt_tokens']} tok @ {st['prefill_tok_s']:.1f} tok/s",
+        f"prompt {st['prompt_tokens']} tok @ {st['prefill_tok_s']:.1f} tok/s"
+        + (f", read {format_bytes(st['prefill_bytes_read'])}" if st.get("prefill_bytes_read") else ""),
         f"decode {st['tokens']} tok @ {st['decode_tok_s']:.2f} tok/s ({st['ms_per_token']:.1f} ms/tok)",
         f"hit rate {100 * st['hit_rate']:.1f}%",
         f"read {format_bytes(st['bytes_read'])}",

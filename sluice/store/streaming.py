@@ -49,6 +49,7 @@ class StreamingExpertStore:
         self.prefetching = PrefetchTracker()
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
         self.hits = self.misses = self.evictions = self.bytes_read = 0
+        self.misses_by_layer = [0] * s.n_layers  # expert reads per layer (prefetches not counted)
         self.io_wait_s = 0.0
         self._batch: tuple[int, list[int]] = (-1, [])  # the current acquire's (layer, experts)
         self._inflight: dict[int, object] = {}  # its reads not waited for yet: j -> future
@@ -138,6 +139,7 @@ class StreamingExpertStore:
                     self._pinned.add(slot)
                     requests = expert_requests(self.layout, layer, e, self.raw[slot])
                     self.misses += 1
+                    self.misses_by_layer[layer] += 1
                     slots[j] = slot
                     inflight[j] = self.reader.submit(requests)
                     self.bytes_read += sum(r.nbytes for r, _ in requests)
@@ -246,6 +248,7 @@ class StreamingExpertStore:
         return {
             "hits": self.hits,
             "misses": self.misses,
+            "misses_by_layer": list(self.misses_by_layer),
             "evictions": self.evictions,
             "bytes_read": self.bytes_read,
             "io_wait_s": round(self.io_wait_s, 6),

@@ -278,6 +278,9 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys):
         assert len(rec["step_s"]) == steps and len(rec["warmup_step_s"]) == warmup
         assert len(rec["argmax"]) == warmup + steps + 1 and rec["window"]["steps"] == steps
         assert sum(rec["step_bytes_read"]) == rec["window"]["bytes_read"]
+        # the prefill read its touched experts (the disk's share is smaller on a tiny model: the resident weights'
+        # reads at load bring neighbouring expert pages in through readahead)
+        assert rec["prefill_tokens"] == 6 and rec["prefill_bytes_read"] > 0 and rec["prefill_disk_read_bytes"] >= 0
     assert len(results["sequence"]["tokens"]) == warmup + steps and len(results["sequence"]["prompt_ids"]) == 6
 
     # identity gate: the float32 arm compared step by step with the bf16 reference (counts match the arrays)
@@ -291,6 +294,8 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys):
     s = results["summary"]
     assert s["ref"]["step_ms_median"] > 0 and s["ref"]["tok_s"] > 0 and s["ref"]["peak_rss_bytes"] > 0
     assert s["ref"]["bytes_read_per_step"] > 0  # 6 of 16 experts cached: some steps miss
+    assert s["ref"]["prefill_tok_s"] > 0 and s["ref"]["prefill_read_bytes"] > 0
+    assert "| prefill ms | prefill tok/s | prefill read |" in captured.out
     assert s["ref"]["floor_ms"] == pytest.approx(s["ref"]["bytes_read_per_step"] / 1e6)
     assert s["f32"]["pair"]["pairs"] == 2
     assert results["disk"]["bytes_per_s"] == 1e9

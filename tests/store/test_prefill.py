@@ -64,3 +64,22 @@ def test_chunk_follows_the_activation_room(resident):
     mid = spec.__class__(**{**spec.__dict__, "hidden_size": 1024, "top_k": 8, "moe_intermediate_size": 512})
     one, two = prefill_tokens_per_chunk(mid, 2), prefill_tokens_per_chunk(mid, 2, room=2 * 2**20 * 64)
     assert PREFILL_MIN < one < PREFILL_MAX and two == min(PREFILL_MAX, 2 * one) or two in (2 * one, 2 * one + 1)
+
+
+def test_stats_report_the_prefill_reads(model_dir, resident):
+    _, touched, resident_bytes, expert, spec = resident
+    with sluice.load(model_dir, memory=resident_bytes + spec.top_k * expert, io="direct") as m:
+        m.replay(LONG, [5, 6])  # prefill, then two decode steps whose reads must not count as the prefill's
+        st = m.stats()
+    by_layer = [sum(1 for (L, _) in touched if L == layer) for layer in range(spec.n_layers)]
+    assert st["prefill_expert_reads_by_layer"] == by_layer
+    assert st["prefill_bytes_read"] == len(touched) * expert < st["bytes_read"]
+    assert st["prefill_bytes_per_token"] == round(len(touched) * expert / len(LONG), 1)
+    assert st["misses_by_layer"] != by_layer  # the decode steps read more
+
+
+def test_resident_stats_have_no_prefill_reads(model_dir):
+    with sluice.load(model_dir, memory="all") as m:
+        m.replay(LONG[:20], [5])
+        st = m.stats()
+    assert st["prefill_bytes_read"] == 0 and st["prefill_expert_reads_by_layer"] == [0] * m.spec.n_layers
