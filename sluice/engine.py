@@ -286,6 +286,7 @@ class Model:
             "resident_bytes": self.resident_bytes,
             "expert_bytes": getattr(self.store, "nbytes", 0),
             "kv_cache_bytes": self.cache.nbytes,
+            "prefill_chunk": self.prefill_chunk,
             "load_s": round(self.load_s, 3),
             "io": self.options.io,
             "odirect": self.odirect,

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Streamed prefill (issue 15): a 2,048-token prompt under a memory ceiling the model does not fit, cold (verified),
+# sluice against llama.cpp's prompt processing (mmap, its default n_batch 512) on the same GGUF, in `sluice bench`
+# (fresh process per run, rotated arms, paired medians; prefill tok/s and prefill read columns); then the same prompt
+# resident and warm (the compute time), and table.py's verdicts: bytes read vs the touched experts' bytes, streamed
+# time vs max(compute, bytes / disk bandwidth), sluice vs llama.cpp.
+#
+#   bash benchmarks/prefill/run.sh        # ROUNDS=3 PROMPT=2048 CEILING=1GiB MEMORY=640MiB SETS="q4km bf16"
+#
+#   q4km  the peers model's Q4_K_M GGUF (1.05 GB; benchmarks/quantized/run.sh makes it)
+#   bf16  the same model's bf16 GGUF (3.4 GB; sluice and llama.cpp read the same file)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROUNDS=${ROUNDS:-3}; PROMPT=${PROMPT:-2048}; CEILING=${CEILING:-1GiB}; MEMORY=${MEMORY:-640MiB}
+SETS=${SETS:-q4km bf16}
+OUT=${OUT:-benchmarks/results/prefill}
+PEER_PY=benchmarks/peers/.venv/bin/python
+SLUICE=(nice -n 19 .venv/bin/sluice)
+PEERS=benchmarks/models/qwen3_moe-peers
+[ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || bash benchmarks/peers/setup.sh
+[ -f "$PEERS/model-Q4_K_M.gguf" ] || SETS=peers bash benchmarks/quantized/run.sh
+
+bench() {  # bench MODEL OUTDIR bench-args...: one decode step after the prompt (the prefill is what is measured)
+  local m=$1 dir=$2; shift 2
+  echo "== $m -> $dir"
+  "${SLUICE[@]}" bench "$m" --rounds "$ROUNDS" --steps 1 --warmup 0 --prompt-tokens "$PROMPT" \
+    --peer-python "$PEER_PY" --out "$dir" "$@"
+}
+for set in $SETS; do
+  case $set in
+    q4km) M=$PEERS/model-Q4_K_M.gguf ;;
+    bf16) M=$PEERS/model.gguf ;;
+    *) echo "SETS: unknown set '$set' (q4km bf16)" >&2; exit 2 ;;
+  esac
+  bench "$M" "$OUT/$set-$CEILING" --cold --ceiling "$CEILING" \
+    --arm sluice="--io direct --memory $MEMORY" --arm llama.cpp="peer:llama.cpp"
+  bench "$M" "$OUT/$set-resident" --warm --arm resident="--memory all"
+  .venv/bin/python benchmarks/prefill/table.py "$M" "$OUT/$set-$CEILING" "$OUT/$set-resident" \
+    --out "$OUT/$set.md"
+done

@@ -1,0 +1,102 @@
+"""Issue 15's streamed-prefill verdicts from two `sluice bench` result folders (benchmarks/prefill/run.sh).
+
+    python benchmarks/prefill/table.py MODEL STREAMED_DIR RESIDENT_DIR [--out FILE.md]
+
+STREAMED_DIR: a cold run under a ceiling with arms `sluice` and `llama.cpp`; RESIDENT_DIR: the same prompt with
+everything resident and warm (arm `resident`: the compute time). The touched experts are counted here by routing the
+same prompt ids once through a resident model (every (layer, expert) pair the router picks), so the bytes claim does
+not rest on the store's own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import sluice
+from sluice.options import format_bytes
+
+
+def touched_bytes(model: str, prompt: list[int], chunk: int) -> tuple[int, int]:
+    """(touched (layer, expert) pairs, their bytes) when `prompt` is prefilled in chunks of `chunk` tokens: a pair
+    counts once per chunk that routes to it (what an ideal expert-major prefill must read)."""
+    with sluice.load(model, memory="all", prefill_chunk=chunk) as m:
+        seen: set[tuple[int, int, int]] = set()
+        acquire, chunk_no = m.store.acquire, [0]
+        forward = m.model.forward
+
+        def counting_forward(tokens, pos):
+            chunk_no[0] = pos // chunk
+            return forward(tokens, pos)
+
+        m.model.forward = counting_forward
+        m.store.acquire = lambda L, ids: (seen.update((chunk_no[0], L, e) for e in ids), acquire(L, ids))[1]
+        m.replay(prompt, [])  # the prompt's forward passes, logits of its last position only
+        return len(seen), len(seen) * m.layout.expert_nbytes
+
+
+def runs(folder: str) -> dict[str, list[dict]]:
+    res = json.loads((Path(folder) / "results.json").read_text())
+    by_arm: dict[str, list[dict]] = {}
+    for r in res["runs"]:
+        if r.get("record") and not r.get("error"):
+            by_arm.setdefault(r["arm"], []).append(r["record"])
+    return by_arm | {"_results": res}  # type: ignore[operator]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("streamed")
+    ap.add_argument("resident")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    st, rs = runs(a.streamed), runs(a.resident)
+    res = st["_results"]
+    prompt = res["sequence"]["prompt_ids"]
+    n = len(prompt)
+    sl, ll, rr = st["sluice"], st.get("llama.cpp", []), rs["resident"]
+    chunk = sl[0]["stats"].get("prefill_chunk") or n
+    pairs, touched = touched_bytes(a.model, prompt, min(chunk, n))
+    med = statistics.median
+    t_stream = med(r["prefill_s"] for r in sl)
+    t_compute = med(r["prefill_s"] for r in rr)
+    read = med(r["prefill_bytes_read"] for r in sl)
+    disk = med(r["prefill_disk_read_bytes"] for r in sl)
+    bw = res["disk"]["bytes_per_s"] if res.get("disk") else None
+    t_io = read / bw if bw else None
+    bound = max(t_compute, t_io or 0)
+    lines = [f"# Streamed prefill of a {n}-token prompt: `{Path(a.model).name}` at a "
+             f"{format_bytes(res['meta']['ceiling'])} ceiling, cold, medians of {len(sl)} rounds", "",
+             "| measure | value |", "|---|---|",
+             f"| sluice prefill | {1000 * t_stream:.0f} ms = {n / t_stream:.1f} tok/s |",
+             f"| resident compute (warm, no ceiling) | {1000 * t_compute:.0f} ms = {n / t_compute:.1f} tok/s |",
+             f"| bytes read by the store / disk | {format_bytes(read)} / {format_bytes(disk)} |",
+             f"| touched experts (routing the same ids) | {pairs} x expert = {format_bytes(touched)} |",
+             f"| **read / touched** (<= 1.1) | **{read / touched:.3f}** |"]
+    if t_io is not None:
+        lines += [f"| disk bandwidth (bench's measure) | {bw / 1e9:.2f} GB/s -> bytes / bandwidth {1000 * t_io:.0f} ms |",
+                  f"| **prefill / max(compute, bytes / bandwidth)** (<= 1.3) | **{t_stream / bound:.2f}** |"]
+    if ll:
+        t_ll = med(r["prefill_s"] for r in ll)
+        ll_disk = med(r.get("prefill_disk_read_bytes") or 0 for r in ll)
+        lines += [f"| llama.cpp prefill (mmap, n_batch 512) | {1000 * t_ll:.0f} ms = {n / t_ll:.1f} tok/s, "
+                  f"disk read {format_bytes(ll_disk)} |",
+                  f"| **sluice vs llama.cpp prefill tok/s** (>= 3) | **{t_ll / t_stream:.2f}x** |"]
+    ident = res["identity"]["arms"].get("llama.cpp") if ll else None
+    if ident:
+        lines.append(f"| first token after the prompt, llama.cpp vs sluice | "
+                     f"{ident.get('steps_compared', 0) - ident.get('mismatched_steps', 0)}/"
+                     f"{ident.get('steps_compared', 0)} steps agree |")
+    lines += ["", f"From `{a.streamed}` and `{a.resident}` (`sluice bench` results); "
+              f"command: `bash benchmarks/prefill/run.sh`.", ""]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
