@@ -5,7 +5,9 @@
 # from `sluice export-gguf`'s bf16 GGUF (benchmarks/quantized/quantize_llamacpp.py, in the peers venv).
 #
 #   peers   the 3.4 GB bf16 synthetic qwen3_moe of benchmarks/peers (16 layers, 64 experts top-8, expert
-#           intermediate 512): its Q4_K_M file is 1.05 GB, about the size of memory at a 1 GiB ceiling
+#           intermediate 512): its Q4_K_M file is 1.05 GB, about the size of memory at a 1 GiB ceiling; llama.cpp
+#           also with MADV_RANDOM, the issue-8 table's rows for a user holding the Q4_K_M file (transformers +
+#           accelerate cannot offload from a GGUF: it has no row here)
 #   6GiB    a ~6 GiB bf16 synthetic qwen3_moe with expert intermediate 512 (multiples of 256, as real models'):
 #           Q4_K_M ~1.8 GB, which does not fit at 1 GiB
 #   resident  the peers Q4_K_M file with no ceiling, warm: decode speed with everything in memory, same threads
@@ -45,7 +47,8 @@ for set in $SETS; do
       for setting in 1GiB:640MiB 1536MiB:1GiB; do
         C=${setting%%:*}; M=${setting##*:}
         bench "$PEERS/model-Q4_K_M.gguf" "$OUT/peers-$C" --cold --ceiling "$C" \
-          --arm sluice="--io direct --memory $M" --arm llama.cpp="peer:llama.cpp"
+          --arm sluice="--io direct --memory $M" --arm llama.cpp="peer:llama.cpp" \
+          --arm llama.cpp+random="peer:llama.cpp --madvise random"
       done ;;
     6GiB)
       bench "$SIX/model-Q4_K_M.gguf" "$OUT/6GiB-1GiB" --cold --ceiling 1GiB \
