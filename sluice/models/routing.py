@@ -4,6 +4,8 @@ chosen by `Spec.router`; the MoE block (models/blocks.py) only calls `route`.
 - "softmax" (Qwen2/3-MoE, Mixtral, OLMoE): softmax over all experts in float32, top-k, optional renormalisation
   (norm_topk_prob); the weights are cast to the compute dtype unless the reference keeps them in float32
   (router_weights_fp32, Mixtral).
+- "topk_softmax" (gpt-oss): logits with the router's bias, top-k of the logits, softmax over those k only, in the
+  compute dtype (as the reference does it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.T
     return weights, ids
 
 
-ROUTERS = {"softmax": softmax_topk}
+def topk_softmax(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (weights [T, K], ids [T, K]): top-k of the biased logits, then softmax over those k."""
+    logits = F.linear(x, lw.router, lw.router_bias)  # [T, E]
+    top, ids = torch.topk(logits, spec.top_k, dim=-1)  # [T, K] each
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+ROUTERS = {"softmax": softmax_topk, "topk_softmax": topk_softmax}
 
 
 def route(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

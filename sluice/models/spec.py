@@ -38,6 +38,11 @@ class Spec:
     # the Qwen/OLMoE routers cast the weights to the compute dtype first. Matters only for bf16/fp16 parity.
     router_weights_fp32: bool = False
     router: str = "softmax"  # the routing family (models/routing.py ROUTERS)
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each query's softmax (LayerWeights.sinks)
+    # gpt-oss experts: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit), instead of
+    # act(gate) * up; None: the plain gated activation (models/experts.py glu_for)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = "none"  # "none" | "head" (Qwen3: per head over head_dim) | "full" (OLMoE: over all heads)
@@ -72,6 +77,8 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [D] ("head") or [nH*D] ("full")
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # [E, H] on MoE layers
+    router_bias: torch.Tensor | None = None  # [E] (gpt-oss)
+    sinks: torch.Tensor | None = None  # [nH] attention sink logits (gpt-oss, Spec.attn_sinks)
     mlp: MLPWeights | None = None  # dense layers
     shared: MLPWeights | None = None  # Qwen2-MoE shared expert
     shared_gate: torch.Tensor | None = None  # [1, H]

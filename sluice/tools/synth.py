@@ -124,7 +124,11 @@ class SynthConfig:
 
     @property
     def expert_nbytes(self) -> int:
-        """Bytes of one expert of one layer (gate + up + down)."""
+        """Bytes of one expert of one layer (gate + up + down; the architecture's `synth_expert_nbytes` when it
+        writes its experts itself, e.g. gpt_oss in MXFP4 with biases)."""
+        own = getattr(get_arch(self.arch), "synth_expert_nbytes", None)
+        if own is not None:
+            return own(self)
         return 3 * self.hidden_size * self.moe_intermediate_size * self.itemsize
 
 
@@ -172,7 +176,8 @@ def size_of(sc: SynthConfig) -> SizeReport:
     sparse = sum(spec.moe_layers) + (sc.num_layers - n) * spec.moe_layers[-1]
     experts = sparse * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
     params = resident + experts
-    return SizeReport(params, params * sc.itemsize, experts * sc.itemsize, sc.expert_nbytes)
+    expert_bytes = sparse * sc.num_experts * sc.expert_nbytes
+    return SizeReport(params, resident * sc.itemsize + expert_bytes, expert_bytes, sc.expert_nbytes)
 
 
 # -- the size rule ---------------------------------------------------------------------------------------------------
@@ -332,7 +337,10 @@ def tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
         if not spec.moe_layers[L]:
             continue
         m = f"model.layers.{L}.{_moe_prefix(sc)}.experts"
-        if sc.layout == "per_expert":
+        own = getattr(get_arch(sc.arch), "synth_experts", None)
+        if own is not None:  # the architecture's own expert tensors (gpt_oss: MXFP4 blocks, scales, biases)
+            yield from own(sc, draw, g, m)
+        elif sc.layout == "per_expert":
             g_name, u_name, d_name = get_arch(sc.arch).EXPERT_PROJ
             for e in range(E):
                 yield f"{m}.{e}.{g_name}.weight", draw((I, H), "proj")
