@@ -104,7 +104,8 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
 
 # -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
 # gpt-oss-20b: 32 experts top-4, intermediate 2880 / hidden 2880, 24 layers; 32 top-4 here.
-SYNTH = SynthDefaults("GptOssForCausalLM", num_experts=32, top_k=4, rope_theta=150000.0, rms_norm_eps=1e-5)
+SYNTH = SynthDefaults("GptOssForCausalLM", num_experts=32, top_k=4, rope_theta=150000.0, rms_norm_eps=1e-5,
+                      intermediate_multiple=32)
 
 
 def synth_config(sc) -> dict[str, Any]:

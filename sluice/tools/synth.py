@@ -254,14 +254,17 @@ _SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head
 
 def _solve(sc: SynthConfig, target: int, field: str) -> int:
     """The value of `field` (total bytes are linear in it) that brings the total nearest `target`, at least 1."""
-    b1 = size_of(dataclasses.replace(sc, **{field: 1})).total_bytes
-    b2 = size_of(dataclasses.replace(sc, **{field: 2})).total_bytes
-    exact = 1 + (target - b1) / (b2 - b1)
+    # sizes at two values the architecture accepts (gpt_oss: intermediate sizes in multiples of 32)
+    least = 1 if field == "num_layers" else get_arch(sc.arch).SYNTH.intermediate_multiple
+    b1 = size_of(dataclasses.replace(sc, **{field: least})).total_bytes
+    b2 = size_of(dataclasses.replace(sc, **{field: 2 * least})).total_bytes
+    exact = least * (1 + (target - b1) / (b2 - b1))
     if field == "num_layers":
         return max(1, round(exact))
     # Multiples of 64 keep quantization groups and kernels happy; settle for less when the rounding would cost.
     for granule in (64, 32, 16, 8, 1):
-        if granule / 2 <= 0.02 * exact or granule == 1:
+        if granule / 2 <= 0.02 * exact or granule <= least:
+            granule = max(granule, least)
             return max(granule, round(exact / granule) * granule)
     raise AssertionError("unreachable")
 
@@ -458,5 +461,10 @@ def _with_progress(
 def describe(sc: SynthConfig) -> str:
     """One line of the shape, for summaries."""
     return (f"{sc.arch}: {sc.num_layers} layers, hidden {sc.hidden_size}, {sc.num_experts} experts (top-{sc.top_k}) "
-            f"of intermediate {sc.moe_intermediate_size}, vocab {sc.vocab_size}, {sc.dtype}, {sc.layout} layout; "
+            f"of intermediate {sc.moe_intermediate_size}, vocab {sc.vocab_size}, {sc.dtype}, {_layout_name(sc)}; "
             f"one expert {format_bytes(sc.expert_nbytes)}")
+
+
+def _layout_name(sc: SynthConfig) -> str:
+    own = hasattr(get_arch(sc.arch), "synth_experts")  # gpt_oss writes its experts as shipped (MXFP4)
+    return "experts as the family ships them" if own else f"{sc.layout} layout"

@@ -161,3 +161,28 @@ def test_bad_mxfp4_tensors_name_the_tensor(mxfp4, tmp_path):
     with pytest.raises(CheckpointError) as e:
         sluice.load(bad)
     assert e.value.tensor == name and "U8" in str(e.value)
+
+
+def test_make_model_writes_the_shipped_layout(tmp_path):
+    """`make-model --arch gpt_oss`: MXFP4 experts that transformers itself loads (dequantizing them) and agrees
+    with; `inspect` reports the MXFP4 bytes an expert and a token take."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from sluice.commands.inspect import describe
+    from sluice.options import LoadOptions
+    from sluice.plan import plan
+    from sluice.tools.synth import SynthConfig, make_model, size_of
+
+    sc = SynthConfig(arch="gpt_oss", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     num_experts=4, top_k=2, moe_intermediate_size=64, vocab_size=300, dtype="bfloat16")
+    folder = make_model(tmp_path / "m", sc, progress=False)
+    info = describe(plan(folder, LoadOptions()))
+    one = 3 * 64 * 64 * 17 // 32 + (2 * 64 + 64) * 2  # MXFP4 weights + bf16 biases, no alignment padding needed
+    assert (info["dtype"], info["bytes_per_expert"]) == ("mxfp4", one) and size_of(sc).expert_nbytes == one
+    assert info["expert_bytes_per_token"] == 2 * 2 * one
+    ref_model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True),
+                                                     dtype=torch.float32)
+    ids = _prompt()
+    with sluice.load(folder, dtype="float32") as m:
+        out = m.logits(ids)
+    assert (out - _ref_logits(ref_model, ids)).abs().max().item() <= 1e-4
