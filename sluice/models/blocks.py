@@ -41,9 +41,9 @@ def _mask(pos: int, T: int, window: int | None) -> torch.Tensor | None:
     return allowed
 
 
-#: query rows per block of sink_attention: bounds its [nH, rows, P] score block (64 heads x 32 rows x 32k positions
-#: in float32: 256 MiB); decode is one row
-SINK_QUERY_BLOCK = 32
+#: bytes of one [nH, rows, P] score block of sink_attention: query rows run in blocks this size bounds (gpt-oss-20b,
+#: 64 heads, 4k positions, float32: 64 rows; at 128k positions, 2 rows); decode is one row
+SINK_SCORE_BYTES = 64 * 2**20
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -54,19 +54,20 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     sinks [nH] -> [nH, T, D]. SDPA has no sink term, so this computes what the reference's eager attention does, op
     for op: scores scaled by 1/sqrt(D), masked, the sink appended as one more column, the row max subtracted,
     softmax, the sink's column dropped, then @ v. (The same result is SDPA's output times sigmoid(lse - sink), but
-    CPU SDPA does not return its log-sum-exp.) Query rows run in blocks of SINK_QUERY_BLOCK to bound the scores.
+    CPU SDPA does not return its log-sum-exp.) Query rows run in blocks whose scores fit SINK_SCORE_BYTES.
     """
     nH, T, D = q.shape
     group = nH // k.shape[0]
     k = k.repeat_interleave(group, dim=0)  # [nH, P, D]
     v = v.repeat_interleave(group, dim=0)
     sink = sinks.to(q.dtype).view(nH, 1, 1)
+    rows = max(1, SINK_SCORE_BYTES // (nH * k.shape[1] * 4))
     out = []
-    for t0 in range(0, T, SINK_QUERY_BLOCK):
-        qb = q[:, t0 : t0 + SINK_QUERY_BLOCK]  # [nH, t, D]
+    for t0 in range(0, T, rows):
+        qb = q[:, t0 : t0 + rows]  # [nH, t, D]
         scores = torch.matmul(qb, k.transpose(1, 2)) * D**-0.5  # [nH, t, P]
         if mask is not None:
-            scores = scores.masked_fill(~mask[t0 : t0 + SINK_QUERY_BLOCK], float("-inf"))
+            scores = scores.masked_fill(~mask[t0 : t0 + rows], float("-inf"))
         logits = torch.cat([scores, sink.expand(nH, scores.shape[1], 1)], dim=-1)  # [nH, t, P + 1]
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
@@ -122,7 +123,11 @@ class Transformer:
         ck[:, pos : pos + T] = k
         cv[:, pos : pos + T] = v.view(T, s.n_kv_heads, D).transpose(0, 1)
         if lw.sinks is not None:
-            out = sink_attention(q, ck[:, : pos + T], cv[:, : pos + T], mask, lw.sinks)  # [nH, T, D]
+            # a sliding layer's queries see nothing before pos - window + 1: those keys are not scored at all
+            win = s.sliding_window[L]
+            lo = max(0, pos - win + 1) if win is not None else 0
+            part = None if mask is None else mask[:, lo:]
+            out = sink_attention(q, ck[:, lo : pos + T], cv[:, lo : pos + T], part, lw.sinks)  # [nH, T, D]
         else:
             out = F.scaled_dot_product_attention(
                 q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], attn_mask=mask, enable_gqa=True

@@ -132,7 +132,7 @@ class Recorder:
             self.x[layer][self.at] = x[0]
         if layer in self.ids:  # the true router of this layer, as Transformer.moe computes it
             lw = self.w.layers[layer]
-            scores = F.linear(rms_norm(x, lw.post_norm, self.spec.rms_norm_eps), lw.router)  # [1, E]
+            scores = F.linear(rms_norm(x, lw.post_norm, self.spec.rms_norm_eps), lw.router, lw.router_bias)  # [1, E]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
             self.ids[layer][self.at] = torch.topk(probs, self.spec.top_k, dim=-1).indices[0]
         return None

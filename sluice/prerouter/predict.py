@@ -44,7 +44,8 @@ class RouterPrerouter:
         if nxt is None:
             return None
         lw = self.w.layers[nxt]
-        scores = F.linear(rms_norm(x, lw.post_norm, self.spec.rms_norm_eps), lw.router)  # [T, E]
+        # the router's bias (gpt-oss) shifts which experts win; None elsewhere
+        scores = F.linear(rms_norm(x, lw.post_norm, self.spec.rms_norm_eps), lw.router, lw.router_bias)  # [T, E]
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
         ids = torch.topk(scores, k, dim=-1).indices.flatten().unique()
         return nxt, ids.tolist()

@@ -186,3 +186,46 @@ def test_make_model_writes_the_shipped_layout(tmp_path):
     with sluice.load(folder, dtype="float32") as m:
         out = m.logits(ids)
     assert (out - _ref_logits(ref_model, ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("pos,T", [(0, 20), (13, 1), (13, 5)])
+def test_sink_attention_is_the_reference_eager_attention(monkeypatch, pos, T):
+    """blocks.sink_attention against transformers' gpt-oss eager attention, with query blocks down to one row and
+    a window that ends before the cache does; the window slice Transformer.attention takes changes nothing."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from sluice.models import blocks
+
+    g = torch.Generator().manual_seed(pos)
+    nH, nKV, D, window = 4, 2, 16, 6
+    q = torch.randn(nH, T, D, generator=g)
+    k, v = torch.randn(nKV, pos + T, D, generator=g), torch.randn(nKV, pos + T, D, generator=g)
+    sinks = torch.randn(nH, generator=g)
+    mask = blocks._mask(pos, T, window)
+    additive = torch.zeros(T, pos + T) if mask is None else torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    module = SimpleNamespace(num_key_value_groups=nH // nKV, sinks=sinks, training=False)
+    ref, _ = eager_attention_forward(module, q[None], k[None], v[None], additive[None, None], scaling=D**-0.5)
+    ref = ref[0].transpose(0, 1)  # [nH, T, D]
+    monkeypatch.setattr(blocks, "SINK_SCORE_BYTES", 1)  # one query row per block
+    out = blocks.sink_attention(q, k, v, mask, sinks)
+    assert (out - ref).abs().max().item() <= 1e-6
+    lo = max(0, pos - window + 1)
+    sliced = blocks.sink_attention(q, k[:, lo:], v[:, lo:], None if mask is None else mask[:, lo:], sinks)
+    assert (sliced - ref).abs().max().item() <= 1e-6
+
+
+def test_router_prefetch_keeps_output_exact(resident_run):
+    """The router prerouter (with the router's bias) prefetches into half the experts' slots; the output stays
+    bitwise the resident run's."""
+    folder, ref_logits, ref_tokens, resident, spec, expert = resident_run
+    ids = _prompt()
+    slots = sum(spec.moe_layers) * spec.num_experts // 2
+    with sluice.load(folder, memory=resident + slots * expert, io="direct", prefetch="router",
+                     prefetch_margin=1) as m:
+        logits = m.logits(ids)
+        tokens = list(m.generate_tokens(ids, max_tokens=6, stop_at_eos=False))
+        st = m.stats()
+    assert torch.equal(logits, ref_logits) and tokens == ref_tokens
+    assert st["prefetch_issued"] > 0
