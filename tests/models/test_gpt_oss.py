@@ -229,3 +229,42 @@ def test_router_prefetch_keeps_output_exact(resident_run):
         st = m.stats()
     assert torch.equal(logits, ref_logits) and tokens == ref_tokens
     assert st["prefetch_issued"] > 0
+
+
+GPT_OSS_20B = {  # the hub's config.json of openai/gpt-oss-20b (its keys as published)
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                             "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                             "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}
+
+
+@pytest.mark.parametrize("drop", [(), ("rope_scaling", "rope_theta", "head_dim", "layer_types")])
+def test_hub_config_gives_transformers_model(drop):
+    """gpt-oss-20b's config.json (and one without the keys transformers defaults: yarn rope, head_dim 64, alternating
+    layers) -> the Spec and the yarn frequencies transformers' GptOssConfig gives."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from sluice.models import model_args
+    from sluice.models.rope import inv_freq
+
+    cfg = {k: v for k, v in GPT_OSS_20B.items() if k not in drop}
+    spec = model_args(cfg)[1].spec()
+    assert (spec.n_layers, spec.hidden_size, spec.head_dim, spec.n_heads, spec.n_kv_heads) == (24, 2880, 64, 64, 8)
+    assert (spec.num_experts, spec.top_k, spec.moe_intermediate_size) == (32, 4, 2880)
+    assert spec.sliding_window == [128, None] * 12 and spec.router == "topk_softmax" and spec.attn_sinks
+    assert (spec.qkv_bias, spec.o_bias, spec.swiglu_limit, spec.swiglu_alpha) == (True, True, 7.0, 1.702)
+    hf = GptOssConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    want, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    got, scale = inv_freq(spec.rope)
+    assert torch.allclose(got, want, rtol=1e-6) and scale == pytest.approx(want_scale)
