@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..quant.stored import StoredLinear
 from ..checkpoint.ref import DTYPES
+from ..quant.stored import StoredLinear
 from ..store.layout import BiasedGluFormat
 
 
@@ -65,7 +65,7 @@ class ExpertMath:
     def __init__(self, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], glu: Glu | None = None):
         """`glu`: (gate, up) -> hidden; default act(gate) * up (glu_for builds the Spec's)."""
         self.dtype, self.act = dtype, act
-        self.glu = glu or (lambda gate, up: act(gate) * up)
+        self.glu = glu or (lambda gate, up: act(gate) * up)  # the Qwen / Mixtral / OLMoE SwiGLU
         self._kernels: dict[object, tuple] = {}
         self._scratch_numel = 0  # the largest projection of any format seen
         self._scratch_buf = torch.empty(0, dtype=torch.float32)
