@@ -95,6 +95,11 @@ class ExpertFormat:
         return _PLAIN[self.gate.name] if len(names) == 1 and self.gate.plain else None
 
     @property
+    def stored_nbytes(self) -> int:
+        """Bytes read from disk for one expert (no padding)."""
+        return sum(p.nbytes for s in (self.gate, self.up, self.down) for p in s.parts)
+
+    @property
     def specs(self) -> tuple[QuantSpec, ...]:
         return self.gate, self.up, self.down
 
@@ -129,6 +134,11 @@ class BiasedGluFormat:
     @property
     def transposed(self) -> bool:
         return self.gate_up.plain
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes read from disk for one expert (no padding)."""
+        return sum(p.nbytes for s in self.specs for p in s.parts) + self.gate_up_bias.nbytes + self.down_bias.nbytes
 
     @property
     def specs(self) -> tuple[QuantSpec, ...]:

@@ -78,6 +78,7 @@ def test_mxfp4_slots_hold_the_stored_bytes(mxfp4):
         H, I = m.spec.hidden_size, m.spec.moe_intermediate_size
         # 4.25 bits per weight plus the float32 biases, read as stored (the slot adds alignment padding only)
         assert sum(p.range.nbytes for p in m.layout.parts(0, 3)) == 3 * H * I * 17 // 32 + (2 * I + H) * 4
+        assert fmt.stored_nbytes == 3 * H * I * 17 // 32 + (2 * I + H) * 4
         assert fmt.nbytes == m.layout.expert_nbytes < 3 * H * I * 4
 
 
@@ -144,8 +145,7 @@ def test_streamed_equals_resident(resident_run, io, odirect):
         st = m.stats()
     assert torch.equal(logits, ref_logits)  # bitwise
     assert tokens == ref_tokens
-    stored = sum(p.range.nbytes for p in m.layout.parts(0, 0))
-    assert st["misses"] > 0 and st["bytes_read"] == st["misses"] * stored
+    assert st["misses"] > 0 and st["bytes_read"] == st["misses"] * m.layout.format(0).stored_nbytes
 
 
 def test_bad_mxfp4_tensors_name_the_tensor(mxfp4, tmp_path):
