@@ -55,7 +55,9 @@ class SynthConfig:
     embed_std:          std of the token embeddings; 4.0 spreads routing like a trained model (see module doc).
     init_std:           std of every projection, the router and lm_head (transformers' initializer_range).
     seed:               the same config and seed give byte-identical files.
-    layout:             per_expert (the hub's `experts.{e}.gate_proj.weight`) | fused (`experts.gate_up_proj`).
+    layout:             per_expert (the hub's `experts.{e}.gate_proj.weight`) | fused (`experts.gate_up_proj`);
+                        an architecture with its own `synth_experts` writes its experts as shipped instead
+                        (gpt_oss: MXFP4 blocks and scales plus biases).
     tie_word_embeddings: no lm_head tensor; the head is the embedding.
     max_shard_bytes:    shard size limit, like save_pretrained's max_shard_size.
     shared_expert_intermediate_size: the shared expert of an architecture that has one (qwen2_moe); None = one
