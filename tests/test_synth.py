@@ -28,9 +28,11 @@ def tiny(arch: str, **kw) -> SynthConfig:
 
 
 def hf_load(path: Path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32)
+    quantized = "quantization_config" in json.loads((path / "config.json").read_text())  # gpt_oss: MXFP4 experts
+    extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quantized else {}
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32, **extra)
     return model.eval(), info
 
 
@@ -50,7 +52,12 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, l
     # The generated numbers reach the right parameters: expert 1 of layer 1, gate rows then up rows.
     gen = dict(tensors(sc))
     experts = model.model.layers[1].mlp.experts
-    if layout == "fused":
+    if hasattr(get_arch(arch), "synth_experts"):  # gpt_oss: MXFP4, dequantized by transformers to [H, 2I]
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        x = "model.layers.1.mlp.experts.gate_up_proj"
+        want_gu = convert_moe_packed_tensors(gen[f"{x}_blocks"][1:2], gen[f"{x}_scales"][1:2], dtype=torch.float32)[0]
+    elif layout == "fused":
         want_gu = gen["model.layers.1.mlp.experts.gate_up_proj"][1]
     else:
         g, u, _ = get_arch(arch).EXPERT_PROJ
@@ -99,8 +106,8 @@ def test_config_for_size_hits_target_with_experts_dominating(arch, target):
     r = size_of(sc)
     assert abs(r.total_bytes / target - 1) < 0.05, (sc, r)
     assert r.expert_share > 0.85, (sc, r)
-    assert sc.num_experts == (8 if arch == "mixtral" else 64)
-    assert sc.top_k == (2 if arch == "mixtral" else 8)
+    info = get_arch(arch).SYNTH  # the family's: 64 top-8 for the Qwen ones and OLMoE, 8 top-2 Mixtral, 32 top-4 gpt_oss
+    assert (sc.num_experts, sc.top_k) == (info.num_experts, info.top_k)
     assert 4 <= sc.num_layers <= 48
 
 

@@ -24,6 +24,13 @@ reads all it needs from the module. What a module provides (tests/models/test_ar
                       config hook -- or None when llama.cpp has no such architecture (then a GGUF file never maps to
                       it: `by_gguf_name` returns None)
 
+Optional (an architecture whose checkpoints differ from the Qwen family's defines them; absent, the default holds):
+
+    ROUTER            the router's name under the MoE prefix (default "gate"; gpt_oss: "router")
+    synth_experts     (SynthConfig, draw, generator, prefix) -> (name, tensor) of one layer's experts: tools/synth.py
+                      writes these instead of its per-expert / fused layouts (gpt_oss: MXFP4 as shipped)
+    synth_expert_nbytes  (SynthConfig) -> bytes of one expert as synth_experts writes it
+
 A module outside the package (a plugin, or a test's throwaway architecture) joins with `register(module)`.
 """
 

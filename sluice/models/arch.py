@@ -28,6 +28,8 @@ class SynthDefaults:
     # writes a shared expert beside the routed ones (size: SynthConfig.shared_expert_intermediate_size, else one
     # routed expert's); the module's `synth_config` puts its size in config.json
     shared_expert: bool = False
+    # the experts' intermediate size is a multiple of this (gpt_oss: 32, whole MXFP4 groups along down's rows)
+    intermediate_multiple: int = 1
 
 
 class TensorName(NamedTuple):

@@ -18,7 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint.ref import DTYPES
 from ..quant.stored import StoredLinear
+from ..store.layout import BiasedGluFormat
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -35,11 +37,35 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Glu:
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = gate clamped
+    above at limit (transformers' GptOssExperts._apply_gate)."""
+
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return glu
+
+
+def glu_for(spec, act: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
+    """(gate, up) -> the experts' hidden activation for a Spec: act(gate) * up, or the clamped form (swiglu_limit)."""
+    if spec.swiglu_limit is not None:
+        return clamped_swiglu(spec.swiglu_alpha, spec.swiglu_limit)
+    return lambda gate, up: act(gate) * up
+
+
 class ExpertMath:
     """Expert forward passes for every storage format the layout holds, at one compute dtype."""
 
-    def __init__(self, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], glu: Glu | None = None):
+        """`glu`: (gate, up) -> hidden; default act(gate) * up (glu_for builds the Spec's)."""
         self.dtype, self.act = dtype, act
+        self.glu = glu or (lambda gate, up: act(gate) * up)  # the Qwen / Mixtral / OLMoE SwiGLU
         self._kernels: dict[object, tuple] = {}
         self._scratch_numel = 0  # the largest projection of any format seen
         self._scratch_buf = torch.empty(0, dtype=torch.float32)
@@ -53,8 +79,10 @@ class ExpertMath:
             if gu.dtype != x.dtype:  # streamed slots keep the checkpoint dtype
                 gu, dn = gu.to(x.dtype), dn.to(x.dtype)
             g, u = rows_linear(x, gu).chunk(2, dim=-1)  # [n, I] each
-            return rows_linear(self.act(g) * u, dn)
+            return rows_linear(self.glu(g, u), dn)
         fmt, raw = batch.format, batch.raw[slot]
+        if isinstance(fmt, BiasedGluFormat):
+            return self._biased(fmt, raw, x)
         gate_up, gate, up, down = self._kernels_for(fmt)
         scratch = self._scratch()
         if gate_up is not None:  # one call over the 2I rows of [gate; up]
@@ -62,7 +90,22 @@ class ExpertMath:
         else:
             g = gate(x, raw[: fmt.gate.nbytes], scratch)  # [n, I]
             u = up(x, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], scratch)  # [n, I]
-        return down(self.act(g) * u, raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes], scratch)
+        return down(self.glu(g, u), raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes], scratch)
+
+    def _biased(self, fmt: BiasedGluFormat, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """gpt-oss: y = down(glu(gate, up)) + b_down, [gate, up] interleaved in gate_up(x) + b_gate_up."""
+        gu_bias = fmt.gate_up_bias.view(raw).to(x.dtype)  # [2I]
+        dn_bias = fmt.down_bias.view(raw).to(x.dtype)  # [H]
+        dn_raw = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
+        if fmt.transposed:  # plain, stored [in, out]: x @ W through F.linear on the transposed view
+            gu_w = fmt.gate_up.parts[0].view(raw).view(DTYPES[fmt.gate_up.name][1])  # [H, 2I]
+            dn_w = fmt.down.parts[0].view(dn_raw).view(DTYPES[fmt.down.name][1])  # [I, H]
+            gu = rows_linear(x, gu_w.to(x.dtype).t()) + gu_bias  # [n, 2I]
+            return rows_linear(self.glu(gu[:, 0::2], gu[:, 1::2]), dn_w.to(x.dtype).t()) + dn_bias
+        gate_up, down = self._kernels_for(fmt)
+        scratch = self._scratch()
+        gu = gate_up(x, raw[: fmt.gate_up.nbytes], scratch) + gu_bias  # [n, 2I]: columns gate 0, up 0, gate 1, ...
+        return down(self.glu(gu[:, 0::2], gu[:, 1::2]), dn_raw, scratch) + dn_bias
 
     def _scratch(self) -> torch.Tensor:
         """The float32 scratch the torch paths and the native many-rows path write weights into (torch.empty: pages
@@ -72,10 +115,11 @@ class ExpertMath:
         return self._scratch_buf
 
     def _kernels_for(self, fmt) -> tuple:
-        """(gate_up or None, gate, up, down) StoredLinears of one ExpertFormat, built once."""
+        """(gate_up or None, gate, up, down) StoredLinears of one ExpertFormat, (gate_up, down) of a
+        BiasedGluFormat; built once."""
         k = self._kernels.get(fmt)
         if k is None:
-            specs = (fmt.gate_up, fmt.gate, fmt.up, fmt.down)
+            specs = fmt.specs if isinstance(fmt, BiasedGluFormat) else (fmt.gate_up, fmt.gate, fmt.up, fmt.down)
             k = self._kernels[fmt] = tuple(None if s is None else StoredLinear(s, self.dtype) for s in specs)
             # sized once per format: the scratch grows to it at the next expert
             self._scratch_numel = max(self._scratch_numel, *(x.scratch_numel for x in k if x is not None))

@@ -8,6 +8,8 @@ chosen by `Spec.router`; the MoE block (models/blocks.py) only calls `route`.
   adds a per-expert bias (e_score_correction_bias, selection only) and keeps only the `topk_group` best of `n_group`
   expert groups (a group's score: the sum of its two best biased scores); the weights are the unbiased scores,
   optionally renormalised, times routed_scaling_factor, kept in float32 as the reference multiplies them.
+- "topk_softmax" (gpt-oss): logits with the router's bias, top-k of the logits, softmax over those k only, in the
+  compute dtype (as the reference does it).
 """
 
 from __future__ import annotations
@@ -30,25 +32,48 @@ def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.T
     return weights, ids
 
 
-def sigmoid_grouped_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (float32 weights [T, K], ids [T, K]): grouped top-k over biased sigmoid scores (see the module
-    docstring). Selection ties resolve as torch.topk does in the reference."""
-    T, E, G = x.shape[0], spec.num_experts, spec.n_group
-    scores = torch.sigmoid(F.linear(x.float(), lw.router.float()))  # [T, E] float32
+def _grouped_choice(spec: Spec, lw: LayerWeights, scores: torch.Tensor) -> torch.Tensor:
+    """Sigmoid scores [T, E] -> the selection scores: plus the correction bias, -inf outside each token's
+    `topk_group` best groups (a group's score: the sum of its two best)."""
+    T, E, G = scores.shape[0], spec.num_experts, spec.n_group
     choice = scores if lw.router_bias is None else scores + lw.router_bias  # [T, E]
     if G > 1 and spec.topk_group < G:
         group_scores = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         keep = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # [T, G]
         choice = choice.masked_fill(~mask.repeat_interleave(E // G, dim=1), float("-inf"))
-    ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]  # [T, K]
+    return choice
+
+
+def sigmoid_grouped_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (float32 weights [T, K], ids [T, K]): grouped top-k over biased sigmoid scores (see the module
+    docstring). Selection ties resolve as torch.topk does in the reference."""
+    scores = torch.sigmoid(F.linear(x.float(), lw.router.float()))  # [T, E] float32
+    ids = torch.topk(_grouped_choice(spec, lw, scores), k=spec.top_k, dim=-1, sorted=False)[1]  # [T, K]
     weights = scores.gather(1, ids)  # [T, K]
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * spec.routed_scaling_factor, ids
 
 
-ROUTERS = {"softmax": softmax_topk, "sigmoid_grouped": sigmoid_grouped_topk}
+def topk_softmax(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (weights [T, K], ids [T, K]): top-k of the biased logits, then softmax over those k."""
+    bias = None if lw.router_bias is None else lw.router_bias.to(x.dtype)  # stored bf16 here: the cast is exact
+    logits = F.linear(x, lw.router, bias)  # [T, E]
+    top, ids = torch.topk(logits, spec.top_k, dim=-1)  # [T, K] each
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+ROUTERS = {"softmax": softmax_topk, "sigmoid_grouped": sigmoid_grouped_topk, "topk_softmax": topk_softmax}
+
+
+def selection_scores(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """x [T, H] -> [T, E] scores whose top-k are the experts `route` picks (its ranking, not its weights): what a
+    prerouter ranks to guess more than k of them. The grouped router's excluded groups score -inf."""
+    if spec.router == "sigmoid_grouped":
+        return _grouped_choice(spec, lw, torch.sigmoid(F.linear(x.float(), lw.router.float())))
+    bias = None if lw.router_bias is None else lw.router_bias.to(x.dtype)
+    return F.linear(x, lw.router, bias)  # softmax is monotonic: the logits rank as the probabilities do
 
 
 def route(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

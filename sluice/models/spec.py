@@ -43,6 +43,11 @@ class Spec:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each query's softmax (LayerWeights.sinks)
+    # gpt-oss experts: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit), instead of
+    # act(gate) * up; None: the plain gated activation (models/experts.py glu_for)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = "none"  # "none" | "head" (Qwen3: per head over head_dim) | "full" (OLMoE: over all heads)
@@ -77,7 +82,10 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [D] ("head") or [nH*D] ("full")
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # [E, H] on MoE layers
-    router_bias: torch.Tensor | None = None  # [E] float32: e_score_correction_bias (selection only)
+    # [E]: gpt-oss's router bias (added to the logits) or glm4_moe / deepseek_v3's e_score_correction_bias
+    # (selection only); loaded in float32 (store/weights.py)
+    router_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [nH] attention sink logits (gpt-oss, Spec.attn_sinks)
     mlp: MLPWeights | None = None  # dense layers
     shared: MLPWeights | None = None  # shared expert(s) beside the routed ones, added to every token
     shared_gate: torch.Tensor | None = None  # [1, H]: Qwen2-MoE scales the shared expert by sigmoid(gate x); None: 1

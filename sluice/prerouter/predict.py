@@ -27,6 +27,7 @@ from ..checkpoint.safetensors import read_header, write_safetensors
 from ..errors import CheckpointError
 from ..io.tensor import read_tensor
 from ..models.blocks import rms_norm
+from ..models.routing import selection_scores
 from ..models.spec import Spec, Weights
 
 
@@ -44,7 +45,8 @@ class RouterPrerouter:
         if nxt is None:
             return None
         lw = self.w.layers[nxt]
-        scores = F.linear(rms_norm(x, lw.post_norm, self.spec.rms_norm_eps), lw.router)  # [T, E]
+        # ranked as the layer's own router ranks (its bias, groups): models/routing.py
+        scores = selection_scores(self.spec, lw, rms_norm(x, lw.post_norm, self.spec.rms_norm_eps))  # [T, E]
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
         ids = torch.topk(scores, k, dim=-1).indices.flatten().unique()
         return nxt, ids.tolist()

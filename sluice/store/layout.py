@@ -13,6 +13,10 @@ A slot is one uint8 buffer holding the expert's bytes as stored (`ExpertFormat`)
 `QuantSpec` (quant/kernels.py) -- plain BF16/F16/F32 rows, GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row, or
 MLX affine weight / scales / biases, each in its QuantSpec part (typed views need aligned parts: MLX projections
 and slots start at 64-byte offsets).
+gpt-oss (`BiasedGluFormat`): `{p}.experts.gate_up_proj_blocks/_scales` [E, 2I, H/32, 16] / [E, 2I, H/32] and
+`down_proj_blocks/_scales` in MXFP4 as shipped, or the dequantized `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`
+(`save_pretrained`), plus `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`: expert e is one contiguous slice
+of each tensor, four ranges (six in MXFP4) into one slot.
 Nothing converts them between the read and the math: the kernels compute from the stored bytes. Formats may differ
 between layers (a Q4_K_M file stores some layers' down projections as Q6_K); slots are sized for the largest.
 When every layer's experts are one plain dtype (`plain_dtype`), gate and up are back to back, so the store can
@@ -32,6 +36,7 @@ from ..errors import CheckpointError
 from ..io.ranges import ReadRange
 from ..models.spec import Spec
 from ..quant import QuantSpec, UnsupportedFormat
+from ..quant.kernels import Part
 
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ALIGN = 64  # quantized projections start at 64-byte offsets inside a slot (SIMD loads of whole blocks)
@@ -41,7 +46,8 @@ ALIGN = 64  # quantized projections start at 64-byte offsets inside a slot (SIMD
 class ExpertPart:
     """One contiguous byte range of one expert: lands at byte `dest_offset` of the expert's slot."""
 
-    proj: str  # "gate" | "up" | "down" | "gate_up" (fused: gate and up rows in one range)
+    proj: str  # "gate" | "up" | "down" | "gate_up" (fused: gate and up rows in one range) | gpt-oss: the tensor's
+    # last name ("gate_up_proj_blocks", "down_proj_bias", ...)
     dest_offset: int
     range: ReadRange
 
@@ -93,18 +99,65 @@ class ExpertFormat:
         """Bytes read from disk for one expert (no padding)."""
         return sum(p.nbytes for s in (self.gate, self.up, self.down) for p in s.parts)
 
+    @property
+    def specs(self) -> tuple[QuantSpec, ...]:
+        return self.gate, self.up, self.down
+
+
+@dataclass(frozen=True)
+class BiasedGluFormat:
+    """gpt-oss experts in one slot: gate_up (gate and up as one weight whose output rows alternate: 2j is gate j,
+    2j+1 up j), down, then the gate_up bias [2I] and the down bias [H] in the checkpoint's dtype.
+
+    MXFP4 as shipped: gate_up QuantSpec.mxfp4 [2I, H], down [H, I] ([out, in], the parts blocks then scales).
+    Plain (the dequantized layout `save_pretrained` writes): stored [in, out] -- gate_up [H, 2I], down [I, H] -- and
+    kept so (`transposed`): the math computes x @ W from the slot, no transpose per read. Never viewed as typed
+    stacks (plain_dtype None): the stores keep raw slots and models/experts.py reads them through this format.
+    """
+
+    gate_up: QuantSpec  # mxfp4 [2I, H] | plain as stored [H, 2I]
+    down: QuantSpec  # mxfp4 [H, I] | plain as stored [I, H]
+    down_offset: int
+    gate_up_bias: Part  # [2I]
+    down_bias: Part  # [H]
+    nbytes: int
+    plain_dtype = None
+
+    @staticmethod
+    def of(gate_up: QuantSpec, down: QuantSpec, gate_up_bias: torch.dtype, down_bias: torch.dtype,
+           hidden: int, inter: int) -> "BiasedGluFormat":
+        down_offset = _aligned(gate_up.nbytes)
+        gb = Part("gate_up_bias", _aligned(down_offset + down.nbytes), gate_up_bias, (2 * inter,))
+        db = Part("down_bias", _aligned(gb.offset + gb.nbytes), down_bias, (hidden,))
+        return BiasedGluFormat(gate_up, down, down_offset, gb, db, _aligned(db.offset + db.nbytes))
+
+    @property
+    def transposed(self) -> bool:
+        return self.gate_up.plain
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes read from disk for one expert (no padding)."""
+        return sum(p.nbytes for s in self.specs for p in s.parts) + self.gate_up_bias.nbytes + self.down_bias.nbytes
+
+    @property
+    def specs(self) -> tuple[QuantSpec, ...]:
+        return self.gate_up, self.down
+
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
 def moe_prefix(index: CheckpointIndex, arch: ModuleType, layer: int) -> str:
-    """The MoE block's name prefix in this checkpoint (Mixtral: block_sparse_moe on the hub, mlp when fused)."""
+    """The MoE block's name prefix in this checkpoint (Mixtral: block_sparse_moe on the hub, mlp when fused), found
+    by its router `{prefix}.{arch.ROUTER or gate}.weight` (gpt-oss: `mlp.router.weight`)."""
+    router = getattr(arch, "ROUTER", "gate")
     for p in arch.MOE_PREFIXES:
         name = f"model.layers.{layer}.{p}"
-        if f"{name}.gate.weight" in index:
+        if f"{name}.{router}.weight" in index:
             return name
-    tried = ", ".join(f"model.layers.{layer}.{p}.gate.weight" for p in arch.MOE_PREFIXES)
+    tried = ", ".join(f"model.layers.{layer}.{p}.{router}.weight" for p in arch.MOE_PREFIXES)
     raise CheckpointError(f"router weight of MoE layer {layer} not found (looked for {tried})", file=str(index.folder))
 
 
@@ -131,7 +184,7 @@ class ExpertLayout:
         #: the experts' torch dtype when every layer stores them in one plain dtype (slots then have typed views)
         self.plain_dtype: torch.dtype | None = dtypes.pop() if len(dtypes) == 1 else None
         #: the format names, e.g. {"Q4_K", "Q6_K"}: what `inspect` and the stats report
-        self.format_names = sorted({s.name for f in formats for s in (f.gate, f.up, f.down)})
+        self.format_names = sorted({s.name for f in formats for s in f.specs})
 
     @property
     def expert_nbytes(self) -> int:
@@ -150,7 +203,7 @@ class ExpertLayout:
     def parts(self, layer: int, expert: int) -> list[ExpertPart]:
         return self._parts[(layer, expert)]
 
-    def format(self, layer: int) -> ExpertFormat:
+    def format(self, layer: int) -> ExpertFormat | BiasedGluFormat:
         return self._formats[layer]
 
     # -- building ----------------------------------------------------------------------------------------------
@@ -179,18 +232,24 @@ class ExpertLayout:
 
     def _set_format(self, layer: int, ref: TensorRef, gate: QuantSpec, up: QuantSpec,
                     down: QuantSpec) -> ExpertFormat:
-        fmt = ExpertFormat.of(gate, up, down)
+        return self._keep_format(layer, ref, ExpertFormat.of(gate, up, down))
+
+    def _keep_format(self, layer: int, ref: TensorRef, fmt):
         old = self._formats.setdefault(layer, fmt)
         if old != fmt:
-            raise CheckpointError(f"experts of layer {layer} are stored in different formats ({old.gate.name}/"
-                                  f"{old.down.name} and {gate.name}/{down.name}); sluice needs one per layer",
-                                  file=ref.path, tensor=ref.name)
+            names = ["/".join(s.name for s in f.specs) for f in (old, fmt)]
+            raise CheckpointError(f"experts of layer {layer} are stored in different formats ({names[0]} and "
+                                  f"{names[1]}); sluice needs one per layer", file=ref.path, tensor=ref.name)
         return fmt
 
     def _index_layer(self, index: CheckpointIndex, arch: ModuleType, layer: int) -> None:
         s = self.spec
         E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
         p = moe_prefix(index, arch, layer)
+        if f"{p}.experts.gate_up_proj_bias" in index:
+            self.kind = "fused"
+            self._biased_layer(index, p, layer)
+            return
         if f"{p}.experts.gate_proj" in index:
             self.kind = "stacked"
             self._stacked_layer(index, p, layer)
@@ -235,6 +294,52 @@ class ExpertLayout:
                 ExpertPart(k, dest, ReadRange(t.path, t.offset + e * (t.nbytes // E), t.nbytes // E))
                 for k, t, dest in pieces
             ]
+
+
+    def _biased_layer(self, index: CheckpointIndex, p: str, layer: int) -> None:
+        """gpt-oss experts (BiasedGluFormat): MXFP4 `*_blocks` / `*_scales`, or the dequantized [E, in, out]."""
+        s = self.spec
+        E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
+        x = f"{p}.experts"
+        biases = [_shaped(index[f"{x}.{n}"], shape) for n, shape in
+                  (("gate_up_proj_bias", (E, 2 * I)), ("down_proj_bias", (E, H)))]
+        for b in biases:
+            if b.dtype not in _PLAIN:
+                raise CheckpointError(f"expert biases stored as {b.dtype}; expected F32, F16 or BF16", file=b.path,
+                                      tensor=b.name)
+        try:
+            if f"{x}.gate_up_proj_blocks" in index:  # MXFP4 as shipped: [E, out, in/32, 16] codes, [E, out, in/32]
+                gate_up, down = QuantSpec.mxfp4(2 * I, H), QuantSpec.mxfp4(H, I)
+                tensors = [[_shaped(index[f"{x}.{n}_blocks"], (E, o, i // 32, 16), "U8"),
+                            _shaped(index[f"{x}.{n}_scales"], (E, o, i // 32), "U8")]
+                           for n, o, i in (("gate_up_proj", 2 * I, H), ("down_proj", H, I))]
+            else:  # dequantized: gate_up [E, H, 2I], down [E, I, H], kept [in, out] (BiasedGluFormat.transposed)
+                gu, dn = _shaped(index[f"{x}.gate_up_proj"], (E, H, 2 * I)), _shaped(index[f"{x}.down_proj"], (E, I, H))
+                if gu.dtype not in _PLAIN or dn.dtype != gu.dtype:
+                    raise ValueError(f"expected both in one of F32, F16, BF16, got {gu.dtype} and {dn.dtype}")
+                gate_up, down = QuantSpec.ggml(gu.dtype, H, 2 * I), QuantSpec.ggml(dn.dtype, I, H)
+                tensors = [[gu], [dn]]
+        except (UnsupportedFormat, ValueError) as e:
+            raise CheckpointError(f"gpt-oss experts: {e}", file=biases[0].path, tensor=f"{x}.gate_up_proj") from None
+        fmt = self._keep_format(layer, biases[0], BiasedGluFormat.of(
+            gate_up, down, _PLAIN[biases[0].dtype], _PLAIN[biases[1].dtype], H, I))
+        pieces = [(t, part.offset) for t, part in zip(tensors[0], gate_up.parts)]
+        pieces += [(t, fmt.down_offset + part.offset) for t, part in zip(tensors[1], down.parts)]
+        pieces += [(biases[0], fmt.gate_up_bias.offset), (biases[1], fmt.down_bias.offset)]
+        for e in range(E):  # expert e: one contiguous slice of each tensor
+            self._parts[(layer, e)] = [
+                ExpertPart(t.name.rsplit(".", 1)[-1], dest, ReadRange(t.path, t.offset + e * (t.nbytes // E),
+                                                                       t.nbytes // E))
+                for t, dest in pieces
+            ]
+
+
+def _shaped(ref: TensorRef, shape: tuple[int, ...], dtype: str | None = None) -> TensorRef:
+    """ref itself when its shape (and dtype) are the expected ones; CheckpointError naming it otherwise."""
+    if tuple(ref.shape) != tuple(shape) or (dtype is not None and ref.dtype != dtype):
+        raise CheckpointError(f"{ref.dtype} {list(ref.shape)} does not match config.json (expected "
+                              f"{dtype or ref.dtype} {list(shape)})", file=ref.path, tensor=ref.name)
+    return ref
 
 
 def _pieces(ref: TensorRef, spec: QuantSpec) -> list[tuple[TensorRef, int]]:

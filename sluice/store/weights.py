@@ -83,6 +83,7 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, la
                 k_norm=t.get(r + "k_norm"),
                 router=t.get(r + "router"),
                 router_bias=t.get(r + "router_bias"),
+                sinks=t.get(r + "sinks"),
                 mlp=mlp(r + "mlp."),
                 shared=mlp(r + "shared."),
                 shared_gate=t.get(r + "shared_gate"),

@@ -55,7 +55,9 @@ class SynthConfig:
     embed_std:          std of the token embeddings; 4.0 spreads routing like a trained model (see module doc).
     init_std:           std of every projection, the router and lm_head (transformers' initializer_range).
     seed:               the same config and seed give byte-identical files.
-    layout:             per_expert (the hub's `experts.{e}.gate_proj.weight`) | fused (`experts.gate_up_proj`).
+    layout:             per_expert (the hub's `experts.{e}.gate_proj.weight`) | fused (`experts.gate_up_proj`);
+                        an architecture with its own `synth_experts` writes its experts as shipped instead
+                        (gpt_oss: MXFP4 blocks and scales plus biases).
     tie_word_embeddings: no lm_head tensor; the head is the embedding.
     max_shard_bytes:    shard size limit, like save_pretrained's max_shard_size.
     shared_expert_intermediate_size: the shared expert of an architecture that has one (qwen2_moe); None = one
@@ -124,7 +126,11 @@ class SynthConfig:
 
     @property
     def expert_nbytes(self) -> int:
-        """Bytes of one expert of one layer (gate + up + down)."""
+        """Bytes of one expert of one layer (gate + up + down; the architecture's `synth_expert_nbytes` when it
+        writes its experts itself, e.g. gpt_oss in MXFP4 with biases)."""
+        own = getattr(get_arch(self.arch), "synth_expert_nbytes", None)
+        if own is not None:
+            return own(self)
         return 3 * self.hidden_size * self.moe_intermediate_size * self.itemsize
 
 
@@ -172,7 +178,8 @@ def size_of(sc: SynthConfig) -> SizeReport:
     sparse = sum(spec.moe_layers) + (sc.num_layers - n) * spec.moe_layers[-1]
     experts = sparse * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
     params = resident + experts
-    return SizeReport(params, params * sc.itemsize, experts * sc.itemsize, sc.expert_nbytes)
+    expert_bytes = sparse * sc.num_experts * sc.expert_nbytes
+    return SizeReport(params, resident * sc.itemsize + expert_bytes, expert_bytes, sc.expert_nbytes)
 
 
 # -- the size rule ---------------------------------------------------------------------------------------------------
@@ -249,14 +256,17 @@ _SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head
 
 def _solve(sc: SynthConfig, target: int, field: str) -> int:
     """The value of `field` (total bytes are linear in it) that brings the total nearest `target`, at least 1."""
-    b1 = size_of(dataclasses.replace(sc, **{field: 1})).total_bytes
-    b2 = size_of(dataclasses.replace(sc, **{field: 2})).total_bytes
-    exact = 1 + (target - b1) / (b2 - b1)
+    # sizes at two values the architecture accepts (gpt_oss: intermediate sizes in multiples of 32)
+    least = 1 if field == "num_layers" else get_arch(sc.arch).SYNTH.intermediate_multiple
+    b1 = size_of(dataclasses.replace(sc, **{field: least})).total_bytes
+    b2 = size_of(dataclasses.replace(sc, **{field: 2 * least})).total_bytes
+    exact = least * (1 + (target - b1) / (b2 - b1))
     if field == "num_layers":
         return max(1, round(exact))
     # Multiples of 64 keep quantization groups and kernels happy; settle for less when the rounding would cost.
     for granule in (64, 32, 16, 8, 1):
-        if granule / 2 <= 0.02 * exact or granule == 1:
+        if granule / 2 <= 0.02 * exact or granule <= least:
+            granule = max(granule, least)
             return max(granule, round(exact / granule) * granule)
     raise AssertionError("unreachable")
 
@@ -332,7 +342,10 @@ def tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
         if not spec.moe_layers[L]:
             continue
         m = f"model.layers.{L}.{_moe_prefix(sc)}.experts"
-        if sc.layout == "per_expert":
+        own = getattr(get_arch(sc.arch), "synth_experts", None)
+        if own is not None:  # the architecture's own expert tensors (gpt_oss: MXFP4 blocks, scales, biases)
+            yield from own(sc, draw, g, m)
+        elif sc.layout == "per_expert":
             g_name, u_name, d_name = get_arch(sc.arch).EXPERT_PROJ
             for e in range(E):
                 yield f"{m}.{e}.{g_name}.weight", draw((I, H), "proj")
@@ -450,5 +463,10 @@ def _with_progress(
 def describe(sc: SynthConfig) -> str:
     """One line of the shape, for summaries."""
     return (f"{sc.arch}: {sc.num_layers} layers, hidden {sc.hidden_size}, {sc.num_experts} experts (top-{sc.top_k}) "
-            f"of intermediate {sc.moe_intermediate_size}, vocab {sc.vocab_size}, {sc.dtype}, {sc.layout} layout; "
+            f"of intermediate {sc.moe_intermediate_size}, vocab {sc.vocab_size}, {sc.dtype}, {_layout_name(sc)}; "
             f"one expert {format_bytes(sc.expert_nbytes)}")
+
+
+def _layout_name(sc: SynthConfig) -> str:
+    own = hasattr(get_arch(sc.arch), "synth_experts")  # gpt_oss writes its experts as shipped (MXFP4)
+    return "experts as the family ships them" if own else f"{sc.layout} layout"

@@ -36,6 +36,16 @@ TINY: dict[str, dict] = {
                          "original_max_position_embeddings": 128},
         tie_word_embeddings=True,
     ),
+    "gpt_oss": dict(
+        model_type="gpt_oss", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32,  # head_dim distinct from hidden/heads; MXFP4 rows: H, I multiples of 32
+        num_local_experts=6, num_experts_per_tok=2, intermediate_size=32,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        swiglu_limit=0.5,  # low enough that both clamps bite on these random weights
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+        rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False,
+    ),
 }
 
 

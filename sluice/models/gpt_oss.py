@@ -1,0 +1,151 @@
+"""gpt-oss (`model_type: gpt_oss`): GQA with q/k/v/o biases and attention sinks (a learned logit per head that joins
+each query's softmax), sliding-window (`sliding_window`, 128) and full attention alternating by `layer_types`, yarn
+rope, a router with a bias whose weights are a softmax over the top-k logits only, and experts with biases whose
+gate and up projections are interleaved in one `gate_up` weight and combined by a clamped, offset SwiGLU
+((clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)).
+
+Experts as shipped are MXFP4 (`mlp.experts.gate_up_proj_blocks/_scales`, `down_proj_blocks/_scales`) plus bf16
+biases; the dequantized layout `save_pretrained` writes (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`) loads
+too. store/layout.py's BiasedGluFormat holds either in a slot; models/experts.py computes from it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .arch import SynthDefaults, TensorName
+from .args import CONFIG, BaseArgs, sliding_windows
+from .schema import cfg, override
+from .spec import Spec
+
+MODEL_TYPE = "gpt_oss"
+MOE_PREFIXES = ("mlp",)
+ROUTER = "router"  # the router is `mlp.router.weight` / `.bias` (store/layout.py moe_prefix)
+# no per-expert layout exists for gpt-oss; the names of its fused projections (tools/gguf_export, tools/inflate read
+# these only for the per-expert layout, which store/layout.py never takes for these checkpoints)
+EXPERT_PROJ = ("gate_up_proj", "gate_up_proj", "down_proj")
+INTERMEDIATE_KEY = "intermediate_size"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: transformers' GptOssConfig rope when config.json gives none
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+@dataclass(kw_only=True)
+class ModelArgs(BaseArgs):
+    intermediate_size: int = cfg(ge=1)  # one expert's
+    head_dim: int | None = override(BaseArgs, "head_dim", 64)  # GptOssConfig's default when config.json has none
+    rms_norm_eps: float = override(BaseArgs, "rms_norm_eps", 1e-5)
+    max_position_embeddings: int = override(BaseArgs, "max_position_embeddings", 131072)
+    attention_bias: bool = cfg(True)
+    sliding_window: int | None = cfg(128, ge=1)  # on the layers layer_types marks sliding_attention
+    layer_types: list[str] | None = cfg(None, choices=LAYER_TYPES, length="num_hidden_layers")
+    swiglu_limit: float = cfg(7.0, gt=0)
+    swiglu_alpha: float = cfg(1.702, gt=0)  # hub configs omit it (transformers hard-coded 1.702 before v5)
+
+    DEFAULT_THETA = 150000.0
+
+    @classmethod
+    def from_dict(cls, config: dict, source: str | os.PathLike[str] = CONFIG):
+        """As BaseArgs', with transformers' default yarn rope when config.json has neither rope_scaling nor
+        rope_parameters."""
+        if isinstance(config, dict) and not config.get("rope_scaling") and not config.get("rope_parameters"):
+            config = {**config, "rope_parameters": dict(DEFAULT_ROPE)}
+        return super().from_dict(config, source)
+
+    def config_problems(self) -> Iterator[tuple[str, str]]:
+        for field, problem in super().config_problems():
+            if field == "hidden_size" and "head_dim" not in self.config:
+                continue  # head_dim absent means 64 here, not hidden_size / heads
+            yield field, problem
+
+    def spec(self) -> Spec:
+        n = self.num_hidden_layers
+        # GptOssConfig's default: even layers (0, 2, ...) slide, odd ones attend to everything
+        layer_types = self.layer_types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        return self.base_spec(
+            moe_intermediate_size=self.intermediate_size,
+            sliding_window=sliding_windows(n, self.sliding_window, layer_types),
+            router="topk_softmax",
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
+            attn_sinks=True,
+            swiglu_limit=self.swiglu_limit,
+            swiglu_alpha=self.swiglu_alpha,
+        )
+
+
+def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
+    """One decoder layer's resident tensors: q/k/v/o with biases, the sinks [nH], the norms, the router and its bias
+    (the experts, biases included, are streamed)."""
+    s = spec
+    H, D = s.hidden_size, s.head_dim
+    qd, kvd = s.n_heads * D, s.n_kv_heads * D
+    p = f"model.layers.{layer}"
+    a = f"{p}.self_attn"
+    out = [TensorName("input_norm", f"{p}.input_layernorm.weight", (H,), "norm")]
+    for key, dim in (("q", qd), ("k", kvd), ("v", kvd)):
+        out.append(TensorName(key, f"{a}.{key}_proj.weight", (dim, H), "proj"))
+        if s.qkv_bias:
+            out.append(TensorName(f"{key}_bias", f"{a}.{key}_proj.bias", (dim,), "bias"))
+    out.append(TensorName("o", f"{a}.o_proj.weight", (H, qd), "proj"))
+    if s.o_bias:
+        out.append(TensorName("o_bias", f"{a}.o_proj.bias", (H,), "bias"))
+    out.append(TensorName("sinks", f"{a}.sinks", (s.n_heads,), "bias"))
+    out.append(TensorName("post_norm", f"{p}.post_attention_layernorm.weight", (H,), "norm"))
+    out.append(TensorName("router", f"{moe}.router.weight", (s.num_experts, H), "proj"))
+    out.append(TensorName("router_bias", f"{moe}.router.bias", (s.num_experts,), "bias"))
+    return out
+
+
+# -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
+# gpt-oss-20b: 32 experts top-4, intermediate 2880 / hidden 2880, 24 layers; 32 top-4 here.
+SYNTH = SynthDefaults("GptOssForCausalLM", num_experts=32, top_k=4, rope_theta=150000.0, rms_norm_eps=1e-5,
+                      intermediate_multiple=32)
+
+
+def synth_config(sc) -> dict[str, Any]:
+    """config.json keys of a synthetic gpt_oss: MXFP4 experts as shipped (`quantization_config`), alternating
+    sliding (128) and full attention, yarn rope as gpt-oss-20b's. ConfigError when H or I are not whole MXFP4
+    groups of 32."""
+    from ..errors import ConfigError
+
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if getattr(sc, name) % 32:
+            raise ConfigError(f"{name}: {getattr(sc, name)} is not a multiple of 32; gpt_oss experts are MXFP4, "
+                              "stored in groups of 32 along each row")
+    return dict(num_local_experts=sc.num_experts, intermediate_size=sc.moe_intermediate_size, attention_bias=True,
+                sliding_window=128, swiglu_limit=7.0,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(sc.num_layers)],
+                rope_scaling={**DEFAULT_ROPE, "rope_theta": SYNTH.rope_theta},
+                quantization_config={"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]})
+
+
+def synth_expert_nbytes(sc) -> int:
+    """Bytes of one MXFP4 expert with its biases: 17 bytes per 32 weights (4.25 bits), biases in sc.dtype."""
+    H, I = sc.hidden_size, sc.moe_intermediate_size
+    return 3 * H * I * 17 // 32 + (2 * I + H) * sc.itemsize
+
+
+def synth_experts(sc, draw: Callable, generator, prefix: str) -> Iterator[tuple[str, Any]]:
+    """One MoE layer's experts as shipped: MXFP4 blocks (random codes) and E8M0 scales sized so the weights have
+    std ~ sc.init_std (uniform e2m1 codes have std ~2.93 times the scale), then the biases (`draw`, "bias")."""
+    import torch
+
+    H, I, E = sc.hidden_size, sc.moe_intermediate_size, sc.num_experts
+    exponent = 127 + round(math.log2(sc.init_std / 2.93))
+    for name, out_f, in_f in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+        blocks = torch.randint(0, 256, (E, out_f, in_f // 32, 16), dtype=torch.uint8, generator=generator)
+        yield f"{prefix}.{name}_blocks", blocks
+        scales = exponent + torch.randint(-1, 2, (E, out_f, in_f // 32), generator=generator)
+        yield f"{prefix}.{name}_scales", scales.to(torch.uint8)
+        yield f"{prefix}.{name}_bias", draw((E, out_f if name == "gate_up_proj" else H), "bias")
+
+
+GGUF = None  # TODO: llama.cpp's gpt-oss GGUFs (MXFP4 blocks, attn sinks) are not mapped yet
