@@ -99,8 +99,8 @@ def test_config_for_size_hits_target_with_experts_dominating(arch, target):
     r = size_of(sc)
     assert abs(r.total_bytes / target - 1) < 0.05, (sc, r)
     assert r.expert_share > 0.85, (sc, r)
-    assert sc.num_experts == (8 if arch == "mixtral" else 64)
-    assert sc.top_k == (2 if arch == "mixtral" else 8)
+    assert (sc.num_experts, sc.top_k) == (get_arch(arch).SYNTH.num_experts, get_arch(arch).SYNTH.top_k)
+    assert (sc.num_experts, sc.top_k) == {"mixtral": (8, 2), "glm4_moe": (128, 8)}.get(arch, (64, 8))
     assert 4 <= sc.num_layers <= 48
 
 
