@@ -42,7 +42,7 @@ class ModelArgs(BaseArgs):
     intermediate_size: int = cfg(0, ge=0)  # the dense layers' MLP (required when first_k_dense_replace > 0)
     first_k_dense_replace: int = cfg(1, ge=0, lt="num_hidden_layers")  # < layers: at least one MoE layer
     n_shared_experts: int = cfg(1, ge=0)  # 0: none
-    n_group: int = cfg(1, ge=1, divides="num_experts")
+    n_group: int = cfg(1, ge=1)  # divides the expert count (config_problems: named as the file spells it)
     topk_group: int = cfg(1, ge=1, le="n_group")
     routed_scaling_factor: float = cfg(1.0, gt=0)
     norm_topk_prob: bool = cfg(True)
@@ -72,7 +72,11 @@ class ModelArgs(BaseArgs):
                 f"{self.first_k_dense_replace} layers are dense (first_k_dense_replace), so their MLP size is "
                 "needed: expected an integer >= 1")
         per_group = self.num_experts // self.n_group
-        if per_group < 2:
+        if self.num_experts % self.n_group:
+            key = next((k for k in ("n_routed_experts", "num_local_experts") if k in self.config), "num_experts")
+            yield "n_group", (f"got {self.n_group}; expected a divisor of {key} ({self.num_experts}): the experts "
+                              "split into n_group equal groups")
+        elif per_group < 2:
             # a group's score is the sum of its two best experts' (transformers' topk(2) fails on fewer)
             yield "n_group", (f"{self.n_group} groups of {self.num_experts} experts leave {per_group} per group; "
                               "expected at least 2 experts per group")
