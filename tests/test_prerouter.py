@@ -72,9 +72,13 @@ def test_fit_writes_heads_and_reports_recall(fitted):
     assert report.heldout_tokens == 64 and report.train_tokens == 576
 
 
-def test_recorded_ids_are_the_routers_choices(model_dir):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])  # glm4_moe: the biased, grouped sigmoid router
+def test_recorded_ids_are_the_routers_choices(model_dir, tmp_path, arch):
     """The recorder recomputes each MoE layer's top-k from the x it is handed; the store counts what the model
     really acquired: the two histograms agree exactly."""
+    if arch != "qwen3_moe":
+        model_dir = write_checkpoint(hf_model(arch, torch.bfloat16), tmp_path / arch, "per_expert")
+        train_tokenizer(model_dir, vocab_size=300)
     with sluice.load(model_dir, max_context=64) as m:
         ids = corpus_ids(m, None, 96)
         before = m.store.usage.clone()

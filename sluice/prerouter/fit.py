@@ -38,6 +38,7 @@ from ..engine import Model, load
 from ..errors import ConfigError
 from ..options import format_bytes
 from ..models.blocks import rms_norm
+from ..models.routing import route
 from ..models.spec import Spec, Weights
 from .predict import HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads, unit_rms
 from ..host.memory import available_memory
@@ -132,9 +133,7 @@ class Recorder:
             self.x[layer][self.at] = x[0]
         if layer in self.ids:  # the true router of this layer, as Transformer.moe computes it
             lw = self.w.layers[layer]
-            scores = F.linear(rms_norm(x, lw.post_norm, self.spec.rms_norm_eps), lw.router)  # [1, E]
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            self.ids[layer][self.at] = torch.topk(probs, self.spec.top_k, dim=-1).indices[0]
+            self.ids[layer][self.at] = route(self.spec, lw, rms_norm(x, lw.post_norm, self.spec.rms_norm_eps))[1][0]
         return None
 
 
