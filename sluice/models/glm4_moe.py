@@ -4,7 +4,10 @@ dims of each head rotate, rotate-half style; 0.5 when config.json says nothing, 
 first `first_k_dense_replace` layers dense (MLP of intermediate_size), the others MoE: the grouped sigmoid router
 (models/routing.py "sigmoid_grouped": e_score_correction_bias for selection only, n_group / topk_group,
 routed_scaling_factor) and n_shared_experts shared experts run as one ungated MLP of moe_intermediate_size *
-n_shared_experts, added to every token.
+n_shared_experts, added to every token. In bf16 the router's float32 weights multiply each expert's output before
+the cast back, as transformers' eager Glm4MoeExperts does (the sigmoid router always returns float32 weights, so
+Spec.router_weights_fp32, a softmax-router switch, is not needed): bitwise that module on one decode token
+(tests/models/test_glm4_moe.py).
 
 Checkpoint names under `model.layers.N.mlp`: the router `gate.weight` [E, H] and `gate.e_score_correction_bias`
 [E], `shared_experts.{gate,up,down}_proj.weight`, experts per expert on the hub (`experts.{e}.gate_proj.weight`) or

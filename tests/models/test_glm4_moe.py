@@ -114,3 +114,20 @@ def test_hub_layout_with_float32_bias_and_a_nextn_layer_loads(tmp_path):
     with sluice.load(hub) as m:
         assert m.dtype == torch.bfloat16 and m.layout.layers == [1, 2]
         assert torch.equal(m.logits(IDS), want)
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "glm4_moe_qknorm"])
+def test_bf16_moe_block_rounds_like_transformers_eager_experts(tmp_path, arch):
+    """One decode token through a bf16 MoE layer (router, routed experts, shared experts) is bitwise transformers'
+    eager Glm4MoeMoE: each expert's output times its float32 weight, cast to bf16, summed in ascending expert id,
+    then the shared experts added. (transformers' default grouped_mm instead sums the k weighted outputs in float32
+    and rounds once: up to 1 bf16 ulp apart.) One token: the same F.linear calls on the same shapes both sides."""
+    model = hf_model(arch, torch.bfloat16)
+    model.set_experts_implementation("eager")
+    folder = write_checkpoint(model, tmp_path / "m", "per_expert")
+    g = torch.Generator().manual_seed(0)
+    with sluice.load(folder) as m, torch.no_grad():
+        for L in (1, 2):
+            for _ in range(4):
+                x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+                assert torch.equal(m.model.moe(L, x), model.model.layers[L].mlp(x[None])[0])
