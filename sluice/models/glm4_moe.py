@@ -138,7 +138,8 @@ def synth_config(sc) -> dict[str, Any]:
     return dict(n_routed_experts=sc.num_experts, moe_intermediate_size=I, n_shared_experts=shared // I,
                 intermediate_size=8 * I, first_k_dense_replace=1 if sc.num_layers > 1 else 0, n_group=1,
                 topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False, attention_bias=True,
-                partial_rotary_factor=DEFAULT_PARTIAL_ROTARY, num_nextn_predict_layers=0)
+                partial_rotary_factor=DEFAULT_PARTIAL_ROTARY, num_nextn_predict_layers=0,
+                rope_scaling=None)  # as the hub's config.json has it (mlx-lm's glm4_moe requires the key)
 
 
 # -- GGUF ------------------------------------------------------------------------------------------------------------
