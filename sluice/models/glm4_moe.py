@@ -18,6 +18,7 @@ neither transformers' Glm4MoeForCausalLM nor sluice runs; their tensors are neve
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,7 @@ class ModelArgs(BaseArgs):
     max_position_embeddings: int = override(BaseArgs, "max_position_embeddings", 131072)
 
     @classmethod
-    def from_dict(cls, config: dict, source=CONFIG):
+    def from_dict(cls, config: dict, source: str | os.PathLike[str] = CONFIG):
         """BaseArgs.from_dict, with transformers' partial_rotary_factor default of 0.5 when the file has none (a
         partial_rotary_factor in rope_parameters still wins, as in transformers)."""
         if isinstance(config, dict) and config.get("partial_rotary_factor") is None:

@@ -40,7 +40,8 @@ from ..options import format_bytes
 from ..models.blocks import rms_norm
 from ..models.routing import route
 from ..models.spec import Spec, Weights
-from .predict import HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads, unit_rms
+from .predict import (HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, router_scores, save_heads,
+                      unit_rms)
 from ..host.memory import available_memory
 from ..store.weights import resident_refs
 
@@ -310,7 +311,7 @@ def fit_heads(model: Model, rec: Recorder, opts: FitOptions, progress: bool = Tr
         heads[L] = head
         with torch.no_grad():
             x_ho, y_ho = x[n_train:], y[n_train:]
-            router = F.linear(rms_norm(x_ho, lw.post_norm, s.rms_norm_eps), lw.router)  # as RouterPrerouter
+            router = router_scores(s, lw, rms_norm(x_ho, lw.post_norm, s.rms_norm_eps))  # as RouterPrerouter
             learned = head(xn[n_train:])
             reports.append(LayerReport(L, M, (recall_at(router, y_ho, k), recall_at(router, y_ho, km)),
                                        (recall_at(learned, y_ho, k), recall_at(learned, y_ho, km)), epoch))

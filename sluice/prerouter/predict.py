@@ -27,7 +27,18 @@ from ..checkpoint.safetensors import read_header, write_safetensors
 from ..errors import CheckpointError
 from ..io.tensor import read_tensor
 from ..models.blocks import rms_norm
-from ..models.spec import Spec, Weights
+from ..models.spec import LayerWeights, Spec, Weights
+
+
+def router_scores(spec: Spec, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    """h [T, H] (post-norm) -> [T, E] scores whose top-k are the router's likely picks: the logits of a softmax
+    router; a grouped sigmoid router's biased sigmoid scores (e_score_correction_bias decides its selection; the
+    group limit is left out, the margin covers it)."""
+    logits = F.linear(h, lw.router)  # [T, E]
+    if spec.router != "sigmoid_grouped":
+        return logits
+    scores = torch.sigmoid(logits.float())
+    return scores if lw.router_bias is None else scores + lw.router_bias
 
 
 class RouterPrerouter:
@@ -44,7 +55,7 @@ class RouterPrerouter:
         if nxt is None:
             return None
         lw = self.w.layers[nxt]
-        scores = F.linear(rms_norm(x, lw.post_norm, self.spec.rms_norm_eps), lw.router)  # [T, E]
+        scores = router_scores(self.spec, lw, rms_norm(x, lw.post_norm, self.spec.rms_norm_eps))  # [T, E]
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
         ids = torch.topk(scores, k, dim=-1).indices.flatten().unique()
         return nxt, ids.tolist()

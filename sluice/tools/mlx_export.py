@@ -33,6 +33,7 @@ from ..checkpoint.index import CONFIG, CheckpointIndex, write_sharded
 from ..errors import SluiceError
 from ..io.tensor import read_tensor
 from ..models import get_arch, model_args
+from ..models.spec import Spec
 from ..store.layout import moe_prefix
 
 GROUP_SIZE = 64  # mlx-lm's default for affine quantization
@@ -114,7 +115,7 @@ def _override(path: str, model_type: str) -> dict[str, int] | None:
     return {"group_size": GROUP_SIZE, "bits": 8} if model_type == "qwen3_moe" and path.endswith("mlp.gate") else None
 
 
-def _kept_plain(path: str, spec) -> bool:
+def _kept_plain(path: str, spec: Spec) -> bool:
     """Modules mlx-lm never quantizes although their weight is 2-D: the grouped sigmoid routers (glm4_moe's
     MoEGate holds `gate.weight` as a plain array, which nn.quantize skips)."""
     return spec.router == "sigmoid_grouped" and path.endswith(".mlp.gate")
