@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-# hidden 64, 2-3 layers, 4-8 experts; each config exercises the fields that change the math for its family.
+# hidden 64, 2-3 layers, 4-8 experts; each config exercises the fields that change the math for its family. Keys
+# name the case, `model_type` the architecture (glm4_moe has two cases).
 TINY: dict[str, dict] = {
     "qwen3_moe": dict(
         model_type="qwen3_moe", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
