@@ -95,7 +95,8 @@ def test_transformers_loads_inflated_model_with_same_logits(demo_x3):
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
 
 
-@pytest.mark.parametrize("arch,layout", [("qwen3_moe", "fused"), ("mixtral", "per_expert"), ("olmoe", "fused")])
+@pytest.mark.parametrize("arch,layout", [("qwen3_moe", "fused"), ("mixtral", "per_expert"), ("olmoe", "fused"),
+                                         ("glm4_moe", "per_expert")])  # glm4_moe: the shared expert grows too
 def test_inflate_other_layouts_and_archs(tmp_path, arch, layout):
     sc = SynthConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                      num_experts=4, top_k=2, moe_intermediate_size=32, vocab_size=300, dtype="float32",
@@ -104,7 +105,7 @@ def test_inflate_other_layouts_and_archs(tmp_path, arch, layout):
     # a tiny shard limit: the output spans several shards with an index
     out = inflate(src, tmp_path / "big", 4, progress=False, max_shard_bytes=200_000)
     assert (out / "model.safetensors.index.json").exists()
-    key = "moe_intermediate_size" if arch == "qwen3_moe" else "intermediate_size"
+    key = "moe_intermediate_size" if arch in ("qwen3_moe", "glm4_moe") else "intermediate_size"
     assert json.loads((out / "config.json").read_text())[key] == 128
     with sluice.load(src) as a, sluice.load(out) as b:
         ids = [i % 300 for i in IDS]

@@ -19,6 +19,8 @@ from sluice.prerouter.predict import (PREROUTER_FILE, Head, LearnedPrerouter, Ro
 from sluice.prerouter.fit import FitOptions, corpus_ids, fit, record
 from sluice.tools.tokenizer_train import train_tokenizer
 from sluice.store.weights import resident_refs
+from sluice.models.blocks import rms_norm
+from sluice.models.routing import route
 
 from .models.tiny import hf_model, write_checkpoint
 
@@ -72,9 +74,13 @@ def test_fit_writes_heads_and_reports_recall(fitted):
     assert report.heldout_tokens == 64 and report.train_tokens == 576
 
 
-def test_recorded_ids_are_the_routers_choices(model_dir):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])  # glm4_moe: the biased, grouped sigmoid router
+def test_recorded_ids_are_the_routers_choices(model_dir, tmp_path, arch):
     """The recorder recomputes each MoE layer's top-k from the x it is handed; the store counts what the model
     really acquired: the two histograms agree exactly."""
+    if arch != "qwen3_moe":
+        model_dir = write_checkpoint(hf_model(arch, torch.bfloat16), tmp_path / arch, "per_expert")
+        train_tokenizer(model_dir, vocab_size=300)
     with sluice.load(model_dir, max_context=64) as m:
         ids = corpus_ids(m, None, 96)
         before = m.store.usage.clone()
@@ -187,3 +193,25 @@ def test_cli_fit_and_learned_run(fitted, tmp_path):
                         "--memory", str(_streamed_memory(bare, 2))], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert PREROUTER_FILE in r.stderr and "sluice prerouter fit" in r.stderr
+
+
+def test_router_prerouter_follows_the_selection_bias(tmp_path):
+    """glm4_moe selects by sigmoid score + e_score_correction_bias: fed the next MoE layer's own input, the
+    training-free prerouter (margin 0) predicts exactly the experts the router picks (one expert group, so no group
+    limit applies); ranking by the logits alone misses some."""
+    folder = write_checkpoint(hf_model("glm4_moe", torch.float32, n_group=1, topk_group=1), tmp_path / "m",
+                              "per_expert")
+    with sluice.load(folder) as m:
+        s, w = m.spec, m.model.w
+        pre = RouterPrerouter(s, w)
+        x = torch.randn(32, s.hidden_size, generator=torch.Generator().manual_seed(0))
+        missed = 0
+        for L, M in next_moe_layers(s).items():
+            lw = w.layers[M]
+            for t in range(32):
+                h = rms_norm(x[t : t + 1], lw.post_norm, s.rms_norm_eps)
+                true = sorted(route(s, lw, h)[1][0].tolist())
+                assert pre.predict(L, x[t : t + 1]) == (M, true)
+                logits = torch.nn.functional.linear(h, lw.router)  # [1, E]
+                missed += sorted(torch.topk(logits, s.top_k).indices[0].tolist()) != true
+        assert missed > 0  # the bias matters on this model

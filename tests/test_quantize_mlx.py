@@ -35,7 +35,7 @@ def _mlx_logits(folder) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch,bits", [("qwen3_moe", 4), ("qwen3_moe", 8), ("qwen2_moe", 4), ("olmoe", 4),
-                                       ("mixtral", 4)])
+                                       ("mixtral", 4), ("glm4_moe", 4)])
 def test_same_folder_as_mlx_lm_convert(tmp_path, arch, bits):
     from mlx_lm.convert import convert
 

@@ -1,6 +1,6 @@
-"""`sluice quantize SRC OUT --to TYPE`: a Hugging Face MoE folder (qwen3_moe, qwen2_moe, olmoe, mixtral) as a
-smaller checkpoint: a GGUF file of one type that sluice and llama.cpp run, or an mlx-community-style MLX folder
-(mlx-4bit, mlx-8bit) that mlx-lm runs (see sluice/tools/quantize.py).
+"""`sluice quantize SRC OUT --to TYPE`: a Hugging Face MoE folder (qwen3_moe, qwen2_moe, olmoe, mixtral; glm4_moe to
+MLX only) as a smaller checkpoint: a GGUF file of one type that sluice and llama.cpp run, or an mlx-community-style
+MLX folder (mlx-4bit, mlx-8bit) that mlx-lm runs (see sluice/tools/quantize.py).
 
 K-quants (Q4_K_M, ...): `sluice quantize SRC model-bf16.gguf --to bf16`, then llama.cpp's
 `llama-quantize model-bf16.gguf model-Q4_K_M.gguf Q4_K_M`.

@@ -40,7 +40,8 @@ from ..options import format_bytes
 from ..models.blocks import rms_norm
 from ..models.routing import route, selection_scores
 from ..models.spec import Spec, Weights
-from .predict import HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads, unit_rms
+from .predict import (HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads,
+                      unit_rms)
 from ..host.memory import available_memory
 from ..store.weights import resident_refs
 

@@ -29,12 +29,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from ..checkpoint import CheckpointIndex, TensorRef
 from ..errors import CheckpointError, ConfigError
 from ..models import get_arch
+from ..store.layout import moe_prefix
 from ..options import format_bytes
 from .synth import writing_model
 
@@ -75,9 +77,9 @@ def resolve_source(source: str | os.PathLike[str]) -> Path:
 class Plan:
     """What inflating `index` by `scale` writes: each output tensor's source, kind and shape, in source order.
 
-    kind: "copy" (unchanged), "rows" (per-expert gate/up: zero rows appended), "cols" (per-expert down: zero
-    columns appended), "fused_gate_up" ([E, 2I, H] -> [E, 2NI, H], each half padded), "fused_down" ([E, H, I] ->
-    [E, H, NI]).
+    kind: "copy" (unchanged), "rows" (per-expert gate/up, and a shared expert sized by the experts': zero rows
+    appended), "cols" (their down: zero columns appended), "fused_gate_up" ([E, 2I, H] -> [E, 2NI, H], each half
+    padded), "fused_down" ([E, H, I] -> [E, H, NI]).
     """
 
     index: CheckpointIndex
@@ -106,11 +108,14 @@ def plan(index: CheckpointIndex, scale: int) -> Plan:
     I = index.config.get(key)
     if not isinstance(I, int) or I < 1:
         raise ConfigError(f"config.json {key}: expected a positive integer, got {I!r}")
+    grown = _grown_with_experts(index, arch, key, I, scale)
     out: list[tuple[TensorRef, str, tuple[int, ...]]] = []
     for name in index.names():
         ref = index[name]
         kind, shape = "copy", ref.shape
-        if m := per_expert.search(name):
+        if name in grown:
+            kind, shape = grown[name]
+        elif m := per_expert.search(name):
             kind = "cols" if m.group(1) == down else "rows"
             axis = 0 if kind == "rows" else 1
             if len(ref.shape) != 2 or ref.shape[axis] != I:
@@ -132,6 +137,30 @@ def plan(index: CheckpointIndex, scale: int) -> Plan:
     if not any(kind != "copy" for _, kind, _ in out):
         raise CheckpointError("no routed expert tensors found; nothing to inflate", file=str(index.folder))
     return Plan(index, scale, key, I, out)
+
+
+def _grown_with_experts(index: CheckpointIndex, arch: ModuleType, key: str, I: int,
+                        scale: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> ("rows" | "cols", output shape) for the resident tensors whose config-derived size follows the
+    expert intermediate size: glm4_moe's shared experts are n_shared_experts x moe_intermediate_size wide, so they
+    get the same zero units as the routed experts (exact for the same reason). Found by comparing each layer's
+    tensor shapes (the architecture's layer_tensors) before and after the scaled config."""
+    before = arch.ModelArgs.from_dict(index.config, index.folder / "config.json").spec()
+    after = arch.ModelArgs.from_dict({**index.config, key: I * scale}, index.folder / "config.json").spec()
+    out = {}
+    for L in range(before.n_layers):
+        moe = moe_prefix(index, arch, L) if before.moe_layers[L] else None
+        for a, b in zip(arch.layer_tensors(before, L, moe), arch.layer_tensors(after, L, moe)):
+            if a.shape == b.shape:
+                continue
+            proj = a.role.rsplit(".", 1)[-1]
+            axis = 1 if proj == "down" else 0  # gate/up [n, H]: zero rows; down [H, n]: zero columns
+            if (len(a.shape) != 2 or proj not in ("gate", "up", "down") or b.shape[1 - axis] != a.shape[1 - axis]
+                    or b.shape[axis] != a.shape[axis] * scale):
+                raise ConfigError(f"cannot inflate {a.name}: its shape {list(a.shape)} follows {key} but it is not "
+                                  "an MLP projection that zero units keep exact")
+            out[a.name] = ("cols" if axis else "rows", b.shape)
+    return out
 
 
 def scale_for_size(index: CheckpointIndex, target_bytes: int) -> int:

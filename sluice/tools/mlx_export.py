@@ -8,6 +8,7 @@ The layout is what `mlx_lm convert -q --q-bits B` writes (checked tensor by tens
   (Linear, Embedding and the expert stacks, as mlx-lm quantizes every module with `to_quantized`); norms and the
   qwen2_moe attention biases stay as they are;
 - qwen3_moe's routers (`mlp.gate`) in 8 bits, mlx-lm's quant_predicate for that model (the other three have none);
+  glm4_moe's routers unquantized (mlx-lm holds them as plain arrays, not Linear modules);
 - config.json = the source's plus `quantization` (and its copy `quantization_config`): {group_size, bits, mode:
   affine, "<module path>": {group_size, bits} per override}; the tokenizer and generation files copied.
 
@@ -32,6 +33,7 @@ from ..checkpoint.index import CONFIG, CheckpointIndex, write_sharded
 from ..errors import SluiceError
 from ..io.tensor import read_tensor
 from ..models import get_arch, model_args
+from ..models.spec import Spec
 from ..store.layout import moe_prefix
 
 GROUP_SIZE = 64  # mlx-lm's default for affine quantization
@@ -113,13 +115,21 @@ def _override(path: str, model_type: str) -> dict[str, int] | None:
     return {"group_size": GROUP_SIZE, "bits": 8} if model_type == "qwen3_moe" and path.endswith("mlp.gate") else None
 
 
+def _kept_plain(path: str, spec: Spec) -> bool:
+    """Modules mlx-lm never quantizes although their weight is 2-D: the grouped sigmoid routers (glm4_moe's
+    MoEGate holds `gate.weight` as a plain array, which nn.quantize skips)."""
+    return spec.router == "sigmoid_grouped" and path.endswith(".mlp.gate")
+
+
 def mlx_stream(index: CheckpointIndex, bits: int, quantization: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of the MLX folder; records per-module overrides into `quantization`."""
     model_type = index.config["model_type"]
+    spec = model_args(index.config, index.folder / CONFIG)[1].spec()
     for name, load in _module_tensors(index):
         t = load()
-        if name.endswith(".weight") and t.dim() >= 2 and t.shape[-1] % GROUP_SIZE == 0:
-            path = name[: -len(".weight")]
+        path = name.removesuffix(".weight")
+        if (name.endswith(".weight") and t.dim() >= 2 and t.shape[-1] % GROUP_SIZE == 0
+                and not _kept_plain(path, spec)):
             override = _override(path, model_type)
             if override is not None:
                 quantization[path] = override

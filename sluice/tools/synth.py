@@ -199,7 +199,7 @@ def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
 
     The rule, for P = target_bytes / dtype size parameters (each step skipped for a field given in `overrides`):
       1. experts, top_k: the family's (its module's SYNTH: 64 top-8 for qwen3_moe / olmoe / qwen2_moe, 8 top-2
-         for mixtral);
+         for mixtral, 128 top-8 for glm4_moe);
       2. hidden: 128 below 2^24 params, 256 below 2^27, 512 below 2^29, 1024 below 2^33, else 2048 (in bf16:
          below 32 MiB, 256 MiB, 1 GiB, 16 GiB); head_dim 64 (hidden <= 512) or 128; heads = hidden / head_dim;
          kv heads = heads / 4 (GQA, at least 1);

@@ -43,14 +43,15 @@ def test_each_architecture_provides_the_interface(model_type):
     assert cfg[arch.INTERMEDIATE_KEY] == sc.moe_intermediate_size  # the key inflation scales is the experts' size
     spec = arch.ModelArgs.from_dict(cfg).spec()
     assert spec.moe_intermediate_size == sc.moe_intermediate_size
-    moe = f"model.layers.0.{arch.MOE_PREFIXES[0]}"
-    layer = arch.layer_tensors(spec, 0, moe)
-    assert all(isinstance(t, TensorName) and t.name.startswith("model.layers.0.") for t in layer)
+    L = spec.moe_layers.index(True)  # the first MoE layer (glm4_moe's layer 0 is dense)
+    moe = f"model.layers.{L}.{arch.MOE_PREFIXES[0]}"
+    layer = arch.layer_tensors(spec, L, moe)
+    assert all(isinstance(t, TensorName) and t.name.startswith(f"model.layers.{L}.") for t in layer)
     assert len({t.role for t in layer}) == len({t.name for t in layer}) == len(layer)
     router = getattr(arch, "ROUTER", "gate")
     assert f"{moe}.{router}.weight" in {t.name for t in layer}  # the router, where store/layout.py looks for it
     # the synthetic checkpoint holds exactly the layer's resident tensors plus the experts' projections
-    written = {name for name, _ in tensors(sc) if name.startswith("model.layers.0.")}
+    written = {name for name, _ in tensors(sc) if name.startswith(f"model.layers.{L}.")}
     experts = {f"{moe}.experts.{e}.{p}.weight" for e in range(sc.num_experts) for p in arch.EXPERT_PROJ}
     if hasattr(arch, "synth_experts"):  # the architecture writes its experts itself (gpt_oss: MXFP4 + biases)
         draw = lambda shape, kind: torch.zeros(shape)  # noqa: E731

@@ -11,9 +11,13 @@ from .tiny import TINY, hf_model, write_checkpoint
 
 ARCHS = sorted(TINY)
 LAYOUTS = ("per_expert", "fused")
-# bf16: both sides round every op to bf16 but in different op orders (sdpa vs eager attention, GEMV vs GEMM),
-# so logits differ by a few bf16 ulps of the largest logit. Measured here: <= 0.8% of max |logit|.
+# bf16: the error of a bf16 run against the fp32 model it was rounded from. sluice's may be at most twice
+# transformers' own (issue 16's bar) and at most 2% of the largest logit. Both sides round every op to bf16 but in
+# different op orders (sdpa vs eager attention, GEMV vs GEMM); measured here: sluice/transformers error ratio
+# 0.93-1.13, and 0.09 on glm4_moe, whose transformers bf16 run flips one token's expert choice at a near tie of
+# the biased sigmoid scores (sluice's does not); sluice's error <= 1.1% of max |logit|.
 BF16_REL_TOL = 0.02
+BF16_VS_TRANSFORMERS = 2.0
 
 
 def _prompt(n: int = 24, seed: int = 1) -> list[int]:
@@ -53,13 +57,17 @@ def test_logits_match_transformers_fp32(checkpoints, arch, layout):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers_bf16(checkpoints, arch):
     folder, ref_model = checkpoints(arch, torch.bfloat16, "per_expert")
+    _, fp32_model = checkpoints(arch, torch.float32, "per_expert")  # the same seed: the unrounded weights
     ids = _prompt()
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float()
+        exact = fp32_model(torch.tensor([ids])).logits[0]
     with sluice.load(folder) as m:
         assert m.dtype == torch.bfloat16  # dtype "auto" keeps the checkpoint's
         out = m.logits(ids)
-    assert (out - ref).abs().max().item() <= BF16_REL_TOL * ref.abs().max().item()
+    err, ref_err = (out - exact).abs().max().item(), (ref - exact).abs().max().item()
+    assert err <= BF16_VS_TRANSFORMERS * ref_err, (err, ref_err)
+    assert err <= BF16_REL_TOL * exact.abs().max().item()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-# hidden 64, 2-3 layers, 4-8 experts; each config exercises the fields that change the math for its family.
+# hidden 64, 2-3 layers, 4-8 experts; each config exercises the fields that change the math for its family. Keys
+# name the case, `model_type` the architecture (glm4_moe has two cases).
 TINY: dict[str, dict] = {
     "qwen3_moe": dict(
         model_type="qwen3_moe", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -46,12 +47,32 @@ TINY: dict[str, dict] = {
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
         rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False,
     ),
+    # GLM-4.5-Air's shape with the router made to matter: 4 groups of 2 experts, the 2 best groups selectable
+    # (grouped top-k excludes experts), a random e_score_correction_bias (hf_model), one dense first layer, a
+    # shared expert, partial rotary (12 of 24 dims), q/k/v biases
+    "glm4_moe": dict(
+        model_type="glm4_moe", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+        intermediate_size=48, first_k_dense_replace=1, n_shared_experts=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=False, attention_bias=True,
+        partial_rotary_factor=0.5, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=256,
+    ),
+    # GLM-4.5's variant: per-head q/k norm, no attention bias, two shared experts, unnormalised top-k weights,
+    # rope_parameters spelling with a quarter of the dims rotary
+    "glm4_moe_qknorm": dict(
+        model_type="glm4_moe", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+        intermediate_size=40, first_k_dense_replace=1, n_shared_experts=2, n_group=3, topk_group=1,
+        routed_scaling_factor=1.5, norm_topk_prob=False, use_qk_norm=True, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.25},
+        max_position_embeddings=256,
+    ),
 }
 
 
 def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A transformers model of the tiny config (with `overrides`) with random weights (scaled up so routing and
-    logits spread)."""
+    logits spread) and random router selection biases."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = {**TINY[arch], **overrides}
@@ -68,6 +89,9 @@ def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **ove
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # selection-only router bias: zero unless set
+                b.normal_(0.0, 0.1)
     return model.to(dtype).eval()
 
 
