@@ -9,6 +9,11 @@ One thread computes a layer's experts; torch's own threads run inside the matmul
 experts over a thread pool was measured and dropped: the peers model's Q4_K_M file, resident, 2 CPUs, 16 tokens
 (quiet machine): 118 ms/token with the pool, 69.6 without it, 93-101 on one thread; torch's OpenMP workers spin
 between ops and take the pool's second core.
+
+At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (GGUF block
+formats, quant/native/q8.c) runs as one native call up to NATIVE_MAX_ROWS rows (native.expert_q8: x quantized once
+for gate and up, silu(g) * u in float32, down), instead of three kernel calls and the casts between them. Per
+expert, thread CPU time, median (benchmarks/results/native_kernels.md): see `expert` there.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..quant import native
+from ..quant.native.kernel import NATIVE_MAX_ROWS
 from ..quant.stored import StoredLinear
 
 
@@ -41,6 +48,7 @@ class ExpertMath:
     def __init__(self, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor]):
         self.dtype, self.act = dtype, act
         self._kernels: dict[object, tuple] = {}
+        self._fused: dict[object, tuple | None] = {}  # format -> (gate, up, down) specs of the one-call path, or None
         self._scratch_numel = 0  # the largest projection of any format seen
         self._scratch_buf = torch.empty(0, dtype=torch.float32)
 
@@ -55,6 +63,13 @@ class ExpertMath:
             g, u = rows_linear(x, gu).chunk(2, dim=-1)  # [n, I] each
             return rows_linear(self.act(g) * u, dn)
         fmt, raw = batch.format, batch.raw[slot]
+        fused = self._fused.get(fmt, ())
+        if fused == ():
+            fused = self._fused[fmt] = self._fused_specs(fmt)
+        if fused is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+            parts = (raw[: fmt.gate.nbytes], raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes],
+                     raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes])
+            return native.expert_q8(fused, parts, x.float().contiguous()).to(self.dtype)  # [n, H]
         gate_up, gate, up, down = self._kernels_for(fmt)
         scratch = self._scratch()
         if gate_up is not None:  # one call over the 2I rows of [gate; up]
@@ -70,6 +85,14 @@ class ExpertMath:
         if self._scratch_buf.numel() < self._scratch_numel:
             self._scratch_buf = torch.empty(self._scratch_numel, dtype=torch.float32)
         return self._scratch_buf
+
+    def _fused_specs(self, fmt) -> tuple | None:
+        """(gate, up, down) specs when this format's experts run as one native call at this dtype, else None
+        (float32 keeps the exact float kernels; other activations and formats run projection by projection)."""
+        specs = (fmt.gate, fmt.up, fmt.down)
+        ok = (self.dtype is not torch.float32 and self.act is F.silu and native.native_available()
+              and all(native.q8_supported(s) for s in specs))
+        return specs if ok else None
 
     def _kernels_for(self, fmt) -> tuple:
         """(gate_up or None, gate, up, down) StoredLinears of one ExpertFormat, built once."""

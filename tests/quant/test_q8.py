@@ -143,3 +143,61 @@ def test_the_kernel_runs_int8_at_bf16_and_f16_and_float_at_float32(dtype):
             want = native.linear_q8(spec, xf, raw)
         assert torch.equal(y, want.to(dtype))
     assert not native_kernel(QuantSpec.mlx(4, 64, 8, 256), torch.bfloat16).int8
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("T", [1, 5])
+def test_one_call_expert_is_the_three_projections(T, planes, monkeypatch):
+    """native.expert_q8 = down(silu(gate x) * up x), each projection as linear_q8 computes it (a Q4_K_M-like mix:
+    Q4_K gate / up, Q6_K down), and within the int8 bound of the exact float64 expert."""
+    H, I = 512, 256
+    specs = (QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
+    raws = tuple(random_stored(s, seed=k) for k, s in enumerate(specs))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    ys = both_paths(lambda: native.expert_q8(specs, raws, x, planes=planes), monkeypatch)
+    assert all(torch.equal(ys[0], y) for y in ys) and ys[0].shape == (T, H)
+    g, u = (native.linear_q8(s, x, r, planes=planes) for s, r in zip(specs[:2], raws[:2]))
+    # silu in float32 (libm's expf there, torch's exp here: equal to an ulp)
+    want = native.linear_q8(specs[2], (g / (1 + torch.exp(-g)) * u).contiguous(), raws[2], planes=planes)
+    assert float((ys[0] - want).norm() / want.norm()) <= 1e-5
+    w = [s.dequantize(r).double() for s, r in zip(specs, raws)]
+    exact = F.linear(F.silu(F.linear(x.double(), w[0])) * F.linear(x.double(), w[1]), w[2])
+    assert rel_l2(ys[0], exact, torch.eye(H)) <= (2e-2 if planes == 1 else 1e-4)
+    assert torch.equal(native.expert_q8(specs, raws, x[T - 1:].contiguous(), planes=planes), ys[0][T - 1:])
+    with pytest.raises(ValueError, match="expert shapes"):
+        native.expert_q8((specs[0], specs[2], specs[2]), raws, x)
+    with pytest.raises(ValueError, match="int8 path does not compute"):
+        native.expert_q8((QuantSpec.mlx(4, 64, I, H),) + specs[1:], raws, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float32(dtype, monkeypatch):
+    from sluice.models.experts import ExpertMath
+    from sluice.store.base import ExpertBatch
+    from sluice.store.layout import ExpertFormat
+
+    H, I = 256, 256
+    fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
+    slot = torch.zeros(1, fmt.nbytes, dtype=torch.uint8)
+    for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
+        slot[0, at:at + spec.nbytes] = random_stored(spec, seed=k)
+    batch = ExpertBatch(None, None, [0], raw=slot, format=fmt)
+    calls = []
+    one_call = native.expert_q8
+    monkeypatch.setattr(native, "expert_q8", lambda *a, **k: calls.append(1) or one_call(*a, **k))
+    x = torch.randn(2, H).to(dtype)
+    y = ExpertMath(dtype, F.silu)(batch, 0, x)
+    assert y.dtype == dtype and y.shape == (2, H)
+    parts = (slot[0, :fmt.gate.nbytes], slot[0, fmt.up_offset:fmt.up_offset + fmt.up.nbytes],
+             slot[0, fmt.down_offset:fmt.down_offset + fmt.down.nbytes])
+    if dtype is torch.float32:  # the exact float kernels, projection by projection
+        assert not calls
+        g, u = (native.linear(s, x, r) for s, r in zip((fmt.gate, fmt.up), parts[:2]))
+        assert torch.equal(y, native.linear(fmt.down, F.silu(g) * u, parts[2]))
+    else:
+        assert calls == [1]
+        assert torch.equal(y, one_call((fmt.gate, fmt.up, fmt.down), parts, x.float()).to(dtype))
+        assert ExpertMath(dtype, F.gelu)(batch, 0, x) is not None and calls == [1]  # other activations: 3 calls
+    x = torch.randn(NATIVE_MAX_ROWS + 1, H).to(dtype)  # many rows: dequantize + matmul, not the one call
+    ExpertMath(dtype, F.silu)(batch, 0, x)
+    assert len(calls) == (0 if dtype is torch.float32 else 1)

@@ -9,6 +9,7 @@
     native.q8_supported(spec)                 # GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: the int8 path exists
     xq = native.quantize_q8(x)                # x float32 [T, in] -> its 8-bit blocks, uint8 [T, in / 32 * 40]
     y = native.linear_q8(spec, x, raw)        # int8 activations x integer dots (q8.c), y float32 [T, out]
+    y = native.expert_q8(specs, raws, x)      # down(silu(gate x) * up x) in one call, y float32 [T, H]
     k = native.NativeKernel(spec, dtype)      # kernel_for's interface: name "native", nbytes = stored bytes
     pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent threads, results in order
     native.set_threads(2)                     # NativeKernel splits each projection's rows over 2 threads
@@ -63,6 +64,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_quantize_q8.restype = None
     lib.sluice_linear_q8.argtypes = [i32, i64, i64, ptr, i64, ptr, i64, i32, ptr, i64, i64, i32]  # xq, T, planes, y..
     lib.sluice_linear_q8.restype = i32
+    lib.sluice_expert_q8.argtypes = [i32, ptr, i64] * 3 + [i64, i64, ptr, i64, i32, ptr, i32]  # H, I, x, T, P, y
+    lib.sluice_expert_q8.restype = i32
     return lib
 
 
@@ -288,6 +291,30 @@ def linear_q8(spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Te
         _buffer(xq, "xq", torch.uint8, x.shape[0] * q8_row_bytes(k, _planes(planes)))
     _LIB.sluice_linear_q8(fmt, n, k, q, row_bytes, xq.data_ptr(), x.shape[0], planes, out.data_ptr(), 0, n,
                           int(FORCE_SCALAR))
+    return out
+
+
+def expert_q8(specs: tuple, raws: tuple, x: torch.Tensor, out: torch.Tensor | None = None,
+              planes: int = Q8_PLANES) -> torch.Tensor:
+    """One SwiGLU expert on the integer path in one native call: y [T, H] float32 = down(silu(gate x) * up x), specs
+    (gate [I, H], up [I, H], down [H, I]) QuantSpecs of formats q8_supported, raws their stored bytes, x float32
+    [T, H]. x is quantized once for gate and up; silu(g) * u is computed in float32 and quantized once for down.
+    The same bits on both C paths and for any T; gate / up / down each as linear_q8 computes them."""
+    gate, up, down = specs
+    if not all(q8_supported(s) for s in specs):
+        raise ValueError("the int8 path does not compute " + ", ".join(f"{s.family} {s.name}" for s in specs))
+    h, i = gate.in_features, gate.out_features
+    if (up.in_features, up.out_features, down.in_features, down.out_features) != (h, i, i, h):
+        raise ValueError(f"expert shapes must be gate/up [I, H] and down [H, I], got {gate.out_features}x"
+                         f"{gate.in_features}, {up.out_features}x{up.in_features}, {down.out_features}x"
+                         f"{down.in_features}")
+    descs = [_desc(s, r)[:5] for s, r in zip(specs, raws)]  # fmt, N, K, codes, bytes per row
+    x, out = _x_out(x, out, h, h)
+    args = [a for fmt, _, _, q, rb in descs for a in (fmt, q, rb)]
+    rc = _LIB.sluice_expert_q8(*args, h, i, x.data_ptr(), x.shape[0], _planes(planes), out.data_ptr(),
+                               int(FORCE_SCALAR))
+    if rc:
+        raise MemoryError(f"native expert failed (code {rc}): no memory for its [{x.shape[0]} x {i}] scratch")
     return out
 
 

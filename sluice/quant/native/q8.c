@@ -181,58 +181,80 @@ AVX2_INLINE float finish(__m256 l0, __m256 l1, float m) {
     return reduce16(a0, a1) + m;
 }
 
-/* block b's 8 float lane terms f * (float)(integer lane sums), and its Q4_1 / Q5_1 min term into *m */
-AVX2_INLINE __m256 term32_avx2(const int fmt, const uint8_t *blk, const uint8_t *xq, float *m, const int P) {
+/* the 32 integer codes of a 32-block (signed for Q4_0 / Q5_0 / Q8_0, 0..31 for Q4_1 / Q5_1) */
+AVX2_INLINE __m256i codes32_avx2(const int fmt, const uint8_t *blk) {
     __m256i w;
-    if (fmt == Q8_0) w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-    else if (fmt == Q4_0 || fmt == Q4_1) {
+    if (fmt == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (fmt == Q4_0 || fmt == Q4_1) {
         w = nibbles32(blk + (fmt == Q4_0 ? 2 : 4));
-        if (fmt == Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
-    } else {
-        int at = fmt == Q5_0 ? 2 : 4;
-        uint32_t qh;
-        memcpy(&qh, blk + at, 4);
-        w = _mm256_or_si256(nibbles32(blk + at + 4), _mm256_set_m128i(bits16(qh >> 16), bits16(qh)));
-        if (fmt == Q5_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(16));
+        return fmt == Q4_0 ? _mm256_sub_epi8(w, _mm256_set1_epi8(8)) : w;
     }
-    const int sign = fmt == Q4_0 || fmt == Q5_0 || fmt == Q8_0;
-    if (fmt == Q4_1 || fmt == Q5_1) *m = *m + f16c(blk + 2) * rdf32(xq + 4);
-    return lanes_avx2(w, xq, _mm256_set1_epi16(1), f16c(blk) * rdf32(xq), sign, P);
+    int at = fmt == Q5_0 ? 2 : 4;
+    uint32_t qh;
+    memcpy(&qh, blk + at, 4);
+    w = _mm256_or_si256(nibbles32(blk + at + 4), _mm256_set_m128i(bits16(qh >> 16), bits16(qh)));
+    return fmt == Q5_0 ? _mm256_sub_epi8(w, _mm256_set1_epi8(16)) : w;
 }
 
-/* always inlined into one function per format (below), so every fmt test folds away; f16c() gives rdf16's value.
- * Two blocks per step into two named accumulators (lane[b & 1] of the scalar path: an indexed pair of vectors
- * went through memory, ~20% slower) */
-AVX2_INLINE float dot32_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t K, const int P) {
-    __m256 l0 = _mm256_setzero_ps(), l1 = _mm256_setzero_ps();
-    float m = 0.0f;
+/* one 32-block against R x rows (x block at xb + r * rb): lane[r] += its terms, m[r] += its Q4_1 / Q5_1 min term.
+ * The weights are unpacked once for the R rows (the float row kernel's dequantize-once, for T > 1). */
+AVX2_INLINE void acc32(const int fmt, const uint8_t *blk, const uint8_t *xb, int64_t rb, const int P, const int R,
+                       __m256 *lane, float *m) {
+    const __m256i w = codes32_avx2(fmt, blk);
+    const int sign = fmt == Q4_0 || fmt == Q5_0 || fmt == Q8_0;
+    const float dw = f16c(blk);
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xb + r * rb;
+        lane[r] = _mm256_add_ps(lane[r], lanes_avx2(w, x, _mm256_set1_epi16(1), dw * rdf32(x), sign, P));
+        if (fmt == Q4_1 || fmt == Q5_1) m[r] = m[r] + f16c(blk + 2) * rdf32(x + 4);
+    }
+}
+
+/* always inlined into one function per format, planes and row count (below), so every such test folds away;
+ * f16c() gives rdf16's value. Blocks alternate between two named accumulator sets (lane[b & 1] of the scalar path:
+ * an indexed pair of vectors went through memory, ~20% slower). y[r * ldy] for the R rows. */
+AVX2_INLINE void dot32_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
+                            const int R, float *y, int64_t ldy) {
+    __m256 l0[4], l1[4];
+    float m[4];
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
     const int bb = BLOCK_BYTES[fmt], xb = XB(P);
     int64_t b = 0, nb = K / 32;
     for (; b + 2 <= nb; b += 2) {
-        l0 = _mm256_add_ps(l0, term32_avx2(fmt, row + b * bb, xq + b * xb, &m, P));
-        l1 = _mm256_add_ps(l1, term32_avx2(fmt, row + (b + 1) * bb, xq + (b + 1) * xb, &m, P));
+        acc32(fmt, row + b * bb, xq + b * xb, rb, P, R, l0, m);
+        acc32(fmt, row + (b + 1) * bb, xq + (b + 1) * xb, rb, P, R, l1, m);
     }
-    if (b < nb) l0 = _mm256_add_ps(l0, term32_avx2(fmt, row + b * bb, xq + b * xb, &m, P));
-    return finish(l0, l1, m);
+    if (b < nb) acc32(fmt, row + b * bb, xq + b * xb, rb, P, R, l0, m);
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], m[r]);
 }
 
-/* Q6_K sub-block s (values 32s..32s+31) from its codes c (0..63): the lane terms, scales per 16 values */
-AVX2_INLINE __m256 q6_term(__m256i c, const uint8_t *blk, int s, const uint8_t *xq, float d, const int P) {
+/* Q6_K sub-block s (values 32s..32s+31) from its codes c (0..63) against R x rows, scales per 16 values */
+AVX2_INLINE void q6_acc(__m256i c, const uint8_t *blk, int s, const uint8_t *xs, int64_t rb, float d, const int P,
+                        const int R, __m256 *lane) {
     __m256i sc = _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[193 + 2 * s]), _mm_set1_epi16((int8_t)blk[192 + 2 * s]));
-    return lanes_avx2(_mm256_sub_epi8(c, _mm256_set1_epi8(32)), xq, sc, d * rdf32(xq), 1, P);
+    __m256i w = _mm256_sub_epi8(c, _mm256_set1_epi8(32));
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xs + r * rb;
+        lane[r] = _mm256_add_ps(lane[r], lanes_avx2(w, x, sc, d * rdf32(x), 1, P));
+    }
 }
 
-/* Q4_K / Q5_K sub-block s from its codes; its min term into *m */
-AVX2_INLINE __m256 k_term(__m256i c, int s, const uint8_t *sc, const uint8_t *mn, float d, float dmin,
-                          const uint8_t *xq, float *m, const int P) {
-    *m = *m + (dmin * (float)mn[s]) * rdf32(xq + 4);
-    return lanes_avx2(c, xq, _mm256_set1_epi16(sc[s]), d * rdf32(xq), 0, P);
+/* Q4_K / Q5_K sub-block s from its codes against R x rows; the min terms into m[r] */
+AVX2_INLINE void k_acc(__m256i c, int s, const uint8_t *sc, const uint8_t *mn, float d, float dmin, const uint8_t *xs,
+                       int64_t rb, const int P, const int R, __m256 *lane, float *m) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xs + r * rb;
+        m[r] = m[r] + (dmin * (float)mn[s]) * rdf32(x + 4);
+        lane[r] = _mm256_add_ps(lane[r], lanes_avx2(c, x, _mm256_set1_epi16(sc[s]), d * rdf32(x), 0, P));
+    }
 }
 
-/* sub-block s into accumulator s & 1, two named accumulators (as dot32_avx2) */
-AVX2_INLINE float dotk_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t K, const int P) {
-    __m256 l0 = _mm256_setzero_ps(), l1 = _mm256_setzero_ps();
-    float m = 0.0f;
+/* sub-block s into accumulator set s & 1 (as dot32_avx2) */
+AVX2_INLINE void dotk_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
+                           const int R, float *y, int64_t ldy) {
+    __m256 l0[4], l1[4];
+    float m[4];
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
     const __m256i m4 = _mm256_set1_epi8(15);
     const int xb = XB(P);
     for (int64_t b = 0; b < K / 256; b++, xq += 8 * xb) {
@@ -248,12 +270,12 @@ AVX2_INLINE float dotk_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
                                  _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
                                  _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4)};
                 for (int k = 0; k < 4; k += 2) {  /* s = 4h + k even, 4h + k + 1 odd */
-                    __m256i c0 = _mm256_or_si256(lo[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2), 4));
-                    __m256i c1 = _mm256_or_si256(lo[k + 1],
-                                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 2), m2), 4));
+                    __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
+                    __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 2), m2);
                     int s = 4 * h + k;
-                    l0 = _mm256_add_ps(l0, q6_term(c0, blk, s, xq + s * xb, d, P));
-                    l1 = _mm256_add_ps(l1, q6_term(c1, blk, s + 1, xq + (s + 1) * xb, d, P));
+                    q6_acc(_mm256_or_si256(lo[k], _mm256_slli_epi16(h0, 4)), blk, s, xq + s * xb, rb, d, P, R, l0);
+                    q6_acc(_mm256_or_si256(lo[k + 1], _mm256_slli_epi16(h1, 4)), blk, s + 1, xq + (s + 1) * xb, rb, d,
+                           P, R, l1);
                 }
             }
             continue;
@@ -273,17 +295,25 @@ AVX2_INLINE float dotk_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
                 c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
                 c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
             }
-            l0 = _mm256_add_ps(l0, k_term(c0, 2 * i, sc, mn, d, dmin, xq + 2 * i * xb, &m, P));
-            l1 = _mm256_add_ps(l1, k_term(c1, 2 * i + 1, sc, mn, d, dmin, xq + (2 * i + 1) * xb, &m, P));
+            k_acc(c0, 2 * i, sc, mn, d, dmin, xq + 2 * i * xb, rb, P, R, l0, m);
+            k_acc(c1, 2 * i + 1, sc, mn, d, dmin, xq + (2 * i + 1) * xb, rb, P, R, l1, m);
         }
     }
-    return finish(l0, l1, -m);
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
 }
 
-typedef float (*dot_fn)(const uint8_t *row, const uint8_t *xq, int64_t K);
+/* one weight row against R <= 4 x rows: y[r * ldy] */
+typedef void (*dot_fn)(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y, int64_t ldy);
+#define DOT_PR(F, KIND, P, R)                                                                                          \
+    AVX2 static void dot_##F##_##P##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,        \
+                                         int64_t ldy) {                                                                \
+        KIND##_avx2(F, row, xq, rb, K, P, R, y, ldy);                                                                  \
+    }
 #define DOT_FMT(F, KIND)                                                                                               \
-    AVX2 static float dot1_##F(const uint8_t *row, const uint8_t *xq, int64_t K) { return KIND##_avx2(F, row, xq, K, 1); } \
-    AVX2 static float dot2_##F(const uint8_t *row, const uint8_t *xq, int64_t K) { return KIND##_avx2(F, row, xq, K, 2); }
+    DOT_PR(F, KIND, 1, 1) DOT_PR(F, KIND, 1, 2) DOT_PR(F, KIND, 1, 3) DOT_PR(F, KIND, 1, 4)                            \
+    DOT_PR(F, KIND, 2, 1) DOT_PR(F, KIND, 2, 2) DOT_PR(F, KIND, 2, 3) DOT_PR(F, KIND, 2, 4)                            \
+    static const dot_fn dots_##F[2][4] = {{dot_##F##_1_1, dot_##F##_1_2, dot_##F##_1_3, dot_##F##_1_4},              \
+                                          {dot_##F##_2_1, dot_##F##_2_2, dot_##F##_2_3, dot_##F##_2_4}};
 DOT_FMT(Q4_0, dot32)
 DOT_FMT(Q4_1, dot32)
 DOT_FMT(Q5_0, dot32)
@@ -293,12 +323,12 @@ DOT_FMT(Q4_K, dotk)
 DOT_FMT(Q5_K, dotk)
 DOT_FMT(Q6_K, dotk)
 
-static dot_fn dot_avx2_for(int fmt, int P) {
-    static const dot_fn one[] = {[Q4_0] = dot1_Q4_0, [Q4_1] = dot1_Q4_1, [Q5_0] = dot1_Q5_0, [Q5_1] = dot1_Q5_1,
-                                 [Q8_0] = dot1_Q8_0, [Q4_K] = dot1_Q4_K, [Q5_K] = dot1_Q5_K, [Q6_K] = dot1_Q6_K};
-    static const dot_fn two[] = {[Q4_0] = dot2_Q4_0, [Q4_1] = dot2_Q4_1, [Q5_0] = dot2_Q5_0, [Q5_1] = dot2_Q5_1,
-                                 [Q8_0] = dot2_Q8_0, [Q4_K] = dot2_Q4_K, [Q5_K] = dot2_Q5_K, [Q6_K] = dot2_Q6_K};
-    return P == 2 ? two[fmt] : one[fmt];
+/* the kernel for fmt, P planes, R x rows */
+static dot_fn dot_avx2_for(int fmt, int P, int R) {
+    static const dot_fn (*all[])[4] = {[Q4_0] = dots_Q4_0, [Q4_1] = dots_Q4_1, [Q5_0] = dots_Q5_0,
+                                       [Q5_1] = dots_Q5_1, [Q8_0] = dots_Q8_0, [Q4_K] = dots_Q4_K,
+                                       [Q5_K] = dots_Q5_K, [Q6_K] = dots_Q6_K};
+    return all[fmt][P - 1][R - 1];
 }
 #endif
 
@@ -328,10 +358,12 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
     const int64_t rb = sluice_q8_row_bytes(K, P);
     (void)scalar;
 #if SLUICE_X86
-    if (!scalar && sluice_simd()) {
-        dot_fn dot = dot_avx2_for(fmt, P);
+    if (!scalar && sluice_simd()) {  /* x rows 4 at a time against each weight row */
         for (int64_t n = n0; n < n1; n++)
-            for (int64_t t = 0; t < T; t++) y[t * N + n] = dot(q + n * row_bytes, xq + t * rb, K);
+            for (int64_t t = 0; t < T; t += 4) {
+                int R = T - t < 4 ? (int)(T - t) : 4;
+                dot_avx2_for(fmt, P, R)(q + n * row_bytes, xq + t * rb, rb, K, y + t * N + n, N);
+            }
         return;
     }
 #endif
@@ -345,5 +377,35 @@ int sluice_linear_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t ro
                      int64_t T, int P, float *y, int64_t n0, int64_t n1, int scalar) {
     if (!has_q8(fmt) || (P != 1 && P != 2)) return -2;
     rows_q8(fmt, N, K, q, row_bytes, xq, T, P, y, n0, n1, scalar);
+    return 0;
+}
+
+/* ---- one whole expert: y[T, H] = down(silu(gate x) * up x) ---- */
+
+/* silu(g) * u in float32 (g / (1 + e^-g), libm's expf: the same on both paths), written over g */
+static void swiglu(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* gate, up [I, H] and down [H, I] from their stored rows (format, codes, bytes per row), x [T, H] float32 -> y [T, H]
+ * float32: x quantized once for gate and up, the SwiGLU product in float32, re-quantized once for down; one call
+ * instead of three plus the conversions between them. Returns 0, -1 when the scratch cannot be allocated, -2 for a
+ * format without an integer path or P not 1 or 2. */
+int sluice_expert_q8(int gf, const uint8_t *gq, int64_t grb, int uf, const uint8_t *uq, int64_t urb, int df,
+                     const uint8_t *dq, int64_t drb, int64_t H, int64_t I, const float *x, int64_t T, int P, float *y,
+                     int scalar) {
+    if (!has_q8(gf) || !has_q8(uf) || !has_q8(df) || (P != 1 && P != 2)) return -2;
+    size_t xb = (size_t)(T * sluice_q8_row_bytes(H, P)), hb = (size_t)(T * sluice_q8_row_bytes(I, P));
+    float *gu = (float *)malloc(2 * (size_t)(T * I) * sizeof(float) + xb + hb);
+    if (!gu) return -1;
+    float *u = gu + T * I;
+    uint8_t *xq = (uint8_t *)(u + T * I), *hq = xq + xb;
+    sluice_quantize_q8(H, x, T, xq, P, scalar);
+    rows_q8(gf, I, H, gq, grb, xq, T, P, gu, 0, I, scalar);
+    rows_q8(uf, I, H, uq, urb, xq, T, P, u, 0, I, scalar);
+    swiglu(gu, u, T * I);
+    sluice_quantize_q8(I, gu, T, hq, P, scalar);
+    rows_q8(df, H, I, dq, drb, hq, T, P, y, 0, H, scalar);
+    free(gu);
     return 0;
 }
