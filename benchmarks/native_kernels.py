@@ -181,8 +181,8 @@ def int8_bench(rounds: int) -> dict:
                 arms = {"proj float": lambda: native.linear(g, x, e.raw[0]),
                         "proj int8x2": lambda: native.linear_q8(g, x, e.raw[0]),
                         "proj int8x1": lambda: native.linear_q8(g, x, e.raw[0], planes=1),
-                        "expert float, 3 calls": lambda: three(fl, xb),
-                        "expert int8x2, 3 calls": lambda: three(i8, xb),
+                        "expert 3 calls, float kernel": lambda: three(fl, xb),
+                        "expert 3 calls, NativeKernel's pick": lambda: three(i8, xb),
                         "expert int8x2, 1 call": lambda: native.expert_q8(e.specs, e.raw, xb.float()).bfloat16(),
                         "expert int8x1, 1 call": lambda: native.expert_q8(e.specs, e.raw, xb.float(),
                                                                           planes=1).bfloat16()}
@@ -196,7 +196,10 @@ def int8_markdown(res: dict, rounds: int, load_before: str, load_after: str) -> 
     lines = ["## Integer path (benchmarks/native_kernels.py --int8; 1 torch thread, thread CPU time, median of "
              f"{rounds} interleaved rounds, ms)", "", f"Load before: {load_before}", f"Load after: {load_after}", "",
              "proj: one [I, H] projection, x float32 (native.linear = the float row kernel; linear_q8 with 2 / 1 "
-             "planes). expert: down(silu(gate x) * up x) from bf16 x as models/experts.py runs it.", "",
+             "planes). expert: down(silu(gate x) * up x) from bf16 x, y bf16: three NativeKernel calls on the float "
+             "row kernel (what ran before the integer path), three as NativeKernel picks now (integer up to "
+             "Q8_MAX_ROWS rows), or native.expert_q8's one call with 2 / 1 planes (what models/experts.py runs up "
+             "to EXPERT_Q8_MAX_ROWS rows).", "",
              "| H x I, format, T | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     lines += [f"| {k} | " + " | ".join(f"{v[n]:.3f}" for n in names) + " |" for k, v in res.items()]
     return "\n".join(lines) + "\n"

@@ -11,9 +11,8 @@ experts over a thread pool was measured and dropped: the peers model's Q4_K_M fi
 between ops and take the pool's second core.
 
 At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (GGUF block
-formats, quant/native/q8.c) runs as one native call up to NATIVE_MAX_ROWS rows (native.expert_q8: x quantized once
-for gate and up, silu(g) * u in float32, down), instead of three kernel calls and the casts between them. Per
-expert, thread CPU time, median (benchmarks/results/native_kernels.md): see `expert` there.
+formats, quant/native/q8.c) runs as one native call up to EXPERT_Q8_MAX_ROWS rows (native.expert_q8: x quantized
+once for gate and up, silu(g) * u in float32, down), instead of three kernel calls and the casts between them.
 """
 
 from __future__ import annotations
@@ -24,8 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import native
-from ..quant.native.kernel import NATIVE_MAX_ROWS
 from ..quant.stored import StoredLinear
+
+
+# Rows up to which a quantized expert runs as one native.expert_q8 call at bf16 / f16; above it, three kernel calls
+# (the float row kernel dequantizes each weight row once for all rows). ms per expert, three NativeKernel calls on
+# the float row kernel / one expert_q8 call, bf16 x, thread CPU time, median of 41 interleaved rounds, load ~4.6
+# (T=1: benchmarks/results/native_kernels.md, "Integer path"):
+#   1024x512 Q4_K  T=2 0.69/0.39  T=3 0.74/0.50  T=4 0.88/0.71  T=6 1.08/1.11  T=8 1.35/1.46
+#   1024x512 Q6_K  T=2 0.64/0.45  T=3 0.70/0.62  T=4 0.95/0.92  T=6 1.29/1.37  T=8 1.54/1.74
+#   2048x768 Q4_K  T=2 1.53/0.95  T=3 1.21/0.94  T=4 1.69/1.32  T=6 2.02/1.95  T=8 2.58/2.56
+#   2048x768 Q6_K  T=2 1.16/0.90  T=3 1.35/1.24  T=4 2.25/1.84  T=6 2.52/2.43  T=8 3.37/3.31
+EXPERT_Q8_MAX_ROWS = 4
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -66,7 +75,7 @@ class ExpertMath:
         fused = self._fused.get(fmt, ())
         if fused == ():
             fused = self._fused[fmt] = self._fused_specs(fmt)
-        if fused is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+        if fused is not None and x.shape[0] <= EXPERT_Q8_MAX_ROWS:
             parts = (raw[: fmt.gate.nbytes], raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes],
                      raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes])
             return native.expert_q8(fused, parts, x.float().contiguous()).to(self.dtype)  # [n, H]

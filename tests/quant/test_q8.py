@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
-from sluice.quant.native.kernel import NATIVE_MAX_ROWS, native_kernel
+from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS, native_kernel
 from sluice.quant.samples import random_stored
 
 pytestmark = pytest.mark.skipif(not native.native_available(),
@@ -74,7 +74,7 @@ def test_quantized_x_layout(planes, monkeypatch):
     """Per 32 values: float d, float d * sum(codes), int8 hi[32] = round(x / D) with D = amax / 127, and with two
     planes int8 lo[32] = round((x / D - hi) * 256); the code is hi (d = D) or 256 * hi + lo (d = D / 256)."""
     K, B = 512, 8 + 32 * planes
-    x = torch.randn(2, K) * 3
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(planes)) * 3
     x[1, :64] = 0  # all-zero blocks: d = 0, codes 0
     xqs = both_paths(lambda: native.quantize_q8(x, planes), monkeypatch)
     assert all(torch.equal(xqs[0], v) for v in xqs)
@@ -85,7 +85,8 @@ def test_quantized_x_layout(planes, monkeypatch):
     hi = blocks[..., 8:40].contiguous().view(torch.int8).float()  # [2, blocks, 32]
     xb = x.view(2, K // 32, 32)
     D = xb.abs().amax(-1) / 127
-    f = xb * (127 / xb.abs().amax(-1, keepdim=True))
+    # 127 / amax correctly rounded (torch's scalar / tensor multiplies by a reciprocal), then x times it, as q8.c
+    f = xb * (127 / xb.abs().amax(-1, keepdim=True).double()).float()
     assert torch.equal(hi, torch.round(f).nan_to_num(0.0))
     assert hi.abs().max() <= 127 and not hi[1, :2].any()
     code = hi
@@ -131,13 +132,13 @@ def test_the_kernel_runs_int8_at_bf16_and_f16_and_float_at_float32(dtype):
     raw = random_stored(spec, seed=4)
     k = native_kernel(spec, dtype)
     scratch = torch.empty(k.scratch_numel)
-    for T in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1):
+    for T in (1, Q8_MAX_ROWS, Q8_MAX_ROWS + 1, NATIVE_MAX_ROWS + 1):
         x = torch.randn(T, 512)
         y = k.linear(x.to(dtype), raw, scratch)
         xf = x.to(dtype).float()
         if T > NATIVE_MAX_ROWS:  # many rows: dequantize + float32 matmul at every dtype
             want = F.linear(xf, spec.dequantize(raw))
-        elif dtype is torch.float32:
+        elif dtype is torch.float32 or T > Q8_MAX_ROWS:  # the float row kernel
             want = native.linear(spec, xf, raw)
         else:
             want = native.linear_q8(spec, xf, raw)
@@ -172,7 +173,7 @@ def test_one_call_expert_is_the_three_projections(T, planes, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float32(dtype, monkeypatch):
-    from sluice.models.experts import ExpertMath
+    from sluice.models.experts import EXPERT_Q8_MAX_ROWS, ExpertMath
     from sluice.store.base import ExpertBatch
     from sluice.store.layout import ExpertFormat
 
@@ -185,9 +186,9 @@ def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float
     calls = []
     one_call = native.expert_q8
     monkeypatch.setattr(native, "expert_q8", lambda *a, **k: calls.append(1) or one_call(*a, **k))
-    x = torch.randn(2, H).to(dtype)
+    x = torch.randn(EXPERT_Q8_MAX_ROWS, H).to(dtype)
     y = ExpertMath(dtype, F.silu)(batch, 0, x)
-    assert y.dtype == dtype and y.shape == (2, H)
+    assert y.dtype == dtype and y.shape == (EXPERT_Q8_MAX_ROWS, H)
     parts = (slot[0, :fmt.gate.nbytes], slot[0, fmt.up_offset:fmt.up_offset + fmt.up.nbytes],
              slot[0, fmt.down_offset:fmt.down_offset + fmt.down.nbytes])
     if dtype is torch.float32:  # the exact float kernels, projection by projection
@@ -198,6 +199,6 @@ def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float
         assert calls == [1]
         assert torch.equal(y, one_call((fmt.gate, fmt.up, fmt.down), parts, x.float()).to(dtype))
         assert ExpertMath(dtype, F.gelu)(batch, 0, x) is not None and calls == [1]  # other activations: 3 calls
-    x = torch.randn(NATIVE_MAX_ROWS + 1, H).to(dtype)  # many rows: dequantize + matmul, not the one call
+    x = torch.randn(EXPERT_Q8_MAX_ROWS + 1, H).to(dtype)  # more rows: three kernel calls, not the one call
     ExpertMath(dtype, F.silu)(batch, 0, x)
     assert len(calls) == (0 if dtype is torch.float32 else 1)

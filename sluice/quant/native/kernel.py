@@ -20,12 +20,20 @@ from . import dequantize, linear, linear_q8, q8_supported, shared_pool, supports
 # so the crossover is at 32-48 rows for every format measured (two earlier runs at load 6 and 10 agreed).
 NATIVE_MAX_ROWS = 32
 
+# Rows up to which the integer path (native.linear_q8 / expert_q8) runs at bf16 / f16; above it the float row kernel,
+# which dequantizes each weight row once for all rows, wins. One Q4_K / Q6_K / Q4_0 expert [1024 x 512], ms (one
+# call on the integer path / three calls of the float row kernel), thread CPU time, best of 3 medians of 50, load ~5:
+#   Q4_K  T=1 0.24 / 0.42   T=2 0.36 / 0.56   T=3 0.50 / 0.61   T=4 0.73 / 0.74
+#   Q6_K  T=1 0.27 / 0.41   T=2 0.42 / 0.46   T=3 0.60 / 0.61   T=4 0.61 / 0.51
+#   Q4_0  T=1 0.18 / 0.24   T=2 0.29 / 0.35   T=3 0.38 / 0.40   T=4 0.55 / 0.50
+Q8_MAX_ROWS = 2
+
 
 class NativeKernel(Kernel):
     """kernel_for's Kernel for a format native.supports: name "native", the slot holds the stored bytes
     (nbytes = spec.nbytes, prepare is a copy), linear(x, slot, scratch) -> y in the compute dtype.
 
-    Up to NATIVE_MAX_ROWS rows at the bf16 / f16 compute dtypes a GGUF block format runs the integer path
+    Up to Q8_MAX_ROWS rows at the bf16 / f16 compute dtypes a GGUF block format runs the integer path
     (native.linear_q8: x quantized to two planes of 8-bit codes, integer dots; relative L2 ~3e-5 against the exact
     weights, finer than those dtypes' own rounding); float32 keeps the float row kernel (~1e-7). One [512 x 1024]
     projection at T=1, C time, best of 3 medians, machine at load ~5 (benchmarks/results/native_kernels.md has the
@@ -55,7 +63,7 @@ class NativeKernel(Kernel):
             x = x.contiguous()
         if slot.numel() != self.nbytes:
             slot = slot[: self.nbytes]
-        if x.shape[0] <= NATIVE_MAX_ROWS and self.int8:
+        if x.shape[0] <= Q8_MAX_ROWS and self.int8:
             y = linear_q8(self.spec, x, slot)
         elif x.shape[0] <= NATIVE_MAX_ROWS:
             pool = shared_pool()

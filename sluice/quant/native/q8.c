@@ -371,12 +371,22 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
         for (int64_t t = 0; t < T; t++) y[t * N + n] = dot_scalar_q8(fmt, q + n * row_bytes, xq + t * rb, K, P);
 }
 
-/* y[t, n] for n in [n0, n1) (y [T, N]) from the quantized x rows xq (P planes); scalar != 0 forces the portable
- * path. Returns 0, or -2 for a format without an int8 path or P not 1 or 2. */
+/* y[t, n] for n in [n0, n1) (y [T, N]) from the quantized x rows xq (P planes), or from x [T, K] float32 quantized
+ * here when xq is NULL (one call instead of two: ~10 us of Python less per projection); scalar != 0 forces the
+ * portable path. Returns 0, -1 when the quantized rows cannot be allocated, -2 for a format without an integer path
+ * or P not 1 or 2. */
 int sluice_linear_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *xq,
-                     int64_t T, int P, float *y, int64_t n0, int64_t n1, int scalar) {
+                     const float *x, int64_t T, int P, float *y, int64_t n0, int64_t n1, int scalar) {
     if (!has_q8(fmt) || (P != 1 && P != 2)) return -2;
+    uint8_t *own = NULL;
+    if (!xq) {
+        own = (uint8_t *)malloc((size_t)(T * sluice_q8_row_bytes(K, P)));
+        if (!own) return -1;
+        sluice_quantize_q8(K, x, T, own, P, scalar);
+        xq = own;
+    }
     rows_q8(fmt, N, K, q, row_bytes, xq, T, P, y, n0, n1, scalar);
+    free(own);
     return 0;
 }
 
