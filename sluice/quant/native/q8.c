@@ -141,12 +141,13 @@ static float dot_scalar_q8(int fmt, const uint8_t *row, const uint8_t *xq, int64
     for (int64_t b = 0; b < K / 256; b++) {
         const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
         int8_t c[256];
-        uint8_t sc[8], mn[8];
+        uint8_t sc[8] = {0}, mn[8] = {0};
         codes256(fmt, blk, c);
         float d = rdf16(fmt == Q6_K ? blk + 208 : blk), dmin = fmt == Q6_K ? 0.0f : rdf16(blk + 2);
         if (fmt != Q6_K) k_scale_min(blk + 4, sc, mn);
         for (int s = 0; s < 8; s++, xq += XB(P)) {
-            int scs[2] = {fmt == Q6_K ? (int8_t)blk[192 + 2 * s] : sc[s], fmt == Q6_K ? (int8_t)blk[193 + 2 * s] : sc[s]};
+            int scs[2] = {sc[s], sc[s]};  /* Q6_K: one scale per 16 values */
+            if (fmt == Q6_K) scs[0] = (int8_t)blk[192 + 2 * s], scs[1] = (int8_t)blk[193 + 2 * s];
             lanes_scalar(c + 32 * s, (const int8_t *)(xq + 8), scs, d * rdf32(xq), lane[s & 1], P);
             if (fmt != Q6_K) m = m + (dmin * (float)mn[s]) * rdf32(xq + 4);
         }
@@ -305,8 +306,8 @@ AVX2_INLINE void dotk_avx2(const int fmt, const uint8_t *row, const uint8_t *xq,
 /* one weight row against R <= 4 x rows: y[r * ldy] */
 typedef void (*dot_fn)(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y, int64_t ldy);
 #define DOT_PR(F, KIND, P, R)                                                                                          \
-    AVX2 static void dot_##F##_##P##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,        \
-                                         int64_t ldy) {                                                                \
+    AVX2 static void dot_##F##_##P##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,      \
+                                         int64_t ldy) {                                                              \
         KIND##_avx2(F, row, xq, rb, K, P, R, y, ldy);                                                                  \
     }
 #define DOT_FMT(F, KIND)                                                                                               \
