@@ -202,3 +202,13 @@ def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float
     x = torch.randn(EXPERT_Q8_MAX_ROWS + 1, H).to(dtype)  # more rows: three kernel calls, not the one call
     ExpertMath(dtype, F.silu)(batch, 0, x)
     assert len(calls) == (0 if dtype is torch.float32 else 1)
+
+
+def test_the_default_planes_are_read_at_each_call(monkeypatch):
+    spec = QuantSpec.ggml("Q8_0", 8, 64)
+    raw, x = random_stored(spec), torch.randn(1, 64)
+    two = native.linear_q8(spec, x, raw)
+    assert native.Q8_PLANES == 2 and torch.equal(two, native.linear_q8(spec, x, raw, planes=2))
+    monkeypatch.setattr(native, "Q8_PLANES", 1)  # a benchmark can run llama.cpp's one plane for a whole run
+    assert torch.equal(native.linear_q8(spec, x, raw), native.linear_q8(spec, x, raw, planes=1))
+    assert native.quantize_q8(x).shape == (1, native.q8_row_bytes(64, 1)) == (1, 80)

@@ -249,18 +249,21 @@ def q8_supported(spec: QuantSpec) -> bool:
 Q8_PLANES = 2
 
 
-def q8_row_bytes(in_features: int, planes: int = Q8_PLANES) -> int:
+def q8_row_bytes(in_features: int, planes: int | None = None) -> int:
     """Bytes of one quantized x row: per 32 values float d, float d * sum, `planes` x 32 int8 codes (see q8.c)."""
-    return in_features // 32 * (8 + 32 * planes)
+    return in_features // 32 * (8 + 32 * _planes(planes))
 
 
-def _planes(planes: int) -> int:
+def _planes(planes: int | None) -> int:
+    """planes, or Q8_PLANES as it is now (a benchmark may set native.Q8_PLANES = 1 for a whole run)."""
+    if planes is None:
+        return Q8_PLANES
     if planes not in (1, 2):
         raise ValueError(f"planes must be 1 or 2, got {planes}")
     return planes
 
 
-def quantize_q8(x: torch.Tensor, planes: int = Q8_PLANES, out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_q8(x: torch.Tensor, planes: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [T, in] (contiguous, in a multiple of 32) -> its 8-bit blocks, uint8 [T, q8_row_bytes(in, planes)]
     (into out when given). The layout is the same for every format: one quantized x serves every projection of it."""
     if _LIB is None:
@@ -270,7 +273,8 @@ def quantize_q8(x: torch.Tensor, planes: int = Q8_PLANES, out: torch.Tensor | No
         raise ValueError(f"x must be [T, in] with in a positive multiple of 32, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     x = _check_x(x, k)
-    rb = q8_row_bytes(k, _planes(planes))
+    planes = _planes(planes)
+    rb = q8_row_bytes(k, planes)
     if out is None:
         out = torch.empty(x.shape[0], rb, dtype=torch.uint8)
     _buffer(out, f"xq ([{x.shape[0]}, {rb}])", torch.uint8, x.shape[0] * rb)
@@ -279,11 +283,11 @@ def quantize_q8(x: torch.Tensor, planes: int = Q8_PLANES, out: torch.Tensor | No
 
 
 def linear_q8(spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
-              xq: torch.Tensor | None = None, planes: int = Q8_PLANES) -> torch.Tensor:
+              xq: torch.Tensor | None = None, planes: int | None = None) -> torch.Tensor:
     """y [T, out] (float32) = x [T, in] @ W^T on the integer path: x quantized to `planes` planes of 8-bit codes (or
     xq, quantize_q8's result for this x and planes, reused), integer dot products against the stored codes.
     Deterministic, the same bits on the AVX2 and the scalar path and for any T. Relative L2 against the exact
-    weights (tests/quant/test_q8.py): planes=1 5e-3 - 2.3e-2, planes=2 ~2e-5."""
+    weights (tests/quant/test_q8.py): planes=1 5e-3 - 1.1e-2, planes=2 2e-5 - 4e-5. planes None: Q8_PLANES."""
     if not q8_supported(spec):
         raise ValueError(f"the int8 path does not compute {spec.family} {spec.name} (see native.q8_supported)")
     fmt, n, k, q, row_bytes = _desc(spec, raw)[:5]
@@ -312,7 +316,7 @@ def _expert_layout(specs: tuple) -> tuple:
 
 
 def expert_q8(specs: tuple, raws: tuple, x: torch.Tensor, out: torch.Tensor | None = None,
-              planes: int = Q8_PLANES) -> torch.Tensor:
+              planes: int | None = None) -> torch.Tensor:
     """One SwiGLU expert on the integer path in one native call: y [T, H] float32 = down(silu(gate x) * up x), specs
     (gate [I, H], up [I, H], down [H, I]) QuantSpecs of formats q8_supported, raws their stored bytes, x float32
     [T, H]. x is quantized once for gate and up; silu(g) * u is computed in float32 and quantized once for down.
