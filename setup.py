@@ -1,4 +1,5 @@
-"""The native quantized-expert kernels (sluice/quant/native/kernels.c), built at install time.
+"""The native quantized-expert kernels (sluice/quant/native: kernels.c the float path, q8.c the integer path), built
+at install time.
 
 `optional=True`: a machine without a C compiler still installs sluice; sluice.quant.native then reports
 native_available() False and the torch kernels run instead. -ffp-contract=off keeps every dequantized weight the
@@ -8,6 +9,8 @@ function with target attributes and at run time, so the build needs no -march fl
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("sluice.quant.native._kernels", ["sluice/quant/native/kernels.c"],
+NATIVE = "sluice/quant/native/"
+setup(ext_modules=[Extension("sluice.quant.native._kernels", [NATIVE + "kernels.c", NATIVE + "q8.c"],
+                             depends=[NATIVE + "common.h"], libraries=["m"],
                              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"],
                              optional=True)])

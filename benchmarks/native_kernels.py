@@ -16,6 +16,11 @@ plus GB/s of stored weight bytes at T=1, the crossover per projection (row kerne
 per row count), and the 8 experts of one layer at T=1 on 1 and 2 threads (wall time: the experts spread over
 native.Pool(2), or each projection's rows split as native.set_threads(2) does).
 --quick: 2048 x 768 only, T in {1, 32}, 3 rounds, crossover at 3 row counts (under a minute on the dev VM).
+--int8: only the integer path (quant/native/q8.c) against the float row kernel, T in {1, 4}, both shapes, Q4_K /
+Q6_K / Q8_0 / Q4_0: ms per [I, H] projection (native.linear vs native.linear_q8 with 2 and 1 planes, x float32)
+and per expert at bf16 as models/experts.py runs it (three NativeKernel calls on the float kernel, as before the
+integer path; three on the integer path; native.expert_q8's one call, 2 and 1 planes); written as the "Integer
+path" section of OUT.md (the rest of the file is kept) and OUT_int8.json.
 """
 
 from __future__ import annotations
@@ -153,6 +158,66 @@ def threads(h: int, i: int, rounds: int) -> dict:
     return m
 
 
+def int8_bench(rounds: int) -> dict:
+    """name -> ms for the --int8 section (see the module docstring)."""
+    out = {}
+    for h, i in ((1024, 512), (2048, 768)):
+        for fmt in ("Q4_K", "Q6_K", "Q8_0", "Q4_0"):
+            e = Expert(fmt, h, i)
+            g, u, d = e.specs
+            fl = [NativeKernel(s, torch.bfloat16) for s in e.specs]
+            for k in fl:
+                k.int8 = False  # the float row kernel at bf16: what ran before the integer path
+            i8 = [NativeKernel(s, torch.bfloat16) for s in e.specs]
+            scratch = torch.empty(h * i)
+
+            def three(ks, x, e=e):
+                lin = [lambda v, k=k, r=r: k.linear(v, r, scratch) for k, r in zip(ks, e.raw)]
+                return e.run(lin, x)
+
+            for t in (1, 4):
+                x = torch.randn(t, h)
+                xb = x.bfloat16()
+                arms = {"proj float": lambda: native.linear(g, x, e.raw[0]),
+                        "proj int8x2": lambda: native.linear_q8(g, x, e.raw[0]),
+                        "proj int8x1": lambda: native.linear_q8(g, x, e.raw[0], planes=1),
+                        "expert 3 calls, float kernel": lambda: three(fl, xb),
+                        "expert 3 calls, NativeKernel's pick": lambda: three(i8, xb),
+                        "expert int8x2, 1 call": lambda: native.expert_q8(e.specs, e.raw, xb.float()).bfloat16(),
+                        "expert int8x1, 1 call": lambda: native.expert_q8(e.specs, e.raw, xb.float(),
+                                                                          planes=1).bfloat16()}
+                out[f"{h}x{i} {fmt} T={t}"] = m = interleaved(arms, rounds)
+                print(f"{h}x{i} {fmt} T={t}: " + ", ".join(f"{n} {v:.3f}" for n, v in m.items()), flush=True)
+    return out
+
+
+def int8_markdown(res: dict, rounds: int, load_before: str, load_after: str) -> str:
+    names = list(next(iter(res.values())))
+    lines = ["## Integer path (benchmarks/native_kernels.py --int8; 1 torch thread, thread CPU time, median of "
+             f"{rounds} interleaved rounds, ms)", "", f"Load before: {load_before}", f"Load after: {load_after}", "",
+             "proj: one [I, H] projection, x float32 (native.linear = the float row kernel; linear_q8 with 2 / 1 "
+             "planes). expert: down(silu(gate x) * up x) from bf16 x, y bf16: three NativeKernel calls on the float "
+             "row kernel (what ran before the integer path), three as NativeKernel picks now (integer up to "
+             "Q8_MAX_ROWS rows), or native.expert_q8's one call with 2 / 1 planes (what models/experts.py runs up "
+             "to EXPERT_Q8_MAX_ROWS rows).", "",
+             "| H x I, format, T | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines += [f"| {k} | " + " | ".join(f"{v[n]:.3f}" for n in names) + " |" for k, v in res.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_int8(res: dict, md: str, out: str) -> None:
+    """OUT_int8.json, and md as the "## Integer path" section of OUT.md (replacing an earlier one)."""
+    with open(out + "_int8.json", "w") as f:
+        json.dump(res, f, indent=1)
+    old = open(out + ".md").read() if os.path.exists(out + ".md") else ""
+    at = old.find("## Integer path")
+    if at >= 0:
+        end = old.find("\n## ", at + 1)
+        old = old[:at] + (old[end + 1:] if end >= 0 else "")
+    with open(out + ".md", "w") as f:
+        f.write(old.rstrip("\n") + "\n\n" + md)
+
+
 def to_markdown(res: dict) -> str:
     lines = ["# Native quantized kernels (benchmarks/native_kernels.py"
              f"{' --quick' if res['quick'] else ''}; {res['cpu']}, simd={res['simd']}, 1 torch thread, "
@@ -183,7 +248,8 @@ def to_markdown(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one shape, T=1 and 32, 3 rounds: under a minute")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per measurement (default 11, quick 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per measurement (default 11, quick 3, int8 101)")
+    ap.add_argument("--int8", action="store_true", help="only the integer path against the float row kernel")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md (default: results/native_kernels, "
                                                 "not written with --quick unless given)")
     args = ap.parse_args()
@@ -191,6 +257,14 @@ def main() -> None:
         sys.exit("the native kernels are not built: pip install -e . (with a C compiler) first")
     torch.set_num_threads(1)
     quant_kernels.CLOCK = time.thread_time
+    if args.int8:
+        rounds = args.rounds or 101
+        before = quant_kernels.load_note()
+        res = int8_bench(rounds)
+        md = int8_markdown(res, rounds, before, quant_kernels.load_note())
+        write_int8(res, md, args.out or os.path.join(os.path.dirname(__file__), "results", "native_kernels"))
+        print(md)
+        return
     rounds = args.rounds or (3 if args.quick else 11)
     shapes, rows = ([(2048, 768)], [1, 32]) if args.quick else ([(2048, 768), (1024, 512)], [1, 4, 32, 128])
     cross_rows = [1, 32, 64] if args.quick else [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]

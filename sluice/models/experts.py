@@ -9,6 +9,10 @@ One thread computes a layer's experts; torch's own threads run inside the matmul
 experts over a thread pool was measured and dropped: the peers model's Q4_K_M file, resident, 2 CPUs, 16 tokens
 (quiet machine): 118 ms/token with the pool, 69.6 without it, 93-101 on one thread; torch's OpenMP workers spin
 between ops and take the pool's second core.
+
+At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (GGUF block
+formats, quant/native/q8.c) runs as one native call up to EXPERT_Q8_MAX_ROWS rows (native.expert_q8: x quantized
+once for gate and up, silu(g) * u in float32, down), instead of three kernel calls and the casts between them.
 """
 
 from __future__ import annotations
@@ -19,8 +23,20 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.ref import DTYPES
+from ..quant import native
 from ..quant.stored import StoredLinear
 from ..store.layout import BiasedGluFormat
+
+
+# Rows up to which a quantized expert runs as one native.expert_q8 call at bf16 / f16; above it, three kernel calls
+# (the float row kernel dequantizes each weight row once for all rows). ms per expert, three NativeKernel calls on
+# the float row kernel / one expert_q8 call, bf16 x, thread CPU time, median of 41 interleaved rounds, load ~4.6
+# (T=1: benchmarks/results/native_kernels.md, "Integer path"):
+#   1024x512 Q4_K  T=2 0.69/0.39  T=3 0.74/0.50  T=4 0.88/0.71  T=6 1.08/1.11  T=8 1.35/1.46
+#   1024x512 Q6_K  T=2 0.64/0.45  T=3 0.70/0.62  T=4 0.95/0.92  T=6 1.29/1.37  T=8 1.54/1.74
+#   2048x768 Q4_K  T=2 1.53/0.95  T=3 1.21/0.94  T=4 1.69/1.32  T=6 2.02/1.95  T=8 2.58/2.56
+#   2048x768 Q6_K  T=2 1.16/0.90  T=3 1.35/1.24  T=4 2.25/1.84  T=6 2.52/2.43  T=8 3.37/3.31
+EXPERT_Q8_MAX_ROWS = 4
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -66,7 +82,9 @@ class ExpertMath:
         """`glu`: (gate, up) -> hidden; default act(gate) * up (glu_for builds the Spec's)."""
         self.dtype, self.act = dtype, act
         self.glu = glu or (lambda gate, up: act(gate) * up)  # the Qwen / Mixtral / OLMoE SwiGLU
+        self._plain_glu = glu is None  # the one-call native expert computes act(gate) * up only
         self._kernels: dict[object, tuple] = {}
+        self._fused: dict[object, tuple | None] = {}  # format -> (gate, up, down) specs of the one-call path, or None
         self._scratch_numel = 0  # the largest projection of any format seen
         self._scratch_buf = torch.empty(0, dtype=torch.float32)
 
@@ -83,6 +101,13 @@ class ExpertMath:
         fmt, raw = batch.format, batch.raw[slot]
         if isinstance(fmt, BiasedGluFormat):
             return self._biased(fmt, raw, x)
+        fused = self._fused.get(fmt, ())
+        if fused == ():
+            fused = self._fused[fmt] = self._fused_specs(fmt)
+        if fused is not None and x.shape[0] <= EXPERT_Q8_MAX_ROWS:
+            parts = (raw[: fmt.gate.nbytes], raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes],
+                     raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes])
+            return native.expert_q8(fused, parts, x.float().contiguous()).to(self.dtype)  # [n, H]
         gate_up, gate, up, down = self._kernels_for(fmt)
         scratch = self._scratch()
         if gate_up is not None:  # one call over the 2I rows of [gate; up]
@@ -113,6 +138,14 @@ class ExpertMath:
         if self._scratch_buf.numel() < self._scratch_numel:
             self._scratch_buf = torch.empty(self._scratch_numel, dtype=torch.float32)
         return self._scratch_buf
+
+    def _fused_specs(self, fmt) -> tuple | None:
+        """(gate, up, down) specs when this format's experts run as one native call at this dtype, else None
+        (float32 keeps the exact float kernels; other activations and formats run projection by projection)."""
+        specs = (fmt.gate, fmt.up, fmt.down)
+        ok = (self.dtype is not torch.float32 and self.act is F.silu and self._plain_glu
+              and native.native_available() and all(native.q8_supported(s) for s in specs))
+        return specs if ok else None
 
     def _kernels_for(self, fmt) -> tuple:
         """(gate_up or None, gate, up, down) StoredLinears of one ExpertFormat, (gate_up, down) of a

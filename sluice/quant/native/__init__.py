@@ -6,6 +6,10 @@
     y = native.linear(spec, x, raw)           # x float32 [T, in] contiguous, raw uint8 [spec.nbytes] -> y [T, out]
     y = native.linear_mlx(x, weight, scales, biases, bits=4, group_size=64)   # MLX's three separate buffers
     w = native.dequantize(spec, raw, out)     # the exact float32 weights [out, in] (bitwise the reference)
+    native.q8_supported(spec)                 # GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: the int8 path exists
+    xq = native.quantize_q8(x)                # x float32 [T, in] -> 8-bit blocks, uint8 [T, q8_row_bytes(in)]
+    y = native.linear_q8(spec, x, raw)        # int8 activations x integer dots (q8.c), y float32 [T, out]
+    y = native.expert_q8(specs, raws, x)      # down(silu(gate x) * up x) in one call, y float32 [T, H]
     k = native.NativeKernel(spec, dtype)      # kernel_for's interface: name "native", nbytes = stored bytes
     pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent threads, results in order
     native.set_threads(2)                     # NativeKernel splits each projection's rows over 2 threads
@@ -16,6 +20,12 @@ affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales, and 
 dequantized exactly (the value each weight has is sluice.quant.ggml.dequantize's, i.e. gguf's) and dotted with
 FMA in float32; the dot products' order depends on in_features only, so the result is deterministic (whatever T,
 thread or row range) and within ~1e-6 relative of F.linear on the exact weights. No activation quantization.
+The integer path (linear_q8, expert_q8; q8.c) quantizes each x row once to two planes of 8-bit codes (Q8_PLANES;
+one plane is llama.cpp's scheme) and runs integer dot products (maddubs / madd) against the stored codes of the
+GGUF block formats: a [512 x 1024] Q4_K projection at T=1 75 -> 45 us of C time, relative L2 ~3e-5 against the
+exact weights. NativeKernel runs it at the bf16 / f16 compute dtypes up to kernel.Q8_MAX_ROWS rows, and
+models/experts.py runs a whole SwiGLU expert as one expert_q8 call (a Q4_K expert at T=1: 0.48 -> 0.25 ms at
+1024 x 512, benchmarks/results/native_kernels.md).
 
 The C functions hold no lock and keep no state, and ctypes releases the GIL while they run: calls on several Python
 threads run in parallel (Pool). Arguments are checked here and a bad one raises ValueError naming it; the C code
@@ -53,6 +63,12 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_linear.argtypes = desc + [ptr, i64, ptr, i64, i64, i32]  # x, T, y, n0, n1, scalar
     lib.sluice_dequantize.argtypes = desc + [ptr, i64, i64, i32]  # out, n0, n1, scalar
     lib.sluice_linear.restype = lib.sluice_dequantize.restype = lib.sluice_simd.restype = i32
+    lib.sluice_quantize_q8.argtypes = [i64, ptr, i64, ptr, i32, i32]  # K, x, T, xq, planes, scalar
+    lib.sluice_quantize_q8.restype = None
+    lib.sluice_linear_q8.argtypes = [i32, i64, i64, ptr, i64, ptr, ptr, i64, i32, ptr, i64, i64, i32]  # xq, x, T, ..
+    lib.sluice_linear_q8.restype = i32
+    lib.sluice_expert_q8.argtypes = [i32, ptr, i64] * 3 + [i64, i64, ptr, i64, i32, ptr, i32]  # H, I, x, T, P, y
+    lib.sluice_expert_q8.restype = i32
     return lib
 
 
@@ -102,7 +118,7 @@ def _buffer(t: torch.Tensor, what: str, dtype: torch.dtype, numel: int) -> int:
     return t.data_ptr()
 
 
-def _x_out(x: torch.Tensor, out: torch.Tensor | None, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_x(x: torch.Tensor, k: int) -> torch.Tensor:
     # the checks cost ~1 us each: the common case is tested first, the message built only for a bad argument
     if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == k
             and x.is_cpu and x.is_contiguous()):
@@ -110,6 +126,11 @@ def _x_out(x: torch.Tensor, out: torch.Tensor | None, n: int, k: int) -> tuple[t
             raise ValueError(f"x must be [T, {k}], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         _buffer(x, "x", torch.float32, x.numel())
+    return x
+
+
+def _x_out(x: torch.Tensor, out: torch.Tensor | None, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _check_x(x, k)
     t = x.shape[0]
     if out is None:
         return x, torch.empty(t, n, dtype=torch.float32)
@@ -213,6 +234,107 @@ def dequantize(spec: QuantSpec, raw: torch.Tensor, out: torch.Tensor | None = No
     _buffer(out, f"out ([{n}, {k}])", torch.float32, n * k)
     _LIB.sluice_dequantize(*desc, out.data_ptr(), 0, n, int(FORCE_SCALAR))
     return out.view(n, k)
+
+
+def q8_supported(spec: QuantSpec) -> bool:
+    """Whether the int8-activation path (linear_q8) computes this format: the GGUF block types (not MXFP4 / MLX)."""
+    return spec.family == "ggml" and spec.name in _GGML and spec.name != "MXFP4"
+
+
+#: planes of 8-bit activation codes linear_q8 uses by default. 1 is llama.cpp's scheme (x rounded to 1/127 of each
+#: 32-block's max): ~1.2x faster again, but it took the tiny random Q5_K model of tests/quant/test_gguf_models.py to
+#: 7.6e-2 relative L2 of the logits (float kernel 3.1e-2, transformers' own bf16 run 4.4e-2: the model amplifies
+#: small errors) and each expert's output 1.4e-2 off the float kernel's. 2 adds the residual in 1/256ths (x to
+#: ~1/32,000 of the block max, finer than bf16): the same logits as the float kernel to bf16 rounding.
+Q8_PLANES = 2
+
+
+def q8_row_bytes(in_features: int, planes: int | None = None) -> int:
+    """Bytes of one quantized x row: per 32 values float d, float d * sum, `planes` x 32 int8 codes (see q8.c)."""
+    return in_features // 32 * (8 + 32 * _planes(planes))
+
+
+def _planes(planes: int | None) -> int:
+    """planes, or Q8_PLANES as it is now (a benchmark may set native.Q8_PLANES = 1 for a whole run)."""
+    if planes is None:
+        return Q8_PLANES
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 or 2, got {planes}")
+    return planes
+
+
+def quantize_q8(x: torch.Tensor, planes: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [T, in] (contiguous, in a multiple of 32) -> its 8-bit blocks, uint8 [T, q8_row_bytes(in, planes)]
+    (into out when given). The layout is the same for every format: one quantized x serves every projection of it."""
+    if _LIB is None:
+        raise RuntimeError("the native kernels are not built (native_available() is False)")
+    k = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    if k == 0 or k % 32:
+        raise ValueError(f"x must be [T, in] with in a positive multiple of 32, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    x = _check_x(x, k)
+    planes = _planes(planes)
+    rb = q8_row_bytes(k, planes)
+    if out is None:
+        out = torch.empty(x.shape[0], rb, dtype=torch.uint8)
+    _buffer(out, f"xq ([{x.shape[0]}, {rb}])", torch.uint8, x.shape[0] * rb)
+    _LIB.sluice_quantize_q8(k, x.data_ptr(), x.shape[0], out.data_ptr(), planes, int(FORCE_SCALAR))
+    return out.view(x.shape[0], rb)
+
+
+def linear_q8(spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
+              xq: torch.Tensor | None = None, planes: int | None = None) -> torch.Tensor:
+    """y [T, out] (float32) = x [T, in] @ W^T on the integer path: x quantized to `planes` planes of 8-bit codes (or
+    xq, quantize_q8's result for this x and planes, reused), integer dot products against the stored codes.
+    Deterministic, the same bits on the AVX2 and the scalar path and for any T. Relative L2 against the exact
+    weights (tests/quant/test_q8.py): planes=1 5e-3 - 1.1e-2, planes=2 2e-5 - 4e-5. planes None: Q8_PLANES."""
+    if not q8_supported(spec):
+        raise ValueError(f"the int8 path does not compute {spec.family} {spec.name} (see native.q8_supported)")
+    fmt, n, k, q, row_bytes = _desc(spec, raw)[:5]
+    x, out = _x_out(x, out, n, k)
+    if xq is not None:
+        _buffer(xq, "xq", torch.uint8, x.shape[0] * q8_row_bytes(k, _planes(planes)))
+    rc = _LIB.sluice_linear_q8(fmt, n, k, q, row_bytes, None if xq is None else xq.data_ptr(), x.data_ptr(),
+                               x.shape[0], _planes(planes), out.data_ptr(), 0, n, int(FORCE_SCALAR))
+    if rc:
+        raise MemoryError(f"native linear_q8 failed (code {rc}): no memory for {x.shape[0]} quantized rows")
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _expert_layout(specs: tuple) -> tuple:
+    """(H, I, ((C format, codes offset, bytes per row, stored bytes) for gate, up, down)), checked once per specs."""
+    gate, up, down = specs
+    if not all(q8_supported(s) for s in specs):
+        raise ValueError("the int8 path does not compute " + ", ".join(f"{s.family} {s.name}" for s in specs))
+    h, i = gate.in_features, gate.out_features
+    if (up.in_features, up.out_features, down.in_features, down.out_features) != (h, i, i, h):
+        raise ValueError(f"expert shapes must be gate/up [I, H] and down [H, I], got {gate.out_features}x"
+                         f"{gate.in_features}, {up.out_features}x{up.in_features}, {down.out_features}x"
+                         f"{down.in_features}")
+    return h, i, tuple((lay[1], lay[4], lay[5], lay[0]) for lay in map(_layout, specs))
+
+
+def expert_q8(specs: tuple, raws: tuple, x: torch.Tensor, out: torch.Tensor | None = None,
+              planes: int | None = None) -> torch.Tensor:
+    """One SwiGLU expert on the integer path in one native call: y [T, H] float32 = down(silu(gate x) * up x), specs
+    (gate [I, H], up [I, H], down [H, I]) QuantSpecs of formats q8_supported, raws their stored bytes, x float32
+    [T, H]. x is quantized once for gate and up; silu(g) * u is computed in float32 and quantized once for down.
+    The same bits on both C paths and for any T; gate / up / down each as linear_q8 computes them.
+    The checks that depend on specs only run once per specs (~35 -> ~15 us of Python per call)."""
+    h, i, parts = _expert_layout(tuple(specs))
+    args = []
+    for (fmt, at, row_bytes, nbytes), spec, raw in zip(parts, specs, raws):
+        if not (type(raw) is torch.Tensor and raw.dtype is torch.uint8 and raw.dim() == 1 and raw.numel() == nbytes
+                and raw.is_cpu and raw.is_contiguous()):
+            _desc(spec, raw)  # raises, naming what is wrong
+        args += (fmt, raw.data_ptr() + at, row_bytes)
+    x, out = _x_out(x, out, h, h)
+    rc = _LIB.sluice_expert_q8(*args, h, i, x.data_ptr(), x.shape[0], _planes(planes), out.data_ptr(),
+                               int(FORCE_SCALAR))
+    if rc:
+        raise MemoryError(f"native expert failed (code {rc}): no memory for its [{x.shape[0]} x {i}] scratch")
+    return out
 
 
 class Pool:

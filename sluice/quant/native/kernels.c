@@ -14,50 +14,7 @@
  * __builtin_cpu_supports) and portable scalar C (any x86-64 or aarch64). They agree on the weights bit for bit
  * and differ in the dot products' rounding only (both within ~1e-6 relative of a float32 matmul).
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "the stored formats are little-endian and read as such here (x86-64, aarch64)"
-#endif
-
-/* the AVX2 path is compiled on x86 (-DSLUICE_NO_SIMD builds the portable path alone, as on aarch64) */
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(SLUICE_NO_SIMD)
-#define SLUICE_X86 1
-#else
-#define SLUICE_X86 0
-#endif
-
-enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI, N_FORMATS };
-/* MXFP4_OAI: gpt-oss's *_blocks [N, K/32, 16] (value 2i the low nibble of byte i) and *_scales [N, K/32] (in s) */
-enum { S_F32, S_F16, S_BF16 };  /* MLX scale / bias dtype */
-
-typedef struct {
-    int fmt;
-    int64_t N, K;
-    const uint8_t *q;     /* ggml: the blocks [N, row_bytes]; MLX: the packed codes [N, K * bits / 8] */
-    int64_t row_bytes;
-    const uint8_t *s, *b; /* MLX scales and biases [N, K / gs] in dtype sdt; MXFP4_OAI: the exponents in s */
-    int sdt, gs;
-} wdesc;
-
-/* ---- exact scalar helpers (shared by both paths) ---- */
-
-static inline float f32_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
-    if (e == 0) {  /* zero or subnormal: m * 2^-24, exact in float32 */
-        float f = (float)m * (1.0f / 16777216.0f);
-        return sign ? -f : f;
-    }
-    if (e == 31) return f32_bits(sign | 0x7f800000u | (m << 13));
-    return f32_bits(sign | ((e + 112) << 23) | (m << 13));
-}
-
-static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-static inline float rdf16(const uint8_t *p) { return f16_to_f32(rd16(p)); }
+#include "common.h"
 
 static inline float mlx_scale(const uint8_t *p, int sdt, int64_t i) {
     if (sdt == S_F32) { float f; memcpy(&f, p + 4 * i, 4); return f; }
@@ -69,20 +26,6 @@ static inline float mlx_scale(const uint8_t *p, int sdt, int64_t i) {
 static inline float e8m0_half(uint8_t e) { return f32_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
 
 static const int8_t FP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-/* Q4_K / Q5_K: the 12 packed scale bytes -> 8 scales and 8 mins (ggml's get_scale_min_k4), four bytes at a time:
- * scales 0-3 / mins 0-3 are the low 6 bits of bytes 0-3 / 4-7; scales 4-7 (mins 4-7) the low (high) nibbles of
- * bytes 8-11 with the top 2 bits of bytes 0-3 (4-7) above them */
-static inline void k_scale_min(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
-    uint32_t u0, u1, u2, v;
-    memcpy(&u0, q, 4);
-    memcpy(&u1, q + 4, 4);
-    memcpy(&u2, q + 8, 4);
-    v = u0 & 0x3f3f3f3fu; memcpy(sc, &v, 4);
-    v = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u); memcpy(sc + 4, &v, 4);
-    v = u1 & 0x3f3f3f3fu; memcpy(mn, &v, 4);
-    v = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u); memcpy(mn + 4, &v, 4);
-}
 
 /* per 32-value sub-block s of a Q4_K / Q5_K block: scale d * sc, bias -(dmin * m) (the reference's subtraction) */
 static inline void k_affine(const uint8_t *blk, float *scale, float *bias) {
@@ -196,10 +139,6 @@ static float dot_scalar(const float *w, const float *x, int64_t K) {
 
 /* ---- AVX2 + FMA + F16C path ---- */
 #if SLUICE_X86
-#include <immintrin.h>
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
-
 /* 16 int8 codes -> 16 weights scale * code (+ bias) (uns: the codes are uint8), for the values at o. Without x
  * they are stored at o; with x (the fused T = 1 path) they go straight into the dot product with x's values at the
  * same offset (xk), vector 8j + v of a 32-value step into accumulator j + v: the buffered path's order exactly. */
@@ -221,16 +160,6 @@ AVX2_INLINE void emit16(__m128i q, float scale, float bias, int has_bias, int un
     }
 }
 #define EMIT(q, scale, bias, has_bias, uns, o, j) emit16(q, scale, bias, has_bias, uns, o, j, x, o0, acc)
-
-/* bits 0-15 of m -> 16 bytes, 0x10 where the bit is set (Q5 high bits) */
-AVX2_INLINE __m128i bits16(uint32_t m) {
-    __m128i byte = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);  /* byte j: bits 8(j/8)..+7 */
-    __m128i v = _mm_shuffle_epi8(_mm_set1_epi16((short)m), byte);
-    __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), _mm_set1_epi8(0x10));
-}
-
-AVX2_INLINE float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
 /* k_affine with vector products (the scalar one is ~25% of a Q4_K row's time); the negation flips the sign bit,
  * as the reference's neg does (0 - p would turn -(+0) into +0) */

@@ -1,0 +1,422 @@
+/* The integer decode path: y[T, N] = x[T, K] @ W^T with x quantized to 8-bit codes once per row and integer dot
+ * products against the stored codes (the scheme of llama.cpp's ggml-cpu vec_dot kernels; this code is sluice's own).
+ *
+ * Activations: each x row becomes blocks of 32 values: float d, float s = d * sum(code), then P planes of int8
+ * (40 or 72 bytes). hi = round(x / D), D = amax / 127 (half to even, |hi| <= 127); with P = 2 also lo =
+ * round((x / D - hi) * 256) (clamped to +-127), code = 256 * hi + lo and d = D / 256 (x to ~1/65,000 of the block
+ * max, finer than bf16), else code = hi and d = D. One layout for every weight format, so one quantized row serves
+ * every weight row, gate and up, and any mix of formats (Q4_K_M files mix Q4_K, Q6_K, Q8_0).
+ * Why 32 values and why two planes: llama.cpp's one plane with one scale per 256 activations for the K-quants (Q8_K)
+ * took the tiny Q5_K model of tests/quant/test_gguf_models.py from 3.1e-2 (float kernel) to 5.2e-2 relative L2 of
+ * the logits, one plane per 32 to 7.6e-2, past transformers' own bf16 run (4.4e-2: that random model amplifies
+ * small errors); two planes give 2.9e-2, the float kernel's quality, for ~20% more time than one.
+ *
+ * Dot products: the integer sums are exact; the float operations are fixed and the same on both paths. Per
+ * 32-value (sub-)block j of the row, with w the integer codes (Q4_0 / Q5_0 / Q6_K: offset removed, signed) and the
+ * sub-block's integer scale sc (K-quants; 1 otherwise; Q6_K: one per 16 values):
+ *   lane[j & 1][l] += (d_w * d_x) * (float)(sc * sum of w * code over values 4l..4l+3)      l = 0..7
+ *   m += min * s_x                      Q4_1 / Q5_1: min = m; Q4_K / Q5_K: min = dmin * mins[j], subtracted
+ *   y = reduce8(lane[0] + lane[1]) + m  reduce8(a) = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+ * so the AVX2 path (maddubs / madd, one float lane per l) and the portable scalar path give the same bits, and row t
+ * of y does not depend on T or on the row range of the call. Error against F.linear on the exactly dequantized
+ * weights: relative L2 5e-3 - 1.1e-2 with one plane, 2e-5 - 4e-5 with two (tests/quant/test_q8.py).
+ */
+#include <math.h>
+
+#include "common.h"
+
+/* bytes of one quantized 32-value block with P planes of codes (1 or 2) */
+#define XB(P) (8 + 32 * (P))
+
+static int has_q8(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }  /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K */
+
+/* bytes of one quantized x row of K values (K a multiple of 32), P planes */
+int64_t sluice_q8_row_bytes(int64_t K, int P) { return K / 32 * XB(P); }
+
+/* B values -> int8 codes; returns d. Non-finite or huge values clamp to +-127 (no undefined conversion). Inlined
+ * into a portable and an AVX2-target copy of quant_row: the same IEEE operations (abs, compare, one multiply, round
+ * to nearest even), so the same bytes; the AVX2 copy (vectorized by the compiler) takes ~1 us per 1024 values. */
+static inline __attribute__((always_inline)) float quant_block(const float *v, int8_t *q, int P) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        float a = fabsf(v[j]);
+        if (a > amax) amax = a;
+    }
+    float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; j++) {
+        float f = v[j] * id, r = nearbyintf(f);
+        int hi = r >= 127.0f ? 127 : r >= -127.0f ? (int)r : -127;
+        q[j] = (int8_t)hi;
+        if (P == 2) {  /* the residual in 1/256ths of d: f - hi is exact; |.| <= 128, clamped to 127 */
+            float lo = (f - (float)hi) * 256.0f;
+            lo = nearbyintf(lo);
+            q[32 + j] = (int8_t)(lo >= 127.0f ? 127 : lo >= -127.0f ? (int)lo : -127);
+        }
+    }
+    return P == 2 ? d * (1.0f / 256.0f) : d;
+}
+
+/* block header: float d (the value of one unit of the combined code 256 * hi + lo, or of hi when P = 1), float s =
+ * d * (sum of the combined codes), then the planes */
+static inline __attribute__((always_inline)) void quant_row(const float *x, int64_t K, uint8_t *o, int P) {
+    for (int64_t b = 0; b < K / 32; b++, o += XB(P)) {
+        int8_t *q = (int8_t *)(o + 8);
+        float d = quant_block(x + 32 * b, q, P);
+        int sum = 0;
+        for (int j = 0; j < 32; j++) sum += P == 2 ? 256 * q[j] + q[32 + j] : q[j];
+        float s = d * (float)sum;
+        memcpy(o, &d, 4);
+        memcpy(o + 4, &s, 4);
+    }
+}
+
+static inline float rdf32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+
+static const int BLOCK_BYTES[] = {[Q4_0] = 18, [Q4_1] = 20, [Q5_0] = 22, [Q5_1] = 24, [Q8_0] = 34,
+                                  [Q4_K] = 144, [Q5_K] = 176, [Q6_K] = 210};
+
+static inline float reduce16(const float *a0, const float *a1) {
+    float a[8];
+    for (int l = 0; l < 8; l++) a[l] = a0[l] + a1[l];
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* ---- portable scalar path ---- */
+
+/* the 32 integer weights of one 32-block (signed for Q4_0 / Q5_0 / Q8_0, 0..31 for Q4_1 / Q5_1) */
+static void codes32(int fmt, const uint8_t *blk, int8_t *w) {
+    if (fmt == Q8_0) { memcpy(w, blk + 2, 32); return; }
+    int five = fmt == Q5_0 || fmt == Q5_1, at = fmt == Q4_0 || fmt == Q5_0 ? 2 : 4;
+    uint32_t qh = 0;
+    if (five) { memcpy(&qh, blk + at, 4); at += 4; }
+    int off = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;
+    for (int j = 0; j < 32; j++) {
+        int q = j < 16 ? blk[at + j] & 15 : blk[at + j - 16] >> 4;
+        if (five) q |= ((qh >> j) & 1) << 4;
+        w[j] = (int8_t)(q - off);
+    }
+}
+
+/* the 256 codes of a K-quant block (Q6_K: minus 32, signed) */
+static void codes256(int fmt, const uint8_t *blk, int8_t *c) {
+    if (fmt == Q6_K) {
+        for (int i = 0; i < 256; i++) {
+            int h = i / 128, k = (i / 32) & 3, l = i & 31, lo = blk[64 * h + 32 * (k & 1) + l];
+            c[i] = (int8_t)(((k < 2 ? lo & 15 : lo >> 4) | (((blk[128 + 32 * h + l] >> (2 * k)) & 3) << 4)) - 32);
+        }
+        return;
+    }
+    int five = fmt == Q5_K;
+    const uint8_t *qs = blk + (five ? 48 : 16), *qh = blk + 16;
+    for (int s = 0; s < 8; s++)
+        for (int l = 0; l < 32; l++) {
+            int q = (s & 1) ? qs[32 * (s / 2) + l] >> 4 : qs[32 * (s / 2) + l] & 15;
+            c[32 * s + l] = (int8_t)(five ? q | (((qh[l] >> s) & 1) << 4) : q);
+        }
+}
+
+/* one 32-value sub-block: lane[l] += f * (float)(sc[l / 4] * sum of w * code over 4l..4l+3), code = q (P = 1) or
+ * 256 * q + q[32 + .] (P = 2) */
+static inline void lanes_scalar(const int8_t *w, const int8_t *q, const int *sc, float f, float *lane, int P) {
+    for (int l = 0; l < 8; l++) {
+        int s = 0;
+        for (int j = 4 * l; j < 4 * l + 4; j++) s += w[j] * (P == 2 ? 256 * q[j] + q[32 + j] : q[j]);
+        lane[l] = lane[l] + f * (float)(sc[l / 4] * s);
+    }
+}
+
+static float dot_scalar_q8(int fmt, const uint8_t *row, const uint8_t *xq, int64_t K, int P) {
+    float lane[2][8] = {{0}}, m = 0.0f;
+    const int one[2] = {1, 1};
+    if (fmt <= Q8_0) {
+        for (int64_t b = 0; b < K / 32; b++, xq += XB(P)) {
+            const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
+            int8_t w[32];
+            codes32(fmt, blk, w);
+            lanes_scalar(w, (const int8_t *)(xq + 8), one, rdf16(blk) * rdf32(xq), lane[b & 1], P);
+            if (fmt == Q4_1 || fmt == Q5_1) m = m + rdf16(blk + 2) * rdf32(xq + 4);
+        }
+        return reduce16(lane[0], lane[1]) + m;
+    }
+    for (int64_t b = 0; b < K / 256; b++) {
+        const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
+        int8_t c[256];
+        uint8_t sc[8] = {0}, mn[8] = {0};
+        codes256(fmt, blk, c);
+        float d = rdf16(fmt == Q6_K ? blk + 208 : blk), dmin = fmt == Q6_K ? 0.0f : rdf16(blk + 2);
+        if (fmt != Q6_K) k_scale_min(blk + 4, sc, mn);
+        for (int s = 0; s < 8; s++, xq += XB(P)) {
+            int scs[2] = {sc[s], sc[s]};  /* Q6_K: one scale per 16 values */
+            if (fmt == Q6_K) scs[0] = (int8_t)blk[192 + 2 * s], scs[1] = (int8_t)blk[193 + 2 * s];
+            lanes_scalar(c + 32 * s, (const int8_t *)(xq + 8), scs, d * rdf32(xq), lane[s & 1], P);
+            if (fmt != Q6_K) m = m + (dmin * (float)mn[s]) * rdf32(xq + 4);
+        }
+    }
+    return reduce16(lane[0], lane[1]) - m;
+}
+
+/* ---- AVX2 path ---- */
+#if SLUICE_X86
+
+/* f * (float)(w . x per 4 values, times the int16 scales sc), the 8 lane terms; sign: w signed (abs / sign trick) */
+AVX2_INLINE __m256 lanes_avx2(__m256i w, const uint8_t *xb, __m256i sc, float f, int sign, int P) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)(xb + 8)), aw = sign ? _mm256_sign_epi8(w, w) : w;
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sign ? _mm256_sign_epi8(x, w) : x), sc);
+    if (P == 2) {  /* 256 * (w . hi) + w . lo: exact in int32 (|.| < 2^30 for every format) */
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 40));
+        __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sign ? _mm256_sign_epi8(x2, w) : x2), sc);
+        p = _mm256_add_epi32(_mm256_slli_epi32(p, 8), p2);
+    }
+    return _mm256_mul_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(p));
+}
+
+AVX2_INLINE __m256i nibbles32(const uint8_t *p) {  /* 16 bytes -> low nibbles (values 0-15), high (16-31) */
+    __m128i qs = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+}
+
+AVX2_INLINE float finish(__m256 l0, __m256 l1, float m) {
+    float a0[8], a1[8];
+    _mm256_storeu_ps(a0, l0);
+    _mm256_storeu_ps(a1, l1);
+    return reduce16(a0, a1) + m;
+}
+
+/* the 32 integer codes of a 32-block (signed for Q4_0 / Q5_0 / Q8_0, 0..31 for Q4_1 / Q5_1) */
+AVX2_INLINE __m256i codes32_avx2(const int fmt, const uint8_t *blk) {
+    __m256i w;
+    if (fmt == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (fmt == Q4_0 || fmt == Q4_1) {
+        w = nibbles32(blk + (fmt == Q4_0 ? 2 : 4));
+        return fmt == Q4_0 ? _mm256_sub_epi8(w, _mm256_set1_epi8(8)) : w;
+    }
+    int at = fmt == Q5_0 ? 2 : 4;
+    uint32_t qh;
+    memcpy(&qh, blk + at, 4);
+    w = _mm256_or_si256(nibbles32(blk + at + 4), _mm256_set_m128i(bits16(qh >> 16), bits16(qh)));
+    return fmt == Q5_0 ? _mm256_sub_epi8(w, _mm256_set1_epi8(16)) : w;
+}
+
+/* one 32-block against R x rows (x block at xb + r * rb): lane[r] += its terms, m[r] += its Q4_1 / Q5_1 min term.
+ * The weights are unpacked once for the R rows (the float row kernel's dequantize-once, for T > 1). */
+AVX2_INLINE void acc32(const int fmt, const uint8_t *blk, const uint8_t *xb, int64_t rb, const int P, const int R,
+                       __m256 *lane, float *m) {
+    const __m256i w = codes32_avx2(fmt, blk);
+    const int sign = fmt == Q4_0 || fmt == Q5_0 || fmt == Q8_0;
+    const float dw = f16c(blk);
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xb + r * rb;
+        lane[r] = _mm256_add_ps(lane[r], lanes_avx2(w, x, _mm256_set1_epi16(1), dw * rdf32(x), sign, P));
+        if (fmt == Q4_1 || fmt == Q5_1) m[r] = m[r] + f16c(blk + 2) * rdf32(x + 4);
+    }
+}
+
+/* always inlined into one function per format, planes and row count (below), so every such test folds away;
+ * f16c() gives rdf16's value. Blocks alternate between two named accumulator sets (lane[b & 1] of the scalar path:
+ * an indexed pair of vectors went through memory, ~20% slower). y[r * ldy] for the R rows. */
+AVX2_INLINE void dot32_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
+                            const int R, float *y, int64_t ldy) {
+    __m256 l0[4], l1[4];
+    float m[4];
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
+    const int bb = BLOCK_BYTES[fmt], xb = XB(P);
+    int64_t b = 0, nb = K / 32;
+    for (; b + 2 <= nb; b += 2) {
+        acc32(fmt, row + b * bb, xq + b * xb, rb, P, R, l0, m);
+        acc32(fmt, row + (b + 1) * bb, xq + (b + 1) * xb, rb, P, R, l1, m);
+    }
+    if (b < nb) acc32(fmt, row + b * bb, xq + b * xb, rb, P, R, l0, m);
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], m[r]);
+}
+
+/* Q6_K sub-block s (values 32s..32s+31) from its codes c (0..63) against R x rows, scales per 16 values */
+AVX2_INLINE void q6_acc(__m256i c, const uint8_t *blk, int s, const uint8_t *xs, int64_t rb, float d, const int P,
+                        const int R, __m256 *lane) {
+    __m256i sc = _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[193 + 2 * s]), _mm_set1_epi16((int8_t)blk[192 + 2 * s]));
+    __m256i w = _mm256_sub_epi8(c, _mm256_set1_epi8(32));
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xs + r * rb;
+        lane[r] = _mm256_add_ps(lane[r], lanes_avx2(w, x, sc, d * rdf32(x), 1, P));
+    }
+}
+
+/* Q4_K / Q5_K sub-block s from its codes against R x rows; the min terms into m[r] */
+AVX2_INLINE void k_acc(__m256i c, int s, const uint8_t *sc, const uint8_t *mn, float d, float dmin, const uint8_t *xs,
+                       int64_t rb, const int P, const int R, __m256 *lane, float *m) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xs + r * rb;
+        m[r] = m[r] + (dmin * (float)mn[s]) * rdf32(x + 4);
+        lane[r] = _mm256_add_ps(lane[r], lanes_avx2(c, x, _mm256_set1_epi16(sc[s]), d * rdf32(x), 0, P));
+    }
+}
+
+/* sub-block s into accumulator set s & 1 (as dot32_avx2) */
+AVX2_INLINE void dotk_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
+                           const int R, float *y, int64_t ldy) {
+    __m256 l0[4], l1[4];
+    float m[4];
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const int xb = XB(P);
+    for (int64_t b = 0; b < K / 256; b++, xq += 8 * xb) {
+        const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
+        if (fmt == Q6_K) {
+            const __m256i m2 = _mm256_set1_epi8(3);
+            float d = f16c(blk + 208);
+            for (int h = 0; h < 2; h++) {
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                __m256i lo[4] = {_mm256_and_si256(v0, m4), _mm256_and_si256(v1, m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4)};
+                for (int k = 0; k < 4; k += 2) {  /* s = 4h + k even, 4h + k + 1 odd */
+                    __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
+                    __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 2), m2);
+                    int s = 4 * h + k;
+                    q6_acc(_mm256_or_si256(lo[k], _mm256_slli_epi16(h0, 4)), blk, s, xq + s * xb, rb, d, P, R, l0);
+                    q6_acc(_mm256_or_si256(lo[k + 1], _mm256_slli_epi16(h1, 4)), blk, s + 1, xq + (s + 1) * xb, rb, d,
+                           P, R, l1);
+                }
+            }
+            continue;
+        }
+        const int five = fmt == Q5_K;
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        uint8_t sc[8], mn[8];
+        k_scale_min(blk + 4, sc, mn);
+        float d = f16c(blk), dmin = f16c(blk + 2);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        for (int i = 0; i < 4; i++) {  /* sub-blocks 2i (low nibbles) and 2i + 1 (high) */
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+            __m256i c0 = _mm256_and_si256(v, m4), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                const __m256i x10 = _mm256_set1_epi8(0x10);
+                __m256i b0 = _mm256_set1_epi8((char)(1 << 2 * i)), b1 = _mm256_set1_epi8((char)(2 << 2 * i));
+                c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
+                c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
+            }
+            k_acc(c0, 2 * i, sc, mn, d, dmin, xq + 2 * i * xb, rb, P, R, l0, m);
+            k_acc(c1, 2 * i + 1, sc, mn, d, dmin, xq + (2 * i + 1) * xb, rb, P, R, l1, m);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
+}
+
+/* one weight row against R <= 4 x rows: y[r * ldy] */
+typedef void (*dot_fn)(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y, int64_t ldy);
+#define DOT_PR(F, KIND, P, R)                                                                                          \
+    AVX2 static void dot_##F##_##P##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,      \
+                                         int64_t ldy) {                                                              \
+        KIND##_avx2(F, row, xq, rb, K, P, R, y, ldy);                                                                  \
+    }
+#define DOT_FMT(F, KIND)                                                                                               \
+    DOT_PR(F, KIND, 1, 1) DOT_PR(F, KIND, 1, 2) DOT_PR(F, KIND, 1, 3) DOT_PR(F, KIND, 1, 4)                            \
+    DOT_PR(F, KIND, 2, 1) DOT_PR(F, KIND, 2, 2) DOT_PR(F, KIND, 2, 3) DOT_PR(F, KIND, 2, 4)                            \
+    static const dot_fn dots_##F[2][4] = {{dot_##F##_1_1, dot_##F##_1_2, dot_##F##_1_3, dot_##F##_1_4},              \
+                                          {dot_##F##_2_1, dot_##F##_2_2, dot_##F##_2_3, dot_##F##_2_4}};
+DOT_FMT(Q4_0, dot32)
+DOT_FMT(Q4_1, dot32)
+DOT_FMT(Q5_0, dot32)
+DOT_FMT(Q5_1, dot32)
+DOT_FMT(Q8_0, dot32)
+DOT_FMT(Q4_K, dotk)
+DOT_FMT(Q5_K, dotk)
+DOT_FMT(Q6_K, dotk)
+
+/* the kernel for fmt, P planes, R x rows */
+static dot_fn dot_avx2_for(int fmt, int P, int R) {
+    static const dot_fn (*all[])[4] = {[Q4_0] = dots_Q4_0, [Q4_1] = dots_Q4_1, [Q5_0] = dots_Q5_0,
+                                       [Q5_1] = dots_Q5_1, [Q8_0] = dots_Q8_0, [Q4_K] = dots_Q4_K,
+                                       [Q5_K] = dots_Q5_K, [Q6_K] = dots_Q6_K};
+    return all[fmt][P - 1][R - 1];
+}
+#endif
+
+/* ---- entry points (arguments checked by the Python wrapper) ---- */
+
+static void quant_rows_scalar(const float *x, int64_t K, int64_t T, uint8_t *xq, int P) {
+    for (int64_t t = 0; t < T; t++) quant_row(x + t * K, K, xq + t * sluice_q8_row_bytes(K, P), P);
+}
+
+#if SLUICE_X86
+AVX2 static void quant_rows_avx2(const float *x, int64_t K, int64_t T, uint8_t *xq, int P) {
+    for (int64_t t = 0; t < T; t++) quant_row(x + t * K, K, xq + t * sluice_q8_row_bytes(K, P), P);
+}
+#endif
+
+/* T rows of x [T, K] -> xq [T, sluice_q8_row_bytes(K, P)], P = 1 or 2 planes */
+void sluice_quantize_q8(int64_t K, const float *x, int64_t T, uint8_t *xq, int P, int scalar) {
+    (void)scalar;
+#if SLUICE_X86
+    if (!scalar && sluice_simd()) { quant_rows_avx2(x, K, T, xq, P); return; }
+#endif
+    quant_rows_scalar(x, K, T, xq, P);
+}
+
+static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t T,
+                    int P, float *y, int64_t n0, int64_t n1, int scalar) {
+    const int64_t rb = sluice_q8_row_bytes(K, P);
+    (void)scalar;
+#if SLUICE_X86
+    if (!scalar && sluice_simd()) {  /* x rows 4 at a time against each weight row */
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t t = 0; t < T; t += 4) {
+                int R = T - t < 4 ? (int)(T - t) : 4;
+                dot_avx2_for(fmt, P, R)(q + n * row_bytes, xq + t * rb, rb, K, y + t * N + n, N);
+            }
+        return;
+    }
+#endif
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t t = 0; t < T; t++) y[t * N + n] = dot_scalar_q8(fmt, q + n * row_bytes, xq + t * rb, K, P);
+}
+
+/* y[t, n] for n in [n0, n1) (y [T, N]) from the quantized x rows xq (P planes), or from x [T, K] float32 quantized
+ * here when xq is NULL (one call instead of two: ~10 us of Python less per projection); scalar != 0 forces the
+ * portable path. Returns 0, -1 when the quantized rows cannot be allocated, -2 for a format without an integer path
+ * or P not 1 or 2. */
+int sluice_linear_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *xq,
+                     const float *x, int64_t T, int P, float *y, int64_t n0, int64_t n1, int scalar) {
+    if (!has_q8(fmt) || (P != 1 && P != 2)) return -2;
+    uint8_t *own = NULL;
+    if (!xq) {
+        own = (uint8_t *)malloc((size_t)(T * sluice_q8_row_bytes(K, P)));
+        if (!own) return -1;
+        sluice_quantize_q8(K, x, T, own, P, scalar);
+        xq = own;
+    }
+    rows_q8(fmt, N, K, q, row_bytes, xq, T, P, y, n0, n1, scalar);
+    free(own);
+    return 0;
+}
+
+/* ---- one whole expert: y[T, H] = down(silu(gate x) * up x) ---- */
+
+/* silu(g) * u in float32 (g / (1 + e^-g), libm's expf: the same on both paths), written over g */
+static void swiglu(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* gate, up [I, H] and down [H, I] from their stored rows (format, codes, bytes per row), x [T, H] float32 -> y [T, H]
+ * float32: x quantized once for gate and up, the SwiGLU product in float32, re-quantized once for down; one call
+ * instead of three plus the conversions between them. Returns 0, -1 when the scratch cannot be allocated, -2 for a
+ * format without an integer path or P not 1 or 2. */
+int sluice_expert_q8(int gf, const uint8_t *gq, int64_t grb, int uf, const uint8_t *uq, int64_t urb, int df,
+                     const uint8_t *dq, int64_t drb, int64_t H, int64_t I, const float *x, int64_t T, int P, float *y,
+                     int scalar) {
+    if (!has_q8(gf) || !has_q8(uf) || !has_q8(df) || (P != 1 && P != 2)) return -2;
+    size_t xb = (size_t)(T * sluice_q8_row_bytes(H, P)), hb = (size_t)(T * sluice_q8_row_bytes(I, P));
+    float *gu = (float *)malloc(2 * (size_t)(T * I) * sizeof(float) + xb + hb);
+    if (!gu) return -1;
+    float *u = gu + T * I;
+    uint8_t *xq = (uint8_t *)(u + T * I), *hq = xq + xb;
+    sluice_quantize_q8(H, x, T, xq, P, scalar);
+    rows_q8(gf, I, H, gq, grb, xq, T, P, gu, 0, I, scalar);
+    rows_q8(uf, I, H, uq, urb, xq, T, P, u, 0, I, scalar);
+    swiglu(gu, u, T * I);
+    sluice_quantize_q8(I, gu, T, hq, P, scalar);
+    rows_q8(df, H, I, dq, drb, hq, T, P, y, 0, H, scalar);
+    free(gu);
+    return 0;
+}

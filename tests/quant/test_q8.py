@@ -1,0 +1,214 @@
+"""The integer path (sluice/quant/native/q8.c): x quantized to 8-bit codes (1 or 2 planes), integer dots.
+
+Its accuracy, written down here: relative L2 of y against F.linear on the exactly dequantized weights ([256 x 1024],
+random blocks, 5 seeds of 4 rows; every format within the range given):
+                                                  planes=1 (llama.cpp's)   planes=2 (the default)
+  Gaussian x                                      5.1e-3 - 6.8e-3          1.9e-5 - 2.3e-5
+  heavy-tailed x (channels scaled by e^N(0,1))    6.8e-3 - 1.1e-2          3.0e-5 - 4.0e-5
+The test bounds are 1e-2 / 1.5e-2 (planes=1) and 1e-4 (planes=2). The AVX2 and the scalar C paths give the same
+bits; so does any T.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sluice.quant import native
+from sluice.quant.kernels import QuantSpec
+from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS, native_kernel
+from sluice.quant.samples import random_stored
+
+pytestmark = pytest.mark.skipif(not native.native_available(),
+                                reason="native kernels not built (pip install -e . with a C compiler builds them)")
+
+Q8 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+# odd row counts, odd block counts (K-quants: 3 blocks of 256; the rest: 7 blocks of 32)
+SPECS = [QuantSpec.ggml(n, 37, 768 if n.endswith("K") else 224) for n in Q8]
+
+
+def rel_l2(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    ref = F.linear(x.double(), w.double())
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def both_paths(fn, monkeypatch):
+    """fn() on the AVX2 path (where the CPU has it) and on the scalar path."""
+    out = []
+    for scalar in ([False, True] if native.simd() else [True]):
+        monkeypatch.setattr(native, "FORCE_SCALAR", scalar)
+        out.append(fn())
+    return out
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_within_the_bound_of_the_exact_weights_and_the_same_bits_on_both_paths(spec, T, planes, monkeypatch):
+    raw = random_stored(spec, seed=T)
+    x = torch.randn(T, spec.in_features, generator=torch.Generator().manual_seed(T))
+    ys = both_paths(lambda: native.linear_q8(spec, x, raw, planes=planes), monkeypatch)
+    assert all(torch.equal(ys[0], y) for y in ys)
+    assert ys[0].shape == (T, spec.out_features) and ys[0].dtype == torch.float32
+    assert rel_l2(ys[0], x, spec.dequantize(raw)) <= (1e-2 if planes == 1 else 1e-4)
+    # row t does not depend on T; a given quantized x gives the same y
+    mid = x[T // 2:T // 2 + 1].contiguous()
+    assert torch.equal(native.linear_q8(spec, mid, raw, planes=planes), ys[0][T // 2:T // 2 + 1])
+    assert torch.equal(native.linear_q8(spec, x, raw, xq=native.quantize_q8(x, planes), planes=planes), ys[0])
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_heavy_tailed_activations_stay_within_the_bound(spec, planes):
+    # activations with outliers (per-channel scales over 3 decades, as in real hidden states)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, spec.in_features, generator=g) * torch.exp(torch.randn(spec.in_features, generator=g))
+    raw = random_stored(spec, seed=7)
+    y = native.linear_q8(spec, x, raw, planes=planes)
+    assert rel_l2(y, x, spec.dequantize(raw)) <= (1.5e-2 if planes == 1 else 1e-4)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_quantized_x_layout(planes, monkeypatch):
+    """Per 32 values: float d, float d * sum(codes), int8 hi[32] = round(x / D) with D = amax / 127, and with two
+    planes int8 lo[32] = round((x / D - hi) * 256); the code is hi (d = D) or 256 * hi + lo (d = D / 256)."""
+    K, B = 512, 8 + 32 * planes
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(planes)) * 3
+    x[1, :64] = 0  # all-zero blocks: d = 0, codes 0
+    xqs = both_paths(lambda: native.quantize_q8(x, planes), monkeypatch)
+    assert all(torch.equal(xqs[0], v) for v in xqs)
+    assert xqs[0].shape == (2, native.q8_row_bytes(K, planes)) == (2, K // 32 * B)
+    blocks = xqs[0].view(2, K // 32, B)
+    d = blocks[..., :4].contiguous().view(torch.float32)[..., 0]  # [2, blocks]
+    s = blocks[..., 4:8].contiguous().view(torch.float32)[..., 0]
+    hi = blocks[..., 8:40].contiguous().view(torch.int8).float()  # [2, blocks, 32]
+    xb = x.view(2, K // 32, 32)
+    D = xb.abs().amax(-1) / 127
+    # 127 / amax correctly rounded (torch's scalar / tensor multiplies by a reciprocal), then x times it, as q8.c
+    f = xb * (127 / xb.abs().amax(-1, keepdim=True).double()).float()
+    assert torch.equal(hi, torch.round(f).nan_to_num(0.0))
+    assert hi.abs().max() <= 127 and not hi[1, :2].any()
+    code = hi
+    if planes == 2:
+        lo = blocks[..., 40:].contiguous().view(torch.int8).float()
+        assert torch.equal(lo, torch.round((f - hi) * 256).clamp(-127, 127).nan_to_num(0.0))
+        code = 256 * hi + lo
+        D = D / 256
+    assert torch.equal(d, D)
+    assert bool(((code * d[..., None] - xb).abs() <= d[..., None] * (0.5 if planes == 1 else 1.0) * (1 + 1e-6)).all())
+    assert torch.equal(s, d * code.sum(-1))
+
+
+def test_nonfinite_activations_do_not_crash():
+    spec = QuantSpec.ggml("Q4_K", 3, 256)
+    x = torch.randn(2, 256)
+    x[0, 3], x[1, 9] = float("nan"), float("inf")
+    xq = native.quantize_q8(x).view(2, 8, 72)[..., 8:].contiguous().view(torch.int8)
+    assert xq.abs().max() <= 127
+    native.linear_q8(spec, x, random_stored(spec))
+
+
+def test_bad_inputs_raise_value_errors():
+    spec = QuantSpec.ggml("Q6_K", 8, 256)
+    raw = random_stored(spec)
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="int8 path does not compute"):
+        native.linear_q8(QuantSpec.ggml("MXFP4", 8, 256), x, random_stored(QuantSpec.ggml("MXFP4", 8, 256)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.quantize_q8(torch.randn(2, 255))
+    with pytest.raises(ValueError, match="xq"):
+        native.linear_q8(spec, x, raw, xq=torch.empty(2, 575, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="xq"):
+        native.quantize_q8(x, out=torch.empty(2, 576, dtype=torch.int8))
+    with pytest.raises(ValueError, match="planes"):
+        native.linear_q8(spec, x, raw, planes=3)
+    assert not native.q8_supported(QuantSpec.mlx(4, 64, 8, 256)) and native.q8_supported(spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_kernel_runs_int8_at_bf16_and_f16_and_float_at_float32(dtype):
+    spec = QuantSpec.ggml("Q4_K", 40, 512)
+    raw = random_stored(spec, seed=4)
+    k = native_kernel(spec, dtype)
+    scratch = torch.empty(k.scratch_numel)
+    for T in (1, Q8_MAX_ROWS, Q8_MAX_ROWS + 1, NATIVE_MAX_ROWS + 1):
+        x = torch.randn(T, 512)
+        y = k.linear(x.to(dtype), raw, scratch)
+        xf = x.to(dtype).float()
+        if T > NATIVE_MAX_ROWS:  # many rows: dequantize + float32 matmul at every dtype
+            want = F.linear(xf, spec.dequantize(raw))
+        elif dtype is torch.float32 or T > Q8_MAX_ROWS:  # the float row kernel
+            want = native.linear(spec, xf, raw)
+        else:
+            want = native.linear_q8(spec, xf, raw)
+        assert torch.equal(y, want.to(dtype))
+    assert not native_kernel(QuantSpec.mlx(4, 64, 8, 256), torch.bfloat16).int8
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("T", [1, 5])
+def test_one_call_expert_is_the_three_projections(T, planes, monkeypatch):
+    """native.expert_q8 = down(silu(gate x) * up x), each projection as linear_q8 computes it (a Q4_K_M-like mix:
+    Q4_K gate / up, Q6_K down), and within the int8 bound of the exact float64 expert."""
+    H, I = 512, 256
+    specs = (QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
+    raws = tuple(random_stored(s, seed=k) for k, s in enumerate(specs))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    ys = both_paths(lambda: native.expert_q8(specs, raws, x, planes=planes), monkeypatch)
+    assert all(torch.equal(ys[0], y) for y in ys) and ys[0].shape == (T, H)
+    g, u = (native.linear_q8(s, x, r, planes=planes) for s, r in zip(specs[:2], raws[:2]))
+    # silu in float32 (libm's expf there, torch's exp here: equal to an ulp)
+    want = native.linear_q8(specs[2], (g / (1 + torch.exp(-g)) * u).contiguous(), raws[2], planes=planes)
+    assert float((ys[0] - want).norm() / want.norm()) <= 1e-5
+    w = [s.dequantize(r).double() for s, r in zip(specs, raws)]
+    exact = F.linear(F.silu(F.linear(x.double(), w[0])) * F.linear(x.double(), w[1]), w[2])
+    assert rel_l2(ys[0], exact, torch.eye(H)) <= (2e-2 if planes == 1 else 1e-4)
+    assert torch.equal(native.expert_q8(specs, raws, x[T - 1:].contiguous(), planes=planes), ys[0][T - 1:])
+    with pytest.raises(ValueError, match="expert shapes"):
+        native.expert_q8((specs[0], specs[2], specs[2]), raws, x)
+    with pytest.raises(ValueError, match="int8 path does not compute"):
+        native.expert_q8((QuantSpec.mlx(4, 64, I, H),) + specs[1:], raws, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float32(dtype, monkeypatch):
+    from sluice.models.experts import EXPERT_Q8_MAX_ROWS, ExpertMath
+    from sluice.store.base import ExpertBatch
+    from sluice.store.layout import ExpertFormat
+
+    H, I = 256, 256
+    fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
+    slot = torch.zeros(1, fmt.nbytes, dtype=torch.uint8)
+    for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
+        slot[0, at:at + spec.nbytes] = random_stored(spec, seed=k)
+    batch = ExpertBatch(None, None, [0], raw=slot, format=fmt)
+    calls = []
+    one_call = native.expert_q8
+    monkeypatch.setattr(native, "expert_q8", lambda *a, **k: calls.append(1) or one_call(*a, **k))
+    x = torch.randn(EXPERT_Q8_MAX_ROWS, H).to(dtype)
+    y = ExpertMath(dtype, F.silu)(batch, 0, x)
+    assert y.dtype == dtype and y.shape == (EXPERT_Q8_MAX_ROWS, H)
+    parts = (slot[0, :fmt.gate.nbytes], slot[0, fmt.up_offset:fmt.up_offset + fmt.up.nbytes],
+             slot[0, fmt.down_offset:fmt.down_offset + fmt.down.nbytes])
+    if dtype is torch.float32:  # the exact float kernels, projection by projection
+        assert not calls
+        g, u = (native.linear(s, x, r) for s, r in zip((fmt.gate, fmt.up), parts[:2]))
+        assert torch.equal(y, native.linear(fmt.down, F.silu(g) * u, parts[2]))
+    else:
+        assert calls == [1]
+        assert torch.equal(y, one_call((fmt.gate, fmt.up, fmt.down), parts, x.float()).to(dtype))
+        assert ExpertMath(dtype, F.gelu)(batch, 0, x) is not None and calls == [1]  # other activations: 3 calls
+    x = torch.randn(EXPERT_Q8_MAX_ROWS + 1, H).to(dtype)  # more rows: three kernel calls, not the one call
+    ExpertMath(dtype, F.silu)(batch, 0, x)
+    assert len(calls) == (0 if dtype is torch.float32 else 1)
+
+
+def test_the_default_planes_are_read_at_each_call(monkeypatch):
+    spec = QuantSpec.ggml("Q8_0", 8, 64)
+    raw, x = random_stored(spec), torch.randn(1, 64)
+    two = native.linear_q8(spec, x, raw)
+    assert native.Q8_PLANES == 2 and torch.equal(two, native.linear_q8(spec, x, raw, planes=2))
+    monkeypatch.setattr(native, "Q8_PLANES", 1)  # a benchmark can run llama.cpp's one plane for a whole run
+    assert torch.equal(native.linear_q8(spec, x, raw), native.linear_q8(spec, x, raw, planes=1))
+    assert native.quantize_q8(x).shape == (1, native.q8_row_bytes(64, 1)) == (1, 80)
