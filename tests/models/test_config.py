@@ -148,7 +148,7 @@ OTHER_BAD = [
     ("qwen3_moe", dict(hidden_size=math.nan), "hidden_size", "expected an integer"),
     ("qwen3_moe", dict(rope_theta=math.inf), "rope_theta", "a number"),
     ("qwen3_moe", dict(partial_rotary_factor=0), "partial_rotary_factor", "> 0 and <= 1"),
-    ("qwen3_moe", dict(model_type="llama"), "model_type", "supported: mixtral, olmoe, qwen2_moe, qwen3_moe"),
+    ("qwen3_moe", dict(model_type="llama"), "model_type", "supported: " + ", ".join(supported())),
     ("qwen3_moe", dict(model_type=["qwen3_moe"]), "model_type", "supported"),
 ]
 
