@@ -80,7 +80,7 @@ class ModelArgs(BaseArgs):
             factor = p.get("factor") or rope.max_position_embeddings / p.get(
                 "original_max_position_embeddings", rope.max_position_embeddings)
             m = 1.0 if factor <= 1 else 0.1 * mscale_all * math.log(factor) + 1.0
-            scale *= m * m
+            scale = scale * m * m  # in transformers' order: bitwise its scaling
         return scale
 
     def spec(self) -> Spec:
