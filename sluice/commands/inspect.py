@@ -61,6 +61,8 @@ def describe(p: LoadPlan) -> dict:
         # keys and values of the kv heads
         "kv_bytes_per_position": KVCache.bytes_for(spec, 1, p.dtype.itemsize),
         "attention": "mla" if spec.mla is not None else "gqa",
+        **({"kv_lora_rank": spec.mla.kv_lora_rank, "qk_rope_head_dim": spec.mla.qk_rope_head_dim}
+           if spec.mla is not None else {}),
         "memory_plan": p.describe_memory(),
         "odirect": p.odirect,
         "threads": p.threads,
@@ -73,8 +75,10 @@ def describe(p: LoadPlan) -> dict:
 
 def _print(info: dict) -> None:
     fb = format_bytes
+    heads = (f"{info['heads']} heads over a latent of {info['kv_lora_rank']} + rope {info['qk_rope_head_dim']} (MLA)"
+             if info["attention"] == "mla" else f"{info['heads']} heads / {info['kv_heads']} kv x {info['head_dim']}")
     print(f"{info['model_type']}: {info['layers']} layers ({info['moe_layers']} MoE), hidden {info['hidden_size']}, "
-          f"{info['heads']} heads / {info['kv_heads']} kv x {info['head_dim']}, vocab {info['vocab_size']}")
+          f"{heads}, vocab {info['vocab_size']}")
     print(f"experts: {info['experts']} per layer, top-{info['top_k']}, intermediate "
           f"{info['expert_intermediate_size']}, layout {info['expert_layout']}, dtype {info['dtype']}")
     print(f"params: {info['params'] / 1e9:.3f} B = resident {info['resident_params'] / 1e6:.1f} M + experts "
