@@ -13,6 +13,7 @@ import sluice
 from sluice.commands.inspect import describe
 from sluice.errors import ConfigError
 from sluice.models import model_args
+from sluice.models import mla
 from sluice.models.mla import absorbs, latent_attention, rope_interleaved
 from sluice.models.spec import LayerWeights, MLAWeights
 from sluice.options import LoadOptions
@@ -115,9 +116,13 @@ def test_both_forms_match_transformers(tmp_path, arch):
         want = model(torch.tensor([ids])).logits[0]
     with sluice.load(folder) as m:
         spec = m.spec
-        assert not absorbs(spec.mla, len(ids)) and absorbs(spec.mla, 7)
+        assert not absorbs(spec.mla, spec.n_heads, len(ids), len(ids), 4) and absorbs(spec.mla, spec.n_heads, 7, 48, 4)
         assert (m.logits(ids) - want).abs().max().item() <= 1e-4
     with sluice.load(folder, prefill_chunk=7) as m:
+        assert (m.logits(ids) - want).abs().max().item() <= 1e-4
+    with sluice.load(folder) as m, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla, "ATTN_ROOM", 1)  # no room: absorbed, one query at a time, even for the 48-token chunk
+        assert absorbs(spec.mla, spec.n_heads, len(ids), len(ids), 4)
         assert (m.logits(ids) - want).abs().max().item() <= 1e-4
 
 
