@@ -20,6 +20,8 @@ reads all it needs from the module. What a module provides (tests/models/test_ar
     SYNTH             SynthDefaults (arch.py): transformers class, the family's expert count / top-k / rope theta / eps
     synth_config      (SynthConfig) -> dict: the config.json keys of a synthetic checkpoint beyond the common ones
                       (tools/synth.py); raises ConfigError for a shape the architecture cannot have
+    INFLATE_WITH_EXPERTS  optional: MLP names under the MoE block sized in multiples of INTERMEDIATE_KEY (deepseek_v3's
+                      "shared_experts"), zero-padded with the experts by tools/inflate.py
     GGUF              GGUFArch (arch.py) -- llama.cpp's architecture name, tensor names, defaults and metadata ->
                       config hook -- or None when llama.cpp has no such architecture (then a GGUF file never maps to
                       it: `by_gguf_name` returns None)

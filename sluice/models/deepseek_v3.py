@@ -21,6 +21,8 @@ MODEL_TYPE = "deepseek_v3"
 MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 INTERMEDIATE_KEY = "moe_intermediate_size"
+# tools/inflate.py: the shared experts are one MLP of n_shared_experts x moe_intermediate_size, so they grow with it
+INFLATE_WITH_EXPERTS = ("shared_experts",)
 
 
 @dataclass(kw_only=True)

@@ -103,6 +103,10 @@ def plan(index: CheckpointIndex, scale: int) -> Plan:
     key = arch.INTERMEDIATE_KEY  # config.json field of one routed expert's intermediate size
     gate, up, down = arch.EXPERT_PROJ
     per_expert = re.compile(rf"\.experts\.\d+\.({re.escape(gate)}|{re.escape(up)}|{re.escape(down)})\.weight$")
+    # MLPs the architecture sizes in whole multiples of the experts' intermediate size (deepseek_v3's shared_experts,
+    # n_shared_experts x I) grow with them, zero-padded the same way, or config.json would no longer describe them
+    sized_alike = "|".join(re.escape(p) for p in getattr(arch, "INFLATE_WITH_EXPERTS", ()))
+    alike = re.compile(rf"\.(?:{sized_alike})\.({re.escape(gate)}|{re.escape(up)}|{re.escape(down)})\.weight$")
     I = index.config.get(key)
     if not isinstance(I, int) or I < 1:
         raise ConfigError(f"config.json {key}: expected a positive integer, got {I!r}")
@@ -110,13 +114,15 @@ def plan(index: CheckpointIndex, scale: int) -> Plan:
     for name in index.names():
         ref = index[name]
         kind, shape = "copy", ref.shape
-        if m := per_expert.search(name):
+        expert = per_expert.search(name)
+        if m := expert or (alike.search(name) if sized_alike else None):
             kind = "cols" if m.group(1) == down else "rows"
             axis = 0 if kind == "rows" else 1
-            if len(ref.shape) != 2 or ref.shape[axis] != I:
-                raise CheckpointError(f"expected {'[I, H]' if axis == 0 else '[H, I]'} with I = {key} = {I}, "
-                                      f"got shape {list(ref.shape)}", file=ref.path, tensor=name)
-            shape = (I * scale, ref.shape[1]) if axis == 0 else (ref.shape[0], I * scale)
+            if len(ref.shape) != 2 or ref.shape[axis] % I or (expert and ref.shape[axis] != I):
+                want = "I" if expert else "a multiple of I"
+                raise CheckpointError(f"expected {'[I, H]' if axis == 0 else '[H, I]'} with {want}, I = {key} = "
+                                      f"{I}, got shape {list(ref.shape)}", file=ref.path, tensor=name)
+            shape = (ref.shape[0] * scale, ref.shape[1]) if axis == 0 else (ref.shape[0], ref.shape[1] * scale)
         elif m := _FUSED.search(name):
             kind = "fused_" + m.group(1).removesuffix("_proj")
             want_axis, want = (1, 2 * I) if kind == "fused_gate_up" else (2, I)

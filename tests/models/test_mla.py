@@ -18,6 +18,7 @@ from sluice.models.mla import absorbs, latent_attention, rope_interleaved
 from sluice.models.spec import LayerWeights, MLAWeights
 from sluice.options import LoadOptions
 from sluice.plan import plan
+from sluice.tools.inflate import inflate
 from sluice.tools.synth import SynthConfig, config_json, make_model, size_of
 
 from .tiny import TINY, hf_model, write_checkpoint
@@ -150,3 +151,15 @@ def test_absorbed_and_expanded_forms_agree():
         outs.append(latent_attention(m, nH, lw, x, cache, pos, mask, cos, sin, absorb=absorb))
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-5 * outs[1].abs().max().item()
     assert not torch.equal(outs[0], outs[1])  # two different computations, not one path twice
+
+
+def test_inflated_checkpoint_pads_the_shared_experts_and_keeps_the_tokens(folder, tmp_path):
+    """The shared experts are n_shared_experts x moe_intermediate_size wide: inflation pads them with the experts."""
+    big = inflate(folder, tmp_path / "big", 3, progress=False)
+    with sluice.load(folder) as m:
+        want = list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False))
+    with sluice.load(big) as m:
+        shared = m.model.w.layers[1].shared.gate  # [n_shared * 3I, H], the rows past n_shared * I all zero
+        assert shared.shape[0] == 3 * TINY["deepseek_v3"]["moe_intermediate_size"]
+        assert not shared[TINY["deepseek_v3"]["moe_intermediate_size"]:].any()
+        assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == want
