@@ -44,6 +44,7 @@ class ModelArgs(BaseArgs):
     v_head_dim: int = cfg(128, ge=1, le=MAX_HEAD_DIM)
     rope_interleave: bool | None = cfg(True)  # null: halves, as transformers reads it
     attention_bias: bool = cfg(False)  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+    quantization_config: dict | None = cfg(None)  # the hub's FP8 uploads: refused (config_problems)
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,6 +57,12 @@ class ModelArgs(BaseArgs):
     def config_problems(self) -> Iterator[tuple[str, str]]:
         # hidden_size / num_attention_heads sizes nothing here: the head dims are their own keys
         yield from ((f, m) for f, m in super().config_problems() if f != "hidden_size")
+        method = (self.quantization_config or {}).get("quant_method")
+        if method is not None:  # e.g. DeepSeek-V3/R1 and Kimi K2 as uploaded: F8_E4M3 blocks + weight_scale_inv
+            yield "quantization_config", (
+                f"quant_method {method!r}: weights quantized this way would be read without their scales (a wrong "
+                "answer), and sluice does not compute them yet: use a bf16 conversion of the model (DeepSeek's "
+                "fp8_cast_bf16.py) or a GGUF file")
         if self.qk_rope_head_dim % 2:
             yield "qk_rope_head_dim", f"{self.qk_rope_head_dim} is odd; rope rotates pairs: expected an even size"
         if self.first_k_dense_replace and self.intermediate_size < 1:

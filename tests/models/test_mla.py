@@ -78,6 +78,8 @@ def test_softmax_scale_is_transformers_with_the_yarn_correction():
     (dict(first_k_dense_replace=3), "first_k_dense_replace"),  # no MoE layer left
     (dict(intermediate_size=0), "intermediate_size"),  # the dense first layer has no size
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
+    (dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
+     "quantization_config"),  # the hub uploads' FP8 blocks would be read without their weight_scale_inv
 ])
 def test_router_and_layer_relations_are_config_errors(changes, field):
     with pytest.raises(ConfigError) as e:
