@@ -157,10 +157,11 @@ SYNTH = SynthDefaults("DeepseekV3ForCausalLM", num_experts=256, top_k=8, rope_th
 
 def synth_config(sc) -> dict[str, Any]:
     """config.json keys of a synthetic deepseek_v3, in DeepSeek-V3's proportions to SynthConfig.head_dim (128 there):
-    qk_nope = v = head_dim, qk_rope = head_dim / 2, kv_lora_rank = 4 x, q_lora_rank = 12 x; 8 expert groups (4
+    qk_nope = v = head_dim, qk_rope = head_dim / 2, kv_lora_rank = 4 x, q_lora_rank = 12 x, both at most hidden / 2
+    (DeepSeek-V3: 512 and 1536 of 7168; uncapped, a small model's attention would outweigh its experts); 8 expert groups (4
     selectable) when the experts split into groups of >= 2; the dense first layer of Kimi K2 (DeepSeek-V3 has 3)
     unless the model has <= 2 layers; routed_scaling_factor 2.5; interleaved rope."""
-    E, K, I, hd = sc.num_experts, sc.top_k, sc.moe_intermediate_size, sc.head_dim
+    E, K, I, hd, H = sc.num_experts, sc.top_k, sc.moe_intermediate_size, sc.head_dim, sc.hidden_size
     if hd % 4:
         raise ConfigError(f"head_dim: deepseek_v3 rotates head_dim / 2 dims in pairs: expected a multiple of 4, "
                           f"got {hd}")
@@ -172,7 +173,8 @@ def synth_config(sc) -> dict[str, Any]:
     topk_group = n_group // 2 if K <= (n_group // 2) * (E // n_group) else n_group
     return dict(n_routed_experts=E, moe_intermediate_size=I, intermediate_size=9 * I, n_shared_experts=shared // I,
                 first_k_dense_replace=1 if sc.num_layers > 2 else 0, n_group=n_group, topk_group=max(1, topk_group),
-                routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=12 * hd, kv_lora_rank=4 * hd,
+                routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=min(12 * hd, H // 2),
+                kv_lora_rank=min(4 * hd, H // 2),
                 qk_nope_head_dim=hd, qk_rope_head_dim=hd // 2, v_head_dim=hd, head_dim=hd // 2,
                 num_key_value_heads=sc.num_heads, rope_interleave=True, attention_bias=False)
 

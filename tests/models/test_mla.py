@@ -102,7 +102,7 @@ def test_make_model_writes_a_checkpoint_transformers_loads(tmp_path):
         assert (m.logits(IDS) - want).abs().max().item() <= 1e-4
         info = describe(m.load_plan)
     assert info["expert_bytes_per_token"] == 2 * 4 * 3 * 64 * 32 * 4  # 2 MoE layers x top-4 x gate/up/down
-    assert info["kv_bytes_per_position"] == 3 * (4 * 16 + 16 // 2) * 4
+    assert info["kv_bytes_per_position"] == 3 * (cfg["kv_lora_rank"] + 16 // 2) * 4  # 3 layers, float32
     assert size_of(sc).total_bytes == sum(f.stat().st_size for f in out.glob("*.safetensors")) - sum(
         8 + int.from_bytes(f.read_bytes()[:8], "little") for f in out.glob("*.safetensors"))
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
