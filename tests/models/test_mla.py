@@ -15,7 +15,7 @@ from sluice.errors import ConfigError
 from sluice.models import model_args
 from sluice.models import mla
 from sluice.models.mla import absorbs, latent_attention, rope_interleaved
-from sluice.models.spec import LayerWeights, MLAWeights
+from sluice.models.spec import KVCache, LayerWeights, MLAWeights
 from sluice.options import LoadOptions
 from sluice.plan import plan
 from sluice.tools.inflate import inflate
@@ -165,3 +165,31 @@ def test_inflated_checkpoint_pads_the_shared_experts_and_keeps_the_tokens(folder
         assert shared.shape[0] == 3 * TINY["deepseek_v3"]["moe_intermediate_size"]
         assert not shared[TINY["deepseek_v3"]["moe_intermediate_size"]:].any()
         assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == want
+
+
+DEEPSEEK_V3 = {  # the hub's config.json of DeepSeek-V3 / R1, without its FP8 quantization_config
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
+    "bos_token_id": 0, "eos_token_id": 1, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
+}
+
+
+def test_the_hub_config_gives_a_576_value_cache_and_transformers_scale():
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    spec = model_args(dict(DEEPSEEK_V3))[1].spec()
+    assert spec.moe_layers == [False] * 3 + [True] * 58 and (spec.n_group, spec.topk_group) == (8, 4)
+    assert spec.mla.cache_dim == 576 and spec.rope.head_dim == 64
+    config = AutoConfig.for_model(**{k: v for k, v in DEEPSEEK_V3.items()})
+    assert spec.mla.softmax_scale == yarn_apply_mscale(config.rope_parameters, 192 ** -0.5)
+    # 4096 positions in bf16: 274.5 MiB of latents where expanded keys and values would take 19.1 GiB
+    assert KVCache.bytes_for(spec, 4096, 2) == 61 * 4096 * 576 * 2
