@@ -85,8 +85,8 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     refs = resident_refs(index, spec, arch)
     # a quantized checkpoint (GGUF Q4_K, ...) has no dtype of its own: its dequantized weights compute in bf16
     # unless asked otherwise (dtype=float32 is the exact reference)
-    q = refs["layers.0.q"]
-    dtype = options.compute_dtype(torch.bfloat16 if q.quantized else q.torch_dtype)
+    o = refs["layers.0.o"]  # every attention has an output projection (latent attention has no q_proj with q_lora)
+    dtype = options.compute_dtype(torch.bfloat16 if o.quantized else o.torch_dtype)
     layout = ExpertLayout(index, spec, arch)
     lazy_embed = options.embeddings != "resident" and not spec.tie_word_embeddings
     if lazy_embed and refs["embed"].quantized:
@@ -95,7 +95,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     itemsize = torch.tensor([], dtype=dtype).element_size()
     resident_bytes = itemsize * sum(r.numel for k, r in refs.items() if not (lazy_embed and k == "embed"))
     max_context = min(options.max_context, spec.rope.max_position_embeddings)
-    kv_bytes = KVCache.bytes_for(spec.n_layers, spec.n_kv_heads, spec.head_dim, max_context, itemsize)
+    kv_bytes = KVCache.bytes_for(spec, max_context, itemsize)
     chunk = prefill_tokens_per_chunk(spec, itemsize) if options.prefill_chunk == "auto" else options.prefill_chunk
     room = available_memory()
     memory, memory_plan = _memory(options, room, spec, layout, resident_bytes, kv_bytes)

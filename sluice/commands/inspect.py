@@ -7,6 +7,7 @@ import argparse
 import json
 
 from ..engine import Model
+from ..models.spec import KVCache
 from ..options import format_bytes
 from ..plan import LoadPlan, plan
 from .common import add_model_arguments, options_from_args
@@ -56,6 +57,12 @@ def describe(p: LoadPlan) -> dict:
         "max_context": p.max_context,
         "prefill_chunk": p.prefill_chunk,
         "kv_cache_bytes": p.kv_bytes,
+        # what one position costs in every layer: the latent and rope key under latent attention (MLA), else the
+        # keys and values of the kv heads
+        "kv_bytes_per_position": KVCache.bytes_for(spec, 1, p.dtype.itemsize),
+        "attention": "mla" if spec.mla is not None else "gqa",
+        **({"kv_lora_rank": spec.mla.kv_lora_rank, "qk_rope_head_dim": spec.mla.qk_rope_head_dim}
+           if spec.mla is not None else {}),
         "memory_plan": p.describe_memory(),
         "odirect": p.odirect,
         "threads": p.threads,
@@ -68,8 +75,10 @@ def describe(p: LoadPlan) -> dict:
 
 def _print(info: dict) -> None:
     fb = format_bytes
+    heads = (f"{info['heads']} heads over a latent of {info['kv_lora_rank']} + rope {info['qk_rope_head_dim']} (MLA)"
+             if info["attention"] == "mla" else f"{info['heads']} heads / {info['kv_heads']} kv x {info['head_dim']}")
     print(f"{info['model_type']}: {info['layers']} layers ({info['moe_layers']} MoE), hidden {info['hidden_size']}, "
-          f"{info['heads']} heads / {info['kv_heads']} kv x {info['head_dim']}, vocab {info['vocab_size']}")
+          f"{heads}, vocab {info['vocab_size']}")
     print(f"experts: {info['experts']} per layer, top-{info['top_k']}, intermediate "
           f"{info['expert_intermediate_size']}, layout {info['expert_layout']}, dtype {info['dtype']}")
     print(f"params: {info['params'] / 1e9:.3f} B = resident {info['resident_params'] / 1e6:.1f} M + experts "
@@ -77,8 +86,9 @@ def _print(info: dict) -> None:
     print(f"bytes: resident {fb(info['resident_bytes'])} + experts {fb(info['expert_bytes_total'])} "
           f"({fb(info['bytes_per_expert'])} each)")
     print(f"expert bytes touched per decoded token: {fb(info['expert_bytes_per_token'])}")
+    kind = "latent (MLA)" if info["attention"] == "mla" else "keys + values"
     print(f"compute {info['compute_dtype']}, KV cache {fb(info['kv_cache_bytes'])} for {info['max_context']} "
-          f"positions, prefill {info['prefill_chunk']} tokens per pass, {info['threads']} threads, O_DIRECT {'on' if info['odirect'] else 'off'}")
+          f"positions ({kind}, {fb(info['kv_bytes_per_position'])} per position), prefill {info['prefill_chunk']} tokens per pass, {info['threads']} threads, O_DIRECT {'on' if info['odirect'] else 'off'}")
     print(f"memory: {info['memory_plan']}")
     if "memory" in info:
         print(f"expert cache: {info['expert_slots']} slots = {fb(info['expert_cache_bytes'])} "

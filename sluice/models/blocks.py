@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..store.base import ExpertStore
 from .experts import ExpertMath, glu_for, rows_linear
+from . import mla  # latent attention; mla.py uses this module's rms_norm, so modules, not names, are imported
 from .rope import apply_rope, rope_table
 from .routing import route
 from .spec import KVCache, MLPWeights, Spec, Weights
@@ -105,6 +106,9 @@ class Transformer:
     def attention(self, L: int, x: torch.Tensor, pos: int, mask: torch.Tensor | None) -> torch.Tensor:
         s, lw = self.spec, self.w.layers[L]
         T, D = x.shape[0], s.head_dim
+        if s.mla is not None:  # latent attention (models/mla.py) over the latent cache
+            return mla.latent_attention(s.mla, s.n_heads, lw, x, self.cache.latent[L], pos, mask,
+                                        self.cos[pos : pos + T], self.sin[pos : pos + T])
         q = F.linear(x, lw.q, lw.q_bias)  # [T, nH*D]
         k = F.linear(x, lw.k, lw.k_bias)  # [T, nKV*D]
         v = F.linear(x, lw.v, lw.v_bias)  # [T, nKV*D]

@@ -15,6 +15,30 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class MLASpec:
+    """Multi-head latent attention (deepseek_v3): queries through an optional low-rank q_a/q_b pair, keys and values
+    expanded per head from one compressed latent of `kv_lora_rank` plus one rope key of `qk_rope_head_dim` shared by
+    every head. The KV cache holds only that latent and rope key per position (`cache_dim`), not the expanded heads."""
+
+    q_lora_rank: int  # 0: q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int  # per head: the query/key dims without position
+    qk_rope_head_dim: int  # per head: the rotated dims (the key's are shared by all heads)
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 when the rope sets it
+    rope_interleave: bool  # rotary pairs (x0, x1), (x2, x3) ... instead of the two halves
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Cached values per position and layer: the normed latent, then the roped shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass
 class Spec:
     """Everything the math needs to know about an architecture instance, derived from config.json."""
 
@@ -54,6 +78,7 @@ class Spec:
     clip_qkv: float | None = None
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    mla: MLASpec | None = None  # multi-head latent attention on every layer (deepseek_v3); None: q/k/v heads (GQA)
 
 
 @dataclass
@@ -66,15 +91,32 @@ class MLPWeights:
 
 
 @dataclass
+class MLAWeights:
+    """A latent attention layer's projections (MLASpec): r = kv_lora_rank, R = qk_rope_head_dim, N/V = the
+    per-head nope/value dims, Q = q_lora_rank."""
+
+    kv_a: torch.Tensor  # [r + R, H] kv_a_proj_with_mqa: the latent and the shared rope key
+    kv_a_norm: torch.Tensor  # [r]
+    kv_b: torch.Tensor  # [nH*(N+V), r]: per head, N key rows then V value rows
+    q: torch.Tensor | None = None  # [nH*(N+R), H] when q_lora_rank is 0
+    q_a: torch.Tensor | None = None  # [Q, H]
+    q_a_norm: torch.Tensor | None = None  # [Q]
+    q_b: torch.Tensor | None = None  # [nH*(N+R), Q]
+    q_a_bias: torch.Tensor | None = None  # [Q] (attention_bias)
+    kv_a_bias: torch.Tensor | None = None  # [r + R] (attention_bias)
+
+
+@dataclass
 class LayerWeights:
     """Resident weights of one decoder layer. Expert weights live in the ExpertStore, not here."""
 
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    q: torch.Tensor  # [nH*D, H]
-    k: torch.Tensor  # [nKV*D, H]
-    v: torch.Tensor  # [nKV*D, H]
-    o: torch.Tensor  # [H, nH*D]
+    o: torch.Tensor  # [H, nH*D] ([H, nH*V] under latent attention)
+    q: torch.Tensor | None = None  # [nH*D, H]; None under latent attention (`mla`)
+    k: torch.Tensor | None = None  # [nKV*D, H]
+    v: torch.Tensor | None = None  # [nKV*D, H]
+    mla: MLAWeights | None = None
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
@@ -102,21 +144,31 @@ class Weights:
 
 
 class KVCache:
-    """Keys and values for every layer, allocated once for `max_context` positions and written in place."""
+    """Every layer's cached keys and values, allocated once for `max_context` positions and written in place.
+
+    q/k/v heads: `k` and `v` [layers, nKV, P, D]. Latent attention (spec.mla): `latent` [layers, P, r + R], the normed
+    compressed latent then the roped shared key of each position, from which attention expands (or absorbs) the
+    heads: 576 values per position and layer for DeepSeek-V3 where expanded keys and values would take 40,960.
+    """
 
     def __init__(self, spec: Spec, max_context: int, dtype: torch.dtype):
-        shape = (spec.n_layers, spec.n_kv_heads, max_context, spec.head_dim)
         # torch.empty: pages are only committed when a position is written, so an unused context costs nothing.
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k = self.v = self.latent = None
+        if spec.mla is not None:
+            self.latent = torch.empty((spec.n_layers, max_context, spec.mla.cache_dim), dtype=dtype)
+        else:
+            shape = (spec.n_layers, spec.n_kv_heads, max_context, spec.head_dim)
+            self.k = torch.empty(shape, dtype=dtype)
+            self.v = torch.empty(shape, dtype=dtype)
         self.max_context = max_context
-
-    @property
-    def nbytes(self) -> int:
-        n_layers, n_kv_heads, max_context, head_dim = self.k.shape
-        return self.bytes_for(n_layers, n_kv_heads, head_dim, max_context, self.k.element_size())
+        self.nbytes = self.bytes_for(spec, max_context, dtype.itemsize)
 
     @staticmethod
-    def bytes_for(n_layers: int, n_kv_heads: int, head_dim: int, max_context: int, itemsize: int) -> int:
-        """Bytes of keys + values for `max_context` positions, without allocating them."""
-        return 2 * n_layers * n_kv_heads * max_context * head_dim * itemsize
+    def values_per_position(spec: Spec) -> int:
+        """Cached values of one position in one layer: the latent and rope key (MLA), else keys + values."""
+        return spec.mla.cache_dim if spec.mla is not None else 2 * spec.n_kv_heads * spec.head_dim
+
+    @staticmethod
+    def bytes_for(spec: Spec, max_context: int, itemsize: int) -> int:
+        """Bytes of the cache for `max_context` positions, without allocating them (what the budget plans)."""
+        return spec.n_layers * max_context * KVCache.values_per_position(spec) * itemsize

@@ -65,6 +65,9 @@ def prefill_tokens_per_chunk(spec, itemsize: int, room: int = PREFILL_ROOM) -> i
     its experts once per chunk)."""
     H, K, I = spec.hidden_size, spec.top_k, max(spec.moe_intermediate_size, spec.dense_intermediate_size)
     qkv = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
+    if spec.mla is not None:  # q, its latent-space copy (absorbed form), the attended output, the latent + rope key
+        m = spec.mla
+        qkv = spec.n_heads * (m.qk_head_dim + m.kv_lora_rank + m.v_head_dim) + m.cache_dim
     per_token = itemsize * (H * (3 * K + 8) + 3 * I * K + qkv) + 4 * 2 * spec.num_experts
     return max(PREFILL_MIN, min(PREFILL_MAX, room // per_token))
 

@@ -14,7 +14,7 @@ from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
 from ..io.tensor import read_tensor
-from ..models.spec import LayerWeights, MLPWeights, Spec, Weights
+from ..models.spec import LayerWeights, MLAWeights, MLPWeights, Spec, Weights
 from .layout import moe_prefix
 
 
@@ -64,6 +64,12 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, la
             return None
         return MLPWeights(t[prefix + "gate"], t[prefix + "up"], t[prefix + "down"])
 
+    def mla(prefix: str) -> MLAWeights | None:  # latent attention (models/mla.py): roles `mla.kv_a`, ...
+        if prefix + "kv_a" not in t:
+            return None
+        n = len(prefix)
+        return MLAWeights(**{role[n:]: w for role, w in t.items() if role.startswith(prefix)})
+
     layers = []
     for L in range(spec.n_layers):
         r = f"layers.{L}."
@@ -71,10 +77,11 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, la
             LayerWeights(
                 input_norm=t[r + "input_norm"],
                 post_norm=t[r + "post_norm"],
-                q=t[r + "q"],
-                k=t[r + "k"],
-                v=t[r + "v"],
+                q=t.get(r + "q"),
+                k=t.get(r + "k"),
+                v=t.get(r + "v"),
                 o=t[r + "o"],
+                mla=mla(r + "mla."),
                 q_bias=t.get(r + "q_bias"),
                 k_bias=t.get(r + "k_bias"),
                 v_bias=t.get(r + "v_bias"),

@@ -19,7 +19,7 @@ from sluice.errors import ConfigError, SluiceError
 from sluice.models import model_args, supported
 from sluice.models.args import ACTIVATIONS
 from sluice.models.blocks import Transformer
-from sluice.models.spec import KVCache, LayerWeights, MLPWeights, Spec, Weights
+from sluice.models.spec import KVCache, LayerWeights, MLAWeights, MLPWeights, Spec, Weights
 from sluice.models.rope import inv_freq
 from sluice.models.schema import MAX_INT, describe_fields
 from sluice.store.base import ExpertBatch
@@ -131,7 +131,21 @@ def _check_spec(s: Spec) -> None:
 def _small(s: Spec) -> bool:
     return (s.vocab_size <= 512 and s.hidden_size <= 128 and s.n_layers <= 4 and s.num_experts <= 16
             and s.n_heads * s.head_dim <= 256 and s.n_kv_heads * s.head_dim <= 256
-            and max(s.moe_intermediate_size, s.dense_intermediate_size, s.shared_expert_intermediate_size) <= 128)
+            and max(s.moe_intermediate_size, s.dense_intermediate_size, s.shared_expert_intermediate_size) <= 128
+            and (s.mla is None or s.n_heads * (s.mla.qk_head_dim + s.mla.v_head_dim) <= 512
+                 and max(s.mla.q_lora_rank, s.mla.kv_lora_rank) <= 128))
+
+
+def _mla_weights(s: Spec, r) -> MLAWeights:
+    """Random latent attention projections of spec `s` (models/mla.py)."""
+    m, H, nH = s.mla, s.hidden_size, s.n_heads
+    w = MLAWeights(kv_a=r(m.cache_dim, H), kv_a_norm=1 + r(m.kv_lora_rank),
+                   kv_b=r(nH * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+    if m.q_lora_rank:
+        w.q_a, w.q_a_norm, w.q_b = r(m.q_lora_rank, H), 1 + r(m.q_lora_rank), r(nH * m.qk_head_dim, m.q_lora_rank)
+    else:
+        w.q = r(nH * m.qk_head_dim, H)
+    return w
 
 
 class _Store:
@@ -161,8 +175,12 @@ def _run_tiny(s: Spec, seed: int) -> torch.Tensor:
     H, D, nH, nKV, E, Im = s.hidden_size, s.head_dim, s.n_heads, s.n_kv_heads, s.num_experts, s.moe_intermediate_size
     layers, stacks = [], {}
     for L in range(s.n_layers):
-        lw = LayerWeights(input_norm=1 + r(H), post_norm=1 + r(H), q=r(nH * D, H), k=r(nKV * D, H),
-                          v=r(nKV * D, H), o=r(H, nH * D))
+        if s.mla is not None:
+            lw = LayerWeights(input_norm=1 + r(H), post_norm=1 + r(H), o=r(H, nH * s.mla.v_head_dim),
+                              mla=_mla_weights(s, r))
+        else:
+            lw = LayerWeights(input_norm=1 + r(H), post_norm=1 + r(H), q=r(nH * D, H), k=r(nKV * D, H),
+                              v=r(nKV * D, H), o=r(H, nH * D))
         if s.qkv_bias:
             lw.q_bias, lw.k_bias, lw.v_bias = r(nH * D), r(nKV * D), r(nKV * D)
         if s.o_bias:

@@ -67,6 +67,28 @@ TINY: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.25},
         max_position_embeddings=256,
     ),
+    # latent attention with a low-rank q; grouped sigmoid routing that excludes groups (2 of 4 selectable) with
+    # non-zero e_score_correction_bias (hf_model); one dense first layer; a shared expert; yarn rope whose
+    # mscale_all_dim scales the softmax; interleaved rope
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=10, rope_interleave=True, rms_norm_eps=1e-6, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 0.7},
+    ),
+    # the other branches: q_proj (no q lora), rope on halves, attention biases, two shared experts, no grouping
+    "deepseek_v3-q_proj": dict(
+        model_type="deepseek_v3", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+        intermediate_size=40, n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.5, norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=12, rope_interleave=False, attention_bias=True, rms_norm_eps=1e-5,
+        rope_theta=50000.0, max_position_embeddings=256,
+    ),
 }
 
 

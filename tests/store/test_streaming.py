@@ -15,7 +15,8 @@ from ..models.tiny import hf_model, write_checkpoint
 IDS = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-@pytest.fixture(scope="module", params=[("qwen3_moe", "per_expert"), ("mixtral", "fused"), ("glm4_moe", "per_expert")],
+@pytest.fixture(scope="module", params=[("qwen3_moe", "per_expert"), ("mixtral", "fused"), ("glm4_moe", "per_expert"),
+                                        ("deepseek_v3", "fused")],
                 ids=lambda p: p[0])
 def model_dir(request, tmp_path_factory):
     arch, layout = request.param

@@ -1,0 +1,180 @@
+"""DeepSeek-V3 / R1 and Kimi K2 (`model_type: deepseek_v3`): multi-head latent attention (models/mla.py: a KV cache
+of compressed latents), the grouped sigmoid router (models/routing.py "sigmoid_grouped": e_score_correction_bias for
+selection, n_group / topk_group, routed_scaling_factor), n_shared_experts shared experts run as one ungated MLP, the
+first `first_k_dense_replace` layers dense, yarn rope whose mscale_all_dim also scales the softmax."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from .arch import SynthDefaults, TensorName, mlp_tensors
+from .args import MAX_HEAD_DIM, BaseArgs
+from .rope import RopeConfig
+from .schema import cfg
+from .spec import MLASpec, Spec
+
+MODEL_TYPE = "deepseek_v3"
+MOE_PREFIXES = ("mlp",)
+EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+INTERMEDIATE_KEY = "moe_intermediate_size"
+
+
+@dataclass(kw_only=True)
+class ModelArgs(BaseArgs):
+    # defaults: transformers' DeepseekV3Config (DeepSeek-V3's own values), so a key left out means what it means there
+    num_experts: int = cfg(ge=1, aliases=("n_routed_experts", "num_local_experts"))
+    moe_intermediate_size: int = cfg(ge=1)
+    intermediate_size: int = cfg(0, ge=0)  # the dense layers' MLP (required when first_k_dense_replace > 0)
+    n_shared_experts: int = cfg(1, ge=0)  # run as one MLP of n_shared_experts * moe_intermediate_size
+    first_k_dense_replace: int = cfg(3, ge=0, lt="num_hidden_layers")  # < layers: at least one MoE layer
+    n_group: int = cfg(8, ge=1, divides="num_experts")
+    topk_group: int = cfg(4, ge=1, le="n_group")
+    routed_scaling_factor: float = cfg(2.5, gt=0)
+    norm_topk_prob: bool = cfg(True)
+    q_lora_rank: int | None = cfg(1536, ge=1)  # null: a plain q_proj
+    kv_lora_rank: int = cfg(512, ge=1)
+    qk_nope_head_dim: int = cfg(128, ge=1, le=MAX_HEAD_DIM)
+    qk_rope_head_dim: int = cfg(64, ge=2, le=MAX_HEAD_DIM)
+    v_head_dim: int = cfg(128, ge=1, le=MAX_HEAD_DIM)
+    rope_interleave: bool | None = cfg(True)  # null: halves, as transformers reads it
+    attention_bias: bool = cfg(False)  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+    quantization_config: dict | None = cfg(None)  # the hub's FP8 uploads: refused (config_problems)
+
+    def __post_init__(self):
+        super().__post_init__()
+        # rope rotates qk_rope_head_dim dims (transformers sets head_dim to it, whatever config.json says)
+        self.head_dim = self.qk_rope_head_dim
+
+    def moe_layers(self) -> list[bool]:
+        return [i >= self.first_k_dense_replace for i in range(self.num_hidden_layers)]
+
+    def config_problems(self) -> Iterator[tuple[str, str]]:
+        # hidden_size / num_attention_heads sizes nothing here: the head dims are their own keys
+        yield from ((f, m) for f, m in super().config_problems() if f != "hidden_size")
+        method = (self.quantization_config or {}).get("quant_method")
+        if method is not None:  # e.g. DeepSeek-V3/R1 and Kimi K2 as uploaded: F8_E4M3 blocks + weight_scale_inv
+            yield "quantization_config", (
+                f"quant_method {method!r}: weights quantized this way would be read without their scales (a wrong "
+                "answer), and sluice does not compute them yet: use a bf16 conversion of the model (DeepSeek's "
+                "fp8_cast_bf16.py) or a GGUF file")
+        if self.qk_rope_head_dim % 2:
+            yield "qk_rope_head_dim", f"{self.qk_rope_head_dim} is odd; rope rotates pairs: expected an even size"
+        if self.first_k_dense_replace and self.intermediate_size < 1:
+            yield "intermediate_size", (
+                f"{'got 0' if 'intermediate_size' in self.config else 'missing'}; the first "
+                f"{self.first_k_dense_replace} layers are dense (first_k_dense_replace), so their MLP size is "
+                "needed: expected an integer >= 1")
+        per_group = self.num_experts // self.n_group
+        if self.topk_group < self.n_group and per_group < 2:
+            yield "n_group", (f"{self.n_group} groups of {self.num_experts} experts leave {per_group} per group; a "
+                              "group is scored by its two best experts: expected groups of >= 2 experts")
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            yield "num_experts_per_tok", (
+                f"{self.num_experts_per_tok} exceeds the {self.topk_group * per_group} experts that topk_group "
+                f"{self.topk_group} groups of {per_group} hold: expected at most that")
+
+    def softmax_scale(self, rope: RopeConfig) -> float:
+        """qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 when a scaled rope sets mscale_all_dim
+        (DeepSeek's softmax correction; transformers' yarn_apply_mscale)."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        mscale_all = rope.params.get("mscale_all_dim") if rope.rope_type != "default" else None
+        if mscale_all:
+            p = rope.params
+            factor = p.get("factor") or rope.max_position_embeddings / p.get(
+                "original_max_position_embeddings", rope.max_position_embeddings)
+            m = 1.0 if factor <= 1 else 0.1 * mscale_all * math.log(factor) + 1.0
+            scale = scale * m * m  # in transformers' order: bitwise its scaling
+        return scale
+
+    def spec(self) -> Spec:
+        spec = self.base_spec(
+            moe_intermediate_size=self.moe_intermediate_size,
+            sliding_window=[None] * self.num_hidden_layers,
+            dense_intermediate_size=self.intermediate_size,
+            shared_expert_intermediate_size=self.n_shared_experts * self.moe_intermediate_size,
+            norm_topk_prob=self.norm_topk_prob,
+            router="sigmoid_grouped",
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            o_bias=self.attention_bias,
+        )
+        spec.mla = MLASpec(q_lora_rank=self.q_lora_rank or 0, kv_lora_rank=self.kv_lora_rank,
+                           qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                           v_head_dim=self.v_head_dim, softmax_scale=self.softmax_scale(spec.rope),
+                           rope_interleave=bool(self.rope_interleave))
+        return spec
+
+
+def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
+    """One decoder layer's resident tensors: latent attention (q_a/q_b or q_proj, kv_a_proj_with_mqa, the two lora
+    norms, kv_b_proj, o_proj), then the router with its e_score_correction_bias and the shared experts, or the dense
+    MLP of the first first_k_dense_replace layers. Roles: store/weights.py builds MLAWeights from the `mla.` ones."""
+    s, m = spec, spec.mla
+    H, nH, Q, r = s.hidden_size, s.n_heads, m.q_lora_rank, m.kv_lora_rank
+    p = f"model.layers.{layer}"
+    a = f"{p}.self_attn"
+    bias = s.o_bias  # attention_bias: q_a, kv_a and o together
+    out = [TensorName("input_norm", f"{p}.input_layernorm.weight", (H,), "norm")]
+    if Q:
+        out.append(TensorName("mla.q_a", f"{a}.q_a_proj.weight", (Q, H), "proj"))
+        if bias:
+            out.append(TensorName("mla.q_a_bias", f"{a}.q_a_proj.bias", (Q,), "bias"))
+        out += [TensorName("mla.q_a_norm", f"{a}.q_a_layernorm.weight", (Q,), "norm"),
+                TensorName("mla.q_b", f"{a}.q_b_proj.weight", (nH * m.qk_head_dim, Q), "proj")]
+    else:
+        out.append(TensorName("mla.q", f"{a}.q_proj.weight", (nH * m.qk_head_dim, H), "proj"))
+    out.append(TensorName("mla.kv_a", f"{a}.kv_a_proj_with_mqa.weight", (m.cache_dim, H), "proj"))
+    if bias:
+        out.append(TensorName("mla.kv_a_bias", f"{a}.kv_a_proj_with_mqa.bias", (m.cache_dim,), "bias"))
+    out += [TensorName("mla.kv_a_norm", f"{a}.kv_a_layernorm.weight", (r,), "norm"),
+            TensorName("mla.kv_b", f"{a}.kv_b_proj.weight", (nH * (m.qk_nope_head_dim + m.v_head_dim), r), "proj"),
+            TensorName("o", f"{a}.o_proj.weight", (H, nH * m.v_head_dim), "proj")]
+    if bias:
+        out.append(TensorName("o_bias", f"{a}.o_proj.bias", (H,), "bias"))
+    out.append(TensorName("post_norm", f"{p}.post_attention_layernorm.weight", (H,), "norm"))
+    if s.moe_layers[layer]:
+        out += [TensorName("router", f"{moe}.gate.weight", (s.num_experts, H), "proj"),
+                TensorName("router_bias", f"{moe}.gate.e_score_correction_bias", (s.num_experts,), "bias")]
+        if s.shared_expert_intermediate_size:
+            out += mlp_tensors("shared.", f"{moe}.shared_experts", s.shared_expert_intermediate_size, H)
+    else:
+        out += mlp_tensors("mlp.", f"{p}.mlp", s.dense_intermediate_size, H)
+    return out
+
+
+# -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
+# DeepSeek-V3 / Kimi K2: 256 / 384 experts top-8 in 8 groups (4 selectable), one shared expert, rope theta 10000
+SYNTH = SynthDefaults("DeepseekV3ForCausalLM", num_experts=256, top_k=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+                      shared_expert=True)
+
+
+def synth_config(sc) -> dict[str, Any]:
+    """config.json keys of a synthetic deepseek_v3, in DeepSeek-V3's proportions to SynthConfig.head_dim (128 there):
+    qk_nope = v = head_dim, qk_rope = head_dim / 2, kv_lora_rank = 4 x, q_lora_rank = 12 x, both at most hidden / 2
+    (DeepSeek-V3: 512 and 1536 of 7168; uncapped, a small model's attention would outweigh its experts); 8 expert groups (4
+    selectable) when the experts split into groups of >= 2; the dense first layer of Kimi K2 (DeepSeek-V3 has 3)
+    unless the model has <= 2 layers; routed_scaling_factor 2.5; interleaved rope."""
+    E, K, I, hd, H = sc.num_experts, sc.top_k, sc.moe_intermediate_size, sc.head_dim, sc.hidden_size
+    if hd % 4:
+        raise ConfigError(f"head_dim: deepseek_v3 rotates head_dim / 2 dims in pairs: expected a multiple of 4, "
+                          f"got {hd}")
+    shared = sc.shared_size
+    if shared % I:
+        raise ConfigError(f"shared_expert_intermediate_size: deepseek_v3 runs n_shared_experts experts of "
+                          f"moe_intermediate_size ({I}) as one MLP: expected a multiple of it, got {shared}")
+    n_group = 8 if E % 8 == 0 and E // 8 >= 2 else 1
+    topk_group = n_group // 2 if K <= (n_group // 2) * (E // n_group) else n_group
+    return dict(n_routed_experts=E, moe_intermediate_size=I, intermediate_size=9 * I, n_shared_experts=shared // I,
+                first_k_dense_replace=1 if sc.num_layers > 2 else 0, n_group=n_group, topk_group=max(1, topk_group),
+                routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=min(12 * hd, H // 2),
+                kv_lora_rank=min(4 * hd, H // 2),
+                qk_nope_head_dim=hd, qk_rope_head_dim=hd // 2, v_head_dim=hd, head_dim=hd // 2,
+                num_key_value_heads=sc.num_heads, rope_interleave=True, attention_bias=False)
+
+
+GGUF = None  # llama.cpp's deepseek2 stores MLA differently (kv_b split into k_b / v_b): not mapped yet
