@@ -83,10 +83,12 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     generation = parse(GenerationArgs, index.generation_config or {}, source=str(index.folder / GENERATION_CONFIG))
     spec = args.spec()
     refs = resident_refs(index, spec, arch)
-    # a quantized checkpoint (GGUF Q4_K, ...) has no dtype of its own: its dequantized weights compute in bf16
-    # unless asked otherwise (dtype=float32 is the exact reference)
+    # a quantized checkpoint (GGUF Q4_K, MLX 4-bit, ...) has no dtype of its own: its dequantized weights compute in
+    # bf16 unless asked otherwise (dtype=float32 is the exact reference). Any quantized resident tensor decides it:
+    # a converter may leave some projections plain (MLX skips those its group size does not divide)
     o = refs["layers.0.o"]  # every attention has an output projection (latent attention has no q_proj with q_lora)
-    dtype = options.compute_dtype(torch.bfloat16 if o.quantized else o.torch_dtype)
+    quantized = any(r.quantized for r in refs.values())
+    dtype = options.compute_dtype(torch.bfloat16 if quantized else o.torch_dtype)
     layout = ExpertLayout(index, spec, arch)
     lazy_embed = options.embeddings != "resident" and not spec.tie_word_embeddings
     if lazy_embed and refs["embed"].quantized:
