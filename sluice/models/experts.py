@@ -68,11 +68,12 @@ def clamped_swiglu(alpha: float, limit: float) -> Glu:
     return glu
 
 
-def glu_for(spec, act: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
-    """(gate, up) -> the experts' hidden activation for a Spec: act(gate) * up, or the clamped form (swiglu_limit)."""
+def glu_for(spec, act: Callable[[torch.Tensor], torch.Tensor]) -> Glu | None:
+    """(gate, up) -> the experts' hidden activation for a Spec: the clamped form (swiglu_limit), or None for the
+    plain act(gate) * up, which ExpertMath may also compute inside one native call per expert."""
     if spec.swiglu_limit is not None:
         return clamped_swiglu(spec.swiglu_alpha, spec.swiglu_limit)
-    return lambda gate, up: act(gate) * up
+    return None
 
 
 class ExpertMath:
