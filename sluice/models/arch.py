@@ -55,14 +55,7 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
     qd, kvd = s.n_heads * D, s.n_kv_heads * D
     p = f"model.layers.{layer}"
     a = f"{p}.self_attn"
-    out = [TensorName("input_norm", f"{p}.input_layernorm.weight", (H,), "norm")]
-    for key, dim in (("q", qd), ("k", kvd), ("v", kvd)):
-        out.append(TensorName(key, f"{a}.{key}_proj.weight", (dim, H), "proj"))
-        if s.qkv_bias:
-            out.append(TensorName(f"{key}_bias", f"{a}.{key}_proj.bias", (dim,), "bias"))
-    out.append(TensorName("o", f"{a}.o_proj.weight", (H, qd), "proj"))
-    if s.o_bias:
-        out.append(TensorName("o_bias", f"{a}.o_proj.bias", (H,), "bias"))
+    out = [TensorName("input_norm", f"{p}.input_layernorm.weight", (H,), "norm"), *attention_tensors(spec, layer)]
     if s.qk_norm != "none":
         head = s.qk_norm == "head"
         out += [TensorName("q_norm", f"{a}.q_norm.weight", (D,) if head else (qd,), "norm"),
@@ -75,6 +68,24 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
             out.append(TensorName("shared_gate", f"{moe}.shared_expert_gate.weight", (1, H), "proj"))
     else:
         out += mlp_tensors("mlp.", f"{p}.mlp", s.dense_intermediate_size, H)
+    return out
+
+
+def attention_tensors(spec: Spec, layer: int) -> list[TensorName]:
+    """q/k/v/o projections of layer `layer` under `model.layers.N.self_attn`, with the biases the Spec turns on
+    (qkv_bias, o_bias)."""
+    s = spec
+    H, D = s.hidden_size, s.head_dim
+    qd, kvd = s.n_heads * D, s.n_kv_heads * D
+    a = f"model.layers.{layer}.self_attn"
+    out = []
+    for key, dim in (("q", qd), ("k", kvd), ("v", kvd)):
+        out.append(TensorName(key, f"{a}.{key}_proj.weight", (dim, H), "proj"))
+        if s.qkv_bias:
+            out.append(TensorName(f"{key}_bias", f"{a}.{key}_proj.bias", (dim,), "bias"))
+    out.append(TensorName("o", f"{a}.o_proj.weight", (H, qd), "proj"))
+    if s.o_bias:
+        out.append(TensorName("o_bias", f"{a}.o_proj.bias", (H,), "bias"))
     return out
 
 

@@ -139,6 +139,29 @@ class GenerationArgs:
     eos_token_id: int | list[int] | None = cfg(None, ge=0)
 
 
+def dense_and_grouped_router_problems(args) -> Iterator[tuple[str, str]]:
+    """config.json problems shared by the first_k_dense_replace + grouped sigmoid router families (glm4_moe,
+    deepseek_v3): the dense layers' MLP size, and expert groups the router can score and select from."""
+    if args.first_k_dense_replace and args.intermediate_size < 1:
+        yield "intermediate_size", (
+            f"{'got 0' if 'intermediate_size' in args.config else 'missing'}; the first "
+            f"{args.first_k_dense_replace} layers are dense (first_k_dense_replace), so their MLP size is "
+            "needed: expected an integer >= 1")
+    per_group = args.num_experts // args.n_group
+    if args.num_experts % args.n_group:
+        key = next((k for k in ("n_routed_experts", "num_local_experts") if k in args.config), "num_experts")
+        yield "n_group", (f"got {args.n_group}; expected a divisor of {key} ({args.num_experts}): the experts "
+                          "split into n_group equal groups")
+    elif per_group < 2:
+        # a group's score is the sum of its two best experts' (transformers' topk(2) fails on fewer)
+        yield "n_group", (f"{args.n_group} groups of {args.num_experts} experts leave {per_group} per group; "
+                          "expected at least 2 experts per group")
+    elif args.num_experts_per_tok > args.topk_group * per_group:
+        yield "num_experts_per_tok", (
+            f"got {args.num_experts_per_tok}, but only topk_group ({args.topk_group}) groups of {per_group} "
+            f"experts are selectable: expected at most {args.topk_group * per_group}")
+
+
 def eos_ids(*values: int | list[int] | None) -> set[int]:
     """The union of validated eos_token_id values (an id or a list of ids; None for none)."""
     out: set[int] = set()

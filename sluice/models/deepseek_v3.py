@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .arch import SynthDefaults, TensorName, mlp_tensors
-from .args import MAX_HEAD_DIM, BaseArgs
+from .args import MAX_HEAD_DIM, BaseArgs, dense_and_grouped_router_problems
 from .rope import RopeConfig
 from .schema import cfg
 from .spec import MLASpec, Spec
@@ -63,19 +63,7 @@ class ModelArgs(BaseArgs):
                 "fp8_cast_bf16.py) or a GGUF file")
         if self.qk_rope_head_dim % 2:
             yield "qk_rope_head_dim", f"{self.qk_rope_head_dim} is odd; rope rotates pairs: expected an even size"
-        if self.first_k_dense_replace and self.intermediate_size < 1:
-            yield "intermediate_size", (
-                f"{'got 0' if 'intermediate_size' in self.config else 'missing'}; the first "
-                f"{self.first_k_dense_replace} layers are dense (first_k_dense_replace), so their MLP size is "
-                "needed: expected an integer >= 1")
-        per_group = self.num_experts // self.n_group
-        if self.topk_group < self.n_group and per_group < 2:
-            yield "n_group", (f"{self.n_group} groups of {self.num_experts} experts leave {per_group} per group; a "
-                              "group is scored by its two best experts: expected groups of >= 2 experts")
-        if self.num_experts_per_tok > self.topk_group * per_group:
-            yield "num_experts_per_tok", (
-                f"{self.num_experts_per_tok} exceeds the {self.topk_group * per_group} experts that topk_group "
-                f"{self.topk_group} groups of {per_group} hold: expected at most that")
+        yield from dense_and_grouped_router_problems(self)
 
     def softmax_scale(self, rope: RopeConfig) -> float:
         """qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 when a scaled rope sets mscale_all_dim

@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import ConfigError
 from . import arch
 from .arch import SynthDefaults, TensorName
-from .args import CONFIG, BaseArgs
+from .args import CONFIG, BaseArgs, dense_and_grouped_router_problems
 from .schema import cfg, override
 from .spec import Spec
 
@@ -70,24 +70,7 @@ class ModelArgs(BaseArgs):
         # without head_dim, transformers' Glm4MoeAttention takes hidden_size // num_attention_heads (floored, as
         # BaseArgs derives it), so a hidden size that is no multiple of the heads is not an error here
         yield from ((f, m) for f, m in super().config_problems() if f != "hidden_size")
-        if self.first_k_dense_replace and self.intermediate_size < 1:
-            yield "intermediate_size", (
-                f"{'got 0' if 'intermediate_size' in self.config else 'missing'}; the first "
-                f"{self.first_k_dense_replace} layers are dense (first_k_dense_replace), so their MLP size is "
-                "needed: expected an integer >= 1")
-        per_group = self.num_experts // self.n_group
-        if self.num_experts % self.n_group:
-            key = next((k for k in ("n_routed_experts", "num_local_experts") if k in self.config), "num_experts")
-            yield "n_group", (f"got {self.n_group}; expected a divisor of {key} ({self.num_experts}): the experts "
-                              "split into n_group equal groups")
-        elif per_group < 2:
-            # a group's score is the sum of its two best experts' (transformers' topk(2) fails on fewer)
-            yield "n_group", (f"{self.n_group} groups of {self.num_experts} experts leave {per_group} per group; "
-                              "expected at least 2 experts per group")
-        elif self.num_experts_per_tok > self.topk_group * per_group:
-            yield "num_experts_per_tok", (
-                f"got {self.num_experts_per_tok}, but only topk_group ({self.topk_group}) groups of {per_group} "
-                f"experts are selectable: expected at most {self.topk_group * per_group}")
+        yield from dense_and_grouped_router_problems(self)
 
     def spec(self) -> Spec:
         return self.base_spec(

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .arch import SynthDefaults, TensorName
+from .arch import SynthDefaults, TensorName, attention_tensors
 from .args import CONFIG, BaseArgs, sliding_windows
 from .schema import cfg, override
 from .spec import Spec
@@ -83,18 +83,10 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
     """One decoder layer's resident tensors: q/k/v/o with biases, the sinks [nH], the norms, the router and its bias
     (the experts, biases included, are streamed)."""
     s = spec
-    H, D = s.hidden_size, s.head_dim
-    qd, kvd = s.n_heads * D, s.n_kv_heads * D
+    H = s.hidden_size
     p = f"model.layers.{layer}"
     a = f"{p}.self_attn"
-    out = [TensorName("input_norm", f"{p}.input_layernorm.weight", (H,), "norm")]
-    for key, dim in (("q", qd), ("k", kvd), ("v", kvd)):
-        out.append(TensorName(key, f"{a}.{key}_proj.weight", (dim, H), "proj"))
-        if s.qkv_bias:
-            out.append(TensorName(f"{key}_bias", f"{a}.{key}_proj.bias", (dim,), "bias"))
-    out.append(TensorName("o", f"{a}.o_proj.weight", (H, qd), "proj"))
-    if s.o_bias:
-        out.append(TensorName("o_bias", f"{a}.o_proj.bias", (H,), "bias"))
+    out = [TensorName("input_norm", f"{p}.input_layernorm.weight", (H,), "norm"), *attention_tensors(spec, layer)]
     out.append(TensorName("sinks", f"{a}.sinks", (s.n_heads,), "bias"))
     out.append(TensorName("post_norm", f"{p}.post_attention_layernorm.weight", (H,), "norm"))
     out.append(TensorName("router", f"{moe}.router.weight", (s.num_experts, H), "proj"))
