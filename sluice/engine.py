@@ -240,13 +240,19 @@ class Model:
         return teacher.argmax
 
     # -- stats ---------------------------------------------------------------------------------------------------
-    def _io_counters(self) -> tuple:
-        """(bytes the expert store and the embedding rows read, disk read bytes, expert reads per layer): what the
-        prefill's share of stats() is a delta of."""
-        st = self.store.stats()
+    def bytes_read(self, store_stats: dict | None = None) -> int:
+        """Bytes the expert store and the lazily read embedding rows have read since load (`store_stats`: the
+        store's stats() when the caller already has them)."""
+        st = self.store.stats() if store_stats is None else store_stats
         rows = self.rows.stats().get("bytes_read", 0) if self.rows is not None else 0
+        return st.get("bytes_read", 0) + rows
+
+    def _io_counters(self) -> tuple:
+        """(bytes_read(), disk read bytes, expert reads per layer): what the prefill's share of stats() is a delta
+        of."""
+        st = self.store.stats()
         by_layer = st.get("misses_by_layer") or [0] * self.spec.n_layers
-        return st.get("bytes_read", 0) + rows, counters()[2], by_layer
+        return self.bytes_read(st), counters()[2], by_layer
 
     def _prefill_stats(self) -> dict:
         """The last prefill's reads: bytes (expert store + embedding rows), disk bytes, per prompt token, and the

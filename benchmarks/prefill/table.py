@@ -37,13 +37,14 @@ def touched_bytes(model: str, prompt: list[int], chunk: int) -> tuple[int, int]:
         return len(seen), len(seen) * m.layout.expert_nbytes
 
 
-def runs(folder: str) -> dict[str, list[dict]]:
+def runs(folder: str) -> tuple[dict, dict[str, list[dict]]]:
+    """(results.json of a `sluice bench` folder, the records of its successful runs by arm)."""
     res = json.loads((Path(folder) / "results.json").read_text())
     by_arm: dict[str, list[dict]] = {}
     for r in res["runs"]:
         if r.get("record") and not r.get("error"):
             by_arm.setdefault(r["arm"], []).append(r["record"])
-    return by_arm | {"_results": res}  # type: ignore[operator]
+    return res, by_arm
 
 
 def main() -> None:
@@ -53,8 +54,8 @@ def main() -> None:
     ap.add_argument("resident")
     ap.add_argument("--out")
     a = ap.parse_args()
-    st, rs = runs(a.streamed), runs(a.resident)
-    res = st["_results"]
+    res, st = runs(a.streamed)
+    _, rs = runs(a.resident)
     prompt = res["sequence"]["prompt_ids"]
     n = len(prompt)
     sl, ll, rr = st["sluice"], st.get("llama.cpp", []), rs["resident"]

@@ -47,9 +47,7 @@ def io_counters(m) -> tuple[float, ...]:
 
     Cheap (a few counters), because it is taken inside every timed step."""
     st = m.store.stats()
-    rows = getattr(m, "rows", None)  # a RowTable when the embedding table is read per batch
-    row_bytes = rows.stats().get("bytes_read", 0) if rows is not None else 0
-    return st.get("hits", 0), st.get("misses", 0), st.get("bytes_read", 0) + row_bytes, st.get("io_wait_s", 0.0)
+    return st.get("hits", 0), st.get("misses", 0), m.bytes_read(st), st.get("io_wait_s", 0.0)
 
 
 class StepProbe:

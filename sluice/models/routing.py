@@ -32,6 +32,18 @@ def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.T
     return weights, ids
 
 
+def _biased_logits(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """x [T, H] -> router logits [T, E] plus the router's bias when it has one (gpt-oss; stored bf16 there, so the
+    cast from the float32 the loader keeps is exact)."""
+    bias = None if lw.router_bias is None else lw.router_bias.to(x.dtype)
+    return F.linear(x, lw.router, bias)
+
+
+def _sigmoid_scores(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """x [T, H] -> float32 sigmoid scores [T, E] of the router, computed in float32 as the reference does."""
+    return torch.sigmoid(F.linear(x.float(), lw.router.float()))
+
+
 def _grouped_choice(spec: Spec, lw: LayerWeights, scores: torch.Tensor) -> torch.Tensor:
     """Sigmoid scores [T, E] -> the selection scores: plus the correction bias, -inf outside each token's
     `topk_group` best groups (a group's score: the sum of its two best)."""
@@ -48,7 +60,7 @@ def _grouped_choice(spec: Spec, lw: LayerWeights, scores: torch.Tensor) -> torch
 def sigmoid_grouped_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (float32 weights [T, K], ids [T, K]): grouped top-k over biased sigmoid scores (see the module
     docstring). Selection ties resolve as torch.topk does in the reference."""
-    scores = torch.sigmoid(F.linear(x.float(), lw.router.float()))  # [T, E] float32
+    scores = _sigmoid_scores(lw, x)  # [T, E] float32
     ids = torch.topk(_grouped_choice(spec, lw, scores), k=spec.top_k, dim=-1, sorted=False)[1]  # [T, K]
     weights = scores.gather(1, ids)  # [T, K]
     if spec.norm_topk_prob:
@@ -58,8 +70,7 @@ def sigmoid_grouped_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple
 
 def topk_softmax(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (weights [T, K], ids [T, K]): top-k of the biased logits, then softmax over those k."""
-    bias = None if lw.router_bias is None else lw.router_bias.to(x.dtype)  # stored bf16 here: the cast is exact
-    logits = F.linear(x, lw.router, bias)  # [T, E]
+    logits = _biased_logits(lw, x)  # [T, E]
     top, ids = torch.topk(logits, spec.top_k, dim=-1)  # [T, K] each
     return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
@@ -71,9 +82,8 @@ def selection_scores(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> torch.Ten
     """x [T, H] -> [T, E] scores whose top-k are the experts `route` picks (its ranking, not its weights): what a
     prerouter ranks to guess more than k of them. The grouped router's excluded groups score -inf."""
     if spec.router == "sigmoid_grouped":
-        return _grouped_choice(spec, lw, torch.sigmoid(F.linear(x.float(), lw.router.float())))
-    bias = None if lw.router_bias is None else lw.router_bias.to(x.dtype)
-    return F.linear(x, lw.router, bias)  # softmax is monotonic: the logits rank as the probabilities do
+        return _grouped_choice(spec, lw, _sigmoid_scores(lw, x))
+    return _biased_logits(lw, x)  # softmax is monotonic: the logits rank as the probabilities do
 
 
 def route(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
