@@ -21,6 +21,7 @@ from .models.blocks import Transformer
 from .models.spec import KVCache
 from .options import LoadOptions
 from .plan import LoadPlan, plan
+from .quant import native
 from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from .store.resident import ResidentExpertStore
@@ -48,7 +49,7 @@ class Model:
         s = self.spec
         if p.threads != torch.get_num_threads():
             torch.set_num_threads(p.threads)
-        self.governor = ThreadGovernor(p.threads) if p.governed else None
+        self.governor = ThreadGovernor(p.threads, set_threads=self._set_threads) if p.governed else None
         self.cache = KVCache(s, p.max_context, self.dtype)  # torch.empty: costs nothing until positions are written
         self.reader = make_reader(p.options.io, workers=p.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
         # read each weight file only as the version whose header was read: a shard replaced, truncated or rewritten
@@ -64,6 +65,11 @@ class Model:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
+        # decode splits a layer's native experts over the threads (Transformer._native_experts): this pool holds the
+        # threads beyond the caller's. Peers model's Q4_K_M file, resident, the 128 expert calls of one token, quiet
+        # 2-CPU VM (benchmarks/quantized/expert_threads.py): 41-43 ms on one thread, 25-29 ms on two
+        self._pool = native.Pool(p.threads - 1) if p.threads > 1 else None
+        self.model.pool = self._pool
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
         self.step_times = StepTimes()
@@ -75,6 +81,12 @@ class Model:
         if self.tokenizer is None:
             raise ConfigError(f"{self.load_plan.no_tokenizer}: {what}")
         return self.tokenizer
+
+    def _set_threads(self, n: int) -> None:
+        """The governor's choice: torch's threads, and the expert pool only while more than one CPU is free
+        (beside a busy process a second thread waits a scheduler slice at every layer)."""
+        torch.set_num_threads(n)
+        self.model.pool = self._pool if n > 1 else None
 
     def _tick(self) -> None:
         """Between forward passes: match the thread count to the CPUs other processes leave free."""
@@ -315,6 +327,9 @@ class Model:
         if self.rows is not None:
             self.rows.close()
         self.reader.close()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def __enter__(self) -> "Model":
         return self

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..quant import native
 from ..store.base import ExpertStore
 from .experts import ExpertMath, glu_for, rows_linear
 from . import mla  # latent attention; mla.py uses this module's rms_norm, so modules, not names, are imported
@@ -98,6 +99,8 @@ class Transformer:
         this layer's experts are pinned, so the reads overlap this layer's expert math."""
         self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
         self.prerouter = prerouter
+        # decode runs half of a layer's native experts here (see _experts_one_token; set by the engine)
+        self.pool: native.Pool | None = None
         self.act = ACTIVATIONS[spec.hidden_act]
         self.expert_math = ExpertMath(dtype, self.act, glu_for(spec, self.act))
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
@@ -204,24 +207,64 @@ class Transformer:
 
         Experts whose bytes are in memory run first, the rest as their reads land (batch.wait), so the math of
         one overlaps the reading of the next; the outputs are summed afterwards in ascending expert id, so the
-        result is bitwise the same whatever the disk's timing.
+        result is bitwise the same whatever the disk's timing. With `self.pool` set and experts that run as one
+        native call each (ExpertMath.one_call), half of the experts already in memory run on the pool's thread
+        while this thread runs the others and waits for the reads (only this thread waits on the store); the sum
+        is the same, in the same order.
         """
         ids_l = ids[0].tolist()
         order = sorted(range(len(ids_l)), key=ids_l.__getitem__)  # top-k positions by ascending expert id
         step = max(1, self.store.max_batch)
+        xf = None  # x in float32, for the one-call native experts
         for c0 in range(0, len(order), step):
             pos = order[c0 : c0 + step]
             batch = self.store.acquire(L, [ids_l[k] for k in pos])
             try:
-                ys: list[torch.Tensor | None] = [None] * len(pos)
-                for j in sorted(range(len(pos)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
+                todo = sorted(range(len(pos)), key=lambda j: not batch.ready(j))  # stable: ready ones first
+                if batch.gate_up is None and self.expert_math.one_call(batch.format, 1):
+                    xf = x.float().contiguous() if xf is None else xf  # [1, H]
+                    ys = self._native_experts(batch, todo, xf)  # [n, H] float32, row j = expert j
+                    # as below, row by row: (y in the compute dtype) * w, rounded to out's dtype, added in id order
+                    ys = (ys.to(self.dtype) * weights[0, pos].unsqueeze(1)).to(out.dtype)
+                    for j in range(len(pos)):
+                        out += ys[j : j + 1]
+                    continue
+                yl: list[torch.Tensor | None] = [None] * len(pos)
+                for j in todo:
                     batch.wait(j)
-                    ys[j] = self._expert(batch, j, x) * weights[:, pos[j] : pos[j] + 1]  # [1, H]
-                for y in ys:
+                    yl[j] = self._expert(batch, j, x) * weights[:, pos[j] : pos[j] + 1]  # [1, H]
+                for y in yl:
                     out += y.to(out.dtype)
             finally:
                 self.store.release(L)
         return out
+
+    def _native_experts(self, batch, todo: list[int], xf: torch.Tensor) -> torch.Tensor:
+        """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32, one native call each.
+        With `self.pool`, the later half of the experts already in memory runs on the pool's thread while this one
+        runs the others and waits for the reads (only this thread waits on the store): each row is the same call
+        on the same bytes, so the result is the same bits whichever thread computed it."""
+        ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
+        em = self.expert_math
+
+        def run(js: list[int]) -> None:
+            for j in js:
+                em.into(batch, j, xf, ys[j : j + 1])
+
+        side = None
+        if self.pool is not None:
+            n_ready = sum(batch.ready(j) for j in todo)
+            if n_ready >= 2:
+                side = self.pool.submit(run, todo[n_ready // 2 : n_ready])
+                todo = todo[: n_ready // 2] + todo[n_ready:]
+        try:
+            for j in todo:
+                batch.wait(j)
+                run([j])
+        finally:
+            if side is not None:
+                side.result()
+        return ys
 
     # -- whole model -----------------------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

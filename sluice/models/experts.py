@@ -5,10 +5,11 @@ experts run each projection from its stored bytes (quant/stored.py), with one fl
 The same function serves the resident and the streaming store, so a streamed run computes bitwise what a resident
 run computes on the same slots.
 
-One thread computes a layer's experts; torch's own threads run inside the matmuls. Spreading a layer's native
-experts over a thread pool was measured and dropped: the peers model's Q4_K_M file, resident, 2 CPUs, 16 tokens
-(quiet machine): 118 ms/token with the pool, 69.6 without it, 93-101 on one thread; torch's OpenMP workers spin
-between ops and take the pool's second core.
+At decode, experts that run as one native call each (below) are split over the model's expert pool
+(Transformer._native_experts); every other kind runs on one thread with torch's own threads inside the matmuls.
+The pool was measured and dropped once, when each expert still cost ~0.1 ms of Python around the C call and torch's
+OpenMP workers spun between the bf16 ops around it (peers Q4_K_M resident: 118 ms/token with the pool, 69.6
+without); with ExpertCall's few us per call it pays (benchmarks/quantized/expert_threads.py, engine.py).
 
 At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (GGUF block
 formats, quant/native/q8.c) runs as one native call up to EXPERT_Q8_MAX_ROWS rows (native.expert_q8: x quantized
@@ -85,7 +86,7 @@ class ExpertMath:
         self.glu = glu or (lambda gate, up: act(gate) * up)  # the Qwen / Mixtral / OLMoE SwiGLU
         self._plain_glu = glu is None  # the one-call native expert computes act(gate) * up only
         self._kernels: dict[object, tuple] = {}
-        self._fused: dict[object, tuple | None] = {}  # format -> (gate, up, down) specs of the one-call path, or None
+        self._fused: dict[object, native.ExpertCall | None] = {}  # format -> its one-call path, or None
         self._scratch_numel = 0  # the largest projection of any format seen
         self._scratch_buf = torch.empty(0, dtype=torch.float32)
 
@@ -102,13 +103,10 @@ class ExpertMath:
         fmt, raw = batch.format, batch.raw[slot]
         if isinstance(fmt, BiasedGluFormat):
             return self._biased(fmt, raw, x)
-        fused = self._fused.get(fmt, ())
-        if fused == ():
-            fused = self._fused[fmt] = self._fused_specs(fmt)
-        if fused is not None and x.shape[0] <= EXPERT_Q8_MAX_ROWS:
-            parts = (raw[: fmt.gate.nbytes], raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes],
-                     raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes])
-            return native.expert_q8(fused, parts, x.float().contiguous()).to(self.dtype)  # [n, H]
+        if self.one_call(fmt, x.shape[0]):
+            y = torch.empty(x.shape, dtype=torch.float32)  # [n, H]
+            self._fused[fmt](raw, x.float().contiguous(), y)
+            return y.to(self.dtype)
         gate_up, gate, up, down = self._kernels_for(fmt)
         scratch = self._scratch()
         if gate_up is not None:  # one call over the 2I rows of [gate; up]
@@ -117,6 +115,24 @@ class ExpertMath:
             g = gate(x, raw[: fmt.gate.nbytes], scratch)  # [n, I]
             u = up(x, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], scratch)  # [n, I]
         return down(self.glu(g, u), raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes], scratch)
+
+    def one_call(self, fmt, rows: int) -> bool:
+        """Whether an expert of `fmt` on `rows` rows runs as one native call (native.expert_q8): no shared scratch,
+        no torch op, the GIL released, so a layer's experts may run on several threads at once (into())."""
+        return rows <= EXPERT_Q8_MAX_ROWS and self._one_call(fmt) is not None
+
+    def _one_call(self, fmt) -> "native.ExpertCall | None":
+        call = self._fused.get(fmt, ())
+        if call == ():
+            specs = self._fused_specs(fmt)
+            call = self._fused[fmt] = None if specs is None else native.ExpertCall(
+                specs, (0, fmt.up_offset, fmt.down_offset))
+        return call
+
+    def into(self, batch, j: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The j-th expert of `batch` on x float32 [n, H] into out float32 [n, H], for a format one_call accepts
+        (the float32 result __call__ casts to the compute dtype)."""
+        self._fused[batch.format](batch.raw[batch.slots[j]], x, out)
 
     def _biased(self, fmt: BiasedGluFormat, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """gpt-oss: y = down(glu(gate, up)) + b_down, [gate, up] interleaved in gate_up(x) + b_gate_up."""
@@ -143,6 +159,8 @@ class ExpertMath:
     def _fused_specs(self, fmt) -> tuple | None:
         """(gate, up, down) specs when this format's experts run as one native call at this dtype, else None
         (float32 keeps the exact float kernels; other activations and formats run projection by projection)."""
+        if isinstance(fmt, BiasedGluFormat):  # gpt-oss: biases and the clamped SwiGLU, projection by projection
+            return None
         specs = (fmt.gate, fmt.up, fmt.down)
         ok = (self.dtype is not torch.float32 and self.act is F.silu and self._plain_glu
               and native.native_available() and all(native.q8_supported(s) for s in specs))

@@ -141,10 +141,38 @@ def test_decode_runs_one_native_call_per_expert(quantized, monkeypatch):
     if name == "BF16" or not native.native_available():
         pytest.skip("plain experts, or the native kernels are not built")
     calls = []
-    real = native.expert_q8
-    monkeypatch.setattr(native, "expert_q8", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = native.ExpertCall.__call__
+    monkeypatch.setattr(native.ExpertCall, "__call__", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     with sluice.load(path, memory="all") as m:
         m.replay(IDS[:4], [IDS[4]])  # a 4-token prefill, then one decode step
         moe_layers = sum(m.spec.moe_layers)
         top_k = m.spec.top_k
     assert len(calls) >= moe_layers * top_k  # the decode step's experts (the prefill's 4 rows may add more)
+
+
+def _decode_logits(m, ids: list[int]) -> torch.Tensor:
+    """Logits of each decode step after a 4-token prefill (the T == 1 path), [len(ids) - 4, V]."""
+    with torch.inference_mode():
+        m.model.forward(torch.tensor(ids[:4]), 0)
+        return torch.cat([m.model.logits(m.model.forward(torch.tensor([t]), p)) for p, t in enumerate(ids[4:], 4)])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_decode_experts_split_over_threads_are_bitwise(quantized, streamed):
+    """Decode runs half of a layer's native experts on the pool's thread: the same logits, bit for bit, as one
+    thread (each expert is the same call on the same bytes; the sum keeps its order)."""
+    from sluice.quant import native
+
+    name, path, _, _ = quantized
+    if name == "BF16" or not native.native_available():
+        pytest.skip("plain experts, or the native kernels are not built")
+    kw = {}
+    if streamed:
+        with sluice.load(path, memory="all") as m:
+            kw = dict(memory=m.resident_bytes + m.spec.top_k * 2 * m.layout.expert_nbytes, io="direct")
+    with sluice.load(path, threads=2, **kw) as m:
+        assert m.model.pool is not None
+        split = _decode_logits(m, IDS)
+        m.model.pool = None
+        one = _decode_logits(m, IDS)
+    assert torch.equal(split, one)

@@ -185,7 +185,8 @@ def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float
     batch = ExpertBatch(None, None, [0], raw=slot, format=fmt)
     calls = []
     one_call = native.expert_q8
-    monkeypatch.setattr(native, "expert_q8", lambda *a, **k: calls.append(1) or one_call(*a, **k))
+    real = native.ExpertCall.__call__
+    monkeypatch.setattr(native.ExpertCall, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(EXPERT_Q8_MAX_ROWS, H).to(dtype)
     y = ExpertMath(dtype, F.silu)(batch, 0, x)
     assert y.dtype == dtype and y.shape == (EXPERT_Q8_MAX_ROWS, H)
@@ -212,3 +213,26 @@ def test_the_default_planes_are_read_at_each_call(monkeypatch):
     monkeypatch.setattr(native, "Q8_PLANES", 1)  # a benchmark can run llama.cpp's one plane for a whole run
     assert torch.equal(native.linear_q8(spec, x, raw), native.linear_q8(spec, x, raw, planes=1))
     assert native.quantize_q8(x).shape == (1, native.q8_row_bytes(64, 1)) == (1, 80)
+
+
+def test_expert_call_is_expert_q8_with_the_checks_done_once():
+    H, I = 256, 256
+    from sluice.store.layout import ExpertFormat
+
+    fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
+    slot = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
+        slot[at:at + spec.nbytes] = random_stored(spec, seed=k)
+    parts = (slot[:fmt.gate.nbytes], slot[fmt.up_offset:fmt.up_offset + fmt.up.nbytes],
+             slot[fmt.down_offset:fmt.down_offset + fmt.down.nbytes])
+    call = native.ExpertCall((fmt.gate, fmt.up, fmt.down), (0, fmt.up_offset, fmt.down_offset))
+    x = torch.randn(3, H)
+    out = torch.empty(3, H)
+    call(slot, x, out)
+    assert torch.equal(out, native.expert_q8((fmt.gate, fmt.up, fmt.down), parts, x))
+    with pytest.raises(ValueError, match="expert slot"):
+        call(slot[:-1], x, out)
+    with pytest.raises(ValueError, match="expert x / out"):
+        call(slot, x.bfloat16(), out)
+    with pytest.raises(ValueError, match="expert x / out"):
+        call(slot, x, out[:2])

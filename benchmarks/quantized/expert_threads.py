@@ -1,0 +1,50 @@
+"""A decode token's expert calls on one thread vs split over the expert pool (Transformer._native_experts), on a
+resident GGUF: ms for the 16 layers x top-k experts of one token (random x and ids), median of 20, rounds alternated.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/quantized/expert_threads.py [GGUF] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import sluice
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default="benchmarks/models/qwen3_moe-peers/model-Q4_K_M.gguf")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    with sluice.load(a.model, memory="all", threads=2) as m:
+        tm, s = m.model, m.spec
+        g = torch.Generator().manual_seed(0)
+        layers = [L for L in range(s.n_layers) if s.moe_layers[L]]
+        xs = {L: torch.randn(1, s.hidden_size, generator=g).to(m.dtype) for L in layers}
+        ids = {L: torch.randperm(s.num_experts, generator=g)[: s.top_k][None] for L in layers}
+        w = torch.full((1, s.top_k), 1.0 / s.top_k)
+
+        def token() -> None:
+            for L in layers:
+                tm._experts_one_token(L, xs[L], ids[L], w, torch.zeros(1, s.hidden_size, dtype=m.dtype))
+
+        pool = tm.pool
+        for r in range(a.rounds):
+            for name, p in (("one thread", None), ("pool", pool)) if r % 2 == 0 else (("pool", pool), ("one thread", None)):
+                tm.pool = p
+                token()
+                ts = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    token()
+                    ts.append(time.perf_counter() - t0)
+                print(f"round {r} {name:10s} {1000 * statistics.median(ts):6.2f} ms per token's experts")
+        tm.pool = pool
+
+
+if __name__ == "__main__":
+    main()
