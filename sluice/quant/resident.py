@@ -12,9 +12,9 @@ weights quantized too. `QuantLinear` holds the stored bytes as read from the fil
 Rows (T) up to native.kernel.Q8_MAX_ROWS run the integer path (x quantized once, integer dots; relative L2 ~3e-5
 against the exact weights), up to NATIVE_MAX_ROWS the float row kernel, more rows (prefill) dequantize blocks of
 weight rows into the shared float32 scratch (SCRATCH_BYTES) and run float32 F.linear on each: a 151936-row head never
-becomes one 622 MB float32 copy. When native.set_threads(n > 1) made a pool, the row kernels split the output rows
-over it (the same bits for any split). `keeps_quantized` is the one rule deciding which tensors stay quantized, so
-the load (store/weights.py) and the memory plan (plan.py) cannot disagree.
+becomes one 622 MB float32 copy. When native.set_threads(n > 1) made a pool, the row kernels split the output rows of
+the large weights (SPLIT_MIN_WEIGHTS: the head) over it, the same bits for any split. `quant_spec` is the one rule
+deciding which tensors stay quantized, so the load (store/weights.py) and the memory plan (plan.py) cannot disagree.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ from .native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS
 #: float32 bytes of weights one block of the many-rows path dequantizes at a time: ~8,000 rows of a 1024-wide head,
 #: so the matmul of each block is still large enough for torch's GEMM to run at full speed
 SCRATCH_BYTES = 32 * 2**20
+
+#: weights (out x in) from which the row kernels split the output rows over native.shared_pool(): a handoff to a
+#: pool thread costs ~0.1 ms here. Q4_K at T=1, ms on one thread / split over Pool(2), median of 101, quiet 2-CPU
+#: VM: [1024 x 1024] 0.15 / 0.25, [2048 x 1024] 0.20 / 0.27, [4096 x 1024] 0.38 / 0.46, [8192 x 1024] 0.87 / 0.78;
+#: the peers model's Q6_K head [32768 x 1024] 5.3 / 3.1 (bf16 F.linear on 2 torch threads: 5.2)
+SPLIT_MIN_WEIGHTS = 2**24
 
 
 class Scratch:
@@ -88,7 +94,8 @@ class QuantLinear:
             x = x.float()
         if not x.is_contiguous():
             x = x.contiguous()
-        T, pool = x.shape[0], native.shared_pool()
+        T = x.shape[0]
+        pool = native.shared_pool() if self.spec.out_features * self.spec.in_features >= SPLIT_MIN_WEIGHTS else None
         if T <= Q8_MAX_ROWS:
             y = native.linear_q8(self.spec, x, self.raw) if pool is None else pool.linear_q8(self.spec, x, self.raw)
         elif T <= NATIVE_MAX_ROWS:

@@ -43,7 +43,8 @@ def threads():
 
 @built
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
-def test_few_rows_run_the_integer_path_bitwise_for_any_split(spec, threads):
+def test_few_rows_run_the_integer_path_bitwise_for_any_split(spec, threads, monkeypatch):
+    monkeypatch.setattr(resident, "SPLIT_MIN_WEIGHTS", 0)  # split these small weights too
     raw = random_stored(spec, seed=1)
     w = QuantLinear(spec, raw, torch.bfloat16)
     assert w.shape == (37, spec.in_features) and w.nbytes == spec.nbytes
@@ -64,6 +65,7 @@ def test_few_rows_run_the_integer_path_bitwise_for_any_split(spec, threads):
 @built
 @pytest.mark.parametrize("spec", SPECS[2:4], ids=lambda s: s.name)
 def test_more_rows_run_the_float_row_kernel_then_blocks_of_dequantized_weights(spec, threads, monkeypatch):
+    monkeypatch.setattr(resident, "SPLIT_MIN_WEIGHTS", 0)
     raw = random_stored(spec, seed=2)
     w = QuantLinear(spec, raw, torch.float16)
     exact = spec.dequantize(raw)  # [37, in] float32
