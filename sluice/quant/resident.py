@@ -65,6 +65,8 @@ class QuantLinear:
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
         self.spec, self.raw, self.dtype = spec, raw.contiguous(), dtype
         self.scratch = scratch if scratch is not None else Scratch()
+        self._q8 = native.LinearQ8(spec, self.raw)  # decode's call, checked once
+        self._split = spec.out_features * spec.in_features >= SPLIT_MIN_WEIGHTS
 
     @property
     def shape(self) -> torch.Size:
@@ -95,9 +97,9 @@ class QuantLinear:
         if not x.is_contiguous():
             x = x.contiguous()
         T = x.shape[0]
-        pool = native.shared_pool() if self.spec.out_features * self.spec.in_features >= SPLIT_MIN_WEIGHTS else None
+        pool = native.shared_pool() if self._split else None
         if T <= Q8_MAX_ROWS:
-            y = native.linear_q8(self.spec, x, self.raw) if pool is None else pool.linear_q8(self.spec, x, self.raw)
+            y = self._q8(x) if pool is None else pool.linear_q8(self.spec, x, self.raw)
         elif T <= NATIVE_MAX_ROWS:
             y = native.linear(self.spec, x, self.raw) if pool is None else pool.linear(self.spec, x, self.raw)
         else:

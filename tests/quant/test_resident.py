@@ -53,6 +53,7 @@ def test_few_rows_run_the_integer_path_bitwise_for_any_split(spec, threads, monk
     for T in range(1, Q8_MAX_ROWS + 1):
         x = _x(T, spec.in_features, T)
         want = native.linear_q8(spec, x, raw)  # [T, 37] float32
+        assert torch.equal(native.LinearQ8(spec, raw)(x), want)
         assert torch.equal(w.linear(x, out_dtype=torch.float32), want)
         assert torch.equal(w.linear(x.bfloat16()), native.linear_q8(spec, x.bfloat16().float(), raw).bfloat16())
         for n in (2, 3):
