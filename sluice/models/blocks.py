@@ -1,7 +1,8 @@
 """Shared math of the MoE decoder family (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): norms, attention, MoE block.
 
 Every architecture file reduces its config to a `Spec` (the blueprint) and names its tensors; the model built here
-runs the same functions for all of them. Weights are plain tensors held in dataclasses (llama2.c style); expert
+runs the same functions for all of them. Weights are plain tensors held in dataclasses (llama2.c style), or a GGUF
+file's projections kept in their stored blocks (quant/resident.py QuantLinear, run through models/linear.py); expert
 weights are not held at all: the MoE block asks the `ExpertStore` for them by (layer, ids).
 """
 
