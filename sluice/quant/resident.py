@@ -17,12 +17,14 @@ the large weights (SPLIT_MIN_WEIGHTS: the head) over it, the same bits for any s
 deciding which tensors stay quantized, so the load (store/weights.py) and the memory plan (plan.py) cannot disagree.
 
 Measured on the peers model's Q4_K_M file (benchmarks/models/qwen3_moe-peers: 16 layers, hidden 1024, a Q6_K head
-[32768 x 1024]), 2-CPU dev VM, medians: resident weights 210 -> 115 MiB; a 256-token prefill 5.7 -> 4.3 s (bf16
+[32768 x 1024]), 2-CPU dev VM, medians: resident weights 210 -> 115 MiB; a 256-token prefill 5.1-5.7 -> 4.2-4.3 s (bf16
 F.linear of [33 x 1024] x [1024 x 1024]^T 3.7-4.1 ms, this blocked float32 path 1.3-1.6); one decode step's head
 5.2-5.4 ms bf16 on 2 torch threads, 5.1-5.3 here on one thread, 3.1 split over native.set_threads(2); attention at
 T=1 about even (q [1024 x 1024] 0.12-0.13 bf16 / 0.11-0.15 here; k, v [256 x 1024] 0.03-0.04 / 0.04-0.07), so
-decode ms/token did not move beyond the VM's +-15% run-to-run noise (one process, arms alternated, 5 replays of 48
-tokens: 75.5 / 78.5 / 72.2 bf16 / QuantLinear / with set_threads(2)).
+decode ms/token did not move beyond the VM's +-15% run-to-run noise (one process, arms alternated, replays of 48
+tokens, bf16 / QuantLinear / with set_threads(2): median of 5 after a 32-token prompt 75.5 / 78.5 / 72.2, of 9 after
+a 256-token prompt 86.4 / 80.4 / 80.7, whose prefills took 5.1 / 4.2 / 4.3 s). The head of a 151936-token vocabulary, Q6_K at T=1: bf16
+24.2 ms, one thread 19-23, split over Pool(2) 11-12 (21 when torch's OpenMP workers still spin from a parallel op).
 """
 
 from __future__ import annotations
