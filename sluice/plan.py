@@ -31,7 +31,7 @@ from .models.spec import KVCache, Spec
 from .options import LoadOptions, format_bytes
 from .store.budget import RUNTIME_RESERVE, AutoPlan, BudgetPlan, auto_memory, check_room, plan_budget, prefill_tokens_per_chunk
 from .store.layout import ExpertLayout
-from .store.weights import resident_refs
+from .store.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
 from .tokenizer.gguf import tokenizer_from_gguf
 
@@ -51,7 +51,7 @@ class LoadPlan:
     layout: ExpertLayout  # where each expert's bytes are, and their stored format
     dtype: torch.dtype  # compute dtype of the resident weights, activations and KV cache
     lazy_embed: bool  # the token embedding table stays on disk (rows read per batch)
-    resident_bytes: int  # resident weights in `dtype` (the embedding table excluded when lazy)
+    resident_bytes: int  # resident weights as held: in `dtype`, or stored bytes when kept quantized (store/weights.py)
     max_context: int  # KV positions: options.max_context capped by the model's
     prefill_chunk: int  # prompt tokens per forward pass (options.prefill_chunk, "auto" resolved)
     kv_bytes: int
@@ -95,7 +95,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         raise ConfigError(f"embeddings: {options.embeddings!r} reads plain rows, and this checkpoint stores the "
                           f"token embeddings as {refs['embed'].dtype}: use --embeddings resident")
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    resident_bytes = itemsize * sum(r.numel for k, r in refs.items() if not (lazy_embed and k == "embed"))
+    resident_bytes = resident_nbytes(refs, dtype, lazy_embed)  # projections kept in their GGUF blocks at their size
     max_context = min(options.max_context, spec.rope.max_position_embeddings)
     kv_bytes = KVCache.bytes_for(spec, max_context, itemsize)
     chunk = prefill_tokens_per_chunk(spec, itemsize) if options.prefill_chunk == "auto" else options.prefill_chunk

@@ -49,7 +49,8 @@ def describe(p: LoadPlan) -> dict:
         "params": resident_params + expert_params,
         "resident_params": resident_params,
         "expert_params": expert_params,
-        # what the engine holds: resident weights in the compute dtype (a lazy embedding table excluded)
+        # what the engine holds: resident weights in the compute dtype or, for projections kept in their GGUF
+        # blocks, the stored bytes (a lazy embedding table excluded)
         "resident_bytes": p.resident_bytes,
         "expert_bytes_total": n_experts * layout.expert_nbytes,
         "bytes_per_expert": layout.expert_nbytes,

@@ -1,7 +1,8 @@
 """Shared math of the MoE decoder family (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): norms, attention, MoE block.
 
 Every architecture file reduces its config to a `Spec` (the blueprint) and names its tensors; the model built here
-runs the same functions for all of them. Weights are plain tensors held in dataclasses (llama2.c style); expert
+runs the same functions for all of them. Weights are plain tensors held in dataclasses (llama2.c style), or a GGUF
+file's projections kept in their stored blocks (quant/resident.py QuantLinear, run through models/linear.py); expert
 weights are not held at all: the MoE block asks the `ExpertStore` for them by (layer, ids).
 """
 
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 from ..quant import native
 from ..store.base import ExpertStore
-from .experts import ExpertMath, glu_for, rows_linear
+from .experts import ExpertMath, glu_for
+from .linear import linear, logits, mlp_linear
 from . import mla  # latent attention; mla.py uses this module's rms_norm, so modules, not names, are imported
 from .rope import apply_rope, rope_table
 from .routing import route
@@ -112,9 +114,9 @@ class Transformer:
         if s.mla is not None:  # latent attention (models/mla.py) over the latent cache
             return mla.latent_attention(s.mla, s.n_heads, lw, x, self.cache.latent[L], pos, mask,
                                         self.cos[pos : pos + T], self.sin[pos : pos + T])
-        q = F.linear(x, lw.q, lw.q_bias)  # [T, nH*D]
-        k = F.linear(x, lw.k, lw.k_bias)  # [T, nKV*D]
-        v = F.linear(x, lw.v, lw.v_bias)  # [T, nKV*D]
+        q = linear(x, lw.q, lw.q_bias)  # [T, nH*D]
+        k = linear(x, lw.k, lw.k_bias)  # [T, nKV*D]
+        v = linear(x, lw.v, lw.v_bias)  # [T, nKV*D]
         if s.qk_norm == "full":
             q, k = rms_norm(q, lw.q_norm, s.rms_norm_eps), rms_norm(k, lw.k_norm, s.rms_norm_eps)
         if s.clip_qkv is not None:
@@ -140,11 +142,11 @@ class Transformer:
                 q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], attn_mask=mask, enable_gqa=True
             )[0]  # [nH, T, D]
         out = out.transpose(0, 1).reshape(T, s.n_heads * D)
-        return F.linear(out, lw.o, lw.o_bias)
+        return linear(out, lw.o, lw.o_bias)
 
     # -- feed-forward ----------------------------------------------------------------------------------------
     def mlp(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
-        return rows_linear(self.act(rows_linear(x, m.gate)) * rows_linear(x, m.up), m.down)
+        return mlp_linear(self.act(mlp_linear(x, m.gate)) * mlp_linear(x, m.up), m.down)
 
     def moe(self, L: int, x: torch.Tensor) -> torch.Tensor:
         """Route x [T, H] with the true router and run the chosen experts from the store."""
@@ -153,7 +155,7 @@ class Transformer:
         out = self.experts(L, x, ids, weights)
         if lw.shared is not None:
             shared = self.mlp(lw.shared, x)  # [T, H]
-            out = out + (shared if lw.shared_gate is None else torch.sigmoid(F.linear(x, lw.shared_gate)) * shared)
+            out = out + (shared if lw.shared_gate is None else torch.sigmoid(linear(x, lw.shared_gate)) * shared)
         return out
 
     def experts(self, L: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -295,4 +297,4 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> float32 logits [T, V]."""
-        return F.linear(hidden, self.w.lm_head).float()
+        return logits(hidden, self.w.lm_head)

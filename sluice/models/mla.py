@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import blocks  # its rms_norm (blocks imports this module: modules, not names, are imported)
+from .linear import linear
 from .rope import apply_rope
 from .spec import LayerWeights, MLASpec
 
@@ -103,11 +104,11 @@ def latent_attention(m: MLASpec, n_heads: int, lw: LayerWeights, x: torch.Tensor
     T, nH = x.shape[0], n_heads
     N, R, V, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
     if w.q is not None:
-        q = F.linear(x, w.q)  # [T, nH*(N+R)]
+        q = linear(x, w.q)  # [T, nH*(N+R)]
     else:
-        q = F.linear(blocks.rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LORA_NORM_EPS), w.q_b)
+        q = linear(blocks.rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LORA_NORM_EPS), w.q_b)
     q_nope, q_rot = q.view(T, nH, N + R).transpose(0, 1).split([N, R], dim=-1)  # [nH, T, N], [nH, T, R]
-    latent, k_rot = F.linear(x, w.kv_a, w.kv_a_bias).split([r, R], dim=-1)  # [T, r], [T, R]
+    latent, k_rot = linear(x, w.kv_a, w.kv_a_bias).split([r, R], dim=-1)  # [T, r], [T, R]
     rotate = rope_interleaved if m.rope_interleave else apply_rope
     q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[None], cos, sin)[0]
     cache[pos : pos + T, :r] = blocks.rms_norm(latent, w.kv_a_norm, LORA_NORM_EPS)
@@ -116,4 +117,4 @@ def latent_attention(m: MLASpec, n_heads: int, lw: LayerWeights, x: torch.Tensor
     if absorb is None:
         absorb = absorbs(m, nH, T, pos + T, x.element_size())
     out = (_absorbed if absorb else _expanded)(m, q_nope, q_rot, seen, w.kv_b.view(nH, N + V, r), mask)
-    return F.linear(out.transpose(0, 1).reshape(T, nH * V), lw.o, lw.o_bias)
+    return linear(out.transpose(0, 1).reshape(T, nH * V), lw.o, lw.o_bias)

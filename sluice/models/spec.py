@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from ..quant.resident import QuantLinear
     from .rope import RopeConfig
+
+    Proj = torch.Tensor | QuantLinear  # a projection weight: a QuantLinear when kept in its GGUF blocks
 
 
 @dataclass
@@ -85,9 +88,9 @@ class Spec:
 class MLPWeights:
     """A dense SwiGLU MLP (mlp_only layers, Qwen2-MoE's shared expert): gate/up [I, H], down [H, I]."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Proj
+    up: Proj
+    down: Proj
 
 
 @dataclass
@@ -95,13 +98,13 @@ class MLAWeights:
     """A latent attention layer's projections (MLASpec): r = kv_lora_rank, R = qk_rope_head_dim, N/V = the
     per-head nope/value dims, Q = q_lora_rank."""
 
-    kv_a: torch.Tensor  # [r + R, H] kv_a_proj_with_mqa: the latent and the shared rope key
+    kv_a: Proj  # [r + R, H] kv_a_proj_with_mqa: the latent and the shared rope key
     kv_a_norm: torch.Tensor  # [r]
     kv_b: torch.Tensor  # [nH*(N+V), r]: per head, N key rows then V value rows
-    q: torch.Tensor | None = None  # [nH*(N+R), H] when q_lora_rank is 0
-    q_a: torch.Tensor | None = None  # [Q, H]
+    q: Proj | None = None  # [nH*(N+R), H] when q_lora_rank is 0
+    q_a: Proj | None = None  # [Q, H]
     q_a_norm: torch.Tensor | None = None  # [Q]
-    q_b: torch.Tensor | None = None  # [nH*(N+R), Q]
+    q_b: Proj | None = None  # [nH*(N+R), Q]
     q_a_bias: torch.Tensor | None = None  # [Q] (attention_bias)
     kv_a_bias: torch.Tensor | None = None  # [r + R] (attention_bias)
 
@@ -112,10 +115,10 @@ class LayerWeights:
 
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    o: torch.Tensor  # [H, nH*D] ([H, nH*V] under latent attention)
-    q: torch.Tensor | None = None  # [nH*D, H]; None under latent attention (`mla`)
-    k: torch.Tensor | None = None  # [nKV*D, H]
-    v: torch.Tensor | None = None  # [nKV*D, H]
+    o: Proj  # [H, nH*D] ([H, nH*V] under latent attention)
+    q: Proj | None = None  # [nH*D, H]; None under latent attention (`mla`)
+    k: Proj | None = None  # [nKV*D, H]
+    v: Proj | None = None  # [nKV*D, H]
     mla: MLAWeights | None = None
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
@@ -130,7 +133,7 @@ class LayerWeights:
     sinks: torch.Tensor | None = None  # [nH] attention sink logits (gpt-oss, Spec.attn_sinks)
     mlp: MLPWeights | None = None  # dense layers
     shared: MLPWeights | None = None  # shared expert(s) beside the routed ones, added to every token
-    shared_gate: torch.Tensor | None = None  # [1, H]: Qwen2-MoE scales the shared expert by sigmoid(gate x); None: 1
+    shared_gate: Proj | None = None  # [1, H]: Qwen2-MoE scales the shared expert by sigmoid(gate x); None: 1
 
 
 @dataclass
@@ -139,7 +142,7 @@ class Weights:
 
     embed: torch.Tensor | None  # [V, H]; None when rows are read from disk per batch (RowTable)
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    lm_head: Proj  # [V, H] (the embedding itself when tied)
     layers: list[LayerWeights] = field(default_factory=list)
 
 

@@ -1,7 +1,8 @@
 """Resident weights: checkpoint names -> the `Weights` struct the math runs on (experts excluded).
 
-`resident_names` is the pure renaming step (testable without files); `load_resident` reads the bytes through the
-index and converts them to the compute dtype, checking every shape against the Spec.
+`resident_refs` is the pure renaming step (testable without files); `load_resident` reads the bytes through the
+index and converts them to the compute dtype, checking every shape against the Spec. The projections `kept_quantized`
+names (GGUF blocks with an integer kernel, at bf16 / f16) stay in their stored bytes as QuantLinear instead.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import torch
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
-from ..io.tensor import read_tensor
+from ..io.tensor import read_bytes, read_tensor
 from ..models.spec import LayerWeights, MLAWeights, MLPWeights, Spec, Weights
+from ..quant import QuantSpec
+from ..quant.resident import QuantLinear, Scratch, quant_spec
 from .layout import moe_prefix
 
 
@@ -50,13 +53,51 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
     return refs
 
 
+# the roles the model math runs through models/linear.py (x @ W^T only): these may stay quantized. Not the embedding
+# (rows are gathered), routers (float, small; the prerouter reads their values), nor MLA's kv_b (reshaped per head)
+LINEAR_ROLES = frozenset({"q", "k", "v", "o", "mlp.gate", "mlp.up", "mlp.down", "shared.gate", "shared.up",
+                          "shared.down", "shared_gate", "mla.q", "mla.q_a", "mla.q_b", "mla.kv_a"})
+
+
+def kept_quantized(refs: dict[str, TensorRef], dtype: torch.dtype) -> dict[str, QuantSpec]:
+    """role -> QuantSpec of the resident projections kept in their stored blocks at compute dtype `dtype` (see
+    quant/resident.py quant_spec; an untied lm_head included); the others are converted to `dtype`."""
+    out = {}
+    for role, ref in refs.items():
+        if role == "lm_head" or role.split(".", 2)[-1] in LINEAR_ROLES:
+            spec = quant_spec(ref, dtype)
+            if spec is not None:
+                out[role] = spec
+    return out
+
+
+def resident_nbytes(refs: dict[str, TensorRef], dtype: torch.dtype, lazy_embed: bool = False) -> int:
+    """Bytes load_resident keeps: stored bytes of the projections kept quantized, itemsize x numel of the rest (the
+    token embedding excluded when `lazy_embed`)."""
+    quant = kept_quantized(refs, dtype)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return sum(ref.nbytes if role in quant else itemsize * ref.numel
+               for role, ref in refs.items() if not (lazy_embed and role == "embed"))
+
+
+def _quant_linear(ref: TensorRef, spec: QuantSpec, dtype: torch.dtype, scratch: Scratch) -> QuantLinear:
+    raw = read_bytes(ref)  # [nbytes]: whole blocks per row
+    order = ref.row_order()  # rows llama.cpp permuted for its rope, back in Hugging Face order
+    if order is not None:
+        raw = raw.view(ref.shape[0], ref.row_nbytes)[order].reshape(-1)
+    return QuantLinear(spec, raw, dtype, scratch)
+
+
 def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, lazy_embed: bool = False) -> Weights:
     """Read every resident tensor and assemble the Weights struct in `dtype` (`lazy_embed`: leave the token
-    embedding on disk; the model then gathers its rows through a RowTable)."""
+    embedding on disk; the model then gathers its rows through a RowTable). The projections kept_quantized names
+    become QuantLinears sharing one scratch."""
     def as_dtype(role: str) -> torch.dtype:  # router biases (e_score_correction_bias) are added to float32 scores
         return torch.float32 if role.endswith(".router_bias") else dtype
 
-    t = {role: read_tensor(ref, as_dtype(role)).to(as_dtype(role))
+    quant, scratch = kept_quantized(refs, dtype), Scratch()
+    t = {role: _quant_linear(ref, quant[role], dtype, scratch) if role in quant
+         else read_tensor(ref, as_dtype(role)).to(as_dtype(role))
          for role, ref in refs.items() if not (lazy_embed and role == "embed")}
 
     def mlp(prefix: str) -> MLPWeights | None:

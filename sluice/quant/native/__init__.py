@@ -9,9 +9,11 @@
     native.q8_supported(spec)                 # GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: the int8 path exists
     xq = native.quantize_q8(x)                # x float32 [T, in] -> 8-bit blocks, uint8 [T, q8_row_bytes(in)]
     y = native.linear_q8(spec, x, raw)        # int8 activations x integer dots (q8.c), y float32 [T, out]
+    y = native.LinearQ8(spec, raw)(x)         # the same, the checks on spec and raw done once
     y = native.expert_q8(specs, raws, x)      # down(silu(gate x) * up x) in one call, y float32 [T, H]
     k = native.NativeKernel(spec, dtype)      # kernel_for's interface: name "native", nbytes = stored bytes
     pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent threads, results in order
+    pool.linear(spec, x, raw); pool.linear_q8(spec, x, raw)  # one projection's output rows split over the threads
     native.set_threads(2)                     # NativeKernel splits each projection's rows over 2 threads
 
 Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file), MLX
@@ -288,17 +290,44 @@ def linear_q8(spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Te
     xq, quantize_q8's result for this x and planes, reused), integer dot products against the stored codes.
     Deterministic, the same bits on the AVX2 and the scalar path and for any T. Relative L2 against the exact
     weights (tests/quant/test_q8.py): planes=1 5e-3 - 1.1e-2, planes=2 2e-5 - 4e-5. planes None: Q8_PLANES."""
+    desc, x, out = _q8_args(spec, x, raw, out)
+    if xq is not None:
+        _buffer(xq, "xq", torch.uint8, x.shape[0] * q8_row_bytes(spec.in_features, _planes(planes)))
+    return _run_q8(desc, xq, x, out, _planes(planes), (0, spec.out_features))
+
+
+def _q8_args(spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None) -> tuple:
+    """(format, N, K, codes address, bytes per row), x and out of one linear_q8 call, checked."""
     if not q8_supported(spec):
         raise ValueError(f"the int8 path does not compute {spec.family} {spec.name} (see native.q8_supported)")
-    fmt, n, k, q, row_bytes = _desc(spec, raw)[:5]
-    x, out = _x_out(x, out, n, k)
-    if xq is not None:
-        _buffer(xq, "xq", torch.uint8, x.shape[0] * q8_row_bytes(k, _planes(planes)))
-    rc = _LIB.sluice_linear_q8(fmt, n, k, q, row_bytes, None if xq is None else xq.data_ptr(), x.data_ptr(),
-                               x.shape[0], _planes(planes), out.data_ptr(), 0, n, int(FORCE_SCALAR))
+    desc = _desc(spec, raw)[:5]
+    return (desc, *_x_out(x, out, spec.out_features, spec.in_features))
+
+
+def _run_q8(desc: tuple, xq: torch.Tensor | None, x: torch.Tensor, out: torch.Tensor, planes: int,
+            rows: tuple[int, int]) -> torch.Tensor:
+    """Output columns rows=(n0, n1) of the integer path (x quantized here when xq is None)."""
+    rc = _LIB.sluice_linear_q8(*desc, None if xq is None else xq.data_ptr(), x.data_ptr(), x.shape[0], planes,
+                               out.data_ptr(), rows[0], rows[1], int(FORCE_SCALAR))
     if rc:
         raise MemoryError(f"native linear_q8 failed (code {rc}): no memory for {x.shape[0]} quantized rows")
     return out
+
+
+class LinearQ8:
+    """linear_q8 for one stored weight, every check that depends on the weight done once: `call(x)` -> y float32
+    [T, out] for x float32 [T, in] contiguous. The same C call, so the same bits as linear_q8. A [256 x 1024] Q4_K
+    at T=1, median of 2001 calls, dev VM: linear_q8 53-56 us, this 46-47, the C call alone 38; the resident
+    attention runs four per layer and token (quant/resident.py)."""
+
+    def __init__(self, spec: QuantSpec, raw: torch.Tensor):
+        self.desc = _q8_args(spec, torch.empty(0, spec.in_features), raw, None)[0]
+        self.raw = raw  # the C call reads its bytes: kept alive
+        self.n, self.k = spec.out_features, spec.in_features
+
+    def __call__(self, x: torch.Tensor, planes: int | None = None) -> torch.Tensor:
+        x = _check_x(x, self.k)
+        return _run_q8(self.desc, None, x, torch.empty(x.shape[0], self.n), _planes(planes), (0, self.n))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -388,12 +417,25 @@ class Pool:
         """native.linear with the output columns split into `threads` ranges, the first computed on the calling
         thread and the others on the pool (bitwise the same result as one call: each column is one dot product
         whichever thread computes it)."""
-        n = spec.out_features
         desc = _desc(spec, raw)
-        x, out = _x_out(x, out, n, spec.in_features)
+        x, out = _x_out(x, out, spec.out_features, spec.in_features)
+        return self._split(spec.out_features, lambda rows: _run(desc, x, out, rows), out)
+
+    def linear_q8(self, spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
+                  planes: int | None = None) -> torch.Tensor:
+        """native.linear_q8 with x quantized once and the output columns split as `linear` splits them (bitwise
+        one call's result: each column is one integer dot product over the same quantized x)."""
+        desc, x, out = _q8_args(spec, x, raw, out)
+        planes = _planes(planes)
+        xq = quantize_q8(x, planes)  # [T, q8_row_bytes(in)], shared read-only by every range
+        return self._split(spec.out_features, lambda rows: _run_q8(desc, xq, x, out, planes, rows), out)
+
+    def _split(self, n: int, job, out: torch.Tensor) -> torch.Tensor:
+        """job((n0, n1)) over `threads` ranges of n columns: the first on the calling thread, the others on the
+        pool; returns out once all have run."""
         bounds = [n * i // self.threads for i in range(self.threads + 1)]
-        futures = [self._ex.submit(_run, desc, x, out, (a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
-        _run(desc, x, out, (bounds[0], bounds[1]))
+        futures = [self._ex.submit(job, (a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+        job((bounds[0], bounds[1]))
         for f in futures:
             f.result()
         return out

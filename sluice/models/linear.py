@@ -1,0 +1,33 @@
+"""The projection every resident weight of the model math goes through: a plain tensor runs the torch code it always
+ran (bitwise), a QuantLinear (GGUF blocks kept resident, quant/resident.py) its native kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..quant.resident import QuantLinear
+from .experts import rows_linear
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ w^T (+ bias) -> [T, out] in the compute dtype: F.linear for a tensor (attention projections)."""
+    if type(w) is QuantLinear:
+        return w.linear(x, bias)
+    return F.linear(x, w, bias)
+
+
+def mlp_linear(x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
+    """x [T, in] @ w^T -> [T, out] for the dense / shared MLPs: rows_linear for a tensor (several bf16 rows in
+    float32), the QuantLinear's kernels otherwise."""
+    if type(w) is QuantLinear:
+        return w.linear(x)
+    return rows_linear(x, w)
+
+
+def logits(x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
+    """x [T, H] @ lm_head^T -> float32 [T, V]. A QuantLinear's float32 result is returned as is, not rounded to the
+    compute dtype first."""
+    if type(w) is QuantLinear:
+        return w.linear(x, out_dtype=torch.float32)
+    return F.linear(x, w).float()
