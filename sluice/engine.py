@@ -65,11 +65,10 @@ class Model:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
-        # decode splits a layer's native experts over the threads (Transformer._native_experts): this pool holds the
-        # threads beyond the caller's. Peers model's Q4_K_M file, resident, the 128 expert calls of one token, quiet
+        # decode splits a layer's native experts and large quantized projections over the threads (native.set_threads,
+        # process-wide like torch's). Peers model's Q4_K_M file, resident, the 128 expert calls of one token, quiet
         # 2-CPU VM (benchmarks/quantized/expert_threads.py): 41-43 ms on one thread, 25-29 ms on two
-        self._pool = native.Pool(p.threads - 1) if p.threads > 1 else None
-        self.model.pool = self._pool
+        native.set_threads(p.threads)
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
         self.step_times = StepTimes()
@@ -83,10 +82,10 @@ class Model:
         return self.tokenizer
 
     def _set_threads(self, n: int) -> None:
-        """The governor's choice: torch's threads, and the expert pool only while more than one CPU is free
-        (beside a busy process a second thread waits a scheduler slice at every layer)."""
+        """The governor's choice, for torch's threads and the native ones (beside a busy process a second thread
+        waits a scheduler slice at every layer)."""
         torch.set_num_threads(n)
-        self.model.pool = self._pool if n > 1 else None
+        native.set_threads(n)
 
     def _tick(self) -> None:
         """Between forward passes: match the thread count to the CPUs other processes leave free."""
@@ -327,9 +326,6 @@ class Model:
         if self.rows is not None:
             self.rows.close()
         self.reader.close()
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
 
     def __enter__(self) -> "Model":
         return self

@@ -190,19 +190,21 @@ def test_generate_cancelled_after_three_tokens_keeps_the_cache_consistent(model)
     assert list(m.generate_tokens(PROMPT + full[:3], max_tokens=5, stop_at_eos=False)) == full[3:]
 
 
-def test_governor_takes_the_expert_pool_away_with_the_second_thread(tmp_path):
-    """Beside a busy process (one CPU free) decode stops splitting experts over threads; it splits again when the
-    CPU comes back. The pool exists whenever the plan has more than one thread."""
+def test_governor_sets_the_native_threads_with_torchs(tmp_path):
+    """Beside a busy process (one CPU free) decode stops splitting experts and projections over native threads; it
+    splits again when the CPU comes back. The plan's threads set both at load."""
+    from sluice.quant import native
+
     folder = write_checkpoint(hf_model("qwen3_moe", torch.float32), tmp_path, "per_expert")
     threads = torch.get_num_threads()
     try:
         with sluice.load(folder, memory="all", threads=2) as m:
-            assert m.model.pool is not None
+            assert native.shared_pool() is not None and native.shared_pool().threads == 2
             m._set_threads(1)
-            assert m.model.pool is None and torch.get_num_threads() == 1
+            assert native.shared_pool() is None and torch.get_num_threads() == 1
             m._set_threads(2)
-            assert m.model.pool is m._pool and torch.get_num_threads() == 2
-        with sluice.load(folder, memory="all", threads=1) as m:
-            assert m.model.pool is None
+            assert native.shared_pool().threads == 2 and torch.get_num_threads() == 2
+        with sluice.load(folder, memory="all", threads=1):
+            assert native.shared_pool() is None
     finally:
         torch.set_num_threads(threads)

@@ -101,8 +101,8 @@ class Transformer:
         this layer's experts are pinned, so the reads overlap this layer's expert math."""
         self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
         self.prerouter = prerouter
-        # decode runs half of a layer's native experts here (see _experts_one_token; set by the engine)
-        self.pool: native.Pool | None = None
+        # False: decode runs every expert on the calling thread even when native.set_threads made a pool (tests)
+        self.split_experts = True
         self.act = ACTIVATIONS[spec.hidden_act]
         self.expert_math = ExpertMath(dtype, self.act, glu_for(spec, self.act))
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
@@ -209,7 +209,7 @@ class Transformer:
 
         Experts whose bytes are in memory run first, the rest as their reads land (batch.wait), so the math of
         one overlaps the reading of the next; the outputs are summed afterwards in ascending expert id, so the
-        result is bitwise the same whatever the disk's timing. With `self.pool` set and experts that run as one
+        result is bitwise the same whatever the disk's timing. With native threads (set_threads) and experts that run as one
         native call each (ExpertMath.one_call), half of the experts already in memory run on the pool's thread
         while this thread runs the others and waits for the reads (only this thread waits on the store); the sum
         is the same, in the same order.
@@ -243,7 +243,7 @@ class Transformer:
 
     def _native_experts(self, batch, todo: list[int], xf: torch.Tensor) -> torch.Tensor:
         """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32, one native call each.
-        With `self.pool`, the later half of the experts already in memory runs on the pool's thread while this one
+        With native.set_threads(n > 1), the later half of the experts already in memory runs on a pool thread while this one
         runs the others and waits for the reads (only this thread waits on the store): each row is the same call
         on the same bytes, so the result is the same bits whichever thread computed it."""
         ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
@@ -254,10 +254,11 @@ class Transformer:
                 em.into(batch, j, xf, ys[j : j + 1])
 
         side = None
-        if self.pool is not None:
+        pool = native.shared_pool() if self.split_experts else None
+        if pool is not None:
             n_ready = sum(batch.ready(j) for j in todo)
             if n_ready >= 2:
-                side = self.pool.submit(run, todo[n_ready // 2 : n_ready])
+                side = pool.submit(run, todo[n_ready // 2 : n_ready])
                 todo = todo[: n_ready // 2] + todo[n_ready:]
         try:
             for j in todo:

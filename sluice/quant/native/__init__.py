@@ -14,7 +14,7 @@
     k = native.NativeKernel(spec, dtype)      # kernel_for's interface: name "native", nbytes = stored bytes
     pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent threads, results in order
     pool.linear(spec, x, raw); pool.linear_q8(spec, x, raw)  # one projection's output rows split over the threads
-    native.set_threads(2)                     # NativeKernel splits each projection's rows over 2 threads
+    native.set_threads(2)                     # decode's experts and large projections split over 2 threads
 
 Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file), MLX
 affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales, and gpt-oss MXFP4 (QuantSpec.mxfp4:
@@ -448,16 +448,20 @@ _SHARED: Pool | None = None
 
 
 def set_threads(threads: int) -> None:
-    """Threads NativeKernel.linear splits one projection's output rows over (default 1: the calling thread only).
+    """Threads the model's native work may split over, process-wide like torch.set_num_threads (the engine sets
+    both from the plan's threads, and the thread governor lowers both beside a busy process): a decode step's
+    experts of one layer (Transformer._native_experts), the output rows of large resident projections (QuantLinear,
+    SPLIT_MIN_WEIGHTS). 1: everything on the calling thread. Any count gives the same bits.
 
-    Not on by default: on the shared 2-core dev VM at load ~10 a split [768 x 2048] Q4_K projection took 0.34-0.57
-    ms wall against 0.25-0.40 on one thread (the second core was busy elsewhere), and 8 Q4_K experts at T=1 cost
-    15.4 ms of CPU split this way against 10.1 on one thread and 11.0 with the experts themselves spread over a
-    Pool(2) (benchmarks/native_kernels.py): parallelism over a layer's experts is the cheaper kind. The result is
-    bitwise the same for any thread count."""
+    Not used for one expert projection's rows (NativeKernel.linear): on the shared 2-core dev VM at load ~10 a split
+    [768 x 2048] Q4_K projection took 0.34-0.57 ms wall against 0.25-0.40 on one thread, and 8 Q4_K experts at T=1
+    cost 15.4 ms of CPU split this way against 10.1 on one thread and 11.0 with the experts themselves spread over a
+    Pool(2) (benchmarks/native_kernels.py): parallelism over a layer's experts is the cheaper kind."""
     global _SHARED
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if (_SHARED.threads if _SHARED is not None else 1) == threads:
+        return
     old, _SHARED = _SHARED, (Pool(threads) if threads > 1 else None)
     if old is not None:
         old.close()

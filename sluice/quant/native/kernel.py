@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import Kernel
-from . import dequantize, linear, linear_q8, q8_supported, shared_pool, supports
+from . import dequantize, linear, linear_q8, q8_supported, supports
 
 # Rows (tokens of one expert) up to which the native row kernel runs; above it the weights are dequantized natively
 # into the float32 scratch (bitwise the reference weights) and torch's float32 matmul runs, whose blocking keeps x
@@ -66,9 +66,7 @@ class NativeKernel(Kernel):
         if x.shape[0] <= Q8_MAX_ROWS and self.int8:
             y = linear_q8(self.spec, x, slot)
         elif x.shape[0] <= NATIVE_MAX_ROWS:
-            pool = shared_pool()
-            # native.set_threads(n > 1): the output rows split over n threads, the same bits
-            y = linear(self.spec, x, slot) if pool is None else pool.linear(self.spec, x, slot)
+            y = linear(self.spec, x, slot)  # one thread: see native.set_threads for why rows are not split here
         else:
             y = F.linear(x, self.dequantize(slot, scratch))
         return y if self.dtype is torch.float32 else y.to(self.dtype)
