@@ -9,6 +9,8 @@
 #
 #   q4km  the peers model's Q4_K_M GGUF (1.05 GB; benchmarks/quantized/run.sh makes it)
 #   bf16  the same model's bf16 GGUF (3.4 GB; sluice and llama.cpp read the same file)
+#   six   the 6 GiB-class model's Q4_K_M GGUF (1.99 GB: twice the ceiling, the case sluice is for;
+#         benchmarks/quantized/run.sh makes it); not in the default SETS (llama.cpp's cold prefill takes minutes)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}; PROMPT=${PROMPT:-2048}; CEILING=${CEILING:-1GiB}; MEMORY=${MEMORY:-640MiB}
@@ -30,7 +32,8 @@ for set in $SETS; do
   case $set in
     q4km) M=$PEERS/model-Q4_K_M.gguf ;;
     bf16) M=$PEERS/model.gguf ;;
-    *) echo "SETS: unknown set '$set' (q4km bf16)" >&2; exit 2 ;;
+    six) M=benchmarks/models/qwen3_moe-6GiB-i512/model-Q4_K_M.gguf ;;
+    *) echo "SETS: unknown set '$set' (q4km bf16 six)" >&2; exit 2 ;;
   esac
   bench "$M" "$OUT/$set-$CEILING" --cold --ceiling "$CEILING" \
     --arm sluice="--io direct --memory $MEMORY" --arm llama.cpp="peer:llama.cpp"

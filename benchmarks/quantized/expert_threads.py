@@ -32,10 +32,9 @@ def main() -> None:
             for L in layers:
                 tm._experts_one_token(L, xs[L], ids[L], w, torch.zeros(1, s.hidden_size, dtype=m.dtype))
 
-        pool = tm.pool
         for r in range(a.rounds):
-            for name, p in (("one thread", None), ("pool", pool)) if r % 2 == 0 else (("pool", pool), ("one thread", None)):
-                tm.pool = p
+            for name, split in (("one thread", False), ("split", True)) if r % 2 == 0 else (("split", True), ("one thread", False)):
+                tm.split_experts = split
                 token()
                 ts = []
                 for _ in range(20):
@@ -43,7 +42,6 @@ def main() -> None:
                     token()
                     ts.append(time.perf_counter() - t0)
                 print(f"round {r} {name:10s} {1000 * statistics.median(ts):6.2f} ms per token's experts")
-        tm.pool = pool
 
 
 if __name__ == "__main__":
