@@ -24,6 +24,7 @@ from .checkpoint.ref import TensorRef
 from .errors import ConfigError, SluiceError
 from .host.cpus import usable_cpus
 from .host.memory import MemoryRoom, available_memory
+from .host.procstat import memory_status
 from .models import model_args
 from .models.args import GenerationArgs, eos_ids
 from .models.schema import parse
@@ -151,8 +152,9 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
                    memory: int | None, layout: ExpertLayout, resident_bytes: int, kv_bytes: int,
                    odirect: bool) -> tuple[int, str]:
     """(prompt tokens per forward pass, why). `auto`: as many as the activation room holds (store/budget.py
-    activation_room: what the room leaves beside the kept weights, the KV cache and the runtime reserve, halved when
-    streamed reads go through the page cache); PREFILL_ROOM when the room is unknown."""
+    activation_room: what the room leaves beside the kept weights, the KV cache and the runtime reserve this process
+    does not hold yet, halved when streamed reads go through the page cache); PREFILL_ROOM when the room is
+    unknown."""
     if options.prefill_chunk != "auto":
         return options.prefill_chunk, "--prefill-chunk"
     per_token = prefill_token_bytes(spec, itemsize, max_context)
@@ -160,10 +162,12 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
     if room.known:
         kept = kept_bytes(memory, resident_bytes, layout.expert_nbytes, layout.total_experts)
         page_cache = memory is not None and not odirect
-        acts = activation_room(room.bytes, kept, kv_bytes, page_cache)
+        held = memory_status()["rss_anon_bytes"]
+        acts = activation_room(room.bytes, kept, kv_bytes, page_cache, held)
+        reserve = max(0, RUNTIME_RESERVE - held)
         whence = (f"{'half' if page_cache else 'all'} of what {fb(room.bytes)} available ({room.source}) leaves "
-                  f"beside {fb(kept)} of weights, the {fb(kv_bytes)} KV cache and the {fb(RUNTIME_RESERVE)} runtime "
-                  f"reserve{'; the other half is page cache for the streamed reads' if page_cache else ''}")
+                  f"beside {fb(kept)} of weights, the {fb(kv_bytes)} KV cache and {fb(reserve)} of runtime reserve "
+                  f"not yet held{'; the other half is page cache for the streamed reads' if page_cache else ''}")
     else:
         acts, whence = PREFILL_ROOM, f"the room is unknown: {room.source}"
     chunk = prefill_tokens_per_chunk(spec, itemsize, max_context, acts)

@@ -93,13 +93,14 @@ def kept_bytes(memory: int | None, resident_bytes: int, expert_bytes: int, total
     return resident_bytes + slots * expert_bytes
 
 
-def activation_room(room: int, kept: int, kv_bytes: int, page_cache: bool) -> int:
+def activation_room(room: int, kept: int, kv_bytes: int, page_cache: bool, held: int = 0) -> int:
     """Bytes a prefill chunk's activations may take: what `room` (the memory this process may still take) leaves
-    beside the kept weights (kept_bytes), the KV cache and RUNTIME_RESERVE; half of it when the streamed expert
-    reads go through the page cache (mmap, willneed, direct without O_DIRECT), so the pages read for the chunk are
-    not evicted by its own activations before the math uses them. A resident run or O_DIRECT reads keep no expert
-    bytes in the page cache: all of it."""
-    left = max(0, room - kept - kv_bytes - RUNTIME_RESERVE)
+    beside the kept weights (kept_bytes), the KV cache and the part of RUNTIME_RESERVE the runtime does not hold yet
+    (`held`: this process's anonymous memory now, already out of the room: torch and Python take ~170 MiB by the
+    time a plan is made); half of it when the streamed expert reads go through the page cache (mmap, willneed,
+    direct without O_DIRECT), so the pages read for the chunk are not evicted by its own activations before the
+    math uses them. A resident run or O_DIRECT reads keep no expert bytes in the page cache: all of it."""
+    left = max(0, room - kept - kv_bytes - max(0, RUNTIME_RESERVE - held))
     return left // 2 if page_cache else left
 
 

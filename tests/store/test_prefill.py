@@ -81,13 +81,22 @@ def test_activation_room_is_what_the_plan_leaves():
     assert activation_room(1000 * MiB, 600 * MiB, 64 * MiB, page_cache=False) == left
     assert activation_room(1000 * MiB, 600 * MiB, 64 * MiB, page_cache=True) == left // 2
     assert activation_room(500 * MiB, 600 * MiB, 64 * MiB, page_cache=False) == 0  # over: nothing, not negative
+    # what the runtime already holds is out of the room: only the rest of the reserve is set aside
+    assert activation_room(1000 * MiB, 600 * MiB, 64 * MiB, False, held=100 * MiB) == left + 100 * MiB
+    assert activation_room(1000 * MiB, 600 * MiB, 64 * MiB, False, held=2 * RUNTIME_RESERVE) == left + RUNTIME_RESERVE
     assert kept_bytes(None, 10, 3, 8) == 10 + 3 * 8  # resident: every expert
     assert kept_bytes(10 + 3 * 5 + 2, 10, 3, 8) == 10 + 3 * 5  # the whole slots the budget buys
     assert kept_bytes(10**9, 10, 3, 8) == 10 + 3 * 8  # never more slots than experts
 
 
+def _held(monkeypatch, held: int = 0) -> None:
+    """Pretend this process holds `held` anonymous bytes (pytest's own vary from run to run)."""
+    monkeypatch.setattr("sluice.plan.memory_status", lambda: {"rss_anon_bytes": held})
+
+
 def _plan(model_dir, monkeypatch, room: int, source: str = "cgroup /test limit", **options):
     monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, source))
+    _held(monkeypatch)
     return plan(model_dir, LoadOptions.make(**options))
 
 
@@ -115,6 +124,9 @@ def test_auto_chunk_follows_the_room_and_the_budget(model_dir, resident, monkeyp
     assert unknown.prefill_chunk == prefill_tokens_per_chunk(p.spec, 2, p.max_context, PREFILL_ROOM)
     assert "unknown" in unknown.prefill_why
     assert _plan(model_dir, monkeypatch, fixed, memory=small, prefill_chunk=3000).prefill_chunk == 3000  # as given
+    monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, "cgroup /test limit"))
+    _held(monkeypatch, 2 * per_token * 500)  # the runtime already holds part of its reserve: 500 more tokens
+    assert plan(model_dir, LoadOptions.make(memory=small, io="mmap")).prefill_chunk == 1500
 
 
 def test_inspect_prints_the_auto_chunk_and_its_room(model_dir, resident, monkeypatch, capsys):
@@ -123,6 +135,7 @@ def test_inspect_prints_the_auto_chunk_and_its_room(model_dir, resident, monkeyp
     p = _plan(model_dir, monkeypatch, 2**40, memory=small, io="mmap")
     room = small + p.kv_bytes + RUNTIME_RESERVE + 2 * 1000 * prefill_token_bytes(p.spec, 2, p.max_context)
     monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, "cgroup /test limit"))
+    _held(monkeypatch)
     assert cli.main(["inspect", str(model_dir), "--memory", str(small), "--io", "mmap", "--usage-tokens", "0"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prefill:"))
     assert line.startswith("prefill: 1000 tokens per pass (auto") and "available (cgroup /test limit)" in line, line
