@@ -198,12 +198,14 @@ class LoadOptions:
     # max_context: capped by the model's max_position_embeddings
     max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",
                               doc="KV cache positions, allocated once")
-    # prefill_chunk "auto": store/budget.prefill_tokens_per_chunk (activations of one chunk within 64 MiB, 256-4096)
+    # prefill_chunk "auto": plan._prefill_chunk (store/budget.activation_room / prefill_token_bytes, 256-4096)
     prefill_chunk: int | str = option(
-        "auto", metavar="N|auto", parse=_parse_chunk, help="prompt tokens per pass; auto: as many as 64 MiB of "
-        "activations hold (256-4096)",
+        "auto", metavar="N|auto", parse=_parse_chunk, help="prompt tokens per pass; auto: as many as the memory "
+        "left beside the weights, KV cache and runtime holds in activations (256-4096)",
         doc="prompt tokens per forward pass during prefill; each streamed layer reads its touched experts once per "
-            "pass. `auto`: as many as 64 MiB of activations hold, within 256-4096")
+            "pass. `auto`: as many as the memory this process may still take holds in activations, beside the kept "
+            "weights, the KV cache and a runtime reserve (half of it when streamed reads go through the page "
+            "cache; 64 MiB when the memory is unknown), within 256-4096; `sluice inspect` prints the figures")
     # threads 0: the CPUs this process may use (affinity mask, capped by a cgroup CPU quota: host/cpus.usable_cpus),
     # fewer while other processes keep CPUs busy (host/cpus.ThreadGovernor)
     threads: int = option(

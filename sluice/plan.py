@@ -24,12 +24,15 @@ from .checkpoint.ref import TensorRef
 from .errors import ConfigError, SluiceError
 from .host.cpus import usable_cpus
 from .host.memory import MemoryRoom, available_memory
+from .host.procstat import memory_status
 from .models import model_args
 from .models.args import GenerationArgs, eos_ids
 from .models.schema import parse
 from .models.spec import KVCache, Spec
 from .options import LoadOptions, format_bytes
-from .store.budget import RUNTIME_RESERVE, AutoPlan, BudgetPlan, auto_memory, check_room, plan_budget, prefill_tokens_per_chunk
+from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
+                           activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_token_bytes,
+                           prefill_tokens_per_chunk)
 from .store.layout import ExpertLayout
 from .store.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
@@ -54,6 +57,7 @@ class LoadPlan:
     resident_bytes: int  # resident weights as held: in `dtype`, or stored bytes when kept quantized (store/weights.py)
     max_context: int  # KV positions: options.max_context capped by the model's
     prefill_chunk: int  # prompt tokens per forward pass (options.prefill_chunk, "auto" resolved)
+    prefill_why: str  # how the chunk was chosen, for inspect
     kv_bytes: int
     room: MemoryRoom  # the memory this process may take, when the plan was made
     memory: int | None  # budget for resident weights + expert slots; None = everything resident
@@ -98,7 +102,6 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     resident_bytes = resident_nbytes(refs, dtype, lazy_embed)  # projections kept in their GGUF blocks at their size
     max_context = min(options.max_context, spec.rope.max_position_embeddings)
     kv_bytes = KVCache.bytes_for(spec, max_context, itemsize)
-    chunk = prefill_tokens_per_chunk(spec, itemsize) if options.prefill_chunk == "auto" else options.prefill_chunk
     room = available_memory()
     memory, memory_plan = _memory(options, room, spec, layout, resident_bytes, kv_bytes)
     budget = None
@@ -106,13 +109,16 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         budget = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, layout.total_experts)
     # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
     # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
+    odirect = _odirect(options, memory, room, layout, kv_bytes)
+    chunk, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, room, memory, layout, resident_bytes,
+                                      kv_bytes, odirect)
     threads = options.threads or usable_cpus()
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
-        prefill_chunk=chunk, kv_bytes=kv_bytes, room=room, memory=memory, memory_plan=memory_plan, budget=budget,
-        odirect=_odirect(options, memory, room, layout, kv_bytes), threads=threads,
+        prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, memory=memory,
+        memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
         eos_ids=_eos_ids(args, generation, tokenizer),
     )
@@ -140,6 +146,33 @@ def _odirect(options: LoadOptions, memory: int | None, room: MemoryRoom, layout:
         return False
     left = room.bytes - memory - kv_bytes - RUNTIME_RESERVE
     return layout.total_experts * layout.expert_nbytes > left
+
+
+def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context: int, room: MemoryRoom,
+                   memory: int | None, layout: ExpertLayout, resident_bytes: int, kv_bytes: int,
+                   odirect: bool) -> tuple[int, str]:
+    """(prompt tokens per forward pass, why). `auto`: as many as the activation room holds (store/budget.py
+    activation_room: what the room leaves beside the kept weights, the KV cache and the runtime reserve this process
+    does not hold yet, halved when streamed reads go through the page cache); PREFILL_ROOM when the room is
+    unknown."""
+    if options.prefill_chunk != "auto":
+        return options.prefill_chunk, "--prefill-chunk"
+    per_token = prefill_token_bytes(spec, itemsize, max_context)
+    fb = format_bytes
+    if room.known:
+        kept = kept_bytes(memory, resident_bytes, layout.expert_nbytes, layout.total_experts)
+        page_cache = memory is not None and not odirect
+        held = memory_status()["rss_anon_bytes"]
+        acts = activation_room(room.bytes, kept, kv_bytes, page_cache, held)
+        reserve = max(0, RUNTIME_RESERVE - held)
+        whence = (f"{'half' if page_cache else 'all'} of what {fb(room.bytes)} available ({room.source}) leaves "
+                  f"beside {fb(kept)} of weights, the {fb(kv_bytes)} KV cache and {fb(reserve)} of runtime reserve "
+                  f"not yet held{'; the other half is page cache for the streamed reads' if page_cache else ''}")
+    else:
+        acts, whence = PREFILL_ROOM, f"the room is unknown: {room.source}"
+    chunk = prefill_tokens_per_chunk(spec, itemsize, max_context, acts)
+    return chunk, (f"auto, within {PREFILL_MIN}-{PREFILL_MAX}: {fb(acts)} of activations at {fb(per_token)} a "
+                   f"token, {whence}")
 
 
 def _tokenizer(index: CheckpointIndex, path: Path) -> tuple[Tokenizer | None, str]:

@@ -57,6 +57,7 @@ def describe(p: LoadPlan) -> dict:
         "expert_bytes_per_token": len(layout.layers) * spec.top_k * layout.expert_nbytes,
         "max_context": p.max_context,
         "prefill_chunk": p.prefill_chunk,
+        "prefill_chunk_why": p.prefill_why,
         "kv_cache_bytes": p.kv_bytes,
         # what one position costs in every layer: the latent and rope key under latent attention (MLA), else the
         # keys and values of the kv heads
@@ -89,7 +90,9 @@ def _print(info: dict) -> None:
     print(f"expert bytes touched per decoded token: {fb(info['expert_bytes_per_token'])}")
     kind = "latent (MLA)" if info["attention"] == "mla" else "keys + values"
     print(f"compute {info['compute_dtype']}, KV cache {fb(info['kv_cache_bytes'])} for {info['max_context']} "
-          f"positions ({kind}, {fb(info['kv_bytes_per_position'])} per position), prefill {info['prefill_chunk']} tokens per pass, {info['threads']} threads, O_DIRECT {'on' if info['odirect'] else 'off'}")
+          f"positions ({kind}, {fb(info['kv_bytes_per_position'])} per position), {info['threads']} threads, O_DIRECT "
+          f"{'on' if info['odirect'] else 'off'}")
+    print(f"prefill: {info['prefill_chunk']} tokens per pass ({info['prefill_chunk_why']})")
     print(f"memory: {info['memory_plan']}")
     if "memory" in info:
         print(f"expert cache: {info['expert_slots']} slots = {fb(info['expert_cache_bytes'])} "

@@ -21,6 +21,11 @@ class MemoryRoom:
     bytes: int
     source: str
 
+    @property
+    def known(self) -> bool:
+        """False when nothing says how much memory there is (bytes is then a huge placeholder)."""
+        return self.bytes < _UNLIMITED
+
 
 def cgroup_rooms() -> list[tuple[int, str]]:
     """(limit - non-reclaimable usage, description) for each limited memory cgroup containing this process.

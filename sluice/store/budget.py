@@ -51,25 +51,57 @@ def plan_budget(memory: int, resident_bytes: int, expert_bytes: int, top_k: int,
 RUNTIME_RESERVE = 256 * 2**20
 
 
-# Prefill activations: a chunk of T prompt tokens holds, per layer, the hidden state and its norms, q/k/v, the router's
-# probabilities and the expert-sorted [T*k, H] blocks of the MoE (inputs, outputs, rank order) plus each expert's
-# [n, 3I] intermediates. Attention does not add T x context scores: torch's CPU SDPA is a flash kernel (measured: a
-# 4096-token causal pass grew peak RSS by 39 MiB where the scores would be 1 GiB), only the [T, context] bool mask.
-PREFILL_ROOM = 64 * 2**20  # activation bytes a prefill chunk may take (inside the runtime reserve's slack)
+# Prefill activations of a chunk of T prompt tokens, per token and layer at their peak, the MoE block: the residual,
+# its norm, the expert-sorted [T*K, H] block (models/blocks.py Transformer.experts), the [T, H] sum and its gather
+# buffer, one expert's [n, 4I + H] intermediates (n <= T), the router's [T, E] scores, the int64 row indices, and the
+# [T, context] bool attention mask. Attention adds no T x context scores: torch's CPU SDPA is a flash kernel
+# (measured: a 4096-token causal pass grew peak RSS by 39 MiB where the scores would be 1 GiB). Peak RSS grows about
+# twice those live bytes: glibc keeps freed activations in its heap and per-thread arenas. Measured
+# (benchmarks/prefill/activation.py, peers Q4_K_M resident, one chunk): +24.5 MiB at 512 tokens, +137.4 MiB at
+# 2,048, a slope of 75 KiB a token; the estimate below says 72 KiB (the code before the one-block MoE: 115 KiB).
+ALLOCATOR_FACTOR = 2
+PREFILL_ROOM = 64 * 2**20  # activation bytes a chunk may take when the room is unknown
 PREFILL_MIN, PREFILL_MAX = 256, 4096  # 256: the old fixed chunk; 4096: its mask stays <= 16 MiB per 4K context
 
 
-def prefill_tokens_per_chunk(spec, itemsize: int, room: int = PREFILL_ROOM) -> int:
-    """Prompt tokens per forward pass: as many as `room` holds in activations (see PREFILL_ROOM), within
-    [PREFILL_MIN, PREFILL_MAX]. Larger chunks read each touched expert once for more tokens (a streamed layer reads
-    its experts once per chunk)."""
-    H, K, I = spec.hidden_size, spec.top_k, max(spec.moe_intermediate_size, spec.dense_intermediate_size)
+def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
+    """Peak RSS one prompt token of a prefill chunk costs (see ALLOCATOR_FACTOR for the measurement)."""
+    H, K = spec.hidden_size, spec.top_k
+    I = max(spec.moe_intermediate_size, spec.shared_expert_intermediate_size,
+            0 if all(spec.moe_layers) else spec.dense_intermediate_size)
     qkv = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
     if spec.mla is not None:  # q, its latent-space copy (absorbed form), the attended output, the latent + rope key
         m = spec.mla
         qkv = spec.n_heads * (m.qk_head_dim + m.kv_lora_rank + m.v_head_dim) + m.cache_dim
-    per_token = itemsize * (H * (3 * K + 8) + 3 * I * K + qkv) + 4 * 2 * spec.num_experts
-    return max(PREFILL_MIN, min(PREFILL_MAX, room // per_token))
+    live = itemsize * (H * (K + 5) + 4 * I + qkv) + 8 * spec.num_experts + 6 * 8 * K + max_context
+    return ALLOCATOR_FACTOR * live
+
+
+def prefill_tokens_per_chunk(spec, itemsize: int, max_context: int, room: int = PREFILL_ROOM) -> int:
+    """Prompt tokens per forward pass: as many as `room` bytes of activations hold (prefill_token_bytes), within
+    [PREFILL_MIN, PREFILL_MAX]. Larger chunks read each touched expert once for more tokens (a streamed layer reads
+    its experts once per chunk)."""
+    return max(PREFILL_MIN, min(PREFILL_MAX, room // prefill_token_bytes(spec, itemsize, max_context)))
+
+
+def kept_bytes(memory: int | None, resident_bytes: int, expert_bytes: int, total_experts: int) -> int:
+    """Weights a plan allocates for sure: every weight for `all` (memory None), else the resident weights and the
+    expert slots the budget buys."""
+    if memory is None:
+        return resident_bytes + total_experts * expert_bytes
+    slots = min(total_experts, max(0, (memory - resident_bytes) // expert_bytes)) if expert_bytes else 0
+    return resident_bytes + slots * expert_bytes
+
+
+def activation_room(room: int, kept: int, kv_bytes: int, page_cache: bool, held: int = 0) -> int:
+    """Bytes a prefill chunk's activations may take: what `room` (the memory this process may still take) leaves
+    beside the kept weights (kept_bytes), the KV cache and the part of RUNTIME_RESERVE the runtime does not hold yet
+    (`held`: this process's anonymous memory now, already out of the room: torch and Python take ~170 MiB by the
+    time a plan is made); half of it when the streamed expert reads go through the page cache (mmap, willneed,
+    direct without O_DIRECT), so the pages read for the chunk are not evicted by its own activations before the
+    math uses them. A resident run or O_DIRECT reads keep no expert bytes in the page cache: all of it."""
+    left = max(0, room - kept - kv_bytes - max(0, RUNTIME_RESERVE - held))
+    return left // 2 if page_cache else left
 
 
 @dataclass(frozen=True)
@@ -122,11 +154,8 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
     BudgetError before any weight loads (the kernel would kill the process); above MemAvailable, or leaving less
     than the runtime reserve, a MemoryWarning (memory may be freed by others, or swapped; the user decides).
     """
-    if memory is None:
-        weights, what = resident_bytes + total_experts * expert_bytes, "--memory all (every weight resident)"
-    else:
-        slots = min(total_experts, max(0, (memory - resident_bytes) // expert_bytes)) if expert_bytes else 0
-        weights, what = resident_bytes + slots * expert_bytes, f"--memory {format_bytes(memory)}"
+    weights = kept_bytes(memory, resident_bytes, expert_bytes, total_experts)
+    what = "--memory all (every weight resident)" if memory is None else f"--memory {format_bytes(memory)}"
     need = weights + kv_bytes
     if need + RUNTIME_RESERVE <= room:
         return

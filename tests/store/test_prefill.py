@@ -1,4 +1,6 @@
-"""Streamed prefill reads each touched expert once per layer per chunk, and the chunk follows the memory rule.
+"""Streamed prefill reads each touched expert once per layer per chunk, and the chunk follows the memory rule: `auto`
+takes as many tokens as the activation room holds, the room being what the memory this process may take leaves
+beside the kept weights, the KV cache and the runtime reserve (halved when streamed reads use the page cache).
 
 The MoE block runs a chunk expert-major (models/blocks.py Transformer.experts): every expert the chunk's tokens
 route to is acquired once, in passes of at most the store's slots, so a chunk costs exactly its touched experts'
@@ -11,16 +13,22 @@ import pytest
 import torch
 
 import sluice
-from sluice.store.budget import PREFILL_MAX, PREFILL_MIN, prefill_tokens_per_chunk
+from sluice import cli
+from sluice.host.memory import MemoryRoom
+from sluice.options import LoadOptions
+from sluice.plan import plan
+from sluice.store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, activation_room,
+                                 kept_bytes, prefill_token_bytes, prefill_tokens_per_chunk)
 
 from ..models.tiny import hf_model, write_checkpoint
 
-LONG = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(9)).tolist()
+LONG = torch.randint(0, 300, (2048,), generator=torch.Generator().manual_seed(9)).tolist()  # the issue's prompt
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path_factory.mktemp("prefill"), "per_expert")
+    model = hf_model("qwen3_moe", torch.bfloat16, max_position_embeddings=4096)
+    return write_checkpoint(model, tmp_path_factory.mktemp("prefill"), "per_expert")
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +65,80 @@ def test_smaller_chunks_reread(model_dir, resident):
 
 def test_chunk_follows_the_activation_room(resident):
     spec = resident[4]
-    assert prefill_tokens_per_chunk(spec, 2) == PREFILL_MAX  # a tiny model: the cap
-    big = prefill_tokens_per_chunk(spec.__class__(**{**spec.__dict__, "hidden_size": 7168, "top_k": 8,
-                                                      "moe_intermediate_size": 2048}), 2)
-    assert big == PREFILL_MIN  # DeepSeek-sized rows: the floor
+    assert prefill_tokens_per_chunk(spec, 2, 4096) == PREFILL_MAX  # a tiny model: the cap
+    big = spec.__class__(**{**spec.__dict__, "hidden_size": 7168, "top_k": 8, "moe_intermediate_size": 2048})
+    assert prefill_tokens_per_chunk(big, 2, 4096) == PREFILL_MIN  # DeepSeek-sized rows: the floor
     mid = spec.__class__(**{**spec.__dict__, "hidden_size": 1024, "top_k": 8, "moe_intermediate_size": 512})
-    one, two = prefill_tokens_per_chunk(mid, 2), prefill_tokens_per_chunk(mid, 2, room=2 * 2**20 * 64)
-    assert PREFILL_MIN < one < PREFILL_MAX and two == min(PREFILL_MAX, 2 * one) or two in (2 * one, 2 * one + 1)
+    per_token = prefill_token_bytes(mid, 2, 4096)
+    assert 60 * 2**10 < per_token < 90 * 2**10  # the peers model's shape: measured 75 KiB a token (budget.py)
+    assert prefill_tokens_per_chunk(mid, 2, 4096, room=1000 * per_token + per_token - 1) == 1000
+    assert prefill_tokens_per_chunk(mid, 2, 4096, room=0) == PREFILL_MIN
+
+
+def test_activation_room_is_what_the_plan_leaves():
+    MiB = 2**20
+    left = 1000 * MiB - 600 * MiB - 64 * MiB - RUNTIME_RESERVE
+    assert activation_room(1000 * MiB, 600 * MiB, 64 * MiB, page_cache=False) == left
+    assert activation_room(1000 * MiB, 600 * MiB, 64 * MiB, page_cache=True) == left // 2
+    assert activation_room(500 * MiB, 600 * MiB, 64 * MiB, page_cache=False) == 0  # over: nothing, not negative
+    # what the runtime already holds is out of the room: only the rest of the reserve is set aside
+    assert activation_room(1000 * MiB, 600 * MiB, 64 * MiB, False, held=100 * MiB) == left + 100 * MiB
+    assert activation_room(1000 * MiB, 600 * MiB, 64 * MiB, False, held=2 * RUNTIME_RESERVE) == left + RUNTIME_RESERVE
+    assert kept_bytes(None, 10, 3, 8) == 10 + 3 * 8  # resident: every expert
+    assert kept_bytes(10 + 3 * 5 + 2, 10, 3, 8) == 10 + 3 * 5  # the whole slots the budget buys
+    assert kept_bytes(10**9, 10, 3, 8) == 10 + 3 * 8  # never more slots than experts
+
+
+def _held(monkeypatch, held: int = 0) -> None:
+    """Pretend this process holds `held` anonymous bytes (pytest's own vary from run to run)."""
+    monkeypatch.setattr("sluice.plan.memory_status", lambda: {"rss_anon_bytes": held})
+
+
+def _plan(model_dir, monkeypatch, room: int, source: str = "cgroup /test limit", **options):
+    monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, source))
+    _held(monkeypatch)
+    return plan(model_dir, LoadOptions.make(**options))
+
+
+def test_auto_chunk_follows_the_room_and_the_budget(model_dir, resident, monkeypatch):
+    _, _, resident_bytes, expert, spec = resident
+    small, big = resident_bytes + spec.top_k * expert, resident_bytes + 6 * spec.top_k * expert
+    p = _plan(model_dir, monkeypatch, 2**40, memory=small, io="mmap")
+    per_token, fixed = prefill_token_bytes(p.spec, 2, p.max_context), small + p.kv_bytes + RUNTIME_RESERVE
+    assert p.prefill_chunk == PREFILL_MAX  # a room of 1 TiB: the mask's cap
+    room = fixed + 2 * 1000 * per_token  # half of what is left (mmap reads use the page cache): 1,000 tokens
+    at = _plan(model_dir, monkeypatch, room, memory=small, io="mmap")
+    assert at.prefill_chunk == 1000
+    assert PREFILL_MIN < _plan(model_dir, monkeypatch, room - 2**20, memory=small, io="mmap").prefill_chunk < 1000
+    assert PREFILL_MIN < _plan(model_dir, monkeypatch, room, memory=big, io="mmap").prefill_chunk < 1000
+    assert _plan(model_dir, monkeypatch, fixed, memory=small, io="mmap").prefill_chunk == PREFILL_MIN  # no room
+    # O_DIRECT reads keep no expert bytes in the page cache: the activations may take all that is left
+    direct = _plan(model_dir, monkeypatch, room, memory=small, io="direct", odirect=True)
+    assert direct.prefill_chunk == 2000 and "all of what" in direct.prefill_why
+    whole = kept_bytes(None, resident_bytes, expert, p.layout.total_experts)
+    resident_run = _plan(model_dir, monkeypatch, whole + p.kv_bytes + RUNTIME_RESERVE + 1500 * per_token,
+                         memory="all")
+    assert resident_run.prefill_chunk == 1500
+    unknown = _plan(model_dir, monkeypatch, 1 << 60, source="unknown (no /proc/meminfo, no memory cgroup)",
+                    memory=small)
+    assert unknown.prefill_chunk == prefill_tokens_per_chunk(p.spec, 2, p.max_context, PREFILL_ROOM)
+    assert "unknown" in unknown.prefill_why
+    assert _plan(model_dir, monkeypatch, fixed, memory=small, prefill_chunk=3000).prefill_chunk == 3000  # as given
+    monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, "cgroup /test limit"))
+    _held(monkeypatch, 2 * per_token * 500)  # the runtime already holds part of its reserve: 500 more tokens
+    assert plan(model_dir, LoadOptions.make(memory=small, io="mmap")).prefill_chunk == 1500
+
+
+def test_inspect_prints_the_auto_chunk_and_its_room(model_dir, resident, monkeypatch, capsys):
+    _, _, resident_bytes, expert, spec = resident
+    small = resident_bytes + spec.top_k * expert
+    p = _plan(model_dir, monkeypatch, 2**40, memory=small, io="mmap")
+    room = small + p.kv_bytes + RUNTIME_RESERVE + 2 * 1000 * prefill_token_bytes(p.spec, 2, p.max_context)
+    monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, "cgroup /test limit"))
+    _held(monkeypatch)
+    assert cli.main(["inspect", str(model_dir), "--memory", str(small), "--io", "mmap", "--usage-tokens", "0"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prefill:"))
+    assert line.startswith("prefill: 1000 tokens per pass (auto") and "available (cgroup /test limit)" in line, line
 
 
 def test_stats_report_the_prefill_reads(model_dir, resident):
