@@ -176,3 +176,32 @@ def test_decode_experts_split_over_threads_are_bitwise(quantized, streamed):
         m.model.split_experts = False
         one = _decode_logits(m, IDS)
     assert torch.equal(split, one)
+
+
+def test_an_all_native_decode_step_runs_torch_on_one_thread(quantized, monkeypatch):
+    """Every projection a QuantLinear and every expert one native call: a decode step runs torch on one thread
+    (its spinning OpenMP workers took the expert pool's core) and gives the thread count back afterwards; a
+    prefill keeps torch's threads."""
+    from sluice.quant import native
+
+    name, path, _, _ = quantized
+    if name == "BF16" or not native.native_available():
+        pytest.skip("plain weights, or the native kernels are not built")
+    seen = []
+    real = native.ExpertCall.__call__
+    monkeypatch.setattr(native.ExpertCall, "__call__",
+                        lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1])
+    threads = torch.get_num_threads()
+    try:
+        with sluice.load(path, memory="all", threads=2) as m:
+            assert m.model._native_decode()
+            with torch.inference_mode():
+                m.model.forward(torch.tensor(IDS[:4]), 0)
+                assert torch.get_num_threads() == 2
+                seen.clear()
+                m.model.forward(torch.tensor([IDS[4]]), 4)
+            assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+            m.model.split_experts = False
+            assert not m.model._native_decode()
+    finally:
+        torch.set_num_threads(threads)
