@@ -210,10 +210,11 @@ class LoadOptions:
     # fewer while other processes keep CPUs busy (host/cpus.ThreadGovernor)
     threads: int = option(
         0, metavar="N", least=0, most=MAX_THREADS, most_why="this machine's logical CPUs",
-        shown="free CPUs", help=f"torch threads, at most {MAX_THREADS} (this machine's logical CPUs)",
-        doc="torch threads. Default: one per CPU this process may use (affinity, cgroup CPU quota) that other "
-            "processes leave free, re-checked between forward passes (see \"A shared machine\" below); an explicit "
-            "count is kept")
+        shown="free CPUs", help=f"torch and native threads, at most {MAX_THREADS} (this machine's logical CPUs)",
+        doc="torch threads, and the native threads a decode step splits a layer's quantized experts and large "
+            "quantized projections over. Default: one per CPU this process may use (affinity, cgroup CPU quota) "
+            "that other processes leave free, re-checked between forward passes (see \"A shared machine\" below); "
+            "an explicit count is kept")
     # embeddings: forced resident when the LM head is tied to the table
     embeddings: str = option(
         "resident", choices=EMBEDDING_MODES, help="token embedding rows: resident, or read per batch from disk",

@@ -33,7 +33,8 @@ def main() -> None:
                 tm._experts_one_token(L, xs[L], ids[L], w, torch.zeros(1, s.hidden_size, dtype=m.dtype))
 
         for r in range(a.rounds):
-            for name, split in (("one thread", False), ("split", True)) if r % 2 == 0 else (("split", True), ("one thread", False)):
+            arms = (("one thread", False), ("split", True))
+            for name, split in arms if r % 2 == 0 else arms[::-1]:
                 tm.split_experts = split
                 token()
                 ts = []

@@ -216,10 +216,10 @@ class Transformer:
 
         Experts whose bytes are in memory run first, the rest as their reads land (batch.wait), so the math of
         one overlaps the reading of the next; the outputs are summed afterwards in ascending expert id, so the
-        result is bitwise the same whatever the disk's timing. With native threads (set_threads) and experts that run as one
-        native call each (ExpertMath.one_call), half of the experts already in memory run on the pool's thread
-        while this thread runs the others and waits for the reads (only this thread waits on the store); the sum
-        is the same, in the same order.
+        result is bitwise the same whatever the disk's timing. With native threads (native.set_threads) and
+        experts that run as one native call each (ExpertMath.one_call), half of the experts already in memory
+        run on a pool thread while this thread runs the others and waits for the reads (_native_experts); the
+        sum is the same, in the same order.
         """
         ids_l = ids[0].tolist()
         order = sorted(range(len(ids_l)), key=ids_l.__getitem__)  # top-k positions by ascending expert id
@@ -250,9 +250,9 @@ class Transformer:
 
     def _native_experts(self, batch, todo: list[int], xf: torch.Tensor) -> torch.Tensor:
         """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32, one native call each.
-        With native.set_threads(n > 1), the later half of the experts already in memory runs on a pool thread while this one
-        runs the others and waits for the reads (only this thread waits on the store): each row is the same call
-        on the same bytes, so the result is the same bits whichever thread computed it."""
+        With native.set_threads(n > 1), the later half of the experts already in memory runs on a pool thread
+        while this one runs the others and waits for the reads (only this thread waits on the store): each row is
+        the same call on the same bytes, so the result is the same bits whichever thread computed it."""
         ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
         em = self.expert_math
 
