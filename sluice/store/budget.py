@@ -145,7 +145,7 @@ def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, 
 
 
 def check_room(memory: int | None, room: int, source: str, resident_bytes: int, expert_bytes: int,
-               total_experts: int, kv_bytes: int) -> None:
+               total_experts: int, kv_bytes: int, held: int = 0) -> None:
     """An explicit budget (or `all`, memory None) against the room this process may take (sysmem).
 
     `auto` sizes itself from the room; a budget the user chose does not, and a resident model bigger than a cgroup
@@ -153,14 +153,18 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
     `all`; resident + the slots the budget buys when streaming) and the KV cache. Above a cgroup limit that is a
     BudgetError before any weight loads (the kernel would kill the process); above MemAvailable, or leaving less
     than the runtime reserve, a MemoryWarning (memory may be freed by others, or swapped; the user decides).
+    `held`: this process's anonymous memory now, already out of `room` (a cgroup's limit minus its usage, or
+    MemAvailable), so only the rest of the reserve is still needed (as activation_room counts it): at a 1 GiB
+    ceiling the peers benchmark's `--memory 640MiB` warned although its peak RSS was 918 MiB.
     """
     weights = kept_bytes(memory, resident_bytes, expert_bytes, total_experts)
     what = "--memory all (every weight resident)" if memory is None else f"--memory {format_bytes(memory)}"
     need = weights + kv_bytes
-    if need + RUNTIME_RESERVE <= room:
+    reserve = max(0, RUNTIME_RESERVE - held)
+    if need + reserve <= room:
         return
     detail = (f"{what} keeps {format_bytes(weights)} of weights, plus a KV cache of {format_bytes(kv_bytes)} "
-              f"(--max-context) and about {format_bytes(RUNTIME_RESERVE)} for the runtime, but only "
+              f"(--max-context) and about {format_bytes(reserve)} more for the runtime, but only "
               f"{format_bytes(room)} is available ({source})")
     advice = "pass --memory auto (streams experts within the room) or a smaller --memory SIZE, or lower --max-context"
     if need > room and source.startswith("cgroup"):

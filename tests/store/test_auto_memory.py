@@ -153,3 +153,18 @@ def test_budget_that_fits_says_nothing(model_dir, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sluice.load(model_dir, memory="all").close()
+
+
+def test_the_reserve_counts_what_the_process_already_holds():
+    """The room is already net of this process's memory (a cgroup's limit minus its usage, or MemAvailable): a
+    budget that leaves the rest of the reserve says nothing; one that does not still warns."""
+    from sluice.store.budget import RUNTIME_RESERVE, check_room
+
+    MiB = 2**20
+    weights, kv = 640 * MiB, 64 * MiB
+    room = weights + kv + RUNTIME_RESERVE // 2  # a 1 GiB cgroup after ~160 MiB of torch and Python
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_room(weights, room, "cgroup /test limit", 0, MiB, 10**6, kv, held=RUNTIME_RESERVE // 2)
+    with pytest.warns(MemoryWarning, match="more for the runtime"):
+        check_room(weights, room, "cgroup /test limit", 0, MiB, 10**6, kv, held=0)
