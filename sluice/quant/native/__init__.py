@@ -359,6 +359,12 @@ def expert_q8(specs: tuple, raws: tuple, x: torch.Tensor, out: torch.Tensor | No
             _desc(spec, raw)  # raises, naming what is wrong
         args += (fmt, raw.data_ptr() + at, row_bytes)
     x, out = _x_out(x, out, h, h)
+    return _run_expert(args, h, i, x, out, planes)
+
+
+def _run_expert(args: tuple | list, h: int, i: int, x: torch.Tensor, out: torch.Tensor,
+                planes: int | None) -> torch.Tensor:
+    """The C call behind expert_q8 and ExpertCall: args (format, codes address, bytes per row) of gate, up, down."""
     rc = _LIB.sluice_expert_q8(*args, h, i, x.data_ptr(), x.shape[0], _planes(planes), out.data_ptr(),
                                int(FORCE_SCALAR))
     if rc:
@@ -389,10 +395,7 @@ class ExpertCall:
                              f"{out.dtype} {list(out.shape)}")
         base = slot.data_ptr()
         (gf, ga, gr), (uf, ua, ur), (df, da, dr) = self.parts
-        rc = _LIB.sluice_expert_q8(gf, base + ga, gr, uf, base + ua, ur, df, base + da, dr, h, self.i, x.data_ptr(),
-                                   x.shape[0], _planes(planes), out.data_ptr(), int(FORCE_SCALAR))
-        if rc:
-            raise MemoryError(f"native expert failed (code {rc}): no memory for its [{x.shape[0]} x {self.i}] scratch")
+        _run_expert((gf, base + ga, gr, uf, base + ua, ur, df, base + da, dr), h, self.i, x, out, planes)
 
 
 class Pool:
