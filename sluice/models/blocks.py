@@ -17,7 +17,7 @@ from ..quant import native
 from ..quant.resident import QuantLinear
 from ..store.base import ExpertStore
 from .experts import ExpertMath, glu_for
-from .linear import linear, logits, mlp_linear
+from .linear import linear, logits
 from . import mla  # latent attention; mla.py uses this module's rms_norm, so modules, not names, are imported
 from .rope import apply_rope, rope_table
 from .routing import route
@@ -148,7 +148,7 @@ class Transformer:
 
     # -- feed-forward ----------------------------------------------------------------------------------------
     def mlp(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
-        return mlp_linear(self.act(mlp_linear(x, m.gate)) * mlp_linear(x, m.up), m.down)
+        return linear(self.act(linear(x, m.gate)) * linear(x, m.up), m.down)
 
     def moe(self, L: int, x: torch.Tensor) -> torch.Tensor:
         """Route x [T, H] with the true router and run the chosen experts from the store."""

@@ -40,8 +40,8 @@ from ..store.layout import BiasedGluFormat
 EXPERT_Q8_MAX_ROWS = 4
 
 
-def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for x [n, in]; several rows of bf16/f16 run in float32 and are cast back.
+def rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for x [n, in]; several rows of bf16/f16 run in float32 and are cast back.
 
     CPUs without native bf16 math (AVX2: this machine, most of the users') run torch's bf16 GEMM ~6x slower than a
     float32 GEMM including both conversions: [256 x 1024] @ [1024 x 448] then [256 x 224] @ [224 x 1024], 2
@@ -50,8 +50,8 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     runs call the same function on the same shapes, so they stay bitwise equal.
     """
     if x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16):
-        return F.linear(x.float(), w.float()).to(x.dtype)
-    return F.linear(x, w)
+        return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, w, bias)
 
 
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -11,23 +11,12 @@ from .experts import rows_linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w^T (+ bias) -> [T, out] in the compute dtype: F.linear for a tensor (attention projections)."""
+    """x [T, in] @ w^T (+ bias) -> [T, out] in the compute dtype: a QuantLinear's kernels, else rows_linear (several
+    bf16 rows in float32: torch's bf16 GEMM has no native kernel on AVX2; [33 x 1024] x [1024 x 1024]^T 3.7-4.1 ms
+    bf16, 1.3-1.6 float32)."""
     if type(w) is QuantLinear:
         return w.linear(x, bias)
-    if x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16):
-        # several rows (prefill) in float32, like rows_linear: torch's bf16 GEMM has no native kernel on AVX2
-        # ([33 x 1024] x [1024 x 1024]^T: 3.7-4.1 ms bf16, 1.3-1.6 float32; [1024 x 1024] x [2048 x 1024]^T: ~4x)
-        b = None if bias is None else bias.float()
-        return F.linear(x.float(), w.float(), b).to(x.dtype)
-    return F.linear(x, w, bias)
-
-
-def mlp_linear(x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
-    """x [T, in] @ w^T -> [T, out] for the dense / shared MLPs: rows_linear for a tensor (several bf16 rows in
-    float32), the QuantLinear's kernels otherwise."""
-    if type(w) is QuantLinear:
-        return w.linear(x)
-    return rows_linear(x, w)
+    return rows_linear(x, w, bias)
 
 
 def logits(x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
