@@ -32,7 +32,7 @@ from .models.spec import KVCache, Spec
 from .options import LoadOptions, format_bytes
 from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
                            activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_token_bytes,
-                           prefill_tokens_per_chunk)
+                           prefill_tokens_per_chunk, reserve_left)
 from .store.layout import ExpertLayout
 from .store.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
@@ -103,7 +103,8 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     max_context = min(options.max_context, spec.rope.max_position_embeddings)
     kv_bytes = KVCache.bytes_for(spec, max_context, itemsize)
     room = available_memory()
-    memory, memory_plan = _memory(options, room, spec, layout, resident_bytes, kv_bytes)
+    held = memory_status()["rss_anon_bytes"]  # already out of the room: only the rest of the reserve is to come
+    memory, memory_plan = _memory(options, room, spec, layout, resident_bytes, kv_bytes, held)
     budget = None
     if memory is not None:  # fewer than top_k slots: BudgetError naming the smallest budget that works
         budget = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, layout.total_experts)
@@ -111,7 +112,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
     odirect = _odirect(options, memory, room, layout, kv_bytes)
     chunk, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, room, memory, layout, resident_bytes,
-                                      kv_bytes, odirect)
+                                      kv_bytes, odirect, held)
     threads = options.threads or usable_cpus()
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
@@ -125,7 +126,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
 
 
 def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLayout, resident_bytes: int,
-            kv_bytes: int) -> tuple[int | None, AutoPlan | None]:
+            kv_bytes: int, held: int) -> tuple[int | None, AutoPlan | None]:
     """(budget, what auto chose): decided before any weight is loaded, so a model that cannot fit fails with a
     BudgetError instead of an OOM kill."""
     if options.memory == "auto":
@@ -133,7 +134,7 @@ def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLa
                            spec.top_k, kv_bytes)
         return auto.memory, auto
     check_room(options.memory, room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
-               kv_bytes, held=memory_status()["rss_anon_bytes"])
+               kv_bytes, held=held)
     return options.memory, None
 
 
@@ -150,7 +151,7 @@ def _odirect(options: LoadOptions, memory: int | None, room: MemoryRoom, layout:
 
 def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context: int, room: MemoryRoom,
                    memory: int | None, layout: ExpertLayout, resident_bytes: int, kv_bytes: int,
-                   odirect: bool) -> tuple[int, str]:
+                   odirect: bool, held: int) -> tuple[int, str]:
     """(prompt tokens per forward pass, why). `auto`: as many as the activation room holds (store/budget.py
     activation_room: what the room leaves beside the kept weights, the KV cache and the runtime reserve this process
     does not hold yet, halved when streamed reads go through the page cache); PREFILL_ROOM when the room is
@@ -162,9 +163,8 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
     if room.known:
         kept = kept_bytes(memory, resident_bytes, layout.expert_nbytes, layout.total_experts)
         page_cache = memory is not None and not odirect
-        held = memory_status()["rss_anon_bytes"]
         acts = activation_room(room.bytes, kept, kv_bytes, page_cache, held)
-        reserve = max(0, RUNTIME_RESERVE - held)
+        reserve = reserve_left(held)
         whence = (f"{'half' if page_cache else 'all'} of what {fb(room.bytes)} available ({room.source}) leaves "
                   f"beside {fb(kept)} of weights, the {fb(kv_bytes)} KV cache and {fb(reserve)} of runtime reserve "
                   f"not yet held{'; the other half is page cache for the streamed reads' if page_cache else ''}")

@@ -51,6 +51,13 @@ def plan_budget(memory: int, resident_bytes: int, expert_bytes: int, top_k: int,
 RUNTIME_RESERVE = 256 * 2**20
 
 
+def reserve_left(held: int) -> int:
+    """The part of RUNTIME_RESERVE still to come for a process that already holds `held` bytes of anonymous memory
+    (torch and Python take ~170 MiB by the time a plan is made): the room (a cgroup's limit minus its usage, or
+    MemAvailable) is already net of what is held."""
+    return max(0, RUNTIME_RESERVE - held)
+
+
 # Prefill activations of a chunk of T prompt tokens, per token and layer at their peak, the MoE block: the residual,
 # its norm, the expert-sorted [T*K, H] block (models/blocks.py Transformer.experts), the [T, H] sum and its gather
 # buffer, one expert's [n, 4I + H] intermediates (n <= T), the router's [T, E] scores, the int64 row indices, and the
@@ -96,11 +103,10 @@ def kept_bytes(memory: int | None, resident_bytes: int, expert_bytes: int, total
 def activation_room(room: int, kept: int, kv_bytes: int, page_cache: bool, held: int = 0) -> int:
     """Bytes a prefill chunk's activations may take: what `room` (the memory this process may still take) leaves
     beside the kept weights (kept_bytes), the KV cache and the part of RUNTIME_RESERVE the runtime does not hold yet
-    (`held`: this process's anonymous memory now, already out of the room: torch and Python take ~170 MiB by the
-    time a plan is made); half of it when the streamed expert reads go through the page cache (mmap, willneed,
+    (reserve_left(held), `held`: this process's anonymous memory now); half of it when the streamed expert reads go through the page cache (mmap, willneed,
     direct without O_DIRECT), so the pages read for the chunk are not evicted by its own activations before the
     math uses them. A resident run or O_DIRECT reads keep no expert bytes in the page cache: all of it."""
-    left = max(0, room - kept - kv_bytes - max(0, RUNTIME_RESERVE - held))
+    left = max(0, room - kept - kv_bytes - reserve_left(held))
     return left // 2 if page_cache else left
 
 
@@ -153,14 +159,13 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
     `all`; resident + the slots the budget buys when streaming) and the KV cache. Above a cgroup limit that is a
     BudgetError before any weight loads (the kernel would kill the process); above MemAvailable, or leaving less
     than the runtime reserve, a MemoryWarning (memory may be freed by others, or swapped; the user decides).
-    `held`: this process's anonymous memory now, already out of `room` (a cgroup's limit minus its usage, or
-    MemAvailable), so only the rest of the reserve is still needed (as activation_room counts it): at a 1 GiB
-    ceiling the peers benchmark's `--memory 640MiB` warned although its peak RSS was 918 MiB.
+    `held`: this process's anonymous memory now, so only reserve_left(held) is still needed (as activation_room
+    counts it): at a 1 GiB ceiling the peers benchmark's `--memory 640MiB` warned although its peak RSS was 918 MiB.
     """
     weights = kept_bytes(memory, resident_bytes, expert_bytes, total_experts)
     what = "--memory all (every weight resident)" if memory is None else f"--memory {format_bytes(memory)}"
     need = weights + kv_bytes
-    reserve = max(0, RUNTIME_RESERVE - held)
+    reserve = reserve_left(held)
     if need + reserve <= room:
         return
     detail = (f"{what} keeps {format_bytes(weights)} of weights, plus a KV cache of {format_bytes(kv_bytes)} "
