@@ -35,6 +35,7 @@ def model_dir(tmp_path_factory):
 def resident(model_dir):
     """Logits of LONG, the (layer, expert) pairs it touches, and the sizes a budget is made of."""
     with sluice.load(model_dir, memory="all") as m:
+        assert m.prefill_chunk >= len(LONG)  # one chunk, as the streamed runs: bitwise claims need the same shapes
         touched: set[tuple[int, int]] = set()
         acquire = m.store.acquire
         m.store.acquire = lambda L, ids: (touched.update((L, e) for e in ids), acquire(L, ids))[1]
