@@ -67,7 +67,7 @@ class Model:
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
         # decode splits a layer's native experts and large quantized projections over the threads (native.set_threads,
         # process-wide like torch's). Peers model's Q4_K_M file, resident, the 128 expert calls of one token, quiet
-        # 2-CPU VM (benchmarks/quantized/expert_threads.py): 41-43 ms on one thread, 25-29 ms on two
+        # 2-CPU VM (benchmarks/quantized/expert_threads.py): 40-47 ms on one thread, 25-29 ms on two
         native.set_threads(p.threads)
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []

@@ -287,10 +287,10 @@ class Transformer:
 
         A decode step whose heavy work is all native (every projection a QuantLinear, every MoE layer's experts one
         native call; native.set_threads made a pool) runs torch on one thread: torch's OpenMP workers spin after
-        each parallel op and took the core the native pool splits the experts onto. Peers Q4_K_M, resident, quiet,
-        3 alternated replays of 48 tokens (one process): split experts with torch on 2 threads 76.9 ms/token,
-        unsplit 72.8; split with torch on 1 thread 60.4, unsplit 74.1 (benchmarks/quantized/decode_threads.py
-        measures this on against off: 62.2 vs 74.4)."""
+        each parallel op and took the core the native pool splits the experts onto (split experts beside torch on
+        2 threads were no faster than unsplit ones). Peers Q4_K_M, resident, quiet, alternated replays of 48 tokens
+        in one process (benchmarks/quantized/decode_threads.py, this on against off): 62.2 vs 74.4 ms/token, and
+        47.8 vs 61.7 in a second run."""
         if tokens.shape[0] == 1 and torch.get_num_threads() > 1 and self._native_decode():
             threads = torch.get_num_threads()
             torch.set_num_threads(1)

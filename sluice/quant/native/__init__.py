@@ -317,7 +317,8 @@ def _run_q8(desc: tuple, xq: torch.Tensor | None, x: torch.Tensor, out: torch.Te
 class LinearQ8:
     """linear_q8 for one stored weight, every check that depends on the weight done once: `call(x)` -> y float32
     [T, out] for x float32 [T, in] contiguous. The same C call, so the same bits as linear_q8. A [256 x 1024] Q4_K
-    at T=1, median of 2001 calls, dev VM: linear_q8 53-56 us, this 46-47, the C call alone 38; the resident
+    at T=1, median of 2001 calls, dev VM (benchmarks/quantized/resident_ops.py overhead): linear_q8 53-56 us, this
+    46-47, the C call alone 38; the resident
     attention runs four per layer and token (quant/resident.py)."""
 
     def __init__(self, spec: QuantSpec, raw: torch.Tensor):
