@@ -10,7 +10,8 @@ function with target attributes and at run time, so the build needs no -march fl
 from setuptools import Extension, setup
 
 NATIVE = "sluice/quant/native/"
-setup(ext_modules=[Extension("sluice.quant.native._kernels", [NATIVE + "kernels.c", NATIVE + "q8.c"],
-                             depends=[NATIVE + "common.h"], libraries=["m"],
+SOURCES = [NATIVE + name for name in ("kernels.c", "q8.c", "pool.c", "ops.c")]
+setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES,
+                             depends=[NATIVE + "common.h"], libraries=["m", "pthread"],
                              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"],
                              optional=True)])

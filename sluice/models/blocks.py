@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import native
+from ..quant.native.kernel import Q8_MAX_ROWS
 from ..quant.resident import QuantLinear
 from ..store.base import ExpertStore
 from .experts import ExpertMath, glu_for
@@ -105,6 +106,7 @@ class Transformer:
         # False: decode runs every expert on the calling thread even when native.set_threads made a pool (tests)
         self.split_experts = True
         self._all_native: bool | None = None  # _native_decode's answer, computed at the first decode step
+        self._qkv_groups: dict[int, object] = {}  # layer -> its q/k/v native group (or None), built at first use
         self.act = ACTIVATIONS[spec.hidden_act]
         self.expert_math = ExpertMath(dtype, self.act, glu_for(spec, self.act))
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
@@ -116,9 +118,7 @@ class Transformer:
         if s.mla is not None:  # latent attention (models/mla.py) over the latent cache
             return mla.latent_attention(s.mla, s.n_heads, lw, x, self.cache.latent[L], pos, mask,
                                         self.cos[pos : pos + T], self.sin[pos : pos + T])
-        q = linear(x, lw.q, lw.q_bias)  # [T, nH*D]
-        k = linear(x, lw.k, lw.k_bias)  # [T, nKV*D]
-        v = linear(x, lw.v, lw.v_bias)  # [T, nKV*D]
+        q, k, v = self._qkv(L, x)  # [T, nH*D], [T, nKV*D], [T, nKV*D]
         if s.qk_norm == "full":
             q, k = rms_norm(q, lw.q_norm, s.rms_norm_eps), rms_norm(k, lw.k_norm, s.rms_norm_eps)
         if s.clip_qkv is not None:
@@ -145,6 +145,25 @@ class Transformer:
             )[0]  # [nH, T, D]
         out = out.transpose(0, 1).reshape(T, s.n_heads * D)
         return linear(out, lw.o, lw.o_bias)
+
+    def _qkv(self, L: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of layer L from x [T, H]. Kept-quantized projections at decode run as one native call (x
+        quantized once, their rows over the native threads: QuantLinear.group), bitwise what three QuantLinear
+        calls give; anything else goes through linear() one by one."""
+        lw = self.w.layers[L]
+        ws, biases = (lw.q, lw.k, lw.v), (lw.q_bias, lw.k_bias, lw.v_bias)
+        group = self._qkv_groups.get(L, ())
+        if group == ():
+            group = self._qkv_groups[L] = (
+                QuantLinear.group(list(ws)) if all(type(w) is QuantLinear for w in ws) else None)
+        if group is None or x.shape[0] > Q8_MAX_ROWS:
+            return tuple(linear(x, w, b) for w, b in zip(ws, biases))
+        out = []
+        for y, w, b in zip(group(x.float().contiguous()), ws, biases):  # as QuantLinear.linear finishes each
+            if b is not None:
+                y += b
+            out.append(y.to(w.dtype))
+        return tuple(out)
 
     # -- feed-forward ----------------------------------------------------------------------------------------
     def mlp(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
@@ -216,10 +235,10 @@ class Transformer:
 
         Experts whose bytes are in memory run first, the rest as their reads land (batch.wait), so the math of
         one overlaps the reading of the next; the outputs are summed afterwards in ascending expert id, so the
-        result is bitwise the same whatever the disk's timing. With native threads (native.set_threads) and
-        experts that run as one native call each (ExpertMath.one_call), half of the experts already in memory
-        run on a pool thread while this thread runs the others and waits for the reads (_native_experts); the
-        sum is the same, in the same order.
+        result is bitwise the same whatever the disk's timing. Experts that run as one native call each
+        (ExpertMath.one_call) go to the native code together: those already in memory in one call, the others one
+        call each as they land, the rows of every call split over the native threads (_native_experts); the sum
+        is the same, in the same order.
         """
         ids_l = ids[0].tolist()
         order = sorted(range(len(ids_l)), key=ids_l.__getitem__)  # top-k positions by ascending expert id
@@ -234,6 +253,9 @@ class Transformer:
                     xf = x.float().contiguous() if xf is None else xf  # [1, H]
                     ys = self._native_experts(batch, todo, xf)  # [n, H] float32, row j = expert j
                     # as below, row by row: (y in the compute dtype) * w, rounded to out's dtype, added in id order
+                    if out.dtype is torch.bfloat16 and self.dtype is torch.bfloat16 and weights.is_contiguous():
+                        native.combine_bf16(ys, weights, pos, out)  # the same bits in one call
+                        continue
                     ys = (ys.to(self.dtype) * weights[0, pos].unsqueeze(1)).to(out.dtype)
                     for j in range(len(pos)):
                         out += ys[j : j + 1]
@@ -249,31 +271,29 @@ class Transformer:
         return out
 
     def _native_experts(self, batch, todo: list[int], xf: torch.Tensor) -> torch.Tensor:
-        """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32, one native call each.
-        With native.set_threads(n > 1), the later half of the experts already in memory runs on a pool thread
-        while this one runs the others and waits for the reads (only this thread waits on the store): each row is
-        the same call on the same bytes, so the result is the same bits whichever thread computed it."""
+        """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32 (row j = expert j).
+        The ones in memory run in one native call, the others one call each as their reads land (only this thread
+        waits on the store); native.set_threads' threads split the rows of each call (pool.c). Each row is
+        bitwise what one expert_q8 call gives, whichever thread computed it. split_experts False: one expert_q8
+        call per expert on this thread (tests).
+
+        Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py): see
+        native_pool.md."""
         ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
         em = self.expert_math
-
-        def run(js: list[int]) -> None:
-            for j in js:
-                em.into(batch, j, xf, ys[j : j + 1])
-
-        side = None
-        pool = native.shared_pool() if self.split_experts else None
-        if pool is not None:
-            n_ready = sum(batch.ready(j) for j in todo)
-            if n_ready >= 2:
-                side = pool.submit(run, todo[n_ready // 2 : n_ready])
-                todo = todo[: n_ready // 2] + todo[n_ready:]
-        try:
+        if not self.split_experts:
             for j in todo:
                 batch.wait(j)
-                run([j])
-        finally:
-            if side is not None:
-                side.result()
+                em.into(batch, j, xf, ys[j : j + 1])
+            return ys
+        n_ready = 0
+        while n_ready < len(todo) and batch.ready(todo[n_ready]):
+            n_ready += 1
+        if n_ready:  # all those in memory in one call, their rows over the native threads
+            em.many(batch, todo[:n_ready], xf, ys)
+        for j in todo[n_ready:]:  # the others as their reads land, each over the threads too
+            batch.wait(j)
+            em.many(batch, [j], xf, ys)
         return ys
 
     # -- whole model -----------------------------------------------------------------------------------------

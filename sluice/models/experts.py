@@ -134,6 +134,11 @@ class ExpertMath:
         (the float32 result __call__ casts to the compute dtype)."""
         self._fused[batch.format](batch.raw[batch.slots[j]], x, out)
 
+    def many(self, batch, js: list[int], x: torch.Tensor, ys: torch.Tensor) -> None:
+        """Experts js of `batch` on the same x float32 [1, H] into rows js of ys float32 [n, H] in one native call,
+        their rows split over the native threads (native.ExpertCall.many): row j bitwise what into() writes."""
+        self._fused[batch.format].many(batch.raw, [batch.slots[j] for j in js], x, ys, js)
+
     def _biased(self, fmt: BiasedGluFormat, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """gpt-oss: y = down(glu(gate, up)) + b_down, [gate, up] interleaved in gate_up(x) + b_gate_up."""
         gu_bias = fmt.gate_up_bias.view(raw).to(x.dtype)  # [2I]

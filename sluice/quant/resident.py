@@ -77,7 +77,7 @@ class QuantLinear:
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
         self.spec, self.raw, self.dtype = spec, raw.contiguous(), dtype
         self.scratch = scratch if scratch is not None else Scratch()
-        self._q8 = native.LinearQ8(spec, self.raw)  # decode's call, checked once
+        self._q8 = native.LinearsQ8([(spec, self.raw)])  # decode's call, checked once; rows over the C pool
         self._split = spec.out_features * spec.in_features >= SPLIT_MIN_WEIGHTS
 
     @property
@@ -111,7 +111,7 @@ class QuantLinear:
         T = x.shape[0]
         pool = native.shared_pool() if self._split else None
         if T <= Q8_MAX_ROWS:
-            y = self._q8(x) if pool is None else pool.linear_q8(self.spec, x, self.raw)
+            y = self._q8(x)[0]
         elif T <= NATIVE_MAX_ROWS:
             y = native.linear(self.spec, x, self.raw) if pool is None else pool.linear(self.spec, x, self.raw)
         else:
@@ -120,6 +120,14 @@ class QuantLinear:
             y += bias
         out_dtype = out_dtype or self.dtype
         return y if out_dtype is torch.float32 else y.to(out_dtype)
+
+    @staticmethod
+    def group(ws: "list[QuantLinear]") -> "native.LinearsQ8 | None":
+        """One native call computing several QuantLinears of one x (a layer's q, k and v) on the integer path, x
+        quantized once, or None when they cannot share one (other in_features, other compute dtypes)."""
+        if len({w.spec.in_features for w in ws}) != 1 or len({w.dtype for w in ws}) != 1:
+            return None
+        return native.LinearsQ8([(w.spec, w.raw) for w in ws])
 
     def _blocked(self, x: torch.Tensor) -> torch.Tensor:
         """Many rows: blocks of weight rows dequantized into the scratch, one float32 F.linear per block."""

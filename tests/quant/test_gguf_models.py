@@ -159,8 +159,9 @@ def _decode_logits(m, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_decode_experts_split_over_threads_are_bitwise(quantized, streamed):
-    """Decode runs half of a layer's native experts on the pool's thread: the same logits, bit for bit, as one
-    thread (each expert is the same call on the same bytes; the sum keeps its order)."""
+    """Decode runs a layer's native experts in one call, their rows split over the native threads: the same
+    logits, bit for bit, as one expert_q8 call per expert on one thread (each row is the same kernel call on the
+    same bytes; the sum keeps its order)."""
     from sluice.quant import native
 
     name, path, _, _ = quantized
@@ -188,8 +189,8 @@ def test_an_all_native_decode_step_runs_torch_on_one_thread(quantized, monkeypat
     if name == "BF16" or not native.native_available():
         pytest.skip("plain weights, or the native kernels are not built")
     seen = []
-    real = native.ExpertCall.__call__
-    monkeypatch.setattr(native.ExpertCall, "__call__",
+    real = native.ExpertCall.many
+    monkeypatch.setattr(native.ExpertCall, "many",
                         lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1])
     threads = torch.get_num_threads()
     try:

@@ -236,3 +236,70 @@ def test_expert_call_is_expert_q8_with_the_checks_done_once():
         call(slot, x.bfloat16(), out)
     with pytest.raises(ValueError, match="expert x / out"):
         call(slot, x, out[:2])
+
+
+@pytest.fixture
+def c_threads():
+    """native.set_threads(n) for the test (the C pool and the Python one), back to one thread after it."""
+    yield native.set_threads
+    native.set_threads(1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_linears_q8_are_linear_q8_on_any_thread_count(T, threads, c_threads, monkeypatch):
+    """Several projections of one x in one call, rows split over the C pool: each y is linear_q8's, bitwise, on both
+    C paths; a 3-row projection (fewer rows than a task) and a mix of formats included."""
+    c_threads(threads)
+    specs = [QuantSpec.ggml(n, rows, 512) for n, rows in (("Q4_K", 300), ("Q6_K", 3), ("Q8_0", 129), ("Q5_0", 64))]
+    raws = [random_stored(s, seed=k) for k, s in enumerate(specs)]
+    x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T))
+    call = native.LinearsQ8(list(zip(specs, raws)))
+    for planes in (1, 2):
+        outs = both_paths(lambda: call(x, planes=planes), monkeypatch)
+        for ys in outs:
+            for y, s, r in zip(ys, specs, raws):
+                assert y.shape == (T, s.out_features) and y.is_contiguous()
+                assert torch.equal(y, native.linear_q8(s, x, r, planes=planes))
+    with pytest.raises(ValueError, match="share in_features"):
+        native.LinearsQ8([(specs[0], raws[0]), (QuantSpec.ggml("Q8_0", 4, 64), random_stored(QuantSpec.ggml(
+            "Q8_0", 4, 64)))])
+    with pytest.raises(ValueError, match="x must be"):
+        call(torch.randn(T, 256))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("T", [1, 3])
+def test_experts_in_one_call_are_each_expert_q8(T, threads, c_threads, monkeypatch):
+    """ExpertCall.many: n experts on one x, their rows split over the C pool in three steps, each output bitwise
+    call()'s (= expert_q8's) for that expert, on both C paths and any thread count; one expert alone too."""
+    from sluice.store.layout import ExpertFormat
+
+    c_threads(threads)
+    H, I = 512, 256
+    fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
+    slots = torch.zeros(5, fmt.nbytes, dtype=torch.uint8)
+    for e in range(5):
+        for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
+            slots[e, at:at + spec.nbytes] = random_stored(spec, seed=10 * e + k)
+    call = native.ExpertCall((fmt.gate, fmt.up, fmt.down), (0, fmt.up_offset, fmt.down_offset))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    want = torch.empty(5, T, H)
+    for e in range(5):
+        call(slots[e], x, want[e])
+    for order in ([0, 1, 2, 3, 4], [3], [4, 0, 2]):
+        def run():
+            ys = torch.full((6, T, H), float("nan"))
+            call.many(slots, order, x, ys, [e + 1 for e in order])  # expert e into row e + 1
+            return ys
+        for ys in both_paths(run, monkeypatch):
+            assert torch.equal(ys[[e + 1 for e in order]], want[order])
+            assert all(ys[r].isnan().all() for r in range(6) if r - 1 not in order)
+    with pytest.raises(ValueError, match="expert slots"):
+        call.many(slots[:, :-1], [0], x, torch.empty(1, T, H), [0])
+    with pytest.raises(ValueError, match="expert slots"):
+        call.many(slots, [5], x, torch.empty(1, T, H), [0])
+    with pytest.raises(ValueError, match="expert outputs"):
+        call.many(slots, [0], x, torch.empty(1, T, H + 1), [0])
+    with pytest.raises(ValueError, match="expert outputs"):
+        call.many(slots, [0, 1], x, torch.empty(2, T, H), [0, 2])

@@ -71,6 +71,12 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_linear_q8.restype = i32
     lib.sluice_expert_q8.argtypes = [i32, ptr, i64] * 3 + [i64, i64, ptr, i64, i32, ptr, i32]  # H, I, x, T, P, y
     lib.sluice_expert_q8.restype = i32
+    lib.sluice_linears_q8.argtypes = [i64, ptr, i64, ptr, i64, i32, i32]  # m, descs, K, x, T, planes, scalar
+    lib.sluice_experts_q8.argtypes = [i64, ptr, i64, i64, ptr, i64, i32, i32]  # n, experts, H, I, x, T, P, scalar
+    lib.sluice_linears_q8.restype = lib.sluice_experts_q8.restype = lib.sluice_threads.restype = i32
+    lib.sluice_set_threads.argtypes = [i32]
+    lib.sluice_combine_bf16.argtypes = [i64, ptr, i64, ptr, i32, ptr, ptr]  # n, ys, H, w, w_f32, at, out
+    lib.sluice_set_threads.restype = lib.sluice_combine_bf16.restype = None
     return lib
 
 
@@ -331,6 +337,40 @@ class LinearQ8:
         return _run_q8(self.desc, None, x, torch.empty(x.shape[0], self.n), _planes(planes), (0, self.n))
 
 
+class LinearsQ8:
+    """Several projections of one x on the integer path in one native call, their output rows split over the
+    threads of set_threads (a layer's q, k and v; one large head): `call(x)` -> [y_a float32 [T, out_a]] for x
+    float32 [T, in] contiguous. x is quantized once; each y element is linear_q8's, whichever thread computes it.
+    Peers Q4_K_M, quiet: see benchmarks/quantized/native_pool.py."""
+
+    def __init__(self, pairs: list[tuple[QuantSpec, torch.Tensor]]):
+        if not 1 <= len(pairs) <= 16:
+            raise ValueError(f"LinearsQ8 takes 1 to 16 projections, got {len(pairs)}")
+        ks = {spec.in_features for spec, _ in pairs}
+        if len(ks) != 1:
+            raise ValueError(f"LinearsQ8's projections must share in_features, got {sorted(ks)}")
+        self.k = ks.pop()
+        self.raws = [raw for _, raw in pairs]  # the C call reads their bytes: kept alive
+        self.descs = [_q8_args(spec, torch.empty(0, self.k), raw, None)[0] for spec, raw in pairs]
+        self.ns = [spec.out_features for spec, _ in pairs]
+        self._arr = ctypes.c_int64 * (5 * len(pairs))
+
+    def __call__(self, x: torch.Tensor, planes: int | None = None) -> list[torch.Tensor]:
+        x = _check_x(x, self.k)
+        t = x.shape[0]
+        flat = torch.empty(t * sum(self.ns))  # one allocation, each y a contiguous [T, out_a] view of it
+        ys, vals, o, base = [], [], 0, flat.data_ptr()
+        for (fmt, n, _, q, row_bytes), ni in zip(self.descs, self.ns):
+            ys.append(flat[o : o + t * ni].view(t, ni))
+            vals += (fmt, n, q, row_bytes, base + 4 * o)
+            o += t * ni
+        rc = _LIB.sluice_linears_q8(len(self.ns), self._arr(*vals), self.k, x.data_ptr(), t, _planes(planes),
+                                    int(FORCE_SCALAR))
+        if rc:
+            raise MemoryError(f"native linears_q8 failed (code {rc}): no memory for {t} quantized rows")
+        return ys
+
+
 @functools.lru_cache(maxsize=1024)
 def _expert_layout(specs: tuple) -> tuple:
     """(H, I, ((C format, codes offset, bytes per row, stored bytes) for gate, up, down)), checked once per specs."""
@@ -398,6 +438,52 @@ class ExpertCall:
         (gf, ga, gr), (uf, ua, ur), (df, da, dr) = self.parts
         _run_expert((gf, base + ga, gr, uf, base + ua, ur, df, base + da, dr), h, self.i, x, out, planes)
 
+    def many(self, raw: torch.Tensor, slots: list[int], x: torch.Tensor, ys: torch.Tensor, rows: list[int],
+             planes: int | None = None) -> None:
+        """The experts in rows `slots` of raw (uint8 [S, >= nbytes], one expert per row) on the same x float32
+        [T, H], expert e into ys[rows[e]] (ys float32 [R, T, H], or [R, H] when T == 1), in one native call, the
+        rows of all their projections split over the threads of set_threads (q8.c sluice_experts_q8): each output
+        is bitwise what call(raw[slots[e]], x, ys[rows[e]]) writes, whatever the thread count. Addresses instead of
+        slices: a slice is a torch op (~3 us), and a decode layer passes 8 experts."""
+        h, n = self.h, len(slots)
+        if not (x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == h and x.is_contiguous()):
+            raise ValueError(f"expert x: need contiguous float32 [T, {h}], got {x.dtype} {list(x.shape)}")
+        th = x.numel()
+        if not (raw.dtype is torch.uint8 and raw.dim() == 2 and raw.is_contiguous() and raw.shape[1] >= self.nbytes
+                and all(0 <= s < raw.shape[0] for s in slots)):
+            raise ValueError(f"expert slots: need rows < {raw.shape[0] if raw.dim() == 2 else '?'} of contiguous "
+                             f"uint8 [S, >= {self.nbytes}], got {raw.dtype} {list(raw.shape)} and rows {slots}")
+        r_max = ys.numel() // th if th else 0
+        if not (ys.dtype is torch.float32 and ys.is_contiguous() and th and ys.numel() == r_max * th
+                and ys.shape[-1] == h and len(rows) == n and all(0 <= r < r_max for r in rows)):
+            raise ValueError(f"expert outputs: need contiguous float32 [R, {list(x.shape)}] and {n} rows < R, got "
+                             f"{ys.dtype} {list(ys.shape)} and rows {rows}")
+        (gf, ga, gr), (uf, ua, ur), (df, da, dr) = self.parts
+        vals, base, stride, yb = [], raw.data_ptr(), raw.shape[1], ys.data_ptr()
+        for s, r in zip(slots, rows):
+            at = base + s * stride
+            vals += (gf, at + ga, gr, uf, at + ua, ur, df, at + da, dr, yb + 4 * r * th)
+        rc = _LIB.sluice_experts_q8(n, (ctypes.c_int64 * len(vals))(*vals), h, self.i, x.data_ptr(), x.shape[0],
+                                    _planes(planes), int(FORCE_SCALAR))
+        if rc:
+            raise MemoryError(f"native experts failed (code {rc}): no memory for {n} experts' [{x.shape[0]} x "
+                              f"{self.i}] scratch")
+
+
+def combine_bf16(ys: torch.Tensor, w: torch.Tensor, at: list[int], out: torch.Tensor) -> None:
+    """out (bf16 [1, H]) += each row of ys (float32 [n, H]) times its routing weight w[0, at[j]] (w bf16 or float32
+    [1, K]), in row order: bitwise `for j: out += ((ys.to(bf16) * w[0, at].unsqueeze(1)).to(bf16))[j]` (ops.c), one
+    call instead of ~20 torch ops."""
+    n, h = ys.shape
+    if not (ys.dtype is torch.float32 and ys.is_contiguous() and out.dtype is torch.bfloat16 and out.is_contiguous()
+            and out.numel() == h and w.dtype in (torch.bfloat16, torch.float32) and w.is_contiguous()
+            and w.dim() == 2 and w.shape[0] == 1 and len(at) == n and all(0 <= a < w.shape[1] for a in at)):
+        raise ValueError(f"combine_bf16: need ys float32 [n, H], w bf16/float32 [1, K], n positions < K and out bf16 "
+                         f"[1, H], got {ys.dtype} {list(ys.shape)}, {w.dtype} {list(w.shape)}, {len(at)}, "
+                         f"{out.dtype} {list(out.shape)}")
+    _LIB.sluice_combine_bf16(n, ys.data_ptr(), h, w.data_ptr(), int(w.dtype is torch.float32),
+                             (ctypes.c_int64 * n)(*at), out.data_ptr())
+
 
 class Pool:
     """`threads` persistent worker threads for native calls (each releases the GIL): e.g. the experts of one MoE
@@ -464,6 +550,8 @@ def set_threads(threads: int) -> None:
     global _SHARED
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if _LIB is not None:
+        _LIB.sluice_set_threads(threads)  # the C pool (pool.c): LinearsQ8, ExpertCall.many
     if (_SHARED.threads if _SHARED is not None else 1) == threads:
         return
     old, _SHARED = _SHARED, (Pool(threads) if threads > 1 else None)

@@ -65,6 +65,12 @@ static inline void k_scale_min(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
 /* 1 when the AVX2 + FMA + F16C path runs on this CPU (kernels.c) */
 int sluice_simd(void);
 
+/* pool.c: fn(ctx, i) for i in [0, ntasks) over the threads sluice_set_threads allows, the caller included; returns
+ * when all have run */
+typedef void (*task_fn)(void *ctx, int64_t i);
+void pool_run(task_fn fn, void *ctx, int64_t ntasks);
+int sluice_threads(void);
+
 #if SLUICE_X86
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma,f16c")))

@@ -420,3 +420,112 @@ int sluice_expert_q8(int gf, const uint8_t *gq, int64_t grb, int uf, const uint8
     free(gu);
     return 0;
 }
+
+/* ---- jobs over the pool (pool.c): several projections of one x, the experts of one layer ---- */
+
+/* output rows per task: ~64K weights (a 1024-wide Q4_K row takes ~0.15 us on one core here, a task handoff a few us) */
+static int64_t task_rows(int64_t K) { return K >= 65536 ? 1 : 65536 / K; }
+
+#define MAX_PROJ 16
+typedef struct {
+    int64_t m, K, T, step, first[MAX_PROJ + 1];  /* first[a]: the first task of projection a; first[m]: all */
+    const int64_t *d;                          /* m x (format, N, codes, bytes per row, y) */
+    const uint8_t *xq;
+    int P, scalar;
+} lin_job;
+
+static void lin_task(void *c, int64_t i) {
+    const lin_job *j = (const lin_job *)c;
+    int64_t a = 0;
+    while (j->first[a + 1] <= i) a++;
+    const int64_t *d = j->d + 5 * a;
+    int64_t n0 = (i - j->first[a]) * j->step, n1 = n0 + j->step < d[1] ? n0 + j->step : d[1];
+    rows_q8((int)d[0], d[1], j->K, (const uint8_t *)(intptr_t)d[2], d[3], j->xq, j->T, j->P,
+            (float *)(intptr_t)d[4], n0, n1, j->scalar);
+}
+
+/* y_a [T, N_a] = x [T, K] @ W_a^T for m <= 16 projections of one x (a layer's q, k and v; one head): x quantized
+ * once, the output rows of all of them split over the pool. descs: m x (format, N, codes address, bytes per row,
+ * y address). Each y element is what sluice_linear_q8 computes, whichever thread ran it. Returns 0, -1 when the
+ * quantized rows cannot be allocated, -2 for a format without an integer path, P not 1 or 2, or m > 16. */
+int sluice_linears_q8(int64_t m, const int64_t *descs, int64_t K, const float *x, int64_t T, int P, int scalar) {
+    if (m < 1 || m > MAX_PROJ || (P != 1 && P != 2)) return -2;
+    lin_job j = {.m = m, .K = K, .T = T, .step = task_rows(K), .d = descs, .P = P, .scalar = scalar};
+    for (int64_t a = 0; a < m; a++) {
+        if (!has_q8((int)descs[5 * a])) return -2;
+        j.first[a + 1] = j.first[a] + (descs[5 * a + 1] + j.step - 1) / j.step;
+    }
+    uint8_t *xq = (uint8_t *)malloc((size_t)(T * sluice_q8_row_bytes(K, P)));
+    if (!xq) return -1;
+    sluice_quantize_q8(K, x, T, xq, P, scalar);
+    j.xq = xq;
+    pool_run(lin_task, &j, j.first[m]);
+    free(xq);
+    return 0;
+}
+
+typedef struct {
+    const int64_t *e;  /* n x (gate format, codes, bytes per row, up ..., down ..., y address) */
+    int64_t H, I, T, step1, tasks1, step3, tasks3, hrb;
+    const uint8_t *xq;
+    float *g, *u;
+    uint8_t *hq;
+    int P, scalar;
+} exp_job;
+
+static void gate_up_task(void *c, int64_t i) {  /* rows of expert i / tasks1's gate (first half) or up */
+    const exp_job *j = (const exp_job *)c;
+    int64_t e = i / j->tasks1, r = i % j->tasks1, half = j->tasks1 / 2, up = r >= half;
+    const int64_t *d = j->e + 10 * e + 3 * up;
+    int64_t n0 = (r - up * half) * j->step1, n1 = n0 + j->step1 < j->I ? n0 + j->step1 : j->I;
+    rows_q8((int)d[0], j->I, j->H, (const uint8_t *)(intptr_t)d[1], d[2], j->xq, j->T, j->P,
+            (up ? j->u : j->g) + e * j->T * j->I, n0, n1, j->scalar);
+}
+
+static void glu_task(void *c, int64_t e) {  /* silu(g) * u of expert e, quantized for its down projection */
+    const exp_job *j = (const exp_job *)c;
+    float *g = j->g + e * j->T * j->I;
+    swiglu(g, j->u + e * j->T * j->I, j->T * j->I);
+    sluice_quantize_q8(j->I, g, j->T, j->hq + e * j->T * j->hrb, j->P, j->scalar);
+}
+
+static void down_task(void *c, int64_t i) {
+    const exp_job *j = (const exp_job *)c;
+    int64_t e = i / j->tasks3, n0 = i % j->tasks3 * j->step3, n1 = n0 + j->step3 < j->H ? n0 + j->step3 : j->H;
+    const int64_t *d = j->e + 10 * e + 6;
+    rows_q8((int)d[0], j->H, j->I, (const uint8_t *)(intptr_t)d[1], d[2], j->hq + e * j->T * j->hrb, j->T, j->P,
+            (float *)(intptr_t)d[3], n0, n1, j->scalar);
+}
+
+/* n SwiGLU experts on one x [T, H] float32, y_e [T, H] float32 = down_e(silu(gate_e x) * up_e x), the rows of all
+ * their projections split over the pool in three steps (gate and up rows; each expert's product, quantized; down
+ * rows). experts: n x (gate format, codes address, bytes per row, up ..., down ..., y_e address). y_e is
+ * bitwise sluice_expert_q8's for expert e: x is quantized once (the same bytes each call made), every row is the
+ * same kernel call. Returns 0, -1 when the scratch cannot be allocated, -2 for a format without an integer path or
+ * P not 1 or 2. */
+int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T, int P,
+                      int scalar) {
+    if (P != 1 && P != 2) return -2;
+    for (int64_t e = 0; e < n; e++)
+        for (int k = 0; k < 3; k++)
+            if (!has_q8((int)experts[10 * e + 3 * k])) return -2;
+    if (n < 1) return 0;
+    exp_job j = {.e = experts, .H = H, .I = I, .T = T, .step1 = task_rows(H), .step3 = task_rows(I),
+                 .hrb = sluice_q8_row_bytes(I, P), .P = P, .scalar = scalar};
+    j.tasks1 = 2 * ((I + j.step1 - 1) / j.step1);
+    j.tasks3 = (H + j.step3 - 1) / j.step3;
+    size_t xb = (size_t)(T * sluice_q8_row_bytes(H, P)), hb = (size_t)(n * T * j.hrb);
+    float *gu = (float *)malloc(2 * (size_t)(n * T * I) * sizeof(float) + xb + hb);
+    if (!gu) return -1;
+    j.g = gu;
+    j.u = gu + n * T * I;
+    uint8_t *xq = (uint8_t *)(j.u + n * T * I);
+    j.hq = xq + xb;
+    sluice_quantize_q8(H, x, T, xq, P, scalar);
+    j.xq = xq;
+    pool_run(gate_up_task, &j, n * j.tasks1);
+    pool_run(glu_task, &j, n);
+    pool_run(down_task, &j, n * j.tasks3);
+    free(gu);
+    return 0;
+}

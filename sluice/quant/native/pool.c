@@ -1,0 +1,176 @@
+/* Threads inside the extension: one decode step's native work split over the CPUs without Python in between.
+ *
+ * Why here and not a Python pool: a Python thread pool costs a future, a lock handoff and the GIL per job; a decode
+ * token of the peers model ran 128 expert calls and ~70 projections through it, and its experts took 25-29 ms
+ * split over 2 threads against ~28 ms of pure C work on one (benchmarks/quantized/expert_threads.py). Here a job is
+ * a list of tasks (rows of one or several projections, experts of a layer) handed out by an atomic counter; the
+ * calling thread works too, and the workers spin briefly between jobs (a decode step runs several jobs per layer,
+ * and a futex wake-up costs tens of us), then sleep.
+ *
+ * Every task writes its own outputs and computes them as one thread would (the same kernel call on the same
+ * bytes), so a result has the same bits whichever thread ran which task and for any thread count.
+ * One job at a time: a call made while another thread's job runs (or from inside a task) runs its tasks on the
+ * calling thread, so nothing waits on itself. After fork() the child starts with no workers (pthread_atfork).
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#include "common.h"
+
+#if SLUICE_X86
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define MAX_THREADS 64
+/* a worker spins this long after a job (pause, then sched_yield so an I/O thread on its CPU still runs), then
+ * sleeps until the next one */
+#define SPIN_NS 50000
+#define YIELD_NS 1000000
+
+static struct {
+    pthread_mutex_t mu, run;
+    pthread_cond_t wake, done;
+    int threads;  /* wanted, the caller included */
+    int started;  /* workers running */
+    pthread_t tid[MAX_THREADS];
+    int quit;
+    task_fn fn;
+    void *ctx;
+    int64_t ntasks;
+    atomic_llong next;
+    atomic_int busy;
+    atomic_uint gen;
+    int atfork;
+} S = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 1};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void take_tasks(void) {
+    for (;;) {
+        int64_t i = atomic_fetch_add(&S.next, 1);
+        if (i >= S.ntasks) return;
+        S.fn(S.ctx, i);
+    }
+}
+
+static void *worker(void *arg) {
+    unsigned seen = (unsigned)(uintptr_t)arg;
+    for (;;) {
+        unsigned g = atomic_load(&S.gen);
+        if (g == seen) {
+            int64_t t0 = now_ns(), t;
+            int n = 0;
+            while ((g = atomic_load(&S.gen)) == seen) {
+                if ((++n & 63) == 0 && (t = now_ns() - t0) > SPIN_NS) {
+                    if (t > YIELD_NS) break;
+                    sched_yield();
+                } else {
+                    CPU_RELAX();
+                }
+            }
+            if (g == seen) {
+                pthread_mutex_lock(&S.mu);
+                while ((g = atomic_load(&S.gen)) == seen) pthread_cond_wait(&S.wake, &S.mu);
+                pthread_mutex_unlock(&S.mu);
+            }
+        }
+        seen = g;
+        if (S.quit) return NULL;
+        take_tasks();
+        if (atomic_fetch_sub(&S.busy, 1) == 1) {
+            pthread_mutex_lock(&S.mu);
+            pthread_cond_signal(&S.done);
+            pthread_mutex_unlock(&S.mu);
+        }
+    }
+}
+
+/* the child of a fork has no workers; its locks start free */
+static void after_fork_child(void) {
+    pthread_mutex_init(&S.mu, NULL);
+    pthread_mutex_init(&S.run, NULL);
+    pthread_cond_init(&S.wake, NULL);
+    pthread_cond_init(&S.done, NULL);
+    S.started = 0;
+    S.quit = 0;
+}
+
+static void stop_workers(void) {  /* with S.run held */
+    if (!S.started) return;
+    pthread_mutex_lock(&S.mu);
+    S.quit = 1;
+    atomic_fetch_add(&S.gen, 1);
+    pthread_cond_broadcast(&S.wake);
+    pthread_mutex_unlock(&S.mu);
+    for (int i = 0; i < S.started; i++) pthread_join(S.tid[i], NULL);
+    S.started = 0;
+    S.quit = 0;
+}
+
+/* starts threads - 1 workers; returns how many run (fewer when the system refuses) */
+static int start_workers(void) {  /* with S.run held */
+    if (!S.atfork) {
+        pthread_atfork(NULL, NULL, after_fork_child);
+        S.atfork = 1;
+    }
+    unsigned g = atomic_load(&S.gen);
+    while (S.started < S.threads - 1) {
+        if (pthread_create(&S.tid[S.started], NULL, worker, (void *)(uintptr_t)g)) break;
+        S.started++;
+    }
+    return S.started;
+}
+
+/* the threads a job may use, the caller included (1..MAX_THREADS); joins the workers of the old count */
+void sluice_set_threads(int threads) {
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    pthread_mutex_lock(&S.run);
+    if (threads != S.threads) {
+        stop_workers();
+        S.threads = threads;
+    }
+    pthread_mutex_unlock(&S.run);
+}
+
+int sluice_threads(void) { return S.threads; }
+
+void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
+    if (ntasks <= 0) return;
+    if (ntasks == 1 || S.threads <= 1 || pthread_mutex_trylock(&S.run) != 0) {
+        for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
+        return;
+    }
+    int workers = S.started == S.threads - 1 ? S.started : start_workers();
+    if (workers == 0) {
+        pthread_mutex_unlock(&S.run);
+        for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
+        return;
+    }
+    S.fn = fn;
+    S.ctx = ctx;
+    S.ntasks = ntasks;
+    atomic_store(&S.next, 0);
+    atomic_store(&S.busy, workers);
+    pthread_mutex_lock(&S.mu);
+    atomic_fetch_add(&S.gen, 1);
+    pthread_cond_broadcast(&S.wake);
+    pthread_mutex_unlock(&S.mu);
+    take_tasks();
+    for (int n = 0; atomic_load(&S.busy) > 0 && n < 20000; n++) CPU_RELAX();
+    if (atomic_load(&S.busy) > 0) {
+        pthread_mutex_lock(&S.mu);
+        while (atomic_load(&S.busy) > 0) pthread_cond_wait(&S.done, &S.mu);
+        pthread_mutex_unlock(&S.mu);
+    }
+    pthread_mutex_unlock(&S.run);
+}
