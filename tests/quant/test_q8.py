@@ -55,7 +55,8 @@ def test_within_the_bound_of_the_exact_weights_and_the_same_bits_on_both_paths(s
     # row t does not depend on T; a given quantized x gives the same y
     mid = x[T // 2:T // 2 + 1].contiguous()
     assert torch.equal(native.linear_q8(spec, mid, raw, planes=planes), ys[0][T // 2:T // 2 + 1])
-    assert torch.equal(native.linear_q8(spec, x, raw, xq=native.quantize_q8(x, planes), planes=planes), ys[0])
+    xq = native.quantize_q8(x, planes, spec=spec)
+    assert torch.equal(native.linear_q8(spec, x, raw, xq=xq, planes=planes), ys[0])
 
 
 @pytest.mark.parametrize("planes", [1, 2])
@@ -98,6 +99,38 @@ def test_quantized_x_layout(planes, monkeypatch):
     assert torch.equal(d, D)
     assert bool(((code * d[..., None] - xb).abs() <= d[..., None] * (0.5 if planes == 1 else 1.0) * (1 + 1e-6)).all())
     assert torch.equal(s, d * code.sum(-1))
+
+
+def test_super_block_layout_of_the_k_quants(monkeypatch):
+    """The K-quants with two planes read x in super-blocks: per 256 values float d = D / 256 (D = amax / 127), int32
+    bsum[16] = the sum of each 16 values' codes 256 * hi + lo, int8 hi[256] = round(x / D), int8 lo[256] =
+    round((x / D - hi) * 256); the 32-value formats keep their layout."""
+    K = 512
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(5)) * 3
+    x[1, :256] = 0  # an all-zero super-block: d = 0, codes 0
+    spec = QuantSpec.ggml("Q4_K", 4, K)
+    xqs = both_paths(lambda: native.quantize_q8(x, 2, spec=spec), monkeypatch)
+    assert all(torch.equal(xqs[0], v) for v in xqs)
+    assert xqs[0].shape == (2, native.q8_row_bytes(K, 2, spec)) == (2, K // 256 * 580)
+    assert native.q8_row_bytes(K, 2, QuantSpec.ggml("Q8_0", 4, K)) == native.q8_row_bytes(K, 2) == K // 32 * 72
+    assert native.q8_row_bytes(K, 1, spec) == K // 32 * 40  # one plane: the 32-value layout
+    sb = xqs[0].view(2, K // 256, 580)
+    d = sb[..., :4].contiguous().view(torch.float32)[..., 0]  # [2, super-blocks]
+    bsum = sb[..., 4:68].contiguous().view(torch.int32)  # [2, sb, 16]
+    hi = sb[..., 68:324].contiguous().view(torch.int8).float()
+    lo = sb[..., 324:].contiguous().view(torch.int8).float()
+    xb = x.view(2, K // 256, 256)
+    f = xb * (127 / xb.abs().amax(-1, keepdim=True).double()).float()
+    assert torch.equal(hi, torch.round(f).nan_to_num(0.0))
+    assert torch.equal(lo, torch.round((f - hi) * 256).clamp(-127, 127).nan_to_num(0.0))
+    assert torch.equal(d, xb.abs().amax(-1) / 127 / 256)
+    code = 256 * hi + lo
+    assert torch.equal(bsum, code.view(2, K // 256, 16, 16).sum(-1).int())
+    assert bool(((code * d[..., None] - xb).abs() <= d[..., None] * (1 + 1e-6)).all())
+    assert not hi[1, 0].any() and d[1, 0] == 0
+    # the same bits from linear_q8 with this xq as with x
+    raw = random_stored(spec)
+    assert torch.equal(native.linear_q8(spec, x, raw, xq=xqs[0]), native.linear_q8(spec, x, raw))
 
 
 def test_nonfinite_activations_do_not_crash():

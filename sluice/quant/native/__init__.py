@@ -7,7 +7,7 @@
     y = native.linear_mlx(x, weight, scales, biases, bits=4, group_size=64)   # MLX's three separate buffers
     w = native.dequantize(spec, raw, out)     # the exact float32 weights [out, in] (bitwise the reference)
     native.q8_supported(spec)                 # GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: the int8 path exists
-    xq = native.quantize_q8(x)                # x float32 [T, in] -> 8-bit blocks, uint8 [T, q8_row_bytes(in)]
+    xq = native.quantize_q8(x, spec=spec)     # x float32 [T, in] -> 8-bit codes, uint8 [T, q8_row_bytes(in)]
     y = native.linear_q8(spec, x, raw)        # int8 activations x integer dots (q8.c), y float32 [T, out]
     y = native.LinearQ8(spec, raw)(x)         # the same, the checks on spec and raw done once
     y = native.expert_q8(specs, raws, x)      # down(silu(gate x) * up x) in one call, y float32 [T, H]
@@ -75,6 +75,10 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_experts_q8.argtypes = [i64, ptr, i64, i64, ptr, i64, i32, i32]  # n, experts, H, I, x, T, P, scalar
     lib.sluice_linears_q8.restype = lib.sluice_experts_q8.restype = lib.sluice_threads.restype = i32
     lib.sluice_set_threads.argtypes = [i32]
+    lib.sluice_q8_layout.argtypes = [i32, i32]
+    lib.sluice_set_super_blocks.argtypes = [i32]
+    lib.sluice_set_super_blocks.restype = None
+    lib.sluice_q8_layout.restype = i32
     lib.sluice_combine_bf16.argtypes = [i64, ptr, i64, ptr, i32, ptr, ptr]  # n, ys, H, w, w_f32, at, out
     lib.sluice_set_threads.restype = lib.sluice_combine_bf16.restype = None
     return lib
@@ -257,9 +261,27 @@ def q8_supported(spec: QuantSpec) -> bool:
 Q8_PLANES = 2
 
 
-def q8_row_bytes(in_features: int, planes: int | None = None) -> int:
-    """Bytes of one quantized x row: per 32 values float d, float d * sum, `planes` x 32 int8 codes (see q8.c)."""
-    return in_features // 32 * (8 + 32 * _planes(planes))
+def q8_row_bytes(in_features: int, planes: int | None = None, spec: QuantSpec | None = None) -> int:
+    """Bytes of one quantized x row in the layout `spec`'s rows read (see q8.c): per 32 values float d, float
+    d * sum, `planes` x 32 int8 codes; the K-quants with two planes: per 256 values float d, 16 int32 sums, two
+    planes of 256 codes. spec None: the 32-value layout."""
+    planes = _planes(planes)
+    if _layout_of(spec, planes) == 3:
+        return in_features // 256 * 580
+    return in_features // 32 * (8 + 32 * planes)
+
+
+def set_super_blocks(on: bool) -> None:
+    """Benchmark hook: False makes the K-quants read x in 32-value blocks, as before the super-block layout (q8.c),
+    process-wide, until set back (benchmarks/quantized/kernel_layouts.py). Default True."""
+    _LIB.sluice_set_super_blocks(int(on))
+
+
+def _layout_of(spec: QuantSpec | None, planes: int) -> int:
+    """The C x layout (XF) spec's rows read with `planes`: 1 or 2 (32-value blocks), 3 (super-blocks)."""
+    if spec is None:
+        return planes
+    return _LIB.sluice_q8_layout(_layout(spec)[1], planes)
 
 
 def _planes(planes: int | None) -> int:
@@ -271,9 +293,11 @@ def _planes(planes: int | None) -> int:
     return planes
 
 
-def quantize_q8(x: torch.Tensor, planes: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x float32 [T, in] (contiguous, in a multiple of 32) -> its 8-bit blocks, uint8 [T, q8_row_bytes(in, planes)]
-    (into out when given). The layout is the same for every format: one quantized x serves every projection of it."""
+def quantize_q8(x: torch.Tensor, planes: int | None = None, out: torch.Tensor | None = None,
+                spec: QuantSpec | None = None) -> torch.Tensor:
+    """x float32 [T, in] (contiguous, in a multiple of 32) -> its 8-bit codes, uint8 [T, q8_row_bytes(in, planes,
+    spec)] (into out when given), in the layout the rows of `spec` read (None: the 32-value blocks every format
+    but the two-plane K-quants reads). linear_q8(spec, x, raw, xq=...) takes it."""
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False)")
     k = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
@@ -282,11 +306,12 @@ def quantize_q8(x: torch.Tensor, planes: int | None = None, out: torch.Tensor | 
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     x = _check_x(x, k)
     planes = _planes(planes)
-    rb = q8_row_bytes(k, planes)
+    rb = q8_row_bytes(k, planes, spec)
     if out is None:
         out = torch.empty(x.shape[0], rb, dtype=torch.uint8)
     _buffer(out, f"xq ([{x.shape[0]}, {rb}])", torch.uint8, x.shape[0] * rb)
-    _LIB.sluice_quantize_q8(k, x.data_ptr(), x.shape[0], out.data_ptr(), planes, int(FORCE_SCALAR))
+    _LIB.sluice_quantize_q8(k, x.data_ptr(), x.shape[0], out.data_ptr(), _layout_of(spec, planes),
+                            int(FORCE_SCALAR))
     return out.view(x.shape[0], rb)
 
 
@@ -298,7 +323,7 @@ def linear_q8(spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Te
     weights (tests/quant/test_q8.py): planes=1 5e-3 - 1.1e-2, planes=2 2e-5 - 4e-5. planes None: Q8_PLANES."""
     desc, x, out = _q8_args(spec, x, raw, out)
     if xq is not None:
-        _buffer(xq, "xq", torch.uint8, x.shape[0] * q8_row_bytes(spec.in_features, _planes(planes)))
+        _buffer(xq, "xq", torch.uint8, x.shape[0] * q8_row_bytes(spec.in_features, planes, spec))
     return _run_q8(desc, xq, x, out, _planes(planes), (0, spec.out_features))
 
 
@@ -517,7 +542,7 @@ class Pool:
         one call's result: each column is one integer dot product over the same quantized x)."""
         desc, x, out = _q8_args(spec, x, raw, out)
         planes = _planes(planes)
-        xq = quantize_q8(x, planes)  # [T, q8_row_bytes(in)], shared read-only by every range
+        xq = quantize_q8(x, planes, spec=spec)  # [T, q8_row_bytes(in)], shared read-only by every range
         return self._split(spec.out_features, lambda rows: _run_q8(desc, xq, x, out, planes, rows), out)
 
     def _split(self, n: int, job, out: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,9 @@
  * Activations: each x row becomes blocks of 32 values: float d, float s = d * sum(code), then P planes of int8
  * (40 or 72 bytes). hi = round(x / D), D = amax / 127 (half to even, |hi| <= 127); with P = 2 also lo =
  * round((x / D - hi) * 256) (clamped to +-127), code = 256 * hi + lo and d = D / 256 (x to ~1/65,000 of the block
- * max, finer than bf16), else code = hi and d = D. One layout for every weight format, so one quantized row serves
- * every weight row, gate and up, and any mix of formats (Q4_K_M files mix Q4_K, Q6_K, Q8_0).
+ * max, finer than bf16), else code = hi and d = D. Every format reads this layout except the K-quants with two
+ * planes, which read super-blocks of 256 (SB below); a call quantizes x once per layout its projections read
+ * (Q4_K_M files mix Q4_K, Q6_K and sometimes Q8_0).
  * Why 32 values and why two planes: llama.cpp's one plane with one scale per 256 activations for the K-quants (Q8_K)
  * took the tiny Q5_K model of tests/quant/test_gguf_models.py from 3.1e-2 (float kernel) to 5.2e-2 relative L2 of
  * the logits, one plane per 32 to 7.6e-2, past transformers' own bf16 run (4.4e-2: that random model amplifies
@@ -30,8 +31,33 @@
 
 static int has_q8(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }  /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K */
 
-/* bytes of one quantized x row of K values (K a multiple of 32), P planes */
-int64_t sluice_q8_row_bytes(int64_t K, int P) { return K / 32 * XB(P); }
+/* Super-block layout (XF = 3), the K-quants' with two planes: per 256 values float d, int32 bsum[16] (the sum of
+ * the combined codes 256 * hi + lo of each 16 values), int8 hi[256], int8 lo[256]; hi and lo as quant_block
+ * computes them with one D = amax / 127 for the 256 values. A K-quant block's sub-blocks then sum in integers
+ * (sub-block scale times codes times codes) and convert to float once per 256 values, as llama.cpp's Q4_K x Q8_K
+ * does, where the 32-value layout converts once per 32. A token's 128 experts of the peers shape (Q4_K gate / up,
+ * Q4_K or Q6_K down) took ~10% less on one thread, the same on two (memory-bound there), alternated in one process
+ * (benchmarks/quantized/kernel_layouts.py). The two planes keep x to ~1/32,000 of the 256-block max (llama.cpp's
+ * Q8_K: 1/127). */
+#define SB 580
+#define SB_HI 68
+#define SB_LO 324
+
+static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
+
+/* the x layout a format's rows read with P planes: 3 (super-blocks) for the K-quants with two planes, else P */
+/* benchmark hook (native.set_super_blocks): 0 makes the K-quants read the 32-value layout, as before it existed */
+static int super_blocks = 1;
+void sluice_set_super_blocks(int on) { super_blocks = on; }
+
+static int xf_for(int fmt, int P) { return P == 2 && is_k(fmt) && super_blocks ? 3 : P; }
+
+/* bytes of one quantized x row of K values: XF 1 or 2 (planes of 32-value blocks, K a multiple of 32) or 3
+ * (super-blocks, K a multiple of 256) */
+int64_t sluice_q8_row_bytes(int64_t K, int XF) { return XF == 3 ? K / 256 * SB : K / 32 * XB(XF); }
+
+/* the layout fmt reads with P planes (for the Python wrapper: quantize_q8(spec=...)) */
+int sluice_q8_layout(int fmt, int P) { return xf_for(fmt, P); }
 
 /* B values -> int8 codes; returns d. Non-finite or huge values clamp to +-127 (no undefined conversion). Inlined
  * into a portable and an AVX2-target copy of quant_row: the same IEEE operations (abs, compare, one multiply, round
@@ -70,7 +96,37 @@ static inline __attribute__((always_inline)) void quant_row(const float *x, int6
     }
 }
 
+/* one x row in super-blocks (XF = 3); the same operations per value as quant_block with P = 2 */
+static inline __attribute__((always_inline)) void quant_row_sb(const float *x, int64_t K, uint8_t *o) {
+    for (int64_t b = 0; b < K / 256; b++, o += SB, x += 256) {
+        int8_t *hi = (int8_t *)(o + SB_HI), *lo = (int8_t *)(o + SB_LO);
+        float amax = 0.0f;
+        for (int j = 0; j < 256; j++) {
+            float a = fabsf(x[j]);
+            if (a > amax) amax = a;
+        }
+        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < 256; j++) {
+            float f = x[j] * id, r = nearbyintf(f);
+            int h = r >= 127.0f ? 127 : r >= -127.0f ? (int)r : -127;
+            hi[j] = (int8_t)h;
+            float l = nearbyintf((f - (float)h) * 256.0f);
+            lo[j] = (int8_t)(l >= 127.0f ? 127 : l >= -127.0f ? (int)l : -127);
+        }
+        int32_t bs[16];
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int j = 16 * g; j < 16 * g + 16; j++) sum += 256 * hi[j] + lo[j];
+            bs[g] = sum;
+        }
+        d = d * (1.0f / 256.0f);
+        memcpy(o, &d, 4);
+        memcpy(o + 4, bs, 64);
+    }
+}
+
 static inline float rdf32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+static inline int32_t rdi32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 static const int BLOCK_BYTES[] = {[Q4_0] = 18, [Q4_1] = 20, [Q5_0] = 22, [Q5_1] = 24, [Q8_0] = 34,
                                   [Q4_K] = 144, [Q5_K] = 176, [Q6_K] = 210};
@@ -150,6 +206,51 @@ static float dot_scalar_q8(int fmt, const uint8_t *row, const uint8_t *xq, int64
             if (fmt == Q6_K) scs[0] = (int8_t)blk[192 + 2 * s], scs[1] = (int8_t)blk[193 + 2 * s];
             lanes_scalar(c + 32 * s, (const int8_t *)(xq + 8), scs, d * rdf32(xq), lane[s & 1], P);
             if (fmt != Q6_K) m = m + (dmin * (float)mn[s]) * rdf32(xq + 4);
+        }
+    }
+    return reduce16(lane[0], lane[1]) - m;
+}
+
+/* K-quant row against a super-block x row (XF = 3). Per 256-block: int32 Ahi[l], Alo[l] (l = 0..7, values 4l..4l+3
+ * of each 32-value sub-block s, times the sub-block's integer scale: Q6_K one per 16 values, so l < 4 / l >= 4)
+ * sum hi and lo codes against the unsigned codes (Q6_K: 0..63, its -32 moved into the correction), then
+ *   lane[b & 1][l] += (d_w * d_x) * ((float)Ahi[l] * 256 + (float)Alo[l])
+ *   m += c * (float)M    Q4_K / Q5_K: c = dmin * d_x, M = sum_s mins[s] * bsum32[s];
+ *                        Q6_K: c = d_w * d_x, M = 32 * sum_g scale[g] * bsum16[g]
+ *   y = reduce16(lane) - m
+ * as the AVX2 path computes it (madd lanes, one float conversion per block). */
+static float dot_scalar_sb(int fmt, const uint8_t *row, const uint8_t *xs, int64_t K) {
+    float lane[2][8] = {{0}}, m = 0.0f;
+    for (int64_t b = 0; b < K / 256; b++, xs += SB) {
+        const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
+        const int8_t *hi = (const int8_t *)(xs + SB_HI), *lo = (const int8_t *)(xs + SB_LO);
+        int8_t c[256];
+        uint8_t sc[8] = {0}, mn[8] = {0};
+        codes256(fmt, blk, c);
+        float dw = rdf16(fmt == Q6_K ? blk + 208 : blk), dx = rdf32(xs);
+        if (fmt != Q6_K) k_scale_min(blk + 4, sc, mn);
+        int32_t ahi[8] = {0}, alo[8] = {0};
+        for (int s = 0; s < 8; s++)
+            for (int l = 0; l < 8; l++) {
+                int scale = fmt == Q6_K ? (int8_t)blk[192 + 2 * s + l / 4] : sc[s], h = 0, o = 0;
+                for (int v = 32 * s + 4 * l; v < 32 * s + 4 * l + 4; v++) {
+                    int w = fmt == Q6_K ? c[v] + 32 : c[v];
+                    h += w * hi[v];
+                    o += w * lo[v];
+                }
+                ahi[l] += scale * h;
+                alo[l] += scale * o;
+            }
+        float f = dw * dx;
+        for (int l = 0; l < 8; l++)
+            lane[b & 1][l] = lane[b & 1][l] + f * ((float)ahi[l] * 256.0f + (float)alo[l]);
+        int64_t M = 0;
+        if (fmt == Q6_K) {
+            for (int g = 0; g < 16; g++) M += (int64_t)(int8_t)blk[192 + g] * rdi32(xs + 4 + 4 * g);
+            m = m + (dw * dx) * (float)(32 * M);
+        } else {
+            for (int s = 0; s < 8; s++) M += (int64_t)mn[s] * ((int64_t)rdi32(xs + 4 + 8 * s) + rdi32(xs + 8 + 8 * s));
+            m = m + (rdf16(blk + 2) * dx) * (float)M;
         }
     }
     return reduce16(lane[0], lane[1]) - m;
@@ -303,6 +404,94 @@ AVX2_INLINE void dotk_avx2(const int fmt, const uint8_t *row, const uint8_t *xq,
     for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
 }
 
+/* one 32-value sub-block s (unsigned codes c, int16 scales sc) into the integer accumulators of R x rows */
+AVX2_INLINE void sb_acc(__m256i c, __m256i sc, const uint8_t *xs, int s, int64_t rb, const int R, __m256i *ahi,
+                        __m256i *alo) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xs + r * rb;
+        __m256i h = _mm256_loadu_si256((const __m256i *)(x + SB_HI + 32 * s));
+        __m256i l = _mm256_loadu_si256((const __m256i *)(x + SB_LO + 32 * s));
+        ahi[r] = _mm256_add_epi32(ahi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c, h), sc));
+        alo[r] = _mm256_add_epi32(alo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c, l), sc));
+    }
+}
+
+/* dot_scalar_sb's arithmetic: K-quant rows against super-block x rows */
+AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int R,
+                            float *y, int64_t ldy) {
+    __m256 l0[4], l1[4];
+    float m[4];
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256 k256 = _mm256_set1_ps(256.0f);
+    for (int64_t b = 0; b < K / 256; b++, xq += SB) {
+        const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
+        __m256i ahi[4], alo[4];
+        for (int r = 0; r < R; r++) ahi[r] = alo[r] = _mm256_setzero_si256();
+        float dw;
+        if (fmt == Q6_K) {
+            const __m256i m2 = _mm256_set1_epi8(3);
+            dw = f16c(blk + 208);
+            for (int h = 0; h < 2; h++) {
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                __m256i lo[4] = {_mm256_and_si256(v0, m4), _mm256_and_si256(v1, m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4)};
+                for (int k = 0; k < 4; k++) {
+                    int s = 4 * h + k;
+                    __m256i c = _mm256_or_si256(lo[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k),
+                                                                                          m2), 4));
+                    __m256i sc = _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[193 + 2 * s]),
+                                                  _mm_set1_epi16((int8_t)blk[192 + 2 * s]));
+                    sb_acc(c, sc, xq, s, rb, R, ahi, alo);
+                }
+            }
+        } else {
+            const int five = fmt == Q5_K;
+            const uint8_t *qs = blk + (five ? 48 : 16);
+            uint8_t sc[8], mn[8];
+            k_scale_min(blk + 4, sc, mn);
+            dw = f16c(blk);
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            for (int i = 0; i < 4; i++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+                __m256i c0 = _mm256_and_si256(v, m4), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    const __m256i x10 = _mm256_set1_epi8(0x10);
+                    __m256i b0 = _mm256_set1_epi8((char)(1 << 2 * i)), b1 = _mm256_set1_epi8((char)(2 << 2 * i));
+                    c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
+                    c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
+                }
+                sb_acc(c0, _mm256_set1_epi16(sc[2 * i]), xq, 2 * i, rb, R, ahi, alo);
+                sb_acc(c1, _mm256_set1_epi16(sc[2 * i + 1]), xq, 2 * i + 1, rb, R, ahi, alo);
+            }
+            float dmin = f16c(blk + 2);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *x = xq + r * rb;
+                int64_t M = 0;
+                for (int s = 0; s < 8; s++) M += (int64_t)mn[s] * ((int64_t)rdi32(x + 4 + 8 * s) + rdi32(x + 8 + 8 * s));
+                m[r] = m[r] + (dmin * rdf32(x)) * (float)M;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *x = xq + r * rb;
+            float dx = rdf32(x);
+            __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ahi[r]), k256), _mm256_cvtepi32_ps(alo[r]));
+            v = _mm256_mul_ps(_mm256_set1_ps(dw * dx), v);
+            if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
+            else l0[r] = _mm256_add_ps(l0[r], v);
+            if (fmt == Q6_K) {
+                int64_t M = 0;
+                for (int g = 0; g < 16; g++) M += (int64_t)(int8_t)blk[192 + g] * rdi32(x + 4 + 4 * g);
+                m[r] = m[r] + (dw * dx) * (float)(32 * M);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
+}
+
 /* one weight row against R <= 4 x rows: y[r * ldy] */
 typedef void (*dot_fn)(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y, int64_t ldy);
 #define DOT_PR(F, KIND, P, R)                                                                                          \
@@ -323,70 +512,94 @@ DOT_FMT(Q8_0, dot32)
 DOT_FMT(Q4_K, dotk)
 DOT_FMT(Q5_K, dotk)
 DOT_FMT(Q6_K, dotk)
+#define DOT_SB(F, R)                                                                                                   \
+    AVX2 static void dotsb_##F##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,          \
+                                     int64_t ldy) {                                                                  \
+        dotsb_avx2(F, row, xq, rb, K, R, y, ldy);                                                                      \
+    }
+#define DOT_SB_FMT(F)                                                                                                  \
+    DOT_SB(F, 1) DOT_SB(F, 2) DOT_SB(F, 3) DOT_SB(F, 4)                                                                \
+    static const dot_fn dotsbs_##F[4] = {dotsb_##F##_1, dotsb_##F##_2, dotsb_##F##_3, dotsb_##F##_4};
+DOT_SB_FMT(Q4_K)
+DOT_SB_FMT(Q5_K)
+DOT_SB_FMT(Q6_K)
 
-/* the kernel for fmt, P planes, R x rows */
-static dot_fn dot_avx2_for(int fmt, int P, int R) {
+/* the kernel for fmt, x layout XF (1 or 2 planes of 32-blocks, 3 super-blocks), R x rows */
+static dot_fn dot_avx2_for(int fmt, int XF, int R) {
     static const dot_fn (*all[])[4] = {[Q4_0] = dots_Q4_0, [Q4_1] = dots_Q4_1, [Q5_0] = dots_Q5_0,
                                        [Q5_1] = dots_Q5_1, [Q8_0] = dots_Q8_0, [Q4_K] = dots_Q4_K,
                                        [Q5_K] = dots_Q5_K, [Q6_K] = dots_Q6_K};
-    return all[fmt][P - 1][R - 1];
+    if (XF == 3) return (fmt == Q4_K ? dotsbs_Q4_K : fmt == Q5_K ? dotsbs_Q5_K : dotsbs_Q6_K)[R - 1];
+    return all[fmt][XF - 1][R - 1];
 }
 #endif
 
 /* ---- entry points (arguments checked by the Python wrapper) ---- */
 
-static void quant_rows_scalar(const float *x, int64_t K, int64_t T, uint8_t *xq, int P) {
-    for (int64_t t = 0; t < T; t++) quant_row(x + t * K, K, xq + t * sluice_q8_row_bytes(K, P), P);
+static void quant_rows_scalar(const float *x, int64_t K, int64_t T, uint8_t *xq, int XF) {
+    for (int64_t t = 0; t < T; t++) {
+        uint8_t *o = xq + t * sluice_q8_row_bytes(K, XF);
+        if (XF == 3) quant_row_sb(x + t * K, K, o);
+        else quant_row(x + t * K, K, o, XF);
+    }
 }
 
 #if SLUICE_X86
-AVX2 static void quant_rows_avx2(const float *x, int64_t K, int64_t T, uint8_t *xq, int P) {
-    for (int64_t t = 0; t < T; t++) quant_row(x + t * K, K, xq + t * sluice_q8_row_bytes(K, P), P);
+AVX2 static void quant_rows_avx2(const float *x, int64_t K, int64_t T, uint8_t *xq, int XF) {
+    for (int64_t t = 0; t < T; t++) {
+        uint8_t *o = xq + t * sluice_q8_row_bytes(K, XF);
+        if (XF == 3) quant_row_sb(x + t * K, K, o);
+        else quant_row(x + t * K, K, o, XF);
+    }
 }
 #endif
 
-/* T rows of x [T, K] -> xq [T, sluice_q8_row_bytes(K, P)], P = 1 or 2 planes */
-void sluice_quantize_q8(int64_t K, const float *x, int64_t T, uint8_t *xq, int P, int scalar) {
+/* T rows of x [T, K] -> xq [T, sluice_q8_row_bytes(K, XF)]: XF 1 or 2 planes of 32-value blocks, 3 super-blocks */
+void sluice_quantize_q8(int64_t K, const float *x, int64_t T, uint8_t *xq, int XF, int scalar) {
     (void)scalar;
 #if SLUICE_X86
-    if (!scalar && sluice_simd()) { quant_rows_avx2(x, K, T, xq, P); return; }
+    if (!scalar && sluice_simd()) { quant_rows_avx2(x, K, T, xq, XF); return; }
 #endif
-    quant_rows_scalar(x, K, T, xq, P);
+    quant_rows_scalar(x, K, T, xq, XF);
 }
 
+/* y[t, n] for n in [n0, n1) from xq in fmt's layout XF (xf_for) */
 static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t T,
-                    int P, float *y, int64_t n0, int64_t n1, int scalar) {
-    const int64_t rb = sluice_q8_row_bytes(K, P);
+                    int XF, float *y, int64_t n0, int64_t n1, int scalar) {
+    const int64_t rb = sluice_q8_row_bytes(K, XF);
     (void)scalar;
 #if SLUICE_X86
     if (!scalar && sluice_simd()) {  /* x rows 4 at a time against each weight row */
         for (int64_t n = n0; n < n1; n++)
             for (int64_t t = 0; t < T; t += 4) {
                 int R = T - t < 4 ? (int)(T - t) : 4;
-                dot_avx2_for(fmt, P, R)(q + n * row_bytes, xq + t * rb, rb, K, y + t * N + n, N);
+                dot_avx2_for(fmt, XF, R)(q + n * row_bytes, xq + t * rb, rb, K, y + t * N + n, N);
             }
         return;
     }
 #endif
     for (int64_t n = n0; n < n1; n++)
-        for (int64_t t = 0; t < T; t++) y[t * N + n] = dot_scalar_q8(fmt, q + n * row_bytes, xq + t * rb, K, P);
+        for (int64_t t = 0; t < T; t++)
+            y[t * N + n] = XF == 3 ? dot_scalar_sb(fmt, q + n * row_bytes, xq + t * rb, K)
+                                   : dot_scalar_q8(fmt, q + n * row_bytes, xq + t * rb, K, XF);
 }
 
-/* y[t, n] for n in [n0, n1) (y [T, N]) from the quantized x rows xq (P planes), or from x [T, K] float32 quantized
- * here when xq is NULL (one call instead of two: ~10 us of Python less per projection); scalar != 0 forces the
- * portable path. Returns 0, -1 when the quantized rows cannot be allocated, -2 for a format without an integer path
- * or P not 1 or 2. */
+/* y[t, n] for n in [n0, n1) (y [T, N]) from the quantized x rows xq (in the layout of fmt with P planes:
+ * sluice_q8_layout), or from x [T, K] float32 quantized here when xq is NULL (one call instead of two: ~10 us of
+ * Python less per projection); scalar != 0 forces the portable path. Returns 0, -1 when the quantized rows cannot
+ * be allocated, -2 for a format without an integer path or P not 1 or 2. */
 int sluice_linear_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *xq,
                      const float *x, int64_t T, int P, float *y, int64_t n0, int64_t n1, int scalar) {
     if (!has_q8(fmt) || (P != 1 && P != 2)) return -2;
+    const int XF = xf_for(fmt, P);
     uint8_t *own = NULL;
     if (!xq) {
-        own = (uint8_t *)malloc((size_t)(T * sluice_q8_row_bytes(K, P)));
+        own = (uint8_t *)malloc((size_t)(T * sluice_q8_row_bytes(K, XF)));
         if (!own) return -1;
-        sluice_quantize_q8(K, x, T, own, P, scalar);
+        sluice_quantize_q8(K, x, T, own, XF, scalar);
         xq = own;
     }
-    rows_q8(fmt, N, K, q, row_bytes, xq, T, P, y, n0, n1, scalar);
+    rows_q8(fmt, N, K, q, row_bytes, xq, T, XF, y, n0, n1, scalar);
     free(own);
     return 0;
 }
@@ -398,27 +611,48 @@ static void swiglu(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* x [T, K] quantized in the layouts the projections read: xq[0] for P (32-value blocks), xq[1] for super-blocks,
+ * each only when `need` has it (bit 0 / bit 1); one allocation, freed by the caller (NULL: no memory) */
+static uint8_t *quantize_for(int need, int64_t K, const float *x, int64_t T, int P, int scalar, uint8_t **xq) {
+    size_t b0 = need & 1 ? (size_t)(T * sluice_q8_row_bytes(K, P)) : 0;
+    size_t b1 = need & 2 ? (size_t)(T * sluice_q8_row_bytes(K, 3)) : 0;
+    uint8_t *buf = (uint8_t *)malloc(b0 + b1 + 1);
+    if (!buf) return NULL;
+    xq[0] = buf;
+    xq[1] = buf + b0;
+    if (need & 1) sluice_quantize_q8(K, x, T, xq[0], P, scalar);
+    if (need & 2) sluice_quantize_q8(K, x, T, xq[1], 3, scalar);
+    return buf;
+}
+
+static int need_bit(int fmt, int P) { return xf_for(fmt, P) == 3 ? 2 : 1; }
+
 /* gate, up [I, H] and down [H, I] from their stored rows (format, codes, bytes per row), x [T, H] float32 -> y [T, H]
- * float32: x quantized once for gate and up, the SwiGLU product in float32, re-quantized once for down; one call
- * instead of three plus the conversions between them. Returns 0, -1 when the scratch cannot be allocated, -2 for a
- * format without an integer path or P not 1 or 2. */
+ * float32: x quantized once per layout for gate and up, the SwiGLU product in float32, re-quantized once for down;
+ * one call instead of three plus the conversions between them. Returns 0, -1 when the scratch cannot be
+ * allocated, -2 for a format without an integer path or P not 1 or 2. */
 int sluice_expert_q8(int gf, const uint8_t *gq, int64_t grb, int uf, const uint8_t *uq, int64_t urb, int df,
                      const uint8_t *dq, int64_t drb, int64_t H, int64_t I, const float *x, int64_t T, int P, float *y,
                      int scalar) {
     if (!has_q8(gf) || !has_q8(uf) || !has_q8(df) || (P != 1 && P != 2)) return -2;
-    size_t xb = (size_t)(T * sluice_q8_row_bytes(H, P)), hb = (size_t)(T * sluice_q8_row_bytes(I, P));
-    float *gu = (float *)malloc(2 * (size_t)(T * I) * sizeof(float) + xb + hb);
-    if (!gu) return -1;
+    uint8_t *xq[2], *hq[2];
+    uint8_t *xbuf = quantize_for(need_bit(gf, P) | need_bit(uf, P), H, x, T, P, scalar, xq);
+    float *gu = (float *)malloc(2 * (size_t)(T * I) * sizeof(float));
+    if (!xbuf || !gu) {
+        free(xbuf);
+        free(gu);
+        return -1;
+    }
     float *u = gu + T * I;
-    uint8_t *xq = (uint8_t *)(u + T * I), *hq = xq + xb;
-    sluice_quantize_q8(H, x, T, xq, P, scalar);
-    rows_q8(gf, I, H, gq, grb, xq, T, P, gu, 0, I, scalar);
-    rows_q8(uf, I, H, uq, urb, xq, T, P, u, 0, I, scalar);
+    rows_q8(gf, I, H, gq, grb, xq[need_bit(gf, P) - 1], T, xf_for(gf, P), gu, 0, I, scalar);
+    rows_q8(uf, I, H, uq, urb, xq[need_bit(uf, P) - 1], T, xf_for(uf, P), u, 0, I, scalar);
     swiglu(gu, u, T * I);
-    sluice_quantize_q8(I, gu, T, hq, P, scalar);
-    rows_q8(df, H, I, dq, drb, hq, T, P, y, 0, H, scalar);
+    uint8_t *hbuf = quantize_for(need_bit(df, P), I, gu, T, P, scalar, hq);
+    if (hbuf) rows_q8(df, H, I, dq, drb, hq[need_bit(df, P) - 1], T, xf_for(df, P), y, 0, H, scalar);
+    free(hbuf);
+    free(xbuf);
     free(gu);
-    return 0;
+    return hbuf ? 0 : -1;
 }
 
 /* ---- jobs over the pool (pool.c): several projections of one x, the experts of one layer ---- */
@@ -430,7 +664,7 @@ static int64_t task_rows(int64_t K) { return K >= 65536 ? 1 : 65536 / K; }
 typedef struct {
     int64_t m, K, T, step, first[MAX_PROJ + 1];  /* first[a]: the first task of projection a; first[m]: all */
     const int64_t *d;                          /* m x (format, N, codes, bytes per row, y) */
-    const uint8_t *xq;
+    uint8_t *xq[2];
     int P, scalar;
 } lin_job;
 
@@ -439,35 +673,37 @@ static void lin_task(void *c, int64_t i) {
     int64_t a = 0;
     while (j->first[a + 1] <= i) a++;
     const int64_t *d = j->d + 5 * a;
+    int fmt = (int)d[0];
     int64_t n0 = (i - j->first[a]) * j->step, n1 = n0 + j->step < d[1] ? n0 + j->step : d[1];
-    rows_q8((int)d[0], d[1], j->K, (const uint8_t *)(intptr_t)d[2], d[3], j->xq, j->T, j->P,
-            (float *)(intptr_t)d[4], n0, n1, j->scalar);
+    rows_q8(fmt, d[1], j->K, (const uint8_t *)(intptr_t)d[2], d[3], j->xq[need_bit(fmt, j->P) - 1], j->T,
+            xf_for(fmt, j->P), (float *)(intptr_t)d[4], n0, n1, j->scalar);
 }
 
 /* y_a [T, N_a] = x [T, K] @ W_a^T for m <= 16 projections of one x (a layer's q, k and v; one head): x quantized
- * once, the output rows of all of them split over the pool. descs: m x (format, N, codes address, bytes per row,
- * y address). Each y element is what sluice_linear_q8 computes, whichever thread ran it. Returns 0, -1 when the
- * quantized rows cannot be allocated, -2 for a format without an integer path, P not 1 or 2, or m > 16. */
+ * once per layout, the output rows of all of them split over the pool. descs: m x (format, N, codes address,
+ * bytes per row, y address). Each y element is what sluice_linear_q8 computes, whichever thread ran it. Returns 0,
+ * -1 when the quantized rows cannot be allocated, -2 for a format without an integer path, P not 1 or 2, or
+ * m > 16. */
 int sluice_linears_q8(int64_t m, const int64_t *descs, int64_t K, const float *x, int64_t T, int P, int scalar) {
     if (m < 1 || m > MAX_PROJ || (P != 1 && P != 2)) return -2;
     lin_job j = {.m = m, .K = K, .T = T, .step = task_rows(K), .d = descs, .P = P, .scalar = scalar};
+    int need = 0;
     for (int64_t a = 0; a < m; a++) {
         if (!has_q8((int)descs[5 * a])) return -2;
+        need |= need_bit((int)descs[5 * a], P);
         j.first[a + 1] = j.first[a] + (descs[5 * a + 1] + j.step - 1) / j.step;
     }
-    uint8_t *xq = (uint8_t *)malloc((size_t)(T * sluice_q8_row_bytes(K, P)));
-    if (!xq) return -1;
-    sluice_quantize_q8(K, x, T, xq, P, scalar);
-    j.xq = xq;
+    uint8_t *buf = quantize_for(need, K, x, T, P, scalar, j.xq);
+    if (!buf) return -1;
     pool_run(lin_task, &j, j.first[m]);
-    free(xq);
+    free(buf);
     return 0;
 }
 
 typedef struct {
     const int64_t *e;  /* n x (gate format, codes, bytes per row, up ..., down ..., y address) */
     int64_t H, I, T, step1, tasks1, step3, tasks3, hrb;
-    const uint8_t *xq;
+    uint8_t *xq[2];
     float *g, *u;
     uint8_t *hq;
     int P, scalar;
@@ -477,55 +713,62 @@ static void gate_up_task(void *c, int64_t i) {  /* rows of expert i / tasks1's g
     const exp_job *j = (const exp_job *)c;
     int64_t e = i / j->tasks1, r = i % j->tasks1, half = j->tasks1 / 2, up = r >= half;
     const int64_t *d = j->e + 10 * e + 3 * up;
+    int fmt = (int)d[0];
     int64_t n0 = (r - up * half) * j->step1, n1 = n0 + j->step1 < j->I ? n0 + j->step1 : j->I;
-    rows_q8((int)d[0], j->I, j->H, (const uint8_t *)(intptr_t)d[1], d[2], j->xq, j->T, j->P,
-            (up ? j->u : j->g) + e * j->T * j->I, n0, n1, j->scalar);
+    rows_q8(fmt, j->I, j->H, (const uint8_t *)(intptr_t)d[1], d[2], j->xq[need_bit(fmt, j->P) - 1], j->T,
+            xf_for(fmt, j->P), (up ? j->u : j->g) + e * j->T * j->I, n0, n1, j->scalar);
 }
 
 static void glu_task(void *c, int64_t e) {  /* silu(g) * u of expert e, quantized for its down projection */
     const exp_job *j = (const exp_job *)c;
     float *g = j->g + e * j->T * j->I;
     swiglu(g, j->u + e * j->T * j->I, j->T * j->I);
-    sluice_quantize_q8(j->I, g, j->T, j->hq + e * j->T * j->hrb, j->P, j->scalar);
+    sluice_quantize_q8(j->I, g, j->T, j->hq + e * j->T * j->hrb, xf_for((int)j->e[10 * e + 6], j->P), j->scalar);
 }
 
 static void down_task(void *c, int64_t i) {
     const exp_job *j = (const exp_job *)c;
     int64_t e = i / j->tasks3, n0 = i % j->tasks3 * j->step3, n1 = n0 + j->step3 < j->H ? n0 + j->step3 : j->H;
     const int64_t *d = j->e + 10 * e + 6;
-    rows_q8((int)d[0], j->H, j->I, (const uint8_t *)(intptr_t)d[1], d[2], j->hq + e * j->T * j->hrb, j->T, j->P,
-            (float *)(intptr_t)d[3], n0, n1, j->scalar);
+    rows_q8((int)d[0], j->H, j->I, (const uint8_t *)(intptr_t)d[1], d[2], j->hq + e * j->T * j->hrb, j->T,
+            xf_for((int)d[0], j->P), (float *)(intptr_t)d[3], n0, n1, j->scalar);
 }
 
 /* n SwiGLU experts on one x [T, H] float32, y_e [T, H] float32 = down_e(silu(gate_e x) * up_e x), the rows of all
  * their projections split over the pool in three steps (gate and up rows; each expert's product, quantized; down
  * rows). experts: n x (gate format, codes address, bytes per row, up ..., down ..., y_e address). y_e is
- * bitwise sluice_expert_q8's for expert e: x is quantized once (the same bytes each call made), every row is the
- * same kernel call. Returns 0, -1 when the scratch cannot be allocated, -2 for a format without an integer path or
- * P not 1 or 2. */
+ * bitwise sluice_expert_q8's for expert e: x is quantized once per layout (the same bytes each call made), every
+ * row is the same kernel call. Returns 0, -1 when the scratch cannot be allocated, -2 for a format without an
+ * integer path or P not 1 or 2. */
 int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T, int P,
                       int scalar) {
     if (P != 1 && P != 2) return -2;
-    for (int64_t e = 0; e < n; e++)
+    int need = 0;
+    for (int64_t e = 0; e < n; e++) {
         for (int k = 0; k < 3; k++)
             if (!has_q8((int)experts[10 * e + 3 * k])) return -2;
+        need |= need_bit((int)experts[10 * e], P) | need_bit((int)experts[10 * e + 3], P);
+    }
     if (n < 1) return 0;
+    int64_t hrb = sluice_q8_row_bytes(I, P), hrb3 = I % 256 ? 0 : sluice_q8_row_bytes(I, 3);
     exp_job j = {.e = experts, .H = H, .I = I, .T = T, .step1 = task_rows(H), .step3 = task_rows(I),
-                 .hrb = sluice_q8_row_bytes(I, P), .P = P, .scalar = scalar};
+                 .hrb = hrb > hrb3 ? hrb : hrb3, .P = P, .scalar = scalar};
     j.tasks1 = 2 * ((I + j.step1 - 1) / j.step1);
     j.tasks3 = (H + j.step3 - 1) / j.step3;
-    size_t xb = (size_t)(T * sluice_q8_row_bytes(H, P)), hb = (size_t)(n * T * j.hrb);
-    float *gu = (float *)malloc(2 * (size_t)(n * T * I) * sizeof(float) + xb + hb);
-    if (!gu) return -1;
+    uint8_t *xbuf = quantize_for(need, H, x, T, P, scalar, j.xq);
+    float *gu = (float *)malloc(2 * (size_t)(n * T * I) * sizeof(float) + (size_t)(n * T * j.hrb));
+    if (!xbuf || !gu) {
+        free(xbuf);
+        free(gu);
+        return -1;
+    }
     j.g = gu;
     j.u = gu + n * T * I;
-    uint8_t *xq = (uint8_t *)(j.u + n * T * I);
-    j.hq = xq + xb;
-    sluice_quantize_q8(H, x, T, xq, P, scalar);
-    j.xq = xq;
+    j.hq = (uint8_t *)(j.u + n * T * I);
     pool_run(gate_up_task, &j, n * j.tasks1);
     pool_run(glu_task, &j, n);
     pool_run(down_task, &j, n * j.tasks3);
+    free(xbuf);
     free(gu);
     return 0;
 }
