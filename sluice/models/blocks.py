@@ -25,11 +25,18 @@ from .routing import route
 from .spec import KVCache, MLPWeights, Spec, Weights
 
 
+_NATIVE = native.native_available()
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the reference computes it: statistics in float32, cast back, then scale."""
+    """RMSNorm as the reference computes it: statistics in float32, cast back, then scale. bf16 rows go through one
+    native call (native.rms_norm_bf16: ~6 us against ~36 for these eight torch ops at one 1024-wide row, and a decode
+    token of a 16-layer model with q/k norms runs 65 of them; the same bits but for the last bit of a row's scale)."""
+    if (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and _NATIVE and x.is_contiguous()
+            and weight.is_contiguous()):
+        return native.rms_norm_bf16(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -1,6 +1,8 @@
 /* Small elementwise steps of a bf16 decode step, each bitwise what its torch expression computes (torch rounds a
  * bf16 op's float32 result to nearest even, as bf16_round does), in one native call instead of tens of torch ops
  * (~4-10 us each at one row here: a decode token of a 16-layer MoE ran ~2,300 of them). */
+#include <math.h>
+
 #include "common.h"
 
 /* float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's round_to_nearest_even) */
@@ -27,5 +29,30 @@ void sluice_combine_bf16(int64_t n, const float *ys, int64_t H, const void *w, i
             p = bf16_float(bf16_round(p));
             out[h] = bf16_round(bf16_float(out[h]) + p);
         }
+    }
+}
+
+/* RMSNorm of rows of bf16 x ([rows, n]) with bf16 weight [n], as the reference computes it: statistics in float32,
+ * the normalized row rounded to bf16, then times the weight (rounded to bf16). The sum of squares runs in 8 float
+ * lanes (value i into lane i % 8, lanes added ((0+4)+(2+6))+((1+5)+(3+7))), a fixed order whatever the compiler
+ * vectorizes; torch's mean sums in another order, so a row can differ from the torch expression in the last bit of
+ * its scale (relative ~1e-7), never by more. */
+void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++, x += n, out += n) {
+        float lane[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int l = 0; l < 8; l++) {
+                float v = bf16_float(x[i + l]);
+                lane[l] = lane[l] + v * v;
+            }
+        for (; i < n; i++) {
+            float v = bf16_float(x[i]);
+            lane[i % 8] = lane[i % 8] + v * v;
+        }
+        float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+        float scale = 1.0f / sqrtf(sum / (float)n + eps);
+        for (int64_t j = 0; j < n; j++)
+            out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
     }
 }
