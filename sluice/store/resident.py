@@ -51,6 +51,7 @@ class ResidentExpertStore:
         self.bytes_read = 0
         self.requests = 0
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
+        self._usage_rows = self.usage.numpy()  # the same memory: counted per expert, ~2 us (a torch index_put ~46)
         for layer in tqdm(layout.layers, desc="loading experts", unit="layer", disable=not progress, leave=False):
             raw = torch.empty((s.num_experts, layout.slot_nbytes), dtype=torch.uint8)
             reqs = []
@@ -71,7 +72,9 @@ class ResidentExpertStore:
 
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         self.requests += len(experts)
-        self.usage[layer, list(experts)] += 1
+        row = self._usage_rows[layer]
+        for e in experts:
+            row[e] += 1
         return ExpertBatch(self.gate_up.get(layer), self.down.get(layer), list(experts), raw=self.raw.get(layer),
                            format=self.layout.format(layer))
 

@@ -48,6 +48,7 @@ class StreamingExpertStore:
         self._pending: dict[Key, object] = {}  # prefetched entries whose read may be in flight
         self.prefetching = PrefetchTracker()
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
+        self._usage_rows = self.usage.numpy()  # the same memory: counted per expert, ~2 us (a torch index_put ~46)
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.misses_by_layer = [0] * s.n_layers  # expert reads per layer (prefetches not counted)
         self.io_wait_s = 0.0
@@ -108,7 +109,9 @@ class StreamingExpertStore:
         if len(experts) > self.max_batch:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
         self.settle()  # a previous batch the math abandoned: its reads land before any slot is reused
-        self.usage[layer, list(experts)] += 1
+        row = self._usage_rows[layer]
+        for e in experts:
+            row[e] += 1
         self.policy.used(layer, experts)
         self.prefetching.routed(layer, experts)
         inflight: dict[int, object] = {}  # j -> the future that fills slot j
