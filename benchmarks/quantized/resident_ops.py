@@ -2,7 +2,8 @@
   projections  the peers Q4_K_M file's head and layer-0 q/k/v at T=1 (one thread, split over native.set_threads(2))
                and at T=33 (the blocked float32 path)
   split        Q4_K [N x 1024] at T=1, one thread vs split over set_threads(2): where SPLIT_MIN_WEIGHTS comes from
-  overhead     a [256 x 1024] Q4_K at T=1: QuantLinear.linear, native.linear_q8, native.LinearQ8, the C call alone (us)
+  overhead     a [256 x 1024] Q4_K at T=1: QuantLinear.linear, native.linear_q8, native.LinearsQ8, the C call alone
+               (us)
   head         a Q6_K head of a 151,936-token vocabulary (random valid blocks) at T=1 and T=64
 
     PYTHONPATH=. .venv/bin/python benchmarks/quantized/resident_ops.py [projections|split|overhead|head ...]
@@ -71,7 +72,7 @@ def split() -> None:
 def overhead() -> None:
     spec = QuantSpec.ggml("Q4_K", 256, 1024)
     raw = random_stored(spec)
-    q, lq = QuantLinear(spec, raw, torch.bfloat16), native.LinearQ8(spec, raw)
+    q, lq = QuantLinear(spec, raw, torch.bfloat16), native.LinearsQ8([(spec, raw)])
     x = torch.randn(1, 1024).bfloat16()
     xf, out = x.float(), torch.empty(1, 256)
     desc = native._desc(spec, raw)[:5]
@@ -80,7 +81,7 @@ def overhead() -> None:
         native._LIB.sluice_linear_q8(*desc, None, xf.data_ptr(), 1, 2, out.data_ptr(), 0, 256, 0)
 
     us = {"QuantLinear.linear": lambda: q.linear(x), "native.linear_q8": lambda: native.linear_q8(spec, xf, raw),
-          "native.LinearQ8": lambda: lq(xf), "the C call alone": c_only}
+          "native.LinearsQ8": lambda: lq(xf), "the C call alone": c_only}
     print(", ".join(f"{k} {1000 * median_ms(f, 2001):.1f} us" for k, f in us.items()))
 
 

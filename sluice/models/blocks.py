@@ -165,6 +165,8 @@ class Transformer:
                 QuantLinear.group(list(ws)) if all(type(w) is QuantLinear for w in ws) else None)
         if group is None or x.shape[0] > Q8_MAX_ROWS:
             return tuple(linear(x, w, b) for w, b in zip(ws, biases))
+        if all(b is None for b in biases) and all(w.dtype is torch.bfloat16 for w in ws):
+            return tuple(group(x.float().contiguous(), out_dtype=torch.bfloat16))  # rounded in the C call
         out = []
         for y, w, b in zip(group(x.float().contiguous()), ws, biases):  # as QuantLinear.linear finishes each
             if b is not None:
@@ -284,8 +286,8 @@ class Transformer:
         bitwise what one expert_q8 call gives, whichever thread computed it. split_experts False: one expert_q8
         call per expert on this thread (tests).
 
-        Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py): see
-        native_pool.md."""
+        Peers Q4_K_M, resident, a token's 128 experts on 2 threads (benchmarks/quantized/expert_threads.py): 25-29
+        ms split over a Python pool, one expert per job (before); this way, see engine.py."""
         ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
         em = self.expert_math
         if not self.split_experts:

@@ -12,8 +12,9 @@ weights quantized too. `QuantLinear` holds the stored bytes as read from the fil
 Rows (T) up to native.kernel.Q8_MAX_ROWS run the integer path (x quantized once, integer dots; relative L2 ~3e-5
 against the exact weights), up to NATIVE_MAX_ROWS the float row kernel, more rows (prefill) dequantize blocks of
 weight rows into the shared float32 scratch (SCRATCH_BYTES) and run float32 F.linear on each: a 151936-row head never
-becomes one 622 MB float32 copy. When native.set_threads(n > 1) made a pool, the row kernels split the output rows of
-the large weights (SPLIT_MIN_WEIGHTS: the head) over it, the same bits for any split. `quant_spec` is the one rule
+becomes one 622 MB float32 copy. The integer path splits every weight's output rows over the extension's threads
+(native.LinearsQ8, pool.c: a handoff costs a few us there); the float row kernel splits those of the large weights
+(SPLIT_MIN_WEIGHTS: the head) over native.shared_pool()'s Python threads. Any split gives the same bits. `quant_spec` is the one rule
 deciding which tensors stay quantized, so the load (store/weights.py) and the memory plan (plan.py) cannot disagree.
 
 Measured at commit fafc679 on the peers model's Q4_K_M file (benchmarks/models/qwen3_moe-peers: 16 layers, hidden
@@ -43,8 +44,9 @@ from .native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS
 #: so the matmul of each block is still large enough for torch's GEMM to run at full speed
 SCRATCH_BYTES = 32 * 2**20
 
-#: weights (out x in) from which the row kernels split the output rows over native.shared_pool(): a handoff to a
-#: pool thread costs ~0.1 ms here. Q4_K at T=1, ms on one thread / split over Pool(2), median of 101, quiet 2-CPU
+#: weights (out x in) from which the float row kernel (T up to NATIVE_MAX_ROWS) splits the output rows over
+#: native.shared_pool(): a handoff to a Python pool thread costs ~0.1 ms here. Measured on the integer path before it
+#: moved to the C pool: Q4_K at T=1, ms on one thread / split over Pool(2), median of 101, quiet 2-CPU
 #: VM (benchmarks/quantized/resident_ops.py split, projections): [1024 x 1024] 0.15 / 0.25, [2048 x 1024] 0.20 /
 #: 0.27, [4096 x 1024] 0.38 / 0.46, [8192 x 1024] 0.87 / 0.78; the peers model's Q6_K head [32768 x 1024] 5.3 / 3.1
 #: (bf16 F.linear on 2 torch threads: 5.2)
@@ -110,7 +112,10 @@ class QuantLinear:
             x = x.contiguous()
         T = x.shape[0]
         pool = native.shared_pool() if self._split else None
+        out_dtype = out_dtype or self.dtype
         if T <= Q8_MAX_ROWS:
+            if bias is None and out_dtype is torch.bfloat16:  # rounded to bf16 in the C call: the same bits
+                return self._q8(x, out_dtype=out_dtype)[0]
             y = self._q8(x)[0]
         elif T <= NATIVE_MAX_ROWS:
             y = native.linear(self.spec, x, self.raw) if pool is None else pool.linear(self.spec, x, self.raw)
@@ -118,7 +123,6 @@ class QuantLinear:
             y = self._blocked(x)
         if bias is not None:
             y += bias
-        out_dtype = out_dtype or self.dtype
         return y if out_dtype is torch.float32 else y.to(out_dtype)
 
     @staticmethod

@@ -294,11 +294,15 @@ def test_linears_q8_are_linear_q8_on_any_thread_count(T, threads, c_threads, mon
             for y, s, r in zip(ys, specs, raws):
                 assert y.shape == (T, s.out_features) and y.is_contiguous()
                 assert torch.equal(y, native.linear_q8(s, x, r, planes=planes))
+        for y, b in zip(outs[0], call(x, planes=planes, out_dtype=torch.bfloat16)):  # rounded in C as .to rounds
+            assert b.dtype == torch.bfloat16 and torch.equal(b, y.to(torch.bfloat16))
     with pytest.raises(ValueError, match="share in_features"):
         native.LinearsQ8([(specs[0], raws[0]), (QuantSpec.ggml("Q8_0", 4, 64), random_stored(QuantSpec.ggml(
             "Q8_0", 4, 64)))])
     with pytest.raises(ValueError, match="x must be"):
         call(torch.randn(T, 256))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        call(x, out_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

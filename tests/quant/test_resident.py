@@ -53,12 +53,11 @@ def test_few_rows_run_the_integer_path_bitwise_for_any_split(spec, threads, monk
     for T in range(1, Q8_MAX_ROWS + 1):
         x = _x(T, spec.in_features, T)
         want = native.linear_q8(spec, x, raw)  # [T, 37] float32
-        assert torch.equal(native.LinearQ8(spec, raw)(x), want)
+        assert torch.equal(native.LinearsQ8([(spec, raw)])(x)[0], want)
         assert torch.equal(w.linear(x, out_dtype=torch.float32), want)
         assert torch.equal(w.linear(x.bfloat16()), native.linear_q8(spec, x.bfloat16().float(), raw).bfloat16())
         for n in (2, 3):
-            assert torch.equal(native.Pool(n).linear_q8(spec, x, raw), want)
-            threads(n)  # the shared pool the model's QuantLinears split over
+            threads(n)  # the C pool the model's QuantLinears split their rows over
             assert torch.equal(w.linear(x, out_dtype=torch.float32), want)
             threads(1)
 

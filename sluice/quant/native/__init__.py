@@ -9,12 +9,15 @@
     native.q8_supported(spec)                 # GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: the int8 path exists
     xq = native.quantize_q8(x, spec=spec)     # x float32 [T, in] -> 8-bit codes, uint8 [T, q8_row_bytes(in)]
     y = native.linear_q8(spec, x, raw)        # int8 activations x integer dots (q8.c), y float32 [T, out]
-    y = native.LinearQ8(spec, raw)(x)         # the same, the checks on spec and raw done once
+    q, k, v = native.LinearsQ8([(spec_q, raw_q), ...])(x)  # several projections of one x in one call, rows
+                                              # split over set_threads' threads (pool.c)
     y = native.expert_q8(specs, raws, x)      # down(silu(gate x) * up x) in one call, y float32 [T, H]
+    call = native.ExpertCall(specs, offsets); call.many(raw, slots, x, ys, rows)  # a layer's experts, one call
+    out = native.rms_norm_bf16(x, w, eps); native.combine_bf16(ys, w, at, out)    # decode's small steps (ops.c)
     k = native.NativeKernel(spec, dtype)      # kernel_for's interface: name "native", nbytes = stored bytes
-    pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent threads, results in order
-    pool.linear(spec, x, raw); pool.linear_q8(spec, x, raw)  # one projection's output rows split over the threads
-    native.set_threads(2)                     # decode's experts and large projections split over 2 threads
+    pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent Python threads, results in order
+    pool.linear(spec, x, raw)                 # one projection's output rows split over those threads (float path)
+    native.set_threads(2)                     # the C pool's threads and the Python pool's, process-wide
 
 Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file), MLX
 affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales, and gpt-oss MXFP4 (QuantSpec.mxfp4:
@@ -29,9 +32,12 @@ exact weights. NativeKernel runs it at the bf16 / f16 compute dtypes up to kerne
 models/experts.py runs a whole SwiGLU expert as one expert_q8 call (a Q4_K expert at T=1: 0.48 -> 0.25 ms at
 1024 x 512, benchmarks/results/native_kernels.md).
 
-The C functions hold no lock and keep no state, and ctypes releases the GIL while they run: calls on several Python
-threads run in parallel (Pool). Arguments are checked here and a bad one raises ValueError naming it; the C code
-reads its buffers with unaligned loads, so no alignment is required.
+The kernels hold no lock and keep no state, and ctypes releases the GIL while they run: calls on several Python
+threads run in parallel (Pool). LinearsQ8 and ExpertCall.many split their rows over the extension's own threads
+(pool.c: one job at a time; a call made while another runs computes on its calling thread), each output element
+computed as one thread would compute it, so any thread count gives the same bits. Arguments are checked here and a
+bad one raises ValueError naming it; the C code reads its buffers with unaligned loads, so no alignment is
+required.
 """
 
 from __future__ import annotations
@@ -81,7 +87,9 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_q8_layout.restype = i32
     lib.sluice_combine_bf16.argtypes = [i64, ptr, i64, ptr, i32, ptr, ptr]  # n, ys, H, w, w_f32, at, out
     lib.sluice_rms_norm_bf16.argtypes = [i64, i64, ptr, ptr, ctypes.c_float, ptr]  # rows, n, x, w, eps, out
+    lib.sluice_rope_bf16.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr]  # heads, T, D, rot, x, sh, st
     lib.sluice_set_threads.restype = lib.sluice_combine_bf16.restype = lib.sluice_rms_norm_bf16.restype = None
+    lib.sluice_rope_bf16.restype = None
     return lib
 
 
@@ -346,28 +354,12 @@ def _run_q8(desc: tuple, xq: torch.Tensor | None, x: torch.Tensor, out: torch.Te
     return out
 
 
-class LinearQ8:
-    """linear_q8 for one stored weight, every check that depends on the weight done once: `call(x)` -> y float32
-    [T, out] for x float32 [T, in] contiguous. The same C call, so the same bits as linear_q8. A [256 x 1024] Q4_K
-    at T=1, median of 2001 calls, dev VM (benchmarks/quantized/resident_ops.py overhead): linear_q8 53-56 us, this
-    46-47, the C call alone 38; the resident
-    attention runs four per layer and token (quant/resident.py)."""
-
-    def __init__(self, spec: QuantSpec, raw: torch.Tensor):
-        self.desc = _q8_args(spec, torch.empty(0, spec.in_features), raw, None)[0]
-        self.raw = raw  # the C call reads its bytes: kept alive
-        self.n, self.k = spec.out_features, spec.in_features
-
-    def __call__(self, x: torch.Tensor, planes: int | None = None) -> torch.Tensor:
-        x = _check_x(x, self.k)
-        return _run_q8(self.desc, None, x, torch.empty(x.shape[0], self.n), _planes(planes), (0, self.n))
-
-
 class LinearsQ8:
     """Several projections of one x on the integer path in one native call, their output rows split over the
-    threads of set_threads (a layer's q, k and v; one large head): `call(x)` -> [y_a float32 [T, out_a]] for x
-    float32 [T, in] contiguous. x is quantized once; each y element is linear_q8's, whichever thread computes it.
-    Peers Q4_K_M, quiet: see benchmarks/quantized/native_pool.py."""
+    threads of set_threads (a layer's q, k and v; one large head): `call(x)` -> [y_a [T, out_a]] for x float32
+    [T, in] contiguous, float32 or (out_dtype=torch.bfloat16) the float32 result rounded to bf16 in the C call, as
+    .to(torch.bfloat16) rounds it. x is quantized once; each y element is linear_q8's, whichever thread computes
+    it."""
 
     def __init__(self, pairs: list[tuple[QuantSpec, torch.Tensor]]):
         if not 1 <= len(pairs) <= 16:
@@ -379,16 +371,19 @@ class LinearsQ8:
         self.raws = [raw for _, raw in pairs]  # the C call reads their bytes: kept alive
         self.descs = [_q8_args(spec, torch.empty(0, self.k), raw, None)[0] for spec, raw in pairs]
         self.ns = [spec.out_features for spec, _ in pairs]
-        self._arr = ctypes.c_int64 * (5 * len(pairs))
+        self._arr = ctypes.c_int64 * (6 * len(pairs))
 
-    def __call__(self, x: torch.Tensor, planes: int | None = None) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, planes: int | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         x = _check_x(x, self.k)
-        t = x.shape[0]
-        flat = torch.empty(t * sum(self.ns))  # one allocation, each y a contiguous [T, out_a] view of it
-        ys, vals, o, base = [], [], 0, flat.data_ptr()
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"LinearsQ8 writes float32 or bfloat16, got {out_dtype}")
+        t, bf16 = x.shape[0], int(out_dtype is torch.bfloat16)
+        flat = torch.empty(t * sum(self.ns), dtype=out_dtype)  # one allocation, each y a [T, out_a] view of it
+        ys, vals, o, base, size = [], [], 0, flat.data_ptr(), flat.element_size()
         for (fmt, n, _, q, row_bytes), ni in zip(self.descs, self.ns):
             ys.append(flat[o : o + t * ni].view(t, ni))
-            vals += (fmt, n, q, row_bytes, base + 4 * o)
+            vals += (fmt, n, q, row_bytes, base + size * o, bf16)
             o += t * ni
         rc = _LIB.sluice_linears_q8(len(self.ns), self._arr(*vals), self.k, x.data_ptr(), t, _planes(planes),
                                     int(FORCE_SCALAR))
@@ -526,6 +521,23 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out
 
 
+def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """models/rope.py apply_rope for bf16 x [heads, T, D] (any strides, unit last stride) and bf16 cos / sin [T, rot]
+    contiguous, in one native call (ops.c): bitwise its torch expression, a new contiguous [heads, T, D]."""
+    heads, t, d = x.shape
+    rot = cos.shape[-1]
+    if not (x.dtype is torch.bfloat16 and cos.dtype is torch.bfloat16 and sin.dtype is torch.bfloat16
+            and x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == (t, rot)
+            and sin.shape == (t, rot) and rot % 2 == 0 and rot <= d):
+        raise ValueError(f"rope_bf16: need bf16 x [heads, T, D] with unit last stride and contiguous bf16 cos / sin "
+                         f"[T, rot <= D], got {x.dtype} {list(x.shape)} stride {x.stride()}, {cos.dtype} "
+                         f"{list(cos.shape)}, {sin.dtype} {list(sin.shape)}")
+    out = torch.empty(heads, t, d, dtype=torch.bfloat16)
+    _LIB.sluice_rope_bf16(heads, t, d, rot, x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                          out.data_ptr())
+    return out
+
+
 class Pool:
     """`threads` persistent worker threads for native calls (each releases the GIL): e.g. the experts of one MoE
     layer at decode split over the CPUs. Results come back in job order, so sums over them are deterministic."""
@@ -551,15 +563,6 @@ class Pool:
         desc = _desc(spec, raw)
         x, out = _x_out(x, out, spec.out_features, spec.in_features)
         return self._split(spec.out_features, lambda rows: _run(desc, x, out, rows), out)
-
-    def linear_q8(self, spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
-                  planes: int | None = None) -> torch.Tensor:
-        """native.linear_q8 with x quantized once and the output columns split as `linear` splits them (bitwise
-        one call's result: each column is one integer dot product over the same quantized x)."""
-        desc, x, out = _q8_args(spec, x, raw, out)
-        planes = _planes(planes)
-        xq = quantize_q8(x, planes, spec=spec)  # [T, q8_row_bytes(in)], shared read-only by every range
-        return self._split(spec.out_features, lambda rows: _run_q8(desc, xq, x, out, planes, rows), out)
 
     def _split(self, n: int, job, out: torch.Tensor) -> torch.Tensor:
         """job((n0, n1)) over `threads` ranges of n columns: the first on the calling thread, the others on the

@@ -56,3 +56,29 @@ void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint
             out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
     }
 }
+
+/* Rotary embedding of bf16 x [heads, T, D] (element (h, t, d) at x + h * sh + t * st + d) by bf16 cos / sin
+ * [T, rot] on its first rot dims, into out (contiguous [heads, T, D]): torch's
+ *   out = x * cos + cat(-x[rot/2:], x[:rot/2]) * sin      (bf16 ops: each product and the sum rounded to bf16)
+ * on the first rot dims, the rest copied. */
+void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const uint16_t *x, int64_t sh, int64_t st,
+                      const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
+    const int64_t half = rot / 2;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < T; t++) {
+            const uint16_t *xr = x + h * sh + t * st, *c = cos + t * rot, *s = sin + t * rot;
+            uint16_t *o = out + (h * T + t) * D;
+            for (int64_t d = 0; d < rot; d++) {
+                float r = d < half ? -bf16_float(xr[d + half]) : bf16_float(xr[d - half]);
+                float a = bf16_float(bf16_round(bf16_float(xr[d]) * bf16_float(c[d])));
+                float b = bf16_float(bf16_round(r * bf16_float(s[d])));
+                o[d] = bf16_round(a + b);
+            }
+            for (int64_t d = rot; d < D; d++) o[d] = xr[d];
+        }
+}
+
+/* float32 [n] -> bf16 [n], round to nearest even (torch's .to(torch.bfloat16)) */
+void sluice_to_bf16(int64_t n, const float *x, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_round(x[i]);
+}

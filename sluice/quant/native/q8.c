@@ -663,40 +663,59 @@ static int64_t task_rows(int64_t K) { return K >= 65536 ? 1 : 65536 / K; }
 #define MAX_PROJ 16
 typedef struct {
     int64_t m, K, T, step, first[MAX_PROJ + 1];  /* first[a]: the first task of projection a; first[m]: all */
-    const int64_t *d;                          /* m x (format, N, codes, bytes per row, y) */
+    const int64_t *d;                          /* m x (format, N, codes, bytes per row, y, y is bf16) */
+    float *y[MAX_PROJ];                         /* where each projection's float32 rows go */
     uint8_t *xq[2];
     int P, scalar;
 } lin_job;
+
+void sluice_to_bf16(int64_t n, const float *x, uint16_t *out);  /* ops.c */
 
 static void lin_task(void *c, int64_t i) {
     const lin_job *j = (const lin_job *)c;
     int64_t a = 0;
     while (j->first[a + 1] <= i) a++;
-    const int64_t *d = j->d + 5 * a;
+    const int64_t *d = j->d + 6 * a;
     int fmt = (int)d[0];
     int64_t n0 = (i - j->first[a]) * j->step, n1 = n0 + j->step < d[1] ? n0 + j->step : d[1];
     rows_q8(fmt, d[1], j->K, (const uint8_t *)(intptr_t)d[2], d[3], j->xq[need_bit(fmt, j->P) - 1], j->T,
-            xf_for(fmt, j->P), (float *)(intptr_t)d[4], n0, n1, j->scalar);
+            xf_for(fmt, j->P), j->y[a], n0, n1, j->scalar);
 }
 
 /* y_a [T, N_a] = x [T, K] @ W_a^T for m <= 16 projections of one x (a layer's q, k and v; one head): x quantized
  * once per layout, the output rows of all of them split over the pool. descs: m x (format, N, codes address,
- * bytes per row, y address). Each y element is what sluice_linear_q8 computes, whichever thread ran it. Returns 0,
- * -1 when the quantized rows cannot be allocated, -2 for a format without an integer path, P not 1 or 2, or
- * m > 16. */
+ * bytes per row, y address, 1 when y is bf16 (the float32 result rounded to nearest even, as torch's .to) else
+ * 0). Each y element is what sluice_linear_q8 computes, whichever thread ran it. Returns 0, -1 when the scratch
+ * cannot be allocated, -2 for a format without an integer path, P not 1 or 2, or m > 16. */
 int sluice_linears_q8(int64_t m, const int64_t *descs, int64_t K, const float *x, int64_t T, int P, int scalar) {
     if (m < 1 || m > MAX_PROJ || (P != 1 && P != 2)) return -2;
     lin_job j = {.m = m, .K = K, .T = T, .step = task_rows(K), .d = descs, .P = P, .scalar = scalar};
     int need = 0;
+    int64_t tmp = 0;  /* float32 values of the bf16 outputs */
     for (int64_t a = 0; a < m; a++) {
-        if (!has_q8((int)descs[5 * a])) return -2;
-        need |= need_bit((int)descs[5 * a], P);
-        j.first[a + 1] = j.first[a] + (descs[5 * a + 1] + j.step - 1) / j.step;
+        const int64_t *d = descs + 6 * a;
+        if (!has_q8((int)d[0])) return -2;
+        need |= need_bit((int)d[0], P);
+        j.first[a + 1] = j.first[a] + (d[1] + j.step - 1) / j.step;
+        if (d[5]) tmp += T * d[1];
     }
+    float *ftmp = tmp ? (float *)malloc((size_t)tmp * sizeof(float)) : NULL;
     uint8_t *buf = quantize_for(need, K, x, T, P, scalar, j.xq);
-    if (!buf) return -1;
+    if (!buf || (tmp && !ftmp)) {
+        free(buf);
+        free(ftmp);
+        return -1;
+    }
+    for (int64_t a = 0, at = 0; a < m; a++) {
+        const int64_t *d = descs + 6 * a;
+        j.y[a] = d[5] ? ftmp + at : (float *)(intptr_t)d[4];
+        if (d[5]) at += T * d[1];
+    }
     pool_run(lin_task, &j, j.first[m]);
+    for (int64_t a = 0; a < m; a++)
+        if (descs[6 * a + 5]) sluice_to_bf16(T * descs[6 * a + 1], j.y[a], (uint16_t *)(intptr_t)descs[6 * a + 4]);
     free(buf);
+    free(ftmp);
     return 0;
 }
 
