@@ -1,5 +1,6 @@
-"""A decode token's expert calls on one thread vs split over the expert pool (Transformer._native_experts), on a
-resident GGUF: ms for the 16 layers x top-k experts of one token (random x and ids), median of 20, rounds alternated.
+"""A decode token's experts as one expert_q8 call each on the calling thread (Transformer.split_experts False) vs
+one call per layer with their rows split over the native threads (ExpertCall.many, pool.c), on a resident GGUF: ms
+for the 16 layers x top-k experts of one token (random x and ids), median of 20, rounds alternated.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quantized/expert_threads.py [GGUF] [--rounds 3]
 """

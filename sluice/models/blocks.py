@@ -286,8 +286,9 @@ class Transformer:
         bitwise what one expert_q8 call gives, whichever thread computed it. split_experts False: one expert_q8
         call per expert on this thread (tests).
 
-        Peers Q4_K_M, resident, a token's 128 experts on 2 threads (benchmarks/quantized/expert_threads.py): 25-29
-        ms split over a Python pool, one expert per job (before); this way, see engine.py."""
+        Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py): 16.6-18.6 ms this
+        way on two threads, 21.7-25.5 one expert_q8 call each on one thread, 25-29 split over a Python pool with one
+        expert per job (the way before)."""
         ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
         em = self.expert_math
         if not self.split_experts:
