@@ -14,8 +14,9 @@ against the exact weights), up to NATIVE_MAX_ROWS the float row kernel, more row
 weight rows into the shared float32 scratch (SCRATCH_BYTES) and run float32 F.linear on each: a 151936-row head never
 becomes one 622 MB float32 copy. The integer path splits every weight's output rows over the extension's threads
 (native.LinearsQ8, pool.c: a handoff costs a few us there); the float row kernel splits those of the large weights
-(SPLIT_MIN_WEIGHTS: the head) over native.shared_pool()'s Python threads. Any split gives the same bits. `quant_spec` is the one rule
-deciding which tensors stay quantized, so the load (store/weights.py) and the memory plan (plan.py) cannot disagree.
+(SPLIT_MIN_WEIGHTS: the head) over native.shared_pool()'s Python threads. Any split gives the same bits.
+`quant_spec` is the one rule deciding which tensors stay quantized, so the load (store/weights.py) and the memory
+plan (plan.py) cannot disagree.
 
 Measured at commit fafc679 on the peers model's Q4_K_M file (benchmarks/models/qwen3_moe-peers: 16 layers, hidden
 1024, a Q6_K head [32768 x 1024]), 2-CPU dev VM, medians. Resident weights 210 -> 115 MiB (`sluice inspect`). Single

@@ -471,7 +471,8 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
             for (int r = 0; r < R; r++) {
                 const uint8_t *x = xq + r * rb;
                 int64_t M = 0;
-                for (int s = 0; s < 8; s++) M += (int64_t)mn[s] * ((int64_t)rdi32(x + 4 + 8 * s) + rdi32(x + 8 + 8 * s));
+                for (int s = 0; s < 8; s++)
+                    M += (int64_t)mn[s] * ((int64_t)rdi32(x + 4 + 8 * s) + rdi32(x + 8 + 8 * s));
                 m[r] = m[r] + (dmin * rdf32(x)) * (float)M;
             }
         }
