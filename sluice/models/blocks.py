@@ -281,8 +281,8 @@ class Transformer:
 
     def _native_experts(self, batch, todo: list[int], xf: torch.Tensor) -> torch.Tensor:
         """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32 (row j = expert j).
-        The ones in memory run in one native call, the others one call each as their reads land (only this thread
-        waits on the store); native.set_threads' threads split the rows of each call (pool.c). Each row is
+        The ones in memory run in one native call, the others as their reads land (each call takes the one waited
+        for and every later one already in; only this thread waits on the store); native.set_threads' threads split the rows of each call (pool.c). Each row is
         bitwise what one expert_q8 call gives, whichever thread computed it. split_experts False: one expert_q8
         call per expert on this thread (tests).
 
@@ -301,9 +301,15 @@ class Transformer:
             n_ready += 1
         if n_ready:  # all those in memory in one call, their rows over the native threads
             em.many(batch, todo[:n_ready], xf, ys)
-        for j in todo[n_ready:]:  # the others as their reads land, each over the threads too
-            batch.wait(j)
-            em.many(batch, [j], xf, ys)
+        late = todo[n_ready:]
+        while late:  # the others as their reads land: the first one waited for and those landed by then
+            batch.wait(late[0])
+            n = 1
+            while n < len(late) and batch.arrived(late[n]):
+                batch.wait(late[n])  # landed: returns at once (and raises a read error, as for the first)
+                n += 1
+            em.many(batch, late[:n], xf, ys)
+            late = late[n:]
         return ys
 
     # -- whole model -----------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ class ExpertBatch:
     first, then up) and down [S, H, I] are typed views of the same slots (None otherwise). `slots[j]` holds the j-th
     requested expert. `pending[j]`, when present, blocks until slot j's bytes have landed: a streaming store returns
     as soon as its reads are queued, so the math can run the experts already in memory while the disk fills the
-    others. Call `wait(j)` before touching slot j (`ready(j)` says whether that would block).
+    others. Call `wait(j)` before touching slot j (`ready(j)` says whether it was waited for or never pending;
+    `arrived(j)` also whether its bytes have landed since, `landed[j]` being the store's non-blocking check).
     """
 
     gate_up: torch.Tensor | None
@@ -35,9 +36,17 @@ class ExpertBatch:
     pending: dict[int, Callable[[], None]] = field(default_factory=dict)
     raw: torch.Tensor | None = None
     format: "ExpertFormat | None" = None
+    landed: dict[int, Callable[[], bool]] = field(default_factory=dict)
 
     def ready(self, j: int) -> bool:
         return j not in self.pending
+
+    def arrived(self, j: int) -> bool:
+        """Whether wait(j) would return at once: never pending, waited for, or its read has landed."""
+        if j not in self.pending:
+            return True
+        done = self.landed.get(j)
+        return done is not None and done()
 
     def wait(self, j: int) -> None:
         waiter = self.pending.pop(j, None)

@@ -103,8 +103,9 @@ class _MarkingReader:
 
     @staticmethod
     def _fill(requests):
-        for rng, dest in requests:
-            dest.fill_(rng.offset // 64 % 251)
+        for rng, dest in requests:  # a tensor or a writable buffer, as the reader protocol allows
+            t = dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)
+            t.fill_(rng.offset // 64 % 251)
 
     def read(self, requests):
         self._fill(requests)

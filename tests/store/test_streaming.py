@@ -121,7 +121,7 @@ class _SpyReader:
     def submit(self, requests):
         store = self.store_ref[0]
         for _, dest in requests if self.in_prefetch else ():
-            base = dest.data_ptr()
+            base = (dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)).data_ptr()
             for s in store._pinned:
                 start = store.raw[s].data_ptr()
                 if start <= base < start + store.raw.shape[1]:
@@ -175,3 +175,21 @@ def test_decode_allocates_no_weight_sized_tensor(model_dir, reference):
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert 0 < largest < smallest_projection
 
+
+
+def test_batch_arrived_says_whether_wait_would_block():
+    """ExpertBatch.arrived: true for a slot never pending or waited for, and for a pending one whose read has landed
+    (the store's non-blocking check); the decode loop runs those landed experts in one call with the one waited for."""
+    from concurrent.futures import Future
+
+    from sluice.store.base import ExpertBatch
+
+    landed, flying = Future(), Future()
+    landed.set_result(None)
+    waited = []
+    b = ExpertBatch(None, None, [0, 1, 2, 3], {1: lambda: waited.append(1), 2: lambda: waited.append(2),
+                                                  3: lambda: waited.append(3)},
+                    landed={1: landed.done, 2: flying.done})
+    assert b.arrived(0) and b.arrived(1) and not b.arrived(2) and not b.arrived(3)  # 3: no check given
+    b.wait(1)
+    assert waited == [1] and b.ready(1) and b.arrived(1)
