@@ -379,12 +379,11 @@ class LinearsQ8:
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"LinearsQ8 writes float32 or bfloat16, got {out_dtype}")
         t, bf16 = x.shape[0], int(out_dtype is torch.bfloat16)
-        flat = torch.empty(t * sum(self.ns), dtype=out_dtype)  # one allocation, each y a [T, out_a] view of it
-        ys, vals, o, base, size = [], [], 0, flat.data_ptr(), flat.element_size()
+        ys, vals = [], []
         for (fmt, n, _, q, row_bytes), ni in zip(self.descs, self.ns):
-            ys.append(flat[o : o + t * ni].view(t, ni))
-            vals += (fmt, n, q, row_bytes, base + size * o, bf16)
-            o += t * ni
+            y = torch.empty(t, ni, dtype=out_dtype)  # one op each (views of one block took two more each)
+            ys.append(y)
+            vals += (fmt, n, q, row_bytes, y.data_ptr(), bf16)
         rc = _LIB.sluice_linears_q8(len(self.ns), self._arr(*vals), self.k, x.data_ptr(), t, _planes(planes),
                                     int(FORCE_SCALAR))
         if rc:
