@@ -45,6 +45,8 @@ static inline float f16_to_f32(uint16_t h) {
     return f32_bits(sign | ((e + 112) << 23) | (m << 13));
 }
 
+static inline float bf16_float(uint16_t h) { return f32_bits((uint32_t)h << 16); }
+
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 static inline float rdf16(const uint8_t *p) { return f16_to_f32(rd16(p)); }
 

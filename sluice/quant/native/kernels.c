@@ -19,7 +19,7 @@
 static inline float mlx_scale(const uint8_t *p, int sdt, int64_t i) {
     if (sdt == S_F32) { float f; memcpy(&f, p + 4 * i, 4); return f; }
     uint16_t h = rd16(p + 2 * i);
-    return sdt == S_F16 ? f16_to_f32(h) : f32_bits((uint32_t)h << 16);
+    return sdt == S_F16 ? f16_to_f32(h) : bf16_float(h);
 }
 
 /* ggml's e8m0_to_fp32_half: 2^(e - 128), e < 2 the subnormals */

@@ -59,26 +59,32 @@ int64_t sluice_q8_row_bytes(int64_t K, int XF) { return XF == 3 ? K / 256 * SB :
 /* the layout fmt reads with P planes (for the Python wrapper: quantize_q8(spec=...)) */
 int sluice_q8_layout(int fmt, int P) { return xf_for(fmt, P); }
 
-/* B values -> int8 codes; returns d. Non-finite or huge values clamp to +-127 (no undefined conversion). Inlined
- * into a portable and an AVX2-target copy of quant_row: the same IEEE operations (abs, compare, one multiply, round
- * to nearest even), so the same bytes; the AVX2 copy (vectorized by the compiler) takes ~1 us per 1024 values. */
-static inline __attribute__((always_inline)) float quant_block(const float *v, int8_t *q, int P) {
+/* n values -> int8 codes hi (and, lo != NULL, the residual plane lo); returns D = amax / 127. Non-finite or huge
+ * values clamp to +-127 (no undefined conversion). Inlined into a portable and an AVX2-target copy of the row
+ * quantizers: the same IEEE operations (abs, compare, one multiply, round to nearest even), so the same bytes; the
+ * AVX2 copy (vectorized by the compiler) takes ~1 us per 1024 values. */
+static inline __attribute__((always_inline)) float quant_codes(const float *v, int n, int8_t *hi, int8_t *lo) {
     float amax = 0.0f;
-    for (int j = 0; j < 32; j++) {
+    for (int j = 0; j < n; j++) {
         float a = fabsf(v[j]);
         if (a > amax) amax = a;
     }
     float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int j = 0; j < 32; j++) {
+    for (int j = 0; j < n; j++) {
         float f = v[j] * id, r = nearbyintf(f);
-        int hi = r >= 127.0f ? 127 : r >= -127.0f ? (int)r : -127;
-        q[j] = (int8_t)hi;
-        if (P == 2) {  /* the residual in 1/256ths of d: f - hi is exact; |.| <= 128, clamped to 127 */
-            float lo = (f - (float)hi) * 256.0f;
-            lo = nearbyintf(lo);
-            q[32 + j] = (int8_t)(lo >= 127.0f ? 127 : lo >= -127.0f ? (int)lo : -127);
+        int h = r >= 127.0f ? 127 : r >= -127.0f ? (int)r : -127;
+        hi[j] = (int8_t)h;
+        if (lo) {  /* the residual in 1/256ths of D: f - h is exact; |.| <= 128, clamped to 127 */
+            float l = nearbyintf((f - (float)h) * 256.0f);
+            lo[j] = (int8_t)(l >= 127.0f ? 127 : l >= -127.0f ? (int)l : -127);
         }
     }
+    return d;
+}
+
+/* 32 values -> P planes of codes at q (lo at q + 32); returns d (D / 256 with two planes) */
+static inline __attribute__((always_inline)) float quant_block(const float *v, int8_t *q, int P) {
+    float d = quant_codes(v, 32, q, P == 2 ? q + 32 : NULL);
     return P == 2 ? d * (1.0f / 256.0f) : d;
 }
 
@@ -96,23 +102,11 @@ static inline __attribute__((always_inline)) void quant_row(const float *x, int6
     }
 }
 
-/* one x row in super-blocks (XF = 3); the same operations per value as quant_block with P = 2 */
+/* one x row in super-blocks (XF = 3): quant_codes over 256 values, two planes */
 static inline __attribute__((always_inline)) void quant_row_sb(const float *x, int64_t K, uint8_t *o) {
     for (int64_t b = 0; b < K / 256; b++, o += SB, x += 256) {
         int8_t *hi = (int8_t *)(o + SB_HI), *lo = (int8_t *)(o + SB_LO);
-        float amax = 0.0f;
-        for (int j = 0; j < 256; j++) {
-            float a = fabsf(x[j]);
-            if (a > amax) amax = a;
-        }
-        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int j = 0; j < 256; j++) {
-            float f = x[j] * id, r = nearbyintf(f);
-            int h = r >= 127.0f ? 127 : r >= -127.0f ? (int)r : -127;
-            hi[j] = (int8_t)h;
-            float l = nearbyintf((f - (float)h) * 256.0f);
-            lo[j] = (int8_t)(l >= 127.0f ? 127 : l >= -127.0f ? (int)l : -127);
-        }
+        float d = quant_codes(x, 256, hi, lo);
         int32_t bs[16];
         for (int g = 0; g < 16; g++) {
             int sum = 0;
@@ -628,32 +622,20 @@ static uint8_t *quantize_for(int need, int64_t K, const float *x, int64_t T, int
 
 static int need_bit(int fmt, int P) { return xf_for(fmt, P) == 3 ? 2 : 1; }
 
+int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T, int P,
+                      int scalar);
+
 /* gate, up [I, H] and down [H, I] from their stored rows (format, codes, bytes per row), x [T, H] float32 -> y [T, H]
  * float32: x quantized once per layout for gate and up, the SwiGLU product in float32, re-quantized once for down;
- * one call instead of three plus the conversions between them. Returns 0, -1 when the scratch cannot be
- * allocated, -2 for a format without an integer path or P not 1 or 2. */
+ * one call instead of three plus the conversions between them. It is sluice_experts_q8 for one expert (its rows
+ * over the pool too). Returns 0, -1 when the scratch cannot be allocated, -2 for a format without an integer path
+ * or P not 1 or 2. */
+
 int sluice_expert_q8(int gf, const uint8_t *gq, int64_t grb, int uf, const uint8_t *uq, int64_t urb, int df,
                      const uint8_t *dq, int64_t drb, int64_t H, int64_t I, const float *x, int64_t T, int P, float *y,
                      int scalar) {
-    if (!has_q8(gf) || !has_q8(uf) || !has_q8(df) || (P != 1 && P != 2)) return -2;
-    uint8_t *xq[2], *hq[2];
-    uint8_t *xbuf = quantize_for(need_bit(gf, P) | need_bit(uf, P), H, x, T, P, scalar, xq);
-    float *gu = (float *)malloc(2 * (size_t)(T * I) * sizeof(float));
-    if (!xbuf || !gu) {
-        free(xbuf);
-        free(gu);
-        return -1;
-    }
-    float *u = gu + T * I;
-    rows_q8(gf, I, H, gq, grb, xq[need_bit(gf, P) - 1], T, xf_for(gf, P), gu, 0, I, scalar);
-    rows_q8(uf, I, H, uq, urb, xq[need_bit(uf, P) - 1], T, xf_for(uf, P), u, 0, I, scalar);
-    swiglu(gu, u, T * I);
-    uint8_t *hbuf = quantize_for(need_bit(df, P), I, gu, T, P, scalar, hq);
-    if (hbuf) rows_q8(df, H, I, dq, drb, hq[need_bit(df, P) - 1], T, xf_for(df, P), y, 0, H, scalar);
-    free(hbuf);
-    free(xbuf);
-    free(gu);
-    return hbuf ? 0 : -1;
+    const int64_t e[10] = {gf, (intptr_t)gq, grb, uf, (intptr_t)uq, urb, df, (intptr_t)dq, drb, (intptr_t)y};
+    return sluice_experts_q8(1, e, H, I, x, T, P, scalar);
 }
 
 /* ---- jobs over the pool (pool.c): several projections of one x, the experts of one layer ---- */
