@@ -1,6 +1,7 @@
-"""A decode token's experts as one expert_q8 call each on the calling thread (Transformer.split_experts False) vs
-one call per layer with their rows split over the native threads (ExpertCall.many, pool.c), on a resident GGUF: ms
-for the 16 layers x top-k experts of one token (random x and ids), median of 20, rounds alternated.
+"""A decode token's experts as one expert_q8 call each on one thread (Transformer.split_experts False,
+native.set_threads(1)) vs one call per layer with their rows split over two native threads (ExpertCall.many,
+pool.c), on a resident GGUF: ms for the 16 layers x top-k experts of one token (random x and ids), median of 20,
+rounds alternated.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quantized/expert_threads.py [GGUF] [--rounds 3]
 """
@@ -14,6 +15,7 @@ import time
 import torch
 
 import sluice
+from sluice.quant import native
 
 
 def main() -> None:
@@ -37,6 +39,7 @@ def main() -> None:
             arms = (("one thread", False), ("split", True))
             for name, split in arms if r % 2 == 0 else arms[::-1]:
                 tm.split_experts = split
+                native.set_threads(2 if split else 1)
                 token()
                 ts = []
                 for _ in range(20):

@@ -110,7 +110,7 @@ class Transformer:
         this layer's experts are pinned, so the reads overlap this layer's expert math."""
         self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
         self.prerouter = prerouter
-        # False: decode runs every expert on the calling thread even when native.set_threads made a pool (tests)
+        # False: decode runs one expert_q8 call per expert instead of one call per layer (tests, benchmarks)
         self.split_experts = True
         self._all_native: bool | None = None  # _native_decode's answer, computed at the first decode step
         self._qkv_groups: dict[int, object] = {}  # layer -> its q/k/v native group (or None), built at first use
@@ -165,14 +165,7 @@ class Transformer:
                 QuantLinear.group(list(ws)) if all(type(w) is QuantLinear for w in ws) else None)
         if group is None or x.shape[0] > Q8_MAX_ROWS:
             return tuple(linear(x, w, b) for w, b in zip(ws, biases))
-        if all(b is None for b in biases) and all(w.dtype is torch.bfloat16 for w in ws):
-            return tuple(group(x.float().contiguous(), out_dtype=torch.bfloat16))  # rounded in the C call
-        out = []
-        for y, w, b in zip(group(x.float().contiguous()), ws, biases):  # as QuantLinear.linear finishes each
-            if b is not None:
-                y += b
-            out.append(y.to(w.dtype))
-        return tuple(out)
+        return tuple(group.linear(x, biases))
 
     # -- feed-forward ----------------------------------------------------------------------------------------
     def mlp(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
@@ -284,7 +277,7 @@ class Transformer:
         The ones in memory run in one native call, the others as their reads land (each call takes the one waited
         for and every later one already in; only this thread waits on the store); native.set_threads' threads split the rows of each call (pool.c). Each row is
         bitwise what one expert_q8 call gives, whichever thread computed it. split_experts False: one expert_q8
-        call per expert on this thread (tests).
+        call per expert (tests compare the two; benchmarks/quantized/expert_threads.py runs it on one thread).
 
         Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py): 16.6-18.6 ms this
         way on two threads, 21.7-25.5 one expert_q8 call each on one thread, 25-29 split over a Python pool with one

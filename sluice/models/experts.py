@@ -5,11 +5,12 @@ experts run each projection from its stored bytes (quant/stored.py), with one fl
 The same function serves the resident and the streaming store, so a streamed run computes bitwise what a resident
 run computes on the same slots.
 
-At decode, experts that run as one native call each (below) are split over the model's expert pool
-(Transformer._native_experts); every other kind runs on one thread with torch's own threads inside the matmuls.
-The pool was measured and dropped once, when each expert still cost ~0.1 ms of Python around the C call and torch's
-OpenMP workers spun between the bf16 ops around it (peers Q4_K_M resident: 118 ms/token with the pool, 69.6
-without); with ExpertCall's few us per call it pays (benchmarks/quantized/expert_threads.py, engine.py).
+Experts that run as one native call each (below) split their rows over the extension's threads (pool.c), and at
+decode a layer's experts go to it together (Transformer._native_experts); every other kind runs on one thread with
+torch's own threads inside the matmuls. A Python pool over experts was measured and dropped once, when each expert
+still cost ~0.1 ms of Python around the C call and torch's OpenMP workers spun between the bf16 ops around it
+(peers Q4_K_M resident: 118 ms/token with the pool, 69.6 without); see benchmarks/quantized/expert_threads.py and
+engine.py for the C pool.
 
 At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (GGUF block
 formats, quant/native/q8.c) runs as one native call up to EXPERT_Q8_MAX_ROWS rows (native.expert_q8: x quantized

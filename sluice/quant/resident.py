@@ -80,7 +80,7 @@ class QuantLinear:
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
         self.spec, self.raw, self.dtype = spec, raw.contiguous(), dtype
         self.scratch = scratch if scratch is not None else Scratch()
-        self._q8 = native.LinearsQ8([(spec, self.raw)])  # decode's call, checked once; rows over the C pool
+        self._q8 = QuantGroup([self])  # decode's call, checked once; rows over the C pool
         self._split = spec.out_features * spec.in_features >= SPLIT_MIN_WEIGHTS
 
     @property
@@ -112,13 +112,11 @@ class QuantLinear:
         if not x.is_contiguous():
             x = x.contiguous()
         T = x.shape[0]
+        if T <= Q8_MAX_ROWS:
+            return self._q8.linear(x, (bias,), out_dtype)[0]
         pool = native.shared_pool() if self._split else None
         out_dtype = out_dtype or self.dtype
-        if T <= Q8_MAX_ROWS:
-            if bias is None and out_dtype is torch.bfloat16:  # rounded to bf16 in the C call: the same bits
-                return self._q8(x, out_dtype=out_dtype)[0]
-            y = self._q8(x)[0]
-        elif T <= NATIVE_MAX_ROWS:
+        if T <= NATIVE_MAX_ROWS:
             y = native.linear(self.spec, x, self.raw) if pool is None else pool.linear(self.spec, x, self.raw)
         else:
             y = self._blocked(x)
@@ -127,12 +125,12 @@ class QuantLinear:
         return y if out_dtype is torch.float32 else y.to(out_dtype)
 
     @staticmethod
-    def group(ws: "list[QuantLinear]") -> "native.LinearsQ8 | None":
+    def group(ws: "list[QuantLinear]") -> "QuantGroup | None":
         """One native call computing several QuantLinears of one x (a layer's q, k and v) on the integer path, x
         quantized once, or None when they cannot share one (other in_features, other compute dtypes)."""
         if len({w.spec.in_features for w in ws}) != 1 or len({w.dtype for w in ws}) != 1:
             return None
-        return native.LinearsQ8([(w.spec, w.raw) for w in ws])
+        return QuantGroup(ws)
 
     def _blocked(self, x: torch.Tensor) -> torch.Tensor:
         """Many rows: blocks of weight rows dequantized into the scratch, one float32 F.linear per block."""
@@ -145,6 +143,32 @@ class QuantLinear:
             n1 = min(n, n0 + step)
             y[:, n0:n1] = F.linear(x, self.dequantize((n0, n1), self.scratch.get((n1 - n0) * k)))
         return y
+
+
+class QuantGroup:
+    """QuantLinears of one x (same in_features and compute dtype) on the integer path in one native call
+    (native.LinearsQ8): `linear(x, biases)` finishes each output as QuantLinear.linear does (float32, plus its bias,
+    one rounding to out_dtype; bias-free bf16 outputs rounded in the C call, the same bits). A QuantLinear's own
+    decode call is a group of one."""
+
+    def __init__(self, ws: "list[QuantLinear]"):
+        self.dtype = ws[0].dtype
+        self._q8 = native.LinearsQ8([(w.spec, w.raw) for w in ws])
+
+    def linear(self, x: torch.Tensor, biases, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """[y_a [T, out_a]] for x [T, in] (T <= Q8_MAX_ROWS) and one bias (or None) per projection."""
+        if x.dtype is not torch.float32:
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out_dtype = out_dtype or self.dtype
+        if out_dtype is torch.bfloat16 and all(b is None for b in biases):
+            return self._q8(x, out_dtype=out_dtype)
+        ys = self._q8(x)
+        for y, b in zip(ys, biases):
+            if b is not None:
+                y += b
+        return ys if out_dtype is torch.float32 else [y.to(out_dtype) for y in ys]
 
 
 def quant_spec(ref: TensorRef, dtype: torch.dtype) -> QuantSpec | None:

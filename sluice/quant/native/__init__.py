@@ -547,10 +547,6 @@ class Pool:
         self.threads = threads
         self._ex = ThreadPoolExecutor(threads, thread_name_prefix="sluice-native")
 
-    def submit(self, fn, *args):
-        """fn(*args) on a pool thread; returns its Future."""
-        return self._ex.submit(fn, *args)
-
     def run(self, jobs: list) -> list:
         """Runs each job (a callable without arguments) on the pool; returns their results in job order."""
         return [f.result() for f in [self._ex.submit(j) for j in jobs]]
