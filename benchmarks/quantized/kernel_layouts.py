@@ -16,7 +16,7 @@ import torch
 
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
-from sluice.quant.samples import random_stored
+from sluice.quant.samples import random_expert_slots
 from sluice.store.layout import ExpertFormat
 
 
@@ -28,10 +28,7 @@ def main() -> None:
     H, I = 1024, 512
     for down in ("Q4_K", "Q6_K"):
         fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml(down, H, I))
-        slots = torch.zeros(a.experts, fmt.nbytes, dtype=torch.uint8)
-        for e in range(a.experts):
-            for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
-                slots[e, at:at + spec.nbytes] = random_stored(spec, seed=10 * e + k)
+        slots = random_expert_slots(fmt, a.experts)
         call = native.ExpertCall((fmt.gate, fmt.up, fmt.down), (0, fmt.up_offset, fmt.down_offset))
         x, ys = torch.randn(1, H), torch.empty(8, H)
         for threads in (1, 2):

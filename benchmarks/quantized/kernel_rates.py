@@ -13,17 +13,14 @@ import torch
 
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
-from sluice.quant.samples import random_stored
+from sluice.quant.samples import random_expert_slots, random_stored
 from sluice.store.layout import ExpertFormat
 
 
 def main() -> None:
     H, I = 1024, 512
     fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", H, I))
-    slots = torch.zeros(8, fmt.nbytes, dtype=torch.uint8)
-    for e in range(8):
-        for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
-            slots[e, at:at + spec.nbytes] = random_stored(spec, seed=10 * e + k)
+    slots = random_expert_slots(fmt, 8)
     call = native.ExpertCall((fmt.gate, fmt.up, fmt.down), (0, fmt.up_offset, fmt.down_offset))
     big = QuantSpec.ggml("Q4_K", 12 * I * 2, H)  # as many weights as the 8 experts
     lin = native.LinearsQ8([(big, random_stored(big))])

@@ -39,3 +39,13 @@ def random_stored(spec: QuantSpec, seed: int = 0, scale: float = 1e-3) -> torch.
     else:  # mxfp4: 2^(s-127) around 1e-3..1e-2
         parts["scales"].copy_(torch.randint(115, 122, parts["scales"].shape, generator=g))
     return raw
+
+
+def random_expert_slots(fmt, n: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, fmt.nbytes]: n experts of an ExpertFormat (store/layout.py), each slot's gate, up and down filled
+    by random_stored at their offsets (expert e's part k seeded seed + 10 * e + k)."""
+    slots = torch.zeros(n, fmt.nbytes, dtype=torch.uint8)
+    for e in range(n):
+        for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
+            slots[e, at:at + spec.nbytes] = random_stored(spec, seed=seed + 10 * e + k)
+    return slots

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
 from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS, native_kernel
-from sluice.quant.samples import random_stored
+from sluice.quant.samples import random_expert_slots, random_stored
 
 pytestmark = pytest.mark.skipif(not native.native_available(),
                                 reason="native kernels not built (pip install -e . with a C compiler builds them)")
@@ -212,9 +212,7 @@ def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float
 
     H, I = 256, 256
     fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
-    slot = torch.zeros(1, fmt.nbytes, dtype=torch.uint8)
-    for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
-        slot[0, at:at + spec.nbytes] = random_stored(spec, seed=k)
+    slot = random_expert_slots(fmt, 1)
     batch = ExpertBatch(None, None, [0], raw=slot, format=fmt)
     calls = []
     one_call = native.expert_q8
@@ -253,9 +251,7 @@ def test_expert_call_is_expert_q8_with_the_checks_done_once():
     from sluice.store.layout import ExpertFormat
 
     fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
-    slot = torch.zeros(fmt.nbytes, dtype=torch.uint8)
-    for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
-        slot[at:at + spec.nbytes] = random_stored(spec, seed=k)
+    slot = random_expert_slots(fmt, 1)[0]
     parts = (slot[:fmt.gate.nbytes], slot[fmt.up_offset:fmt.up_offset + fmt.up.nbytes],
              slot[fmt.down_offset:fmt.down_offset + fmt.down.nbytes])
     call = native.ExpertCall((fmt.gate, fmt.up, fmt.down), (0, fmt.up_offset, fmt.down_offset))
@@ -315,10 +311,7 @@ def test_experts_in_one_call_are_each_expert_q8(T, threads, c_threads, monkeypat
     c_threads(threads)
     H, I = 512, 256
     fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
-    slots = torch.zeros(5, fmt.nbytes, dtype=torch.uint8)
-    for e in range(5):
-        for k, (spec, at) in enumerate(((fmt.gate, 0), (fmt.up, fmt.up_offset), (fmt.down, fmt.down_offset))):
-            slots[e, at:at + spec.nbytes] = random_stored(spec, seed=10 * e + k)
+    slots = random_expert_slots(fmt, 5)
     call = native.ExpertCall((fmt.gate, fmt.up, fmt.down), (0, fmt.up_offset, fmt.down_offset))
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
     want = torch.empty(5, T, H)
