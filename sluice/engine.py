@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .errors import ConfigError, ContextLengthError, RequestError
-from .generate import StepTimes, Teacher, TextStream, generate_step
+from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step
 from .host.cpus import ThreadGovernor
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
@@ -75,6 +75,7 @@ class Model:
         self.last_tokens: list[int] = []
         self.step_times = StepTimes()
         self._kv_tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
+        self._memo = PromptMemo()  # the last prefilled prompt's last hidden state (a repeated request starts there)
         self._gen_faults = (0, 0, 0)
         self._prefill_io: tuple | None = None  # (bytes read, disk bytes, expert reads per layer) of the last prefill
 
@@ -112,7 +113,7 @@ class Model:
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Full-sequence prefill logits [T, vocab] in float32, from an empty cache."""
         ids = self._check_ids(ids)
-        self._kv_tokens = []
+        self.forget_cache()
         chunk = self.prefill_chunk
         out = []
         with torch.inference_mode():
@@ -121,6 +122,11 @@ class Model:
                 out.append(self.model.logits(self.model.forward(part, start)))
         self._kv_tokens = list(ids)
         return torch.cat(out)
+
+    def forget_cache(self) -> None:
+        """Say that the KV cache is about to be overwritten outside generation: no later request reuses its prefix
+        or the last prompt's hidden state."""
+        self._kv_tokens, self._memo = [], PromptMemo()
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
         ids = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
@@ -204,7 +210,7 @@ class Model:
         io0 = self._io_counters()
         with torch.inference_mode():
             gen = generate_step(self.model, ids, sampler, processors, max_tokens, start, self.prefill_chunk,
-                                self.step_times, between=self._tick)
+                                self.step_times, between=self._tick, memo=self._memo)
             try:
                 for token in gen:
                     if self._prefill_io is None:  # the prefill just ended (the first token comes with it)

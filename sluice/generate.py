@@ -29,6 +29,17 @@ class StepTimes:
     decode_s: list[float] = field(default_factory=list)
 
 
+@dataclass
+class PromptMemo:
+    """The last prompt a generate_step prefilled and the hidden state [1, H] of its last position. A request that
+    repeats that prompt exactly, its positions still in the KV cache, starts from this hidden state instead of
+    re-running the prompt's last token alone: on a quantized model a single token runs the integer kernels, whose
+    bits differ from the prefill's, so a seeded request would not repeat (its first token already differed)."""
+
+    ids: list[int] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+
+
 def prefill(model: Transformer, tokens: Sequence[int], pos: int, chunk: int,
             between: Callable[[], object] | None = None) -> torch.Tensor:
     """Run `tokens` from position `pos` in chunks of `chunk`; return the last position's hidden state [1, H].
@@ -58,15 +69,25 @@ def generate_step(
     prefill_chunk: int = 256,
     times: StepTimes | None = None,
     between: Callable[[], object] | None = None,
+    memo: PromptMemo | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled ids after `prompt` (positions from `start_pos`; the KV cache before it is
     reused as is). A yielded id is fed back only when the next one is asked for, so after n ids the cache holds
     len(prompt) + n - 1 positions. The caller stops early by closing the generator. `between` is called before
-    every forward pass (the thread governor's tick: outside the timed steps, except inside the prefill's)."""
+    every forward pass (the thread governor's tick: outside the timed steps, except inside the prefill's). `memo`:
+    the caller's PromptMemo, used when prompt is its prompt and start_pos says the cache holds all but the last
+    position (then nothing is prefilled), else cleared before the prefill writes the cache and set after it."""
     times = times if times is not None else StepTimes()
     history = list(prompt)
     t0 = time.perf_counter()
-    hidden = prefill(model, prompt[start_pos:], start_pos, prefill_chunk, between)
+    if memo is not None and memo.hidden is not None and start_pos >= len(prompt) - 1 and memo.ids == history:
+        hidden, start_pos = memo.hidden, len(prompt)
+    else:
+        if memo is not None:
+            memo.ids, memo.hidden = [], None
+        hidden = prefill(model, prompt[start_pos:], start_pos, prefill_chunk, between)
+        if memo is not None:
+            memo.ids, memo.hidden = history.copy(), hidden
     pos = len(prompt)
     times.prefill_tokens = len(prompt) - start_pos
     for i in range(max_tokens):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import native
+from ..quant.native.decode import DecodeAttention, router_probs_bf16
 from ..quant.native.kernel import Q8_MAX_ROWS
 from ..quant.resident import QuantLinear
 from ..store.base import ExpertStore
@@ -21,7 +22,7 @@ from .experts import ExpertMath, glu_for
 from .linear import linear, logits
 from . import mla  # latent attention; mla.py uses this module's rms_norm, so modules, not names, are imported
 from .rope import apply_rope, rope_table
-from .routing import route
+from .routing import route, top_of_probs
 from .spec import KVCache, MLPWeights, Spec, Weights
 
 
@@ -117,6 +118,7 @@ class Transformer:
         self.act = ACTIVATIONS[spec.hidden_act]
         self.expert_math = ExpertMath(dtype, self.act, glu_for(spec, self.act))
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
+        self._attend: list | None | bool = False  # _decode_attention's answer, built at first use
 
     # -- attention -------------------------------------------------------------------------------------------
     def attention(self, L: int, x: torch.Tensor, pos: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -126,6 +128,10 @@ class Transformer:
             return mla.latent_attention(s.mla, s.n_heads, lw, x, self.cache.latent[L], pos, mask,
                                         self.cos[pos : pos + T], self.sin[pos : pos + T])
         q, k, v = self._qkv(L, x)  # [T, nH*D], [T, nKV*D], [T, nKV*D]
+        if T == 1 and (attend := self._decode_attention()) is not None:
+            win = s.sliding_window[L]
+            out = attend[L](q, k, v, pos, max(0, pos - win + 1) if win is not None else 0)  # [1, nH*D]
+            return linear(out, lw.o, lw.o_bias)
         if s.qk_norm == "full":
             q, k = rms_norm(q, lw.q_norm, s.rms_norm_eps), rms_norm(k, lw.k_norm, s.rms_norm_eps)
         if s.clip_qkv is not None:
@@ -153,6 +159,30 @@ class Transformer:
         out = out.transpose(0, 1).reshape(T, s.n_heads * D)
         return linear(out, lw.o, lw.o_bias)
 
+    def _decode_attention(self) -> list | None:
+        """Each layer's native attention of one bf16 decode token (native/decode.py: the q / k norms, rope, cache
+        writes and attention of a layer in one call instead of ~25 torch ops; moe's router probabilities go with
+        it), or None where it does not apply (no extension, another dtype, latent attention, a decode step not on
+        the integer path: _integer_decode) and the torch code runs. Its output matches SDPA's to within bf16
+        rounding, not bitwise (decode.c says how); streamed and resident runs share it."""
+        if self._attend is False:
+            s, c = self.spec, self.cache
+            ok = (_NATIVE and self.dtype is torch.bfloat16 and s.mla is None and self.cos.dtype is torch.bfloat16
+                  and self._integer_decode() and all(lw.router is None or (lw.router.dtype is torch.bfloat16
+                                                                             and lw.router.is_contiguous())
+                                                     for lw in self.w.layers)
+                  and c.k is not None and c.k.dtype is torch.bfloat16
+                  and all(lw.q_norm is None or lw.q_norm.dtype is torch.bfloat16 for lw in self.w.layers))
+            self._attend = None
+            if ok:
+                model = DecodeAttention(s.n_heads, s.n_kv_heads, s.head_dim, self.cos, self.sin)
+                self._attend = [
+                    model.layer(c.k[L], c.v[L], norm=s.qk_norm, q_norm=lw.q_norm, k_norm=lw.k_norm,
+                                eps=s.rms_norm_eps, clip=s.clip_qkv,
+                                sinks=None if lw.sinks is None else lw.sinks.to(self.dtype).float().contiguous())
+                    for L, lw in enumerate(self.w.layers)]
+        return self._attend
+
     def _qkv(self, L: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of layer L from x [T, H]. Kept-quantized projections at decode run as one native call (x
         quantized once, their rows over the native threads: QuantLinear.group), bitwise what three QuantLinear
@@ -174,7 +204,11 @@ class Transformer:
     def moe(self, L: int, x: torch.Tensor) -> torch.Tensor:
         """Route x [T, H] with the true router and run the chosen experts from the store."""
         lw = self.w.layers[L]
-        weights, ids = route(self.spec, lw, x)  # [T, K] each
+        if x.shape[0] == 1 and self._decode_attention() is not None and self.spec.router == "softmax":
+            # the softmax over the router's logits in one native call (~10 us where F.linear and softmax took ~60)
+            weights, ids = top_of_probs(self.spec, router_probs_bf16(x, lw.router), x.dtype)
+        else:
+            weights, ids = route(self.spec, lw, x)  # [T, K] each
         out = self.experts(L, x, ids, weights)
         if lw.shared is not None:
             shared = self.mlp(lw.shared, x)  # [T, H]
@@ -331,8 +365,14 @@ class Transformer:
 
     def _native_decode(self) -> bool:
         """Whether a decode step runs its projections and experts natively, over native.set_threads' pool."""
-        if not self.split_experts or native.shared_pool() is None:
-            return False
+        return self.split_experts and native.shared_pool() is not None and self._integer_decode()
+
+    def _integer_decode(self) -> bool:
+        """Whether a decode step's projections and experts all run natively from their quantized blocks (every
+        projection a QuantLinear, every MoE layer's experts one native call): the integer kernels there already
+        give a position other bits than the prefill's float kernels do, so its attention and router may run
+        natively too (_decode_attention). A plain model's decode step computes a position bitwise as a prompt chunk
+        does, which the server's seeded repeats rely on (a reused prompt's last token is re-run alone)."""
         if self._all_native is None:
             layout = getattr(self.store, "layout", None)
             projections = [self.w.lm_head] + [getattr(lw, n) for lw in self.w.layers for n in ("q", "k", "v", "o")]

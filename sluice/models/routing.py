@@ -23,12 +23,17 @@ from .spec import LayerWeights, Spec
 def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (weights [T, K], ids [T, K]): softmax over every expert, then top-k."""
     scores = F.linear(x, lw.router)  # [T, E]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return top_of_probs(spec, torch.softmax(scores, dim=-1, dtype=torch.float32), x.dtype)
+
+
+def top_of_probs(spec: Spec, probs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of softmax_topk from float32 probabilities [T, E] (a native decode step computes them in one call,
+    models/blocks.py): top-k, the optional renormalisation, the weights in `dtype` unless router_weights_fp32."""
     weights, ids = torch.topk(probs, spec.top_k, dim=-1)  # [T, K] each
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if not spec.router_weights_fp32:
-        weights = weights.to(x.dtype)
+        weights = weights.to(dtype)
     return weights, ids
 
 

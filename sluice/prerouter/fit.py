@@ -157,7 +157,7 @@ def record(model: Model, ids: list[int], seq_len: int, progress: bool = True) ->
     seq_len = min(seq_len, model.cache.max_context)
     rec = Recorder(model.spec, model.model.w, len(ids), model.dtype)
     saved, model.model.prerouter = model.model.prerouter, rec
-    model._kv_tokens = []  # the cache is overwritten below: no prefix of it may be reused later
+    model.forget_cache()  # the cache is overwritten below: no prefix of it may be reused later
     try:
         with torch.inference_mode(), tqdm(total=len(ids), desc="recording", unit="tok", disable=not progress) as bar:
             for i, token in enumerate(ids):

@@ -47,6 +47,14 @@ static inline float f16_to_f32(uint16_t h) {
 
 static inline float bf16_float(uint16_t h) { return f32_bits((uint32_t)h << 16); }
 
+/* float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's round_to_nearest_even) */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 static inline float rdf16(const uint8_t *p) { return f16_to_f32(rd16(p)); }
 
@@ -72,6 +80,11 @@ int sluice_simd(void);
 typedef void (*task_fn)(void *ctx, int64_t i);
 void pool_run(task_fn fn, void *ctx, int64_t ntasks);
 int sluice_threads(void);
+
+/* ops.c, also called by decode.c */
+void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out);
+void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const uint16_t *x, int64_t sh, int64_t st,
+                      const uint16_t *cos, const uint16_t *sin, uint16_t *out);
 
 #if SLUICE_X86
 #include <immintrin.h>

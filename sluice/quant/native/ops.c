@@ -5,14 +5,6 @@
 
 #include "common.h"
 
-/* float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's round_to_nearest_even) */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
 /* The weighted sum of a token's expert outputs into out (bf16 [H], added to what it holds), in the order given:
  * for j = 0..n-1, out = bf16(out + bf16(p_j)) with p_j = bf16(ys[j]) * w[at[j]] (w bf16: the product rounded to
  * bf16; w float32: kept in float32), i.e. torch's `out += ((ys.to(bf16) * w).to(bf16))[j]`, row by row.

@@ -1,0 +1,178 @@
+/* One decode token's attention core and softmax router probabilities in bf16, each one native call. At one token these are tiny
+ * (a 16-layer model's q/k norms, rope, cache writes and attention over a few hundred positions: well under a
+ * millisecond of arithmetic) but took ~40 torch ops per layer, ~5 ms per token of dispatch on the peers Q4_K_M model
+ * (benchmarks/quantized/decode_ops.py counts them).
+ *
+ * Numerics: norms and rope are ops.c's functions (rope bitwise the torch expression, rms_norm to the last bit of a
+ * row's scale). The attention computes in float32 from the bf16 q, k and v: scores q . k (8 lanes, a fixed order)
+ * times 1 / sqrt(D), softmax with the row max subtracted (plus the head's sink logit in the denominator when the
+ * model has sinks), the probability-weighted sum of v, one rounding to bf16 at the end. torch's SDPA gets the same
+ * value to within its own bf16 rounding (it rounds the probabilities to bf16 before multiplying v); the router's
+ * logits are rounded to bf16 as F.linear's are, then softmax runs in float32 as routing.softmax_topk does; their
+ * sums run in another order than F.linear's, so a logit may land one bf16 step away from torch's and a near-tie
+ * between two experts resolve the other way (the streamed and resident runs share this code, so they agree
+ * bitwise). */
+#include <math.h>
+
+#include "common.h"
+
+/* sum of a[d] * b[d] over n bf16 values in 8 float lanes (value d into lane d % 8, a product then a sum: no fused
+ * multiply-add), lanes added as ops.c's rms_norm; the AVX2 copy does the same operations in one vector */
+static float reduce8(const float *lane) {
+    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+}
+
+static float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t n) {
+    float lane[8] = {0};
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int l = 0; l < 8; l++) lane[l] = lane[l] + bf16_float(a[d + l]) * bf16_float(b[d + l]);
+    for (; d < n; d++) lane[d % 8] = lane[d % 8] + bf16_float(a[d]) * bf16_float(b[d]);
+    return reduce8(lane);
+}
+
+/* acc[d] += w * v[d] over n bf16 values */
+static void axpy_bf16(float w, const uint16_t *v, float *acc, int64_t n) {
+    for (int64_t d = 0; d < n; d++) acc[d] = acc[d] + w * bf16_float(v[d]);
+}
+
+#if SLUICE_X86
+AVX2_INLINE __m256 bf16x8(const uint16_t *p) {
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+AVX2 static float dot_bf16_avx2(const uint16_t *a, const uint16_t *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(bf16x8(a + d), bf16x8(b + d)));
+    float lane[8];
+    _mm256_storeu_ps(lane, acc);
+    for (; d < n; d++) lane[d % 8] = lane[d % 8] + bf16_float(a[d]) * bf16_float(b[d]);
+    return reduce8(lane);
+}
+
+AVX2 static void axpy_bf16_avx2(float w, const uint16_t *v, float *acc, int64_t n) {
+    const __m256 wv = _mm256_set1_ps(w);
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_mul_ps(wv, bf16x8(v + d))));
+    for (; d < n; d++) acc[d] = acc[d] + w * bf16_float(v[d]);
+}
+#endif
+
+typedef float (*dot_fn)(const uint16_t *, const uint16_t *, int64_t);
+typedef void (*axpy_fn)(float, const uint16_t *, float *, int64_t);
+
+/* the AVX2 copies where the CPU has them (the same bits), else the portable ones; scalar != 0 forces those */
+static void pick(int scalar, dot_fn *dot, axpy_fn *axpy) {
+    *dot = dot_bf16;
+    *axpy = axpy_bf16;
+#if SLUICE_X86
+    if (!scalar && sluice_simd()) *dot = dot_bf16_avx2, *axpy = axpy_bf16_avx2;
+#else
+    (void)scalar;
+#endif
+}
+
+typedef struct {
+    int64_t nH, group, D, n, sh, sp;
+    const uint16_t *q, *ck, *cv;  /* q [nH, D] (normed, rotated); the caches from position lo */
+    float scale;
+    const float *sinks;  /* [nH] or NULL */
+    float *scratch;      /* [nH, n + D] */
+    uint16_t *out;       /* [nH, D] */
+    dot_fn dot;
+    axpy_fn axpy;
+} attn_ctx;
+
+static void head_task(void *c, int64_t h) {
+    const attn_ctx *a = c;
+    const int64_t D = a->D, n = a->n;
+    const uint16_t *q = a->q + h * D, *kb = a->ck + h / a->group * a->sh, *vb = a->cv + h / a->group * a->sh;
+    float *s = a->scratch + h * (n + D), *acc = s + n;
+    float mx = a->sinks ? a->sinks[h] : -INFINITY;
+    for (int64_t p = 0; p < n; p++) {
+        s[p] = a->dot(q, kb + p * a->sp, D) * a->scale;
+        if (s[p] > mx) mx = s[p];
+    }
+    float sum = a->sinks ? expf(a->sinks[h] - mx) : 0.0f;
+    for (int64_t p = 0; p < n; p++) {
+        s[p] = expf(s[p] - mx);
+        sum = sum + s[p];
+    }
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+    for (int64_t p = 0; p < n; p++) a->axpy(s[p], vb + p * a->sp, acc, D);
+    for (int64_t d = 0; d < D; d++) a->out[h * D + d] = bf16_round(acc[d] / sum);
+}
+
+static void clip_bf16(uint16_t *x, int64_t n, float c) {  /* torch's x.clamp(-c, c) on bf16 */
+    const uint16_t lo = bf16_round(-c), hi = bf16_round(c);
+    for (int64_t i = 0; i < n; i++) {
+        float f = bf16_float(x[i]);
+        if (f < bf16_float(lo)) x[i] = lo;
+        else if (f > bf16_float(hi)) x[i] = hi;
+    }
+}
+
+/* Attention of one decode token at position pos over cache positions lo..pos, in the steps of
+ * models/blocks.py Transformer.attention: q [nH * D], k and v [nKV * D] (bf16, the projections' outputs; q and k
+ * are overwritten by their normed values) -> norm ("full" norm_mode 2: each of q, k over its whole row with weights
+ * qn / kn [nH * D] / [nKV * D]; then clip when clip >= 0 (-1: none); then "head" norm_mode 1: per head with qn / kn [D]) -> rope
+ * by the rope tables cos / sin [P, rot] (row pos) on the first rot dims -> k and v written to the caches ck / cv at (head g, pos)
+ * (element (g, p, d) at g * sh + p * sp + d) -> attention -> out [nH * D] bf16. sinks: [nH] float32 (the sink
+ * logits, already rounded to bf16) or NULL. rq: bf16 scratch [(nH + nKV) * D]; scratch: float32 [nH * (n + D)] with
+ * n = pos - lo + 1. Heads go over the pool when the scores are worth it. scalar != 0: the portable loops. */
+void sluice_attend_bf16(int64_t nH, int64_t nKV, int64_t D, int64_t rot, uint16_t *q, uint16_t *k, const uint16_t *v,
+                        int norm_mode, const uint16_t *qn, const uint16_t *kn, float eps, float clip,
+                        const uint16_t *cos, const uint16_t *sin, uint16_t *ck, uint16_t *cv, int64_t sh, int64_t sp,
+                        int64_t pos, int64_t lo, const float *sinks, uint16_t *rq, float *scratch, uint16_t *out,
+                        int scalar) {
+    if (norm_mode == 2) {
+        sluice_rms_norm_bf16(1, nH * D, q, qn, eps, q);
+        sluice_rms_norm_bf16(1, nKV * D, k, kn, eps, k);
+    }
+    if (clip >= 0.0f) {
+        clip_bf16(q, nH * D, clip);
+        clip_bf16(k, nKV * D, clip);
+    }
+    if (norm_mode == 1) {
+        sluice_rms_norm_bf16(nH, D, q, qn, eps, q);
+        sluice_rms_norm_bf16(nKV, D, k, kn, eps, k);
+    }
+    uint16_t *rk = rq + nH * D;
+    sluice_rope_bf16(nH, 1, D, rot, q, D, 0, cos + pos * rot, sin + pos * rot, rq);
+    sluice_rope_bf16(nKV, 1, D, rot, k, D, 0, cos + pos * rot, sin + pos * rot, rk);
+    for (int64_t g = 0; g < nKV; g++) {  /* v is clipped on its way into the cache (the caller's v is kept) */
+        memcpy(cv + g * sh + pos * sp, v + g * D, 2 * D);
+        if (clip >= 0.0f) clip_bf16(cv + g * sh + pos * sp, D, clip);
+        memcpy(ck + g * sh + pos * sp, rk + g * D, 2 * D);
+    }
+    attn_ctx a = {nH, nH / nKV, D, pos - lo + 1, sh, sp, rq, ck + lo * sp, cv + lo * sp, 1.0f / sqrtf((float)D),
+                  sinks, scratch, out, NULL, NULL};
+    pick(scalar, &a.dot, &a.axpy);
+    if (nH * a.n * D >= 65536) pool_run(head_task, &a, nH);
+    else
+        for (int64_t h = 0; h < nH; h++) head_task(&a, h);
+}
+
+/* The softmax router's probabilities for one token (routing.softmax_topk's first two steps): logits = bf16(x . w_e)
+ * for the E rows of w [E, H] (x and w bf16, rounded as F.linear's bf16 output is), then softmax in float32 into
+ * probs [E]. Equal logits give equal probabilities and the order of unequal ones is kept, so torch.topk over them
+ * picks what it picks over torch's own probabilities of the same logits (ties included). */
+void sluice_router_probs_bf16(int64_t E, int64_t H, const uint16_t *x, const uint16_t *w, float *probs, int scalar) {
+    dot_fn dot;
+    axpy_fn axpy;
+    pick(scalar, &dot, &axpy);
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        probs[e] = bf16_float(bf16_round(dot(x, w + e * H, H)));
+        if (probs[e] > mx) mx = probs[e];
+    }
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        probs[e] = expf(probs[e] - mx);
+        sum = sum + probs[e];
+    }
+    for (int64_t e = 0; e < E; e++) probs[e] = probs[e] / sum;
+}

@@ -1,0 +1,122 @@
+"""One decode token's attention core and softmax router probabilities as single native calls (decode.c).
+
+    attend = DecodeAttention(n_heads, n_kv_heads, head_dim, cos, sin)  # one per model: scratch and rope tables
+    layer = attend.layer(cache_k, cache_v, norm="head", q_norm=..., ...)  # one per layer, checked once
+    out = layer(q, k, v, pos, lo)                           # [1, nH * D] bf16; k and v written to the caches
+    probs = router_probs_bf16(x, router)                    # softmax(F.linear(x, router)) in float32, [1, E]
+
+models/blocks.py calls them for a bf16 decode step (T == 1); everything else keeps the torch code. What they
+compute, and how it compares with the torch expressions, is in decode.c's header.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import native
+from . import _LIB
+
+if _LIB is not None:
+    _i64, _ptr, _i32, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    _LIB.sluice_attend_bf16.argtypes = (
+        [_i64] * 4 + [_ptr] * 3  # nH, nKV, D, rot, q, k, v
+        + [_i32, _ptr, _ptr, _f32, _f32]  # norm_mode, qn, kn, eps, clip
+        + [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]  # cos, sin, ck, cv, sh, sp, pos, lo
+        + [_ptr, _ptr, _ptr, _ptr, _i32])  # sinks, rq, scratch, out, scalar
+    _LIB.sluice_router_probs_bf16.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _i32]  # E, H, x, w, probs, scalar
+    _LIB.sluice_attend_bf16.restype = _LIB.sluice_router_probs_bf16.restype = None
+
+#: norm modes of DecodeAttention: Spec.qk_norm -> the C code's number
+NORM_MODES = {"none": 0, "head": 1, "full": 2}
+
+
+def _bf16(t: torch.Tensor, what: str, numel: int) -> int:
+    if not (t.dtype is torch.bfloat16 and t.is_contiguous() and t.numel() == numel and t.device.type == "cpu"):
+        raise ValueError(f"{what}: need a contiguous bf16 tensor of {numel} values, got {t.dtype} {list(t.shape)}")
+    return t.data_ptr()
+
+
+class DecodeAttention:
+    """The attention of one decode token for a model's GQA layers (not latent attention): the q / k norms, clip,
+    rope, the cache writes and the attention itself in one call per layer. Holds the scratch (bf16 q and k after
+    rope; float32 scores for max_context positions per head, committed only as far as they are written) and the
+    rope tables; `layer` checks a layer's constant arguments once and returns its call."""
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor):
+        """cos / sin: the rope tables, bf16 [max_context, rot] (models/rope.py rope_table)."""
+        if _LIB is None:
+            raise RuntimeError("DecodeAttention needs the native extension (sluice.quant.native.native_available())")
+        P, rot = cos.shape
+        if n_heads % n_kv_heads or rot % 2 or rot > head_dim:
+            raise ValueError(f"DecodeAttention: n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads} and "
+                             f"rot {rot} even and <= head_dim {head_dim}")
+        _bf16(cos, "cos", P * rot), _bf16(sin, "sin", P * rot)
+        self.nH, self.nKV, self.D, self.rot, self.max_context = n_heads, n_kv_heads, head_dim, rot, P
+        self.cos, self.sin = cos, sin
+        self.rq = torch.empty((n_heads + n_kv_heads) * head_dim, dtype=torch.bfloat16)
+        self.scratch = torch.empty(n_heads * (P + head_dim), dtype=torch.float32)
+
+    def layer(self, ck: torch.Tensor, cv: torch.Tensor, *, norm: str = "none", q_norm: torch.Tensor | None = None,
+              k_norm: torch.Tensor | None = None, eps: float = 0.0, clip: float | None = None,
+              sinks: torch.Tensor | None = None) -> "LayerAttention":
+        """The call of one layer whose caches are ck / cv (bf16 [nKV, P >= max_context, D], unit last stride).
+        norm "head": q_norm / k_norm bf16 [D]; "full": [nH * D] / [nKV * D]; clip: clamp q, k and v to +-clip;
+        sinks: float32 [nH], the sink logits already rounded to bf16."""
+        nH, nKV, D = self.nH, self.nKV, self.D
+        if norm not in NORM_MODES:
+            raise ValueError(f"DecodeAttention: norm must be one of {sorted(NORM_MODES)}, got {norm!r}")
+        mode = NORM_MODES[norm]
+        if not (ck.dtype is torch.bfloat16 and cv.dtype is torch.bfloat16 and ck.dim() == 3
+                and ck.stride() == cv.stride() and ck.shape == cv.shape and ck.shape[0] == nKV and ck.shape[2] == D
+                and ck.stride(2) == 1 and ck.shape[1] >= self.max_context):
+            raise ValueError(f"DecodeAttention: need bf16 caches [{nKV}, >= {self.max_context}, {D}] with unit last "
+                             f"stride, got {ck.dtype} {list(ck.shape)} stride {ck.stride()}")
+        keep = [ck, cv]
+        qn = kn = None
+        if mode:
+            keep += [q_norm, k_norm]
+            qn = _bf16(q_norm, "q_norm", D if mode == 1 else nH * D)
+            kn = _bf16(k_norm, "k_norm", D if mode == 1 else nKV * D)
+        if sinks is not None:
+            if not (sinks.dtype is torch.float32 and sinks.is_contiguous() and sinks.numel() == nH):
+                raise ValueError(f"DecodeAttention: sinks must be float32 [{nH}], got {sinks.dtype} "
+                                 f"{list(sinks.shape)}")
+            keep.append(sinks)
+        return LayerAttention(self, keep, (
+            mode, qn, kn, eps, -1.0 if clip is None else clip, self.cos.data_ptr(), self.sin.data_ptr(),
+            ck.data_ptr(), cv.data_ptr(), ck.stride(0), ck.stride(1)), None if sinks is None else sinks.data_ptr())
+
+
+class LayerAttention:
+    """DecodeAttention.layer's result: `(q, k, v, pos, lo) -> out`."""
+
+    def __init__(self, owner: DecodeAttention, keep: list, args: tuple, sinks: int | None):
+        self.owner, self._keep, self._args, self._sinks = owner, keep, args, sinks  # _keep: the tensors args point in
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, lo: int) -> torch.Tensor:
+        """q [1, nH * D], k / v [1, nKV * D] (bf16; q and k are overwritten with their normed values) -> the
+        attention output [1, nH * D] bf16 over cache positions lo..pos, after writing k (normed, rotated) and v at
+        pos into the layer's caches."""
+        a = self.owner
+        nH, nKV, D = a.nH, a.nKV, a.D
+        if not 0 <= lo <= pos < a.max_context:
+            raise ValueError(f"DecodeAttention: need 0 <= lo {lo} <= pos {pos} < max_context {a.max_context}")
+        out = torch.empty(1, nH * D, dtype=torch.bfloat16)
+        _LIB.sluice_attend_bf16(nH, nKV, D, a.rot, _bf16(q, "q", nH * D), _bf16(k, "k", nKV * D),
+                                _bf16(v, "v", nKV * D), *self._args, pos, lo, self._sinks, a.rq.data_ptr(),
+                                a.scratch.data_ptr(), out.data_ptr(), int(native.FORCE_SCALAR))
+        return out
+
+
+def router_probs_bf16(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """softmax(F.linear(x, router), dtype=float32) for one bf16 token x [1, H] and a bf16 router [E, H] in one call
+    (decode.c): float32 [1, E]. The logits are rounded to bf16 as F.linear's are, but summed in another order, so
+    one may land a bf16 step from torch's; equal logits give equal probabilities, so torch.topk over these resolves
+    ties as it does over torch's."""
+    E, H = router.shape
+    probs = torch.empty(1, E, dtype=torch.float32)
+    _LIB.sluice_router_probs_bf16(E, H, _bf16(x, "x", H), _bf16(router, "router", E * H), probs.data_ptr(),
+                                  int(native.FORCE_SCALAR))
+    return probs

@@ -1,0 +1,159 @@
+"""One decode token's native attention and router (native/decode.py, decode.c) against the torch code they replace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sluice.models.blocks import rms_norm, sink_attention
+from sluice.models.rope import apply_rope
+from sluice.quant import native
+from sluice.quant.native.decode import DecodeAttention, router_probs_bf16
+
+pytestmark = pytest.mark.skipif(not native.native_available(),
+                                reason="native kernels not built (pip install -e . with a C compiler builds them)")
+
+P = 64  # cache positions
+
+
+def _case(nH, nKV, D, rot, norm, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g) * 2).bfloat16()  # noqa: E731
+    q, k, v = r(1, nH * D), r(1, nKV * D), r(1, nKV * D)
+    n = {"none": (None, None), "head": (r(D), r(D)), "full": (r(nH * D), r(nKV * D))}[norm]
+    cos, sin = r(P, rot), r(P, rot)
+    ck, cv = r(nKV, P, D), r(nKV, P, D)  # earlier positions hold random keys and values
+    return q, k, v, n, cos, sin, ck, cv
+
+
+def _torch_attention(q, k, v, norm, qn, kn, cos, sin, ck, cv, pos, lo, clip, sinks, nH, nKV, D):
+    """models/blocks.py Transformer.attention's torch steps for one token: (the cache after, the exact float64
+    attention of the bf16 q and keys it computes, SDPA's / sink_attention's bf16 output)."""
+    eps = 1e-6
+    if norm == "full":
+        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+    if clip is not None:
+        q, k, v = (t.clamp(-clip, clip) for t in (q, k, v))
+    q, k = q.view(1, nH, D), k.view(1, nKV, D)
+    if norm == "head":
+        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+    q = apply_rope(q.transpose(0, 1), cos[pos : pos + 1], sin[pos : pos + 1])  # [nH, 1, D]
+    k = apply_rope(k.transpose(0, 1), cos[pos : pos + 1], sin[pos : pos + 1])
+    ck, cv = ck.clone(), cv.clone()
+    ck[:, pos : pos + 1] = k
+    cv[:, pos : pos + 1] = v.view(1, nKV, D).transpose(0, 1)
+    keys, vals = ck[:, lo : pos + 1].double(), cv[:, lo : pos + 1].double()  # [nKV, n, D]
+    rep = nH // nKV
+    s = torch.einsum("hd,hpd->hp", q[:, 0].double(), keys.repeat_interleave(rep, 0)) / math.sqrt(D)
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None]], dim=1)
+    p = torch.softmax(s, dim=1)[:, : pos + 1 - lo]
+    exact = torch.einsum("hp,hpd->hd", p, vals.repeat_interleave(rep, 0)).reshape(1, nH * D)
+    if sinks is not None:
+        ref = sink_attention(q, ck[:, lo : pos + 1], cv[:, lo : pos + 1], None, sinks)
+    else:
+        ref = F.scaled_dot_product_attention(q[None], ck[None, :, lo : pos + 1], cv[None, :, lo : pos + 1],
+                                             enable_gqa=True)[0]
+    return ck, cv, exact, ref.transpose(0, 1).reshape(1, nH * D)
+
+
+CASES = [  # nH, nKV, D, rot, norm, clip, sinks, pos, lo
+    (8, 2, 128, 128, "head", None, False, 40, 0),  # Qwen3
+    (4, 4, 64, 64, "full", 0.5, False, 0, 0),  # OLMoE-like, the first position, clipped
+    (8, 1, 64, 32, "none", None, False, 63, 0),  # partial rotary, one kv head, the last position
+    (4, 2, 64, 64, "none", None, True, 50, 31),  # gpt-oss: sinks, a sliding window of 20
+]
+
+
+@pytest.mark.parametrize("nH,nKV,D,rot,norm,clip,sinks,pos,lo", CASES)
+def test_decode_attention_is_the_torch_steps(nH, nKV, D, rot, norm, clip, sinks, pos, lo):
+    q, k, v, (qn, kn), cos, sin, ck, cv = _case(nH, nKV, D, rot, norm, pos)
+    sk = (torch.randn(nH, generator=torch.Generator().manual_seed(1)) * 3).bfloat16().float() if sinks else None
+    want_k, want_v, exact, ref = _torch_attention(q, k, v, norm, qn, kn, cos, sin, ck, cv, pos, lo, clip, sk,
+                                                  nH, nKV, D)
+    layer = DecodeAttention(nH, nKV, D, cos, sin).layer(ck, cv, norm=norm, q_norm=qn, k_norm=kn, eps=1e-6,
+                                                        clip=clip, sinks=sk)
+    out = layer(q.clone(), k.clone(), v.clone(), pos, lo)
+    # the cache holds what the torch steps write, bitwise (the same norm and rope functions)
+    assert torch.equal(ck, want_k) and torch.equal(cv, want_v)
+    # one rounding of a float32 computation: within one bf16 step of the exact attention of the same q and cache
+    ulp = torch.pow(2.0, torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    assert ((out.double() - exact).abs() <= ulp).all()
+    # and torch's own bf16 attention (which rounds its probabilities to bf16) is within its rounding of both
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    try:  # the portable loops give the same bits
+        native.FORCE_SCALAR = True
+        ck2, cv2 = ck.clone(), cv.clone()
+        layer2 = DecodeAttention(nH, nKV, D, cos, sin).layer(ck2, cv2, norm=norm, q_norm=qn, k_norm=kn, eps=1e-6,
+                                                             clip=clip, sinks=sk)
+        assert torch.equal(layer2(q.clone(), k.clone(), v.clone(), pos, lo), out)
+    finally:
+        native.FORCE_SCALAR = False
+
+
+def test_decode_attention_splits_long_contexts_over_threads_with_the_same_bits():
+    nH, nKV, D, pos = 8, 2, 128, P - 1
+    q, k, v, (qn, kn), cos, sin, ck, cv = _case(nH, nKV, D, D, "head", 7)
+    outs = []
+    for threads in (1, 2):
+        native.set_threads(threads)
+        try:
+            layer = DecodeAttention(nH, nKV, D, cos, sin).layer(ck.clone(), cv.clone(), norm="head", q_norm=qn,
+                                                                k_norm=kn, eps=1e-6)
+            outs.append(layer(q.clone(), k.clone(), v.clone(), pos, 0))
+        finally:
+            native.set_threads(1)
+    assert nH * (pos + 1) * D >= 65536  # past decode.c's threshold for the pool
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_decode_attention_rejects_bad_arguments():
+    q, k, v, (qn, kn), cos, sin, ck, cv = _case(8, 2, 128, 128, "head", 0)
+    attend = DecodeAttention(8, 2, 128, cos, sin)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        attend.layer(ck, cv, norm="layer")
+    with pytest.raises(ValueError, match="q_norm"):
+        attend.layer(ck, cv, norm="full", q_norm=qn, k_norm=kn)  # [D] weights where full needs [nH * D]
+    with pytest.raises(ValueError, match="caches"):
+        attend.layer(ck.float(), cv.float())
+    layer = attend.layer(ck, cv, norm="head", q_norm=qn, k_norm=kn)
+    with pytest.raises(ValueError, match="pos"):
+        layer(q, k, v, P, 0)
+    with pytest.raises(ValueError, match="q: need a contiguous bf16"):
+        layer(q.float(), k, v, 3, 0)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        DecodeAttention(8, 3, 128, cos, sin)
+
+
+@pytest.mark.parametrize("E,k", [(64, 8), (8, 2), (128, 8)])
+def test_router_probs_pick_what_torch_picks(E, k):
+    g = torch.Generator().manual_seed(E + k)
+    H = 256
+    w = (torch.randn(E, H, generator=g) * 0.1).bfloat16()
+    ties = 0
+    for _ in range(50):
+        x = torch.randn(1, H, generator=g).bfloat16()
+        probs = router_probs_bf16(x, w)
+        logits = F.linear(x, w)  # routing.softmax_topk's steps
+        want = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        # F.linear sums in another order: a bf16 logit may be a step off, its probability about 1% off
+        assert probs.dtype == torch.float32 and torch.allclose(probs, want, rtol=2e-2, atol=1e-7)
+        ours = router_probs_bf16(x, w)  # deterministic
+        assert torch.equal(ours, probs)
+        # where the logits agree, equal ones give equal probabilities and top-k picks the same experts, ties too
+        mine = torch.softmax(F.linear(x.float(), w.float()).bfloat16(), dim=-1, dtype=torch.float32)
+        order = lambda p: torch.sign(p[0, :, None] - p[0, None, :])  # noqa: E731  (every pair: <, = or >)
+        if torch.equal(order(mine), order(probs)):
+            assert torch.equal(torch.topk(probs, k)[1], torch.topk(mine, k)[1])
+        ties += int(probs[0].unique().numel() < E)
+        try:
+            native.FORCE_SCALAR = True
+            assert torch.equal(router_probs_bf16(x, w), probs)
+        finally:
+            native.FORCE_SCALAR = False
+    assert ties or E < 64  # bf16 logits of 64 experts tie often: the case above is exercised
+    with pytest.raises(ValueError, match="router"):
+        router_probs_bf16(x, w.float())
