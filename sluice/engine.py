@@ -19,7 +19,7 @@ from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
 from .models.blocks import Transformer
 from .models.spec import KVCache
-from .options import LoadOptions
+from .options import ACTIVATION_PLANES, LoadOptions
 from .plan import LoadPlan, plan
 from .quant import native
 from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
@@ -55,7 +55,8 @@ class Model:
         # read each weight file only as the version whose header was read: a shard replaced, truncated or rewritten
         # while the model runs is a CheckpointError naming it (io/base.py FileGuard), not a SIGBUS or wrong bytes
         self.reader.expect(self.index.stamps())
-        weights = load_resident(p.refs, s, self.dtype, lazy_embed=p.lazy_embed)
+        planes = ACTIVATION_PLANES[p.options.activations]
+        weights = load_resident(p.refs, s, self.dtype, lazy_embed=p.lazy_embed, planes=planes)
         self.rows = self._make_rows(p.refs["embed"]) if p.lazy_embed else None
         self.store = self._make_store(progress)
         prerouter = None
@@ -64,7 +65,8 @@ class Model:
         elif p.options.prefetch == "learned" and self.memory is not None:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
-        self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter)
+        self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter,
+                                 planes=planes)
         # decode splits the rows of a layer's native experts and of the quantized projections over the threads
         # (native.set_threads, process-wide like torch's; pool.c). Peers model's Q4_K_M file, resident, the 128
         # experts of one token, 2-CPU VM (benchmarks/quantized/expert_threads.py, 4 alternated rounds): 21.7-25.5 ms

@@ -150,6 +150,10 @@ def _parse_chunk(value: Any) -> int | str:
     return value
 
 
+#: LoadOptions.activations -> planes of 8-bit codes per activation value (native/q8.c)
+ACTIVATION_PLANES = {"int16": 2, "int8": 1}
+
+
 @dataclass
 class LoadOptions:
     """How a model is loaded and run: one field per option, each declared with its flag help, README text and check
@@ -195,6 +199,17 @@ class LoadOptions:
         help="compute dtype; auto = the checkpoint's",
         doc="compute dtype: the checkpoint's (bf16 stays bf16, quantized experts compute in bf16), or float32 / "
             "bfloat16 / float16")
+    # activations: the integer kernels' coding of a quantized projection's input (native/q8.c), planes per value:
+    # ACTIVATION_PLANES. Peers Q4_K_M, resident, alternated in one process (benchmarks/quantized/activations.py)
+    activations: str = option(
+        "int16", choices=tuple(ACTIVATION_PLANES),
+        help="how the integer kernels code a quantized projection's input: int16 (two 8-bit planes, finer than "
+             "bf16) or int8 (llama.cpp's Q8_K / Q8_0 coding: faster, ~1%% error per projection)",
+        doc="how the integer kernels of GGUF block formats code a projection's input at the bf16 / f16 dtypes: "
+            "`int16`, two planes of 8-bit codes per 32 values (256 for the K-quants), x to ~1/32,000 of the "
+            "block's largest value, finer than bf16 itself; `int8`, one plane, x to 1/127 of it, as llama.cpp's "
+            "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, ~1% error per projection. float32 keeps "
+            "the exact float kernels either way")
     # max_context: capped by the model's max_position_embeddings
     max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",
                               doc="KV cache positions, allocated once")

@@ -97,7 +97,7 @@ def test_subsets_keep_their_commands_defaults():
 
 
 def test_unknown_names_are_errors_listing_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown option\(s\) turbo; known: dtype, embeddings, io, "):
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) turbo; known: activations, dtype, embeddings, io, "):
         LoadOptions.make(turbo=True)
     with pytest.raises(ConfigError, match="unknown option.*turbo"):
         options.add_load_arguments(argparse.ArgumentParser(), only=("memory", "turbo"))

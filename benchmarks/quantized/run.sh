@@ -9,8 +9,9 @@
 #           also with MADV_RANDOM, the issue-8 table's rows for a user holding the Q4_K_M file (transformers +
 #           accelerate cannot offload from a GGUF: it has no row here)
 #   6GiB    a ~6 GiB bf16 synthetic qwen3_moe with expert intermediate 512 (multiples of 256, as real models'):
-#           Q4_K_M ~1.8 GB, which does not fit at 1 GiB
-#   resident  the peers Q4_K_M file with no ceiling, warm: decode speed with everything in memory, same threads
+#           Q4_K_M ~1.8 GB, which does not fit at 1 GiB; also sluice with --activations int8
+#   resident  the peers Q4_K_M file with no ceiling, warm: decode speed with everything in memory, same threads;
+#             also sluice with --activations int8 (llama.cpp's own activation coding, Q8_K / Q8_0)
 #   bf16    sluice on the peers model's bf16 folder at 1 GiB: the bytes and time quantization saves
 #
 #   bash benchmarks/quantized/run.sh              # ROUNDS=3 STEPS=8 WARMUP=2; SETS="peers 6GiB resident bf16"
@@ -52,10 +53,12 @@ for set in $SETS; do
       done ;;
     6GiB)
       bench "$SIX/model-Q4_K_M.gguf" "$OUT/6GiB-1GiB" --cold --ceiling 1GiB \
-        --arm sluice="--io direct --memory 640MiB" --arm llama.cpp="peer:llama.cpp" ;;
+        --arm sluice="--io direct --memory 640MiB" --arm llama.cpp="peer:llama.cpp" \
+        --arm sluice-int8="--io direct --memory 640MiB --activations int8" ;;
     resident)
       bench "$PEERS/model-Q4_K_M.gguf" "$OUT/resident" --warm \
-        --arm sluice="--memory all --threads 2" --arm llama.cpp="peer:llama.cpp --threads 2" ;;
+        --arm sluice="--memory all --threads 2" --arm llama.cpp="peer:llama.cpp --threads 2" \
+        --arm sluice-int8="--memory all --threads 2 --activations int8" ;;
     bf16)
       bench "$PEERS" "$OUT/bf16-1GiB" --cold --ceiling 1GiB --arm sluice-bf16="--io direct --memory 640MiB" ;;
     *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16)" >&2; exit 2 ;;

@@ -105,10 +105,12 @@ class Transformer:
         dtype: torch.dtype,
         rows=None,
         prerouter=None,
+        planes: int | None = None,
     ):
         """`rows`: a RowTable serving token-embedding rows when the table is not resident (weights.embed None).
         `prerouter`: predicts the next MoE layer's experts during decode; the store prefetches them right after
-        this layer's experts are pinned, so the reads overlap this layer's expert math."""
+        this layer's experts are pinned, so the reads overlap this layer's expert math. `planes`: the activation
+        planes of the experts' integer path (LoadOptions.activations; the resident projections have theirs)."""
         self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
         self.prerouter = prerouter
         # False: decode runs one expert_q8 call per expert instead of one call per layer (tests, benchmarks)
@@ -116,7 +118,7 @@ class Transformer:
         self._all_native: bool | None = None  # _native_decode's answer, computed at the first decode step
         self._qkv_groups: dict[int, object] = {}  # layer -> its q/k/v native group (or None), built at first use
         self.act = ACTIVATIONS[spec.hidden_act]
-        self.expert_math = ExpertMath(dtype, self.act, glu_for(spec, self.act))
+        self.expert_math = ExpertMath(dtype, self.act, glu_for(spec, self.act), planes)
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
         self._attend: list | None | bool = False  # _decode_attention's answer, built at first use
 

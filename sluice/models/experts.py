@@ -81,9 +81,11 @@ def glu_for(spec, act: Callable[[torch.Tensor], torch.Tensor]) -> Glu | None:
 class ExpertMath:
     """Expert forward passes for every storage format the layout holds, at one compute dtype."""
 
-    def __init__(self, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], glu: Glu | None = None):
-        """`glu`: (gate, up) -> hidden; default act(gate) * up (glu_for builds the Spec's)."""
-        self.dtype, self.act = dtype, act
+    def __init__(self, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], glu: Glu | None = None,
+                 planes: int | None = None):
+        """`glu`: (gate, up) -> hidden; default act(gate) * up (glu_for builds the Spec's). `planes`: the integer
+        path's activation planes (LoadOptions.activations; None: native.Q8_PLANES when called)."""
+        self.dtype, self.act, self.planes = dtype, act, planes
         self.glu = glu or (lambda gate, up: act(gate) * up)  # the Qwen / Mixtral / OLMoE SwiGLU
         self._plain_glu = glu is None  # the one-call native expert computes act(gate) * up only
         self._kernels: dict[object, tuple] = {}
@@ -106,7 +108,7 @@ class ExpertMath:
             return self._biased(fmt, raw, x)
         if self.one_call(fmt, x.shape[0]):
             y = torch.empty(x.shape, dtype=torch.float32)  # [n, H]
-            self._fused[fmt](raw, x.float().contiguous(), y)
+            self._fused[fmt](raw, x.float().contiguous(), y, self.planes)
             return y.to(self.dtype)
         gate_up, gate, up, down = self._kernels_for(fmt)
         scratch = self._scratch()
@@ -133,12 +135,12 @@ class ExpertMath:
     def into(self, batch, j: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """The j-th expert of `batch` on x float32 [n, H] into out float32 [n, H], for a format one_call accepts
         (the float32 result __call__ casts to the compute dtype)."""
-        self._fused[batch.format](batch.raw[batch.slots[j]], x, out)
+        self._fused[batch.format](batch.raw[batch.slots[j]], x, out, self.planes)
 
     def many(self, batch, js: list[int], x: torch.Tensor, ys: torch.Tensor) -> None:
         """Experts js of `batch` on the same x float32 [1, H] into rows js of ys float32 [n, H] in one native call,
         their rows split over the native threads (native.ExpertCall.many): row j bitwise what into() writes."""
-        self._fused[batch.format].many(batch.raw, [batch.slots[j] for j in js], x, ys, js)
+        self._fused[batch.format].many(batch.raw, [batch.slots[j] for j in js], x, ys, js, self.planes)
 
     def _biased(self, fmt: BiasedGluFormat, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """gpt-oss: y = down(glu(gate, up)) + b_down, [gate, up] interleaved in gate_up(x) + b_gate_up."""
@@ -178,7 +180,7 @@ class ExpertMath:
         k = self._kernels.get(fmt)
         if k is None:
             specs = fmt.specs if isinstance(fmt, BiasedGluFormat) else (fmt.gate_up, fmt.gate, fmt.up, fmt.down)
-            k = self._kernels[fmt] = tuple(None if s is None else StoredLinear(s, self.dtype) for s in specs)
+            k = self._kernels[fmt] = tuple(None if s is None else StoredLinear(s, self.dtype, self.planes) for s in specs)
             # sized once per format: the scratch grows to it at the next expert
             self._scratch_numel = max(self._scratch_numel, *(x.scratch_numel for x in k if x is not None))
         return k

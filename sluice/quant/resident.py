@@ -72,13 +72,16 @@ class QuantLinear:
     """A resident projection weight [out, in] kept as its stored GGUF blocks (`raw`, uint8 [spec.nbytes], rows in
     Hugging Face order), computing at `dtype` (bfloat16 / float16)."""
 
-    def __init__(self, spec: QuantSpec, raw: torch.Tensor, dtype: torch.dtype, scratch: Scratch | None = None):
+    def __init__(self, spec: QuantSpec, raw: torch.Tensor, dtype: torch.dtype, scratch: Scratch | None = None,
+                 planes: int | None = None):
+        """`planes`: the integer path's activation planes (2: x to ~1/32,000 of a block's max; 1: llama.cpp's
+        1/127), None: native.Q8_PLANES when called."""
         if not native.q8_supported(spec):
             raise ValueError(f"QuantLinear computes the formats native.q8_supported takes, not {spec.name}")
         if raw.dtype != torch.uint8 or raw.numel() != spec.nbytes:
             raise ValueError(f"raw must be the {spec.nbytes} stored bytes of {spec.name} [{spec.out_features}, "
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
-        self.spec, self.raw, self.dtype = spec, raw.contiguous(), dtype
+        self.spec, self.raw, self.dtype, self.planes = spec, raw.contiguous(), dtype, planes
         self.scratch = scratch if scratch is not None else Scratch()
         self._q8 = QuantGroup([self])  # decode's call, checked once; rows over the C pool
         self._split = spec.out_features * spec.in_features >= SPLIT_MIN_WEIGHTS
@@ -127,8 +130,8 @@ class QuantLinear:
     @staticmethod
     def group(ws: "list[QuantLinear]") -> "QuantGroup | None":
         """One native call computing several QuantLinears of one x (a layer's q, k and v) on the integer path, x
-        quantized once, or None when they cannot share one (other in_features, other compute dtypes)."""
-        if len({w.spec.in_features for w in ws}) != 1 or len({w.dtype for w in ws}) != 1:
+        quantized once, or None when they cannot share one (other in_features, compute dtypes or planes)."""
+        if len({w.spec.in_features for w in ws}) != 1 or len({(w.dtype, w.planes) for w in ws}) != 1:
             return None
         return QuantGroup(ws)
 
@@ -152,7 +155,7 @@ class QuantGroup:
     decode call is a group of one."""
 
     def __init__(self, ws: "list[QuantLinear]"):
-        self.dtype = ws[0].dtype
+        self.dtype, self.planes = ws[0].dtype, ws[0].planes
         self._q8 = native.LinearsQ8([(w.spec, w.raw) for w in ws])
 
     def linear(self, x: torch.Tensor, biases, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
@@ -163,8 +166,8 @@ class QuantGroup:
             x = x.contiguous()
         out_dtype = out_dtype or self.dtype
         if out_dtype is torch.bfloat16 and all(b is None for b in biases):
-            return self._q8(x, out_dtype=out_dtype)
-        ys = self._q8(x)
+            return self._q8(x, self.planes, out_dtype=out_dtype)
+        ys = self._q8(x, self.planes)
         for y, b in zip(ys, biases):
             if b is not None:
                 y += b

@@ -22,10 +22,11 @@ from .native.kernel import NativeKernel
 class StoredLinear:
     """One projection's matmul from its stored bytes (uint8 [spec.nbytes]) at one compute dtype."""
 
-    def __init__(self, spec: QuantSpec, dtype: torch.dtype):
+    def __init__(self, spec: QuantSpec, dtype: torch.dtype, planes: int | None = None):
+        """`planes`: the integer path's activation planes (native/kernel.py NativeKernel)."""
         self.spec, self.dtype = spec, dtype
         # the choice is fixed per format, so a streamed and a resident run compute the same way
-        self.native = NativeKernel(spec, dtype) if native.native_available() and native.supports(spec) else None
+        self.native = NativeKernel(spec, dtype, planes) if native.native_available() and native.supports(spec) else None
         if self.native is None and spec.name in native.FORMATS:
             native.warn_unbuilt()
 

@@ -80,23 +80,25 @@ def resident_nbytes(refs: dict[str, TensorRef], dtype: torch.dtype, lazy_embed: 
                for role, ref in refs.items() if not (lazy_embed and role == "embed"))
 
 
-def _quant_linear(ref: TensorRef, spec: QuantSpec, dtype: torch.dtype, scratch: Scratch) -> QuantLinear:
+def _quant_linear(ref: TensorRef, spec: QuantSpec, dtype: torch.dtype, scratch: Scratch,
+                  planes: int | None) -> QuantLinear:
     raw = read_bytes(ref)  # [nbytes]: whole blocks per row
     order = ref.row_order()  # rows llama.cpp permuted for its rope, back in Hugging Face order
     if order is not None:
         raw = raw.view(ref.shape[0], ref.row_nbytes)[order].reshape(-1)
-    return QuantLinear(spec, raw, dtype, scratch)
+    return QuantLinear(spec, raw, dtype, scratch, planes)
 
 
-def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, lazy_embed: bool = False) -> Weights:
+def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, lazy_embed: bool = False,
+                  planes: int | None = None) -> Weights:
     """Read every resident tensor and assemble the Weights struct in `dtype` (`lazy_embed`: leave the token
     embedding on disk; the model then gathers its rows through a RowTable). The projections kept_quantized names
-    become QuantLinears sharing one scratch."""
+    become QuantLinears sharing one scratch, computing with `planes` activation planes (LoadOptions.activations)."""
     def as_dtype(role: str) -> torch.dtype:  # router biases (e_score_correction_bias) are added to float32 scores
         return torch.float32 if role.endswith(".router_bias") else dtype
 
     quant, scratch = kept_quantized(refs, dtype), Scratch()
-    t = {role: _quant_linear(ref, quant[role], dtype, scratch) if role in quant
+    t = {role: _quant_linear(ref, quant[role], dtype, scratch, planes) if role in quant
          else read_tensor(ref, as_dtype(role)).to(as_dtype(role))
          for role, ref in refs.items() if not (lazy_embed and role == "embed")}
 

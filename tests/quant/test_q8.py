@@ -5,8 +5,11 @@ random blocks, 5 seeds of 4 rows; every format within the range given):
                                                   planes=1 (llama.cpp's)   planes=2 (the default)
   Gaussian x                                      5.1e-3 - 6.8e-3          1.9e-5 - 2.3e-5
   heavy-tailed x (channels scaled by e^N(0,1))    6.8e-3 - 1.1e-2          3.0e-5 - 4.0e-5
-The test bounds are 1e-2 / 1.5e-2 (planes=1) and 1e-4 (planes=2). The AVX2 and the scalar C paths give the same
-bits; so does any T.
+  the K-quants with planes=1 (one scale per 256 values, llama.cpp's Q8_K):
+  Gaussian x                                      6.6e-3 - 7.7e-3
+  heavy-tailed x                                  1.6e-2 - 2.3e-2
+The test bounds are 1e-2 / 1.5e-2 (planes=1; K-quants 1e-2 / 3e-2) and 1e-4 (planes=2). The AVX2 and the scalar C
+paths give the same bits; so does any T.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def test_heavy_tailed_activations_stay_within_the_bound(spec, planes):
     x = torch.randn(4, spec.in_features, generator=g) * torch.exp(torch.randn(spec.in_features, generator=g))
     raw = random_stored(spec, seed=7)
     y = native.linear_q8(spec, x, raw, planes=planes)
-    assert rel_l2(y, x, spec.dequantize(raw)) <= (1.5e-2 if planes == 1 else 1e-4)
+    bound = (3e-2 if spec.name.endswith("K") else 1.5e-2) if planes == 1 else 1e-4
+    assert rel_l2(y, x, spec.dequantize(raw)) <= bound
 
 
 @pytest.mark.parametrize("planes", [1, 2])
@@ -113,7 +117,7 @@ def test_super_block_layout_of_the_k_quants(monkeypatch):
     assert all(torch.equal(xqs[0], v) for v in xqs)
     assert xqs[0].shape == (2, native.q8_row_bytes(K, 2, spec)) == (2, K // 256 * 580)
     assert native.q8_row_bytes(K, 2, QuantSpec.ggml("Q8_0", 4, K)) == native.q8_row_bytes(K, 2) == K // 32 * 72
-    assert native.q8_row_bytes(K, 1, spec) == K // 32 * 40  # one plane: the 32-value layout
+    assert native.q8_row_bytes(K, 1, QuantSpec.ggml("Q8_0", 4, K)) == native.q8_row_bytes(K, 1) == K // 32 * 40
     sb = xqs[0].view(2, K // 256, 580)
     d = sb[..., :4].contiguous().view(torch.float32)[..., 0]  # [2, super-blocks]
     bsum = sb[..., 4:68].contiguous().view(torch.int32)  # [2, sb, 16]
@@ -131,6 +135,31 @@ def test_super_block_layout_of_the_k_quants(monkeypatch):
     # the same bits from linear_q8 with this xq as with x
     raw = random_stored(spec)
     assert torch.equal(native.linear_q8(spec, x, raw, xq=xqs[0]), native.linear_q8(spec, x, raw))
+
+
+def test_one_plane_super_block_layout_of_the_k_quants(monkeypatch):
+    """With one plane the K-quants read llama.cpp's Q8_K layout: per 256 values float d = D (amax / 127), int32
+    bsum[16] = the sum of each 16 values' codes, int8 hi[256] = round(x / D) (324 bytes)."""
+    K = 512
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(6)) * 3
+    x[1, 256:] = 0
+    spec = QuantSpec.ggml("Q6_K", 4, K)
+    xqs = both_paths(lambda: native.quantize_q8(x, 1, spec=spec), monkeypatch)
+    assert all(torch.equal(xqs[0], v) for v in xqs)
+    assert xqs[0].shape == (2, native.q8_row_bytes(K, 1, spec)) == (2, K // 256 * 324)
+    sb = xqs[0].view(2, K // 256, 324)
+    d = sb[..., :4].contiguous().view(torch.float32)[..., 0]
+    bsum = sb[..., 4:68].contiguous().view(torch.int32)
+    hi = sb[..., 68:].contiguous().view(torch.int8).float()
+    xb = x.view(2, K // 256, 256)
+    f = xb * (127 / xb.abs().amax(-1, keepdim=True).double()).float()
+    assert torch.equal(hi, torch.round(f).nan_to_num(0.0))
+    assert torch.equal(d, xb.abs().amax(-1) / 127)
+    assert torch.equal(bsum, hi.view(2, K // 256, 16, 16).sum(-1).int())
+    assert not hi[1, 1].any() and d[1, 1] == 0
+    raw = random_stored(spec)
+    ys = both_paths(lambda: native.linear_q8(spec, x, raw, xq=xqs[0], planes=1), monkeypatch)
+    assert all(torch.equal(ys[0], y) for y in ys) and torch.equal(ys[0], native.linear_q8(spec, x, raw, planes=1))
 
 
 def test_nonfinite_activations_do_not_crash():
@@ -196,7 +225,7 @@ def test_one_call_expert_is_the_three_projections(T, planes, monkeypatch):
     assert float((ys[0] - want).norm() / want.norm()) <= 1e-5
     w = [s.dequantize(r).double() for s, r in zip(specs, raws)]
     exact = F.linear(F.silu(F.linear(x.double(), w[0])) * F.linear(x.double(), w[1]), w[2])
-    assert rel_l2(ys[0], exact, torch.eye(H)) <= (2e-2 if planes == 1 else 1e-4)
+    assert rel_l2(ys[0], exact, torch.eye(H)) <= (3e-2 if planes == 1 else 1e-4)
     assert torch.equal(native.expert_q8(specs, raws, x[T - 1:].contiguous(), planes=planes), ys[0][T - 1:])
     with pytest.raises(ValueError, match="expert shapes"):
         native.expert_q8((specs[0], specs[2], specs[2]), raws, x)

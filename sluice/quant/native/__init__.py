@@ -262,8 +262,9 @@ def q8_supported(spec: QuantSpec) -> bool:
     return spec.family == "ggml" and spec.name in _GGML and spec.name != "MXFP4"
 
 
-#: planes of 8-bit activation codes linear_q8 uses by default. 1 is llama.cpp's scheme (x rounded to 1/127 of each
-#: 32-block's max): ~1.2x faster again, but it took the tiny random Q5_K model of tests/quant/test_gguf_models.py to
+#: planes of 8-bit activation codes linear_q8 uses when a call names none (a model names its own:
+#: LoadOptions.activations). 1 is llama.cpp's scheme (x rounded to 1/127 of each 32-block's max, of each 256-block's
+#: for the K-quants as its Q8_K does): faster, but it took the tiny random Q5_K model of tests/quant/test_gguf_models.py to
 #: 7.6e-2 relative L2 of the logits (float kernel 3.1e-2, transformers' own bf16 run 4.4e-2: the model amplifies
 #: small errors) and each expert's output 1.4e-2 off the float kernel's. 2 adds the residual in 1/256ths (x to
 #: ~1/32,000 of the block max, finer than bf16): the same logits as the float kernel to bf16 rounding.
@@ -275,8 +276,9 @@ def q8_row_bytes(in_features: int, planes: int | None = None, spec: QuantSpec | 
     d * sum, `planes` x 32 int8 codes; the K-quants with two planes: per 256 values float d, 16 int32 sums, two
     planes of 256 codes. spec None: the 32-value layout."""
     planes = _planes(planes)
-    if _layout_of(spec, planes) == 3:
-        return in_features // 256 * 580
+    layout = _layout_of(spec, planes)
+    if layout >= 3:  # super-blocks of 256 values: d, 16 int32 sums, then 2 (layout 3) or 1 (layout 4) planes
+        return in_features // 256 * (68 + 256 * (2 if layout == 3 else 1))
     return in_features // 32 * (8 + 32 * planes)
 
 

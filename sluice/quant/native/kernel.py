@@ -41,9 +41,11 @@ class NativeKernel(Kernel):
 
     name = "native"
 
-    def __init__(self, spec, dtype):
+    def __init__(self, spec, dtype, planes: int | None = None):
+        """`planes`: the integer path's activation planes (None: native.Q8_PLANES when called)."""
         super().__init__(spec, dtype)
         self.int8 = dtype is not torch.float32 and q8_supported(spec)
+        self.planes = planes
 
     def _parts(self):
         return self.spec.parts, self.spec.nbytes
@@ -64,7 +66,7 @@ class NativeKernel(Kernel):
         if slot.numel() != self.nbytes:
             slot = slot[: self.nbytes]
         if x.shape[0] <= Q8_MAX_ROWS and self.int8:
-            y = linear_q8(self.spec, x, slot)
+            y = linear_q8(self.spec, x, slot, planes=self.planes)
         elif x.shape[0] <= NATIVE_MAX_ROWS:
             y = linear(self.spec, x, slot)  # one thread: see native.set_threads for why rows are not split here
         else:

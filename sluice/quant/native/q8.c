@@ -4,9 +4,11 @@
  * Activations: each x row becomes blocks of 32 values: float d, float s = d * sum(code), then P planes of int8
  * (40 or 72 bytes). hi = round(x / D), D = amax / 127 (half to even, |hi| <= 127); with P = 2 also lo =
  * round((x / D - hi) * 256) (clamped to +-127), code = 256 * hi + lo and d = D / 256 (x to ~1/65,000 of the block
- * max, finer than bf16), else code = hi and d = D. Every format reads this layout except the K-quants with two
- * planes, which read super-blocks of 256 (SB below); a call quantizes x once per layout its projections read
- * (Q4_K_M files mix Q4_K, Q6_K and sometimes Q8_0).
+ * max, finer than bf16), else code = hi and d = D. Every format reads this layout except the K-quants, which read
+ * super-blocks of 256 (SB and SB1 below: with one plane that is llama.cpp's Q8_K); a call quantizes x once per
+ * layout its projections read (Q4_K_M files mix Q4_K, Q6_K and sometimes Q8_0). P is LoadOptions.activations:
+ * "int16" 2, "int8" 1 (peers Q4_K_M, resident: 25.3 vs 20.0 ms/token, decode logits 1.05e-2 vs 1.25e-2 relative
+ * L2 off the float32 run, greedy tokens 98% its own either way; benchmarks/quantized/decode_arms.py).
  * Why 32 values and why two planes: llama.cpp's one plane with one scale per 256 activations for the K-quants (Q8_K)
  * took the tiny Q5_K model of tests/quant/test_gguf_models.py from 3.1e-2 (float kernel) to 5.2e-2 relative L2 of
  * the logits, one plane per 32 to 7.6e-2, past transformers' own bf16 run (4.4e-2: that random model amplifies
@@ -42,6 +44,10 @@ static int has_q8(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }  /* Q4_0 Q4_1 
 #define SB 580
 #define SB_HI 68
 #define SB_LO 324
+/* XF = 4, the K-quants' with one plane (llama.cpp's Q8_K: x to 1/127 of the 256-block max): the same without lo,
+ * bsum the sums of hi, d = D */
+#define SB1 324
+#define SB_BYTES(P) ((P) == 2 ? SB : SB1)
 
 static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
 
@@ -50,11 +56,15 @@ static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
 static int super_blocks = 1;
 void sluice_set_super_blocks(int on) { super_blocks = on; }
 
-static int xf_for(int fmt, int P) { return P == 2 && is_k(fmt) && super_blocks ? 3 : P; }
+static int xf_for(int fmt, int P) { return is_k(fmt) && super_blocks ? (P == 2 ? 3 : 4) : P; }
+
+/* the super-block layout for P planes, and the planes of a super-block layout */
+static int sb_xf(int P) { return P == 2 ? 3 : 4; }
+static int sb_planes(int XF) { return XF == 3 ? 2 : 1; }
 
 /* bytes of one quantized x row of K values: XF 1 or 2 (planes of 32-value blocks, K a multiple of 32) or 3
  * (super-blocks, K a multiple of 256) */
-int64_t sluice_q8_row_bytes(int64_t K, int XF) { return XF == 3 ? K / 256 * SB : K / 32 * XB(XF); }
+int64_t sluice_q8_row_bytes(int64_t K, int XF) { return XF >= 3 ? K / 256 * SB_BYTES(sb_planes(XF)) : K / 32 * XB(XF); }
 
 /* the layout fmt reads with P planes (for the Python wrapper: quantize_q8(spec=...)) */
 int sluice_q8_layout(int fmt, int P) { return xf_for(fmt, P); }
@@ -102,18 +112,18 @@ static inline __attribute__((always_inline)) void quant_row(const float *x, int6
     }
 }
 
-/* one x row in super-blocks (XF = 3): quant_codes over 256 values, two planes */
-static inline __attribute__((always_inline)) void quant_row_sb(const float *x, int64_t K, uint8_t *o) {
-    for (int64_t b = 0; b < K / 256; b++, o += SB, x += 256) {
-        int8_t *hi = (int8_t *)(o + SB_HI), *lo = (int8_t *)(o + SB_LO);
+/* one x row in super-blocks (XF = 3 or 4): quant_codes over 256 values, P planes */
+static inline __attribute__((always_inline)) void quant_row_sb(const float *x, int64_t K, uint8_t *o, int P) {
+    for (int64_t b = 0; b < K / 256; b++, o += SB_BYTES(P), x += 256) {
+        int8_t *hi = (int8_t *)(o + SB_HI), *lo = P == 2 ? (int8_t *)(o + SB_LO) : NULL;
         float d = quant_codes(x, 256, hi, lo);
         int32_t bs[16];
         for (int g = 0; g < 16; g++) {
             int sum = 0;
-            for (int j = 16 * g; j < 16 * g + 16; j++) sum += 256 * hi[j] + lo[j];
+            for (int j = 16 * g; j < 16 * g + 16; j++) sum += P == 2 ? 256 * hi[j] + lo[j] : hi[j];
             bs[g] = sum;
         }
-        d = d * (1.0f / 256.0f);
+        if (P == 2) d = d * (1.0f / 256.0f);
         memcpy(o, &d, 4);
         memcpy(o + 4, bs, 64);
     }
@@ -205,17 +215,17 @@ static float dot_scalar_q8(int fmt, const uint8_t *row, const uint8_t *xq, int64
     return reduce16(lane[0], lane[1]) - m;
 }
 
-/* K-quant row against a super-block x row (XF = 3). Per 256-block: int32 Ahi[l], Alo[l] (l = 0..7, values 4l..4l+3
- * of each 32-value sub-block s, times the sub-block's integer scale: Q6_K one per 16 values, so l < 4 / l >= 4)
+/* K-quant row against a super-block x row (XF = 3; XF = 4 is P = 1: no Alo, and lane += f * (float)Ahi[l]).
+ * Per 256-block: int32 Ahi[l], Alo[l] (l = 0..7, values 4l..4l+3 of each 32-value sub-block s, times the sub-block's integer scale: Q6_K one per 16 values, so l < 4 / l >= 4)
  * sum hi and lo codes against the unsigned codes (Q6_K: 0..63, its -32 moved into the correction), then
  *   lane[b & 1][l] += (d_w * d_x) * ((float)Ahi[l] * 256 + (float)Alo[l])
  *   m += c * (float)M    Q4_K / Q5_K: c = dmin * d_x, M = sum_s mins[s] * bsum32[s];
  *                        Q6_K: c = d_w * d_x, M = 32 * sum_g scale[g] * bsum16[g]
  *   y = reduce16(lane) - m
  * as the AVX2 path computes it (madd lanes, one float conversion per block). */
-static float dot_scalar_sb(int fmt, const uint8_t *row, const uint8_t *xs, int64_t K) {
+static float dot_scalar_sb(int fmt, const uint8_t *row, const uint8_t *xs, int64_t K, int P) {
     float lane[2][8] = {{0}}, m = 0.0f;
-    for (int64_t b = 0; b < K / 256; b++, xs += SB) {
+    for (int64_t b = 0; b < K / 256; b++, xs += SB_BYTES(P)) {
         const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
         const int8_t *hi = (const int8_t *)(xs + SB_HI), *lo = (const int8_t *)(xs + SB_LO);
         int8_t c[256];
@@ -230,14 +240,14 @@ static float dot_scalar_sb(int fmt, const uint8_t *row, const uint8_t *xs, int64
                 for (int v = 32 * s + 4 * l; v < 32 * s + 4 * l + 4; v++) {
                     int w = fmt == Q6_K ? c[v] + 32 : c[v];
                     h += w * hi[v];
-                    o += w * lo[v];
+                    if (P == 2) o += w * lo[v];
                 }
                 ahi[l] += scale * h;
                 alo[l] += scale * o;
             }
         float f = dw * dx;
         for (int l = 0; l < 8; l++)
-            lane[b & 1][l] = lane[b & 1][l] + f * ((float)ahi[l] * 256.0f + (float)alo[l]);
+            lane[b & 1][l] = lane[b & 1][l] + f * (P == 2 ? (float)ahi[l] * 256.0f + (float)alo[l] : (float)ahi[l]);
         int64_t M = 0;
         if (fmt == Q6_K) {
             for (int g = 0; g < 16; g++) M += (int64_t)(int8_t)blk[192 + g] * rdi32(xs + 4 + 4 * g);
@@ -399,26 +409,28 @@ AVX2_INLINE void dotk_avx2(const int fmt, const uint8_t *row, const uint8_t *xq,
 }
 
 /* one 32-value sub-block s (unsigned codes c, int16 scales sc) into the integer accumulators of R x rows */
-AVX2_INLINE void sb_acc(__m256i c, __m256i sc, const uint8_t *xs, int s, int64_t rb, const int R, __m256i *ahi,
-                        __m256i *alo) {
+AVX2_INLINE void sb_acc(__m256i c, __m256i sc, const uint8_t *xs, int s, int64_t rb, const int R, const int P,
+                        __m256i *ahi, __m256i *alo) {
     for (int r = 0; r < R; r++) {
         const uint8_t *x = xs + r * rb;
         __m256i h = _mm256_loadu_si256((const __m256i *)(x + SB_HI + 32 * s));
-        __m256i l = _mm256_loadu_si256((const __m256i *)(x + SB_LO + 32 * s));
         ahi[r] = _mm256_add_epi32(ahi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c, h), sc));
-        alo[r] = _mm256_add_epi32(alo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c, l), sc));
+        if (P == 2) {
+            __m256i l = _mm256_loadu_si256((const __m256i *)(x + SB_LO + 32 * s));
+            alo[r] = _mm256_add_epi32(alo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c, l), sc));
+        }
     }
 }
 
 /* dot_scalar_sb's arithmetic: K-quant rows against super-block x rows */
-AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int R,
-                            float *y, int64_t ldy) {
+AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
+                            const int R, float *y, int64_t ldy) {
     __m256 l0[4], l1[4];
     float m[4];
     for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256 k256 = _mm256_set1_ps(256.0f);
-    for (int64_t b = 0; b < K / 256; b++, xq += SB) {
+    for (int64_t b = 0; b < K / 256; b++, xq += SB_BYTES(P)) {
         const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
         __m256i ahi[4], alo[4];
         for (int r = 0; r < R; r++) ahi[r] = alo[r] = _mm256_setzero_si256();
@@ -439,7 +451,7 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
                                                                                           m2), 4));
                     __m256i sc = _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[193 + 2 * s]),
                                                   _mm_set1_epi16((int8_t)blk[192 + 2 * s]));
-                    sb_acc(c, sc, xq, s, rb, R, ahi, alo);
+                    sb_acc(c, sc, xq, s, rb, R, P, ahi, alo);
                 }
             }
         } else {
@@ -458,8 +470,8 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
                     c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
                     c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
                 }
-                sb_acc(c0, _mm256_set1_epi16(sc[2 * i]), xq, 2 * i, rb, R, ahi, alo);
-                sb_acc(c1, _mm256_set1_epi16(sc[2 * i + 1]), xq, 2 * i + 1, rb, R, ahi, alo);
+                sb_acc(c0, _mm256_set1_epi16(sc[2 * i]), xq, 2 * i, rb, R, P, ahi, alo);
+                sb_acc(c1, _mm256_set1_epi16(sc[2 * i + 1]), xq, 2 * i + 1, rb, R, P, ahi, alo);
             }
             float dmin = f16c(blk + 2);
             for (int r = 0; r < R; r++) {
@@ -473,7 +485,8 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
         for (int r = 0; r < R; r++) {
             const uint8_t *x = xq + r * rb;
             float dx = rdf32(x);
-            __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ahi[r]), k256), _mm256_cvtepi32_ps(alo[r]));
+            __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ahi[r]), k256), _mm256_cvtepi32_ps(alo[r]))
+                              : _mm256_cvtepi32_ps(ahi[r]);
             v = _mm256_mul_ps(_mm256_set1_ps(dw * dx), v);
             if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
             else l0[r] = _mm256_add_ps(l0[r], v);
@@ -507,24 +520,26 @@ DOT_FMT(Q8_0, dot32)
 DOT_FMT(Q4_K, dotk)
 DOT_FMT(Q5_K, dotk)
 DOT_FMT(Q6_K, dotk)
-#define DOT_SB(F, R)                                                                                                   \
-    AVX2 static void dotsb_##F##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,          \
-                                     int64_t ldy) {                                                                  \
-        dotsb_avx2(F, row, xq, rb, K, R, y, ldy);                                                                      \
+#define DOT_SB(F, P, R)                                                                                                \
+    AVX2 static void dotsb_##F##_##P##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,    \
+                                           int64_t ldy) {                                                            \
+        dotsb_avx2(F, row, xq, rb, K, P, R, y, ldy);                                                                   \
     }
 #define DOT_SB_FMT(F)                                                                                                  \
-    DOT_SB(F, 1) DOT_SB(F, 2) DOT_SB(F, 3) DOT_SB(F, 4)                                                                \
-    static const dot_fn dotsbs_##F[4] = {dotsb_##F##_1, dotsb_##F##_2, dotsb_##F##_3, dotsb_##F##_4};
+    DOT_SB(F, 1, 1) DOT_SB(F, 1, 2) DOT_SB(F, 1, 3) DOT_SB(F, 1, 4)                                                    \
+    DOT_SB(F, 2, 1) DOT_SB(F, 2, 2) DOT_SB(F, 2, 3) DOT_SB(F, 2, 4)                                                    \
+    static const dot_fn dotsbs_##F[2][4] = {{dotsb_##F##_1_1, dotsb_##F##_1_2, dotsb_##F##_1_3, dotsb_##F##_1_4},     \
+                                            {dotsb_##F##_2_1, dotsb_##F##_2_2, dotsb_##F##_2_3, dotsb_##F##_2_4}};
 DOT_SB_FMT(Q4_K)
 DOT_SB_FMT(Q5_K)
 DOT_SB_FMT(Q6_K)
 
-/* the kernel for fmt, x layout XF (1 or 2 planes of 32-blocks, 3 super-blocks), R x rows */
+/* the kernel for fmt, x layout XF (1 or 2 planes of 32-blocks, 3 or 4 super-blocks of 2 or 1 planes), R x rows */
 static dot_fn dot_avx2_for(int fmt, int XF, int R) {
     static const dot_fn (*all[])[4] = {[Q4_0] = dots_Q4_0, [Q4_1] = dots_Q4_1, [Q5_0] = dots_Q5_0,
                                        [Q5_1] = dots_Q5_1, [Q8_0] = dots_Q8_0, [Q4_K] = dots_Q4_K,
                                        [Q5_K] = dots_Q5_K, [Q6_K] = dots_Q6_K};
-    if (XF == 3) return (fmt == Q4_K ? dotsbs_Q4_K : fmt == Q5_K ? dotsbs_Q5_K : dotsbs_Q6_K)[R - 1];
+    if (XF >= 3) return (fmt == Q4_K ? dotsbs_Q4_K : fmt == Q5_K ? dotsbs_Q5_K : dotsbs_Q6_K)[sb_planes(XF) - 1][R - 1];
     return all[fmt][XF - 1][R - 1];
 }
 #endif
@@ -534,7 +549,7 @@ static dot_fn dot_avx2_for(int fmt, int XF, int R) {
 static void quant_rows_scalar(const float *x, int64_t K, int64_t T, uint8_t *xq, int XF) {
     for (int64_t t = 0; t < T; t++) {
         uint8_t *o = xq + t * sluice_q8_row_bytes(K, XF);
-        if (XF == 3) quant_row_sb(x + t * K, K, o);
+        if (XF >= 3) quant_row_sb(x + t * K, K, o, sb_planes(XF));
         else quant_row(x + t * K, K, o, XF);
     }
 }
@@ -543,7 +558,7 @@ static void quant_rows_scalar(const float *x, int64_t K, int64_t T, uint8_t *xq,
 AVX2 static void quant_rows_avx2(const float *x, int64_t K, int64_t T, uint8_t *xq, int XF) {
     for (int64_t t = 0; t < T; t++) {
         uint8_t *o = xq + t * sluice_q8_row_bytes(K, XF);
-        if (XF == 3) quant_row_sb(x + t * K, K, o);
+        if (XF >= 3) quant_row_sb(x + t * K, K, o, sb_planes(XF));
         else quant_row(x + t * K, K, o, XF);
     }
 }
@@ -575,7 +590,7 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
 #endif
     for (int64_t n = n0; n < n1; n++)
         for (int64_t t = 0; t < T; t++)
-            y[t * N + n] = XF == 3 ? dot_scalar_sb(fmt, q + n * row_bytes, xq + t * rb, K)
+            y[t * N + n] = XF >= 3 ? dot_scalar_sb(fmt, q + n * row_bytes, xq + t * rb, K, sb_planes(XF))
                                    : dot_scalar_q8(fmt, q + n * row_bytes, xq + t * rb, K, XF);
 }
 
@@ -610,17 +625,17 @@ static void swiglu(float *g, const float *u, int64_t n) {
  * each only when `need` has it (bit 0 / bit 1); one allocation, freed by the caller (NULL: no memory) */
 static uint8_t *quantize_for(int need, int64_t K, const float *x, int64_t T, int P, int scalar, uint8_t **xq) {
     size_t b0 = need & 1 ? (size_t)(T * sluice_q8_row_bytes(K, P)) : 0;
-    size_t b1 = need & 2 ? (size_t)(T * sluice_q8_row_bytes(K, 3)) : 0;
+    size_t b1 = need & 2 ? (size_t)(T * sluice_q8_row_bytes(K, sb_xf(P))) : 0;
     uint8_t *buf = (uint8_t *)malloc(b0 + b1 + 1);
     if (!buf) return NULL;
     xq[0] = buf;
     xq[1] = buf + b0;
     if (need & 1) sluice_quantize_q8(K, x, T, xq[0], P, scalar);
-    if (need & 2) sluice_quantize_q8(K, x, T, xq[1], 3, scalar);
+    if (need & 2) sluice_quantize_q8(K, x, T, xq[1], sb_xf(P), scalar);
     return buf;
 }
 
-static int need_bit(int fmt, int P) { return xf_for(fmt, P) == 3 ? 2 : 1; }
+static int need_bit(int fmt, int P) { return xf_for(fmt, P) >= 3 ? 2 : 1; }
 
 int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T, int P,
                       int scalar);
@@ -752,7 +767,7 @@ int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, c
         need |= need_bit((int)experts[10 * e], P) | need_bit((int)experts[10 * e + 3], P);
     }
     if (n < 1) return 0;
-    int64_t hrb = sluice_q8_row_bytes(I, P), hrb3 = I % 256 ? 0 : sluice_q8_row_bytes(I, 3);
+    int64_t hrb = sluice_q8_row_bytes(I, P), hrb3 = I % 256 ? 0 : sluice_q8_row_bytes(I, sb_xf(P));
     exp_job j = {.e = experts, .H = H, .I = I, .T = T, .step1 = task_rows(H), .step3 = task_rows(I),
                  .hrb = hrb > hrb3 ? hrb : hrb3, .P = P, .scalar = scalar};
     j.tasks1 = 2 * ((I + j.step1 - 1) / j.step1);
