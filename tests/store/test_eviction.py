@@ -222,3 +222,47 @@ def test_fair_share_policy_on_its_own():
     assert pol.remove((0, 0)) == 0 and (0, 0) not in pol and len(pol) == 3
     # layer 0 is now under its share: it takes the oldest entry of a layer above its share (none is), else oldest
     assert pol.victim(0, anything) == (0, 1)
+
+
+def test_fair_share_victims_are_the_rule_written_out():
+    """FairShareLFU.victim picks, over random inserts, touches, removals and pins, what its rule says walking the
+    whole cache: at or above its share the layer's own least-used usable entry (least recent among equals), else
+    the globally least recent usable entry of a layer above its share, else the globally least recent usable one
+    (victim compares each over-share layer's first entry by recency instead of walking every slot)."""
+    from sluice.store.policy import FairShareLFU
+
+    layers, experts = list(range(5)), 12
+    rng = random.Random(3)
+    for trial in range(20):
+        p = FairShareLFU(layers, experts, top_k=2, slots=rng.choice([8, 14, 30]))
+        order: list = []  # the global recency order, oldest first, kept by hand
+        for _ in range(300):
+            op = rng.random()
+            key = (rng.choice(layers), rng.randrange(experts))
+            if op < 0.4 and key not in order:
+                p.insert(key, rng.randrange(100))
+                order.append(key)
+            elif op < 0.7 and key in order:
+                p.touch(key)
+                order.remove(key)
+                order.append(key)
+            elif op < 0.8 and key in order:
+                p.remove(key)
+                order.remove(key)
+            else:
+                p.used(key[0], [rng.randrange(experts) for _ in range(2)])
+            pinned = set(rng.sample(order, k=min(len(order), rng.randrange(4))))
+            usable = lambda k, s: k not in pinned  # noqa: E731
+            layer = rng.choice(layers)
+            own = [k for k in order if k[0] == layer]
+            want = None
+            if len(own) >= p.quota:
+                cands = [k for k in own if usable(k, 0)]
+                if cands:
+                    want = min(cands, key=lambda k: (p._score[layer][k[1]], own.index(k)))
+            if want is None:
+                count = {L: sum(1 for k in order if k[0] == L) for L in layers}
+                want = next((k for k in order if count[k[0]] > p.quota and usable(k, 0)), None)
+            if want is None:
+                want = next((k for k in order if usable(k, 0)), None)
+            assert p.victim(layer, usable) == want
