@@ -169,12 +169,10 @@ class Transformer:
         rounding, not bitwise (decode.c says how); streamed and resident runs share it."""
         if self._attend is False:
             s, c = self.spec, self.cache
-            ok = (_NATIVE and self.dtype is torch.bfloat16 and s.mla is None and self.cos.dtype is torch.bfloat16
-                  and self._integer_decode() and all(lw.router is None or (lw.router.dtype is torch.bfloat16
-                                                                             and lw.router.is_contiguous())
-                                                     for lw in self.w.layers)
-                  and c.k is not None and c.k.dtype is torch.bfloat16
-                  and all(lw.q_norm is None or lw.q_norm.dtype is torch.bfloat16 for lw in self.w.layers))
+            bf16 = lambda t: t is None or (t.dtype is torch.bfloat16 and t.is_contiguous())  # noqa: E731
+            ok = (_NATIVE and self.dtype is torch.bfloat16 and s.mla is None and self._integer_decode()
+                  and bf16(self.cos) and c.k is not None and bf16(c.k)
+                  and all(bf16(lw.router) and bf16(lw.q_norm) and bf16(lw.k_norm) for lw in self.w.layers))
             self._attend = None
             if ok:
                 model = DecodeAttention(s.n_heads, s.n_kv_heads, s.head_dim, self.cos, self.sin)
@@ -373,8 +371,8 @@ class Transformer:
         """Whether a decode step's projections and experts all run natively from their quantized blocks (every
         projection a QuantLinear, every MoE layer's experts one native call): the integer kernels there already
         give a position other bits than the prefill's float kernels do, so its attention and router may run
-        natively too (_decode_attention). A plain model's decode step computes a position bitwise as a prompt chunk
-        does, which the server's seeded repeats rely on (a reused prompt's last token is re-run alone)."""
+        natively too (_decode_attention). A plain model keeps the torch steps, so its decode numerics stay what
+        they were (tests/server/test_server.py's seeded repeats run on one)."""
         if self._all_native is None:
             layout = getattr(self.store, "layout", None)
             projections = [self.w.lm_head] + [getattr(lw, n) for lw in self.w.layers for n in ("q", "k", "v", "o")]
