@@ -37,12 +37,11 @@ def main() -> None:
         exact = decode_logits(m, prompt, tokens)
     m16 = sluice.load(a.model, memory="all", threads=2, activations="int16")
     m8 = sluice.load(a.model, memory="all", threads=2, activations="int8")
-    attend = m16.model._decode_attention()
-    arms = {"int16": (m16, attend), "int16, torch attention": (m16, None), "int8": (m8, m8.model._decode_attention())}
+    arms = {"int16": (m16, True), "int16, torch attention": (m16, False), "int8": (m8, True)}
     times: dict[str, list[float]] = {k: [] for k in arms}
     quality = {}
-    for name, (m, att) in arms.items():
-        m.model._attend = att
+    for name, (m, native) in arms.items():
+        m.model.native_attention = native
         got = decode_logits(m, prompt, tokens)
         rel = ((got - exact).norm() / exact.norm()).item()
         quality[name] = (rel, (got.argmax(-1) == exact.argmax(-1)).float().mean().item())
@@ -51,8 +50,8 @@ def main() -> None:
     for r in range(a.rounds):
         order = names[r % len(names):] + names[: r % len(names)]  # rotated
         for name in order:
-            m, att = arms[name]
-            m.model._attend = att
+            m, native = arms[name]
+            m.model.native_attention = native
             m.replay(prompt, tokens)
             times[name].append(1000 * statistics.median(m.step_times.decode_s))
         print(f"round {r}: " + ", ".join(f"{n} {times[n][-1]:.1f}" for n in names), flush=True)

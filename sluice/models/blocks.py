@@ -115,6 +115,9 @@ class Transformer:
         self.prerouter = prerouter
         # False: decode runs one expert_q8 call per expert instead of one call per layer (tests, benchmarks)
         self.split_experts = True
+        # False: decode runs the torch attention and router steps where _decode_attention would run them natively
+        # (tests, benchmarks/quantized/decode_arms.py)
+        self.native_attention = True
         self._all_native: bool | None = None  # _native_decode's answer, computed at the first decode step
         self._qkv_groups: dict[int, object] = {}  # layer -> its q/k/v native group (or None), built at first use
         self.act = ACTIVATIONS[spec.hidden_act]
@@ -130,7 +133,7 @@ class Transformer:
             return mla.latent_attention(s.mla, s.n_heads, lw, x, self.cache.latent[L], pos, mask,
                                         self.cos[pos : pos + T], self.sin[pos : pos + T])
         q, k, v = self._qkv(L, x)  # [T, nH*D], [T, nKV*D], [T, nKV*D]
-        if T == 1 and (attend := self._decode_attention()) is not None:
+        if T == 1 and self.native_attention and (attend := self._decode_attention()) is not None:
             win = s.sliding_window[L]
             out = attend[L](q, k, v, pos, max(0, pos - win + 1) if win is not None else 0)  # [1, nH*D]
             return linear(out, lw.o, lw.o_bias)
@@ -204,7 +207,8 @@ class Transformer:
     def moe(self, L: int, x: torch.Tensor) -> torch.Tensor:
         """Route x [T, H] with the true router and run the chosen experts from the store."""
         lw = self.w.layers[L]
-        if x.shape[0] == 1 and self._decode_attention() is not None and self.spec.router == "softmax":
+        if (x.shape[0] == 1 and self.native_attention and self._decode_attention() is not None
+                and self.spec.router == "softmax"):
             # the softmax over the router's logits in one native call (~10 us where F.linear and softmax took ~60)
             weights, ids = top_of_probs(self.spec, router_probs_bf16(x, lw.router), x.dtype)
         else:

@@ -226,7 +226,7 @@ def test_native_decode_attention_and_router_match_the_torch_steps(quantized):
     with sluice.load(path, memory="all") as m:
         assert m.model._decode_attention() is not None
         fast = _decode_logits(m, ids)
-        m.model._attend = None  # the torch steps
+        m.model.native_attention = False  # the torch steps
         slow = _decode_logits(m, ids)
     err_fast, err_slow = _rel_l2(fast, exact), _rel_l2(slow, exact)
     # a wrong rope, norm or cache write is O(1) off; two rounding choices differ by a few routing flips at most
