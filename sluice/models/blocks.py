@@ -313,9 +313,10 @@ class Transformer:
     def _native_experts(self, batch, todo: list[int], xf: torch.Tensor) -> torch.Tensor:
         """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32 (row j = expert j).
         The ones in memory run in one native call, the others as their reads land (each call takes the one waited
-        for and every later one already in; only this thread waits on the store); native.set_threads' threads split the rows of each call (pool.c). Each row is
-        bitwise what one expert_q8 call gives, whichever thread computed it. split_experts False: one expert_q8
-        call per expert (tests compare the two; benchmarks/quantized/expert_threads.py runs it on one thread).
+        for and every later one already in; only this thread waits on the store); native.set_threads' threads split
+        the rows of each call (pool.c). Each row is bitwise what one expert_q8 call gives, whichever thread computed
+        it. split_experts False: one expert_q8 call per expert (tests compare the two;
+        benchmarks/quantized/expert_threads.py runs it on one thread).
 
         Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py): 16.6-18.6 ms this
         way on two threads, 21.7-25.5 one expert_q8 call each on one thread, 25-29 split over a Python pool with one

@@ -180,7 +180,8 @@ class ExpertMath:
         k = self._kernels.get(fmt)
         if k is None:
             specs = fmt.specs if isinstance(fmt, BiasedGluFormat) else (fmt.gate_up, fmt.gate, fmt.up, fmt.down)
-            k = self._kernels[fmt] = tuple(None if s is None else StoredLinear(s, self.dtype, self.planes) for s in specs)
+            k = self._kernels[fmt] = tuple(None if s is None else StoredLinear(s, self.dtype, self.planes)
+                                           for s in specs)
             # sized once per format: the scratch grows to it at the next expert
             self._scratch_numel = max(self._scratch_numel, *(x.scratch_numel for x in k if x is not None))
         return k

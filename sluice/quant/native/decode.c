@@ -1,7 +1,7 @@
-/* One decode token's attention core and softmax router probabilities in bf16, each one native call. At one token these are tiny
- * (a 16-layer model's q/k norms, rope, cache writes and attention over a few hundred positions: well under a
- * millisecond of arithmetic) but took ~40 torch ops per layer, ~5 ms per token of dispatch on the peers Q4_K_M model
- * (benchmarks/quantized/decode_ops.py counts them).
+/* One decode token's attention core and softmax router probabilities in bf16, each one native call. At one token
+ * these are tiny (a 16-layer model's q/k norms, rope, cache writes and attention over a few hundred positions: well
+ * under a millisecond of arithmetic) but took ~30 torch ops per layer: on the peers Q4_K_M model, resident, 30.3
+ * against 25.3 ms/token with these calls (benchmarks/quantized/decode_arms.py; decode_ops.py counts the ops).
  *
  * Numerics: norms and rope are ops.c's functions (rope bitwise the torch expression, rms_norm to the last bit of a
  * row's scale). The attention computes in float32 from the bf16 q, k and v: scores q . k (8 lanes, a fixed order)
@@ -116,13 +116,17 @@ static void clip_bf16(uint16_t *x, int64_t n, float c) {  /* torch's x.clamp(-c,
 }
 
 /* Attention of one decode token at position pos over cache positions lo..pos, in the steps of
- * models/blocks.py Transformer.attention: q [nH * D], k and v [nKV * D] (bf16, the projections' outputs; q and k
- * are overwritten by their normed values) -> norm ("full" norm_mode 2: each of q, k over its whole row with weights
- * qn / kn [nH * D] / [nKV * D]; then clip when clip >= 0 (-1: none); then "head" norm_mode 1: per head with qn / kn [D]) -> rope
- * by the rope tables cos / sin [P, rot] (row pos) on the first rot dims -> k and v written to the caches ck / cv at (head g, pos)
- * (element (g, p, d) at g * sh + p * sp + d) -> attention -> out [nH * D] bf16. sinks: [nH] float32 (the sink
- * logits, already rounded to bf16) or NULL. rq: bf16 scratch [(nH + nKV) * D]; scratch: float32 [nH * (n + D)] with
- * n = pos - lo + 1. Heads go over the pool when the scores are worth it. scalar != 0: the portable loops. */
+ * models/blocks.py Transformer.attention. q [nH * D], k and v [nKV * D]: bf16, the projections' outputs (q and k
+ * are overwritten by their normed values). Steps:
+ *   norm_mode 2 ("full"): q and k each over its whole row, weights qn [nH * D] / kn [nKV * D];
+ *   clip >= 0: q, k and v clamped to +-clip (-1: none);
+ *   norm_mode 1 ("head"): per head, weights qn / kn [D];
+ *   rope by the tables cos / sin [P, rot] (row pos) on the first rot dims;
+ *   k and v written to the caches ck / cv at (head g, pos), element (g, p, d) at g * sh + p * sp + d;
+ *   attention -> out [nH * D] bf16.
+ * sinks: [nH] float32 (the sink logits, already rounded to bf16) or NULL. rq: bf16 scratch [(nH + nKV) * D];
+ * scratch: float32 [nH * (n + D)] with n = pos - lo + 1. Heads go over the pool when the scores are worth it.
+ * scalar != 0: the portable loops. */
 void sluice_attend_bf16(int64_t nH, int64_t nKV, int64_t D, int64_t rot, uint16_t *q, uint16_t *k, const uint16_t *v,
                         int norm_mode, const uint16_t *qn, const uint16_t *kn, float eps, float clip,
                         const uint16_t *cos, const uint16_t *sin, uint16_t *ck, uint16_t *cv, int64_t sh, int64_t sp,

@@ -216,7 +216,8 @@ static float dot_scalar_q8(int fmt, const uint8_t *row, const uint8_t *xq, int64
 }
 
 /* K-quant row against a super-block x row (XF = 3; XF = 4 is P = 1: no Alo, and lane += f * (float)Ahi[l]).
- * Per 256-block: int32 Ahi[l], Alo[l] (l = 0..7, values 4l..4l+3 of each 32-value sub-block s, times the sub-block's integer scale: Q6_K one per 16 values, so l < 4 / l >= 4)
+ * Per 256-block: int32 Ahi[l], Alo[l] (l = 0..7, values 4l..4l+3 of each 32-value sub-block s, times the
+ * sub-block's integer scale: Q6_K one per 16 values, so l < 4 / l >= 4)
  * sum hi and lo codes against the unsigned codes (Q6_K: 0..63, its -32 moved into the correction), then
  *   lane[b & 1][l] += (d_w * d_x) * ((float)Ahi[l] * 256 + (float)Alo[l])
  *   m += c * (float)M    Q4_K / Q5_K: c = dmin * d_x, M = sum_s mins[s] * bsum32[s];
@@ -485,8 +486,8 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
         for (int r = 0; r < R; r++) {
             const uint8_t *x = xq + r * rb;
             float dx = rdf32(x);
-            __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ahi[r]), k256), _mm256_cvtepi32_ps(alo[r]))
-                              : _mm256_cvtepi32_ps(ahi[r]);
+            __m256 hi = _mm256_cvtepi32_ps(ahi[r]);
+            __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(hi, k256), _mm256_cvtepi32_ps(alo[r])) : hi;
             v = _mm256_mul_ps(_mm256_set1_ps(dw * dx), v);
             if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
             else l0[r] = _mm256_add_ps(l0[r], v);
