@@ -200,15 +200,16 @@ class LoadOptions:
         doc="compute dtype: the checkpoint's (bf16 stays bf16, quantized experts compute in bf16), or float32 / "
             "bfloat16 / float16")
     # activations: the integer kernels' coding of a quantized projection's input (native/q8.c), planes per value:
-    # ACTIVATION_PLANES. Peers Q4_K_M, resident, alternated in one process (benchmarks/quantized/activations.py)
+    # ACTIVATION_PLANES. Peers Q4_K_M, resident, alternated in one process: int16 25.3, int8 20.0 ms/token
+    # (benchmarks/quantized/decode_arms.py); one projection's error: tests/quant/test_q8.py's table
     activations: str = option(
         "int16", choices=tuple(ACTIVATION_PLANES),
         help="how the integer kernels code a quantized projection's input: int16 (two 8-bit planes, finer than "
-             "bf16) or int8 (llama.cpp's Q8_K / Q8_0 coding: faster, ~1%% error per projection)",
+             "bf16) or int8 (llama.cpp's Q8_K / Q8_0 coding: faster, 0.5-2.3%% error per projection)",
         doc="how the integer kernels of GGUF block formats code a projection's input at the bf16 / f16 dtypes: "
             "`int16`, two planes of 8-bit codes per 32 values (256 for the K-quants), x to ~1/32,000 of the "
             "block's largest value, finer than bf16 itself; `int8`, one plane, x to 1/127 of it, as llama.cpp's "
-            "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, ~1% error per projection. float32 keeps "
+            "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, 0.5-2.3% error per projection. float32 keeps "
             "the exact float kernels either way")
     # max_context: capped by the model's max_position_embeddings
     max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",

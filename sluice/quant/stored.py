@@ -26,7 +26,8 @@ class StoredLinear:
         """`planes`: the integer path's activation planes (native/kernel.py NativeKernel)."""
         self.spec, self.dtype = spec, dtype
         # the choice is fixed per format, so a streamed and a resident run compute the same way
-        self.native = NativeKernel(spec, dtype, planes) if native.native_available() and native.supports(spec) else None
+        ok = native.native_available() and native.supports(spec)
+        self.native = NativeKernel(spec, dtype, planes) if ok else None
         if self.native is None and spec.name in native.FORMATS:
             native.warn_unbuilt()
 

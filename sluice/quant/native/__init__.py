@@ -82,6 +82,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_linears_q8.restype = lib.sluice_experts_q8.restype = lib.sluice_threads.restype = i32
     lib.sluice_set_threads.argtypes = [i32]
     lib.sluice_q8_layout.argtypes = [i32, i32]
+    lib.sluice_q8_row_bytes.argtypes = [i64, i32]
+    lib.sluice_q8_row_bytes.restype = i64
     lib.sluice_set_super_blocks.argtypes = [i32]
     lib.sluice_set_super_blocks.restype = None
     lib.sluice_q8_layout.restype = i32
@@ -273,14 +275,10 @@ Q8_PLANES = 2
 
 
 def q8_row_bytes(in_features: int, planes: int | None = None, spec: QuantSpec | None = None) -> int:
-    """Bytes of one quantized x row in the layout `spec`'s rows read (see q8.c): per 32 values float d, float
-    d * sum, `planes` x 32 int8 codes; the K-quants with two planes: per 256 values float d, 16 int32 sums, two
+    """Bytes of one quantized x row in the layout `spec`'s rows read (q8.c sluice_q8_row_bytes): per 32 values
+    float d, float d * sum, `planes` x 32 int8 codes; the K-quants: per 256 values float d, 16 int32 sums, `planes`
     planes of 256 codes. spec None: the 32-value layout."""
-    planes = _planes(planes)
-    layout = _layout_of(spec, planes)
-    if layout >= 3:  # super-blocks of 256 values: d, 16 int32 sums, then 2 (layout 3) or 1 (layout 4) planes
-        return in_features // 256 * (68 + 256 * (2 if layout == 3 else 1))
-    return in_features // 32 * (8 + 32 * planes)
+    return _LIB.sluice_q8_row_bytes(in_features, _layout_of(spec, _planes(planes)))
 
 
 def set_super_blocks(on: bool) -> None:

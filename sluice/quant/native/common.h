@@ -55,6 +55,11 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
+/* the sum of 8 float lanes in one fixed order (the integer path's rows, the bf16 rms_norm and dot products) */
+static inline float reduce8(const float *a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 static inline float rdf16(const uint8_t *p) { return f16_to_f32(rd16(p)); }
 

@@ -17,11 +17,7 @@
 #include "common.h"
 
 /* sum of a[d] * b[d] over n bf16 values in 8 float lanes (value d into lane d % 8, a product then a sum: no fused
- * multiply-add), lanes added as ops.c's rms_norm; the AVX2 copy does the same operations in one vector */
-static float reduce8(const float *lane) {
-    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-}
-
+ * multiply-add), the lanes added by reduce8; the AVX2 copy does the same operations in one vector */
 static float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t n) {
     float lane[8] = {0};
     int64_t d = 0;

@@ -40,7 +40,7 @@ void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint
             float v = bf16_float(x[i]);
             lane[i % 8] = lane[i % 8] + v * v;
         }
-        float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+        float sum = reduce8(lane);
         float scale = 1.0f / sqrtf(sum / (float)n + eps);
         for (int64_t j = 0; j < n; j++)
             out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));

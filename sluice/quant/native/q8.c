@@ -56,15 +56,17 @@ static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
 static int super_blocks = 1;
 void sluice_set_super_blocks(int on) { super_blocks = on; }
 
-static int xf_for(int fmt, int P) { return is_k(fmt) && super_blocks ? (P == 2 ? 3 : 4) : P; }
-
 /* the super-block layout for P planes, and the planes of a super-block layout */
 static int sb_xf(int P) { return P == 2 ? 3 : 4; }
 static int sb_planes(int XF) { return XF == 3 ? 2 : 1; }
 
-/* bytes of one quantized x row of K values: XF 1 or 2 (planes of 32-value blocks, K a multiple of 32) or 3
- * (super-blocks, K a multiple of 256) */
-int64_t sluice_q8_row_bytes(int64_t K, int XF) { return XF >= 3 ? K / 256 * SB_BYTES(sb_planes(XF)) : K / 32 * XB(XF); }
+static int xf_for(int fmt, int P) { return is_k(fmt) && super_blocks ? sb_xf(P) : P; }
+
+/* bytes of one quantized x row of K values: XF 1 or 2 (planes of 32-value blocks, K a multiple of 32) or 3 / 4
+ * (super-blocks with 2 / 1 planes, K a multiple of 256) */
+int64_t sluice_q8_row_bytes(int64_t K, int XF) {
+    return XF >= 3 ? K / 256 * SB_BYTES(sb_planes(XF)) : K / 32 * XB(XF);
+}
 
 /* the layout fmt reads with P planes (for the Python wrapper: quantize_q8(spec=...)) */
 int sluice_q8_layout(int fmt, int P) { return xf_for(fmt, P); }
@@ -138,7 +140,7 @@ static const int BLOCK_BYTES[] = {[Q4_0] = 18, [Q4_1] = 20, [Q5_0] = 22, [Q5_1] 
 static inline float reduce16(const float *a0, const float *a1) {
     float a[8];
     for (int l = 0; l < 8; l++) a[l] = a0[l] + a1[l];
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    return reduce8(a);
 }
 
 /* ---- portable scalar path ---- */
@@ -565,7 +567,8 @@ AVX2 static void quant_rows_avx2(const float *x, int64_t K, int64_t T, uint8_t *
 }
 #endif
 
-/* T rows of x [T, K] -> xq [T, sluice_q8_row_bytes(K, XF)]: XF 1 or 2 planes of 32-value blocks, 3 super-blocks */
+/* T rows of x [T, K] -> xq [T, sluice_q8_row_bytes(K, XF)]: XF 1 or 2 planes of 32-value blocks, 3 / 4
+ * super-blocks */
 void sluice_quantize_q8(int64_t K, const float *x, int64_t T, uint8_t *xq, int XF, int scalar) {
     (void)scalar;
 #if SLUICE_X86
