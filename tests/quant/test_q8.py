@@ -362,3 +362,37 @@ def test_experts_in_one_call_are_each_expert_q8(T, threads, c_threads, monkeypat
         call.many(slots, [0], x, torch.empty(1, T, H + 1), [0])
     with pytest.raises(ValueError, match="expert outputs"):
         call.many(slots, [0, 1], x, torch.empty(2, T, H), [0, 2])
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_largest_min_terms_are_exact_on_both_paths(name, planes, monkeypatch):
+    """The AVX2 path sums a K-quant block's min term (mins or Q6_K scales times x's 16-value sums) in int32 lanes:
+    with every min / scale at its extreme and x at the largest codes, both paths still give the same bits and the
+    exact weights' result."""
+    spec = QuantSpec.ggml(name, 8, 1024)
+    raw = random_stored(spec, seed=3)
+    blocks = raw.view(spec.out_features, -1, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name])
+    if name == "Q6_K":
+        blocks[..., 192:208] = torch.tensor([128, 127] * 8, dtype=torch.uint8)  # scales -128, 127
+    else:
+        blocks[..., 4:16] = 255  # every 6-bit scale and min 63
+    w = spec.dequantize(raw)
+    for x in (torch.ones(2, 1024), -torch.ones(2, 1024)):
+        ys = both_paths(lambda: native.linear_q8(spec, x, raw, planes=planes), monkeypatch)
+        assert all(torch.equal(ys[0], y) for y in ys)
+        assert rel_l2(ys[0], x, w) <= (1e-2 if planes == 1 else 1e-4)
+
+
+def test_the_prefetch_distance_does_not_change_the_bits():
+    spec = QuantSpec.ggml("Q4_K", 300, 1024)
+    raw = random_stored(spec, seed=5)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5))
+    try:
+        ys = []
+        for nbytes in (0, 64, 2048, 1 << 20):
+            native.set_prefetch(nbytes)
+            ys.append(native.linear_q8(spec, x, raw))
+    finally:
+        native.set_prefetch(2048)
+    assert all(torch.equal(ys[0], y) for y in ys)

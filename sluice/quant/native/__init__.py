@@ -86,6 +86,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_q8_row_bytes.restype = i64
     lib.sluice_set_super_blocks.argtypes = [i32]
     lib.sluice_set_super_blocks.restype = None
+    lib.sluice_set_prefetch.argtypes = [i64]
+    lib.sluice_set_prefetch.restype = None
     lib.sluice_q8_layout.restype = i32
     lib.sluice_combine_bf16.argtypes = [i64, ptr, i64, ptr, i32, ptr, ptr]  # n, ys, H, w, w_f32, at, out
     lib.sluice_rms_norm_bf16.argtypes = [i64, i64, ptr, ptr, ctypes.c_float, ptr]  # rows, n, x, w, eps, out
@@ -285,6 +287,12 @@ def set_super_blocks(on: bool) -> None:
     """Benchmark hook: False makes the K-quants read x in 32-value blocks, as before the super-block layout (q8.c),
     process-wide, until set back (benchmarks/quantized/kernel_layouts.py). Default True."""
     _LIB.sluice_set_super_blocks(int(on))
+
+
+def set_prefetch(nbytes: int) -> None:
+    """Benchmark hook: how far ahead (bytes) the integer path's row loop prefetches a task's weight rows (q8.c),
+    process-wide; 0 turns it off. Default 2048."""
+    _LIB.sluice_set_prefetch(int(nbytes))
 
 
 def _layout_of(spec: QuantSpec | None, planes: int) -> int:

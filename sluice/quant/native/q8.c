@@ -283,11 +283,20 @@ AVX2_INLINE __m256i nibbles32(const uint8_t *p) {  /* 16 bytes -> low nibbles (v
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
 }
 
+/* reduce16(l0, l1) + m in registers, reduce8's order: a = l0 + l1, then (a0 + a4, a1 + a5, a2 + a6, a3 + a7) from
+ * the two halves, then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) */
 AVX2_INLINE float finish(__m256 l0, __m256 l1, float m) {
-    float a0[8], a1[8];
-    _mm256_storeu_ps(a0, l0);
-    _mm256_storeu_ps(a1, l1);
-    return reduce16(a0, a1) + m;
+    __m256 a = _mm256_add_ps(l0, l1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1))) + m;
+}
+
+/* the sum of 8 int32 lanes (exact: every caller's true sum fits in int32, so wrapping partial sums cannot change it) */
+AVX2_INLINE int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
 
 /* the 32 integer codes of a 32-block (signed for Q4_0 / Q5_0 / Q8_0, 0..31 for Q4_1 / Q5_1) */
@@ -425,7 +434,19 @@ AVX2_INLINE void sb_acc(__m256i c, __m256i sc, const uint8_t *xs, int s, int64_t
     }
 }
 
-/* dot_scalar_sb's arithmetic: K-quant rows against super-block x rows */
+/* the int16 scale of 16-value group g (0..7) of a 128-bit lane, broadcast: byte shuffle masks (2g, 2g + 1) */
+AVX2_INLINE __m256i pick16(__m256i v, int g0, int g1) {  /* low lane: group g0 of v's low lane; high: g1 of high */
+    const __m256i m = _mm256_setr_epi8(2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1,
+                                       2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1,
+                                       2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1,
+                                       2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1);
+    return _mm256_shuffle_epi8(v, m);
+}
+
+/* dot_scalar_sb's arithmetic: K-quant rows against super-block x rows. The scales are picked from one register by
+ * byte shuffles, and the min term's integer M = sum of 16 (scale or min) x (x's 16-value sum) products is two
+ * vector multiplies and one lane sum: exact in int32 (|M| < 2^30 with two planes: sums of 16 codes < 2^19.01,
+ * times mins <= 63 (Q4_K / Q5_K, 16 terms) or Q6_K scales <= 128), so the same M as the scalar path's int64 sum. */
 AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
                             const int R, float *y, int64_t ldy) {
     __m256 l0[4], l1[4];
@@ -437,10 +458,18 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
         const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
         __m256i ahi[4], alo[4];
         for (int r = 0; r < R; r++) ahi[r] = alo[r] = _mm256_setzero_si256();
-        float dw;
+        __m256i w0, w1;  /* the 16 int32 factors of M: mins (each twice, one per 16 values) or Q6_K's scales */
+        float dw, dm;    /* the min term is m += (dm * d_x) * (float)M */
         if (fmt == Q6_K) {
             const __m256i m2 = _mm256_set1_epi8(3);
             dw = f16c(blk + 208);
+            dm = dw;
+            __m128i s16 = _mm_loadu_si128((const __m128i *)(blk + 192));
+            w0 = _mm256_cvtepi8_epi32(s16);
+            w1 = _mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8));
+            /* scales 0-7 and 8-15 as int16, each in both lanes: sub-block s takes 2s (low lane) and 2s + 1 */
+            __m256i sa = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s16));
+            __m256i sb = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(s16, 8)));
             for (int h = 0; h < 2; h++) {
                 __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
                 __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
@@ -452,9 +481,7 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
                     int s = 4 * h + k;
                     __m256i c = _mm256_or_si256(lo[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k),
                                                                                           m2), 4));
-                    __m256i sc = _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[193 + 2 * s]),
-                                                  _mm_set1_epi16((int8_t)blk[192 + 2 * s]));
-                    sb_acc(c, sc, xq, s, rb, R, P, ahi, alo);
+                    sb_acc(c, pick16(h ? sb : sa, 2 * k, 2 * k + 1), xq, s, rb, R, P, ahi, alo);
                 }
             }
         } else {
@@ -463,6 +490,12 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
             uint8_t sc[8], mn[8];
             k_scale_min(blk + 4, sc, mn);
             dw = f16c(blk);
+            dm = f16c(blk + 2);
+            __m128i mv = _mm_loadl_epi64((const __m128i *)mn);
+            mv = _mm_unpacklo_epi8(mv, mv);
+            w0 = _mm256_cvtepu8_epi32(mv);
+            w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(mv, 8));
+            __m256i sv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
             for (int i = 0; i < 4; i++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
@@ -473,31 +506,21 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
                     c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
                     c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
                 }
-                sb_acc(c0, _mm256_set1_epi16(sc[2 * i]), xq, 2 * i, rb, R, P, ahi, alo);
-                sb_acc(c1, _mm256_set1_epi16(sc[2 * i + 1]), xq, 2 * i + 1, rb, R, P, ahi, alo);
-            }
-            float dmin = f16c(blk + 2);
-            for (int r = 0; r < R; r++) {
-                const uint8_t *x = xq + r * rb;
-                int64_t M = 0;
-                for (int s = 0; s < 8; s++)
-                    M += (int64_t)mn[s] * ((int64_t)rdi32(x + 4 + 8 * s) + rdi32(x + 8 + 8 * s));
-                m[r] = m[r] + (dmin * rdf32(x)) * (float)M;
+                sb_acc(c0, pick16(sv, 2 * i, 2 * i), xq, 2 * i, rb, R, P, ahi, alo);
+                sb_acc(c1, pick16(sv, 2 * i + 1, 2 * i + 1), xq, 2 * i + 1, rb, R, P, ahi, alo);
             }
         }
         for (int r = 0; r < R; r++) {
             const uint8_t *x = xq + r * rb;
             float dx = rdf32(x);
+            __m256i bs0 = _mm256_loadu_si256((const __m256i *)(x + 4)), bs1 = _mm256_loadu_si256((const __m256i *)(x + 36));
+            int32_t M = hsum_i32(_mm256_add_epi32(_mm256_mullo_epi32(w0, bs0), _mm256_mullo_epi32(w1, bs1)));
             __m256 hi = _mm256_cvtepi32_ps(ahi[r]);
             __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(hi, k256), _mm256_cvtepi32_ps(alo[r])) : hi;
             v = _mm256_mul_ps(_mm256_set1_ps(dw * dx), v);
             if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
             else l0[r] = _mm256_add_ps(l0[r], v);
-            if (fmt == Q6_K) {
-                int64_t M = 0;
-                for (int g = 0; g < 16; g++) M += (int64_t)(int8_t)blk[192 + g] * rdi32(x + 4 + 4 * g);
-                m[r] = m[r] + (dw * dx) * (float)(32 * M);
-            }
+            m[r] = m[r] + (dm * dx) * (fmt == Q6_K ? (float)(32 * (int64_t)M) : (float)M);
         }
     }
     for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
@@ -577,6 +600,12 @@ void sluice_quantize_q8(int64_t K, const float *x, int64_t T, uint8_t *xq, int X
     quant_rows_scalar(x, K, T, xq, XF);
 }
 
+/* Software prefetch: while a task computes row n, the bytes pf_bytes past row n's start come into the cache (the rows
+ * of a task are contiguous, and a task is ~36 KB: the hardware prefetcher alone ramps up too late). 0 turns it off
+ * (native.set_prefetch, a benchmark hook). */
+static int64_t pf_bytes = 2048;
+void sluice_set_prefetch(int64_t bytes) { pf_bytes = bytes < 0 ? 0 : bytes; }
+
 /* y[t, n] for n in [n0, n1) from xq in fmt's layout XF (xf_for) */
 static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t T,
                     int XF, float *y, int64_t n0, int64_t n1, int scalar) {
@@ -584,11 +613,16 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
     (void)scalar;
 #if SLUICE_X86
     if (!scalar && sluice_simd()) {  /* x rows 4 at a time against each weight row */
-        for (int64_t n = n0; n < n1; n++)
+        for (int64_t n = n0; n < n1; n++) {
+            if (pf_bytes) {  /* the lines of [start + pf_bytes, next start + pf_bytes), within the task's rows */
+                const uint8_t *a = q + n * row_bytes + pf_bytes, *e = q + n1 * row_bytes;
+                for (const uint8_t *p = a; p < a + row_bytes && p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
+            }
             for (int64_t t = 0; t < T; t += 4) {
                 int R = T - t < 4 ? (int)(T - t) : 4;
                 dot_avx2_for(fmt, XF, R)(q + n * row_bytes, xq + t * rb, rb, K, y + t * N + n, N);
             }
+        }
         return;
     }
 #endif
