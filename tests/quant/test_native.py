@@ -187,3 +187,21 @@ def test_without_the_extension_stored_linear_runs_the_torch_path(monkeypatch, ca
     assert torch.equal(lin(x, raw, torch.empty(lin.scratch_numel)), F.linear(x, spec.dequantize(raw)))
     with pytest.raises(RuntimeError, match="not built"):
         native.linear(spec, x, raw)
+
+
+@built
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_rows_over_the_pool_are_the_one_thread_bits(name):
+    """native.linear (all rows) and native.dequantize split the rows over set_threads' pool in tasks of ~64K
+    weights (x T): many tasks here, the same bits as on one thread and the reference dequantization."""
+    spec = QuantSpec.ggml(name, 300, 1024)
+    raw = random_stored(spec, seed=11)
+    x = torch.randn(12, 1024, generator=torch.Generator().manual_seed(11))
+    one = native.linear(spec, x, raw)
+    native.set_threads(3)
+    try:
+        assert torch.equal(native.linear(spec, x, raw), one)
+        assert torch.equal(native.dequantize(spec, raw), spec.dequantize(raw))
+    finally:
+        native.set_threads(1)
+    assert torch.equal(native.linear(spec, x, raw, rows=(0, 300)), one)

@@ -70,6 +70,8 @@ def _load() -> ctypes.CDLL | None:
     desc = [i32, i64, i64, ptr, i64, ptr, ptr, i32, i32]  # fmt, N, K, q, row_bytes, scales, biases, sdt, gs
     lib.sluice_linear.argtypes = desc + [ptr, i64, ptr, i64, i64, i32]  # x, T, y, n0, n1, scalar
     lib.sluice_dequantize.argtypes = desc + [ptr, i64, i64, i32]  # out, n0, n1, scalar
+    lib.sluice_rows_pool.argtypes = desc + [ptr, i64, ptr, ptr, i32]  # x, T, y (or NULL), out (or NULL), scalar
+    lib.sluice_rows_pool.restype = i32
     lib.sluice_linear.restype = lib.sluice_dequantize.restype = lib.sluice_simd.restype = i32
     lib.sluice_quantize_q8.argtypes = [i64, ptr, i64, ptr, i32, i32]  # K, x, T, xq, planes, scalar
     lib.sluice_quantize_q8.restype = None
@@ -207,8 +209,11 @@ def _rows(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
 def _run(desc: tuple, x: torch.Tensor, out: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False); use the torch kernels")
-    n0, n1 = (0, desc[1]) if rows is None else _rows(rows, desc[1])
-    rc = _LIB.sluice_linear(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), n0, n1, int(FORCE_SCALAR))
+    if rows is None:  # all rows, split over set_threads' pool (a prefill's experts): the same bits
+        rc = _LIB.sluice_rows_pool(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), None, int(FORCE_SCALAR))
+    else:
+        n0, n1 = _rows(rows, desc[1])
+        rc = _LIB.sluice_linear(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), n0, n1, int(FORCE_SCALAR))
     if rc:
         raise MemoryError(f"native linear failed (code {rc}): no memory for a {desc[2]}-value row buffer")
     return out
@@ -257,7 +262,7 @@ def dequantize(spec: QuantSpec, raw: torch.Tensor, out: torch.Tensor | None = No
     if out is None:
         out = torch.empty(n, k)
     _buffer(out, f"out ([{n}, {k}])", torch.float32, n * k)
-    _LIB.sluice_dequantize(*desc, out.data_ptr(), 0, n, int(FORCE_SCALAR))
+    _LIB.sluice_rows_pool(*desc, None, 0, None, out.data_ptr(), int(FORCE_SCALAR))  # rows over the pool
     return out.view(n, k)
 
 
@@ -591,10 +596,10 @@ def set_threads(threads: int) -> None:
     experts of one layer (Transformer._native_experts), the output rows of large resident projections (QuantLinear,
     SPLIT_MIN_WEIGHTS). 1: everything on the calling thread. Any count gives the same bits.
 
-    Not used for one expert projection's rows (NativeKernel.linear): on the shared 2-core dev VM at load ~10 a split
-    [768 x 2048] Q4_K projection took 0.34-0.57 ms wall against 0.25-0.40 on one thread, and 8 Q4_K experts at T=1
-    cost 15.4 ms of CPU split this way against 10.1 on one thread and 11.0 with the experts themselves spread over a
-    Pool(2) (benchmarks/native_kernels.py): parallelism over a layer's experts is the cheaper kind."""
+    native.linear over all rows and native.dequantize split their rows over the C pool too (a prefill's experts of
+    5+ rows, NativeKernel.linear): peers Q4_K_M, resident, prompts of 32 / 256 tokens prefilled in 359 / 2234 ms
+    against 448 / 2815 with both on the calling thread (benchmarks/quantized/prefill_rows.py). At T=1 a layer's
+    experts go to the pool together instead (ExpertCall.many), the cheaper split there."""
     global _SHARED
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")

@@ -68,7 +68,7 @@ class NativeKernel(Kernel):
         if x.shape[0] <= Q8_MAX_ROWS and self.int8:
             y = linear_q8(self.spec, x, slot, planes=self.planes)
         elif x.shape[0] <= NATIVE_MAX_ROWS:
-            y = linear(self.spec, x, slot)  # one thread: see native.set_threads for why rows are not split here
+            y = linear(self.spec, x, slot)  # rows over set_threads' pool (native.linear)
         else:
             y = F.linear(x, self.dequantize(slot, scratch))
         return y if self.dtype is torch.float32 else y.to(self.dtype)

@@ -427,3 +427,40 @@ int sluice_dequantize(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t r
     }
     return 0;
 }
+
+/* ---- one projection's output rows over the pool (pool.c): a prefill's experts with 5-32 rows, the dequantized
+ * weights of larger ones ---- */
+
+typedef struct {
+    wdesc w;
+    const float *x;
+    int64_t T, step;
+    float *y;    /* sluice_linear's y, or NULL: dequantize into out */
+    float *out;
+    int scalar, failed;
+} split_job;
+
+static void split_task(void *c, int64_t i) {
+    split_job *j = (split_job *)c;
+    int64_t n0 = i * j->step, n1 = n0 + j->step < j->w.N ? n0 + j->step : j->w.N;
+    if (!j->y) {
+        sluice_dequantize(j->w.fmt, j->w.N, j->w.K, j->w.q, j->w.row_bytes, j->w.s, j->w.b, j->w.sdt, j->w.gs,
+                          j->out, n0, n1, j->scalar);
+        return;
+    }
+    if (sluice_linear(j->w.fmt, j->w.N, j->w.K, j->w.q, j->w.row_bytes, j->w.s, j->w.b, j->w.sdt, j->w.gs, j->x,
+                      j->T, j->y, n0, n1, j->scalar))
+        j->failed = 1;  /* only ever set to 1: a race between tasks is harmless */
+}
+
+/* sluice_linear (y non-NULL: y [T, N] from x [T, K]) or sluice_dequantize (y NULL: out [N, K]) over all N rows, in
+ * tasks of ~64K weights times T split over the pool. Each row is the one call's work on the same bytes, so the
+ * result has the same bits for any thread count. Returns 0, -1 (no memory), -2 (unknown format). */
+int sluice_rows_pool(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *s,
+                     const uint8_t *b, int sdt, int gs, const float *x, int64_t T, float *y, float *out, int scalar) {
+    if (fmt < 0 || fmt >= N_FORMATS) return -2;
+    int64_t work = K * (y ? T : 1), step = work >= 65536 ? 1 : 65536 / work;
+    split_job j = {desc(fmt, N, K, q, row_bytes, s, b, sdt, gs), x, T, step, y, out, scalar, 0};
+    pool_run(split_task, &j, (N + step - 1) / step);
+    return j.failed ? -1 : 0;
+}
