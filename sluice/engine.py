@@ -18,6 +18,7 @@ from .host.cpus import ThreadGovernor
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
 from .models.blocks import Transformer
+from .models.experts import set_matmul
 from .models.spec import KVCache
 from .options import ACTIVATION_PLANES, LoadOptions
 from .plan import LoadPlan, plan
@@ -73,6 +74,7 @@ class Model:
         # one expert_q8 call each on one thread, 16.6-18.6 ms as one call per layer over two threads (a Python pool
         # with one expert per job took 25-29 ms)
         native.set_threads(p.threads)
+        set_matmul(p.options.matmul)  # process-wide like the threads: how prompts multiply bf16 weights
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
         self.step_times = StepTimes()

@@ -21,6 +21,7 @@ import torch
 from .errors import ConfigError
 from .io import DEFAULT_WORKERS
 from .io import MODES as IO_MODES
+from .models.experts import MATMUL_MODES
 from .store.rows import MODES as EMBEDDING_MODES
 
 PREFETCH_MODES = ("none", "router", "learned")
@@ -211,6 +212,17 @@ class LoadOptions:
             "block's largest value, finer than bf16 itself; `int8`, one plane, x to 1/127 of it, as llama.cpp's "
             "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, 0.5-2.3% error per projection. float32 keeps "
             "the exact float kernels either way")
+    # matmul: models/experts.py rows_linear, set process-wide at load (engine.py); auto: host/cpus.bf16_dot.
+    # Peers bf16 model, resident prefill of 2,048 tokens on a 2-core AVX512_BF16 EPYC: float32 255, bf16 ~550 tok/s
+    # (benchmarks/resident_matmul.py)
+    matmul: str = option(
+        "auto", choices=MATMUL_MODES,
+        help="how several rows of bf16 activations multiply bf16 weights (prompts): bf16 GEMM or float32; auto = "
+             "bf16 where the CPU has bf16 dot-product instructions (AVX512_BF16, AMX)",
+        doc="how several rows of bf16 activations (a prompt) multiply bf16 weights: `bf16`, torch's bf16 GEMM; "
+            "`float32`, both widened and a float32 GEMM. `auto`: bf16 where the CPU has bf16 dot-product "
+            "instructions (`avx512_bf16` or `amx_bf16` in /proc/cpuinfo: 4-5x faster there), float32 elsewhere "
+            "(on AVX2 torch's bf16 GEMM has no native kernel and runs ~6x slower). Both accumulate in float32")
     # max_context: capped by the model's max_position_embeddings
     max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",
                               doc="KV cache positions, allocated once")

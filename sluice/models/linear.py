@@ -1,5 +1,5 @@
 """The projection every resident weight of the model math goes through: a plain tensor runs torch (one row in the
-compute dtype, several in float32), a QuantLinear (GGUF blocks kept resident, quant/resident.py) its native kernels."""
+compute dtype, several in float32 or bf16 by the CPU: rows_linear), a QuantLinear (GGUF blocks kept resident, quant/resident.py) its native kernels."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from .experts import rows_linear
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w^T (+ bias) -> [T, out] in the compute dtype: a QuantLinear's kernels, else rows_linear (several
-    bf16 rows in float32: torch's bf16 GEMM has no native kernel on AVX2; [33 x 1024] x [1024 x 1024]^T 3.7-4.1 ms
-    bf16, 1.3-1.6 float32)."""
+    bf16 rows in float32 unless the CPU multiplies bf16 natively: on AVX2 torch's bf16 GEMM has no native kernel,
+    [33 x 1024] x [1024 x 1024]^T 3.7-4.1 ms bf16, 1.3-1.6 float32)."""
     if type(w) is QuantLinear:
         return w.linear(x, bias)
     return rows_linear(x, w, bias)

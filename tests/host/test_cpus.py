@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.host.cpus import ThreadGovernor
+from sluice.host.cpus import ThreadGovernor, bf16_dot
 
 
 def _child(code: str, env: dict | None = None, pre: list[str] | None = None) -> str:
@@ -116,3 +116,22 @@ def test_an_explicit_thread_count_is_not_governed(tmp_path):
     if len(os.sched_getaffinity(0)) > 1:
         with sluice.load(folder, memory="all") as m:
             assert m.governor is not None and m.stats()["threads"] == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("flags, native", [
+    ("fpu sse2 avx2 fma avx512f avx512_bf16 avx512_vnni", True),  # AMD EPYC (Zen 4/5), Cooper Lake
+    ("fpu sse2 avx2 fma avx512f amx_bf16 amx_tile", True),  # Sapphire Rapids
+    ("fpu sse2 avx2 fma avx_vnni", False),  # AVX2 only: torch's bf16 GEMM has no native kernel
+    ("fpu sse2 avx2 avx512f avx512bw", False),  # AVX-512 without its bf16 extension
+])
+def test_bf16_dot_reads_the_cpu_flags(tmp_path, flags, native):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert bf16_dot(info) is native
+
+
+def test_bf16_dot_is_false_without_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64 names its features otherwise
+    assert bf16_dot(info) is False
+    assert bf16_dot(tmp_path / "missing") is False
