@@ -124,6 +124,7 @@ class Transformer:
         self.expert_math = ExpertMath(dtype, self.act, glu_for(spec, self.act), planes)
         self.cos, self.sin = rope_table(spec.rope, cache.max_context, dtype)  # [P, rot] each
         self._attend: list | None | bool = False  # _decode_attention's answer, built at first use
+        self._block: torch.Tensor | None = None  # experts()' [T*K, H] rows, kept across one forward's layers
 
     # -- attention -------------------------------------------------------------------------------------------
     def attention(self, L: int, x: torch.Tensor, pos: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -249,7 +250,7 @@ class Transformer:
         # over its own (spent) input slice, then those outputs scaled in place; the ascending-rank sum gathers from
         # it into one reused [T, H] buffer. (It held 4 such blocks: inputs, outputs, rank order and y * w; at 2,048
         # tokens of a top-8 H=1024 bf16 model each is 32 MiB.)
-        ys = x.index_select(0, order // K)  # [T*K, H] expert-sorted inputs, gathered once
+        ys = torch.index_select(x, 0, order // K, out=self._rows_block(T * K, x))  # [T*K, H] expert-sorted inputs
         step = max(1, self.store.max_batch)
         for c0 in range(0, len(eids), step):
             chunk = eids[c0 : c0 + step]
@@ -261,13 +262,27 @@ class Transformer:
                     ys[a : a + n] = self._expert(batch, j, ys[a : a + n])
             finally:
                 self.store.release(L)
-        w = torch.gather(weights, 1, rank_of).flatten()[order, None]  # [T*K, 1] each row's routing weight
-        ys.mul_(w)  # y * w rounded to x.dtype once per element, as (ys * w).to(x.dtype) and the T == 1 path do
+        w = torch.gather(weights, 1, rank_of).flatten()[order]  # [T*K] each row's routing weight
         at = torch.empty_like(order).index_copy_(0, order, torch.arange(T * K)).view(T, K)  # (token, rank) -> row
+        if _NATIVE and x.dtype is torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32):
+            # the lines below in one call, the same bits (peers bf16, 2,048 tokens: ~8 ms -> ~2 ms a layer)
+            return native.combine_rows_bf16(ys, w, at, torch.empty_like(x))
+        ys.mul_(w[:, None])  # y * w rounded to x.dtype once per element, as (ys * w).to(x.dtype) and T == 1 do
         out, part = torch.zeros_like(x), torch.empty_like(x)  # [T, H] each
         for r in range(K):
             out += torch.index_select(ys, 0, at[:, r], out=part)
         return out
+
+    def _rows_block(self, n: int, x: torch.Tensor) -> torch.Tensor:
+        """A [n, H] block of x's dtype for experts(), the same memory for every layer of a forward pass (_forward
+        drops it at the end). Allocated per layer it was 32 MiB at 2,048 tokens of a top-8 H=1024 bf16 model, at or
+        above glibc's largest mmap threshold: a fresh mapping each layer, 8,192 page faults to fill it (peers bf16,
+        resident 2,048-token prefill: 230k -> 100k minor faults; benchmarks/prefill/faults.py)."""
+        H = x.shape[1]
+        if self._block is None or self._block.dtype != x.dtype or self._block.numel() < n * H:
+            self._block = None  # freed before its successor is allocated
+            self._block = torch.empty(n * H, dtype=x.dtype)
+        return self._block[: n * H].view(n, H)
 
     def _expert(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the j-th expert of `batch` on x [n, H] -> [n, H], straight from the slots (models/experts.py)."""
@@ -394,6 +409,12 @@ class Transformer:
         return self._all_native
 
     def _forward(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        try:
+            return self._layers(tokens, pos)
+        finally:
+            self._block = None  # a prompt's [T*K, H] rows are not held between passes
+
+    def _layers(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         s = self.spec
         T = tokens.shape[0]
         if pos + T > self.cache.max_context:

@@ -67,3 +67,31 @@ def test_combine_is_the_torch_expression_bitwise(wdtype):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     with pytest.raises(ValueError, match="combine_bf16"):
         native.combine_bf16(ys, w, [K], got)
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_combine_rows_is_the_torch_expression_bitwise(wdtype, threads):
+    """A prompt's weighted sum (Transformer.experts): the torch lines it replaced, on any number of threads."""
+    g = torch.Generator().manual_seed(threads)
+    native.set_threads(threads)
+    try:
+        for T, K, H in ((1, 8, 64), (77, 8, 96), (300, 4, 128)):
+            ys = torch.randn(T * K, H, generator=g) * 10.0 ** torch.randint(-3, 3, (T * K, 1), generator=g)
+            ys[0, :4] = torch.tensor([float("inf"), -float("inf"), 3e38, -0.0])
+            ys = ys.bfloat16()
+            w = torch.rand(T * K, generator=g).to(wdtype)
+            w[1 % (T * K)] = 0.0
+            at = torch.randperm(T * K, generator=g).view(T, K)
+            before = ys.clone()
+            got = native.combine_rows_bf16(ys, w, at, torch.empty(T, H, dtype=torch.bfloat16))
+            assert torch.equal(ys.view(torch.int16), before.view(torch.int16))  # ys is left as it was
+            want, part = torch.zeros(T, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
+            scaled = before.clone().mul_(w[:, None])
+            for r in range(K):
+                want += torch.index_select(scaled, 0, at[:, r], out=part)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    finally:
+        native.set_threads(1)
+    with pytest.raises(ValueError, match="combine_rows_bf16"):
+        native.combine_rows_bf16(ys, w, at + T * K, torch.empty(T, H, dtype=torch.bfloat16))

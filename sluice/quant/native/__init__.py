@@ -14,6 +14,7 @@
     y = native.expert_q8(specs, raws, x)      # down(silu(gate x) * up x) in one call, y float32 [T, H]
     call = native.ExpertCall(specs, offsets); call.many(raw, slots, x, ys, rows)  # a layer's experts, one call
     out = native.rms_norm_bf16(x, w, eps); native.combine_bf16(ys, w, at, out)    # decode's small steps (ops.c)
+    native.combine_rows_bf16(ys, w, at, out)  # a prompt's weighted sum of its expert outputs, bf16 (ops.c)
     k = native.NativeKernel(spec, dtype)      # kernel_for's interface: name "native", nbytes = stored bytes
     pool = native.Pool(2); pool.run([lambda: ..., ...])   # jobs on persistent Python threads, results in order
     pool.linear(spec, x, raw)                 # one projection's output rows split over those threads (float path)
@@ -92,6 +93,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_set_prefetch.restype = None
     lib.sluice_q8_layout.restype = i32
     lib.sluice_combine_bf16.argtypes = [i64, ptr, i64, ptr, i32, ptr, ptr]  # n, ys, H, w, w_f32, at, out
+    lib.sluice_combine_rows_bf16.argtypes = [i64, i64, i64, ptr, ptr, i32, ptr, ptr]  # T, K, H, ys, w, w_f32, at, out
+    lib.sluice_combine_rows_bf16.restype = None
     lib.sluice_rms_norm_bf16.argtypes = [i64, i64, ptr, ptr, ctypes.c_float, ptr]  # rows, n, x, w, eps, out
     lib.sluice_rope_bf16.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr]  # heads, T, D, rot, x, sh, st
     lib.sluice_set_threads.restype = lib.sluice_combine_bf16.restype = lib.sluice_rms_norm_bf16.restype = None
@@ -517,6 +520,25 @@ def combine_bf16(ys: torch.Tensor, w: torch.Tensor, at: list[int], out: torch.Te
                          f"{out.dtype} {list(out.shape)}")
     _LIB.sluice_combine_bf16(n, ys.data_ptr(), h, w.data_ptr(), int(w.dtype is torch.float32),
                              (ctypes.c_int64 * n)(*at), out.data_ptr())
+
+
+def combine_rows_bf16(ys: torch.Tensor, w: torch.Tensor, at: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A prompt's weighted sum of expert outputs (ops.c): out[t] = sum over r of ys[at[t, r]] * w[at[t, r]], each
+    product rounded to bf16 and added to out (from zeros) in r order; bitwise `ys.mul_(w[:, None])` then `out =
+    zeros; for r: out += ys[at[:, r]]`, without changing ys. ys bf16 [T*K, H], w bf16 / float32 [T*K], at int64
+    [T, K] (rows of ys, checked), out bf16 [T, H]; tokens split over set_threads' pool."""
+    T, K = at.shape
+    n, h = ys.shape
+    if not (ys.dtype is torch.bfloat16 and out.dtype is torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32)
+            and at.dtype is torch.int64 and all(t.is_contiguous() for t in (ys, w, at, out))
+            and w.numel() == n and tuple(out.shape) == (T, h) and (at.numel() == 0 or 0 <= int(at.min()) and
+                                                                   int(at.max()) < n)):
+        raise ValueError(f"combine_rows_bf16: need ys bf16 [n, H], w bf16/float32 [n], at int64 [T, K] of rows < n "
+                         f"and out bf16 [T, H], got {ys.dtype} {list(ys.shape)}, {w.dtype} {list(w.shape)}, "
+                         f"{at.dtype} {list(at.shape)}, {out.dtype} {list(out.shape)}")
+    _LIB.sluice_combine_rows_bf16(T, K, h, ys.data_ptr(), w.data_ptr(), int(w.dtype is torch.float32),
+                                  at.data_ptr(), out.data_ptr())
+    return out
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

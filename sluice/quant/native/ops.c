@@ -22,6 +22,46 @@ void sluice_combine_bf16(int64_t n, const float *ys, int64_t H, const void *w, i
     }
 }
 
+/* A prompt's weighted sum of expert outputs (models/blocks.py Transformer.experts): for each token t, from +0,
+ * out[t] = bf16(out[t] + bf16(ys[a] * w[a])) for a = at[t*K + r], r = 0..K-1 in order; ys bf16 [T*K, H] (the
+ * expert-sorted outputs), w bf16 or float32 (w_f32) [T*K] (each row's routing weight), at [T, K]. Bitwise torch's
+ * `ys.mul_(w[:, None])` then `out = zeros; for r: out += ys[at[:, r]]`, which it replaces (8 gathers and adds of a
+ * [T, H] block each); tokens in blocks over the pool. */
+typedef struct {
+    int64_t T, K, H;
+    const uint16_t *ys;
+    const void *w;
+    int w_f32;
+    const int64_t *at;
+    uint16_t *out;
+} combine_rows_job;
+
+#define COMBINE_ROWS 32 /* tokens per pool task */
+
+static void combine_rows_task(void *c, int64_t i) {
+    const combine_rows_job *j = (const combine_rows_job *)c;
+    int64_t t1 = (i + 1) * COMBINE_ROWS < j->T ? (i + 1) * COMBINE_ROWS : j->T;
+    for (int64_t t = i * COMBINE_ROWS; t < t1; t++) {
+        uint16_t *o = j->out + t * j->H;
+        for (int64_t h = 0; h < j->H; h++) o[h] = 0;  /* +0 */
+        for (int64_t r = 0; r < j->K; r++) {
+            int64_t a = j->at[t * j->K + r];
+            float wa = j->w_f32 ? ((const float *)j->w)[a] : bf16_float(((const uint16_t *)j->w)[a]);
+            const uint16_t *y = j->ys + a * j->H;
+            for (int64_t h = 0; h < j->H; h++) {
+                float p = bf16_float(bf16_round(bf16_float(y[h]) * wa));
+                o[h] = bf16_round(bf16_float(o[h]) + p);
+            }
+        }
+    }
+}
+
+void sluice_combine_rows_bf16(int64_t T, int64_t K, int64_t H, const uint16_t *ys, const void *w, int w_f32,
+                              const int64_t *at, uint16_t *out) {
+    combine_rows_job j = {T, K, H, ys, w, w_f32, at, out};
+    pool_run(combine_rows_task, &j, (T + COMBINE_ROWS - 1) / COMBINE_ROWS);
+}
+
 /* RMSNorm of rows of bf16 x ([rows, n]) with bf16 weight [n], as the reference computes it: statistics in float32,
  * the normalized row rounded to bf16, then times the weight (rounded to bf16). The sum of squares runs in 8 float
  * lanes (value i into lane i % 8, lanes added ((0+4)+(2+6))+((1+5)+(3+7))), a fixed order whatever the compiler
