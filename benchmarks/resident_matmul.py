@@ -5,10 +5,13 @@
    (AVX512_BF16, AMX) the bf16 GEMM wins several-fold; without them (AVX2) it loses ~6x.
 2. `sdpa`: causal attention of a 2,048-token first pass (8 heads of 128, 2 kv heads, bf16): an explicit boolean mask
    against SDPA's is_causal (which skips the blocks above the diagonal); same bits checked.
-3. `prefill`: resident prefill of a prompt (default 2,048 tokens) on a model, `--matmul bf16` against `float32`
+3. `crossover`: a GGUF-quantized projection's float row kernel (native.linear) against dequantization straight to
+   bf16 + one bf16 GEMM (NativeKernel's many-row route under --matmul bf16) by rows: where BF16_GEMM_MIN_ROWS sits.
+4. `prefill`: resident prefill of a prompt (default 2,048 tokens) on a model, `--matmul bf16` against `float32`
    alternated in one process (the option is process-wide and set at each load), median ms; logits compared.
 
-    .venv/bin/python benchmarks/resident_matmul.py [gemm sdpa prefill] [--model M] [--prompt 2048] [--rounds 3]
+    .venv/bin/python benchmarks/resident_matmul.py [gemm sdpa crossover prefill] [--model M] [--prompt 2048]
+        [--rounds 3]      # --model also takes a quantized GGUF (the peers Q4_K_M file)
 
 Prints `host/cpus.bf16_dot()` (what `--matmul auto` picks) first.
 """
@@ -66,6 +69,24 @@ def sdpa() -> None:
     print(f"sdpa {T} tokens bf16: mask {a:.1f} ms, is_causal {b:.1f} ms ({'same bits' if same else 'BITS DIFFER'})")
 
 
+def crossover() -> None:
+    from sluice.quant import native
+    from sluice.quant.kernels import QuantSpec
+    from sluice.quant.native.kernel import NativeKernel
+    from sluice.quant.samples import random_stored
+
+    native.set_threads(2)
+    for name, n, k in (("Q4_K", 1024, 1024), ("Q6_K", 1024, 512)):
+        spec = QuantSpec.ggml(name, n, k)
+        raw, kern, scratch = random_stored(spec, seed=1), NativeKernel(spec, torch.bfloat16), torch.empty(n * k)
+        for T in (4, 8, 12, 16, 24, 32, 48):
+            x = torch.randn(T, k).bfloat16()
+            xf = x.float()
+            a = _ms(lambda: native.linear(spec, xf, raw).to(torch.bfloat16), 30)
+            b = _ms(lambda: kern._bf16_gemm(x, raw, scratch), 30)
+            print(f"crossover {name} [{n} x {k}] T={T}: row kernel {a:.3f} ms, dequantize to bf16 + GEMM {b:.3f} ms")
+
+
 def prefill(model: str, n: int, rounds: int) -> None:
     prompt = [100 + (i * 7919) % 30000 for i in range(n)]
     res: dict[str, list[float]] = {"bf16": [], "float32": []}
@@ -88,7 +109,7 @@ def prefill(model: str, n: int, rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", default=["gemm", "sdpa", "prefill"])
+    ap.add_argument("parts", nargs="*", default=["gemm", "sdpa", "crossover", "prefill"])
     ap.add_argument("--model", default=PEERS_BF16)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
@@ -99,7 +120,7 @@ def main() -> None:
         if part == "prefill":
             prefill(a.model, a.prompt, a.rounds)
         else:
-            {"gemm": gemm, "sdpa": sdpa}[part]()
+            {"gemm": gemm, "sdpa": sdpa, "crossover": crossover}[part]()
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step
 from .host.cpus import ThreadGovernor
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
+from .matmul import set_matmul
 from .models.blocks import Transformer
-from .models.experts import set_matmul
 from .models.spec import KVCache
 from .options import ACTIVATION_PLANES, LoadOptions
 from .plan import LoadPlan, plan

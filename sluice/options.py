@@ -21,7 +21,7 @@ import torch
 from .errors import ConfigError
 from .io import DEFAULT_WORKERS
 from .io import MODES as IO_MODES
-from .models.experts import MATMUL_MODES
+from .matmul import MATMUL_MODES
 from .store.rows import MODES as EMBEDDING_MODES
 
 PREFETCH_MODES = ("none", "router", "learned")
@@ -212,7 +212,7 @@ class LoadOptions:
             "block's largest value, finer than bf16 itself; `int8`, one plane, x to 1/127 of it, as llama.cpp's "
             "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, 0.5-2.3% error per projection. float32 keeps "
             "the exact float kernels either way")
-    # matmul: models/experts.py rows_linear, set process-wide at load (engine.py); auto: host/cpus.bf16_dot.
+    # matmul: matmul.py (rows_linear and the quantized kernels' many-row path), set process-wide at load (engine.py); auto: host/cpus.bf16_dot.
     # Peers bf16 model, resident prefill of 2,048 tokens on a 2-core AVX512_BF16 EPYC: float32 255, bf16 ~550 tok/s
     # (benchmarks/resident_matmul.py)
     matmul: str = option(

@@ -36,10 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.ref import TensorRef
+from ..matmul import bf16_gemm
 from . import native
 from .formats import UnsupportedFormat
 from .kernels import QuantSpec
-from .native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS
+from .native.kernel import BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, Q8_MAX_ROWS
 
 #: float32 bytes of weights one block of the many-rows path dequantizes at a time: ~8,000 rows of a 1024-wide head,
 #: so the matmul of each block is still large enough for torch's GEMM to run at full speed
@@ -66,6 +67,10 @@ class Scratch:
         if self._buf.numel() < numel:
             self._buf = torch.empty(numel, dtype=torch.float32)
         return self._buf[:numel]
+
+    def get_bf16(self, numel: int) -> torch.Tensor:
+        """A bf16 [numel] view of the same buffer."""
+        return self.get((numel + 1) // 2).view(torch.bfloat16)[:numel]
 
 
 class QuantLinear:
@@ -100,7 +105,7 @@ class QuantLinear:
 
     def dequantize(self, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The exact float32 weights [out, in] (bitwise the file's dequantization), or rows n0:n1 of them [n1 - n0,
-        in]; into out (float32, contiguous) when given."""
+        in]; into out (float32, contiguous) when given, or those weights rounded to bf16 into a bf16 out."""
         n0, n1 = rows if rows is not None else (0, self.spec.out_features)
         per_row = self.spec.nbytes // self.spec.out_features  # one part of whole blocks per row: no padding
         spec = QuantSpec.ggml(self.spec.name, n1 - n0, self.spec.in_features)
@@ -109,7 +114,12 @@ class QuantLinear:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """y [T, out] = x [T, in] @ W^T (+ bias), in out_dtype (default: the compute dtype); float32 inside, one
-        rounding at the end."""
+        rounding at the end; where torch's bf16 GEMM is the fast one (matmul.bf16_gemm), many bf16 rows to a bf16
+        output run on the weights rounded to bf16 (_blocked_bf16)."""
+        if (x.shape[0] >= BF16_GEMM_MIN_ROWS and x.dtype is torch.bfloat16 and self.dtype is torch.bfloat16
+                and out_dtype in (None, torch.bfloat16) and bf16_gemm()):
+            y = self._blocked_bf16(x if x.is_contiguous() else x.contiguous())
+            return y if bias is None else y + bias.to(torch.bfloat16)
         if x.dtype is not torch.float32:
             x = x.float()
         if not x.is_contiguous():
@@ -145,6 +155,20 @@ class QuantLinear:
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
             y[:, n0:n1] = F.linear(x, self.dequantize((n0, n1), self.scratch.get((n1 - n0) * k)))
+        return y
+
+
+    def _blocked_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """_blocked with the weights dequantized straight to bf16 into the scratch's memory (twice the rows per
+        block) and one bf16 GEMM per block: x bf16 [T, in] -> y bf16 [T, out]."""
+        n, k = self.shape
+        step = max(1, SCRATCH_BYTES // (2 * k))
+        if step >= n:
+            return F.linear(x, self.dequantize(out=self.scratch.get_bf16(n * k)))
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)  # [T, out]
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            y[:, n0:n1] = F.linear(x, self.dequantize((n0, n1), self.scratch.get_bf16((n1 - n0) * k)))
         return y
 
 

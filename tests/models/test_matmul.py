@@ -1,4 +1,4 @@
-"""How several bf16 rows multiply bf16 weights (models/experts.py rows_linear, LoadOptions.matmul): "bf16" is
+"""How several bf16 rows multiply bf16 weights (sluice/matmul.py rows_linear, LoadOptions.matmul): "bf16" is
 torch's bf16 GEMM, "float32" widens both sides, "auto" follows the CPU's flags (host/cpus.bf16_dot); one row stays
 in the compute dtype either way. The choice is process-wide, set at each load."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from sluice.host.cpus import bf16_dot
-from sluice.models import experts
-from sluice.models.experts import bf16_gemm, rows_linear, set_matmul
+from sluice import matmul
+from sluice.matmul import bf16_gemm, rows_linear, set_matmul
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +59,7 @@ def test_one_row_and_float16_keep_their_paths(mode):
 
 def test_auto_follows_the_cpu():
     assert set_matmul("auto") is bf16_dot()
-    experts._bf16_gemm = None  # never set: the first use decides as auto does
+    matmul._bf16_gemm = None  # never set: the first use decides as auto does
     assert bf16_gemm() is bf16_dot()
     with pytest.raises(ValueError, match="matmul mode 'fast'"):
         set_matmul("fast")

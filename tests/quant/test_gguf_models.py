@@ -21,6 +21,8 @@ from tests.models.tiny import hf_model, write_checkpoint
 from tests.quant.streaming import assert_streamed_equals_resident
 
 IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(11)).tolist()
+# experts of more than native.kernel.BF16_GEMM_MIN_ROWS rows each
+LONG = torch.randint(0, 300, (192,), generator=torch.Generator().manual_seed(12)).tolist()
 # K-quant rows are whole blocks of 256 values: hidden and expert sizes of 256
 K_SHAPES = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64)
 
@@ -97,14 +99,32 @@ def test_default_dtype_is_within_3e_2(quantized):
     with sluice.load(path, memory="all") as m:
         assert m.dtype == torch.bfloat16
         err = _rel_l2(m.logits(IDS), want)
+    _within_3e_2(name, err, ref, IDS, want)
+
+
+def _within_3e_2(name: str, err: float, ref, ids: list[int], want: torch.Tensor) -> None:
     if err > 3e-2:
         # Some random tiny models amplify bf16 rounding more than real ones (the Q5_K one: transformers' own bf16
         # run of the same weights is 4.4e-2 off its fp32 run); there, sluice must be no worse than transformers.
         import copy
 
         with torch.no_grad():
-            own = _rel_l2(copy.deepcopy(ref).to(torch.bfloat16)(torch.tensor([IDS])).logits[0], want)
+            own = _rel_l2(copy.deepcopy(ref).to(torch.bfloat16)(torch.tensor([ids])).logits[0], want)
         assert err <= own, (name, err, own)
+
+
+@pytest.mark.parametrize("matmul", ["bf16", "float32"])
+def test_long_prompts_take_the_many_row_routes_bitwise_streamed(quantized, matmul):
+    """A prompt long enough that experts and projections run their many-row route: under --matmul bf16 the
+    weights dequantized straight to bf16 and torch's bf16 GEMM, under float32 the float32 dequantization and GEMM
+    (auto picks by the CPU). Either way within the default dtype's tolerance, and a streamed run bitwise the
+    resident one."""
+    name, path, ref, _ = quantized
+    assert_streamed_equals_resident(path, LONG, "direct", True, "min", matmul=matmul)
+    with torch.no_grad():
+        want = ref(torch.tensor([LONG])).logits[0]
+    with sluice.load(path, memory="all", matmul=matmul) as m:
+        _within_3e_2(name, _rel_l2(m.logits(LONG), want), ref, LONG, want)
 
 
 @pytest.mark.parametrize("io,odirect", [("mmap", False), ("willneed", False), ("direct", False), ("direct", True)])

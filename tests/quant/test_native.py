@@ -54,6 +54,48 @@ def test_dequantize_is_the_reference_bitwise(spec, path):
 
 
 @built
+@pytest.mark.parametrize("spec", SPECS, ids=_ids)
+def test_dequantize_to_bf16_is_the_reference_rounded(spec, path):
+    raw = random_stored(spec, seed=5)
+    want = spec.dequantize(raw).to(torch.bfloat16)
+    got = native.dequantize(spec, raw, torch.empty(spec.out_features * spec.in_features, dtype=torch.bfloat16))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@built
+@pytest.mark.parametrize("mode", ["bf16", "float32"])
+def test_many_bf16_rows_follow_the_matmul_mode(mode):
+    """From BF16_GEMM_MIN_ROWS rows, --matmul bf16 runs the weights rounded to bf16 through torch's bf16 GEMM (the
+    stored kernel and a resident QuantLinear alike); float32 keeps the float32 dequantization + GEMM."""
+    from sluice.matmul import set_matmul
+    from sluice.quant.native.kernel import BF16_GEMM_MIN_ROWS
+    from sluice.quant.resident import QuantLinear
+
+    spec = QuantSpec.ggml("Q4_K", 40, 512)
+    raw = random_stored(spec, seed=6)
+    w = spec.dequantize(raw)
+    k = native_kernel(spec, torch.bfloat16)
+    ql = QuantLinear(spec, raw, torch.bfloat16)
+    set_matmul(mode)
+    try:
+        for T in (BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS, 64):
+            x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T)).bfloat16()
+            y = k.linear(x, raw, torch.empty(k.scratch_numel))
+            if T >= BF16_GEMM_MIN_ROWS and mode == "bf16":
+                want = F.linear(x, w.to(torch.bfloat16))
+            elif T > NATIVE_MAX_ROWS:
+                want = F.linear(x.float(), w).to(torch.bfloat16)
+            else:
+                want = native.linear(spec, x.float(), raw).to(torch.bfloat16)
+            assert torch.equal(y, want), (T, mode)
+            if T > NATIVE_MAX_ROWS or mode == "bf16" and T >= BF16_GEMM_MIN_ROWS:
+                assert torch.equal(ql.linear(x), want), (T, mode)  # one block of rows: the same GEMM
+            assert ((y.float() - F.linear(x.double(), w.double()).float()).norm() / y.float().norm()) < 1e-2
+    finally:
+        set_matmul("auto")
+
+
+@built
 @pytest.mark.parametrize("T", [1, 3, 17, 64])
 @pytest.mark.parametrize("spec", SPECS, ids=_ids)
 def test_linear_matches_the_exact_weights(spec, T, path):

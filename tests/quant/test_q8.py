@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sluice import matmul
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
 from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS, native_kernel
@@ -189,7 +190,9 @@ def test_bad_inputs_raise_value_errors():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_kernel_runs_int8_at_bf16_and_f16_and_float_at_float32(dtype):
+def test_the_kernel_runs_int8_at_bf16_and_f16_and_float_at_float32(dtype, monkeypatch):
+    """(--matmul float32: the bf16 GEMM route of many rows is tests/quant/test_native.py's)"""
+    monkeypatch.setattr(matmul, "_bf16_gemm", False)
     spec = QuantSpec.ggml("Q4_K", 40, 512)
     raw = random_stored(spec, seed=4)
     k = native_kernel(spec, dtype)

@@ -73,6 +73,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_dequantize.argtypes = desc + [ptr, i64, i64, i32]  # out, n0, n1, scalar
     lib.sluice_rows_pool.argtypes = desc + [ptr, i64, ptr, ptr, i32]  # x, T, y (or NULL), out (or NULL), scalar
     lib.sluice_rows_pool.restype = i32
+    lib.sluice_dequantize_bf16.argtypes = desc + [ptr, i32]  # out16, scalar
+    lib.sluice_dequantize_bf16.restype = i32
     lib.sluice_linear.restype = lib.sluice_dequantize.restype = lib.sluice_simd.restype = i32
     lib.sluice_quantize_q8.argtypes = [i64, ptr, i64, ptr, i32, i32]  # K, x, T, xq, planes, scalar
     lib.sluice_quantize_q8.restype = None
@@ -257,13 +259,19 @@ def linear_mlx(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias
 
 def dequantize(spec: QuantSpec, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weights [out, in] of the stored bytes, bitwise spec.dequantize(raw), into out (float32,
-    contiguous, out * in elements) or a new tensor."""
+    contiguous, out * in elements) or a new tensor; into a bf16 out, those weights rounded to bf16 (bitwise
+    `.to(torch.bfloat16)` of them, without the float32 pass: a bf16 GEMM's operand). Rows over the pool."""
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False); use spec.dequantize")
     desc = _desc(spec, raw)
     n, k = spec.out_features, spec.in_features
     if out is None:
         out = torch.empty(n, k)
+    if out.dtype is torch.bfloat16:
+        _buffer(out, f"out ([{n}, {k}])", torch.bfloat16, n * k)
+        if _LIB.sluice_dequantize_bf16(*desc, out.data_ptr(), int(FORCE_SCALAR)):
+            raise MemoryError(f"native dequantize: no memory for a {k}-value row buffer")
+        return out.view(n, k)
     _buffer(out, f"out ([{n}, {k}])", torch.float32, n * k)
     _LIB.sluice_rows_pool(*desc, None, 0, None, out.data_ptr(), int(FORCE_SCALAR))  # rows over the pool
     return out.view(n, k)

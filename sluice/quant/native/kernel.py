@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...matmul import bf16_gemm
 from ..kernels import Kernel
 from . import dequantize, linear, linear_q8, q8_supported, supports
 
@@ -19,6 +20,13 @@ from . import dequantize, linear, linear_q8, q8_supported, supports
 #   MLX4  T=16 2.36 / 3.37   T=24 2.44 / 3.22   T=32 3.59 / 4.02   T=48 6.01 / 4.63   T=64 7.69 / 6.67
 # so the crossover is at 32-48 rows for every format measured (two earlier runs at load 6 and 10 agreed).
 NATIVE_MAX_ROWS = 32
+
+# Rows from which a bf16 projection runs as dequantize-to-bf16 + torch's bf16 GEMM where that GEMM is the fast one
+# (matmul.bf16_gemm: bf16 dot-product instructions) instead of the float row kernel. ms, row kernel / dequantize to
+# bf16 + GEMM, 2 threads, median of 30, 2-core AVX512_BF16 EPYC (benchmarks/resident_matmul.py crossover):
+#   Q4_K [1024 x 1024]  T=8 0.14 / 0.19   T=12 0.22 / 0.21   T=16 0.28 / 0.22   T=32 0.61 / 0.34   T=48 0.92 / 0.41
+#   Q6_K [1024 x 512]   T=8 0.08 / 0.11   T=12 0.11 / 0.12   T=16 0.14 / 0.13   T=32 0.29 / 0.17   T=48 0.46 / 0.20
+BF16_GEMM_MIN_ROWS = 16
 
 # Rows up to which the integer path (native.linear_q8 / expert_q8) runs at bf16 / f16; above it the float row kernel,
 # which dequantizes each weight row once for all rows, wins. One Q4_K / Q6_K / Q4_0 expert [1024 x 512], ms (one
@@ -59,6 +67,9 @@ class NativeKernel(Kernel):
     def linear(self, x, slot, scratch):
         # per call ~20 us of Python around the C call (was 155 before the checks' fast paths): each step is
         # skipped when it would be a no-op
+        if (x.shape[0] >= BF16_GEMM_MIN_ROWS and x.dtype is torch.bfloat16 and self.dtype is torch.bfloat16
+                and bf16_gemm()):
+            return self._bf16_gemm(x, slot, scratch)
         if x.dtype is not torch.float32:
             x = x.float()  # [T, in]
         if not x.is_contiguous():
@@ -72,6 +83,20 @@ class NativeKernel(Kernel):
         else:
             y = F.linear(x, self.dequantize(slot, scratch))
         return y if self.dtype is torch.float32 else y.to(self.dtype)
+
+    def _bf16_gemm(self, x, slot, scratch):
+        """Many bf16 rows where torch's bf16 GEMM is the fast one (matmul.bf16_gemm): the weights dequantized
+        straight to bf16 (the exact weights rounded to nearest, relative error <= 2^-9 each, as bf16 activations
+        are) into the scratch's memory, one bf16 GEMM (float32 accumulation, the output rounded once). Peers
+        Q4_K_M, resident 2,048-token prefill on a 2-core AVX512_BF16 EPYC: 274 tok/s on the float32 route, 567 on
+        this one (benchmarks/resident_matmul.py)."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if slot.numel() != self.nbytes:
+            slot = slot[: self.nbytes]
+        n = self.scratch_numel
+        w = dequantize(self.spec, slot, scratch[: (n + 1) // 2].view(torch.bfloat16)[:n])
+        return F.linear(x, w)
 
 
 def native_kernel(spec, dtype: torch.dtype) -> NativeKernel:

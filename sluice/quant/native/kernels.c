@@ -428,6 +428,54 @@ int sluice_dequantize(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t r
     return 0;
 }
 
+/* float32 -> bf16 bits, n values, as bf16_round (round to nearest even, NaN -> 0x7FC0: torch's .to(bfloat16)) */
+#if SLUICE_X86
+AVX2_INLINE __m256i bf16_bits8(__m256i u) {
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                 _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+AVX2 static void to_bf16_avx2(const float *x, uint16_t *o, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i a = bf16_bits8(_mm256_loadu_si256((const __m256i *)(x + i)));
+        __m256i b = bf16_bits8(_mm256_loadu_si256((const __m256i *)(x + i + 8)));
+        /* packus works within 128-bit lanes: a0-3 b0-3 a4-7 b4-7, then the middle quadwords swap */
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+        _mm256_storeu_si256((__m256i *)(o + i), p);
+    }
+    for (; i < n; i++) o[i] = bf16_round(x[i]);
+}
+#endif
+
+static void to_bf16_row(const float *x, uint16_t *o, int64_t n, int scalar) {
+#if SLUICE_X86
+    if (!scalar && have_avx2()) { to_bf16_avx2(x, o, n); return; }
+#endif
+    for (int64_t i = 0; i < n; i++) o[i] = bf16_round(x[i]);
+}
+
+/* the weights of rows [n0, n1) as bf16 into out16 [N, K]: each row dequantized (bitwise sluice_dequantize's) into
+ * a float32 row buffer, then rounded to bf16. Returns 0, -1 (no memory). */
+static int dequantize_bf16_rows(const wdesc *w, uint16_t *out16, int64_t n0, int64_t n1, int scalar) {
+    float *buf = (float *)malloc((size_t)w->K * sizeof(float));
+    if (!buf) return -1;
+    for (int64_t n = n0; n < n1; n++) {
+#if SLUICE_X86
+        if (!scalar && have_avx2()) deq_row_avx2(w, n, buf);
+        else
+#endif
+            deq_row_scalar(w, n, buf);
+        to_bf16_row(buf, out16 + n * w->K, w->K, scalar);
+    }
+    free(buf);
+    return 0;
+}
+
 /* ---- one projection's output rows over the pool (pool.c): a prefill's experts with 5-32 rows, the dequantized
  * weights of larger ones ---- */
 
@@ -438,11 +486,16 @@ typedef struct {
     float *y;    /* sluice_linear's y, or NULL: dequantize into out */
     float *out;
     int scalar, failed;
+    uint16_t *out16;  /* non-NULL: dequantize into bf16 out16 instead */
 } split_job;
 
 static void split_task(void *c, int64_t i) {
     split_job *j = (split_job *)c;
     int64_t n0 = i * j->step, n1 = n0 + j->step < j->w.N ? n0 + j->step : j->w.N;
+    if (j->out16) {
+        if (dequantize_bf16_rows(&j->w, j->out16, n0, n1, j->scalar)) j->failed = 1;
+        return;
+    }
     if (!j->y) {
         sluice_dequantize(j->w.fmt, j->w.N, j->w.K, j->w.q, j->w.row_bytes, j->w.s, j->w.b, j->w.sdt, j->w.gs,
                           j->out, n0, n1, j->scalar);
@@ -460,7 +513,18 @@ int sluice_rows_pool(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t ro
                      const uint8_t *b, int sdt, int gs, const float *x, int64_t T, float *y, float *out, int scalar) {
     if (fmt < 0 || fmt >= N_FORMATS) return -2;
     int64_t work = K * (y ? T : 1), step = work >= 65536 ? 1 : 65536 / work;
-    split_job j = {desc(fmt, N, K, q, row_bytes, s, b, sdt, gs), x, T, step, y, out, scalar, 0};
+    split_job j = {desc(fmt, N, K, q, row_bytes, s, b, sdt, gs), x, T, step, y, out, scalar, 0, NULL};
+    pool_run(split_task, &j, (N + step - 1) / step);
+    return j.failed ? -1 : 0;
+}
+
+/* the weights [N, K] as bf16 into out16, rows over the pool: bitwise sluice_dequantize's float32 rounded to bf16 to
+ * nearest even (a bf16 GEMM's operand, quant/native/kernel.py). Returns 0, -1 (no memory), -2 (unknown format). */
+int sluice_dequantize_bf16(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *s,
+                           const uint8_t *b, int sdt, int gs, uint16_t *out16, int scalar) {
+    if (fmt < 0 || fmt >= N_FORMATS) return -2;
+    int64_t step = K >= 65536 ? 1 : 65536 / K;
+    split_job j = {desc(fmt, N, K, q, row_bytes, s, b, sdt, gs), NULL, 0, step, NULL, NULL, scalar, 0, out16};
     pool_run(split_task, &j, (N + step - 1) / step);
     return j.failed ? -1 : 0;
 }
