@@ -17,7 +17,7 @@ from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step
 from .host.cpus import ThreadGovernor
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
-from .matmul import set_matmul
+from .matmul import bf16_gemm, set_matmul
 from .models.blocks import Transformer
 from .models.spec import KVCache
 from .options import ACTIVATION_PLANES, LoadOptions
@@ -322,6 +322,7 @@ class Model:
             "memory": self.memory,  # the budget in bytes; None = everything resident
             "memory_plan": self.load_plan.describe_memory(),
             "dtype": str(self.dtype).replace("torch.", ""),
+            "matmul": "bf16" if bf16_gemm() else "float32",  # how a prompt's bf16 rows multiply (matmul.py)
             "threads": torch.get_num_threads(),
             "thread_changes": self.governor.changes if self.governor is not None else 0,
         }

@@ -26,6 +26,14 @@ def set_matmul(mode: str) -> bool:
     return _bf16_gemm
 
 
+def describe_matmul(mode: str) -> str:
+    """What `mode` (LoadOptions.matmul) means on this CPU, for `sluice inspect`."""
+    if mode == "auto":
+        return ("bf16 GEMM (auto: this CPU has bf16 dot-product instructions)" if bf16_dot()
+                else "float32 GEMM (auto: this CPU has no bf16 dot-product instructions)")
+    return f"{mode} GEMM (--matmul {mode})"
+
+
 def bf16_gemm() -> bool:
     """Whether several bf16 rows run torch's bf16 GEMM (set_matmul; "auto" until a load set it)."""
     return set_matmul("auto") if _bf16_gemm is None else _bf16_gemm

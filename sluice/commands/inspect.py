@@ -7,6 +7,7 @@ import argparse
 import json
 
 from ..engine import Model
+from ..matmul import describe_matmul
 from ..models.spec import KVCache
 from ..options import format_bytes
 from ..plan import LoadPlan, plan
@@ -58,6 +59,7 @@ def describe(p: LoadPlan) -> dict:
         "max_context": p.max_context,
         "prefill_chunk": p.prefill_chunk,
         "prefill_chunk_why": p.prefill_why,
+        "prefill_matmul": describe_matmul(p.options.matmul),
         "kv_cache_bytes": p.kv_bytes,
         # what one position costs in every layer: the latent and rope key under latent attention (MLA), else the
         # keys and values of the kv heads
@@ -92,7 +94,8 @@ def _print(info: dict) -> None:
     print(f"compute {info['compute_dtype']}, KV cache {fb(info['kv_cache_bytes'])} for {info['max_context']} "
           f"positions ({kind}, {fb(info['kv_bytes_per_position'])} per position), {info['threads']} threads, O_DIRECT "
           f"{'on' if info['odirect'] else 'off'}")
-    print(f"prefill: {info['prefill_chunk']} tokens per pass ({info['prefill_chunk_why']})")
+    print(f"prefill: {info['prefill_chunk']} tokens per pass ({info['prefill_chunk_why']}); bf16 rows: "
+          f"{info['prefill_matmul']}")
     print(f"memory: {info['memory_plan']}")
     if "memory" in info:
         print(f"expert cache: {info['expert_slots']} slots = {fb(info['expert_cache_bytes'])} "

@@ -63,3 +63,19 @@ def test_auto_follows_the_cpu():
     assert bf16_gemm() is bf16_dot()
     with pytest.raises(ValueError, match="matmul mode 'fast'"):
         set_matmul("fast")
+
+
+def test_inspect_and_stats_say_which_gemm_a_prompt_runs(tmp_path, capsys, monkeypatch):
+    import sluice
+    from sluice import cli
+    from tests.models.tiny import hf_model, write_checkpoint
+
+    folder = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path / "m", "per_expert")
+    monkeypatch.setattr("sluice.matmul.bf16_dot", lambda: False)
+    assert cli.main(["inspect", str(folder), "--usage-tokens", "0"]) == 0
+    assert "bf16 rows: float32 GEMM (auto: this CPU has no bf16 dot-product instructions)" in capsys.readouterr().out
+    assert cli.main(["inspect", str(folder), "--usage-tokens", "0", "--matmul", "bf16"]) == 0
+    assert "bf16 rows: bf16 GEMM (--matmul bf16)" in capsys.readouterr().out
+    for mode, want in (("auto", "float32"), ("bf16", "bf16"), ("float32", "float32")):
+        with sluice.load(folder, memory="all", matmul=mode) as m:
+            assert m.stats()["matmul"] == want
