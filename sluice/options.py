@@ -212,9 +212,9 @@ class LoadOptions:
             "block's largest value, finer than bf16 itself; `int8`, one plane, x to 1/127 of it, as llama.cpp's "
             "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, 0.5-2.3% error per projection. float32 keeps "
             "the exact float kernels either way")
-    # matmul: matmul.py (rows_linear and the quantized kernels' many-row path), set process-wide at load (engine.py); auto: host/cpus.bf16_dot.
-    # Peers bf16 model, resident prefill of 2,048 tokens on a 2-core AVX512_BF16 EPYC: float32 255, bf16 ~550 tok/s
-    # (benchmarks/resident_matmul.py)
+    # matmul: matmul.py (rows_linear and the quantized kernels' many-row path), set process-wide at load
+    # (engine.py); auto: host/cpus.bf16_dot. Peers bf16 model, resident 2,048-token prefill on a 2-core AVX512_BF16
+    # EPYC, the modes alternated in one process: float32 238, bf16 507 tok/s (benchmarks/resident_matmul.py)
     matmul: str = option(
         "auto", choices=MATMUL_MODES,
         help="how several rows of bf16 activations multiply bf16 weights (prompts): bf16 GEMM or float32; auto = "

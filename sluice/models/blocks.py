@@ -277,7 +277,7 @@ class Transformer:
         """A [n, H] block of x's dtype for experts(), the same memory for every layer of a forward pass (_forward
         drops it at the end). Allocated per layer it was 32 MiB at 2,048 tokens of a top-8 H=1024 bf16 model, at or
         above glibc's largest mmap threshold: a fresh mapping each layer, 8,192 page faults to fill it (peers bf16,
-        resident 2,048-token prefill: 230k -> 100k minor faults; benchmarks/prefill/faults.py)."""
+        resident 2,048-token prefill: 230k -> ~90k minor faults; benchmarks/prefill/faults.py)."""
         H = x.shape[1]
         if self._block is None or self._block.dtype != x.dtype or self._block.numel() < n * H:
             self._block = None  # freed before its successor is allocated

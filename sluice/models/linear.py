@@ -1,5 +1,6 @@
 """The projection every resident weight of the model math goes through: a plain tensor runs torch (one row in the
-compute dtype, several in float32 or bf16 by the CPU: rows_linear), a QuantLinear (GGUF blocks kept resident, quant/resident.py) its native kernels."""
+compute dtype, several in float32 or bf16 by the CPU: matmul.rows_linear), a QuantLinear (GGUF blocks kept resident,
+quant/resident.py) its native kernels."""
 
 from __future__ import annotations
 

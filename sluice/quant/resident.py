@@ -157,7 +157,6 @@ class QuantLinear:
             y[:, n0:n1] = F.linear(x, self.dequantize((n0, n1), self.scratch.get((n1 - n0) * k)))
         return y
 
-
     def _blocked_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """_blocked with the weights dequantized straight to bf16 into the scratch's memory (twice the rows per
         block) and one bf16 GEMM per block: x bf16 [T, in] -> y bf16 [T, out]."""
