@@ -40,7 +40,7 @@ from ..matmul import bf16_gemm
 from . import native
 from .formats import UnsupportedFormat
 from .kernels import QuantSpec
-from .native.kernel import BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, Q8_MAX_ROWS
+from .native.kernel import BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, Q8_MAX_ROWS, bf16_view
 
 #: float32 bytes of weights one block of the many-rows path dequantizes at a time: ~8,000 rows of a 1024-wide head,
 #: so the matmul of each block is still large enough for torch's GEMM to run at full speed
@@ -70,7 +70,7 @@ class Scratch:
 
     def get_bf16(self, numel: int) -> torch.Tensor:
         """A bf16 [numel] view of the same buffer."""
-        return self.get((numel + 1) // 2).view(torch.bfloat16)[:numel]
+        return bf16_view(self.get((numel + 1) // 2), numel)
 
 
 class QuantLinear:
@@ -115,10 +115,10 @@ class QuantLinear:
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """y [T, out] = x [T, in] @ W^T (+ bias), in out_dtype (default: the compute dtype); float32 inside, one
         rounding at the end; where torch's bf16 GEMM is the fast one (matmul.bf16_gemm), many bf16 rows to a bf16
-        output run on the weights rounded to bf16 (_blocked_bf16)."""
+        output run on the weights rounded to bf16 (_blocked on bf16 x)."""
         if (x.shape[0] >= BF16_GEMM_MIN_ROWS and x.dtype is torch.bfloat16 and self.dtype is torch.bfloat16
                 and out_dtype in (None, torch.bfloat16) and bf16_gemm()):
-            y = self._blocked_bf16(x if x.is_contiguous() else x.contiguous())
+            y = self._blocked(x if x.is_contiguous() else x.contiguous())
             return y if bias is None else y + bias.to(torch.bfloat16)
         if x.dtype is not torch.float32:
             x = x.float()
@@ -146,28 +146,17 @@ class QuantLinear:
         return QuantGroup(ws)
 
     def _blocked(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows: blocks of weight rows dequantized into the scratch, one float32 F.linear per block."""
+        """Many rows: blocks of weight rows dequantized into the scratch in x's dtype (float32, or bf16 on the bf16
+        GEMM route: twice the rows per block), one F.linear per block: x [T, in] -> y [T, out] in x's dtype."""
         n, k = self.shape
-        step = max(1, SCRATCH_BYTES // (4 * k))
+        get = self.scratch.get if x.dtype is torch.float32 else self.scratch.get_bf16
+        step = max(1, SCRATCH_BYTES // (x.element_size() * k))
         if step >= n:
-            return F.linear(x, self.dequantize(out=self.scratch.get(n * k)))
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)  # [T, out]
+            return F.linear(x, self.dequantize(out=get(n * k)))
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)  # [T, out]
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
-            y[:, n0:n1] = F.linear(x, self.dequantize((n0, n1), self.scratch.get((n1 - n0) * k)))
-        return y
-
-    def _blocked_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """_blocked with the weights dequantized straight to bf16 into the scratch's memory (twice the rows per
-        block) and one bf16 GEMM per block: x bf16 [T, in] -> y bf16 [T, out]."""
-        n, k = self.shape
-        step = max(1, SCRATCH_BYTES // (2 * k))
-        if step >= n:
-            return F.linear(x, self.dequantize(out=self.scratch.get_bf16(n * k)))
-        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)  # [T, out]
-        for n0 in range(0, n, step):
-            n1 = min(n, n0 + step)
-            y[:, n0:n1] = F.linear(x, self.dequantize((n0, n1), self.scratch.get_bf16((n1 - n0) * k)))
+            y[:, n0:n1] = F.linear(x, self.dequantize((n0, n1), get((n1 - n0) * k)))
         return y
 
 

@@ -37,6 +37,12 @@ BF16_GEMM_MIN_ROWS = 16
 Q8_MAX_ROWS = 2
 
 
+def bf16_view(scratch: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first `numel` bf16 values of a float32 scratch's memory (>= (numel + 1) // 2 floats): where the bf16 GEMM
+    route dequantizes its weights (NativeKernel, resident.Scratch)."""
+    return scratch[: (numel + 1) // 2].view(torch.bfloat16)[:numel]
+
+
 class NativeKernel(Kernel):
     """kernel_for's Kernel for a format native.supports: name "native", the slot holds the stored bytes
     (nbytes = spec.nbytes, prepare is a copy), linear(x, slot, scratch) -> y in the compute dtype.
@@ -94,8 +100,7 @@ class NativeKernel(Kernel):
             x = x.contiguous()
         if slot.numel() != self.nbytes:
             slot = slot[: self.nbytes]
-        n = self.scratch_numel
-        w = dequantize(self.spec, slot, scratch[: (n + 1) // 2].view(torch.bfloat16)[:n])
+        w = dequantize(self.spec, slot, bf16_view(scratch, self.scratch_numel))
         return F.linear(x, w)
 
 

@@ -383,6 +383,15 @@ static void rows_scalar(const wdesc *w, const float *x, int64_t T, float *y, int
     }
 }
 
+/* row n's float32 weights into o: the AVX2 path where it runs (and scalar is 0), else the portable one */
+static void deq_row(const wdesc *w, int64_t n, float *o, int scalar) {
+    (void)scalar;  /* unused where only the portable path is compiled */
+#if SLUICE_X86
+    if (!scalar && have_avx2()) { deq_row_avx2(w, n, o); return; }
+#endif
+    deq_row_scalar(w, n, o);
+}
+
 /* ---- entry points (arguments checked by the Python wrapper) ---- */
 
 /* 1 when the AVX2 path runs on this CPU */
@@ -416,15 +425,9 @@ int sluice_linear(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_b
 /* the float32 weights of rows [n0, n1) into out [N, K] (row stride K): the reference dequantization, bitwise */
 int sluice_dequantize(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *s,
                       const uint8_t *b, int sdt, int gs, float *out, int64_t n0, int64_t n1, int scalar) {
-    (void)scalar;  /* unused where only the portable path is compiled */
     if (fmt < 0 || fmt >= N_FORMATS) return -2;
     wdesc w = desc(fmt, N, K, q, row_bytes, s, b, sdt, gs);
-    for (int64_t n = n0; n < n1; n++) {
-#if SLUICE_X86
-        if (!scalar && have_avx2()) { deq_row_avx2(&w, n, out + n * K); continue; }
-#endif
-        deq_row_scalar(&w, n, out + n * K);
-    }
+    for (int64_t n = n0; n < n1; n++) deq_row(&w, n, out + n * K, scalar);
     return 0;
 }
 
@@ -453,11 +456,15 @@ AVX2 static void to_bf16_avx2(const float *x, uint16_t *o, int64_t n) {
 #endif
 
 static void to_bf16_row(const float *x, uint16_t *o, int64_t n, int scalar) {
+    (void)scalar;
 #if SLUICE_X86
     if (!scalar && have_avx2()) { to_bf16_avx2(x, o, n); return; }
 #endif
     for (int64_t i = 0; i < n; i++) o[i] = bf16_round(x[i]);
 }
+
+/* float32 [n] -> bf16 [n], round to nearest even (torch's .to(torch.bfloat16)); q8.c's bf16 outputs */
+void sluice_to_bf16(int64_t n, const float *x, uint16_t *out) { to_bf16_row(x, out, n, 0); }
 
 /* the weights of rows [n0, n1) as bf16 into out16 [N, K]: each row dequantized (bitwise sluice_dequantize's) into
  * a float32 row buffer, then rounded to bf16. Returns 0, -1 (no memory). */
@@ -465,11 +472,7 @@ static int dequantize_bf16_rows(const wdesc *w, uint16_t *out16, int64_t n0, int
     float *buf = (float *)malloc((size_t)w->K * sizeof(float));
     if (!buf) return -1;
     for (int64_t n = n0; n < n1; n++) {
-#if SLUICE_X86
-        if (!scalar && have_avx2()) deq_row_avx2(w, n, buf);
-        else
-#endif
-            deq_row_scalar(w, n, buf);
+        deq_row(w, n, buf, scalar);
         to_bf16_row(buf, out16 + n * w->K, w->K, scalar);
     }
     free(buf);

@@ -107,8 +107,3 @@ void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const ui
             for (int64_t d = rot; d < D; d++) o[d] = xr[d];
         }
 }
-
-/* float32 [n] -> bf16 [n], round to nearest even (torch's .to(torch.bfloat16)) */
-void sluice_to_bf16(int64_t n, const float *x, uint16_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = bf16_round(x[i]);
-}

@@ -705,7 +705,7 @@ typedef struct {
     int P, scalar;
 } lin_job;
 
-void sluice_to_bf16(int64_t n, const float *x, uint16_t *out);  /* ops.c */
+void sluice_to_bf16(int64_t n, const float *x, uint16_t *out);  /* kernels.c */
 
 static void lin_task(void *c, int64_t i) {
     const lin_job *j = (const lin_job *)c;
