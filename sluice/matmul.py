@@ -43,9 +43,10 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, w, bias) for x [n, in]; several rows of f16, and of bf16 unless bf16_gemm(), run in float32 and
     are cast back.
 
-    Which is faster depends on the CPU, 2 threads, [256 x 1024] @ [1024 x 1024] (benchmarks/resident_matmul.py):
-    with bf16 dot-product instructions (AMD EPYC, AVX512_BF16) torch's bf16 GEMM takes 0.62 ms and the float32
-    route 2.8; without them (AVX2) torch's bf16 GEMM has no native kernel and runs ~6x slower than float32 with both
+    Which is faster depends on the CPU, 2 threads: with bf16 dot-product instructions (2-core AMD EPYC, AVX512_BF16)
+    torch's bf16 GEMM takes 0.57 ms for [256 x 1024] @ [1024 x 1024] and the float32 route 2.66
+    (`.venv/bin/python benchmarks/resident_matmul.py gemm`); without them (the AVX2 development VM, an earlier
+    session's measurement) torch's bf16 GEMM has no native kernel and runs ~6x slower than float32 with both
     conversions ([256 x 1024] @ [1024 x 448] then [256 x 224] @ [224 x 1024]: 27.9 vs 4.5 ms). One row (decode)
     stays in the compute dtype. Both accumulate in float32 and round once at the end, in different orders; resident
     and streamed runs call the same function on the same shapes in one process, so they stay bitwise equal.

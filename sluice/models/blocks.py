@@ -160,8 +160,8 @@ class Transformer:
             out = sink_attention(q, ck[:, lo : pos + T], cv[:, lo : pos + T], part, lw.sinks)  # [nH, T, D]
         elif pos == 0 and mask is not None and (s.sliding_window[L] is None or T <= s.sliding_window[L]):
             # a prompt's first pass: the mask is the lower triangle, which SDPA's is_causal draws itself and skips
-            # the blocks above the diagonal (2,048 tokens, 8 heads of 128, bf16: 54 vs 92 ms per layer, the same
-            # bits; benchmarks/resident_matmul.py)
+            # the blocks above the diagonal (2,048 tokens, 8 heads of 128, bf16: 51 vs 84 ms per layer, the same
+            # bits; benchmarks/resident_matmul.py sdpa)
             out = F.scaled_dot_product_attention(q[None], ck[None, :, :T], cv[None, :, :T], is_causal=True,
                                                  enable_gqa=True)[0]  # [nH, T, D]
         else:
@@ -265,7 +265,7 @@ class Transformer:
         w = torch.gather(weights, 1, rank_of).flatten()[order]  # [T*K] each row's routing weight
         at = torch.empty_like(order).index_copy_(0, order, torch.arange(T * K)).view(T, K)  # (token, rank) -> row
         if _NATIVE and x.dtype is torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32):
-            # the lines below in one call, the same bits (peers bf16, 2,048 tokens: ~8 ms -> ~2 ms a layer)
+            # the lines below in one call over the pool, the same bits (tests/quant/test_ops.py)
             return native.combine_rows_bf16(ys, w, at, torch.empty_like(x))
         ys.mul_(w[:, None])  # y * w rounded to x.dtype once per element, as (ys * w).to(x.dtype) and T == 1 do
         out, part = torch.zeros_like(x), torch.empty_like(x)  # [T, H] each
