@@ -50,6 +50,8 @@ class Model:
         s = self.spec
         if p.threads != torch.get_num_threads():
             torch.set_num_threads(p.threads)
+        set_matmul(p.options.matmul)  # process-wide like the threads: how prompts multiply bf16 weights (the
+        # resident store packs bf16 experts under bf16 GEMMs, so it is set before the store is made)
         self.governor = ThreadGovernor(p.threads, set_threads=self._set_threads) if p.governed else None
         self.cache = KVCache(s, p.max_context, self.dtype)  # torch.empty: costs nothing until positions are written
         self.reader = make_reader(p.options.io, workers=p.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
@@ -74,7 +76,6 @@ class Model:
         # one expert_q8 call each on one thread, 16.6-18.6 ms as one call per layer over two threads (a Python pool
         # with one expert per job took 25-29 ms)
         native.set_threads(p.threads)
-        set_matmul(p.options.matmul)  # process-wide like the threads: how prompts multiply bf16 weights
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
         self.step_times = StepTimes()

@@ -13,9 +13,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..matmul import bf16_gemm, sdpa
 from ..quant import native
 from ..quant.native.decode import DecodeAttention, router_probs_bf16
-from ..quant.native.kernel import Q8_MAX_ROWS
+from ..quant.native.kernel import BF16_GEMM_MIN_ROWS, Q8_MAX_ROWS
 from ..quant.resident import QuantLinear
 from ..store.base import ExpertStore
 from .experts import ExpertMath, glu_for
@@ -27,6 +28,12 @@ from .spec import KVCache, MLPWeights, Spec, Weights
 
 
 _NATIVE = native.native_available()
+# A prompt's experts with BF16_GEMM_MIN_ROWS or more rows run bf16 GEMMs on their rows padded to a multiple of this
+# (zero rows, results dropped; a row's result does not depend on the row count, tests/store/test_prefill.py). oneDNN
+# builds kernels for each row count it has not seen, and every prompt brings new ones. Demo model at 1 GiB, resident,
+# three prompts in a fresh process, medians of 3 alternated processes (`benchmarks/resident_matmul.py rows`): 512
+# tokens 208 / 180 / 179 ms padded vs 236 / 214 / 201 unpadded; 2,048 tokens 650 / 565 / 544 vs 693 / 641 / 614.
+GEMM_ROW_STEP = 16
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -160,14 +167,12 @@ class Transformer:
             out = sink_attention(q, ck[:, lo : pos + T], cv[:, lo : pos + T], part, lw.sinks)  # [nH, T, D]
         elif pos == 0 and mask is not None and (s.sliding_window[L] is None or T <= s.sliding_window[L]):
             # a prompt's first pass: the mask is the lower triangle, which SDPA's is_causal draws itself and skips
-            # the blocks above the diagonal (2,048 tokens, 8 heads of 128, bf16: 51 vs 84 ms per layer, the same
-            # bits; benchmarks/resident_matmul.py sdpa)
-            out = F.scaled_dot_product_attention(q[None], ck[None, :, :T], cv[None, :, :T], is_causal=True,
-                                                 enable_gqa=True)[0]  # [nH, T, D]
-        else:
-            out = F.scaled_dot_product_attention(
-                q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], attn_mask=mask, enable_gqa=True
-            )[0]  # [nH, T, D]
+            # the blocks above the diagonal (2,048 tokens, 8 heads of 128, bf16: 52 vs 90 ms per layer, the same
+            # bits; benchmarks/resident_matmul.py sdpa); matmul.sdpa runs it on bf16 dot products with float32 sums
+            out = sdpa(q[None], ck[None, :, :T], cv[None, :, :T], is_causal=True, enable_gqa=True)[0]  # [nH, T, D]
+        else:  # later chunks of a prompt, decode on the torch path
+            out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], attn_mask=mask,
+                         enable_gqa=True)[0]  # [nH, T, D]
         out = out.transpose(0, 1).reshape(T, s.n_heads * D)
         return linear(out, lw.o, lw.o_bias)
 
@@ -244,13 +249,28 @@ class Transformer:
         flat = ranked.flatten()  # [T*K], row t*K + r = token t's r-th smallest expert id
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens ascending within one
         eids, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        starts = (torch.cumsum(counts, 0) - counts).tolist()
-        eids, counts = eids.tolist(), counts.tolist()
-        # One [T*K, H] block holds the rows all the way: the expert-sorted inputs, then each expert's outputs written
-        # over its own (spent) input slice, then those outputs scaled in place; the ascending-rank sum gathers from
-        # it into one reused [T, H] buffer. (It held 4 such blocks: inputs, outputs, rank order and y * w; at 2,048
-        # tokens of a top-8 H=1024 bf16 model each is 32 MiB.)
-        ys = torch.index_select(x, 0, order // K, out=self._rows_block(T * K, x))  # [T*K, H] expert-sorted inputs
+        rows = torch.arange(T * K)  # sorted position -> its row of the block
+        if x.dtype is torch.bfloat16 and bf16_gemm():
+            # each expert's rows padded to a multiple of GEMM_ROW_STEP where they go to a GEMM: oneDNN builds a
+            # kernel for each new row count (~0.4 ms), and a prompt's experts bring dozens of them
+            padded = torch.where(counts >= BF16_GEMM_MIN_ROWS, (counts + GEMM_ROW_STEP - 1) // GEMM_ROW_STEP
+                                 * GEMM_ROW_STEP, counts)
+            rows += torch.repeat_interleave(torch.cumsum(padded - counts, 0) - (padded - counts), counts)
+        else:
+            padded = counts
+        starts = (torch.cumsum(padded, 0) - padded).tolist()
+        n_rows = int(padded.sum())
+        eids, counts, padded = eids.tolist(), counts.tolist(), padded.tolist()
+        # One [n_rows, H] block holds the rows all the way: the expert-sorted inputs, then each expert's outputs
+        # written over its own (spent) input slice, then those outputs scaled in place; the ascending-rank sum
+        # gathers from it into one reused [T, H] buffer. (It held 4 such blocks: inputs, outputs, rank order and
+        # y * w; at 2,048 tokens of a top-8 H=1024 bf16 model each is 32 MiB.)
+        ys = self._rows_block(n_rows, x)  # [n_rows, H] expert-sorted inputs, each expert's padding rows zero
+        if n_rows == T * K:
+            torch.index_select(x, 0, order // K, out=ys)
+        else:  # padding rows read the zero row appended to x
+            src = torch.full((n_rows,), T, dtype=torch.long).index_copy_(0, rows, order // K)
+            torch.index_select(torch.cat([x, x.new_zeros(1, x.shape[1])]), 0, src, out=ys)
         step = max(1, self.store.max_batch)
         for c0 in range(0, len(eids), step):
             chunk = eids[c0 : c0 + step]
@@ -258,12 +278,14 @@ class Transformer:
             try:
                 for j in sorted(range(len(chunk)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
                     batch.wait(j)
-                    a, n = starts[c0 + j], counts[c0 + j]
+                    a, n = starts[c0 + j], padded[c0 + j]
                     ys[a : a + n] = self._expert(batch, j, ys[a : a + n])
             finally:
                 self.store.release(L)
-        w = torch.gather(weights, 1, rank_of).flatten()[order]  # [T*K] each row's routing weight
-        at = torch.empty_like(order).index_copy_(0, order, torch.arange(T * K)).view(T, K)  # (token, rank) -> row
+        w = torch.gather(weights, 1, rank_of).flatten()[order]  # [T*K] each sorted row's routing weight
+        if n_rows != T * K:  # padding rows weigh nothing and are never summed
+            w = torch.zeros(n_rows, dtype=w.dtype).index_copy_(0, rows, w)
+        at = torch.empty_like(order).index_copy_(0, order, rows).view(T, K)  # (token, rank) -> row
         if _NATIVE and x.dtype is torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32):
             # the lines below in one call over the pool, the same bits (tests/quant/test_ops.py)
             return native.combine_rows_bf16(ys, w, at, torch.empty_like(x))
@@ -310,7 +332,7 @@ class Transformer:
             batch = self.store.acquire(L, [ids_l[k] for k in pos])
             try:
                 todo = sorted(range(len(pos)), key=lambda j: not batch.ready(j))  # stable: ready ones first
-                if batch.gate_up is None and self.expert_math.one_call(batch.format, 1):
+                if batch.gate_up is None and batch.packed is None and self.expert_math.one_call(batch.format, 1):
                     xf = x.float().contiguous() if xf is None else xf  # [1, H]
                     ys = self._native_experts(batch, todo, xf)  # [n, H] float32, row j = expert j
                     # as below, row by row: (y in the compute dtype) * w, rounded to out's dtype, added in id order

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.ref import DTYPES
-from ..matmul import rows_linear
+from ..matmul import packed_linear, rows_linear
 from ..quant import native
 from ..quant.stored import StoredLinear
 from ..store.layout import BiasedGluFormat
@@ -83,6 +83,9 @@ class ExpertMath:
     def __call__(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
         """The j-th expert of `batch` (store/base.py ExpertBatch) on x [n, H] -> [n, H]."""
         slot = batch.slots[j]
+        if batch.packed is not None:  # the resident store's bf16 experts: F.linear's bits (matmul.packable)
+            g, u = packed_linear(x, batch.packed[0][slot]).chunk(2, dim=-1)  # [n, I] each
+            return packed_linear(self.glu(g, u), batch.packed[1][slot])
         if batch.gate_up is not None:
             gu = batch.gate_up[slot]  # [2I, H]
             dn = batch.down[slot]  # [H, I]

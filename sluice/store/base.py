@@ -28,6 +28,8 @@ class ExpertBatch:
     as soon as its reads are queued, so the math can run the experts already in memory while the disk fills the
     others. Call `wait(j)` before touching slot j (`ready(j)` says whether it was waited for or never pending;
     `arrived(j)` also whether its bytes have landed since, `landed[j]` being the store's non-blocking check).
+    packed: the resident store's bf16 experts in oneDNN's blocked layout instead of gate_up / down, per slot
+    (gate_up [2I, H], down [H, I]; matmul.pack), computed with matmul.packed_linear.
     """
 
     gate_up: torch.Tensor | None
@@ -37,6 +39,7 @@ class ExpertBatch:
     raw: torch.Tensor | None = None
     format: "ExpertFormat | None" = None
     landed: dict[int, Callable[[], bool]] = field(default_factory=dict)
+    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def ready(self, j: int) -> bool:
         return j not in self.pending

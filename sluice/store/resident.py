@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from ..matmul import pack, packable
 from .base import ExpertBatch
 from .layout import ExpertLayout
 
@@ -36,18 +37,27 @@ def typed_views(layout: ExpertLayout, raw: torch.Tensor) -> tuple[torch.Tensor, 
     return typed[:, :gu_n].view(S, *layout.gate_up_shape), typed[:, dn_at : dn_at + dn_n].view(S, *layout.down_shape)
 
 
+def _pack(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's weights (a typed view of the layer's read buffer) in the compute dtype, packed."""
+    return pack(w.to(dtype))
+
+
 class ResidentExpertStore:
     """All experts resident. Plain experts are stacked per layer as gate_up [E, 2I, H] and down [E, H, I] in the
-    compute dtype; quantized experts stay in their stored bytes, raw [E, slot bytes] per layer (the kernels compute
-    from them: a Q4_K model stays ~4.5 bits per weight in memory)."""
+    compute dtype, or, at bf16 where matmul.packable holds, kept per expert in oneDNN's blocked layout (packed: the
+    same bytes, no per-call copy of the weights in the GEMMs); quantized experts stay in their stored bytes, raw
+    [E, slot bytes] per layer (the kernels compute from them: a Q4_K model stays ~4.5 bits per weight in memory)."""
 
-    def __init__(self, layout: ExpertLayout, reader, dtype: torch.dtype, progress: bool = False):
+    def __init__(self, layout: ExpertLayout, reader, dtype: torch.dtype, progress: bool = False, pack: bool = True):
+        """`pack`: keep bf16 experts packed where matmul.packable allows (it does not under float32 GEMMs); False
+        keeps the stacks (tests compare the two)."""
         s = layout.spec
         self.max_batch = s.num_experts
         self.layout = layout
         self.gate_up: dict[int, torch.Tensor] = {}
         self.down: dict[int, torch.Tensor] = {}
         self.raw: dict[int, torch.Tensor] = {}
+        self.packed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.bytes_read = 0
         self.requests = 0
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
@@ -62,13 +72,17 @@ class ResidentExpertStore:
             gu, dn = typed_views(layout, raw)
             if gu is None:
                 self.raw[layer] = raw
+            elif pack and dtype is torch.bfloat16 and packable(*gu.shape[1:]) and packable(*dn.shape[1:]):
+                self.packed[layer] = ([_pack(w, dtype) for w in gu], [_pack(w, dtype) for w in dn])
             else:  # contiguous copies in the compute dtype (the math indexes them per expert)
                 self.gate_up[layer] = gu.to(dtype, copy=True).contiguous()
                 self.down[layer] = dn.to(dtype, copy=True).contiguous()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.gate_up, self.down, self.raw) for t in d.values())
+        packed = sum(t.numel() * t.element_size() for gu, dn in self.packed.values() for t in gu + dn)
+        return packed + sum(t.numel() * t.element_size() for d in (self.gate_up, self.down, self.raw)
+                            for t in d.values())
 
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         self.requests += len(experts)
@@ -76,7 +90,7 @@ class ResidentExpertStore:
         for e in experts:
             row[e] += 1
         return ExpertBatch(self.gate_up.get(layer), self.down.get(layer), list(experts), raw=self.raw.get(layer),
-                           format=self.layout.format(layer))
+                           format=self.layout.format(layer), packed=self.packed.get(layer))
 
     def release(self, layer: int) -> None:
         pass

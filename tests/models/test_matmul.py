@@ -79,3 +79,82 @@ def test_inspect_and_stats_say_which_gemm_a_prompt_runs(tmp_path, capsys, monkey
     for mode, want in (("auto", "float32"), ("bf16", "bf16"), ("float32", "float32")):
         with sluice.load(folder, memory="all", matmul=mode) as m:
             assert m.stats()["matmul"] == want
+
+
+def _packable_here() -> bool:
+    set_matmul("bf16")
+    return matmul.packable(80, 96)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 64, 200])
+def test_packed_weights_give_f_linears_bits(rows):
+    """A resident store keeps bf16 experts packed (matmul.pack) where this holds, and a streaming store runs F.linear
+    on its slots: the two must agree bitwise for any row count."""
+    if not _packable_here():
+        pytest.skip("torch has no oneDNN bf16 GEMM on this CPU: stores keep plain weights")
+    x, w, _ = _xw(rows)
+    p = matmul.pack(w)
+    assert p.is_mkldnn and tuple(p.shape) == tuple(w.shape)
+    assert torch.equal(matmul.packed_linear(x, p), F.linear(x, w))
+    assert torch.equal(matmul.packed_linear(x[:, :].t().contiguous().t(), p), F.linear(x, w))  # strided rows too
+
+
+def test_packing_follows_the_mode():
+    if not _packable_here():
+        pytest.skip("torch has no oneDNN bf16 GEMM on this CPU: stores keep plain weights")
+    x, w, _ = _xw(33)
+    p = matmul.pack(w)
+    set_matmul("float32")
+    assert not matmul.packable(80, 96)  # a store loaded under float32 GEMMs keeps its stacks
+    # packed under bf16, then the process switched: several rows take the float32 route, one row stays bf16
+    assert torch.equal(matmul.packed_linear(x, p), rows_linear(x, w))
+    assert torch.equal(matmul.packed_linear(x[:1], p), F.linear(x[:1], w))
+
+
+def _qkv(T: int, D: int = 24, scale: float = 4.0):
+    g = torch.Generator().manual_seed(T)
+    q = (scale * torch.randn(1, 4, T, D, generator=g)).bfloat16()
+    k = (scale * torch.randn(1, 2, T, D, generator=g)).bfloat16()
+    v = torch.randn(1, 2, T, D, generator=g).bfloat16()
+    return q, k, v
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_prompt_attention_has_float32_scores_under_bf16(masked):
+    """matmul.sdpa under bf16 GEMMs: float32 attention on bf16 dot products, one rounding at the end; closer to a
+    float64 reference than bf16 SDPA (which rounds on the way), and the process's float32 precision is left as it
+    was."""
+    set_matmul("bf16")
+    T = 200
+    q, k, v = _qkv(T)
+    kw = dict(attn_mask=torch.ones(T, T, dtype=torch.bool).tril()) if masked else dict(is_causal=True)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True, **kw)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    got = matmul.sdpa(q, k, v, enable_gqa=True, **kw)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    assert got.dtype is torch.bfloat16 and got.shape == q.shape
+    plain = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    err = lambda y: ((y.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+    assert err(got) <= err(plain) and err(got) <= 2**-8
+
+
+def test_prompt_attention_elsewhere_is_plain_sdpa():
+    q, k, v = _qkv(40)
+    set_matmul("float32")
+    assert torch.equal(matmul.sdpa(q, k, v, is_causal=True, enable_gqa=True),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    set_matmul("bf16")  # one query row (decode on the torch path) and other dtypes run SDPA as given
+    one = q[:, :, -1:]
+    assert torch.equal(matmul.sdpa(one, k, v, enable_gqa=True), F.scaled_dot_product_attention(one, k, v, enable_gqa=True))
+    qf, kf, vf = q.float(), k.float(), v.float()
+    assert torch.equal(matmul.sdpa(qf, kf, vf, is_causal=True, enable_gqa=True),
+                       F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True))
+
+
+def test_prompt_attention_restores_the_precision_on_errors():
+    set_matmul("bf16")
+    q, k, v = _qkv(8)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    with pytest.raises(RuntimeError):
+        matmul.sdpa(q, k[..., :5], v, is_causal=True, enable_gqa=True)  # head dims that do not match
+    assert torch.backends.mkldnn.matmul.fp32_precision == before

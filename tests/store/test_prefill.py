@@ -14,6 +14,8 @@ import torch
 
 import sluice
 from sluice import cli
+from sluice.matmul import packable
+from sluice.models import blocks
 from sluice.host.memory import MemoryRoom
 from sluice.options import LoadOptions
 from sluice.plan import plan
@@ -167,6 +169,10 @@ def test_streamed_prefill_is_the_resident_bits_with_either_matmul(model_dir, res
     bitwise the resident one; the two GEMMs differ from each other by rounding only."""
     _, _, resident_bytes, expert, spec = resident
     with sluice.load(model_dir, memory="all", matmul=matmul) as m:
+        # the resident store keeps its bf16 experts packed under bf16 GEMMs where the CPU allows (matmul.packable),
+        # plain stacks otherwise; the streamed run multiplies its slots with F.linear either way
+        assert bool(m.store.packed) == (matmul == "bf16" and packable(*m.layout.gate_up_shape))
+        assert bool(m.store.gate_up) != bool(m.store.packed)
         want = m.logits(LONG)
     with sluice.load(model_dir, memory=resident_bytes + spec.top_k * expert, io="direct", matmul=matmul) as m:
         assert m.prefill_chunk >= len(LONG)
@@ -174,3 +180,25 @@ def test_streamed_prefill_is_the_resident_bits_with_either_matmul(model_dir, res
     assert torch.equal(got, want)
     other = resident[0]  # auto's run: one of the two modes
     assert (want - other).norm() <= 3e-2 * other.norm()
+
+
+@pytest.mark.parametrize("memory", ["all", "stream"])
+def test_padding_the_gemm_rows_changes_no_bits(model_dir, resident, memory, monkeypatch):
+    """Under bf16 GEMMs an expert's 16+ rows run padded to a multiple of blocks.GEMM_ROW_STEP (oneDNN builds kernels
+    per row count); a row's result does not depend on the row count, so the logits are those of unpadded rows."""
+    _, _, resident_bytes, expert, spec = resident
+    budget = "all" if memory == "all" else resident_bytes + spec.top_k * expert
+    prompt = LONG[:300]  # ~75 rows per expert (8 experts, top 2): padded
+    out, rows, step_in_use = [], [], blocks.GEMM_ROW_STEP
+    for step in (step_in_use, 1):
+        monkeypatch.setattr(blocks, "GEMM_ROW_STEP", step)
+        with sluice.load(model_dir, memory=budget, matmul="bf16") as m:
+            seen: list[int] = []
+            run = m.model.expert_math
+            m.model.expert_math = lambda batch, j, x: (seen.append(x.shape[0]), run(batch, j, x))[1]
+            out.append(m.logits(prompt))
+        rows.append(seen)
+    padded, plain = rows
+    assert step_in_use > 1 and all(n % step_in_use == 0 for n in padded if n >= 16)
+    assert any(n % step_in_use for n in plain if n >= 16)  # the padding did change some row counts
+    assert torch.equal(out[0], out[1])
