@@ -15,6 +15,7 @@ import torch
 from .errors import ConfigError, ContextLengthError, RequestError
 from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step
 from .host.cpus import ThreadGovernor
+from .host.memory import keep_heap
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
 from .matmul import bf16_gemm, set_matmul
@@ -52,6 +53,7 @@ class Model:
             torch.set_num_threads(p.threads)
         set_matmul(p.options.matmul)  # process-wide like the threads: how prompts multiply bf16 weights (the
         # resident store packs bf16 experts under bf16 GEMMs, so it is set before the store is made)
+        keep_heap(p.prefill_bytes)  # process-wide too: a prefill's blocks stay in the heap (host/memory.py)
         self.governor = ThreadGovernor(p.threads, set_threads=self._set_threads) if p.governed else None
         self.cache = KVCache(s, p.max_context, self.dtype)  # torch.empty: costs nothing until positions are written
         self.reader = make_reader(p.options.io, workers=p.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)

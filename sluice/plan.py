@@ -58,6 +58,7 @@ class LoadPlan:
     max_context: int  # KV positions: options.max_context capped by the model's
     prefill_chunk: int  # prompt tokens per forward pass (options.prefill_chunk, "auto" resolved)
     prefill_why: str  # how the chunk was chosen, for inspect
+    prefill_bytes: int  # what one chunk's activations may take (prefill_token_bytes x chunk): the heap keeps it
     kv_bytes: int
     room: MemoryRoom  # the memory this process may take, when the plan was made
     memory: int | None  # budget for resident weights + expert slots; None = everything resident
@@ -119,7 +120,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
         prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, memory=memory,
-        memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
+        prefill_bytes=chunk * prefill_token_bytes(spec, itemsize, max_context), memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
         eos_ids=_eos_ids(args, generation, tokenizer),
     )

@@ -59,6 +59,7 @@ def describe(p: LoadPlan) -> dict:
         "max_context": p.max_context,
         "prefill_chunk": p.prefill_chunk,
         "prefill_chunk_why": p.prefill_why,
+        "prefill_bytes": p.prefill_bytes,  # a chunk's activations: the heap keeps this much (host/memory.keep_heap)
         "prefill_matmul": describe_matmul(p.options.matmul),
         "kv_cache_bytes": p.kv_bytes,
         # what one position costs in every layer: the latent and rope key under latent attention (MLA), else the

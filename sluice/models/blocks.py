@@ -265,7 +265,9 @@ class Transformer:
         # written over its own (spent) input slice, then those outputs scaled in place; the ascending-rank sum
         # gathers from it into one reused [T, H] buffer. (It held 4 such blocks: inputs, outputs, rank order and
         # y * w; at 2,048 tokens of a top-8 H=1024 bf16 model each is 32 MiB.)
-        ys = self._rows_block(n_rows, x)  # [n_rows, H] expert-sorted inputs, each expert's padding rows zero
+        # [n_rows, H] expert-sorted inputs, each expert's padding rows zero; room for the most padding any layer
+        # may bring, so the block is allocated once per prompt
+        ys = self._rows_block(n_rows, x, T * K + self.spec.num_experts * (GEMM_ROW_STEP - 1))
         if n_rows == T * K:
             torch.index_select(x, 0, order // K, out=ys)
         else:  # padding rows read the zero row appended to x
@@ -295,15 +297,16 @@ class Transformer:
             out += torch.index_select(ys, 0, at[:, r], out=part)
         return out
 
-    def _rows_block(self, n: int, x: torch.Tensor) -> torch.Tensor:
+    def _rows_block(self, n: int, x: torch.Tensor, capacity: int = 0) -> torch.Tensor:
         """A [n, H] block of x's dtype for experts(), the same memory for every layer of a forward pass (_forward
         drops it at the end). Allocated per layer it was 32 MiB at 2,048 tokens of a top-8 H=1024 bf16 model, at or
         above glibc's largest mmap threshold: a fresh mapping each layer, 8,192 page faults to fill it (peers bf16,
-        resident 2,048-token prefill: 230k -> ~90k minor faults; benchmarks/prefill/faults.py)."""
+        resident 2,048-token prefill: 230k -> ~90k minor faults; benchmarks/prefill/faults.py). `capacity`: rows to
+        allocate when it grows (room for the padding any layer may bring)."""
         H = x.shape[1]
         if self._block is None or self._block.dtype != x.dtype or self._block.numel() < n * H:
             self._block = None  # freed before its successor is allocated
-            self._block = torch.empty(n * H, dtype=x.dtype)
+            self._block = torch.empty(max(n, capacity) * H, dtype=x.dtype)
         return self._block[: n * H].view(n, H)
 
     def _expert(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
