@@ -235,7 +235,7 @@ class Transformer:
         """Sum over each token's top-k experts, in ascending expert id (the reference's order, so bf16 sums match).
 
         x [T, H], ids/weights [T, K]. Expert-major: the rows routed to each expert are gathered once into one
-        expert-sorted [T*K, H] block, each expert runs once on its contiguous slice (its bytes read once for the
+        expert-sorted block of T*K rows (plus zero rows padding GEMMs, GEMM_ROW_STEP), each expert runs once on its contiguous slice (its bytes read once for the
         whole chunk; experts come from the store in passes of at most `store.max_batch`, the ones in memory first,
         the rest as their reads land), each output overwrites its own input rows, and the k partial results of a
         token (rows found by (token, rank of its expert id among the token's k)) are added in ascending id, each
@@ -251,8 +251,7 @@ class Transformer:
         eids, counts = torch.unique_consecutive(flat[order], return_counts=True)
         rows = torch.arange(T * K)  # sorted position -> its row of the block
         if x.dtype is torch.bfloat16 and bf16_gemm():
-            # each expert's rows padded to a multiple of GEMM_ROW_STEP where they go to a GEMM: oneDNN builds a
-            # kernel for each new row count (~0.4 ms), and a prompt's experts bring dozens of them
+            # each expert's rows padded to a multiple of GEMM_ROW_STEP where they go to a GEMM (see GEMM_ROW_STEP)
             padded = torch.where(counts >= BF16_GEMM_MIN_ROWS, (counts + GEMM_ROW_STEP - 1) // GEMM_ROW_STEP
                                  * GEMM_ROW_STEP, counts)
             rows += torch.repeat_interleave(torch.cumsum(padded - counts, 0) - (padded - counts), counts)
@@ -261,12 +260,11 @@ class Transformer:
         starts = (torch.cumsum(padded, 0) - padded).tolist()
         n_rows = int(padded.sum())
         eids, counts, padded = eids.tolist(), counts.tolist(), padded.tolist()
-        # One [n_rows, H] block holds the rows all the way: the expert-sorted inputs, then each expert's outputs
-        # written over its own (spent) input slice, then those outputs scaled in place; the ascending-rank sum
-        # gathers from it into one reused [T, H] buffer. (It held 4 such blocks: inputs, outputs, rank order and
-        # y * w; at 2,048 tokens of a top-8 H=1024 bf16 model each is 32 MiB.)
-        # [n_rows, H] expert-sorted inputs, each expert's padding rows zero; room for the most padding any layer
-        # may bring, so the block is allocated once per prompt
+        # One [n_rows, H] block holds the rows all the way: the expert-sorted inputs (padding rows zero), then each
+        # expert's outputs written over its own (spent) input slice, then those outputs scaled in place; the
+        # ascending-rank sum gathers from it into one reused [T, H] buffer. (It held 4 such blocks: inputs, outputs,
+        # rank order and y * w; at 2,048 tokens of a top-8 H=1024 bf16 model each is 32 MiB.) Its capacity covers
+        # the most padding any layer may bring, so it is allocated once per prompt.
         ys = self._rows_block(n_rows, x, T * K + self.spec.num_experts * (GEMM_ROW_STEP - 1))
         if n_rows == T * K:
             torch.index_select(x, 0, order // K, out=ys)
