@@ -95,21 +95,3 @@ def test_combine_rows_is_the_torch_expression_bitwise(wdtype, threads):
         native.set_threads(1)
     with pytest.raises(ValueError, match="combine_rows_bf16"):
         native.combine_rows_bf16(ys, w, at + T * K, torch.empty(T, H, dtype=torch.bfloat16))
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_prompts_rows_over_the_pool_are_the_same_bits(threads):
-    """rope and rms_norm split a prompt's rows over the native threads (64 per task): the torch expression's bits on
-    any number of threads."""
-    native.set_threads(threads)
-    try:
-        g = torch.Generator().manual_seed(threads)
-        x = (torch.randn(300, 8, 128, generator=g) * 5).bfloat16().transpose(0, 1)  # [heads, T, D]
-        cos, sin = (torch.randn(300, 64, generator=g).bfloat16() for _ in range(2))
-        assert torch.equal(native.rope_bf16(x, cos, sin), _rope_torch(x, cos, sin))
-        rows = (torch.randn(1000, 256, generator=g) * 3).bfloat16()
-        w = torch.randn(256, generator=g).bfloat16()
-        one = [native.rms_norm_bf16(r[None], w, 1e-6) for r in rows[:70]]  # row by row: one task each
-        assert torch.equal(native.rms_norm_bf16(rows, w, 1e-6)[:70], torch.cat(one))
-    finally:
-        native.set_threads(1)

@@ -1,7 +1,6 @@
 /* Small elementwise steps of a bf16 decode step, each bitwise what its torch expression computes (torch rounds a
  * bf16 op's float32 result to nearest even, as bf16_round does), in one native call instead of tens of torch ops
- * (~4-10 us each at one row here: a decode token of a 16-layer MoE ran ~2,300 of them); a prompt's rows go over
- * the pool. */
+ * (~4-10 us each at one row here: a decode token of a 16-layer MoE ran ~2,300 of them). */
 #include <math.h>
 
 #include "common.h"
@@ -68,80 +67,43 @@ void sluice_combine_rows_bf16(int64_t T, int64_t K, int64_t H, const uint16_t *y
  * lanes (value i into lane i % 8, lanes added ((0+4)+(2+6))+((1+5)+(3+7))), a fixed order whatever the compiler
  * vectorizes; torch's mean sums in another order, so a row can differ from the torch expression in the last bit of
  * its scale (relative ~1e-7), never by more. */
-typedef struct {
-    int64_t rows, n;
-    const uint16_t *x, *w;
-    float eps;
-    uint16_t *out;
-} rms_norm_job;
-
-#define ROWS_PER_TASK 64 /* rows of a prompt per pool task (rms_norm, rope): one row at decode runs inline */
-
-static void rms_norm_task(void *c, int64_t i) {
-    const rms_norm_job *j = (const rms_norm_job *)c;
-    const int64_t n = j->n, r1 = (i + 1) * ROWS_PER_TASK < j->rows ? (i + 1) * ROWS_PER_TASK : j->rows;
-    for (int64_t r = i * ROWS_PER_TASK; r < r1; r++) {
-        const uint16_t *x = j->x + r * n, *w = j->w;
-        uint16_t *out = j->out + r * n;
+void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++, x += n, out += n) {
         float lane[8] = {0};
-        int64_t k = 0;
-        for (; k + 8 <= n; k += 8)
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
             for (int l = 0; l < 8; l++) {
-                float v = bf16_float(x[k + l]);
+                float v = bf16_float(x[i + l]);
                 lane[l] = lane[l] + v * v;
             }
-        for (; k < n; k++) {
-            float v = bf16_float(x[k]);
-            lane[k % 8] = lane[k % 8] + v * v;
+        for (; i < n; i++) {
+            float v = bf16_float(x[i]);
+            lane[i % 8] = lane[i % 8] + v * v;
         }
         float sum = reduce8(lane);
-        float scale = 1.0f / sqrtf(sum / (float)n + j->eps);
-        for (int64_t q = 0; q < n; q++)
-            out[q] = bf16_round(bf16_float(w[q]) * bf16_float(bf16_round(bf16_float(x[q]) * scale)));
+        float scale = 1.0f / sqrtf(sum / (float)n + eps);
+        for (int64_t j = 0; j < n; j++)
+            out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
     }
-}
-
-void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out) {
-    rms_norm_job j = {rows, n, x, w, eps, out};
-    /* rows are independent: the same bits on any number of threads (one task runs inline) */
-    pool_run(rms_norm_task, &j, (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
 }
 
 /* Rotary embedding of bf16 x [heads, T, D] (element (h, t, d) at x + h * sh + t * st + d) by bf16 cos / sin
  * [T, rot] on its first rot dims, into out (contiguous [heads, T, D]): torch's
  *   out = x * cos + cat(-x[rot/2:], x[:rot/2]) * sin      (bf16 ops: each product and the sum rounded to bf16)
  * on the first rot dims, the rest copied. */
-typedef struct {
-    int64_t heads, T, D, rot, sh, st;
-    const uint16_t *x, *cos, *sin;
-    uint16_t *out;
-} rope_job;
-
-static void rope_task(void *c, int64_t i) {
-    const rope_job *j = (const rope_job *)c;
-    const int64_t half = j->rot / 2, D = j->D, rows = j->heads * j->T;
-    const int64_t r1 = (i + 1) * ROWS_PER_TASK < rows ? (i + 1) * ROWS_PER_TASK : rows;
-    for (int64_t r = i * ROWS_PER_TASK; r < r1; r++) {
-        const int64_t h = r / j->T, t = r % j->T;
-        const uint16_t *xr = j->x + h * j->sh + t * j->st, *c = j->cos + t * j->rot, *s = j->sin + t * j->rot;
-        uint16_t *o = j->out + r * D;
-        for (int64_t d = 0; d < half; d++) { /* the rotated half comes from x[d + half], negated */
-            float a = bf16_float(bf16_round(bf16_float(xr[d]) * bf16_float(c[d])));
-            float b = bf16_float(bf16_round(-bf16_float(xr[d + half]) * bf16_float(s[d])));
-            o[d] = bf16_round(a + b);
-        }
-        for (int64_t d = half; d < j->rot; d++) {
-            float a = bf16_float(bf16_round(bf16_float(xr[d]) * bf16_float(c[d])));
-            float b = bf16_float(bf16_round(bf16_float(xr[d - half]) * bf16_float(s[d])));
-            o[d] = bf16_round(a + b);
-        }
-        for (int64_t d = j->rot; d < D; d++) o[d] = xr[d];
-    }
-}
-
 void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const uint16_t *x, int64_t sh, int64_t st,
                       const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
-    rope_job j = {heads, T, D, rot, sh, st, x, cos, sin, out};
-    /* rows are independent: the same bits on any number of threads (one task runs inline) */
-    pool_run(rope_task, &j, (heads * T + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+    const int64_t half = rot / 2;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < T; t++) {
+            const uint16_t *xr = x + h * sh + t * st, *c = cos + t * rot, *s = sin + t * rot;
+            uint16_t *o = out + (h * T + t) * D;
+            for (int64_t d = 0; d < rot; d++) {
+                float r = d < half ? -bf16_float(xr[d + half]) : bf16_float(xr[d - half]);
+                float a = bf16_float(bf16_round(bf16_float(xr[d]) * bf16_float(c[d])));
+                float b = bf16_float(bf16_round(r * bf16_float(s[d])));
+                o[d] = bf16_round(a + b);
+            }
+            for (int64_t d = rot; d < D; d++) o[d] = xr[d];
+        }
 }
