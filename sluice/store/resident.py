@@ -44,13 +44,11 @@ def _pack(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class ResidentExpertStore:
     """All experts resident. Plain experts are stacked per layer as gate_up [E, 2I, H] and down [E, H, I] in the
-    compute dtype, or, at bf16 where matmul.packable holds, kept per expert in oneDNN's blocked layout (packed: the
-    same bytes, no per-call copy of the weights in the GEMMs); quantized experts stay in their stored bytes, raw
+    compute dtype, or, at bf16 where matmul.packable holds (bf16 GEMMs on, F.linear's bits), kept per expert in
+    oneDNN's blocked layout (packed: the same bytes, no per-call copy of the weights in the GEMMs); quantized experts stay in their stored bytes, raw
     [E, slot bytes] per layer (the kernels compute from them: a Q4_K model stays ~4.5 bits per weight in memory)."""
 
-    def __init__(self, layout: ExpertLayout, reader, dtype: torch.dtype, progress: bool = False, pack: bool = True):
-        """`pack`: keep bf16 experts packed where matmul.packable allows (it does not under float32 GEMMs); False
-        keeps the stacks (tests compare the two)."""
+    def __init__(self, layout: ExpertLayout, reader, dtype: torch.dtype, progress: bool = False):
         s = layout.spec
         self.max_batch = s.num_experts
         self.layout = layout
@@ -72,7 +70,7 @@ class ResidentExpertStore:
             gu, dn = typed_views(layout, raw)
             if gu is None:
                 self.raw[layer] = raw
-            elif pack and dtype is torch.bfloat16 and packable(*gu.shape[1:]) and packable(*dn.shape[1:]):
+            elif dtype is torch.bfloat16 and packable(*gu.shape[1:]) and packable(*dn.shape[1:]):
                 self.packed[layer] = ([_pack(w, dtype) for w in gu], [_pack(w, dtype) for w in dn])
             else:  # contiguous copies in the compute dtype (the math indexes them per expert)
                 self.gate_up[layer] = gu.to(dtype, copy=True).contiguous()
