@@ -222,7 +222,9 @@ class LoadOptions:
         doc="how several rows of bf16 activations (a prompt) multiply bf16 weights: `bf16`, torch's bf16 GEMM; "
             "`float32`, both widened and a float32 GEMM. `auto`: bf16 where the CPU has bf16 dot-product "
             "instructions (`avx512_bf16` or `amx_bf16` in /proc/cpuinfo: 4-5x faster there), float32 elsewhere "
-            "(on AVX2 torch's bf16 GEMM has no native kernel and runs ~6x slower). Both accumulate in float32")
+            "(on AVX2 torch's bf16 GEMM has no native kernel and runs ~6x slower). Both accumulate in float32. "
+            "Under bf16 a resident model also keeps its bf16 experts packed in oneDNN's layout (the same bits) and "
+            "a prompt's attention runs in float32 on bf16 dot products")
     # max_context: capped by the model's max_position_embeddings
     max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",
                               doc="KV cache positions, allocated once")
