@@ -22,6 +22,8 @@ OUT = ROOT / "benchmarks" / "results"
 
 
 def child(arm: str, folder: str, tokens: int, prompt_len: int) -> dict:
+    if arm == "sluice":
+        import sluice  # noqa: F401  before torch, as `sluice run` has it: it sets torch's OpenMP wait policy
     import torch
 
     torch.manual_seed(0)

@@ -135,3 +135,19 @@ def test_bf16_dot_is_false_without_flags(tmp_path):
     info.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64 names its features otherwise
     assert bf16_dot(info) is False
     assert bf16_dot(tmp_path / "missing") is False
+
+
+def test_importing_sluice_sets_a_short_openmp_spin_unless_a_policy_is_given():
+    """sluice/__init__.py: torch's OpenMP workers spin ~30 us and sleep (PASSIVE with GOMP_SPINCOUNT=3000), set
+    before torch loads libgomp; a policy the environment names is kept, spin count and all."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, sluice; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["PASSIVE", "3000"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["ACTIVE", "None"]
