@@ -1,8 +1,8 @@
 """torch's OpenMP wait policy against sluice's native pool (issue 14): resident prefill of a prompt (default 32
 tokens) and the 18 decode steps after it, each arm a fresh process (libgomp reads its policy once, at load), arms
-alternated. `passive` is what importing sluice sets (OMP_WAIT_POLICY=PASSIVE: a worker sleeps at once after each
-parallel op); `spin 30 us` adds GOMP_SPINCOUNT=3000 (it spins ~30 us first: the README's tip for resident models);
-`libgomp default` is the policy of an unset environment (spin 300,000 rounds, ~3 ms, then sleep). Prints per round
+alternated. `sluice default` is what importing sluice sets (OMP_WAIT_POLICY=PASSIVE with GOMP_SPINCOUNT=1000: a
+worker spins ~10 us after each parallel op, then sleeps); `spin 30 us` (GOMP_SPINCOUNT=3000); `passive` sleeps at
+once (the default before); `libgomp default` is the policy of an unset environment (spin 300,000 rounds, ~3 ms). Prints per round
 and arm: prefill ms (median of 3 replays), decode ms/token mean and median (of the last replay).
 
     PYTHONPATH=. .venv/bin/python benchmarks/quantized/omp_wait.py [MODEL] [--prompt 32] [--rounds 3]
@@ -17,7 +17,8 @@ import statistics
 import subprocess
 import sys
 
-ARMS = {"spin 30 us": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"},
+ARMS = {"sluice default": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"},
+        "spin 30 us": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"},
         "passive": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},
         "libgomp default": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}}
 

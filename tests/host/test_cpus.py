@@ -137,16 +137,17 @@ def test_bf16_dot_is_false_without_flags(tmp_path):
     assert bf16_dot(tmp_path / "missing") is False
 
 
-def test_importing_sluice_sets_a_passive_openmp_policy_unless_one_is_given():
-    """sluice/__init__.py: torch's OpenMP workers sleep after each op (PASSIVE), set before torch loads libgomp; a
-    policy the environment names is kept, and a spin count given alone stays (libgomp lets it override PASSIVE)."""
+def test_importing_sluice_sets_a_short_openmp_spin_unless_a_policy_is_given():
+    """sluice/__init__.py: torch's OpenMP workers spin ~10 us after each op, then sleep (PASSIVE with
+    GOMP_SPINCOUNT=1000), set before torch loads libgomp; a policy the environment names is kept, spin count and
+    all, and a spin count given alone stays."""
     import os
     import subprocess
     import sys
 
     code = "import os, sluice; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    for given, want in (({}, ["PASSIVE", "None"]), ({"OMP_WAIT_POLICY": "ACTIVE"}, ["ACTIVE", "None"]),
+    for given, want in (({}, ["PASSIVE", "1000"]), ({"OMP_WAIT_POLICY": "ACTIVE"}, ["ACTIVE", "None"]),
                         ({"GOMP_SPINCOUNT": "3000"}, ["PASSIVE", "3000"])):
         out = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True,
                              check=True).stdout
