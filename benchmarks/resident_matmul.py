@@ -41,7 +41,8 @@ from sluice.matmul import pack, packable, packed_linear, set_matmul
 from sluice.matmul import sdpa as matmul_sdpa
 
 PEERS_BF16 = "benchmarks/models/qwen3_moe-peers/model.gguf"
-DEMO_1GIB = "benchmarks/models/qwen3_moe-1GiB"  # sluice make-model benchmarks/models/qwen3_moe-1GiB --from demo --size 1GiB
+# made by: sluice make-model benchmarks/models/qwen3_moe-1GiB --from demo --size 1GiB
+DEMO_1GIB = "benchmarks/models/qwen3_moe-1GiB"
 
 
 def _ms(f, n: int = 15) -> float:

@@ -120,7 +120,8 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
         prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, memory=memory,
-        prefill_bytes=chunk * prefill_token_bytes(spec, itemsize, max_context), memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
+        prefill_bytes=chunk * prefill_token_bytes(spec, itemsize, max_context), memory_plan=memory_plan,
+        budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
         eos_ids=_eos_ids(args, generation, tokenizer),
     )

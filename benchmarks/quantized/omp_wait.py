@@ -2,8 +2,8 @@
 tokens) and the 18 decode steps after it, each arm a fresh process (libgomp reads its policy once, at load), arms
 alternated. `sluice default` is what importing sluice sets (OMP_WAIT_POLICY=PASSIVE with GOMP_SPINCOUNT=1000: a
 worker spins ~10 us after each parallel op, then sleeps); `spin 30 us` (GOMP_SPINCOUNT=3000); `passive` sleeps at
-once (the default before); `libgomp default` is the policy of an unset environment (spin 300,000 rounds, ~3 ms). Prints per round
-and arm: prefill ms (median of 3 replays), decode ms/token mean and median (of the last replay).
+once (the default before); `libgomp default` is the policy of an unset environment (spin 300,000 rounds, ~3 ms).
+Prints per round and arm: prefill ms (median of 3 replays), decode ms/token mean and median (of the last replay).
 
     PYTHONPATH=. .venv/bin/python benchmarks/quantized/omp_wait.py [MODEL] [--prompt 32] [--rounds 3]
 """

@@ -235,12 +235,12 @@ class Transformer:
         """Sum over each token's top-k experts, in ascending expert id (the reference's order, so bf16 sums match).
 
         x [T, H], ids/weights [T, K]. Expert-major: the rows routed to each expert are gathered once into one
-        expert-sorted block of T*K rows (plus zero rows padding GEMMs, GEMM_ROW_STEP), each expert runs once on its contiguous slice (its bytes read once for the
-        whole chunk; experts come from the store in passes of at most `store.max_batch`, the ones in memory first,
-        the rest as their reads land), each output overwrites its own input rows, and the k partial results of a
-        token (rows found by (token, rank of its expert id among the token's k)) are added in ascending id, each
-        from zeros: bitwise what the decode path (and an index_add_ per expert) computes, whatever order the
-        experts ran in.
+        expert-sorted block of T*K rows (plus zero rows padding GEMMs, GEMM_ROW_STEP), each expert runs once on
+        its contiguous slice (its bytes read once for the whole chunk; experts come from the store in passes of
+        at most `store.max_batch`, the ones in memory first, the rest as their reads land), each output
+        overwrites its own input rows, and the k partial results of a token (rows found by (token, rank of its
+        expert id among the token's k)) are added in ascending id, each from zeros: bitwise what the decode path
+        (and an index_add_ per expert) computes, whatever order the experts ran in.
         """
         T, K = ids.shape
         if T == 1:

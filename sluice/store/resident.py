@@ -37,16 +37,12 @@ def typed_views(layout: ExpertLayout, raw: torch.Tensor) -> tuple[torch.Tensor, 
     return typed[:, :gu_n].view(S, *layout.gate_up_shape), typed[:, dn_at : dn_at + dn_n].view(S, *layout.down_shape)
 
 
-def _pack(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One expert's weights (a typed view of the layer's read buffer) in the compute dtype, packed."""
-    return pack(w.to(dtype))
-
-
 class ResidentExpertStore:
     """All experts resident. Plain experts are stacked per layer as gate_up [E, 2I, H] and down [E, H, I] in the
     compute dtype, or, at bf16 where matmul.packable holds (bf16 GEMMs on, F.linear's bits), kept per expert in
-    oneDNN's blocked layout (packed: the same bytes, no per-call copy of the weights in the GEMMs); quantized experts stay in their stored bytes, raw
-    [E, slot bytes] per layer (the kernels compute from them: a Q4_K model stays ~4.5 bits per weight in memory)."""
+    oneDNN's blocked layout (packed: the same bytes, no per-call copy of the weights in the GEMMs); quantized experts
+    stay in their stored bytes, raw [E, slot bytes] per layer (the kernels compute from them: a Q4_K model stays ~4.5
+    bits per weight in memory)."""
 
     def __init__(self, layout: ExpertLayout, reader, dtype: torch.dtype, progress: bool = False):
         s = layout.spec
@@ -71,7 +67,8 @@ class ResidentExpertStore:
             if gu is None:
                 self.raw[layer] = raw
             elif dtype is torch.bfloat16 and packable(*gu.shape[1:]) and packable(*dn.shape[1:]):
-                self.packed[layer] = ([_pack(w, dtype) for w in gu], [_pack(w, dtype) for w in dn])
+                # each expert's typed view of the read buffer, packed (a no-op .to for a bf16 checkpoint)
+                self.packed[layer] = ([pack(w.to(dtype)) for w in gu], [pack(w.to(dtype)) for w in dn])
             else:  # contiguous copies in the compute dtype (the math indexes them per expert)
                 self.gate_up[layer] = gu.to(dtype, copy=True).contiguous()
                 self.down[layer] = dn.to(dtype, copy=True).contiguous()

@@ -145,7 +145,8 @@ def test_prompt_attention_elsewhere_is_plain_sdpa():
                        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     set_matmul("bf16")  # one query row (decode on the torch path) and other dtypes run SDPA as given
     one = q[:, :, -1:]
-    assert torch.equal(matmul.sdpa(one, k, v, enable_gqa=True), F.scaled_dot_product_attention(one, k, v, enable_gqa=True))
+    assert torch.equal(matmul.sdpa(one, k, v, enable_gqa=True),
+                       F.scaled_dot_product_attention(one, k, v, enable_gqa=True))
     qf, kf, vf = q.float(), k.float(), v.float()
     assert torch.equal(matmul.sdpa(qf, kf, vf, is_causal=True, enable_gqa=True),
                        F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True))
