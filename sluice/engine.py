@@ -70,8 +70,10 @@ class Model:
         elif p.options.prefetch == "learned" and self.memory is not None:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
+        prompt_prerouter = (RouterPrerouter(s, weights) if p.options.prompt_prefetch and self.memory is not None
+                            else None)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter,
-                                 planes=planes)
+                                 planes=planes, prompt_prerouter=prompt_prerouter)
         # decode splits the rows of a layer's native experts and of the quantized projections over the threads
         # (native.set_threads, process-wide like torch's; pool.c). Peers model's Q4_K_M file, resident, the 128
         # experts of one token, 2-CPU VM (benchmarks/quantized/expert_threads.py, 4 alternated rounds): 21.7-25.5 ms
@@ -355,7 +357,7 @@ def load(path: str | os.PathLike, *, progress: bool = False, **options) -> Model
 
     Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" |
     "willneed" | "direct"), io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context,
-    prefill_chunk, threads, embeddings, prefetch, prefetch_margin, overlap. `sluice.plan.plan(path, options)` shows
+    prefill_chunk, threads, embeddings, prefetch, prefetch_margin, prompt_prefetch, overlap. `sluice.plan.plan(path, options)` shows
     what a load would decide without reading weights.
     """
     return Model(path, LoadOptions.make(**options), progress=progress)

@@ -257,6 +257,11 @@ class LoadOptions:
             "prerouter fit MODEL`) and read them in the background; output is unchanged")
     prefetch_margin: int = option(0, metavar="N", least=0, help="experts predicted beyond top_k per token",
                                   doc="experts predicted beyond top_k")
+    prompt_prefetch: bool = option(
+        True, boolean=True, shown="on", help="streaming: read the next layer's experts during a prompt's expert math",
+        doc="streaming: while a prompt runs a layer's experts, the next layer's likely experts (its router on the "
+            "current hidden state) are read into the slots left free, for prompts of at least num_experts / top_k "
+            "tokens (they touch most experts, so the reads are rarely wasted); output is unchanged")
     overlap: bool = option(
         True, boolean=True, shown="on", help="run a layer's experts that are in memory while the others are read",
         doc="streaming: a layer's experts already in memory run while the others are read, each as soon as its "

@@ -99,6 +99,7 @@ class Counters:
         self.coalesced = 0
         self.dedup_saved_bytes = 0
         self.wait_s = 0.0
+        self.copied_bytes = 0
         self.threads: dict[str, list[int]] = {}  # thread name -> [major_faults, minor_faults]
 
     def add_plan(self, plan: ReadPlan) -> None:
@@ -114,6 +115,11 @@ class Counters:
     def add_wait(self, seconds: float) -> None:
         with self._lock:
             self.wait_s += seconds
+
+    def add_copied(self, nbytes: int) -> None:
+        """Bytes a worker copied from its staging buffer (or a primary destination) into destinations."""
+        with self._lock:
+            self.copied_bytes += nbytes
 
     def add_faults(self, major: int, minor: int) -> None:
         """Charge fault deltas to the calling thread."""
@@ -135,6 +141,7 @@ class Counters:
                 "coalesced": self.coalesced,  # ranges that joined another read instead of their own
                 "dedup_saved_bytes": self.dedup_saved_bytes,
                 "wait_s": self.wait_s,  # time callers spent blocked in read() / result()
+                "copied_bytes": self.copied_bytes,  # copied in memory after the read (staging, duplicates)
                 "major_faults": sum(f[0] for f in self.threads.values()),
                 "minor_faults": sum(f[1] for f in self.threads.values()),
                 "threads": {k: {"major_faults": v[0], "minor_faults": v[1]} for k, v in self.threads.items()},

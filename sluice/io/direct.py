@@ -16,6 +16,7 @@ until the next batch.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -28,7 +29,8 @@ from typing import Any
 from sluice.checkpoint.ref import FileStamp
 from sluice.errors import CheckpointError
 from sluice.io.base import Counters, FileGuard, ReadFuture, Request, done_future, thread_faults
-from sluice.io.ranges import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, plan_reads, split_even
+from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, copy_bytes, plan_reads,
+                               split_even)
 
 # Worker threads = reads in flight. Measured by benchmarks/io_workers.py: 1.5 GiB random file on /dev/vda (ext4),
 # evicted with posix_fadvise(DONTNEED) and verified cold by mincore before every arm, 2 CPU cores, shared machine.
@@ -106,7 +108,7 @@ class _Scratch:
         if n > len(self._view):
             size = max(-(-n // PAGE) * PAGE, 2 * len(self._view))
             # old buffer: freed by refcounting once no slice of it is left
-            self._map = mmap.mmap(-1, size)
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._view = memoryview(self._map)
         return self._view
 
@@ -225,28 +227,52 @@ class _Pool:
             stage = scratch.staging(r.nbytes)
             preadv_full(fd, [stage[: r.nbytes]], r.offset, r.path, r)
             r.scatter(stage)
+            self.counters.add_copied(sum(seg.nbytes * len(seg.dests) for seg in r.segments))
         else:
             preadv_full(fd, bufs, r.offset, r.path, r)
             r.copy_duplicates()
+            self.counters.add_copied(sum(seg.nbytes * (len(seg.dests) - 1) for seg in r.segments))
 
     def _read_direct(self, fd: int, r: Read, scratch: _Scratch) -> None:
-        """Read the aligned window [offset down to ALIGN, end up to ALIGN) into staging, then copy out."""
+        """Read the aligned window [offset down to ALIGN, end up to ALIGN) with O_DIRECT: the whole pages of a
+        destination that sits at the file's offset modulo ALIGN straight into it (no copy), every other byte into
+        staging and then copied out."""
         start = r.offset - r.offset % ALIGN
         need = r.end - start
         window = -(-need // ALIGN) * ALIGN
         stage = scratch.staging(window)
-        got = 0
-        while got < need:
+        bufs, direct = _direct_iovecs(r, start, window, stage)
+        pos, i = start, 0
+        while i < len(bufs):
             try:
-                n = os.preadv(fd, [stage[got:window]], start + got)
+                n = os.preadv(fd, bufs[i:], pos)
             except OSError as e:
-                raise CheckpointError(f"read at offset {start + got} failed: {e.strerror or e}", file=r.path) from e
-            got += n
+                raise CheckpointError(f"read at offset {pos} failed: {e.strerror or e}", file=r.path) from e
+            pos += n
+            if pos - start >= need:
+                break
             # EOF: 0 bytes, or a short read ending off the block grid (O_DIRECT returns short only at EOF, and the
             # next read would be misaligned)
-            if got < need and (n == 0 or got % ALIGN):
-                raise _truncated(fd, r.path, r, start + got)
-        r.scatter(stage[r.offset - start : r.offset - start + r.nbytes])
+            if n == 0 or n % ALIGN:
+                raise _truncated(fd, r.path, r, pos)
+            while n:  # drop the buffers this call filled, trim a partly filled one
+                if n >= len(bufs[i]):
+                    n -= len(bufs[i])
+                    i += 1
+                else:
+                    bufs[i] = bufs[i][n:]
+                    n = 0
+        copied = 0
+        for seg, (a, b) in zip(r.segments, direct):  # the bytes outside each direct run came through staging
+            src, dst = stage[seg.rel + r.offset - start :], seg.dests[0]
+            for lo, hi in ((0, a), (b, seg.nbytes)):
+                if hi > lo:
+                    copy_bytes(dst[lo:hi], src[lo:hi])
+                    copied += hi - lo
+            for d in seg.dests[1:]:
+                copy_bytes(d, dst)
+                copied += seg.nbytes
+        self.counters.add_copied(copied)
 
     def close(self) -> None:
         with self.lock:
@@ -261,6 +287,40 @@ class _Pool:
         for fd, _ in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def _address(buf: memoryview) -> int:
+    """The address of a writable buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _direct_iovecs(r: Read, start: int, window: int,
+                   stage: memoryview) -> tuple[list[memoryview], list[tuple[int, int]]]:
+    """O_DIRECT buffers for the window [start, start + window) of read `r` (start and window multiples of ALIGN),
+    in file order, each ALIGN-aligned in address and length, and per segment the run [a, b) of its bytes read
+    straight into its primary destination ((0, 0) when none).
+
+    A segment's whole pages go to its destination when the destination's address and the segment's file offset
+    agree modulo ALIGN (the streaming store places its slots so: store/streaming.py); the rest of the window,
+    partial pages included, goes to the same place in `stage`. Overlapping segments all go through staging."""
+    bufs: list[memoryview] = []
+    direct: list[tuple[int, int]] = []
+    pos = start
+    for seg in r.segments:
+        o = r.offset + seg.rel
+        a, b = -(-o // ALIGN) * ALIGN, (o + seg.nbytes) // ALIGN * ALIGN
+        dst = seg.dests[0]
+        if r.overlapping or b <= a or a < pos or (_address(dst) - o) % ALIGN:
+            direct.append((0, 0))
+            continue
+        if a > pos:
+            bufs.append(stage[pos - start : a - start])
+        bufs.append(dst[a - o : b - o])
+        direct.append((a - o, b - o))
+        pos = b
+    if pos < start + window:
+        bufs.append(stage[pos - start : window])
+    return bufs, direct
 
 
 _PROBE = mmap.mmap(-1, ALIGN)

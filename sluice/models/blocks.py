@@ -113,13 +113,19 @@ class Transformer:
         rows=None,
         prerouter=None,
         planes: int | None = None,
+        prompt_prerouter=None,
     ):
         """`rows`: a RowTable serving token-embedding rows when the table is not resident (weights.embed None).
         `prerouter`: predicts the next MoE layer's experts during decode; the store prefetches them right after
         this layer's experts are pinned, so the reads overlap this layer's expert math. `planes`: the activation
-        planes of the experts' integer path (LoadOptions.activations; the resident projections have theirs)."""
+        planes of the experts' integer path (LoadOptions.activations; the resident projections have theirs).
+        `prompt_prerouter`: the same for prompt chunks of T * top_k >= num_experts: the next MoE layer's experts
+        the chunk will likely touch are read into the slots this layer's experts leave free, while this layer's
+        experts and the next layer's attention run (such a chunk touches most experts of every layer, so nearly
+        every such read is used)."""
         self.spec, self.w, self.store, self.cache, self.dtype, self.rows = spec, weights, store, cache, dtype, rows
-        self.prerouter = prerouter
+        self.prerouter, self.prompt_prerouter = prerouter, prompt_prerouter
+        self._prompt_guess: tuple[int, list[int]] | None = None  # (next MoE layer, experts) for experts() to read
         # False: decode runs one expert_q8 call per expert instead of one call per layer (tests, benchmarks)
         self.split_experts = True
         # False: decode runs the torch attention and router steps where _decode_attention would run them natively
@@ -272,9 +278,12 @@ class Transformer:
             src = torch.full((n_rows,), T, dtype=torch.long).index_copy_(0, rows, order // K)
             torch.index_select(torch.cat([x, x.new_zeros(1, x.shape[1])]), 0, src, out=ys)
         step = max(1, self.store.max_batch)
+        guess, self._prompt_guess = self._prompt_guess, None
         for c0 in range(0, len(eids), step):
             chunk = eids[c0 : c0 + step]
             batch = self.store.acquire(L, chunk)
+            if guess is not None and len(eids) <= step:  # one pass: the other slots may take the next layer's
+                self.store.prefetch(*guess, prompt=True)
             try:
                 for j in sorted(range(len(chunk)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
                     batch.wait(j)
@@ -453,6 +462,10 @@ class Transformer:
             if self.prerouter is not None and T == 1 and (guess := self.prerouter.predict(L, x)) is not None:
                 # read the next MoE layer's likely experts while this layer's run (a dense layer pins none first)
                 (self.store.prefetch_next if s.moe_layers[L] else self.store.prefetch)(*guess)
+            elif self.prompt_prerouter is not None and T * s.top_k >= s.num_experts and s.moe_layers[L]:
+                # a prompt chunk that picks at least as many experts as a layer has (shorter ones would waste some
+                # reads): read the next layer's likely ones once this layer's experts are pinned (experts())
+                self._prompt_guess = self.prompt_prerouter.predict(L, x)
             h = rms_norm(x, lw.post_norm, s.rms_norm_eps)
             x = x + (self.moe(L, h) if s.moe_layers[L] else self.mlp(lw.mlp, h))
         return rms_norm(x, self.w.norm, s.rms_norm_eps)

@@ -76,8 +76,9 @@ class ExpertStore(Protocol):
         """Unpin what the last acquire(layer) pinned (after any read of it still in flight has landed)."""
         ...
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Advisory: these experts of `layer` will likely be needed soon. Never changes results."""
+    def prefetch(self, layer: int, experts: Sequence[int], prompt: bool = False) -> None:
+        """Advisory: these experts of `layer` will likely be needed soon. Never changes results. `prompt`: a
+        prompt's read-ahead of the next layer (one read per expert, counted apart from decode's prefetch)."""
         ...
 
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:

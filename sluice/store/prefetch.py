@@ -27,6 +27,9 @@ class PrefetchTracker:
         self.predicted: dict[int, set[int]] = {}  # layer -> experts the prerouter predicted for it
         self.outstanding: set[tuple[int, int]] = set()  # brought in by prefetch, not used yet
         self.issued = self.used = self.wasted = self.paused = 0
+        # a prompt's read-ahead (StreamingExpertStore.prefetch(prompt=True)): counted apart, no throttle
+        self.prompt_outstanding: set[tuple[int, int]] = set()
+        self.prompt_issued = self.prompt_used = self.prompt_wasted = 0
         self.predicted_true = self.true_total = 0  # prerouter recall: predicted & true / true
         self._outcomes: deque[int] = deque(maxlen=self.WINDOW)
         self._cooldown = 0
@@ -58,20 +61,30 @@ class PrefetchTracker:
             return False
         return True
 
-    def placed(self, keys: Sequence[tuple[int, int]]) -> None:
+    def placed(self, keys: Sequence[tuple[int, int]], prompt: bool = False) -> None:
+        if prompt:
+            self.prompt_outstanding.update(keys)
+            self.prompt_issued += len(keys)
+            return
         self.outstanding.update(keys)
         self.issued += len(keys)
 
     def hit(self, key: tuple[int, int]) -> None:
         """An acquire used `key`: if a prefetch brought it, that prefetch was right."""
-        if key in self.outstanding:
+        if key in self.prompt_outstanding:
+            self.prompt_outstanding.discard(key)
+            self.prompt_used += 1
+        elif key in self.outstanding:
             self.outstanding.discard(key)
             self.used += 1
             self._outcomes.append(1)
 
     def evicted(self, key: tuple[int, int]) -> None:
         """`key` left the cache: if a prefetch brought it and nobody used it, that read was wasted."""
-        if key in self.outstanding:
+        if key in self.prompt_outstanding:
+            self.prompt_outstanding.discard(key)
+            self.prompt_wasted += 1
+        elif key in self.outstanding:
             self.outstanding.discard(key)
             self.wasted += 1
             self._outcomes.append(0)
@@ -85,4 +98,7 @@ class PrefetchTracker:
             "prefetch_precision": round(self.used / self.issued, 4) if self.issued else 0.0,
             "prefetch_paused": self.paused,
             "prefetch_recall": round(self.predicted_true / self.true_total, 4) if self.true_total else 0.0,
+            "prompt_prefetch_issued": self.prompt_issued,
+            "prompt_prefetch_used": self.prompt_used,
+            "prompt_prefetch_wasted": self.prompt_wasted,
         }

@@ -90,7 +90,7 @@ class ResidentExpertStore:
     def release(self, layer: int) -> None:
         pass
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int], prompt: bool = False) -> None:
         pass
 
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:

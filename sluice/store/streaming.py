@@ -12,6 +12,7 @@ default); prefetch bookkeeping (deferred predictions, the throttle, counters) is
 from __future__ import annotations
 
 import functools
+import mmap
 import time
 from typing import Sequence
 
@@ -19,28 +20,86 @@ import torch
 
 from .base import ExpertBatch
 from .budget import plan_budget
+from ..io.ranges import PAGE
 from .layout import ExpertLayout
 from .policy import FairShareLFU, GlobalLRU, Key
 from .prefetch import PrefetchTracker
 from .resident import expert_requests, typed_views
 
 
+# Slots below this size keep the stored layout (no page of room per slot): their reads are small, and the pages
+# would cost more slots than the copies they save.
+PAGE_ALIGNED_MIN_SLOT = 256 << 10
+
+
+# A shifted slot still gives typed views of every part (MLX's uint32 codes and float scales, plain experts): 8 bytes
+# covers them. GGUF tensors start at 32-byte offsets, safetensors' data at 8. The native kernels use unaligned loads.
+VIEW_ALIGN = 8
+
+
+def _page_shifts(layout: ExpertLayout) -> dict[int, int]:
+    """Per MoE layer, the byte of a page-aligned slot row its experts start at: the residue modulo PAGE that most
+    of the layer's parts' file offsets have (minus where each part lands in the slot). In a GGUF file every stacked
+    expert tensor of a layer is at one residue (the tensors' sizes are whole pages), so all their parts agree; a
+    part that does not is still read right, through staging. 0 where the experts' dtype cannot start there."""
+    item = torch.tensor([], dtype=layout.plain_dtype).element_size() if layout.plain_dtype is not None else 1
+    shifts = {}
+    for layer in layout.layers:
+        votes: dict[int, int] = {}
+        for e in range(layout.spec.num_experts):
+            for part in layout.parts(layer, e):
+                r = (part.range.offset - part.dest_offset) % PAGE
+                votes[r] = votes.get(r, 0) + part.range.nbytes
+        shift = max(votes, key=votes.__getitem__) if votes else 0
+        shifts[layer] = shift if shift % max(item, VIEW_ALIGN) == 0 else 0
+    return shifts
+
+
+def _page_rows(rows: int, stride: int) -> torch.Tensor:
+    """zeros uint8 [rows, stride] from a page boundary (an anonymous private mapping), in transparent huge pages
+    where the kernel gives them (MADV_HUGEPAGE: THP "madvise" mode, the common default). Huge pages take the slots'
+    O_DIRECT reads from ~26 to ~10 ticks of system time per 2,048-token prompt of the peers bf16 file (pinning
+    512x fewer pages) and spare the expert GEMMs TLB misses: 2,440-2,530 -> 2,240-2,380 ms a prompt, alternated
+    runs of /tmp scripts at 512 MiB (store/README of the stop: benchmarks/results/prefill/README.md)."""
+    if rows * stride == 0:
+        return torch.zeros((rows, stride), dtype=torch.uint8)
+    buf = mmap.mmap(-1, rows * stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    t = torch.frombuffer(buf, dtype=torch.uint8).view(rows, stride)  # keeps buf alive
+    t.fill_(0)  # first-touch faults at load, not inside timed steps
+    return t
+
+
 class StreamingExpertStore:
     """`slots` expert slots; misses are read by `reader` straight into the slot buffers."""
 
     def __init__(self, layout: ExpertLayout, reader, slots: int, overlap: bool = True,
-                 policy: GlobalLRU | None = None):
+                 policy: GlobalLRU | None = None, page_aligned: bool | None = None):
         """`overlap`: acquire returns with the misses' reads in flight (see acquire); False = it returns once every
         read has landed (the math then waits for the slowest expert before running any). `policy`: what to evict
-        (default FairShareLFU)."""
+        (default FairShareLFU). `page_aligned`: place each layer's experts in their slots at their file offsets
+        modulo the page, so an O_DIRECT reader moves their whole pages straight into the slots (no copy out of a
+        staging buffer); None = when the reader reads with O_DIRECT and a slot is at least PAGE_ALIGNED_MIN_SLOT
+        bytes. It takes one to two pages per slot, paid for by fewer slots, never by more memory."""
         s = layout.spec
         self.layout, self.reader, self.overlap = layout, reader, overlap
+        if page_aligned is None:
+            page_aligned = bool(getattr(reader, "odirect", False)) and layout.slot_nbytes >= PAGE_ALIGNED_MIN_SLOT
+        self._shift = _page_shifts(layout) if page_aligned else {}
+        stride = -(-(layout.slot_nbytes + PAGE - 1) // PAGE) * PAGE if page_aligned else layout.slot_nbytes
+        if page_aligned and slots * layout.slot_nbytes // stride >= s.top_k:
+            slots = slots * layout.slot_nbytes // stride
+        elif page_aligned:  # too few slots to give any up: as stored, staged
+            stride, self._shift = layout.slot_nbytes, {}
         self.n_slots = slots
         self.max_batch = slots
-        # The only large allocation of the store: written in place for the whole run, each slot one expert as
-        # stored. zeros, not empty: first-touch page faults happen here at load, not inside timed decode steps
-        self.raw = torch.zeros((slots, layout.slot_nbytes), dtype=torch.uint8)  # [S, slot bytes]
-        self.gate_up, self.down = typed_views(layout, self.raw)  # [S, 2I, H], [S, H, I] when plain, else None
+        # The only large allocation of the store: written in place for the whole run, each row one slot holding
+        # one expert as stored (with a page of room when the layers are shifted, see _page_shifts)
+        self.raw = _page_rows(slots, stride)  # [S, stride]
+        # per shift: raw [S, slot bytes] viewed from that byte of each row, and its typed gate_up [S, 2I, H] and
+        # down [S, H, I] when plain (else None)
+        self._shifted: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
         self._views: dict[int, memoryview] = {}  # slot -> a byte view of raw[slot], made at its first read
         self.policy = policy if policy is not None else FairShareLFU(layout.layers, s.num_experts, s.top_k, slots)
         self._owner: list[Key | None] = [None] * slots
@@ -69,6 +128,25 @@ class StreamingExpertStore:
     def nbytes(self) -> int:
         return self.raw.numel()
 
+    def _at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """raw, gate_up, down of `layer`'s shift (see __init__)."""
+        shift = self._shift.get(layer, 0)
+        views = self._shifted.get(shift)
+        if views is None:
+            raw = self.raw[:, shift : shift + self.layout.slot_nbytes]  # [S, slot bytes]
+            views = self._shifted[shift] = (raw, *typed_views(self.layout, raw))
+        return views
+
+    @property
+    def gate_up(self) -> torch.Tensor | None:
+        """[S, 2I, H] typed view of the slots when the experts are plain (the first layer's placement)."""
+        return self._at(self.layout.layers[0] if self.layout.layers else 0)[1]
+
+    @property
+    def down(self) -> torch.Tensor | None:
+        """[S, H, I], as gate_up."""
+        return self._at(self.layout.layers[0] if self.layout.layers else 0)[2]
+
     def _victim(self, layer: int, exclude: set | None = None) -> int | None:
         """A slot for an expert of `layer`: a free one, else one the policy evicts.
 
@@ -88,7 +166,8 @@ class StreamingExpertStore:
         view = self._views.get(slot)
         if view is None:
             view = self._views[slot] = memoryview(self.raw[slot].numpy())
-        return [(part.range, view[part.dest_offset : part.dest_offset + part.range.nbytes])
+        at = self._shift.get(layer, 0)
+        return [(part.range, view[at + part.dest_offset : at + part.dest_offset + part.range.nbytes])
                 for part in self.layout.parts(layer, expert)]
 
     def _insert(self, key: Key, slot: int) -> None:
@@ -161,8 +240,9 @@ class StreamingExpertStore:
             raise
         finally:
             self.io_wait_s += time.perf_counter() - t0
-        batch = ExpertBatch(self.gate_up, self.down, slots, {j: functools.partial(self._wait, j) for j in inflight},
-                            raw=self.raw, format=self.layout.format(layer),
+        raw, gate_up, down = self._at(layer)
+        batch = ExpertBatch(gate_up, down, slots, {j: functools.partial(self._wait, j) for j in inflight},
+                            raw=raw, format=self.layout.format(layer),
                             landed={j: fut.done for j, fut in inflight.items() if hasattr(fut, "done")})
         if not self.overlap:
             batch.wait_all()
@@ -223,16 +303,18 @@ class StreamingExpertStore:
         self.settle()
         self._pinned.clear()
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int], prompt: bool = False) -> None:
         """Start background reads of predicted `experts` of `layer` into free or evicted slots, now.
 
         Never evicts a pinned slot nor an entry it is placing in this same call, and stops when no other slot is
         left. In-flight bytes are bounded by one layer's prediction. The true router still decides: a wrong guess
-        only costs the read.
+        only costs the read. `prompt`: a prompt's read-ahead (models/blocks.py): one read batch per expert, so the
+        next layer runs each as soon as it lands, counted apart from decode's prefetch (stats "prompt_prefetch_*")
+        and never paused by its throttle.
         """
-        if not self.prefetching.allow(layer, experts):
+        if not prompt and not self.prefetching.allow(layer, experts):
             return
-        requests, keys = [], []
+        batches, keys = [], []
         placing: set[Key] = set()  # entries this call fills: never a victim of its own later picks
         for e in experts:
             key = (layer, e)
@@ -243,15 +325,18 @@ class StreamingExpertStore:
                 break
             placing.add(key)
             self._insert(key, slot)
-            requests += self._requests(layer, e, slot)
+            batches.append(self._requests(layer, e, slot))
             keys.append(key)
-        if not requests:
+        if not keys:
             return
-        self.prefetching.placed(keys)
-        fut = self.reader.submit(requests)
-        for key in keys:
+        self.prefetching.placed(keys, prompt)
+        if prompt:
+            futures = [self.reader.submit(b) for b in batches]
+        else:
+            futures = [self.reader.submit([r for b in batches for r in b])] * len(keys)
+        for key, fut in zip(keys, futures):
             self._pending[key] = fut
-        self.bytes_read += sum(r.nbytes for r, _ in requests)
+        self.bytes_read += sum(r.nbytes for b in batches for r, _ in b)
 
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
         """Like prefetch, issued right after the next acquire has pinned its experts (so the reads overlap that

@@ -485,7 +485,7 @@ class ExpertCall:
 
     def many(self, raw: torch.Tensor, slots: list[int], x: torch.Tensor, ys: torch.Tensor, rows: list[int],
              planes: int | None = None) -> None:
-        """The experts in rows `slots` of raw (uint8 [S, >= nbytes], one expert per row) on the same x float32
+        """The experts in rows `slots` of raw (uint8 [S, >= nbytes], one expert per row, rows contiguous) on the same x float32
         [T, H], expert e into ys[rows[e]] (ys float32 [R, T, H], or [R, H] when T == 1), in one native call, the
         rows of all their projections split over the threads of set_threads (q8.c sluice_experts_q8): each output
         is bitwise what call(raw[slots[e]], x, ys[rows[e]]) writes, whatever the thread count. Addresses instead of
@@ -494,17 +494,18 @@ class ExpertCall:
         if not (x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == h and x.is_contiguous()):
             raise ValueError(f"expert x: need contiguous float32 [T, {h}], got {x.dtype} {list(x.shape)}")
         th = x.numel()
-        if not (raw.dtype is torch.uint8 and raw.dim() == 2 and raw.is_contiguous() and raw.shape[1] >= self.nbytes
-                and all(0 <= s < raw.shape[0] for s in slots)):
-            raise ValueError(f"expert slots: need rows < {raw.shape[0] if raw.dim() == 2 else '?'} of contiguous "
-                             f"uint8 [S, >= {self.nbytes}], got {raw.dtype} {list(raw.shape)} and rows {slots}")
+        if not (raw.dtype is torch.uint8 and raw.dim() == 2 and raw.stride(1) == 1 and raw.shape[1] >= self.nbytes
+                and raw.stride(0) >= raw.shape[1] and all(0 <= s < raw.shape[0] for s in slots)):
+            raise ValueError(f"expert slots: need rows < {raw.shape[0] if raw.dim() == 2 else '?'} of uint8 "
+                             f"[S, >= {self.nbytes}], each row contiguous, got {raw.dtype} {list(raw.shape)} and rows "
+                             f"{slots}")
         r_max = ys.numel() // th if th else 0
         if not (ys.dtype is torch.float32 and ys.is_contiguous() and th and ys.numel() == r_max * th
                 and ys.shape[-1] == h and len(rows) == n and all(0 <= r < r_max for r in rows)):
             raise ValueError(f"expert outputs: need contiguous float32 [R, {list(x.shape)}] and {n} rows < R, got "
                              f"{ys.dtype} {list(ys.shape)} and rows {rows}")
         (gf, ga, gr), (uf, ua, ur), (df, da, dr) = self.parts
-        vals, base, stride, yb = [], raw.data_ptr(), raw.shape[1], ys.data_ptr()
+        vals, base, stride, yb = [], raw.data_ptr(), raw.stride(0), ys.data_ptr()
         for s, r in zip(slots, rows):
             at = base + s * stride
             vals += (gf, at + ga, gr, uf, at + ua, ur, df, at + da, dr, yb + 4 * r * th)
