@@ -27,8 +27,8 @@ from .prefetch import PrefetchTracker
 from .resident import expert_requests, typed_views
 
 
-# Slots below this size keep the stored layout (no page of room per slot): their reads are small, and the pages
-# would cost more slots than the copies they save.
+# Slots below this size keep the stored layout: a placed slot takes up to two pages more (a 256 KiB one ~3%, paid in
+# slots), and small reads save little copying. The peers Q4_K_M file's slots (996 KiB) are above it.
 PAGE_ALIGNED_MIN_SLOT = 256 << 10
 
 
@@ -57,10 +57,10 @@ def _page_shifts(layout: ExpertLayout) -> dict[int, int]:
 
 def _page_rows(rows: int, stride: int) -> torch.Tensor:
     """zeros uint8 [rows, stride] from a page boundary (an anonymous private mapping), in transparent huge pages
-    where the kernel gives them (MADV_HUGEPAGE: THP "madvise" mode, the common default). Huge pages take the slots'
-    O_DIRECT reads from ~26 to ~10 ticks of system time per 2,048-token prompt of the peers bf16 file (pinning
-    512x fewer pages) and spare the expert GEMMs TLB misses: 2,440-2,530 -> 2,240-2,380 ms a prompt, alternated
-    runs of /tmp scripts at 512 MiB (store/README of the stop: benchmarks/results/prefill/README.md)."""
+    where the kernel gives them (MADV_HUGEPAGE: THP "madvise" mode, the common default). With the slots read in place
+    (_page_shifts) huge pages cut a peers bf16 2,048-token prompt's system CPU 0.24 -> 0.14 s (O_DIRECT pins 512x
+    fewer pages) and the expert GEMMs' TLB misses: 0.92-0.94 of the staged 4 KiB slots' time on three files, where
+    in place in 4 KiB pages was 0.98-1.04 (benchmarks/results/prefill/slots.md)."""
     if rows * stride == 0:
         return torch.zeros((rows, stride), dtype=torch.uint8)
     buf = mmap.mmap(-1, rows * stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
