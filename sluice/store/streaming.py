@@ -63,9 +63,14 @@ def _page_rows(rows: int, stride: int) -> torch.Tensor:
     in place in 4 KiB pages was 0.98-1.04 (benchmarks/results/prefill/slots.md)."""
     if rows * stride == 0:
         return torch.zeros((rows, stride), dtype=torch.uint8)
-    buf = mmap.mmap(-1, rows * stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    try:
+        buf = mmap.mmap(-1, rows * stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise MemoryError(f"cannot map {rows} expert slots of {stride} bytes: {e.strerror or e}") from e
+    try:
         buf.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP in this kernel (or not Linux): 4 KiB pages, the same bytes
+        pass
     t = torch.frombuffer(buf, dtype=torch.uint8).view(rows, stride)  # keeps buf alive
     t.fill_(0)  # first-touch faults at load, not inside timed steps
     return t

@@ -76,3 +76,14 @@ def test_stored_layout_below_the_size_or_without_odirect(model, monkeypatch, odi
     with sluice.load(model_path, memory=resident + (k + 2) * layout.expert_nbytes, io="direct", odirect=odirect) as m:
         assert not m.store._shift and m.store.n_slots == k + 2
         assert m.store.raw.shape[1] == layout.expert_nbytes
+
+
+def test_slot_rows_without_huge_pages(monkeypatch):
+    """Where mmap has no MADV_HUGEPAGE (no THP, not Linux) the slots are the same zeroed, page-aligned rows in 4 KiB
+    pages."""
+    import mmap
+
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    rows = streaming._page_rows(3, 2 * PAGE)
+    assert rows.shape == (3, 2 * PAGE) and rows.data_ptr() % PAGE == 0 and not rows.any()
+    assert streaming._page_rows(0, PAGE).shape == (0, PAGE)
