@@ -70,8 +70,9 @@ class Model:
         elif p.options.prefetch == "learned" and self.memory is not None:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
+        # not on the mmap reader: its submit copies in the caller, so the read-ahead would stall this layer's math
         prompt_prerouter = (RouterPrerouter(s, weights) if p.options.prompt_prefetch and self.memory is not None
-                            else None)
+                            and self.reader.mode != "mmap" else None)
         self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter,
                                  planes=planes, prompt_prerouter=prompt_prerouter)
         # decode splits the rows of a layer's native experts and of the quantized projections over the threads

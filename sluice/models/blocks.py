@@ -282,9 +282,9 @@ class Transformer:
         for c0 in range(0, len(eids), step):
             chunk = eids[c0 : c0 + step]
             batch = self.store.acquire(L, chunk)
-            if guess is not None and len(eids) <= step:  # one pass: the other slots may take the next layer's
-                self.store.prefetch(*guess, prompt=True)
             try:
+                if guess is not None and len(eids) <= step:  # one pass: the other slots may take the next layer's
+                    self.store.prefetch(*guess, prompt=True)
                 for j in sorted(range(len(chunk)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
                     batch.wait(j)
                     a, n = starts[c0 + j], padded[c0 + j]

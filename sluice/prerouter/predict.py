@@ -48,8 +48,9 @@ class RouterPrerouter:
         # ranked as the layer's own router ranks (its bias, groups): models/routing.py
         scores = selection_scores(self.spec, lw, rms_norm(x, lw.post_norm, self.spec.rms_norm_eps))  # [T, E]
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
-        ids = torch.topk(scores, k, dim=-1).indices.flatten().unique()
-        return nxt, ids.tolist()
+        ids, counts = torch.topk(scores, k, dim=-1).indices.flatten().unique(return_counts=True)
+        # the experts most tokens pick first: a prompt's read-ahead fills the free slots in this order
+        return nxt, ids[torch.argsort(counts, descending=True, stable=True)].tolist()
 
 
 # -- learned heads -------------------------------------------------------------------------------------------------

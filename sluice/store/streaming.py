@@ -39,9 +39,10 @@ VIEW_ALIGN = 8
 
 def _page_shifts(layout: ExpertLayout) -> dict[int, int]:
     """Per MoE layer, the byte of a page-aligned slot row its experts start at: the residue modulo PAGE that most
-    of the layer's parts' file offsets have (minus where each part lands in the slot). In a GGUF file every stacked
-    expert tensor of a layer is at one residue (the tensors' sizes are whole pages), so all their parts agree; a
-    part that does not is still read right, through staging. 0 where the experts' dtype cannot start there."""
+    of the layer's parts' bytes have (their file offsets minus where each lands in the slot), among the residues
+    its typed views may start at. In a GGUF file a layer's stacked expert tensors usually share one residue (the
+    tensors between them are whole pages long) and so do all experts of a tensor whose per-expert size is whole
+    pages; a part at another residue (a Q6_K expert of 52.5 KiB) is still read right, through staging."""
     item = torch.tensor([], dtype=layout.plain_dtype).element_size() if layout.plain_dtype is not None else 1
     shifts = {}
     for layer in layout.layers:
@@ -50,8 +51,8 @@ def _page_shifts(layout: ExpertLayout) -> dict[int, int]:
             for part in layout.parts(layer, e):
                 r = (part.range.offset - part.dest_offset) % PAGE
                 votes[r] = votes.get(r, 0) + part.range.nbytes
-        shift = max(votes, key=votes.__getitem__) if votes else 0
-        shifts[layer] = shift if shift % max(item, VIEW_ALIGN) == 0 else 0
+        votes = {r: n for r, n in votes.items() if r % max(item, VIEW_ALIGN) == 0}  # typed views must start there
+        shifts[layer] = max(votes, key=votes.__getitem__) if votes else 0
     return shifts
 
 
@@ -80,21 +81,24 @@ class StreamingExpertStore:
     """`slots` expert slots; misses are read by `reader` straight into the slot buffers."""
 
     def __init__(self, layout: ExpertLayout, reader, slots: int, overlap: bool = True,
-                 policy: GlobalLRU | None = None, page_aligned: bool | None = None):
+                 policy: GlobalLRU | None = None, page_aligned: bool | None = None, budget: int | None = None):
         """`overlap`: acquire returns with the misses' reads in flight (see acquire); False = it returns once every
         read has landed (the math then waits for the slowest expert before running any). `policy`: what to evict
         (default FairShareLFU). `page_aligned`: place each layer's experts in their slots at their file offsets
         modulo the page, so an O_DIRECT reader moves their whole pages straight into the slots (no copy out of a
         staging buffer); None = when the reader reads with O_DIRECT and a slot is at least PAGE_ALIGNED_MIN_SLOT
-        bytes. It takes one to two pages per slot, paid for by fewer slots, never by more memory."""
+        bytes. It takes one to two pages per slot, paid for by fewer slots, never by more memory: as many as
+        `budget` bytes hold (at most one per expert), else as many as `slots` slots' bytes hold."""
         s = layout.spec
         self.layout, self.reader, self.overlap = layout, reader, overlap
         if page_aligned is None:
             page_aligned = bool(getattr(reader, "odirect", False)) and layout.slot_nbytes >= PAGE_ALIGNED_MIN_SLOT
         self._shift = _page_shifts(layout) if page_aligned else {}
         stride = -(-(layout.slot_nbytes + PAGE - 1) // PAGE) * PAGE if page_aligned else layout.slot_nbytes
-        if page_aligned and slots * layout.slot_nbytes // stride >= s.top_k:
-            slots = slots * layout.slot_nbytes // stride
+        placed = (min(layout.total_experts, (budget if budget is not None else slots * layout.slot_nbytes) // stride)
+                  if page_aligned else slots)
+        if page_aligned and placed >= s.top_k:
+            slots = placed
         elif page_aligned:  # too few slots to give any up: as stored, staged
             stride, self._shift = layout.slot_nbytes, {}
         self.n_slots = slots
@@ -127,7 +131,7 @@ class StreamingExpertStore:
         (with the smallest budget that works) when fewer than top_k slots fit."""
         s = layout.spec
         plan = plan_budget(memory, memory - expert_budget, layout.expert_nbytes, s.top_k, layout.total_experts)
-        return cls(layout, reader, plan.slots, overlap=overlap)
+        return cls(layout, reader, plan.slots, overlap=overlap, budget=expert_budget)
 
     @property
     def nbytes(self) -> int:
@@ -320,25 +324,34 @@ class StreamingExpertStore:
         if not prompt and not self.prefetching.allow(layer, experts):
             return
         batches, keys = [], []
-        placing: set[Key] = set()  # entries this call fills: never a victim of its own later picks
+        # never a victim of this call: the entries it places, and for a prompt also the predicted ones already in
+        # memory (a prompt's prediction is what the next layer runs: trading one of them for another only churns)
+        keep: set[Key] = {(layer, e) for e in experts if (layer, e) in self.policy} if prompt else set()
         for e in experts:
             key = (layer, e)
             if key in self.policy:
                 continue
-            slot = self._victim(layer, exclude=placing)
+            slot = self._victim(layer, exclude=keep)
             if slot is None:
                 break
-            placing.add(key)
+            keep.add(key)
             self._insert(key, slot)
             batches.append(self._requests(layer, e, slot))
             keys.append(key)
         if not keys:
             return
+        futures: list = []
+        try:
+            if prompt:
+                for b in batches:
+                    futures.append(self.reader.submit(b))
+            else:
+                futures = [self.reader.submit([r for b in batches for r in b])] * len(keys)
+        finally:
+            for key in keys[len(futures):]:  # never submitted (the reader raised): their slots hold no bytes
+                self._free.append(self.policy.remove(key))
+                self._owner[self._free[-1]] = None
         self.prefetching.placed(keys, prompt)
-        if prompt:
-            futures = [self.reader.submit(b) for b in batches]
-        else:
-            futures = [self.reader.submit([r for b in batches for r in b])] * len(keys)
         for key, fut in zip(keys, futures):
             self._pending[key] = fut
         self.bytes_read += sum(r.nbytes for b in batches for r, _ in b)

@@ -21,7 +21,7 @@ def model_dir(request, tmp_path_factory):
                             "per_expert")
 
 
-@pytest.mark.parametrize("io", ["mmap", "direct"])
+@pytest.mark.parametrize("io", ["willneed", "direct"])
 def test_prompt_read_ahead_is_exact_and_replaces_misses(model_dir, io):
     with sluice.load(model_dir, memory="all") as m:
         want = m.logits(LONG)
@@ -39,3 +39,13 @@ def test_prompt_read_ahead_is_exact_and_replaces_misses(model_dir, io):
     assert st["prompt_prefetch_used"] >= 0.8 * st["prompt_prefetch_issued"]
     assert st["misses"] <= off["misses"] - st["prompt_prefetch_used"]  # each used read-ahead was a miss before
     assert st["bytes_read"] == (st["misses"] + st["prompt_prefetch_issued"]) * layout.expert_nbytes
+
+
+def test_no_read_ahead_on_the_mmap_reader(model_dir):
+    """The mmap reader copies at submit, in the caller: a read-ahead there would stall the layer's math."""
+    with sluice.load(model_dir, memory="all") as m:
+        want = m.logits(LONG)
+        resident, layout, spec = m.resident_bytes, m.layout, m.spec
+    with sluice.load(model_dir, memory=resident + 2 * spec.num_experts * layout.expert_nbytes, io="mmap") as m:
+        assert torch.equal(m.logits(LONG), want)
+        assert m.stats()["prompt_prefetch_issued"] == 0
