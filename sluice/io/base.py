@@ -141,7 +141,9 @@ class Counters:
                 "coalesced": self.coalesced,  # ranges that joined another read instead of their own
                 "dedup_saved_bytes": self.dedup_saved_bytes,
                 "wait_s": self.wait_s,  # time callers spent blocked in read() / result()
-                "copied_bytes": self.copied_bytes,  # copied in memory after the read (staging, duplicates)
+                # direct reader: bytes copied after the read (out of staging, into duplicates); the mapped
+                # readers' copies are their reads and are not counted here
+                "copied_bytes": self.copied_bytes,
                 "major_faults": sum(f[0] for f in self.threads.values()),
                 "minor_faults": sum(f[1] for f in self.threads.values()),
                 "threads": {k: {"major_faults": v[0], "minor_faults": v[1]} for k, v in self.threads.items()},
