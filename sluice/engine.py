@@ -358,7 +358,7 @@ def load(path: str | os.PathLike, *, progress: bool = False, **options) -> Model
 
     Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" |
     "willneed" | "direct"), io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context,
-    prefill_chunk, threads, embeddings, prefetch, prefetch_margin, prompt_prefetch, overlap. `sluice.plan.plan(path, options)` shows
-    what a load would decide without reading weights.
+    prefill_chunk, threads, embeddings, prefetch, prefetch_margin, prompt_prefetch, overlap.
+    `sluice.plan.plan(path, options)` shows what a load would decide without reading weights.
     """
     return Model(path, LoadOptions.make(**options), progress=progress)

@@ -16,7 +16,6 @@ until the next batch.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -29,8 +28,8 @@ from typing import Any
 from sluice.checkpoint.ref import FileStamp
 from sluice.errors import CheckpointError
 from sluice.io.base import Counters, FileGuard, ReadFuture, Request, done_future, thread_faults
-from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, copy_bytes, plan_reads,
-                               split_even)
+from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, address, copy_bytes,
+                               plan_reads, split_even)
 
 # Worker threads = reads in flight. Measured by benchmarks/io_workers.py: 1.5 GiB random file on /dev/vda (ext4),
 # evicted with posix_fadvise(DONTNEED) and verified cold by mincore before every arm, 2 CPU cores, shared machine.
@@ -86,13 +85,20 @@ def preadv_full(fd: int, bufs: list[memoryview], offset: int, path: str, read: R
         if n == 0:
             raise _truncated(fd, path, read, pos)
         pos += n
-        while n and i < len(bufs):  # drop the buffers this call filled, trim a partly filled one
-            if n >= len(bufs[i]):
-                n -= len(bufs[i])
-                i += 1
-            else:
-                bufs[i] = bufs[i][n:]
-                n = 0
+        i = _advance(bufs, i, n)
+
+
+def _advance(bufs: list[memoryview], i: int, n: int) -> int:
+    """After a preadv into bufs[i:] returned n bytes: the index of the first buffer not yet full, the partly filled
+    one trimmed in place to what is left of it."""
+    while n and i < len(bufs):
+        if n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
+        else:
+            bufs[i] = bufs[i][n:]
+            n = 0
+    return i
 
 
 class _Scratch:
@@ -255,13 +261,7 @@ class _Pool:
             # next read would be misaligned)
             if n == 0 or n % ALIGN:
                 raise _truncated(fd, r.path, r, pos)
-            while n:  # drop the buffers this call filled, trim a partly filled one
-                if n >= len(bufs[i]):
-                    n -= len(bufs[i])
-                    i += 1
-                else:
-                    bufs[i] = bufs[i][n:]
-                    n = 0
+            i = _advance(bufs, i, n)
         copied = 0
         for seg, (a, b) in zip(r.segments, direct):  # the bytes outside each direct run came through staging
             src, dst = stage[seg.rel + r.offset - start :], seg.dests[0]
@@ -289,11 +289,6 @@ class _Pool:
         self.fds.clear()
 
 
-def _address(buf: memoryview) -> int:
-    """The address of a writable buffer's first byte."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-
-
 def _direct_iovecs(r: Read, start: int, window: int,
                    stage: memoryview) -> tuple[list[memoryview], list[tuple[int, int]]]:
     """O_DIRECT buffers for the window [start, start + window) of read `r` (start and window multiples of ALIGN),
@@ -310,7 +305,7 @@ def _direct_iovecs(r: Read, start: int, window: int,
         o = r.offset + seg.rel
         a, b = -(-o // ALIGN) * ALIGN, (o + seg.nbytes) // ALIGN * ALIGN
         dst = seg.dests[0]
-        if r.overlapping or b <= a or a < pos or (_address(dst) - o) % ALIGN:
+        if r.overlapping or b <= a or a < pos or (address(dst) - o) % ALIGN:
             direct.append((0, 0))
             continue
         if a > pos:

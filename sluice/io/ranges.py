@@ -124,8 +124,12 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
         return
     if len(dst) != n:
         raise ValueError(f"copy of {n} bytes into a {len(dst)}-byte destination")
-    ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(dst)),
-                   ctypes.addressof(ctypes.c_char.from_buffer(src)), n)
+    ctypes.memmove(address(dst), address(src), n)
+
+
+def address(buf: memoryview) -> int:
+    """The address of a writable buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 @dataclass

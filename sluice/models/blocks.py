@@ -178,7 +178,7 @@ class Transformer:
             out = sdpa(q[None], ck[None, :, :T], cv[None, :, :T], is_causal=True, enable_gqa=True)[0]  # [nH, T, D]
         else:  # later chunks of a prompt, decode on the torch path
             out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], attn_mask=mask,
-                         enable_gqa=True)[0]  # [nH, T, D]
+                       enable_gqa=True)[0]  # [nH, T, D]
         out = out.transpose(0, 1).reshape(T, s.n_heads * D)
         return linear(out, lw.o, lw.o_bias)
 

@@ -18,9 +18,9 @@ from typing import Sequence
 
 import torch
 
+from ..io.ranges import PAGE
 from .base import ExpertBatch
 from .budget import plan_budget
-from ..io.ranges import PAGE
 from .layout import ExpertLayout
 from .policy import FairShareLFU, GlobalLRU, Key
 from .prefetch import PrefetchTracker
@@ -145,16 +145,6 @@ class StreamingExpertStore:
             raw = self.raw[:, shift : shift + self.layout.slot_nbytes]  # [S, slot bytes]
             views = self._shifted[shift] = (raw, *typed_views(self.layout, raw))
         return views
-
-    @property
-    def gate_up(self) -> torch.Tensor | None:
-        """[S, 2I, H] typed view of the slots when the experts are plain (the first layer's placement)."""
-        return self._at(self.layout.layers[0] if self.layout.layers else 0)[1]
-
-    @property
-    def down(self) -> torch.Tensor | None:
-        """[S, H, I], as gate_up."""
-        return self._at(self.layout.layers[0] if self.layout.layers else 0)[2]
 
     def _victim(self, layer: int, exclude: set | None = None) -> int | None:
         """A slot for an expert of `layer`: a free one, else one the policy evicts.
@@ -302,11 +292,14 @@ class StreamingExpertStore:
 
     def _forget(self, layer: int, experts: Sequence[int]) -> None:
         for e in experts:
-            key = (layer, e)
-            if key in self.policy:
-                self._free.append(self._evict(key))
-                self.evictions -= 1  # not a cache decision
+            if (layer, e) in self.policy:
+                self._drop((layer, e))
         self._pinned.clear()
+
+    def _drop(self, key: Key) -> None:
+        """Take `key` out of the cache and free its slot: not a cache decision, so no eviction is counted."""
+        self._free.append(self._evict(key))
+        self.evictions -= 1
 
     def release(self, layer: int) -> None:
         self.settle()
@@ -349,8 +342,7 @@ class StreamingExpertStore:
                 futures = [self.reader.submit([r for b in batches for r in b])] * len(keys)
         finally:
             for key in keys[len(futures):]:  # never submitted (the reader raised): their slots hold no bytes
-                self._free.append(self.policy.remove(key))
-                self._owner[self._free[-1]] = None
+                self._drop(key)
         self.prefetching.placed(keys, prompt)
         for key, fut in zip(keys, futures):
             self._pending[key] = fut

@@ -485,10 +485,11 @@ class ExpertCall:
 
     def many(self, raw: torch.Tensor, slots: list[int], x: torch.Tensor, ys: torch.Tensor, rows: list[int],
              planes: int | None = None) -> None:
-        """The experts in rows `slots` of raw (uint8 [S, >= nbytes], one expert per row, rows contiguous) on the same x float32
-        [T, H], expert e into ys[rows[e]] (ys float32 [R, T, H], or [R, H] when T == 1), in one native call, the
-        rows of all their projections split over the threads of set_threads (q8.c sluice_experts_q8): each output
-        is bitwise what call(raw[slots[e]], x, ys[rows[e]]) writes, whatever the thread count. Addresses instead of
+        """The experts in rows `slots` of raw (uint8 [S, >= nbytes], one expert per row, rows contiguous) on the
+        same x float32 [T, H], expert e into ys[rows[e]] (ys float32 [R, T, H], or [R, H] when T == 1), in one
+        native call, the rows of all their projections split over the threads of set_threads (q8.c
+        sluice_experts_q8): each output is bitwise what call(raw[slots[e]], x, ys[rows[e]]) writes, whatever the
+        thread count. Addresses instead of
         slices: a slice is a torch op (~3 us), and a decode layer passes 8 experts."""
         h, n = self.h, len(slots)
         if not (x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == h and x.is_contiguous()):
