@@ -341,11 +341,11 @@ class StreamingExpertStore:
             else:
                 futures = [self.reader.submit([r for b in batches for r in b])] * len(keys)
         finally:
+            for key, fut in zip(keys, futures):  # submitted: a later acquire waits for these reads to land
+                self._pending[key] = fut
             for key in keys[len(futures):]:  # never submitted (the reader raised): their slots hold no bytes
                 self._drop(key)
         self.prefetching.placed(keys, prompt)
-        for key, fut in zip(keys, futures):
-            self._pending[key] = fut
         self.bytes_read += sum(r.nbytes for b in batches for r, _ in b)
 
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:

@@ -49,3 +49,30 @@ def test_no_read_ahead_on_the_mmap_reader(model_dir):
     with sluice.load(model_dir, memory=resident + 2 * spec.num_experts * layout.expert_nbytes, io="mmap") as m:
         assert torch.equal(m.logits(LONG), want)
         assert m.stats()["prompt_prefetch_issued"] == 0
+
+
+def test_a_read_ahead_whose_reader_fails_midway_keeps_the_cache_true(model_dir):
+    """The reader raises on the third expert of a read-ahead: the two submitted stay cached with their reads pending
+    (an acquire waits for them), the rest leave the cache with their slots freed, and the output stays exact."""
+    with sluice.load(model_dir, memory="all") as m:
+        want = m.logits(LONG)
+        resident, layout, spec = m.resident_bytes, m.layout, m.spec
+    memory = resident + 3 * spec.num_experts * layout.expert_nbytes
+    with sluice.load(model_dir, memory=memory, io="direct") as m:
+        store, submit, calls = m.store, m.reader.submit, []
+
+        def failing(requests):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("reader closed")
+            return submit(requests)
+
+        layer = store.layout.layers[-1]
+        m.reader.submit = failing
+        with pytest.raises(RuntimeError, match="reader closed"):
+            store.prefetch(layer, list(range(spec.num_experts)), prompt=True)
+        m.reader.submit = submit
+        placed = [(layer, e) for e in range(spec.num_experts) if (layer, e) in store.policy]
+        assert len(placed) == 2 and all(k in store._pending for k in placed)
+        assert len(store._free) + len(store.policy) == store.n_slots
+        assert torch.equal(m.logits(LONG), want)
