@@ -29,7 +29,8 @@ from .spec import KVCache, MLPWeights, Spec, Weights
 
 _NATIVE = native.native_available()
 # A prompt's experts with BF16_GEMM_MIN_ROWS or more rows run bf16 GEMMs on their rows padded to a multiple of this
-# (zero rows, results dropped; a row's result does not depend on the row count, tests/store/test_prefill.py). oneDNN
+# (zero rows, results dropped; on a CPU whose GEMM gives a row the same bits whatever the row count, as here, the
+# logits are unchanged: tests/store/test_prefill.py; streamed and resident runs pad alike everywhere). oneDNN
 # builds kernels for each row count it has not seen, and every prompt brings new ones. Demo model at 1 GiB, resident,
 # three prompts in a fresh process, medians of 3 alternated processes (`benchmarks/resident_matmul.py rows`): 512
 # tokens 208 / 180 / 179 ms padded vs 236 / 214 / 201 unpadded; 2,048 tokens 650 / 565 / 544 vs 693 / 641 / 614.

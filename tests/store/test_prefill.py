@@ -182,10 +182,26 @@ def test_streamed_prefill_is_the_resident_bits_with_either_matmul(model_dir, res
     assert (want - other).norm() <= 3e-2 * other.norm()
 
 
+def _rows_independent(spec) -> bool:
+    """Whether this CPU's bf16 GEMM gives a row the same bits in a block of 75 rows and of 80 (the padding below):
+    oneDNN's choice of kernel per row count is the CPU's, so it is asked, not assumed."""
+    g = torch.Generator().manual_seed(1)
+    out = True
+    for n_out, n_in in ((2 * spec.moe_intermediate_size, spec.hidden_size),
+                        (spec.hidden_size, spec.moe_intermediate_size)):
+        x = torch.randn(80, n_in, generator=g).bfloat16()
+        w = torch.randn(n_out, n_in, generator=g).bfloat16()
+        out &= torch.equal(torch.nn.functional.linear(x[:75], w), torch.nn.functional.linear(x, w)[:75])
+    return out
+
+
 @pytest.mark.parametrize("memory", ["all", "stream"])
 def test_padding_the_gemm_rows_changes_no_bits(model_dir, resident, memory, monkeypatch):
     """Under bf16 GEMMs an expert's 16+ rows run padded to a multiple of blocks.GEMM_ROW_STEP (oneDNN builds kernels
-    per row count); a row's result does not depend on the row count, so the logits are those of unpadded rows."""
+    per row count). Where this CPU's GEMM gives a row the same bits whatever the row count (_rows_independent: here,
+    a 2-core AVX512_BF16 EPYC), the logits are bitwise those of unpadded rows; elsewhere (another kernel per row
+    count) they differ by the GEMM's rounding only. Streamed and resident runs pad alike, so they agree either way
+    (test_streamed_prefill_is_the_resident_bits_with_either_matmul)."""
     _, _, resident_bytes, expert, spec = resident
     budget = "all" if memory == "all" else resident_bytes + spec.top_k * expert
     prompt = LONG[:300]  # ~75 rows per expert (8 experts, top 2): padded
@@ -201,4 +217,7 @@ def test_padding_the_gemm_rows_changes_no_bits(model_dir, resident, memory, monk
     padded, plain = rows
     assert step_in_use > 1 and all(n % step_in_use == 0 for n in padded if n >= 16)
     assert any(n % step_in_use for n in plain if n >= 16)  # the padding did change some row counts
-    assert torch.equal(out[0], out[1])
+    if _rows_independent(spec):
+        assert torch.equal(out[0], out[1])
+    else:
+        torch.testing.assert_close(out[0], out[1], rtol=0.02, atol=0.02 * out[1].abs().max().item())
