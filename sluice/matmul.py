@@ -109,6 +109,33 @@ def packed_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return _packed(x.contiguous(), p)
 
 
+# --- a prompt's expert rows in blocks ------------------------------------------------------------------------------
+# An expert's rows in a prompt run in blocks whose [rows, 2I] gate / up GEMM output stays within GEMM_BLOCK_BYTES
+# (at least GEMM_MIN_BLOCK rows): SwiGLU and the down GEMM then read it from cache, and oneDNN, which builds kernels
+# for each row count it has not seen (~0.3 ms per shape here), meets fewer shapes (the demo model's first 512-token
+# prompt brought 74). Demo model at 1 GiB (2I = 7,296), resident, the first prompt of a fresh process, medians of 6
+# alternated processes (3 at 2,048 tokens), 2-core AVX512_BF16 EPYC: 512 tokens 190 ms unsplit, 179 in blocks of
+# <= 128 rows, 173 of <= 256; 2,048 tokens 709 unsplit, 623 of <= 256 or <= 512; later prompts also gained (146 vs
+# 155 ms at 512 tokens). Narrow experts (the peers model, 2I = 1,024) lose by splitting (their GEMMs run ~5% faster
+# per row at 272 rows than at 128-144) and hardly meet the shape cost (first and second 2,048-token prompts alike):
+# their blocks reach 2,048 rows. On a CPU whose GEMM gives a row the same bits whatever the row count (as here) the
+# blocks change no logits; streamed and resident runs split alike everywhere.
+GEMM_BLOCK_BYTES = 4 << 20
+GEMM_MIN_BLOCK = 256
+
+
+def row_blocks(n: int, width: int, step: int = 16) -> list[tuple[int, int]]:
+    """[start, stop) of n bf16 rows whose gate / up GEMM output is `width` wide, in nearly equal blocks of at most
+    max(GEMM_MIN_BLOCK, GEMM_BLOCK_BYTES / (2 * width)) rows, each but the last a multiple of `step` (so all are,
+    when n is)."""
+    most = max(GEMM_MIN_BLOCK, GEMM_BLOCK_BYTES // (2 * max(width, 1)) // step * step)
+    if n <= most:
+        return [(0, n)]
+    blocks = -(-n // most)
+    size = -(-n // (blocks * step)) * step
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
 # --- a prompt's attention -------------------------------------------------------------------------------------------
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """F.scaled_dot_product_attention(q, k, v, **kw) for a prompt's bf16 rows. Under bf16 GEMMs the inputs are

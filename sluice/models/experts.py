@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.ref import DTYPES
-from ..matmul import packed_linear, rows_linear
+from ..matmul import bf16_gemm, packed_linear, row_blocks, rows_linear
 from ..quant import native
+from ..quant.native.kernel import BF16_GEMM_MIN_ROWS, bf16_view
 from ..quant.stored import StoredLinear
 from ..store.layout import BiasedGluFormat
 
@@ -84,15 +85,13 @@ class ExpertMath:
         """The j-th expert of `batch` (store/base.py ExpertBatch) on x [n, H] -> [n, H]."""
         slot = batch.slots[j]
         if batch.packed is not None:  # the resident store's bf16 experts: F.linear's bits (matmul.packable)
-            g, u = packed_linear(x, batch.packed[0][slot]).chunk(2, dim=-1)  # [n, I] each
-            return packed_linear(self.glu(g, u), batch.packed[1][slot])
+            return self._swiglu(x, batch.packed[0][slot], batch.packed[1][slot], packed_linear)
         if batch.gate_up is not None:
             gu = batch.gate_up[slot]  # [2I, H]
             dn = batch.down[slot]  # [H, I]
             if gu.dtype != x.dtype:  # streamed slots keep the checkpoint dtype
                 gu, dn = gu.to(x.dtype), dn.to(x.dtype)
-            g, u = rows_linear(x, gu).chunk(2, dim=-1)  # [n, I] each
-            return rows_linear(self.glu(g, u), dn)
+            return self._swiglu(x, gu, dn, rows_linear)
         fmt, raw = batch.format, batch.raw[slot]
         if isinstance(fmt, BiasedGluFormat):
             return self._biased(fmt, raw, x)
@@ -102,12 +101,25 @@ class ExpertMath:
             return y.to(self.dtype)
         gate_up, gate, up, down = self._kernels_for(fmt)
         scratch = self._scratch()
+        if self._gemm_rows(x, (gate, up, down)):  # dequantized to bf16 once for all the rows' blocks
+            return self._swiglu(x, *self._bf16_weights(fmt, raw, scratch), rows_linear)
         if gate_up is not None:  # one call over the 2I rows of [gate; up]
             g, u = gate_up(x, raw[: fmt.up_offset + fmt.up.nbytes], scratch).chunk(2, dim=-1)  # [n, I] each
         else:
             g = gate(x, raw[: fmt.gate.nbytes], scratch)  # [n, I]
             u = up(x, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], scratch)  # [n, I]
         return down(self.glu(g, u), raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes], scratch)
+
+    def _swiglu(self, x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, lin) -> torch.Tensor:
+        """down(glu(gate x, up x)) of bf16 / float weights gu [2I, H] and dn [H, I] (plain, or packed for
+        lin = packed_linear) on x [n, H] -> [n, H], in matmul.row_blocks of x's rows."""
+        blocks = row_blocks(x.shape[0], gu.shape[0])
+        if len(blocks) == 1:
+            return lin(self.glu(*lin(x, gu).chunk(2, dim=-1)), dn)
+        out = torch.empty_like(x)
+        for a, b in blocks:
+            out[a:b] = lin(self.glu(*lin(x[a:b], gu).chunk(2, dim=-1)), dn)
+        return out
 
     def one_call(self, fmt, rows: int) -> bool:
         """Whether an expert of `fmt` on `rows` rows runs as one native call (native.expert_q8): no shared scratch,
@@ -147,6 +159,23 @@ class ExpertMath:
         gu = gate_up(x, raw[: fmt.gate_up.nbytes], scratch) + gu_bias  # [n, 2I]: columns gate 0, up 0, gate 1, ...
         return down(self.glu(gu[:, 0::2], gu[:, 1::2]), dn_raw, scratch) + dn_bias
 
+    def _gemm_rows(self, x: torch.Tensor, kernels: tuple) -> bool:
+        """Whether x's rows take the bf16 GEMM route of every projection (NativeKernel._bf16_gemm's condition)."""
+        return (x.shape[0] >= BF16_GEMM_MIN_ROWS and x.dtype is torch.bfloat16 and self.dtype is torch.bfloat16
+                and bf16_gemm() and all(k.native is not None for k in kernels))
+
+    def _bf16_weights(self, fmt, raw: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]): an expert's stored weights dequantized to bf16 (each value the exact
+        weight rounded to nearest, as NativeKernel._bf16_gemm has them) in the scratch's memory, for a prompt's
+        rows: dequantized once however many row blocks run on them, gate and up one [2I, H] GEMM operand."""
+        (i, h), d = (fmt.gate.out_features, fmt.gate.in_features), fmt.down_offset
+        w = bf16_view(scratch, 3 * i * h)
+        gu, dn = w[: 2 * i * h].view(2 * i, h), w[2 * i * h :].view(h, i)
+        native.dequantize(fmt.gate, raw[: fmt.gate.nbytes], gu[:i])
+        native.dequantize(fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], gu[i:])
+        native.dequantize(fmt.down, raw[d : d + fmt.down.nbytes], dn)
+        return gu, dn
+
     def _scratch(self) -> torch.Tensor:
         """The float32 scratch the torch paths and the native many-rows path write weights into (torch.empty: pages
         are committed only where a call writes, so the native row kernels' unused scratch costs nothing)."""
@@ -174,4 +203,7 @@ class ExpertMath:
                                            for s in specs)
             # sized once per format: the scratch grows to it at the next expert
             self._scratch_numel = max(self._scratch_numel, *(x.scratch_numel for x in k if x is not None))
+            if not isinstance(fmt, BiasedGluFormat):  # room for the three as bf16 (_bf16_weights)
+                i, h = fmt.gate.out_features, fmt.gate.in_features
+                self._scratch_numel = max(self._scratch_numel, (3 * i * h + 1) // 2)
         return k

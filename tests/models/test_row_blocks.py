@@ -1,0 +1,93 @@
+"""A prompt's expert rows run in row blocks (matmul.row_blocks, models/experts.py ExpertMath._swiglu): few GEMM
+shapes whatever the prompt, and the [rows, 2I] gate / up output kept cache-sized. The blocks cover every row once,
+the logits are those of unsplit rows (bitwise where this CPU's GEMM gives a row the same bits whatever the row
+count, else within the GEMM's rounding), and streamed runs stay bitwise the resident ones, for bf16 and quantized
+experts (a quantized expert's weights are dequantized to bf16 once for all its blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sluice
+from sluice import matmul
+from sluice.models import experts
+from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
+from tests.models.tiny import hf_model, write_checkpoint
+from tests.store.test_prefill import _rows_independent
+
+PROMPT = torch.randint(0, 300, (240,), generator=torch.Generator().manual_seed(11)).tolist()  # ~60 rows an expert
+SHAPES = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64)  # whole K blocks
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 256, 257, 272, 511, 512, 528, 1000, 4096])
+@pytest.mark.parametrize("width", [64, 1024, 7296, 65536])
+def test_row_blocks_cover_the_rows_in_few_even_blocks(n, width):
+    most = max(matmul.GEMM_MIN_BLOCK, matmul.GEMM_BLOCK_BYTES // (2 * width) // 16 * 16)
+    blocks = matmul.row_blocks(n, width)
+    assert blocks[0][0] == 0 and blocks[-1][1] == n
+    assert all(b[1] == c[0] for b, c in zip(blocks, blocks[1:]))  # contiguous, in order
+    sizes = [b - a for a, b in blocks]
+    assert max(sizes) <= max(most, n if len(blocks) == 1 else 0)
+    assert len(blocks) == max(1, -(-n // most))  # as few as the limit allows
+    assert all(s % 16 == 0 for s in sizes[:-1]) and (n % 16 or sizes[-1] % 16 == 0)
+    assert max(sizes) - min(sizes) <= 16 * len(blocks)  # nearly equal: no 16-row tail beside 256-row blocks
+
+
+def test_the_block_limit_follows_the_output_width():
+    assert matmul.row_blocks(512, 7296) != [(0, 512)]  # the demo model's 2I: ~4 MiB of gate / up output
+    assert matmul.row_blocks(2048, 1024) == [(0, 2048)]  # narrow experts: one GEMM
+
+
+def _plain(name: str) -> bool:
+    return name.endswith(("norm.weight", "ffn_gate_inp.weight", ".bias"))
+
+
+@pytest.fixture(scope="module", params=["safetensors-bf16", "gguf-q4_k-q6_k"])
+def model(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "safetensors-bf16":
+        return write_checkpoint(hf_model("qwen3_moe", torch.bfloat16, **SHAPES), root, "per_expert")
+    model = hf_model("qwen3_moe", **{**GGUF_TINY["qwen3_moe"], **SHAPES})
+    qtype = lambda n: Q.F32 if _plain(n) else Q.Q6_K if "ffn_down" in n else Q.Q4_K  # noqa: E731
+    return convert(model, root / "m.gguf", qtype=qtype)
+
+
+def _run(path, monkeypatch, memory="all", **kw):
+    """(logits of PROMPT, the row counts the expert GEMMs were given, the model) under bf16 GEMMs."""
+    rows: list[int] = []
+    for name in ("packed_linear", "rows_linear"):
+        f = getattr(experts, name)
+        monkeypatch.setattr(experts, name, lambda x, w, f=f: (rows.append(x.shape[0]), f(x, w))[1])
+    with sluice.load(path, memory=memory, matmul="bf16", **kw) as m:
+        return m.logits(PROMPT), rows, m
+
+
+def test_blocks_change_no_logits_and_streamed_runs_split_alike(model, monkeypatch):
+    unsplit, rows, m = _run(model, monkeypatch)
+    assert max(rows) > 32  # experts with more rows than the blocks below
+    monkeypatch.setattr(matmul, "GEMM_MIN_BLOCK", 32)
+    monkeypatch.setattr(matmul, "GEMM_BLOCK_BYTES", 0)
+    split, rows, _ = _run(model, monkeypatch)
+    assert max(rows) <= 32 and len(rows) > 0
+    budget = m.resident_bytes + (m.spec.top_k + 1) * m.layout.expert_nbytes
+    streamed, rows, _ = _run(model, monkeypatch, memory=budget, io="direct")
+    assert max(rows) <= 32 and torch.equal(streamed, split)  # streamed and resident split alike
+    if _rows_independent(m.spec):
+        assert torch.equal(split, unsplit)
+    else:
+        torch.testing.assert_close(split, unsplit, rtol=0.02, atol=0.02 * unsplit.abs().max().item())
+
+
+def test_a_quantized_expert_is_dequantized_once_for_all_its_blocks(model, monkeypatch):
+    """Quantized experts' prompt rows run on their weights dequantized to bf16 once (ExpertMath._bf16_weights),
+    however many blocks the rows take."""
+    if not str(model).endswith(".gguf"):
+        pytest.skip("bf16 experts")
+    calls: list[int] = []
+    f = experts.ExpertMath._bf16_weights
+    monkeypatch.setattr(experts.ExpertMath, "_bf16_weights", lambda self, *a: (calls.append(1), f(self, *a))[1])
+    monkeypatch.setattr(matmul, "GEMM_MIN_BLOCK", 32)
+    monkeypatch.setattr(matmul, "GEMM_BLOCK_BYTES", 0)
+    _, rows, _ = _run(model, monkeypatch)
+    assert calls and len(rows) > 2 * len(calls)  # several blocks (two GEMMs each) per dequantized expert
