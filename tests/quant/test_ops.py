@@ -20,7 +20,8 @@ def _rope_torch(x, cos, sin):  # models/rope.py's torch expression
     return out if xp is None else torch.cat((out, xp), dim=-1)
 
 
-@pytest.mark.parametrize("T,heads,D,rot", [(1, 8, 128, 128), (5, 2, 128, 64), (33, 4, 64, 64)])
+@pytest.mark.parametrize("T,heads,D,rot", [(1, 8, 128, 128), (5, 2, 128, 64), (33, 4, 64, 64), (40, 3, 80, 24),
+                                         (700, 2, 128, 128)])
 def test_rope_is_the_torch_expression_bitwise(T, heads, D, rot):
     g = torch.Generator().manual_seed(T)
     x = (torch.randn(T, heads, D, generator=g) * 5).bfloat16().transpose(0, 1)  # [heads, T, D], as attention has it
@@ -46,6 +47,60 @@ def test_rms_norm_is_the_reference_to_the_last_bit_of_a_rows_scale():
         assert bool((diff <= want.float().abs() * 2**-6 + 1e-30).all()) and (y != want).float().mean() < 1e-3
     with pytest.raises(ValueError, match="rms_norm_bf16"):
         native.rms_norm_bf16(x, w[:-1], 1e-6)
+
+
+def _rms_norm_lanes(x, w, eps):
+    """ops.c's RMSNorm step by step in float32: squares summed in 8 lanes (value i into lane i % 8, in order), the
+    lanes added ((0+4)+(2+6))+((1+5)+(3+7)), scale = 1 / sqrt(sum / n + eps), then bf16(w * bf16(x * scale))."""
+    n = x.shape[-1]
+    xf = x.float().reshape(-1, n)
+    lane = torch.zeros(xf.shape[0], 8)
+    for i in range(n):
+        lane[:, i % 8] = lane[:, i % 8] + xf[:, i] * xf[:, i]
+    a, b = (lane[:, 0] + lane[:, 4]) + (lane[:, 2] + lane[:, 6]), (lane[:, 1] + lane[:, 5]) + (lane[:, 3] + lane[:, 7])
+    total = a + b
+    scale = 1.0 / torch.sqrt(total / torch.tensor(float(n)) + torch.tensor(eps, dtype=torch.float32))
+    y = (w.float() * (xf * scale[:, None]).bfloat16().float()).bfloat16()
+    return y.reshape(x.shape)
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 100), (70, 8, 128), (600, 60)])
+def test_rms_norm_is_its_lane_order_bitwise_on_any_path(shape):
+    """The vectorized rows (AVX2 where it runs), the portable loops and the lane-by-lane reference agree bitwise,
+    rows over the pool; n not a multiple of 8 takes the tail into its lanes alike."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    x.view(-1)[:3] = torch.tensor([0.0, -0.0, 1e-30]).bfloat16()
+    w = torch.randn(shape[-1], generator=g).bfloat16()
+    native.set_threads(2)
+    try:
+        fast = native.rms_norm_bf16(x, w, 1e-6)
+        native.FORCE_SCALAR = True
+        portable = native.rms_norm_bf16(x, w, 1e-6)
+    finally:
+        native.FORCE_SCALAR = False
+        native.set_threads(1)
+    want = _rms_norm_lanes(x, w, 1e-6)
+    assert torch.equal(fast.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(portable.view(torch.int16), want.view(torch.int16))
+
+
+def test_rope_and_combine_rows_take_the_same_bits_on_the_portable_path():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 3, 80, generator=g) * 5).bfloat16().transpose(0, 1)
+    cos, sin = (torch.randn(37, 24, generator=g).bfloat16() for _ in range(2))
+    T, K, H = 50, 4, 100
+    ys = torch.randn(T * K, H, generator=g).bfloat16()
+    w, at = torch.rand(T * K, generator=g), torch.randperm(T * K, generator=g).view(T, K)
+    out = []
+    for scalar in (False, True):
+        native.FORCE_SCALAR = scalar
+        try:
+            out.append((native.rope_bf16(x, cos, sin),
+                        native.combine_rows_bf16(ys, w, at, torch.empty(T, H, dtype=torch.bfloat16))))
+        finally:
+            native.FORCE_SCALAR = False
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*out))
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
@@ -76,7 +131,7 @@ def test_combine_rows_is_the_torch_expression_bitwise(wdtype, threads):
     g = torch.Generator().manual_seed(threads)
     native.set_threads(threads)
     try:
-        for T, K, H in ((1, 8, 64), (77, 8, 96), (300, 4, 128)):
+        for T, K, H in ((1, 8, 64), (77, 8, 100), (300, 4, 128)):
             ys = torch.randn(T * K, H, generator=g) * 10.0 ** torch.randint(-3, 3, (T * K, 1), generator=g)
             ys[0, :4] = torch.tensor([float("inf"), -float("inf"), 3e38, -0.0])
             ys = ys.bfloat16()

@@ -101,12 +101,23 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_rope_bf16.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr]  # heads, T, D, rot, x, sh, st
     lib.sluice_set_threads.restype = lib.sluice_combine_bf16.restype = lib.sluice_rms_norm_bf16.restype = None
     lib.sluice_rope_bf16.restype = None
+    lib.sluice_ops_scalar.argtypes = [i32]
+    lib.sluice_ops_scalar.restype = None
     return lib
 
 
 _LIB = _load()
 #: test hook: True runs the portable scalar C path even where AVX2 is available
 FORCE_SCALAR = False
+_ops_scalar = False  # what ops.c was last told (_sync_ops)
+
+
+def _sync_ops() -> None:
+    """Tell ops.c's vectorized loops (rms_norm, rope, combine_rows) whether FORCE_SCALAR asks for the portable ones."""
+    global _ops_scalar
+    if FORCE_SCALAR != _ops_scalar:
+        _LIB.sluice_ops_scalar(int(FORCE_SCALAR))
+        _ops_scalar = FORCE_SCALAR
 
 
 _warned = False
@@ -546,6 +557,7 @@ def combine_rows_bf16(ys: torch.Tensor, w: torch.Tensor, at: torch.Tensor, out: 
         raise ValueError(f"combine_rows_bf16: need ys bf16 [n, H], w bf16/float32 [n], at int64 [T, K] of rows < n "
                          f"and out bf16 [T, H], got {ys.dtype} {list(ys.shape)}, {w.dtype} {list(w.shape)}, "
                          f"{at.dtype} {list(at.shape)}, {out.dtype} {list(out.shape)}")
+    _sync_ops()
     _LIB.sluice_combine_rows_bf16(T, K, h, ys.data_ptr(), w.data_ptr(), int(w.dtype is torch.float32),
                                   at.data_ptr(), out.data_ptr())
     return out
@@ -562,6 +574,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
         raise ValueError(f"rms_norm_bf16: need contiguous bf16 x [..., n] and weight [n], got {x.dtype} "
                          f"{list(x.shape)} and {weight.dtype} {list(weight.shape)}")
     out = torch.empty_like(x)
+    _sync_ops()
     _LIB.sluice_rms_norm_bf16(x.numel() // n if n else 0, n, x.data_ptr(), weight.data_ptr(), eps, out.data_ptr())
     return out
 
@@ -578,6 +591,7 @@ def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
                          f"[T, rot <= D], got {x.dtype} {list(x.shape)} stride {x.stride()}, {cos.dtype} "
                          f"{list(cos.shape)}, {sin.dtype} {list(sin.shape)}")
     out = torch.empty(heads, t, d, dtype=torch.bfloat16)
+    _sync_ops()
     _LIB.sluice_rope_bf16(heads, t, d, rot, x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                           out.data_ptr())
     return out

@@ -106,6 +106,34 @@ AVX2_INLINE __m128i bits16(uint32_t m) {
 
 AVX2_INLINE float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
+/* 8 bf16 values -> float32 */
+AVX2_INLINE __m256 bf16x8(const uint16_t *p) {
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+/* float32 bits -> bf16 bits in the low half of each lane, as bf16_round (round to nearest even, NaN -> 0x7FC0) */
+AVX2_INLINE __m256i bf16_bits8(__m256i u) {
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                 _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+/* 8 floats rounded to bf16 (bf16_round), back as floats */
+AVX2_INLINE __m256 bf16_rounded8(__m256 x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(_mm256_castps_si256(x)), 16));
+}
+
+/* 8 floats rounded to bf16 (bf16_round), stored as 8 bf16 values */
+AVX2_INLINE void store_bf16x8(uint16_t *p, __m256 x) {
+    __m256i b = bf16_bits8(_mm256_castps_si256(x));  /* low halves: pack them (packus works per 128-bit lane) */
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+
 #endif
 
 #endif

@@ -33,11 +33,6 @@ static void axpy_bf16(float w, const uint16_t *v, float *acc, int64_t n) {
 }
 
 #if SLUICE_X86
-AVX2_INLINE __m256 bf16x8(const uint16_t *p) {
-    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-}
-
 AVX2 static float dot_bf16_avx2(const uint16_t *a, const uint16_t *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t d = 0;

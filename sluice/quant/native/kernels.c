@@ -433,15 +433,6 @@ int sluice_dequantize(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t r
 
 /* float32 -> bf16 bits, n values, as bf16_round (round to nearest even, NaN -> 0x7FC0: torch's .to(bfloat16)) */
 #if SLUICE_X86
-AVX2_INLINE __m256i bf16_bits8(__m256i u) {
-    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                                 _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-    r = _mm256_srli_epi32(r, 16);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                     _mm256_set1_epi32(0x7f800000));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-}
-
 AVX2 static void to_bf16_avx2(const float *x, uint16_t *o, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {

@@ -5,6 +5,8 @@
 
 #include "common.h"
 
+static int ops_scalar; /* sluice_ops_scalar */
+
 /* The weighted sum of a token's expert outputs into out (bf16 [H], added to what it holds), in the order given:
  * for j = 0..n-1, out = bf16(out + bf16(p_j)) with p_j = bf16(ys[j]) * w[at[j]] (w bf16: the product rounded to
  * bf16; w float32: kept in float32), i.e. torch's `out += ((ys.to(bf16) * w).to(bf16))[j]`, row by row.
@@ -38,6 +40,24 @@ typedef struct {
 
 #define COMBINE_ROWS 32 /* tokens per pool task */
 
+/* o[h] = bf16(o[h] + bf16(y[h] * wa)) for h in [h0, H) */
+static void add_scaled_row(uint16_t *o, const uint16_t *y, float wa, int64_t h0, int64_t H) {
+    for (int64_t h = h0; h < H; h++) {
+        float p = bf16_float(bf16_round(bf16_float(y[h]) * wa));
+        o[h] = bf16_round(bf16_float(o[h]) + p);
+    }
+}
+
+#if SLUICE_X86
+AVX2 static void add_scaled_row_avx2(uint16_t *o, const uint16_t *y, float wa, int64_t H) {
+    const __m256 w = _mm256_set1_ps(wa);
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8)
+        store_bf16x8(o + h, _mm256_add_ps(bf16x8(o + h), bf16_rounded8(_mm256_mul_ps(bf16x8(y + h), w))));
+    add_scaled_row(o, y, wa, h, H);
+}
+#endif
+
 static void combine_rows_task(void *c, int64_t i) {
     const combine_rows_job *j = (const combine_rows_job *)c;
     int64_t t1 = (i + 1) * COMBINE_ROWS < j->T ? (i + 1) * COMBINE_ROWS : j->T;
@@ -48,10 +68,13 @@ static void combine_rows_task(void *c, int64_t i) {
             int64_t a = j->at[t * j->K + r];
             float wa = j->w_f32 ? ((const float *)j->w)[a] : bf16_float(((const uint16_t *)j->w)[a]);
             const uint16_t *y = j->ys + a * j->H;
-            for (int64_t h = 0; h < j->H; h++) {
-                float p = bf16_float(bf16_round(bf16_float(y[h]) * wa));
-                o[h] = bf16_round(bf16_float(o[h]) + p);
+#if SLUICE_X86
+            if (!ops_scalar && sluice_simd()) {
+                add_scaled_row_avx2(o, y, wa, j->H);
+                continue;
             }
+#endif
+            add_scaled_row(o, y, wa, 0, j->H);
         }
     }
 }
@@ -64,46 +87,148 @@ void sluice_combine_rows_bf16(int64_t T, int64_t K, int64_t H, const uint16_t *y
 
 /* RMSNorm of rows of bf16 x ([rows, n]) with bf16 weight [n], as the reference computes it: statistics in float32,
  * the normalized row rounded to bf16, then times the weight (rounded to bf16). The sum of squares runs in 8 float
- * lanes (value i into lane i % 8, lanes added ((0+4)+(2+6))+((1+5)+(3+7))), a fixed order whatever the compiler
- * vectorizes; torch's mean sums in another order, so a row can differ from the torch expression in the last bit of
- * its scale (relative ~1e-7), never by more. */
-void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out) {
-    for (int64_t r = 0; r < rows; r++, x += n, out += n) {
-        float lane[8] = {0};
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            for (int l = 0; l < 8; l++) {
-                float v = bf16_float(x[i + l]);
-                lane[l] = lane[l] + v * v;
-            }
-        for (; i < n; i++) {
-            float v = bf16_float(x[i]);
-            lane[i % 8] = lane[i % 8] + v * v;
+ * lanes (value i into lane i % 8, a product then a sum, lanes added ((0+4)+(2+6))+((1+5)+(3+7))), a fixed order
+ * whatever the compiler vectorizes; torch's mean sums in another order, so a row can differ from the torch
+ * expression in the last bit of its scale (relative ~1e-7), never by more. The AVX2 copy runs the same operations,
+ * 8 lanes at a time; rows go over the pool (a prompt's [T, H] and q / k norms: ~1.5 ms a call at 2,048 x 1024 on
+ * one thread, scalar). out may be x. */
+static void rms_norm_row(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+    float lane[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) {
+            float v = bf16_float(x[i + l]);
+            lane[l] = lane[l] + v * v;
         }
-        float sum = reduce8(lane);
-        float scale = 1.0f / sqrtf(sum / (float)n + eps);
-        for (int64_t j = 0; j < n; j++)
-            out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
+    for (; i < n; i++) {
+        float v = bf16_float(x[i]);
+        lane[i % 8] = lane[i % 8] + v * v;
     }
+    float scale = 1.0f / sqrtf(reduce8(lane) / (float)n + eps);
+    for (int64_t j = 0; j < n; j++)
+        out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
+}
+
+#if SLUICE_X86
+AVX2 static void rms_norm_row_avx2(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = bf16x8(x + i);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, acc);
+    for (; i < n; i++) {
+        float v = bf16_float(x[i]);
+        lane[i % 8] = lane[i % 8] + v * v;
+    }
+    float scale = 1.0f / sqrtf(reduce8(lane) / (float)n + eps);
+    const __m256 sv = _mm256_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        store_bf16x8(out + j, _mm256_mul_ps(bf16x8(w + j), bf16_rounded8(_mm256_mul_ps(bf16x8(x + j), sv))));
+    for (; j < n; j++)
+        out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
+}
+#endif
+
+typedef struct {
+    int64_t rows, n, per_task;
+    const uint16_t *x, *w;
+    float eps;
+    uint16_t *out;
+} rms_job;
+
+#define OPS_TASK_ELEMS 32768 /* elements per pool task (~10-20 us of work) */
+
+static void rms_task(void *c, int64_t i) {
+    const rms_job *j = (const rms_job *)c;
+    int64_t r1 = (i + 1) * j->per_task < j->rows ? (i + 1) * j->per_task : j->rows;
+    for (int64_t r = i * j->per_task; r < r1; r++) {
+#if SLUICE_X86
+        if (!ops_scalar && sluice_simd()) {
+            rms_norm_row_avx2(j->x + r * j->n, j->w, j->n, j->eps, j->out + r * j->n);
+            continue;
+        }
+#endif
+        rms_norm_row(j->x + r * j->n, j->w, j->n, j->eps, j->out + r * j->n);
+    }
+}
+
+void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out) {
+    int64_t per = n > 0 && OPS_TASK_ELEMS / n > 1 ? OPS_TASK_ELEMS / n : 1;
+    rms_job j = {rows, n, per, x, w, eps, out};
+    pool_run(rms_task, &j, (rows + per - 1) / per);
 }
 
 /* Rotary embedding of bf16 x [heads, T, D] (element (h, t, d) at x + h * sh + t * st + d) by bf16 cos / sin
  * [T, rot] on its first rot dims, into out (contiguous [heads, T, D]): torch's
  *   out = x * cos + cat(-x[rot/2:], x[:rot/2]) * sin      (bf16 ops: each product and the sum rounded to bf16)
- * on the first rot dims, the rest copied. */
+ * on the first rot dims, the rest copied. The AVX2 copy runs the same operations 8 dims at a time; (head, token)
+ * rows go over the pool. */
+static void rope_span(const uint16_t *xr, const uint16_t *c, const uint16_t *s, uint16_t *o, int64_t d0, int64_t d1,
+                      int64_t half) {
+    for (int64_t d = d0; d < d1; d++) {
+        float r = d < half ? -bf16_float(xr[d + half]) : bf16_float(xr[d - half]);
+        float a = bf16_float(bf16_round(bf16_float(xr[d]) * bf16_float(c[d])));
+        float b = bf16_float(bf16_round(r * bf16_float(s[d])));
+        o[d] = bf16_round(a + b);
+    }
+}
+
+#if SLUICE_X86
+/* dims [d0, d0 + 8k) of one row, the partner dims at xr + d + off, negated when neg */
+AVX2 static int64_t rope_span_avx2(const uint16_t *xr, const uint16_t *c, const uint16_t *s, uint16_t *o, int64_t d0,
+                                   int64_t d1, int64_t off, int neg) {
+    const __m256 sign = _mm256_set1_ps(neg ? -0.0f : 0.0f);
+    int64_t d = d0;
+    for (; d + 8 <= d1; d += 8) {
+        __m256 r = _mm256_xor_ps(bf16x8(xr + d + off), sign);
+        __m256 a = bf16_rounded8(_mm256_mul_ps(bf16x8(xr + d), bf16x8(c + d)));
+        __m256 b = bf16_rounded8(_mm256_mul_ps(r, bf16x8(s + d)));
+        store_bf16x8(o + d, _mm256_add_ps(a, b));
+    }
+    return d;
+}
+#endif
+
+static void rope_row(const uint16_t *xr, const uint16_t *c, const uint16_t *s, uint16_t *o, int64_t D, int64_t rot) {
+    const int64_t half = rot / 2;
+    int64_t d = 0, e = half;
+#if SLUICE_X86
+    if (!ops_scalar && sluice_simd()) {
+        d = rope_span_avx2(xr, c, s, o, 0, half, half, 1);
+        e = rope_span_avx2(xr, c, s, o, half, rot, -half, 0);
+    }
+#endif
+    rope_span(xr, c, s, o, d, half, half);
+    rope_span(xr, c, s, o, e, rot, half);
+    for (int64_t k = rot; k < D; k++) o[k] = xr[k];
+}
+
+typedef struct {
+    int64_t heads, T, D, rot, sh, st, per_task;
+    const uint16_t *x, *cos, *sin;
+    uint16_t *out;
+} rope_job;
+
+static void rope_task(void *c, int64_t i) {
+    const rope_job *j = (const rope_job *)c;
+    int64_t n = j->heads * j->T, r1 = (i + 1) * j->per_task < n ? (i + 1) * j->per_task : n;
+    for (int64_t r = i * j->per_task; r < r1; r++) {
+        int64_t h = r / j->T, t = r % j->T;
+        rope_row(j->x + h * j->sh + t * j->st, j->cos + t * j->rot, j->sin + t * j->rot, j->out + r * j->D, j->D,
+                 j->rot);
+    }
+}
+
 void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const uint16_t *x, int64_t sh, int64_t st,
                       const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
-    const int64_t half = rot / 2;
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t t = 0; t < T; t++) {
-            const uint16_t *xr = x + h * sh + t * st, *c = cos + t * rot, *s = sin + t * rot;
-            uint16_t *o = out + (h * T + t) * D;
-            for (int64_t d = 0; d < rot; d++) {
-                float r = d < half ? -bf16_float(xr[d + half]) : bf16_float(xr[d - half]);
-                float a = bf16_float(bf16_round(bf16_float(xr[d]) * bf16_float(c[d])));
-                float b = bf16_float(bf16_round(r * bf16_float(s[d])));
-                o[d] = bf16_round(a + b);
-            }
-            for (int64_t d = rot; d < D; d++) o[d] = xr[d];
-        }
+    int64_t per = D > 0 && OPS_TASK_ELEMS / D > 1 ? OPS_TASK_ELEMS / D : 1;
+    rope_job j = {heads, T, D, rot, sh, st, per, x, cos, sin, out};
+    pool_run(rope_task, &j, (heads * T + per - 1) / per);
 }
+
+/* test hook: 1 runs the portable loops above even where AVX2 is available (the same bits) */
+void sluice_ops_scalar(int scalar) { ops_scalar = scalar; }
