@@ -92,6 +92,9 @@ def header(results: dict[str, Any]) -> str:
         "no memory ceiling",
         f"floor at {disk['bytes_per_s'] / 1e9:.2f} GB/s ({disk['best']})" if disk else "no floor (--no-floor)",
     ]
+    if m.get("context"):
+        parts.append(f"a KV cache of {m['context']} positions (prompt + steps + 16, as the llama.cpp arm's n_ctx) "
+                     "for every sluice arm that does not set --max-context")
     arms = "; ".join(f"**{a['name']}** `{a['flags'] or '(defaults)'}`" for a in results["arms"])
     return ", ".join(parts) + ".\nArms: " + arms + ". Ratios and wins are paired per round against the first arm."
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..bench import BenchError
 from ..bench import disk as diskmod
-from ..bench.arms import Arm, parse_arms
+from ..bench.arms import Arm, context_for, parse_arms, sized_context
 from ..bench.launch import arm_argv, check_ceiling, child_argv, model_files, prepare, run_child
 from ..bench.peers import check_peer, peer_files
 from ..bench.protocol import Run, identity, pair, rotation, summarize
@@ -110,6 +110,7 @@ class Bench:
         self.files = sorted({f.resolve() for f in [*model_files(args.model), *extra]})
         self.page_cache = "cold" if args.cold else "warm" if args.warm else None
         self.runs: list[Run] = []
+        self.context: int | None = None  # KV positions of the replays (arms.sized_context), once the prompt is known
         self.progress = tqdm(total=1 + args.rounds * len(arms), unit="run", file=sys.stderr, disable=None,
                              desc="bench")
 
@@ -171,7 +172,7 @@ class Bench:
             "meta": {
                 "model": str(a.model), "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
                 "prompt": a.prompt, "prompt_tokens": len(sequence["prompt_ids"]), "temperature": a.temperature,
-                "seed": a.seed, "page_cache": self.page_cache, "ceiling": self.ceiling,
+                "seed": a.seed, "page_cache": self.page_cache, "ceiling": self.ceiling, "context": self.context,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
                 "cpus": os.cpu_count(), "python": platform.python_version(), "peer_python": a.peer_python,
             },
@@ -208,6 +209,8 @@ def main(args: argparse.Namespace) -> int:
     bench = Bench(args, arms, ceiling)
     try:
         sequence = bench.reference_sequence()
+        bench.context = context_for(len(sequence["prompt_ids"]), args.warmup + args.steps)
+        bench.arms = [sized_context(arm, bench.context) for arm in arms]
         with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
             work = Path(tmp) / "sequence.json"
             work.write_text(json.dumps({"prompt_ids": sequence["prompt_ids"], "tokens": sequence["tokens"]}))

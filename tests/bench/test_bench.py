@@ -16,7 +16,7 @@ import torch
 from sluice import cli
 from sluice.bench import BenchError
 from sluice.bench import disk as diskmod
-from sluice.bench.arms import parse_arm, parse_arms
+from sluice.bench.arms import context_for, parse_arm, parse_arms, sized_context
 from sluice.bench.launch import model_files, prepare, run_child
 from sluice.bench.protocol import (
     Run,
@@ -83,6 +83,13 @@ def test_arm_flags_are_run_flags():
 def test_bad_arm_is_a_clear_error(spec, needle):
     with pytest.raises(BenchError, match=needle):
         parse_arm(spec)
+
+
+def test_replays_get_the_context_their_work_needs_unless_an_arm_sets_it():
+    assert context_for(2048, 1) == 2065 and context_for(6, 8) == 512  # llama.cpp's n_ctx rule
+    plain, own, peer = parse_arms(["a=--io direct", "b=--max-context 8192", "c=peer:llama.cpp"])
+    assert sized_context(plain, 2065).options == {"io": "direct", "max_context": 2065}
+    assert sized_context(own, 2065) == own and sized_context(peer, 2065) == peer
 
 
 def test_arm_names_unique_and_required():
@@ -289,6 +296,10 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys):
     assert ident["arms"]["f32"]["runs_compared"] == 2
     assert ident["arms"]["f32"]["steps_compared"] == 2 * (warmup + steps + 1)
     assert ident["arms"]["f32"]["mismatched_steps"] == differ
+
+    # the replays' KV cache is sized to the work, as the llama.cpp arm's n_ctx (arms.sized_context)
+    assert results["meta"]["context"] == 512 and all(a["options"]["max_context"] == 512 for a in results["arms"])
+    assert "a KV cache of 512 positions" in captured.out
 
     # metrics and the floor at the cached 1 GB/s
     s = results["summary"]
