@@ -14,6 +14,7 @@ from sluice import matmul
 from sluice.models import experts
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model, write_checkpoint
+from tests.quant.mlx_files import mlx_folder
 from tests.store.test_prefill import _rows_independent
 
 PROMPT = torch.randint(0, 300, (240,), generator=torch.Generator().manual_seed(11)).tolist()  # ~60 rows an expert
@@ -43,11 +44,13 @@ def _plain(name: str) -> bool:
     return name.endswith(("norm.weight", "ffn_gate_inp.weight", ".bias"))
 
 
-@pytest.fixture(scope="module", params=["safetensors-bf16", "gguf-q4_k-q6_k"])
+@pytest.fixture(scope="module", params=["safetensors-bf16", "gguf-q4_k-q6_k", "mlx-4bit"])
 def model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "safetensors-bf16":
         return write_checkpoint(hf_model("qwen3_moe", torch.bfloat16, **SHAPES), root, "per_expert")
+    if request.param == "mlx-4bit":  # gate and up stored apart: dequantized one after the other (_bf16_weights)
+        return mlx_folder("qwen3_moe", root, 4, 64, "bfloat16", **SHAPES)[0]
     model = hf_model("qwen3_moe", **{**GGUF_TINY["qwen3_moe"], **SHAPES})
     qtype = lambda n: Q.F32 if _plain(n) else Q.Q6_K if "ffn_down" in n else Q.Q4_K  # noqa: E731
     return convert(model, root / "m.gguf", qtype=qtype)
@@ -86,7 +89,7 @@ def test_blocks_change_no_logits_and_streamed_runs_split_alike(model, monkeypatc
 def test_a_quantized_expert_is_dequantized_once_for_all_its_blocks(model, monkeypatch):
     """Quantized experts' prompt rows run on their weights dequantized to bf16 once (ExpertMath._bf16_weights),
     however many blocks the rows take."""
-    if not str(model).endswith(".gguf"):
+    if "safetensors" in str(model):
         pytest.skip("bf16 experts")
     calls: list[int] = []
     f = experts.ExpertMath._bf16_weights
