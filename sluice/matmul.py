@@ -125,15 +125,20 @@ GEMM_MIN_BLOCK = 256
 
 
 def row_blocks(n: int, width: int, step: int = 16) -> list[tuple[int, int]]:
-    """[start, stop) of n bf16 rows whose gate / up GEMM output is `width` wide, in nearly equal blocks of at most
-    max(GEMM_MIN_BLOCK, GEMM_BLOCK_BYTES / (2 * width)) rows, each but the last a multiple of `step` (so all are,
-    when n is)."""
+    """[start, stop) of n bf16 rows whose gate / up GEMM output is `width` wide, in as few blocks as hold at most
+    max(GEMM_MIN_BLOCK, GEMM_BLOCK_BYTES / (2 * width)) rows each: whole units of `step` rows dealt out evenly (the
+    blocks differ by one unit; the last also loses what n lacks of a whole unit), so no block is a small tail."""
     most = max(GEMM_MIN_BLOCK, GEMM_BLOCK_BYTES // (2 * max(width, 1)) // step * step)
     if n <= most:
         return [(0, n)]
     blocks = -(-n // most)
-    size = -(-n // (blocks * step)) * step
-    return [(a, min(a + size, n)) for a in range(0, n, size)]
+    units, extra = divmod(-(-n // step), blocks)
+    out, a = [], 0
+    for k in range(blocks):
+        b = min(n, a + (units + (k < extra)) * step)
+        out.append((a, b))
+        a = b
+    return out
 
 
 # --- a prompt's attention -------------------------------------------------------------------------------------------

@@ -101,7 +101,8 @@ def sized_context(arm: Arm, positions: int) -> Arm:
     """A sluice arm that does not set --max-context, with max_context = positions (the KV cache the work needs, as
     the llama.cpp arm's n_ctx; the default, the model's context up to 4096, took memory the replay never used: 62
     MiB on the 6 GiB-class model at 2,048 tokens, enough to split its prompt in two chunks under a 1 GiB ceiling).
-    Peer arms and arms that set it are returned as they are."""
+    Peer arms and arms that set it are returned as they are. The reference arm's generate run is sized alike (the
+    context decides the prompt's chunks under a ceiling, and so the tokens every arm replays)."""
     if arm.peer is not None or "max_context" in arm.options:
         return arm
     return Arm(arm.name, arm.flags, {**arm.options, "max_context": positions}, arm.peer)

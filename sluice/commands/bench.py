@@ -110,7 +110,9 @@ class Bench:
         self.files = sorted({f.resolve() for f in [*model_files(args.model), *extra]})
         self.page_cache = "cold" if args.cold else "warm" if args.warm else None
         self.runs: list[Run] = []
-        self.context: int | None = None  # KV positions of the replays (arms.sized_context), once the prompt is known
+        # KV positions of every sluice arm without --max-context (arms.sized_context; None: a text --prompt, whose
+        # length the tokenizer decides, keeps the default)
+        self.context: int | None = None
         self.progress = tqdm(total=1 + args.rounds * len(arms), unit="run", file=sys.stderr, disable=None,
                              desc="bench")
 
@@ -206,11 +208,14 @@ def main(args: argparse.Namespace) -> int:
     disk = None
     if not args.no_floor:
         disk = diskmod.bandwidth_for(args.model, parse_size(args.disk_size, "disk-size"), log=_log)
+    context = None
+    if args.prompt is None:  # the prompt's length is known before anything runs: the reference arm runs sized too
+        context = context_for(args.prompt_tokens or DEFAULT_PROMPT_TOKENS, args.warmup + args.steps)
+        arms = [sized_context(arm, context) for arm in arms]
     bench = Bench(args, arms, ceiling)
+    bench.context = context
     try:
         sequence = bench.reference_sequence()
-        bench.context = context_for(len(sequence["prompt_ids"]), args.warmup + args.steps)
-        bench.arms = [sized_context(arm, bench.context) for arm in arms]
         with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
             work = Path(tmp) / "sequence.json"
             work.write_text(json.dumps({"prompt_ids": sequence["prompt_ids"], "tokens": sequence["tokens"]}))

@@ -209,7 +209,10 @@ class ExpertMath:
                                            for s in specs)
             # sized once per format: the scratch grows to it at the next expert
             self._scratch_numel = max(self._scratch_numel, *(x.scratch_numel for x in k if x is not None))
-            if not isinstance(fmt, BiasedGluFormat):  # room for the three as bf16 (_bf16_weights)
+            # room for the three as bf16 (_bf16_weights): 6 I H bytes, touched only where a prompt's expert rows
+            # take several blocks (4 I H before; like it, in the runtime's share of the budget, RUNTIME_RESERVE:
+            # 9 MiB at I = 768, H = 2048)
+            if not isinstance(fmt, BiasedGluFormat):
                 i, h = fmt.gate.out_features, fmt.gate.in_features
                 self._scratch_numel = max(self._scratch_numel, (3 * i * h + 1) // 2)
         return k

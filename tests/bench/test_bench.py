@@ -30,6 +30,7 @@ from sluice.bench.protocol import (
     wins_text,
 )
 from sluice.bench.report import table
+from sluice.commands import bench as bench_cmd
 from sluice.io import residency
 from sluice.io.residency import filesystem_type
 
@@ -254,11 +255,15 @@ def budgets(model_dir: Path, capsys) -> tuple[str, str]:
     return str(bf16), str(2 * bf16)
 
 
-def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys):
+def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monkeypatch):
     seed_disk_cache(model_dir, 1e9)
     bf16, f32 = budgets(model_dir, capsys)
     out = tmp_path / "out"
     warmup, steps = 3, 5
+    generated: list[dict] = []  # the reference arm's generate run, sized like the replays
+    child_argv = bench_cmd.child_argv
+    monkeypatch.setattr(bench_cmd, "child_argv", lambda mode, model, options, **kw: (
+        generated.append(options) if mode == "generate" else None, child_argv(mode, model, options, **kw))[1])
     rc = cli.main(["bench", str(model_dir), "--arm", f"ref=--io direct --memory {bf16}",
                    "--arm", f"f32=--io mmap --dtype float32 --memory {f32}", "--rounds", "2", "--steps", str(steps),
                    "--warmup", str(warmup), "--prompt-tokens", "6", "--cold", "--require-identical",
@@ -299,6 +304,7 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys):
 
     # the replays' KV cache is sized to the work, as the llama.cpp arm's n_ctx (arms.sized_context)
     assert results["meta"]["context"] == 512 and all(a["options"]["max_context"] == 512 for a in results["arms"])
+    assert [o["max_context"] for o in generated] == [512]
     assert "a KV cache of 512 positions" in captured.out
 
     # metrics and the floor at the cached 1 GB/s

@@ -104,6 +104,7 @@ class LayerAttention:
         if not 0 <= lo <= pos < a.max_context:
             raise ValueError(f"DecodeAttention: need 0 <= lo {lo} <= pos {pos} < max_context {a.max_context}")
         out = torch.empty(1, nH * D, dtype=torch.bfloat16)
+        native._sync_ops()  # its norms and rope are ops.c's: FORCE_SCALAR reaches them too
         _LIB.sluice_attend_bf16(nH, nKV, D, a.rot, _bf16(q, "q", nH * D), _bf16(k, "k", nKV * D),
                                 _bf16(v, "v", nKV * D), *self._args, pos, lo, self._sinks, a.rq.data_ptr(),
                                 a.scratch.data_ptr(), out.data_ptr(), int(native.FORCE_SCALAR))
