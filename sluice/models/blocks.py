@@ -412,7 +412,10 @@ class Transformer:
         each parallel op and took the core the native pool splits the experts onto (split experts beside torch on
         2 threads were no faster than unsplit ones). Peers Q4_K_M, resident, quiet, alternated replays of 48 tokens
         in one process (benchmarks/quantized/decode_threads.py, this on against off): 62.2 vs 74.4 ms/token, and
-        47.8 vs 61.7 in a second run."""
+        47.8 vs 61.7 in a second run. The C pool's workers wait briefly between a prompt's native jobs and longer
+        between a decode step's (native.pool_phase)."""
+        if _NATIVE:
+            native.pool_phase(prompt=tokens.shape[0] > 1)
         if tokens.shape[0] == 1 and torch.get_num_threads() > 1 and self._native_decode():
             threads = torch.get_num_threads()
             torch.set_num_threads(1)

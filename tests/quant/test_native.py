@@ -247,3 +247,36 @@ def test_rows_over_the_pool_are_the_one_thread_bits(name):
     finally:
         native.set_threads(1)
     assert torch.equal(native.linear(spec, x, raw, rows=(0, 300)), one)
+
+
+@pytest.mark.skipif(not native.native_available(), reason="native kernels not built")
+def test_the_pool_waits_briefly_between_a_prompts_jobs_and_longer_in_decode(tmp_path, monkeypatch):
+    """native.pool_phase: a forward pass of several tokens sets PROMPT_WAIT, a decode step DECODE_WAIT, and the
+    pool's workers take it (pool.c reads it after each job)."""
+    import sluice
+    from tests.models.tiny import hf_model, write_checkpoint
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(native, "_LIB", _Spy(native._LIB, calls))
+    monkeypatch.setattr(native, "_wait", native.DECODE_WAIT)
+    path = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path, "per_expert")
+    with sluice.load(path, memory="all") as m:
+        m.logits(list(range(3, 40)))
+        assert native._wait == native.PROMPT_WAIT and calls == [native.PROMPT_WAIT]
+        list(m.generate_tokens(list(range(40, 50)), max_tokens=3, stop_at_eos=False))
+        assert native._wait == native.DECODE_WAIT and calls[-1] == native.DECODE_WAIT
+        assert native.PROMPT_WAIT[1] < native.DECODE_WAIT[1]
+
+
+class _Spy:
+    """native._LIB with sluice_set_spin's arguments recorded (and passed on)."""
+
+    def __init__(self, lib, calls):
+        self._lib, self._calls = lib, calls
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def sluice_set_spin(self, spin, wait):
+        self._calls.append((spin, wait))
+        self._lib.sluice_set_spin(spin, wait)

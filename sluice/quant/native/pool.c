@@ -28,10 +28,15 @@
 #endif
 
 #define MAX_THREADS 64
-/* a worker spins this long after a job (pause, then sched_yield so an I/O thread on its CPU still runs), then
- * sleeps until the next one */
-#define SPIN_NS 50000
-#define YIELD_NS 1000000
+/* a worker spins spin_ns after a job (pause), then calls sched_yield until yield_ns (so an I/O thread on its CPU
+ * still runs), then sleeps until the next one; native.pool_phase sets them for prompts and decode */
+static _Atomic int64_t spin_ns = 50000, yield_ns = 1000000;
+
+/* the wait above, process-wide (workers read it after each job) */
+void sluice_set_spin(int64_t spin, int64_t yield) {
+    atomic_store(&spin_ns, spin);
+    atomic_store(&yield_ns, yield);
+}
 
 static struct {
     pthread_mutex_t mu, run;
@@ -71,8 +76,8 @@ static void *worker(void *arg) {
             int64_t t0 = now_ns(), t;
             int n = 0;
             while ((g = atomic_load(&S.gen)) == seen) {
-                if ((++n & 63) == 0 && (t = now_ns() - t0) > SPIN_NS) {
-                    if (t > YIELD_NS) break;
+                if ((++n & 63) == 0 && (t = now_ns() - t0) > atomic_load(&spin_ns)) {
+                    if (t > atomic_load(&yield_ns)) break;
                     sched_yield();
                 } else {
                     CPU_RELAX();
