@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL", help="Hugging Face model folder (not needed with --disk)")
     p.add_argument("--arm", action="append", default=[], metavar="NAME='FLAGS'",
                    help="an arm: a name and `sluice run` loading flags, e.g. direct='--io direct --memory 2GiB' "
-                        "(repeatable; the first is the reference)")
+                        "(repeatable; the first is the reference). Unless --prompt is given, an arm without "
+                        "--max-context gets prompt + warmup + steps + 16 KV positions, as the llama.cpp arm's n_ctx")
     p.add_argument("--rounds", type=int, default=5, help="rounds; each runs every arm once, order rotated (5)")
     p.add_argument("--steps", type=int, default=60, help="timed decode steps per run (60)")
     p.add_argument("--warmup", type=int, default=20, help="untimed decode steps before the timed ones (20)")
