@@ -280,3 +280,29 @@ class _Spy:
     def sluice_set_spin(self, spin, wait):
         self._calls.append((spin, wait))
         self._lib.sluice_set_spin(spin, wait)
+
+
+@pytest.mark.skipif(not native.native_available(), reason="native kernels not built")
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 1000])
+def test_float32_to_bf16_is_torchs_rounding_bitwise(n):
+    """kernels.c's float32 -> bf16 (a bf16 dequantization's and the integer path's outputs): round to nearest even
+    with subnormals kept (torch's .to(bfloat16) there) and every NaN as 0x7FC0 (c10's scalar rounding; torch's
+    vectorized one keeps some payloads), on every path this CPU takes (AVX512_BF16's conversion flushes subnormals
+    and quiets NaNs its own way: blocks holding them go through the exact rounding)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)
+    ties = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 3.4028235e38, -3.4028235e38])
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-39, -1e-40, 1.4e-45])
+    nan_bits = torch.tensor([0x7F800001, 0xFFC00001, 0x7FFFFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    for extra in (ties, special, nan_bits):
+        if n >= len(extra):
+            at = torch.randint(0, n - len(extra) + 1, (1,), generator=g).item()
+            x[at : at + len(extra)] = extra
+    out = torch.empty(n, dtype=torch.bfloat16)
+    native._LIB.sluice_to_bf16(n, x.data_ptr(), out.data_ptr())
+    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    want = torch.where(x.isnan(), torch.tensor(0x7FC0), want)
+    assert torch.equal(out.view(torch.int16).to(torch.int64) & 0xFFFF, want)
+    ok = ~x.isnan()
+    assert torch.equal(out[ok].view(torch.int16), x[ok].to(torch.bfloat16).view(torch.int16))

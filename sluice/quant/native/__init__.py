@@ -102,6 +102,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_rope_bf16.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr]  # heads, T, D, rot, x, sh, st
     lib.sluice_set_threads.restype = lib.sluice_combine_bf16.restype = lib.sluice_rms_norm_bf16.restype = None
     lib.sluice_rope_bf16.restype = None
+    lib.sluice_to_bf16.argtypes = [i64, ptr, ptr]  # n, x float32, out bf16
+    lib.sluice_to_bf16.restype = None
     lib.sluice_set_spin.argtypes = [i64, i64]
     lib.sluice_set_spin.restype = None
     lib.sluice_ops_scalar.argtypes = [i32]

@@ -446,9 +446,43 @@ AVX2 static void to_bf16_avx2(const float *x, uint16_t *o, int64_t n) {
 }
 #endif
 
+#if SLUICE_X86
+/* The same with the AVX512_BF16 conversion, 32 values an instruction: it rounds to nearest even as bf16_round does
+ * but quiets a NaN its own way and flushes subnormals to zero, so a block of 32 holding either (never a GGUF weight:
+ * the smallest is an f16 subnormal scale times a code, ~6e-8) goes through bf16_round. The rounding was half of
+ * dequantizing a Q4_K expert to bf16 here ([1024 x 1024] Q4_K + [1024 x 512] Q6_K, one thread: 0.205 ms, 0.097 ms
+ * into float32 alone). */
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+AVX512BF16 static void to_bf16_avx512(const float *x, uint16_t *o, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        /* fpclass 0xA1: quiet NaN (0x01), subnormal (0x20), signalling NaN (0x80) */
+        if (_mm512_fpclass_ps_mask(a, 0xA1) | _mm512_fpclass_ps_mask(b, 0xA1)) {
+            for (int k = 0; k < 32; k++) o[i + k] = bf16_round(x[i + k]);
+            continue;
+        }
+        _mm512_storeu_si512((void *)(o + i), (__m512i)_mm512_cvtne2ps_pbh(b, a));  /* a's values first */
+    }
+    for (; i < n; i++) o[i] = bf16_round(x[i]);
+}
+
+static int have_avx512bf16(void) {
+    static int known = -1;  /* every thread computes the same value: a race on it is harmless */
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+                && __builtin_cpu_supports("avx512bf16");
+    }
+    return known;
+}
+#endif
+
 static void to_bf16_row(const float *x, uint16_t *o, int64_t n, int scalar) {
     (void)scalar;
 #if SLUICE_X86
+    if (!scalar && have_avx512bf16()) { to_bf16_avx512(x, o, n); return; }
     if (!scalar && have_avx2()) { to_bf16_avx2(x, o, n); return; }
 #endif
     for (int64_t i = 0; i < n; i++) o[i] = bf16_round(x[i]);
