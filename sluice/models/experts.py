@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.ref import DTYPES
-from ..matmul import bf16_gemm, packed_linear, row_blocks, rows_linear
+from ..matmul import packed_linear, row_blocks, rows_linear
 from ..quant import native
-from ..quant.native.kernel import BF16_GEMM_MIN_ROWS, bf16_view
+from ..quant.native.kernel import bf16_gemm_rows, bf16_view
 from ..quant.stored import StoredLinear
 from ..store.layout import BiasedGluFormat
 
@@ -164,8 +164,7 @@ class ExpertMath:
 
     def _gemm_rows(self, x: torch.Tensor, kernels: tuple) -> bool:
         """Whether x's rows take the bf16 GEMM route of every projection (NativeKernel._bf16_gemm's condition)."""
-        return (x.shape[0] >= BF16_GEMM_MIN_ROWS and x.dtype is torch.bfloat16 and self.dtype is torch.bfloat16
-                and bf16_gemm() and all(k.native is not None for k in kernels))
+        return bf16_gemm_rows(x, self.dtype) and all(k.native is not None for k in kernels)
 
     def _bf16_weights(self, fmt, raw: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]): an expert's stored weights dequantized to bf16 (each value the exact

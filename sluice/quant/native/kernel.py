@@ -37,6 +37,12 @@ BF16_GEMM_MIN_ROWS = 16
 Q8_MAX_ROWS = 2
 
 
+def bf16_gemm_rows(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether x's rows go to a bf16 GEMM on weights dequantized to bf16 (NativeKernel._bf16_gemm; the experts'
+    dequantize-once path, models/experts.py) rather than the native row kernels, at compute dtype `dtype`."""
+    return x.shape[0] >= BF16_GEMM_MIN_ROWS and x.dtype is torch.bfloat16 and dtype is torch.bfloat16 and bf16_gemm()
+
+
 def bf16_view(scratch: torch.Tensor, numel: int) -> torch.Tensor:
     """The first `numel` bf16 values of a float32 scratch's memory (>= (numel + 1) // 2 floats): where the bf16 GEMM
     route dequantizes its weights (NativeKernel, resident.Scratch)."""
@@ -73,8 +79,7 @@ class NativeKernel(Kernel):
     def linear(self, x, slot, scratch):
         # per call ~20 us of Python around the C call (was 155 before the checks' fast paths): each step is
         # skipped when it would be a no-op
-        if (x.shape[0] >= BF16_GEMM_MIN_ROWS and x.dtype is torch.bfloat16 and self.dtype is torch.bfloat16
-                and bf16_gemm()):
+        if bf16_gemm_rows(x, self.dtype):
             return self._bf16_gemm(x, slot, scratch)
         if x.dtype is not torch.float32:
             x = x.float()  # [T, in]
