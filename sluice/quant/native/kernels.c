@@ -444,9 +444,7 @@ AVX2 static void to_bf16_avx2(const float *x, uint16_t *o, int64_t n) {
     }
     for (; i < n; i++) o[i] = bf16_round(x[i]);
 }
-#endif
 
-#if SLUICE_X86
 /* The same with the AVX512_BF16 conversion, 32 values an instruction: it rounds to nearest even as bf16_round does
  * but quiets a NaN its own way and flushes subnormals to zero, so a block of 32 holding either (never a GGUF weight:
  * the smallest is an f16 subnormal scale times a code, ~6e-8) goes through bf16_round. The rounding was half of

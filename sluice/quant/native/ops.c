@@ -7,6 +7,9 @@
 
 static int ops_scalar; /* sluice_ops_scalar */
 
+/* whether the AVX2 copies below run (the CPU has them and the test hook does not ask for the portable loops) */
+static inline int ops_simd(void) { return SLUICE_X86 && !ops_scalar && sluice_simd(); }
+
 /* The weighted sum of a token's expert outputs into out (bf16 [H], added to what it holds), in the order given:
  * for j = 0..n-1, out = bf16(out + bf16(p_j)) with p_j = bf16(ys[j]) * w[at[j]] (w bf16: the product rounded to
  * bf16; w float32: kept in float32), i.e. torch's `out += ((ys.to(bf16) * w).to(bf16))[j]`, row by row.
@@ -69,7 +72,7 @@ static void combine_rows_task(void *c, int64_t i) {
             float wa = j->w_f32 ? ((const float *)j->w)[a] : bf16_float(((const uint16_t *)j->w)[a]);
             const uint16_t *y = j->ys + a * j->H;
 #if SLUICE_X86
-            if (!ops_scalar && sluice_simd()) {
+            if (ops_simd()) {
                 add_scaled_row_avx2(o, y, wa, j->H);
                 continue;
             }
@@ -92,21 +95,25 @@ void sluice_combine_rows_bf16(int64_t T, int64_t K, int64_t H, const uint16_t *y
  * expression in the last bit of its scale (relative ~1e-7), never by more. The AVX2 copy runs the same operations,
  * 8 lanes at a time; rows go over the pool (a prompt's [T, H] and q / k norms: ~1.5 ms a call at 2,048 x 1024 on
  * one thread, scalar). out may be x. */
-static void rms_norm_row(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
-    float lane[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) {
-            float v = bf16_float(x[i + l]);
-            lane[l] = lane[l] + v * v;
-        }
+/* values [i, n) of x squared into lane[v % 8], in order */
+static void square_lanes(const uint16_t *x, int64_t i, int64_t n, float *lane) {
     for (; i < n; i++) {
         float v = bf16_float(x[i]);
         lane[i % 8] = lane[i % 8] + v * v;
     }
-    float scale = 1.0f / sqrtf(reduce8(lane) / (float)n + eps);
-    for (int64_t j = 0; j < n; j++)
-        out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
+}
+
+static float rms_scale(const float *lane, int64_t n, float eps) { return 1.0f / sqrtf(reduce8(lane) / (float)n + eps); }
+
+/* out[k] = bf16(w[k] * bf16(x[k] * scale)) for k from j to n - 1 */
+static void scale_row(const uint16_t *x, const uint16_t *w, int64_t j, int64_t n, float scale, uint16_t *out) {
+    for (; j < n; j++) out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
+}
+
+static void rms_norm_row(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+    float lane[8] = {0};
+    square_lanes(x, 0, n, lane);
+    scale_row(x, w, 0, n, rms_scale(lane, n, eps), out);
 }
 
 #if SLUICE_X86
@@ -119,17 +126,13 @@ AVX2 static void rms_norm_row_avx2(const uint16_t *x, const uint16_t *w, int64_t
     }
     float lane[8];
     _mm256_storeu_ps(lane, acc);
-    for (; i < n; i++) {
-        float v = bf16_float(x[i]);
-        lane[i % 8] = lane[i % 8] + v * v;
-    }
-    float scale = 1.0f / sqrtf(reduce8(lane) / (float)n + eps);
+    square_lanes(x, i, n, lane);
+    float scale = rms_scale(lane, n, eps);
     const __m256 sv = _mm256_set1_ps(scale);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8)
         store_bf16x8(out + j, _mm256_mul_ps(bf16x8(w + j), bf16_rounded8(_mm256_mul_ps(bf16x8(x + j), sv))));
-    for (; j < n; j++)
-        out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
+    scale_row(x, w, j, n, scale, out);
 }
 #endif
 
@@ -147,7 +150,7 @@ static void rms_task(void *c, int64_t i) {
     int64_t r1 = (i + 1) * j->per_task < j->rows ? (i + 1) * j->per_task : j->rows;
     for (int64_t r = i * j->per_task; r < r1; r++) {
 #if SLUICE_X86
-        if (!ops_scalar && sluice_simd()) {
+        if (ops_simd()) {
             rms_norm_row_avx2(j->x + r * j->n, j->w, j->n, j->eps, j->out + r * j->n);
             continue;
         }
@@ -197,7 +200,7 @@ static void rope_row(const uint16_t *xr, const uint16_t *c, const uint16_t *s, u
     const int64_t half = rot / 2;
     int64_t d = 0, e = half;
 #if SLUICE_X86
-    if (!ops_scalar && sluice_simd()) {
+    if (ops_simd()) {
         d = rope_span_avx2(xr, c, s, o, 0, half, half, 1);
         e = rope_span_avx2(xr, c, s, o, half, rot, -half, 0);
     }
