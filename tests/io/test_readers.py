@@ -35,11 +35,8 @@ def reader(request):
 
 
 @pytest.fixture
-def data_file(tmp_path):
-    data = random.Random(1).randbytes(SIZE)
-    path = tmp_path / "model.bin"
-    path.write_bytes(data)
-    return str(path), data
+def data_file(random_file):
+    return random_file(SIZE, 1)
 
 
 def req(path: str, offset: int, nbytes: int) -> tuple[ReadRange, torch.Tensor]:

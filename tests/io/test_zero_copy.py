@@ -5,7 +5,6 @@ _direct_iovecs): only the partial pages at a range's ends go through staging, an
 from __future__ import annotations
 
 import mmap
-import random
 
 import pytest
 import torch
@@ -18,11 +17,8 @@ SIZE = 64 * PAGE + 1234  # not a page multiple: the last window ends short at EO
 
 
 @pytest.fixture
-def data_file(tmp_path):
-    data = random.Random(7).randbytes(SIZE)
-    path = tmp_path / "model.bin"
-    path.write_bytes(data)
-    return str(path), data
+def data_file(random_file):
+    return random_file(SIZE, 7)
 
 
 @pytest.fixture
