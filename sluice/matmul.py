@@ -112,14 +112,13 @@ def packed_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 # --- a prompt's expert rows in blocks ------------------------------------------------------------------------------
 # An expert's rows in a prompt run in blocks whose [rows, 2I] gate / up GEMM output stays within GEMM_BLOCK_BYTES
 # (at least GEMM_MIN_BLOCK rows): SwiGLU and the down GEMM then read it from cache, and oneDNN, which builds kernels
-# for each row count it has not seen (~0.3 ms per shape here), meets fewer shapes (the demo model's first 512-token
-# prompt brought 74). Demo model at 1 GiB (2I = 7,296), resident, the first prompt of a fresh process, medians of 6
-# alternated processes (3 at 2,048 tokens), 2-core AVX512_BF16 EPYC: 512 tokens 190 ms unsplit, 179 in blocks of
-# <= 128 rows, 173 of <= 256; 2,048 tokens 709 unsplit, 623 of <= 256 or <= 512; later prompts also gained (146 vs
-# 155 ms at 512 tokens). Narrow experts (the peers model, 2I = 1,024) lose by splitting (their GEMMs run ~5% faster
-# per row at 272 rows than at 128-144) and hardly meet the shape cost (first and second 2,048-token prompts alike):
-# their blocks reach 2,048 rows. On a CPU whose GEMM gives a row the same bits whatever the row count (as here) the
-# blocks change no logits; streamed and resident runs split alike everywhere.
+# for each row count it has not seen, meets fewer shapes. Demo model at 1 GiB (2I = 7,296: blocks of <= 272 rows),
+# resident, 2-core AVX512_BF16 EPYC, `benchmarks/prefill/knobs.py blocks` (fresh process per arm and round, medians
+# of 6), 1st / 2nd / 3rd prompt ms: 512 tokens 169 / 142 / 141 in one GEMM, 158 / 135 / 134 in blocks; 2,048 tokens
+# 551 / 485 / 483 against 460 / 423 / 424. Narrow experts (the peers model, 2I = 1,024) have little output to keep
+# in cache and per-row GEMM cost that still falls past 256 rows: their blocks reach 2,048 rows. On a CPU whose GEMM
+# gives a row the same bits whatever the row count (as here) the blocks change no logits; streamed and resident runs
+# split alike everywhere.
 GEMM_BLOCK_BYTES = 4 << 20
 GEMM_MIN_BLOCK = 256
 

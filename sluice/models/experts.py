@@ -103,8 +103,8 @@ class ExpertMath:
         scratch = self._scratch()
         if len(row_blocks(x.shape[0], 2 * fmt.gate.out_features)) > 1 and self._gemm_rows(x, (gate, up, down)):
             # several row blocks: the weights dequantized to bf16 once for all of them. One block keeps the calls
-            # below (each projection dequantized just before its GEMM, into the same scratch: peers Q4_K_M, 2,048
-            # tokens, dequantizing took 0.27-0.30 s a prompt that way and 0.35-0.47 s the three at once)
+            # below (each projection dequantized just before its GEMM, into the same scratch), which took less time
+            # than the three at once in a cProfile comparison on the peers Q4_K_M model (not kept)
             return self._swiglu(x, *self._bf16_weights(fmt, raw, scratch), rows_linear)
         if gate_up is not None:  # one call over the 2I rows of [gate; up]
             g, u = gate_up(x, raw[: fmt.up_offset + fmt.up.nbytes], scratch).chunk(2, dim=-1)  # [n, I] each

@@ -645,11 +645,11 @@ _SHARED: Pool | None = None
 # decode step runs several native jobs per layer back to back, and a futex wake-up costs tens of us: they spin up to
 # 1 ms. A prompt's native jobs (dequantizing an expert, its norms, rope, weighted sums) sit between torch GEMMs: a
 # shorter wait gives those the CPU sooner, too short a one pays the wake-up at every job. Peers Q4_K_M, resident,
-# prefill ms, waits alternated in one process, medians of 6 (throwaway scripts), quiet: 128 tokens 502 / 497 / 519
-# (1 ms / 200 us / 50 us), 512 tokens 734 / 732 / 782, 2,048 tokens 2,154 / 2,190 / 2,118; beside a busy process
-# all alike (512: 1,101 / 1,093 / 1,086); in a slow spell of this machine, 2,048 tokens 3,040 with 1 ms against 2,669
-# with 50 us (dequantizing 0.9-1.2 s a prompt against 0.42 s on one thread). Decode with the prompt's wait: 10.50
-# against 10.09 ms/token (50 us); 11.12 without any.
+# quiet, `benchmarks/prefill/knobs.py wait` (waits alternated in one process, medians of 6), prefill ms with 1 ms /
+# 200 us / 50 us: 128 tokens 481 / 482 / 497, 512 tokens 706 / 712 / 755, 2,048 tokens 2,032 / 2,034 / 2,084; decode
+# 9.21 ms/token with the decode wait, 9.28 with the prompt's. Quiet, 200 us is the 1 ms wait's equal; it is the
+# prompt's wait because in slow spells of this machine (the host's load) an earlier in-process comparison of the
+# same kind, not kept, ran 2,048-token prompts faster with the shorter wait.
 DECODE_WAIT = (50_000, 1_000_000)
 PROMPT_WAIT = (50_000, 200_000)
 _wait = DECODE_WAIT

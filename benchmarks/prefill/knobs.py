@@ -1,0 +1,187 @@
+"""The prompt-path settings of issue 15's last changes, each measured against its alternatives (one model, quiet).
+
+    .venv/bin/python benchmarks/prefill/knobs.py wait    [--model GGUF] [--rounds 6] [--prompts 128 512 2048]
+    .venv/bin/python benchmarks/prefill/knobs.py blocks  [--model FOLDER] [--rounds 6] [--prompts 512 2048]
+    .venv/bin/python benchmarks/prefill/knobs.py dequant [--rounds 15]
+    .venv/bin/python benchmarks/prefill/knobs.py profile [--model GGUF] [--prompts 2048]
+    .venv/bin/python benchmarks/prefill/knobs.py int8    [--rounds 15]
+
+wait: the native pool's wait between a prompt's jobs (native.PROMPT_WAIT) at 1 ms / 200 us / 50 us of spin + yield,
+alternated in one process on resident prompts (rotated order, a new seeded prompt each run), medians of prefill ms;
+then decode ms/token with the decode wait against the prompt's.
+blocks: an expert's prompt rows in row blocks (matmul.row_blocks) against one GEMM for all its rows, the first and
+the next two prompts of a fresh process per arm and round (oneDNN builds kernels per new row count in each
+process), arms alternated; medians of prefill ms.
+dequant: ms to dequantize a [1024 x 1024] Q4_K and a [1024 x 512] Q6_K projection (one peers-model expert) to bf16
+and to float32, one thread, median of rounds of 50.
+profile: where a warm resident prompt's time goes (cProfile of the second prompt; seconds in the heaviest calls).
+int8: torch's int8 GEMM (torch._int_mm, s8 x s8 -> s32) against its bf16 GEMM on a [256 x 1024] @ [1024 x 1024]
+expert projection, median ms of rounds of 30.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import sluice  # noqa: F401  before torch: sluice sets torch's OpenMP wait policy
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+PEERS_Q4 = ROOT / "benchmarks" / "models" / "qwen3_moe-peers" / "model-Q4_K_M.gguf"
+DEMO_1G = ROOT / "benchmarks" / "models" / "qwen3_moe-1GiB"
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def wait(a) -> None:
+    from sluice.quant import native
+
+    arms = {"1 ms": (50_000, 1_000_000), "200 us": (50_000, 200_000), "50 us": (50_000, 50_000)}
+    names = list(arms)
+    with sluice.load(a.model, memory="all") as m:
+        list(m.generate_tokens(_prompt(64, 1), max_tokens=1, stop_at_eos=False))
+        for n in a.prompts:
+            res: dict[str, list[float]] = {k: [] for k in names}
+            for r in range(a.rounds):
+                for k in names[r % 3 :] + names[: r % 3]:
+                    native.PROMPT_WAIT = arms[k]
+                    list(m.generate_tokens(_prompt(n, 1000 * r + names.index(k) + 7 + n), max_tokens=1,
+                                           stop_at_eos=False))
+                    res[k].append(m.stats()["prefill_ms"])
+            print(f"{n} tokens, prefill ms (median of {a.rounds}): "
+                  + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in res.items()))
+        native.PROMPT_WAIT = arms["200 us"]
+        decode: dict[str, list[float]] = {"decode wait": [], "prompt wait": []}
+        for r in range(a.rounds):
+            for k in (list(decode) if r % 2 == 0 else list(decode)[::-1]):
+                native.DECODE_WAIT = (50_000, 1_000_000) if k == "decode wait" else native.PROMPT_WAIT
+                list(m.generate_tokens(_prompt(16, 5000 + 2 * r + (k == "prompt wait")), max_tokens=24,
+                                       stop_at_eos=False))
+                decode[k].append(1000 * statistics.median(m.step_times.decode_s[4:]))
+        print(f"decode ms/token (median of {a.rounds}): "
+              + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in decode.items()))
+
+
+def blocks_child(model: str, n: int, split: bool) -> list[float]:
+    from sluice import matmul
+
+    if not split:
+        matmul.GEMM_BLOCK_BYTES = matmul.GEMM_MIN_BLOCK = 1 << 40
+    out = []
+    with sluice.load(model) as m:
+        for i in range(3):
+            list(m.generate_tokens(_prompt(n, 100 + i), max_tokens=1, stop_at_eos=False))
+            out.append(m.stats()["prefill_ms"])
+    return out
+
+
+def blocks(a) -> None:
+    for n in a.prompts:
+        res: dict[str, list[list[float]]] = {"one GEMM": [], "row blocks": []}
+        for r in range(a.rounds):
+            for k in (list(res) if r % 2 == 0 else list(res)[::-1]):
+                cmd = [sys.executable, __file__, "blocks-child", "--model", str(a.model), "--prompts", str(n)]
+                if k == "row blocks":
+                    cmd.append("--split")
+                res[k].append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True)
+                                         .stdout.splitlines()[-1]))
+        print(f"{n} tokens, prefill ms of a fresh process's 1st / 2nd / 3rd prompt (medians of {a.rounds}): "
+              + "; ".join(f"{k} " + " / ".join(f"{statistics.median(x[i] for x in v):.0f}" for i in range(3))
+                          for k, v in res.items()))
+
+
+def dequant(a) -> None:
+    import time
+
+    from sluice.quant import native
+    from sluice.quant.kernels import QuantSpec
+    from sluice.quant.native.kernel import bf16_view
+
+    native.set_threads(1)
+    g = torch.Generator().manual_seed(0)
+    specs = [QuantSpec.ggml("Q4_K", 1024, 1024), QuantSpec.ggml("Q6_K", 1024, 512)]
+    raws = [torch.randint(0, 255, (s.nbytes,), dtype=torch.uint8, generator=g) for s in specs]
+    scratch = torch.empty(1024 * 1024)
+    outs = {"bf16": lambda s: bf16_view(scratch, s.out_features * s.in_features),
+            "float32": lambda s: scratch[: s.out_features * s.in_features]}
+    for name, out in outs.items():
+        def one():
+            for s, raw in zip(specs, raws):
+                native.dequantize(s, raw, out(s))
+        for _ in range(20):
+            one()
+        ts = []
+        for _ in range(a.rounds):
+            t = time.perf_counter()
+            for _ in range(50):
+                one()
+            ts.append((time.perf_counter() - t) / 50)
+        print(f"dequantize one expert to {name}: {1000 * statistics.median(ts):.3f} ms (one thread)")
+
+
+def profile(a) -> None:
+    import cProfile
+    import pstats
+
+    with sluice.load(a.model, memory="all") as m:
+        n = a.prompts[0]
+        list(m.generate_tokens(_prompt(n, 1), max_tokens=1, stop_at_eos=False))
+        pr = cProfile.Profile()
+        pr.enable()
+        list(m.generate_tokens(_prompt(n, 2), max_tokens=1, stop_at_eos=False))
+        pr.disable()
+        print(f"{n}-token prompt, prefill {m.stats()['prefill_ms']:.0f} ms under cProfile; seconds by function:")
+        stats = pstats.Stats(pr).stats
+        top = sorted(((v[2], k[2]) for k, v in stats.items()), reverse=True)[:10]
+        for sec, name in top:
+            print(f"  {sec:.3f}  {name}")
+
+
+def int8(a) -> None:
+    import time
+
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    a8 = torch.randint(-100, 100, (256, 1024), dtype=torch.int8, generator=g)
+    b8 = torch.randint(-100, 100, (1024, 1024), dtype=torch.int8, generator=g)
+    x, w = torch.randn(256, 1024, generator=g).bfloat16(), torch.randn(1024, 1024, generator=g).bfloat16()
+    for name, f in (("bf16 F.linear", lambda: F.linear(x, w)), ("int8 torch._int_mm", lambda: torch._int_mm(a8, b8))):
+        for _ in range(5):
+            f()
+        ts = []
+        for _ in range(a.rounds):
+            t = time.perf_counter()
+            for _ in range(30):
+                f()
+            ts.append((time.perf_counter() - t) / 30)
+        ms = 1000 * statistics.median(ts)
+        print(f"{name}: {ms:.3f} ms ({2 * 256 * 1024 * 1024 / ms / 1e6:.0f} GOP/s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["wait", "blocks", "dequant", "profile", "int8", "blocks-child"])
+    ap.add_argument("--model")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--prompts", type=int, nargs="+")
+    ap.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.what == "blocks-child":
+        print(json.dumps(blocks_child(a.model, a.prompts[0], a.split)))
+        return
+    a.model = a.model or str(DEMO_1G if a.what == "blocks" else PEERS_Q4)
+    a.rounds = a.rounds or (6 if a.what in ("wait", "blocks") else 15)
+    a.prompts = a.prompts or {"wait": [128, 512, 2048], "blocks": [512, 2048]}.get(a.what, [2048])
+    {"wait": wait, "blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8}[a.what](a)
+
+
+if __name__ == "__main__":
+    main()
