@@ -93,8 +93,9 @@ void sluice_combine_rows_bf16(int64_t T, int64_t K, int64_t H, const uint16_t *y
  * lanes (value i into lane i % 8, a product then a sum, lanes added ((0+4)+(2+6))+((1+5)+(3+7))), a fixed order
  * whatever the compiler vectorizes; torch's mean sums in another order, so a row can differ from the torch
  * expression in the last bit of its scale (relative ~1e-7), never by more. The AVX2 copy runs the same operations,
- * 8 lanes at a time; rows go over the pool (a prompt's [T, H] and q / k norms: ~1.5 ms a call at 2,048 x 1024 on
- * one thread, scalar). out may be x. */
+ * 8 lanes at a time; rows go over the pool (a prompt's [T, H] and q / k norms: 0.101 s of a peers Q4_K_M 2,048-token
+ * prompt on one thread, scalar, 0.025 s this way: `benchmarks/prefill/knobs.py profile` at a19c08e and after). out
+ * may be x. */
 /* values [i, n) of x squared into lane[v % 8], in order */
 static void square_lanes(const uint16_t *x, int64_t i, int64_t n, float *lane) {
     for (; i < n; i++) {
@@ -143,7 +144,7 @@ typedef struct {
     uint16_t *out;
 } rms_job;
 
-#define OPS_TASK_ELEMS 32768 /* elements per pool task (~10-20 us of work) */
+#define OPS_TASK_ELEMS 32768 /* elements per pool task: enough work to be worth another thread */
 
 static void rms_task(void *c, int64_t i) {
     const rms_job *j = (const rms_job *)c;
