@@ -184,4 +184,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except sluice.errors.SluiceError as e:  # a missing or bad model file: its message, not a traceback
+        sys.exit(f"knobs.py: {e}")
