@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..checkpoint.ref import DTYPES
 from ..matmul import packed_linear, row_blocks, rows_linear
 from ..quant import native
+from ..quant.native import prompt
 from ..quant.native.kernel import bf16_gemm_rows, bf16_view
 from ..quant.stored import StoredLinear
 from ..store.layout import BiasedGluFormat
@@ -78,6 +79,7 @@ class ExpertMath:
         self._plain_glu = glu is None  # the one-call native expert computes act(gate) * up only
         self._kernels: dict[object, tuple] = {}
         self._fused: dict[object, native.ExpertCall | None] = {}  # format -> its one-call path, or None
+        self._int8: dict[object, bool] = {}  # format -> whether a prompt's rows take prompt.c (_int8_prompt)
         self._scratch_numel = 0  # the largest projection of any format seen
         self._scratch_buf = torch.empty(0, dtype=torch.float32)
 
@@ -99,6 +101,8 @@ class ExpertMath:
             y = torch.empty(x.shape, dtype=torch.float32)  # [n, H]
             self._fused[fmt](raw, x.float().contiguous(), y, self.planes)
             return y.to(self.dtype)
+        if x.shape[0] > EXPERT_Q8_MAX_ROWS and self._int8_prompt(fmt):
+            return self._int8_rows(fmt, raw, x)
         gate_up, gate, up, down = self._kernels_for(fmt)
         scratch = self._scratch()
         if len(row_blocks(x.shape[0], 2 * fmt.gate.out_features)) > 1 and self._gemm_rows(x, (gate, up, down)):
@@ -112,6 +116,39 @@ class ExpertMath:
             g = gate(x, raw[: fmt.gate.nbytes], scratch)  # [n, I]
             u = up(x, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], scratch)  # [n, I]
         return down(self.glu(g, u), raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes], scratch)
+
+    def _int8_prompt(self, fmt) -> bool:
+        """Whether a prompt's rows of this format's experts run prompt.c's int8 kernel: activations "int8" (one
+        plane, llama.cpp's coding) at a 16-bit compute dtype, plain SwiGLU-shaped experts with Q4_K gate and up, on a
+        CPU with AVX512-VNNI (elsewhere the bf16 GEMM on dequantized weights is faster than its portable path)."""
+        ok = self._int8.get(fmt)
+        if ok is None:
+            ok = self._int8[fmt] = bool(
+                (self.planes or native.Q8_PLANES) == 1 and self.dtype is not torch.float32
+                and not isinstance(fmt, BiasedGluFormat) and prompt.available()
+                and all(prompt.supported(s) for s in (fmt.gate_up or fmt.gate, fmt.up)))
+        return ok
+
+    def _int8_rows(self, fmt, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """down(glu(gate x, up x)) on a prompt's rows x [n, H] with 8-bit activations (prompt.c): gate and up from
+        one coding of x, the product in float32, coded again for a Q4_K down; any other down format takes its
+        StoredLinear on the product rounded to the compute dtype."""
+        n, i = x.shape[0], fmt.gate.out_features
+        x = x.contiguous()
+        gu = torch.empty(n, 2 * i)  # [n, 2I] float32
+        if fmt.gate_up is not None:
+            prompt.linears([(fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes], gu)], x)
+        else:
+            prompt.linears([(fmt.gate, raw[: fmt.gate.nbytes], gu[:, :i]),
+                            (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], gu[:, i:])], x)
+        h = self.glu(*gu.chunk(2, dim=-1)).contiguous()  # [n, I] float32
+        dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
+        if prompt.supported(fmt.down):
+            y = torch.empty(n, fmt.down.out_features)  # [n, H]
+            prompt.linears([(fmt.down, dn, y)], h)
+            return y.to(self.dtype)
+        down = self._kernels_for(fmt)[3]
+        return down(h.to(self.dtype), dn, self._scratch())
 
     def _swiglu(self, x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, lin) -> torch.Tensor:
         """down(glu(gate x, up x)) of bf16 / float weights gu [2I, H] and dn [H, I] (plain, or packed for

@@ -1,0 +1,359 @@
+/* A prompt's Q4_K projections on 8-bit activations: y[T, N] = x[T, K] @ W^T with integer dot products (AVX512-VNNI
+ * vpdpbusd: 64 products of a 4-bit code and an 8-bit code an instruction, twice the multiplies of a bf16 dot
+ * product), for the many rows of a prompt's expert at LoadOptions.activations "int8" (decode's int8 path is q8.c).
+ *
+ * Activations: each x row in super-blocks of 256 values, llama.cpp's Q8_K coding as q8.c's one-plane layout has
+ * it: D = amax / 127, code = rint(x * (127 / amax)) (half to even, |code| <= 127), plus the sum of the codes of each
+ * 32 values (for Q4_K's mins). Weights: Q4_K as stored, value = d * sc_j * q - dmin * m_j per 32-value sub-block j
+ * (q 4-bit, sc_j / m_j 6-bit). Per super-block b of row n and token t, with S1_j = sum of q * code over sub-block j
+ * and S2_j = sum of code over it (integers, exact):
+ *   acc = fma((float)(sum_j sc_j * S1_j), d * D_t, acc)
+ *   acc = fma(-(float)(sum_j m_j * S2_j), dmin * D_t, acc)       y[t, n] = acc after the last super-block
+ * The same float operations in the same order on the AVX-512 path (16 rows a vector) and the portable one, so both
+ * give the same bits, and row t of y depends on neither T nor the thread that ran it.
+ *
+ * Layout: each task packs a tile of 16 weight rows: per super-block, per sub-block j, four 64-byte vectors whose
+ * byte 4r + i of vector v holds row r's codes 4v + i (low nibble) and 16 + 4v + i (high nibble) of the sub-block;
+ * then sc_j as int32 x 16 rows x 8, the mins as int16 pairs (m_2p, m_2p+1) x 16 rows x 4, d and dmin x 16 rows. The
+ * tile is packed once and serves every token of the call: 8 tokens at a time, each weight vector loaded once for
+ * the 8. */
+#include <math.h>
+
+#include "common.h"
+
+#define TILE_ROWS 16
+#define SB_CODES 2048                          /* 8 sub-blocks x 4 vectors x 64 bytes */
+#define SB_TILE (SB_CODES + 512 + 256 + 128)   /* + sc int32 [8][16], m int16 pairs [4][16][2], d, dmin [16] */
+#define MR 8                                   /* tokens per kernel pass */
+
+/* ---- activations ---- */
+
+/* one row of K values (float32, or bf16 when bf16) -> K codes, K / 256 scales, K / 32 code sums (int16) */
+static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s) {
+    for (int64_t b = 0; b < K; b += 256) {
+        float v[256], amax = 0.0f;
+        for (int i = 0; i < 256; i++) {
+            v[i] = bf16 ? bf16_float(((const uint16_t *)x)[b + i]) : ((const float *)x)[b + i];
+            float a = fabsf(v[i]);
+            amax = amax > a ? amax : a;  /* maxps's order */
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b / 256] = amax / 127.0f;
+        for (int j = 0; j < 8; j++) {
+            int sum = 0;
+            for (int i = 32 * j; i < 32 * j + 32; i++) {
+                float r = v[i] * inv;  /* clamped as maxps / minps clamp (a NaN becomes -127), then rounded */
+                r = r > -127.0f ? r : -127.0f;
+                r = r < 127.0f ? r : 127.0f;
+                int q = (int)rintf(r);
+                c[b + i] = (int8_t)q;
+                sum += q;
+            }
+            s[b / 32 + j] = (int16_t)sum;
+        }
+    }
+}
+
+/* ---- weights ---- */
+
+/* row r's 256 codes (0..15) of Q4_K super-block blk, in value order */
+static void q4k_codes(const uint8_t *blk, uint8_t *q) {
+    const uint8_t *qs = blk + 16;
+    for (int p = 0; p < 4; p++)
+        for (int l = 0; l < 32; l++) {
+            q[64 * p + l] = qs[32 * p + l] & 15;
+            q[64 * p + 32 + l] = qs[32 * p + l] >> 4;
+        }
+}
+
+/* the tile of rows n0 .. n0 + 15 (rows past N are zeros) of a Q4_K matrix with K / 256 super-blocks a row */
+static void pack_tile_scalar(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nsb, int64_t n0, uint8_t *tile) {
+    memset(tile, 0, (size_t)(nsb * SB_TILE));
+    for (int r = 0; r < TILE_ROWS && n0 + r < N; r++)
+        for (int64_t b = 0; b < nsb; b++) {
+            const uint8_t *blk = w + (n0 + r) * row_bytes + 144 * b;
+            uint8_t *t = tile + b * SB_TILE, q[256], sc[8], mn[8];
+            q4k_codes(blk, q);
+            k_scale_min(blk + 4, sc, mn);
+            for (int j = 0; j < 8; j++)
+                for (int v = 0; v < 4; v++)
+                    for (int i = 0; i < 4; i++)
+                        t[256 * j + 64 * v + 4 * r + i] = (uint8_t)(q[32 * j + 4 * v + i] | q[32 * j + 16 + 4 * v + i] << 4);
+            int32_t *sc32 = (int32_t *)(t + SB_CODES);
+            int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
+            float *df = (float *)(t + SB_CODES + 768);
+            for (int j = 0; j < 8; j++) {
+                sc32[16 * j + r] = sc[j];
+                m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
+            }
+            df[r] = rdf16(blk);
+            df[16 + r] = rdf16(blk + 2);
+        }
+}
+
+/* ---- the portable kernel: tokens t0 .. t1 of one tile ---- */
+
+typedef struct {
+    const int8_t *c;   /* codes [T, K] */
+    const float *d;    /* scales [T, K / 256] */
+    const int16_t *s;  /* code sums [T, K / 32] */
+    int64_t K, T;
+} xq_t;
+
+static void tile_scalar(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t t0, int64_t t1, int rows,
+                        float *y, int64_t ldy) {
+    for (int64_t t = t0; t < t1; t++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nsb; b++) {
+                const uint8_t *tb = tile + b * SB_TILE;
+                const int8_t *xc = x->c + t * x->K + 256 * b;
+                const int32_t *sc32 = (const int32_t *)(tb + SB_CODES);
+                const int16_t *m16 = (const int16_t *)(tb + SB_CODES + 512);
+                const float *df = (const float *)(tb + SB_CODES + 768);
+                int32_t isum = 0, msum = 0;
+                for (int j = 0; j < 8; j++) {
+                    int32_t s1 = 0;
+                    for (int v = 0; v < 4; v++)
+                        for (int i = 0; i < 4; i++) {
+                            uint8_t u = tb[256 * j + 64 * v + 4 * r + i];
+                            s1 += (u & 15) * xc[32 * j + 4 * v + i] + (u >> 4) * xc[32 * j + 16 + 4 * v + i];
+                        }
+                    isum += sc32[16 * j + r] * s1;
+                    msum += m16[32 * (j / 2) + 2 * r + (j & 1)] * x->s[t * (x->K / 32) + 8 * b + j];
+                }
+                float dx = x->d[t * (x->K / 256) + b];
+                acc = fmaf((float)isum, df[r] * dx, acc);
+                acc = fmaf(-(float)msum, df[16 + r] * dx, acc);
+            }
+            y[(t - t0) * ldy + r] = acc;
+        }
+}
+
+/* ---- AVX512-VNNI ---- */
+#if SLUICE_X86
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define VNNI_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vnni")))
+
+static int have_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+static inline int32_t rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+VNNI static void quant_row_vnni(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s) {
+    for (int64_t b = 0; b < K; b += 256) {
+        __m512 v[16], m = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            if (bf16) {
+                __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + b + 16 * i));
+                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            } else {
+                v[i] = _mm512_loadu_ps((const float *)x + b + 16 * i);
+            }
+            m = _mm512_max_ps(m, _mm512_abs_ps(v[i]));
+        }
+        float amax = _mm512_reduce_max_ps(m);  /* max is exact in any order */
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b / 256] = amax / 127.0f;
+        __m512 vi = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+        for (int j = 0; j < 8; j++) {
+            /* rint under the default rounding mode: cvtps_epi32 rounds half to even, as rintf */
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v[2 * j], vi), lo), hi));
+            __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v[2 * j + 1], vi), lo), hi));
+            _mm_storeu_si128((__m128i *)(c + b + 32 * j), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(c + b + 32 * j + 16), _mm512_cvtepi32_epi8(q1));
+            s[b / 32 + j] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
+}
+
+/* 16 rows' dwords at p + r * stride */
+VNNI_INLINE __m512i gather16(const uint8_t *p, __m512i offs) { return _mm512_i32gather_epi32(offs, p, 1); }
+
+VNNI static void pack_tile_vnni(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nsb, int64_t n0,
+                                uint8_t *tile) {
+    int rows = N - n0 < TILE_ROWS ? (int)(N - n0) : TILE_ROWS;
+    if (rows < TILE_ROWS || row_bytes * (TILE_ROWS - 1) > INT32_MAX) {
+        pack_tile_scalar(w, row_bytes, N, nsb, n0, tile);
+        return;
+    }
+    __m512i offs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_epi32((int)row_bytes));
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *base = w + n0 * row_bytes + 144 * b;
+        uint8_t *t = tile + b * SB_TILE;
+        for (int p = 0; p < 4; p++)      /* 64 values: sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+            for (int v = 0; v < 4; v++) {
+                __m512i a = gather16(base + 16 + 32 * p + 4 * v, offs);       /* values 4v .. +3 (and +32) */
+                __m512i c = gather16(base + 16 + 32 * p + 16 + 4 * v, offs);  /* values 16 + 4v .. (and +32) */
+                __m512i e = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_slli_epi16(_mm512_and_si512(c, m4), 4));
+                __m512i o = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4),
+                                            _mm512_andnot_si512(m4, c));
+                _mm512_storeu_si512(t + 256 * (2 * p) + 64 * v, e);
+                _mm512_storeu_si512(t + 256 * (2 * p + 1) + 64 * v, o);
+            }
+        int32_t *sc32 = (int32_t *)(t + SB_CODES);
+        int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
+        float *df = (float *)(t + SB_CODES + 768);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const uint8_t *blk = base + r * row_bytes;
+            uint8_t sc[8], mn[8];
+            k_scale_min(blk + 4, sc, mn);
+            for (int j = 0; j < 8; j++) {
+                sc32[16 * j + r] = sc[j];
+                m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
+            }
+            df[r] = rdf16(blk);
+            df[16 + r] = rdf16(blk + 2);
+        }
+    }
+}
+
+/* tokens t0 .. t0 + NT of one tile; NT a constant at each call so the accumulators stay in registers */
+VNNI_INLINE void tile_vnni_n(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t t0, const int NT, int rows,
+                             float *y, int64_t ldy) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int64_t K = x->K;
+    __m512 acc[MR];
+    __m512i isum[MR], tmp[MR];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *tb = tile + b * SB_TILE;
+        const int8_t *xc = x->c + t0 * K + 256 * b;
+        for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            for (int t = 0; t < NT; t++) tmp[t] = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                __m512i u = _mm512_loadu_si512(tb + 256 * j + 64 * v);
+                __m512i lo = _mm512_and_si512(u, m4), hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), m4);
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *p = xc + t * K + 32 * j + 4 * v;
+                    tmp[t] = _mm512_dpbusd_epi32(tmp[t], lo, _mm512_set1_epi32(rd32(p)));
+                    tmp[t] = _mm512_dpbusd_epi32(tmp[t], hi, _mm512_set1_epi32(rd32(p + 16)));
+                }
+            }
+            __m512i sc = _mm512_loadu_si512(tb + SB_CODES + 64 * j);
+            for (int t = 0; t < NT; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(tmp[t], sc));
+        }
+        __m512 d = _mm512_loadu_ps((const float *)(tb + SB_CODES + 768));
+        __m512 dmin = _mm512_loadu_ps((const float *)(tb + SB_CODES + 768) + 16);
+        for (int t = 0; t < NT; t++) {
+            const int16_t *s2 = x->s + (t0 + t) * (K / 32) + 8 * b;
+            __m512i ms = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++)  /* m_2p * S2_2p + m_2p+1 * S2_2p+1 per row, exact in int32 */
+                ms = _mm512_dpwssd_epi32(ms, _mm512_loadu_si512(tb + SB_CODES + 512 + 64 * p),
+                                         _mm512_set1_epi32(rd32(s2 + 2 * p)));
+            __m512 dx = _mm512_set1_ps(x->d[(t0 + t) * (K / 256) + b]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, dx), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, dx), acc[t]);
+        }
+    }
+    __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(y + t * ldy, keep, acc[t]);
+}
+
+VNNI static void tile_vnni(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t t0, int64_t t1, int rows,
+                           float *y, int64_t ldy) {
+    int64_t t = t0;
+    for (; t + MR <= t1; t += MR) tile_vnni_n(tile, nsb, x, t, MR, rows, y + (t - t0) * ldy, ldy);
+    float *yt = y + (t - t0) * ldy;
+    switch (t1 - t) {
+        case 7: tile_vnni_n(tile, nsb, x, t, 7, rows, yt, ldy); break;
+        case 6: tile_vnni_n(tile, nsb, x, t, 6, rows, yt, ldy); break;
+        case 5: tile_vnni_n(tile, nsb, x, t, 5, rows, yt, ldy); break;
+        case 4: tile_vnni_n(tile, nsb, x, t, 4, rows, yt, ldy); break;
+        case 3: tile_vnni_n(tile, nsb, x, t, 3, rows, yt, ldy); break;
+        case 2: tile_vnni_n(tile, nsb, x, t, 2, rows, yt, ldy); break;
+        case 1: tile_vnni_n(tile, nsb, x, t, 1, rows, yt, ldy); break;
+        default: break;
+    }
+}
+#else
+static int have_vnni(void) { return 0; }
+#endif
+
+/* 1 when this CPU runs the AVX512-VNNI path (what makes the int8 prompt path worth taking) */
+int sluice_prompt_vnni(void) {
+    static int v = -1;
+    if (v < 0) v = have_vnni();
+    return v;
+}
+
+/* ---- jobs over the pool: x quantized once, then 16-row tiles of every projection ---- */
+
+#define MAX_PROJ 4
+typedef struct {
+    const void *x;
+    int bf16, scalar, m;
+    int64_t T, K, nsb, tiles[MAX_PROJ + 1];  /* tiles[a]: the first task of projection a; tiles[m]: all */
+    const int64_t *d;                        /* m x (N, codes address, bytes per row, y address, ldy) */
+    xq_t xq;
+    uint8_t *pack;                           /* one tile per thread slot: tasks use slot i % slots */
+} prompt_job;
+
+static void quant_task(void *c, int64_t t) {
+    const prompt_job *j = (const prompt_job *)c;
+    const void *row = j->bf16 ? (const void *)((const uint16_t *)j->x + t * j->K)
+                              : (const void *)((const float *)j->x + t * j->K);
+    int8_t *cc = (int8_t *)j->xq.c + t * j->K;
+    float *d = (float *)j->xq.d + t * (j->K / 256);
+    int16_t *s = (int16_t *)j->xq.s + t * (j->K / 32);
+#if SLUICE_X86
+    if (!j->scalar && sluice_prompt_vnni()) {
+        quant_row_vnni(row, j->bf16, j->K, cc, d, s);
+        return;
+    }
+#endif
+    quant_row_scalar(row, j->bf16, j->K, cc, d, s);
+}
+
+static void tile_task(void *c, int64_t i) {
+    const prompt_job *j = (const prompt_job *)c;
+    int a = 0;
+    while (j->tiles[a + 1] <= i) a++;
+    const int64_t *d = j->d + 5 * a;
+    int64_t N = d[0], n0 = (i - j->tiles[a]) * TILE_ROWS, ldy = d[4];
+    const uint8_t *w = (const uint8_t *)(intptr_t)d[1];
+    float *y = (float *)(intptr_t)d[3] + n0;
+    int rows = N - n0 < TILE_ROWS ? (int)(N - n0) : TILE_ROWS;
+    uint8_t *tile = j->pack + i * j->nsb * SB_TILE;
+#if SLUICE_X86
+    if (!j->scalar && sluice_prompt_vnni()) {
+        pack_tile_vnni(w, d[2], N, j->nsb, n0, tile);
+        tile_vnni(tile, j->nsb, &j->xq, 0, j->T, rows, y, ldy);
+        return;
+    }
+#endif
+    pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
+    tile_scalar(tile, j->nsb, &j->xq, 0, j->T, rows, y, ldy);
+}
+
+/* y_a [T, N_a] (float32, rows ldy_a apart) = x [T, K] @ W_a^T for m <= 4 Q4_K projections of one x (an expert's
+ * gate and up; its down), x float32 or bf16 (bf16 = 1), K a multiple of 256: x quantized once, the 16-row tiles of
+ * all projections split over the pool. descs: m x (N, codes address, bytes per row, y address, ldy). Each y element
+ * is the same bits whichever thread ran it and whatever T. Returns 0, -1 when the scratch cannot be allocated, -2
+ * for bad arguments. */
+int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x, int bf16, int64_t T, int scalar) {
+    if (m < 1 || m > MAX_PROJ || K <= 0 || K % 256 || T < 0) return -2;
+    if (T == 0) return 0;
+    prompt_job j = {.x = x, .bf16 = bf16, .scalar = scalar, .m = (int)m, .T = T, .K = K, .nsb = K / 256, .d = descs};
+    for (int64_t a = 0; a < m; a++) {
+        if (descs[5 * a] < 1 || descs[5 * a + 2] < 144 * j.nsb) return -2;
+        j.tiles[a + 1] = j.tiles[a] + (descs[5 * a] + TILE_ROWS - 1) / TILE_ROWS;
+    }
+    size_t xb = (size_t)(T * K) + (size_t)(T * (K / 256)) * 4 + (size_t)(T * (K / 32)) * 2;
+    size_t pb = (size_t)(j.tiles[m] * j.nsb * SB_TILE);
+    uint8_t *buf = (uint8_t *)aligned_alloc(64, (xb + pb + 63) / 64 * 64 + 64);
+    if (!buf) return -1;
+    j.pack = buf;
+    j.xq = (xq_t){.c = (const int8_t *)(buf + pb), .d = (const float *)(buf + pb + T * K),
+                  .s = (const int16_t *)(buf + pb + T * K + T * (K / 256) * 4), .K = K, .T = T};
+    pool_run(quant_task, &j, T);
+    pool_run(tile_task, &j, j.tiles[m]);
+    free(buf);
+    return 0;
+}

@@ -1,0 +1,79 @@
+"""A prompt's Q4_K projections on 8-bit activations (prompt.c): the int8 prompt path of LoadOptions.activations
+"int8" where the CPU has AVX512-VNNI.
+
+    from sluice.quant.native import prompt
+    prompt.available()                         # the extension is built and this CPU has AVX512-VNNI
+    prompt.supported(spec)                     # a Q4_K projection whose in_features is a multiple of 256
+    prompt.linears([(spec, raw, out), ...], x) # out_a float32 [T, N_a] (views with a row stride allowed) = x @ W_a^T
+
+x (float32 or bf16 [T, K]) is coded once per call as llama.cpp's Q8_K codes it (8 bits per value, one scale per 256
+values: to 1/127 of each 256-block's largest value), the products summed in integers per 32-value sub-block and
+scaled in float32 in a fixed order, so every output element has the same bits whichever thread ran it, whatever T
+and on the portable path (FORCE_SCALAR) too. Against a bf16 GEMM on the dequantized weights it trades precision
+(0.5-1% relative error per projection instead of ~0.2%) for ~1.6x the multiplies a second: `benchmarks/prefill/
+knobs.py gemm` measures it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..kernels import QuantSpec
+from . import _LIB, _desc
+
+if _LIB is not None:
+    _LIB.sluice_prompt_vnni.restype = ctypes.c_int
+    _LIB.sluice_prompt_q4k.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_int64, ctypes.c_int]  # m, descs, K, x, bf16, T, scalar
+    _LIB.sluice_prompt_q4k.restype = ctypes.c_int
+
+
+def available() -> bool:
+    """Whether the int8 prompt kernel runs at speed here: the extension is built and the CPU has AVX512-VNNI (else
+    only its portable path exists, for tests: far slower than the bf16 GEMM it would replace)."""
+    return _LIB is not None and bool(_LIB.sluice_prompt_vnni())
+
+
+def supported(spec: QuantSpec) -> bool:
+    """Whether prompt.c computes this projection: GGUF Q4_K with in_features a multiple of 256."""
+    return spec.family == "ggml" and spec.name == "Q4_K" and spec.in_features % 256 == 0
+
+
+def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: torch.Tensor) -> None:
+    """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K projections sharing x [T, K] (float32 or bf16,
+    contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
+    output is fine). x is coded once; the tiles of all projections run over the native pool."""
+    from . import FORCE_SCALAR
+
+    if _LIB is None:
+        raise RuntimeError("the native kernels are not built (native_available() is False)")
+    if not 1 <= len(projections) <= 4:
+        raise ValueError(f"prompt.linears takes 1 to 4 projections, got {len(projections)}")
+    if not (isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+            and x.is_cpu and x.is_contiguous()):
+        got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a contiguous CPU float32 or bf16 [T, K] tensor, got {got}")
+    t, k = x.shape
+    vals: list[int] = []
+    for spec, raw, out in projections:
+        if not supported(spec):
+            raise ValueError(f"prompt.linears computes Q4_K with in_features a multiple of 256, got {spec.name} "
+                             f"[{spec.out_features}, {spec.in_features}]")
+        if spec.in_features != k:
+            raise ValueError(f"x has {k} columns, {spec.name} [{spec.out_features}, {spec.in_features}] needs "
+                             f"{spec.in_features}")
+        if not (isinstance(out, torch.Tensor) and out.dtype is torch.float32 and out.is_cpu and out.dim() == 2
+                and tuple(out.shape) == (t, spec.out_features) and out.stride(1) == 1
+                and out.stride(0) >= spec.out_features):
+            got = f"{out.dtype} {list(out.shape)} strides {out.stride()}" if isinstance(out, torch.Tensor) else out
+            raise ValueError(f"out must be float32 [{t}, {spec.out_features}] with unit column stride, got {got}")
+        _, n, _, q, row_bytes, *_ = _desc(spec, raw)
+        vals += (n, q, row_bytes, out.data_ptr(), out.stride(0))
+    rc = _LIB.sluice_prompt_q4k(len(projections), (ctypes.c_int64 * len(vals))(*vals), k, x.data_ptr(),
+                                int(x.dtype is torch.bfloat16), t, int(FORCE_SCALAR))
+    if rc == -1:
+        raise MemoryError(f"prompt.linears: no memory for the packed weights and the [{t} x {k}] codes")
+    if rc:
+        raise ValueError(f"prompt.linears: the kernel refused its arguments (code {rc})")

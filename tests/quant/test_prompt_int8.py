@@ -1,0 +1,149 @@
+"""A prompt's Q4_K projections on 8-bit activations (sluice/quant/native/prompt.c, activations "int8").
+
+The kernel against its definition: x coded as llama.cpp's Q8_K (per 256 values D = amax / 127, codes rint(x * 127 /
+amax)) times the exact Q4_K weights, in float64 (relative L2 <= 1e-6: only float32 rounding differs); the AVX512-VNNI
+and the portable path give the same bits, as do any T, thread count and output stride. In a model: a prompt's
+experts take it at activations "int8", its logits stay near the float32 run's, and a streamed run gives the
+resident run's bits. Where the CPU lacks AVX512-VNNI the model tests still run the kernel (its portable path, forced).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sluice
+from sluice.quant import native
+from sluice.quant.kernels import QuantSpec
+from sluice.quant.native import prompt
+from sluice.quant.samples import random_stored
+from tests.checkpoint.gguf_files import GGUF_TINY, convert
+from tests.models.tiny import hf_model
+from tests.quant.streaming import assert_streamed_equals_resident
+from tests.quant.test_gguf_models import K_SHAPES, q4_k_m
+
+pytestmark = pytest.mark.skipif(not native.native_available(),
+                                reason="native kernels not built (pip install -e . with a C compiler builds them)")
+
+
+def coded(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] as the kernel codes it (float32 operations as prompt.c does them), decoded: codes times D."""
+    t, k = x.shape
+    xb = x.float().view(t, k // 256, 256)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # a true division (torch's 127.0 / t is 127 * reciprocal(t), an ulp off now and then: a tie rounds otherwise)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return ((xb * inv).clamp(-127, 127).round() * (amax / 127.0)).view(t, k)
+
+
+def run(spec, raw, x, scalar: bool, monkeypatch, threads: int = 2) -> torch.Tensor:
+    monkeypatch.setattr(native, "FORCE_SCALAR", scalar)
+    old = native._LIB.sluice_threads()
+    native.set_threads(threads)
+    try:
+        y = torch.empty(x.shape[0], spec.out_features)
+        prompt.linears([(spec, raw, y)], x)
+    finally:
+        native.set_threads(old)
+    return y
+
+
+def paths() -> list[bool]:
+    return [False, True] if prompt.available() else [True]
+
+
+@pytest.mark.parametrize("shape", [(37, 768, 17), (64, 1024, 8), (48, 512, 3), (16, 256, 1), (300, 512, 9)])
+def test_the_kernel_is_its_definition_on_every_path(shape, monkeypatch):
+    n, k, t = shape
+    spec = QuantSpec.ggml("Q4_K", n, k)
+    raw = random_stored(spec, seed=n)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(k)) * torch.rand(k) * 4  # uneven channels
+    ref = coded(x).double() @ spec.dequantize(raw).double().T
+    ys = [run(spec, raw, xx, scalar, monkeypatch) for scalar in paths() for xx in (x, x.bfloat16())]
+    assert all(torch.equal(ys[0], y) for y in ys[2::2]) and all(torch.equal(ys[1], y) for y in ys[3::2])
+    assert float((ys[0].double() - ref).norm() / ref.norm()) <= 1e-6
+    bref = coded(x.bfloat16().float()).double() @ spec.dequantize(raw).double().T
+    assert float((ys[1].double() - bref).norm() / bref.norm()) <= 1e-6
+    # against the exact product: the coding's error, about llama.cpp's (test_q8.py's K-quant table)
+    exact = x.double() @ spec.dequantize(raw).double().T
+    assert float((ys[0].double() - exact).norm() / exact.norm()) <= 3e-2
+
+
+def test_rows_do_not_depend_on_t_threads_or_the_output_stride(monkeypatch):
+    spec = QuantSpec.ggml("Q4_K", 40, 512)
+    raw = random_stored(spec, seed=3)
+    x = torch.randn(21, 512, generator=torch.Generator().manual_seed(4))
+    for scalar in paths():
+        whole = run(spec, raw, x, scalar, monkeypatch, threads=2)
+        assert torch.equal(run(spec, raw, x, scalar, monkeypatch, threads=1), whole)
+        for a, b in ((0, 1), (3, 11), (11, 21)):
+            assert torch.equal(run(spec, raw, x[a:b].contiguous(), scalar, monkeypatch), whole[a:b])
+        wide = torch.full((21, 100), 7.0)  # two projections into column slices of one output
+        prompt.linears([(spec, raw, wide[:, :40]), (spec, raw, wide[:, 50:90])], x)
+        assert torch.equal(wide[:, :40], whole) and torch.equal(wide[:, 50:90], whole)
+        assert (wide[:, 40:50] == 7).all() and (wide[:, 90:] == 7).all()
+
+
+def test_bad_arguments_are_named():
+    spec = QuantSpec.ggml("Q4_K", 16, 256)
+    raw = random_stored(spec, seed=1)
+    x = torch.randn(4, 256)
+    with pytest.raises(ValueError, match="Q4_K with in_features a multiple of 256"):
+        prompt.linears([(QuantSpec.ggml("Q6_K", 16, 256), raw, torch.empty(4, 16))], x)
+    with pytest.raises(ValueError, match="x has 256 columns"):
+        prompt.linears([(QuantSpec.ggml("Q4_K", 16, 512), random_stored(QuantSpec.ggml("Q4_K", 16, 512)),
+                         torch.empty(4, 16))], x)
+    with pytest.raises(ValueError, match=r"out must be float32 \[4, 16\]"):
+        prompt.linears([(spec, raw, torch.empty(4, 16, dtype=torch.bfloat16))], x)
+    with pytest.raises(ValueError, match="x must be a contiguous"):
+        prompt.linears([(spec, raw, torch.empty(4, 16))], x.t())
+    with pytest.raises(ValueError, match="raw"):
+        prompt.linears([(spec, raw[:-1], torch.empty(4, 16))], x)
+    with pytest.raises(ValueError, match="1 to 4 projections"):
+        prompt.linears([], x)
+    assert prompt.supported(spec) and not prompt.supported(QuantSpec.ggml("Q6_K", 16, 256))
+
+
+# ---- in a model ----
+
+LONG = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(12)).tolist()
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory):
+    model = hf_model("qwen3_moe", **{**GGUF_TINY["qwen3_moe"], **K_SHAPES})
+    return convert(model, tmp_path_factory.mktemp("q4km") / "m.gguf", qtype=q4_k_m)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts prompt.linears calls; where the CPU lacks AVX512-VNNI the model takes the kernel's portable path."""
+    calls = []
+    real = prompt.linears
+    monkeypatch.setattr(prompt, "available", lambda: True)
+    monkeypatch.setattr(prompt, "linears", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_a_prompt_takes_the_kernel_near_the_float32_logits(q4km, kernel_calls):
+    with sluice.load(q4km, memory="all", dtype="float32") as m:
+        exact = m.logits(LONG)
+    got = {}
+    for act in ("int16", "int8"):
+        with sluice.load(q4km, memory="all", activations=act) as m:
+            kernel_calls.clear()
+            got[act] = m.logits(LONG)
+            assert bool(kernel_calls) == (act == "int8")
+    assert not torch.equal(got["int8"], got["int16"])
+    # the int16 prompt runs bf16 GEMMs (x to ~1/256 of itself), int8 codes x to 1/127 of each 256-block's max
+    assert _rel(got["int8"], exact) <= max(5e-2, 3 * _rel(got["int16"], exact))
+
+
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+def test_a_streamed_int8_prompt_is_the_resident_bits(q4km, kernel_calls, io):
+    assert_streamed_equals_resident(q4km, LONG, io, False, "min", activations="int8")
+    assert kernel_calls
