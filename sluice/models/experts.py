@@ -135,6 +135,18 @@ class ExpertMath:
         StoredLinear on the product rounded to the compute dtype."""
         n, i = x.shape[0], fmt.gate.out_features
         x = x.contiguous()
+        dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
+        if self.dtype is torch.bfloat16 and self.act is F.silu and self._plain_glu:  # one native call
+            gate = (fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes]) if fmt.gate_up is not None else \
+                (fmt.gate, raw[: fmt.gate.nbytes])
+            up = None if fmt.gate_up is not None else (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes])
+            if prompt.supported(fmt.down):
+                y = torch.empty(n, fmt.down.out_features, dtype=torch.bfloat16)  # [n, H]
+                prompt.expert(gate, up, (fmt.down, dn), x, y)
+                return y
+            h = torch.empty(n, i, dtype=torch.bfloat16)  # [n, I]: silu(g) * u for the down's own kernel
+            prompt.expert(gate, up, None, x, h)
+            return self._kernels_for(fmt)[3](h, dn, self._scratch())
         gu = torch.empty(n, 2 * i)  # [n, 2I] float32
         if fmt.gate_up is not None:
             prompt.linears([(fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes], gu)], x)
@@ -142,7 +154,6 @@ class ExpertMath:
             prompt.linears([(fmt.gate, raw[: fmt.gate.nbytes], gu[:, :i]),
                             (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], gu[:, i:])], x)
         h = self.glu(*gu.chunk(2, dim=-1)).contiguous()  # [n, I] float32
-        dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
         if prompt.supported(fmt.down):
             y = torch.empty(n, fmt.down.out_features)  # [n, H]
             prompt.linears([(fmt.down, dn, y)], h)

@@ -119,9 +119,9 @@ def q4km(tmp_path_factory):
 def kernel_calls(monkeypatch):
     """Counts prompt.linears calls; where the CPU lacks AVX512-VNNI the model takes the kernel's portable path."""
     calls = []
-    real = prompt.linears
     monkeypatch.setattr(prompt, "available", lambda: True)
-    monkeypatch.setattr(prompt, "linears", lambda *a: calls.append(1) or real(*a))
+    for name in ("linears", "expert"):
+        monkeypatch.setattr(prompt, name, lambda *a, _real=getattr(prompt, name): calls.append(1) or _real(*a))
     return calls
 
 

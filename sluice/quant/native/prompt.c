@@ -21,6 +21,8 @@
 
 #include "common.h"
 
+void sluice_to_bf16(int64_t n, const float *x, uint16_t *out);  /* kernels.c */
+
 #define TILE_ROWS 16
 #define SB_CODES 2048                          /* 8 sub-blocks x 4 vectors x 64 bytes */
 #define SB_TILE (SB_CODES + 512 + 256 + 128)   /* + sc int32 [8][16], m int16 pairs [4][16][2], d, dmin [16] */
@@ -52,6 +54,30 @@ static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, floa
             s[b / 32 + j] = (int16_t)sum;
         }
     }
+}
+
+/* silu(g) * u = g / (1 + e^-g) * u with e^z from a fixed polynomial (Cephes' expf: z = n ln2 + r, |r| <= ln2 / 2,
+ * a degree-6 polynomial in r, times 2^n), written once as plain float operations so that the AVX-512 copy below,
+ * doing the same operations in the same order, gives the same bits (libm's expf has no vector twin); within 2 ulp
+ * of e^z. z is clamped to [-87, 88] first (e^z stays a normal float; silu of g < -88 is then g * 6e-39 instead of
+ * g * e^g, both ~0). */
+static inline float exp_poly(float z) {
+    z = z > -87.0f ? z : -87.0f;  /* maxps / minps order: a NaN becomes -87 */
+    z = z < 88.0f ? z : 88.0f;
+    float n = rintf(z * 1.44269504088896341f);
+    float r = z - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return p * f32_bits((uint32_t)((int32_t)n + 127) << 23);
+}
+
+static void silu_mul_scalar(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
 }
 
 /* ---- weights ---- */
@@ -170,6 +196,34 @@ VNNI static void quant_row_vnni(const void *x, int bf16, int64_t K, int8_t *c, f
     }
 }
 
+VNNI_INLINE __m512 exp_poly16(__m512 z) {
+    z = _mm512_max_ps(z, _mm512_set1_ps(-87.0f));
+    z = _mm512_min_ps(z, _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(z, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(1.9875691500e-4f), r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+VNNI static void silu_mul_vnni(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i);
+        __m512 e = exp_poly16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+    silu_mul_scalar(g + i, u + i, n - i);
+}
+
 /* 16 rows' dwords at p + r * stride */
 VNNI_INLINE __m512i gather16(const uint8_t *p, __m512i offs) { return _mm512_i32gather_epi32(offs, p, 1); }
 
@@ -283,36 +337,56 @@ int sluice_prompt_vnni(void) {
     return v;
 }
 
-/* ---- jobs over the pool: x quantized once, then 16-row tiles of every projection ---- */
+/* ---- jobs over the pool ---- */
 
-#define MAX_PROJ 4
 typedef struct {
     const void *x;
-    int bf16, scalar, m;
-    int64_t T, K, nsb, tiles[MAX_PROJ + 1];  /* tiles[a]: the first task of projection a; tiles[m]: all */
-    const int64_t *d;                        /* m x (N, codes address, bytes per row, y address, ldy) */
+    int bf16, scalar;
     xq_t xq;
-    uint8_t *pack;                           /* one tile per thread slot: tasks use slot i % slots */
-} prompt_job;
+} quant_job;
 
-static void quant_task(void *c, int64_t t) {
-    const prompt_job *j = (const prompt_job *)c;
-    const void *row = j->bf16 ? (const void *)((const uint16_t *)j->x + t * j->K)
-                              : (const void *)((const float *)j->x + t * j->K);
-    int8_t *cc = (int8_t *)j->xq.c + t * j->K;
-    float *d = (float *)j->xq.d + t * (j->K / 256);
-    int16_t *s = (int16_t *)j->xq.s + t * (j->K / 32);
+static void quant_row(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int scalar) {
 #if SLUICE_X86
-    if (!j->scalar && sluice_prompt_vnni()) {
-        quant_row_vnni(row, j->bf16, j->K, cc, d, s);
+    if (!scalar && sluice_prompt_vnni()) {
+        quant_row_vnni(x, bf16, K, c, d, s);
         return;
     }
 #endif
-    quant_row_scalar(row, j->bf16, j->K, cc, d, s);
+    quant_row_scalar(x, bf16, K, c, d, s);
 }
 
+static void quant_task(void *c, int64_t t) {
+    const quant_job *j = (const quant_job *)c;
+    int64_t K = j->xq.K;
+    const void *row = j->bf16 ? (const void *)((const uint16_t *)j->x + t * K) : (const void *)((const float *)j->x + t * K);
+    quant_row(row, j->bf16, K, (int8_t *)j->xq.c + t * K, (float *)j->xq.d + t * (K / 256),
+              (int16_t *)j->xq.s + t * (K / 32), j->scalar);
+}
+
+/* bytes of T coded rows of K values, and the coded rows' layout at p */
+static size_t xq_bytes(int64_t T, int64_t K) { return (size_t)(T * K + T * (K / 256) * 4 + T * (K / 32) * 2 + 63) / 64 * 64; }
+static xq_t xq_at(uint8_t *p, int64_t T, int64_t K) {
+    return (xq_t){.c = (const int8_t *)p, .d = (const float *)(p + T * K), .s = (const int16_t *)(p + T * K + T * (K / 256) * 4),
+                  .K = K, .T = T};
+}
+
+/* x [T, K] (float32, or bf16) coded into xq, rows over the pool */
+static void quantize(const void *x, int bf16, xq_t xq, int scalar) {
+    quant_job j = {.x = x, .bf16 = bf16, .scalar = scalar, .xq = xq};
+    pool_run(quant_task, &j, xq.T);
+}
+
+#define MAX_PROJ 4
+typedef struct {
+    int scalar, m;
+    int64_t nsb, tiles[MAX_PROJ + 1];  /* tiles[a]: the first task of projection a; tiles[m]: all */
+    int64_t d[5 * MAX_PROJ];            /* m x (N, codes address, bytes per row, y address, ldy) */
+    const xq_t *xq;
+    uint8_t *pack;                      /* the packed tiles, one per task */
+} tile_job;
+
 static void tile_task(void *c, int64_t i) {
-    const prompt_job *j = (const prompt_job *)c;
+    const tile_job *j = (const tile_job *)c;
     int a = 0;
     while (j->tiles[a + 1] <= i) a++;
     const int64_t *d = j->d + 5 * a;
@@ -324,36 +398,129 @@ static void tile_task(void *c, int64_t i) {
 #if SLUICE_X86
     if (!j->scalar && sluice_prompt_vnni()) {
         pack_tile_vnni(w, d[2], N, j->nsb, n0, tile);
-        tile_vnni(tile, j->nsb, &j->xq, 0, j->T, rows, y, ldy);
+        tile_vnni(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
         return;
     }
 #endif
     pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
-    tile_scalar(tile, j->nsb, &j->xq, 0, j->T, rows, y, ldy);
+    tile_scalar(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
+}
+
+/* the bytes the packed tiles of m projections (descs as below) take; -1 for a bad descriptor */
+static int64_t tile_setup(tile_job *j, int64_t m, const int64_t *descs, int64_t K) {
+    j->m = (int)m;
+    j->nsb = K / 256;
+    j->tiles[0] = 0;
+    for (int64_t a = 0; a < m; a++) {
+        if (descs[5 * a] < 1 || descs[5 * a + 2] < 144 * j->nsb) return -1;
+        j->tiles[a + 1] = j->tiles[a] + (descs[5 * a] + TILE_ROWS - 1) / TILE_ROWS;
+        for (int k = 0; k < 5; k++) j->d[5 * a + k] = descs[5 * a + k];
+    }
+    return j->tiles[m] * j->nsb * SB_TILE;
 }
 
 /* y_a [T, N_a] (float32, rows ldy_a apart) = x [T, K] @ W_a^T for m <= 4 Q4_K projections of one x (an expert's
- * gate and up; its down), x float32 or bf16 (bf16 = 1), K a multiple of 256: x quantized once, the 16-row tiles of
+ * gate and up; its down), x float32 or bf16 (bf16 = 1), K a multiple of 256: x coded once, the 16-row tiles of
  * all projections split over the pool. descs: m x (N, codes address, bytes per row, y address, ldy). Each y element
  * is the same bits whichever thread ran it and whatever T. Returns 0, -1 when the scratch cannot be allocated, -2
  * for bad arguments. */
 int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x, int bf16, int64_t T, int scalar) {
     if (m < 1 || m > MAX_PROJ || K <= 0 || K % 256 || T < 0) return -2;
     if (T == 0) return 0;
-    prompt_job j = {.x = x, .bf16 = bf16, .scalar = scalar, .m = (int)m, .T = T, .K = K, .nsb = K / 256, .d = descs};
-    for (int64_t a = 0; a < m; a++) {
-        if (descs[5 * a] < 1 || descs[5 * a + 2] < 144 * j.nsb) return -2;
-        j.tiles[a + 1] = j.tiles[a] + (descs[5 * a] + TILE_ROWS - 1) / TILE_ROWS;
-    }
-    size_t xb = (size_t)(T * K) + (size_t)(T * (K / 256)) * 4 + (size_t)(T * (K / 32)) * 2;
-    size_t pb = (size_t)(j.tiles[m] * j.nsb * SB_TILE);
-    uint8_t *buf = (uint8_t *)aligned_alloc(64, (xb + pb + 63) / 64 * 64 + 64);
+    tile_job j = {.scalar = scalar};
+    int64_t pb = tile_setup(&j, m, descs, K);
+    if (pb < 0) return -2;
+    size_t xb = xq_bytes(T, K);
+    uint8_t *buf = (uint8_t *)aligned_alloc(64, xb + (size_t)pb + 64);
     if (!buf) return -1;
-    j.pack = buf;
-    j.xq = (xq_t){.c = (const int8_t *)(buf + pb), .d = (const float *)(buf + pb + T * K),
-                  .s = (const int16_t *)(buf + pb + T * K + T * (K / 256) * 4), .K = K, .T = T};
-    pool_run(quant_task, &j, T);
+    xq_t xq = xq_at(buf, T, K);
+    j.xq = &xq;
+    j.pack = buf + xb;
+    quantize(x, bf16, xq, scalar);
     pool_run(tile_task, &j, j.tiles[m]);
+    free(buf);
+    return 0;
+}
+
+/* ---- one SwiGLU expert ---- */
+
+typedef struct {
+    float *gu;         /* [T, 2I]: gate | up, then silu(gate) * up over the gate half */
+    int64_t I;
+    xq_t xq;           /* the product coded for a Q4_K down (xq.c NULL: written as bf16 to h) */
+    uint16_t *h;
+    int scalar;
+} glu_job;
+
+static void glu_task(void *c, int64_t t) {
+    const glu_job *j = (const glu_job *)c;
+    float *g = j->gu + t * 2 * j->I, *u = g + j->I;
+#if SLUICE_X86
+    if (!j->scalar && sluice_prompt_vnni())
+        silu_mul_vnni(g, u, j->I);
+    else
+#endif
+        silu_mul_scalar(g, u, j->I);
+    if (j->xq.c)
+        quant_row(g, 0, j->I, (int8_t *)j->xq.c + t * j->I, (float *)j->xq.d + t * (j->I / 256),
+                  (int16_t *)j->xq.s + t * (j->I / 32), j->scalar);
+    else
+        sluice_to_bf16(j->I, g, j->h + t * j->I);
+}
+
+typedef struct {
+    const float *y;
+    uint16_t *out;
+    int64_t H;
+} bf16_job;
+
+static void bf16_task(void *c, int64_t t) {
+    const bf16_job *j = (const bf16_job *)c;
+    sluice_to_bf16(j->H, j->y + t * j->H, j->out + t * j->H);
+}
+
+/* y [T, H] bf16 = down(silu(gate x) * up x) for x [T, H] bf16, gate and up Q4_K [I, H] (gq / uq and their bytes
+ * per row; uq NULL: gq holds [gate; up] as one [2I, H] matrix), in one call: x coded once, gate and up tiles over
+ * the pool, silu(g) * u in float32 (exp_poly) per row, then a Q4_K down (dq not NULL; I a multiple of 256)
+ * on the product coded again, its float32 rows rounded to bf16 into y; with dq NULL the product is written rounded
+ * to bf16 into h [T, I] for the caller's down. Returns 0, -1 when the scratch cannot be allocated, -2 for bad
+ * arguments. */
+int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
+                         int64_t drb, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y, uint16_t *h,
+                         int scalar) {
+    if (H <= 0 || H % 256 || I <= 0 || (dq && I % 256) || T < 0 || (!dq && !h) || (dq && !y)) return -2;
+    if (T == 0) return 0;
+    tile_job up = {.scalar = scalar}, dn = {.scalar = scalar};
+    float *gu_base = NULL;
+    int64_t du[10] = {I, (intptr_t)gq, grb, 0, 2 * I, I, (intptr_t)uq, urb, 0, 2 * I};
+    if (!uq) du[0] = 2 * I;
+    int64_t pu = tile_setup(&up, uq ? 2 : 1, du, H), pd = 0;
+    int64_t dd[5] = {H, (intptr_t)dq, drb, 0, H};
+    if (dq) pd = tile_setup(&dn, 1, dd, I);
+    if (pu < 0 || pd < 0) return -2;
+    size_t xb = xq_bytes(T, H), gb = (size_t)(T * 2 * I) * 4, hb = dq ? xq_bytes(T, I) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
+    size_t pb = (size_t)(pu > pd ? pu : pd);
+    uint8_t *buf = (uint8_t *)aligned_alloc(64, xb + gb + hb + yb + (pb + 63) / 64 * 64 + 64);
+    if (!buf) return -1;
+    xq_t xq = xq_at(buf, T, H);
+    gu_base = (float *)(buf + xb);
+    up.d[3] = (intptr_t)gu_base;
+    up.d[8] = (intptr_t)(gu_base + I);
+    up.xq = &xq;
+    up.pack = dn.pack = buf + xb + gb + hb + yb;
+    quantize(x, 1, xq, scalar);
+    pool_run(tile_task, &up, up.tiles[up.m]);
+    glu_job g = {.gu = gu_base, .I = I, .h = h, .scalar = scalar};
+    if (dq) g.xq = xq_at(buf + xb + gb, T, I);
+    pool_run(glu_task, &g, T);
+    if (dq) {
+        float *yf = (float *)(buf + xb + gb + hb);
+        dn.d[3] = (intptr_t)yf;
+        dn.xq = &g.xq;
+        pool_run(tile_task, &dn, dn.tiles[1]);
+        bf16_job b = {.y = yf, .out = y, .H = H};
+        pool_run(bf16_task, &b, T);
+    }
     free(buf);
     return 0;
 }

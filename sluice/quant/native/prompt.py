@@ -5,6 +5,8 @@
     prompt.available()                         # the extension is built and this CPU has AVX512-VNNI
     prompt.supported(spec)                     # a Q4_K projection whose in_features is a multiple of 256
     prompt.linears([(spec, raw, out), ...], x) # out_a float32 [T, N_a] (views with a row stride allowed) = x @ W_a^T
+    prompt.expert((gate, raw), (up, raw), (down, raw), x, out)   # out bf16 [T, H] = down(silu(gate x) * up x)
+    prompt.expert((gate_up, raw), None, None, x, h)              # h bf16 [T, I] = silu(gate x) * up x
 
 x (float32 or bf16 [T, K]) is coded once per call as llama.cpp's Q8_K codes it (8 bits per value, one scale per 256
 values: to 1/127 of each 256-block's largest value), the products summed in integers per 32-value sub-block and
@@ -28,6 +30,10 @@ if _LIB is not None:
     _LIB.sluice_prompt_q4k.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_int64, ctypes.c_int]  # m, descs, K, x, bf16, T, scalar
     _LIB.sluice_prompt_q4k.restype = ctypes.c_int
+    _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+    # gate (codes, bytes per row), up, down, H, I, x, T, y, h, scalar
+    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 3 + [_i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
+    _LIB.sluice_prompt_expert.restype = ctypes.c_int
 
 
 def available() -> bool:
@@ -77,3 +83,44 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
         raise MemoryError(f"prompt.linears: no memory for the packed weights and the [{t} x {k}] codes")
     if rc:
         raise ValueError(f"prompt.linears: the kernel refused its arguments (code {rc})")
+
+
+def _codes(spec: QuantSpec, raw: torch.Tensor, n: int, k: int, what: str) -> tuple[int, int]:
+    """(codes address, bytes per row) of a Q4_K projection [n, k], checked."""
+    if not supported(spec) or (spec.out_features, spec.in_features) != (n, k):
+        raise ValueError(f"prompt.expert: {what} must be Q4_K [{n}, {k}], got {spec.name} "
+                         f"[{spec.out_features}, {spec.in_features}]")
+    _, _, _, q, row_bytes, *_ = _desc(spec, raw)
+    return q, row_bytes
+
+
+def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tensor] | None,
+           down: tuple[QuantSpec, torch.Tensor] | None, x: torch.Tensor, out: torch.Tensor) -> None:
+    """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K; up None
+    when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K down on it coded again, its
+    rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I] instead (for
+    a down of another format, run by the caller)."""
+    from . import FORCE_SCALAR
+
+    if _LIB is None:
+        raise RuntimeError("the native kernels are not built (native_available() is False)")
+    if not (isinstance(x, torch.Tensor) and x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_cpu
+            and x.is_contiguous()):
+        got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a contiguous CPU bf16 [T, H] tensor, got {got}")
+    t, h = x.shape
+    i = gate[0].out_features // (1 if up is not None else 2)
+    g = _codes(*gate, i if up is not None else 2 * i, h, "gate")
+    u = _codes(*up, i, h, "up") if up is not None else (None, 0)
+    d = _codes(*down, h, i, "down") if down is not None else (None, 0)
+    n = h if down is not None else i
+    if not (isinstance(out, torch.Tensor) and out.dtype is torch.bfloat16 and out.is_cpu and out.is_contiguous()
+            and tuple(out.shape) == (t, n)):
+        got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be a contiguous bf16 [{t}, {n}] tensor, got {got}")
+    y, hh = (out.data_ptr(), None) if down is not None else (None, out.data_ptr())
+    rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, int(FORCE_SCALAR))
+    if rc == -1:
+        raise MemoryError(f"prompt.expert: no memory for a [{t} x {h}] expert's scratch")
+    if rc:
+        raise ValueError(f"prompt.expert: the kernel refused its arguments (code {rc})")
