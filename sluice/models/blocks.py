@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..matmul import bf16_gemm, sdpa
 from ..quant import native
+from ..quant.native import attend as native_attend
 from ..quant.native.decode import DecodeAttention, router_probs_bf16
 from ..quant.native.kernel import BF16_GEMM_MIN_ROWS, Q8_MAX_ROWS
 from ..quant.resident import QuantLinear
@@ -132,6 +133,8 @@ class Transformer:
         # False: decode runs the torch attention and router steps where _decode_attention would run them natively
         # (tests, benchmarks/quantized/decode_arms.py)
         self.native_attention = True
+        # False: a prompt's attention runs matmul.sdpa where attend.c would run it (tests, benchmarks)
+        self.native_prompt_attention = True
         self._all_native: bool | None = None  # _native_decode's answer, computed at the first decode step
         self._qkv_groups: dict[int, object] = {}  # layer -> its q/k/v native group (or None), built at first use
         self.act = ACTIVATIONS[spec.hidden_act]
@@ -172,6 +175,8 @@ class Transformer:
             lo = max(0, pos - win + 1) if win is not None else 0
             part = None if mask is None else mask[:, lo:]
             out = sink_attention(q, ck[:, lo : pos + T], cv[:, lo : pos + T], part, lw.sinks)  # [nH, T, D]
+        elif T > 1 and self._attend_prompt(L, pos, T):  # attend.c: causal, bf16 products, about half SDPA's time
+            return linear(native_attend.causal(q, ck, cv, pos), lw.o, lw.o_bias)
         elif pos == 0 and mask is not None and (s.sliding_window[L] is None or T <= s.sliding_window[L]):
             # a prompt's first pass: the mask is the lower triangle, which SDPA's is_causal draws itself and skips
             # the blocks above the diagonal (2,048 tokens, 8 heads of 128, bf16: 52 vs 90 ms per layer, the same
@@ -182,6 +187,14 @@ class Transformer:
                        enable_gqa=True)[0]  # [nH, T, D]
         out = out.transpose(0, 1).reshape(T, s.n_heads * D)
         return linear(out, lw.o, lw.o_bias)
+
+    def _attend_prompt(self, L: int, pos: int, T: int) -> bool:
+        """Whether layer L's attention of T > 1 queries at pos runs natively (native/attend.py): bf16 with bf16 GEMMs
+        on a CPU with AVX512_BF16, heads attend.c takes, and no key outside a sliding window (the mask is then the
+        causal one attend.c draws itself)."""
+        s, win = self.spec, self.spec.sliding_window[L]
+        return (self.native_prompt_attention and self.dtype is torch.bfloat16 and bf16_gemm() and native_attend.available()
+                and native_attend.supports(s.n_heads, s.n_kv_heads, s.head_dim) and (win is None or pos + T <= win))
 
     def _decode_attention(self) -> list | None:
         """Each layer's native attention of one bf16 decode token (native/decode.py: the q / k norms, rope, cache

@@ -40,6 +40,7 @@ from ..matmul import bf16_gemm
 from . import native
 from .formats import UnsupportedFormat
 from .kernels import QuantSpec
+from .native import prompt
 from .native.kernel import BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, Q8_MAX_ROWS, bf16_view
 
 #: float32 bytes of weights one block of the many-rows path dequantizes at a time: ~8,000 rows of a 1024-wide head,
@@ -87,6 +88,9 @@ class QuantLinear:
             raise ValueError(f"raw must be the {spec.nbytes} stored bytes of {spec.name} [{spec.out_features}, "
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
         self.spec, self.raw, self.dtype, self.planes = spec, raw.contiguous(), dtype, planes
+        # a prompt's many bf16 rows on 8-bit codes (prompt.c) where activations are int8 and the CPU runs it fast
+        self._int8_prompt = ((planes or native.Q8_PLANES) == 1 and dtype is torch.bfloat16 and prompt.available()
+                             and prompt.supported(spec))
         self.scratch = scratch if scratch is not None else Scratch()
         self._q8 = QuantGroup([self])  # decode's call, checked once; rows over the C pool
         self._split = spec.out_features * spec.in_features >= SPLIT_MIN_WEIGHTS
@@ -118,6 +122,10 @@ class QuantLinear:
         output run on the weights rounded to bf16 (_blocked on bf16 x)."""
         if (x.shape[0] >= BF16_GEMM_MIN_ROWS and x.dtype is torch.bfloat16 and self.dtype is torch.bfloat16
                 and out_dtype in (None, torch.bfloat16) and bf16_gemm()):
+            if self._int8_prompt:  # activations int8: 8-bit codes of x, integer dots (native/prompt.c)
+                y = torch.empty(x.shape[0], self.spec.out_features)  # [T, out] float32
+                prompt.linears([(self.spec, self.raw, y)], x if x.is_contiguous() else x.contiguous())
+                return (y if bias is None else y.add_(bias)).to(torch.bfloat16)
             y = self._blocked(x if x.is_contiguous() else x.contiguous())
             return y if bias is None else y + bias.to(torch.bfloat16)
         if x.dtype is not torch.float32:

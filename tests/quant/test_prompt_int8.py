@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import sluice
 from sluice.quant import native
@@ -147,3 +148,35 @@ def test_a_prompt_takes_the_kernel_near_the_float32_logits(q4km, kernel_calls):
 def test_a_streamed_int8_prompt_is_the_resident_bits(q4km, kernel_calls, io):
     assert_streamed_equals_resident(q4km, LONG, io, False, "min", activations="int8")
     assert kernel_calls
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("t", [1, 9, 40])
+def test_one_expert_call_is_the_projections_in_turn(fused, t, monkeypatch):
+    """prompt.expert = gate / up on x, silu(g) * u (its polynomial exp: within 2 ulp of torch's), down on that:
+    the same as prompt.linears step by step up to the exp's last bits (a code of the product may flip), the same
+    bits on both paths; with no down it hands back the product in bf16."""
+    h, i = 512, 256
+    gate, up, down = QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", h, i)
+    raws = [random_stored(s, seed=n) for n, s in enumerate((gate, up, down))]
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).bfloat16()
+    gu = torch.empty(t, 2 * i)
+    prompt.linears([(gate, raws[0], gu[:, :i]), (up, raws[1], gu[:, i:])], x)
+    prod = F.silu(gu[:, :i]) * gu[:, i:]
+    want = torch.empty(t, h)
+    prompt.linears([(down, raws[2], want)], prod)
+    if fused:  # [gate; up] stored as one [2I, H] matrix
+        args = ((QuantSpec.ggml("Q4_K", 2 * i, h), torch.cat(raws[:2])), None)
+    else:
+        args = ((gate, raws[0]), (up, raws[1]))
+    ys, hs = [], []
+    for scalar in paths():
+        monkeypatch.setattr(native, "FORCE_SCALAR", scalar)
+        ys.append(torch.empty(t, h, dtype=torch.bfloat16))
+        prompt.expert(*args, (down, raws[2]), x, ys[-1])
+        hs.append(torch.empty(t, i, dtype=torch.bfloat16))
+        prompt.expert(*args, None, x, hs[-1])
+    assert all(torch.equal(ys[0], y) for y in ys) and all(torch.equal(hs[0], y) for y in hs)
+    assert float((ys[0].double() - want.double()).norm() / want.double().norm()) <= 5e-3
+    ulp = (prod.abs().bfloat16().float() * 2.0**-7).clamp(min=1e-30)  # one bf16 step
+    assert ((hs[0].float() - prod).abs() <= ulp).all()

@@ -108,6 +108,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_set_spin.restype = None
     lib.sluice_ops_scalar.argtypes = [i32]
     lib.sluice_ops_scalar.restype = None
+    lib.sluice_keep_release.argtypes = []
+    lib.sluice_keep_release.restype = None
     return lib
 
 
@@ -663,6 +665,8 @@ def pool_phase(prompt: bool) -> None:
     if _LIB is not None and want != _wait:
         _LIB.sluice_set_spin(*want)
         _wait = want
+        if not prompt:  # the prompt calls' kept scratch (pool.c keep_take) goes back
+            _LIB.sluice_keep_release()
 
 
 def set_threads(threads: int) -> None:

@@ -3,6 +3,7 @@
 #ifndef SLUICE_NATIVE_COMMON_H
 #define SLUICE_NATIVE_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +78,26 @@ static inline void k_scale_min(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
     v = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u); memcpy(mn + 4, &v, 4);
 }
 
+/* e^z from a fixed polynomial (Cephes' expf: z = n ln2 + r, |r| <= ln2 / 2,
+ * a degree-6 polynomial in r, times 2^n), written once as plain float operations so that the AVX-512 copy below,
+ * doing the same operations in the same order, gives the same bits (libm's expf has no vector twin); within 2 ulp
+ * of e^z. z is clamped to [-87, 88] first (e^z stays a normal float; silu of g < -88 is then g * 6e-39 instead of
+ * g * e^g, both ~0). */
+static inline float exp_poly(float z) {
+    z = z > -87.0f ? z : -87.0f;  /* maxps / minps order: a NaN becomes -87 */
+    z = z < 88.0f ? z : 88.0f;
+    float n = rintf(z * 1.44269504088896341f);
+    float r = z - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return p * f32_bits((uint32_t)((int32_t)n + 127) << 23);
+}
+
 /* 1 when the AVX2 + FMA + F16C path runs on this CPU (kernels.c) */
 int sluice_simd(void);
 
@@ -85,6 +106,10 @@ int sluice_simd(void);
 typedef void (*task_fn)(void *ctx, int64_t i);
 void pool_run(task_fn fn, void *ctx, int64_t ntasks);
 int sluice_threads(void);
+/* pool.c: a scratch of n bytes (64-aligned) for one call, the kept buffer when free (*owned 0) or a new allocation
+ * (*owned 1; NULL when memory is short); keep_give returns it */
+uint8_t *keep_take(size_t n, int *owned);
+void keep_give(uint8_t *p, int owned);
 
 /* ops.c, also called by decode.c */
 void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out);
@@ -134,6 +159,24 @@ AVX2_INLINE void store_bf16x8(uint16_t *p, __m256 x) {
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
 }
 
+#define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f")))
+/* exp_poly on 16 lanes: the same operations in the same order, so the same bits */
+AVX512_INLINE __m512 exp_poly16(__m512 z) {
+    z = _mm512_max_ps(z, _mm512_set1_ps(-87.0f));
+    z = _mm512_min_ps(z, _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(z, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(1.9875691500e-4f), r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
 #endif
 
 #endif

@@ -179,3 +179,45 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
     }
     pthread_mutex_unlock(&S.run);
 }
+
+/* ---- one kept scratch buffer for a prompt's native calls (prompt.c, attend.c) ----
+ * A prompt runs ~2 calls per expert and layer, each wanting 1-10 MB of scratch: malloc serves that size with fresh
+ * mmap'd (or trimmed and re-grown) pages, so every call paid a page fault per 4 KiB it wrote. The buffer grows to
+ * the largest call of a prompt and is freed when decode starts (native.pool_phase). A call made while another
+ * thread holds it gets its own allocation. */
+static pthread_mutex_t keep_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint8_t *keep_buf;
+static size_t keep_size;
+
+uint8_t *keep_take(size_t n, int *owned) {
+    n = (n + 63) / 64 * 64;
+    if (pthread_mutex_trylock(&keep_mu) == 0) {
+        if (n > keep_size) {
+            free(keep_buf);
+            keep_buf = (uint8_t *)aligned_alloc(64, n);
+            keep_size = keep_buf ? n : 0;
+        }
+        if (keep_buf) {
+            *owned = 0;
+            return keep_buf;
+        }
+        pthread_mutex_unlock(&keep_mu);
+    }
+    *owned = 1;
+    return (uint8_t *)aligned_alloc(64, n);
+}
+
+void keep_give(uint8_t *p, int owned) {
+    if (owned)
+        free(p);
+    else
+        pthread_mutex_unlock(&keep_mu);
+}
+
+void sluice_keep_release(void) {
+    pthread_mutex_lock(&keep_mu);
+    free(keep_buf);
+    keep_buf = NULL;
+    keep_size = 0;
+    pthread_mutex_unlock(&keep_mu);
+}

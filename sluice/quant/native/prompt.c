@@ -56,26 +56,7 @@ static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, floa
     }
 }
 
-/* silu(g) * u = g / (1 + e^-g) * u with e^z from a fixed polynomial (Cephes' expf: z = n ln2 + r, |r| <= ln2 / 2,
- * a degree-6 polynomial in r, times 2^n), written once as plain float operations so that the AVX-512 copy below,
- * doing the same operations in the same order, gives the same bits (libm's expf has no vector twin); within 2 ulp
- * of e^z. z is clamped to [-87, 88] first (e^z stays a normal float; silu of g < -88 is then g * 6e-39 instead of
- * g * e^g, both ~0). */
-static inline float exp_poly(float z) {
-    z = z > -87.0f ? z : -87.0f;  /* maxps / minps order: a NaN becomes -87 */
-    z = z < 88.0f ? z : 88.0f;
-    float n = rintf(z * 1.44269504088896341f);
-    float r = z - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    return p * f32_bits((uint32_t)((int32_t)n + 127) << 23);
-}
-
+/* silu(g) * u = g / (1 + e^-g) * u with common.h's exp_poly, whose AVX-512 twin gives the same bits */
 static void silu_mul_scalar(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
 }
@@ -194,23 +175,6 @@ VNNI static void quant_row_vnni(const void *x, int bf16, int64_t K, int8_t *c, f
             s[b / 32 + j] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         }
     }
-}
-
-VNNI_INLINE __m512 exp_poly16(__m512 z) {
-    z = _mm512_max_ps(z, _mm512_set1_ps(-87.0f));
-    z = _mm512_min_ps(z, _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(z, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(1.9875691500e-4f), r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 VNNI static void silu_mul_vnni(float *g, const float *u, int64_t n) {
@@ -431,14 +395,15 @@ int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x,
     int64_t pb = tile_setup(&j, m, descs, K);
     if (pb < 0) return -2;
     size_t xb = xq_bytes(T, K);
-    uint8_t *buf = (uint8_t *)aligned_alloc(64, xb + (size_t)pb + 64);
+    int owned;
+    uint8_t *buf = keep_take(xb + (size_t)pb, &owned);
     if (!buf) return -1;
     xq_t xq = xq_at(buf, T, K);
     j.xq = &xq;
     j.pack = buf + xb;
     quantize(x, bf16, xq, scalar);
     pool_run(tile_task, &j, j.tiles[m]);
-    free(buf);
+    keep_give(buf, owned);
     return 0;
 }
 
@@ -500,7 +465,8 @@ int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int6
     if (pu < 0 || pd < 0) return -2;
     size_t xb = xq_bytes(T, H), gb = (size_t)(T * 2 * I) * 4, hb = dq ? xq_bytes(T, I) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
     size_t pb = (size_t)(pu > pd ? pu : pd);
-    uint8_t *buf = (uint8_t *)aligned_alloc(64, xb + gb + hb + yb + (pb + 63) / 64 * 64 + 64);
+    int owned;
+    uint8_t *buf = keep_take(xb + gb + hb + yb + pb, &owned);
     if (!buf) return -1;
     xq_t xq = xq_at(buf, T, H);
     gu_base = (float *)(buf + xb);
@@ -521,6 +487,6 @@ int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int6
         bf16_job b = {.y = yf, .out = y, .H = H};
         pool_run(bf16_task, &b, T);
     }
-    free(buf);
+    keep_give(buf, owned);
     return 0;
 }

@@ -1,0 +1,66 @@
+"""A prompt's causal attention in one native call (attend.c), where the CPU has AVX512_BF16.
+
+    from sluice.quant.native import attend
+    attend.available()                 # the extension is built and the CPU has AVX512_BF16
+    out = attend.causal(q, k, v, pos)  # q bf16 [nH, T, D], k / v the bf16 caches [nKV, >= pos + T, D] -> [T, nH * D]
+
+The queries sit at positions pos .. pos + T - 1 and see the keys 0 .. their own position; query head h reads kv head
+h // (nH // nKV). Scores are float32 sums of bf16 products times D^-0.5, the softmax runs online per block of 64
+keys, the probabilities are rounded to bf16 before they weight v (as matmul.sdpa's bf16 dot products round them),
+and the result is rounded to bf16 once. Against a float64 reference it is as close as matmul.sdpa (relative error
+~1.7e-3 on random inputs, tests/quant/test_attend.py) at about half its time (`benchmarks/prefill/knobs.py attend`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import _LIB
+
+if _LIB is not None:
+    _i64 = ctypes.c_int64
+    _LIB.sluice_attention_bf16.restype = ctypes.c_int
+    # nH, nKV, T, D, pos, q, q head / position strides, k, v, kv head stride, scale, out
+    _LIB.sluice_prompt_attention.argtypes = [_i64] * 5 + [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p,
+                                                          ctypes.c_void_p, _i64, ctypes.c_float, ctypes.c_void_p]
+    _LIB.sluice_prompt_attention.restype = ctypes.c_int
+
+
+def available() -> bool:
+    """Whether causal() runs here: the extension is built and the CPU has AVX512_BF16."""
+    return _LIB is not None and bool(_LIB.sluice_attention_bf16())
+
+
+def supports(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    """Whether attend.c takes these heads: head_dim a multiple of 32 up to 512, at most 16 query heads per kv head."""
+    return (n_kv_heads >= 1 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 16 and head_dim % 32 == 0
+            and head_dim <= 512)
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+    """out bf16 [T, nH * D] = causal attention of q (bf16 [nH, T, D], unit stride along D) at positions pos .. pos +
+    T - 1 over the caches k and v (bf16 [nKV, P, D], P >= pos + T, each position's D values contiguous)."""
+    if _LIB is None or not available():
+        raise RuntimeError("attend.causal needs the native extension and a CPU with AVX512_BF16 (available())")
+    if not (q.dtype is torch.bfloat16 and q.dim() == 3 and q.stride(2) == 1):
+        raise ValueError(f"q must be bf16 [nH, T, D] with unit stride along D, got {q.dtype} {list(q.shape)}")
+    nh, t, d = q.shape
+    for name, c in (("k", k), ("v", v)):
+        if not (c.dtype is torch.bfloat16 and c.dim() == 3 and c.shape[2] == d and c.stride(2) == 1
+                and c.stride(1) == d and c.shape[1] >= pos + t):
+            raise ValueError(f"{name} must be a bf16 cache [nKV, >= {pos + t}, {d}], positions contiguous, got "
+                             f"{c.dtype} {list(c.shape)} strides {c.stride()}")
+    nkv = k.shape[0]
+    if v.shape[0] != nkv or v.stride(0) != k.stride(0) or not supports(nh, nkv, d) or pos < 0:
+        raise ValueError(f"attend.causal: unsupported heads ({nh} query, {nkv} / {v.shape[0]} kv, dim {d}) or "
+                         f"position {pos}")
+    out = torch.empty(t, nh * d, dtype=torch.bfloat16)
+    rc = _LIB.sluice_prompt_attention(nh, nkv, t, d, pos, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(),
+                                      v.data_ptr(), k.stride(0), d ** -0.5, out.data_ptr())
+    if rc == -1:
+        raise MemoryError(f"attend.causal: no memory for the [{nkv} x {pos + t} x {d}] key / value layout")
+    if rc:
+        raise ValueError(f"attend.causal: the kernel refused its arguments (code {rc})")
+    return out
