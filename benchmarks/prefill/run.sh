@@ -6,6 +6,8 @@
 # time vs max(compute, bytes / disk bandwidth), sluice vs llama.cpp.
 #
 #   bash benchmarks/prefill/run.sh        # ROUNDS=3 PROMPT=2048 CEILING=1GiB MEMORY=640MiB SETS="q4km bf16"
+#   ACTIVATIONS=int8 bash benchmarks/prefill/run.sh   # sluice's arms with --activations int8 (llama.cpp's coding of
+#                                                     # x: the int8 prompt kernels); results in <set>-int8*
 #
 #   q4km  the peers model's Q4_K_M GGUF (1.05 GB; benchmarks/quantized/run.sh makes it)
 #   bf16  the same model's bf16 GGUF (3.4 GB; sluice and llama.cpp read the same file)
@@ -15,6 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}; PROMPT=${PROMPT:-2048}; CEILING=${CEILING:-1GiB}; MEMORY=${MEMORY:-640MiB}
 SETS=${SETS:-q4km bf16}
+ACT=(); TAG=""
+if [ -n "${ACTIVATIONS:-}" ]; then ACT=(--activations "$ACTIVATIONS"); TAG="-$ACTIVATIONS"; fi
 OUT=${OUT:-benchmarks/results/prefill}
 PEER_PY=benchmarks/peers/.venv/bin/python
 SLUICE=(nice -n 19 .venv/bin/sluice)
@@ -35,9 +39,9 @@ for set in $SETS; do
     six) M=benchmarks/models/qwen3_moe-6GiB-i512/model-Q4_K_M.gguf ;;
     *) echo "SETS: unknown set '$set' (q4km bf16 six)" >&2; exit 2 ;;
   esac
-  bench "$M" "$OUT/$set-$CEILING" --cold --ceiling "$CEILING" \
-    --arm sluice="--io direct --memory $MEMORY" --arm llama.cpp="peer:llama.cpp"
-  bench "$M" "$OUT/$set-resident" --warm --arm resident="--memory all"
-  .venv/bin/python benchmarks/prefill/table.py "$M" "$OUT/$set-$CEILING" "$OUT/$set-resident" \
-    --out "$OUT/$set.md"
+  bench "$M" "$OUT/$set$TAG-$CEILING" --cold --ceiling "$CEILING" \
+    --arm sluice="--io direct --memory $MEMORY ${ACT[*]}" --arm llama.cpp="peer:llama.cpp"
+  bench "$M" "$OUT/$set$TAG-resident" --warm --arm resident="--memory all ${ACT[*]}"
+  .venv/bin/python benchmarks/prefill/table.py "$M" "$OUT/$set$TAG-$CEILING" "$OUT/$set$TAG-resident" \
+    --out "$OUT/$set$TAG.md"
 done
