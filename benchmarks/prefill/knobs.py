@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/prefill/knobs.py dequant [--rounds 15]
     .venv/bin/python benchmarks/prefill/knobs.py profile [--model GGUF] [--prompts 2048]
     .venv/bin/python benchmarks/prefill/knobs.py int8    [--rounds 15]
+    .venv/bin/python benchmarks/prefill/knobs.py gemm    [--rounds 15]
+    .venv/bin/python benchmarks/prefill/knobs.py attend  [--rounds 15] [--prompts 2048]
 
 wait: the native pool's wait between a prompt's jobs (native.PROMPT_WAIT) at 1 ms / 200 us / 50 us of spin + yield,
 alternated in one process on resident prompts (rotated order, a new seeded prompt each run), medians of prefill ms;
@@ -17,6 +19,11 @@ and to float32, one thread, median of rounds of 50.
 profile: where a warm resident prompt's time goes (cProfile of the second prompt; seconds in the heaviest calls).
 int8: torch's int8 GEMM (torch._int_mm, s8 x s8 -> s32) against its bf16 GEMM on a [256 x 1024] @ [1024 x 1024]
 expert projection, median ms of rounds of 30.
+gemm: one prompt expert's Q4_K projections (256 rows; the peers model's shapes) on 8-bit activations
+(native/prompt.c, what --activations int8 runs) against dequantizing to bf16 + torch's bf16 GEMM (the default) and
+that GEMM alone, 2 native / torch threads, alternated, median ms of rounds of 30.
+attend: a prompt's causal attention (8 query / 2 kv heads of 128) in native/attend.c against matmul.sdpa, alternated,
+median ms of rounds of 10; and the relative error of each against float64.
 """
 
 from __future__ import annotations
@@ -166,9 +173,71 @@ def int8(a) -> None:
         print(f"{name}: {ms:.3f} ms ({2 * 256 * 1024 * 1024 / ms / 1e6:.0f} GOP/s)")
 
 
+def _median_ms(fns: dict, rounds: int, reps: int) -> dict[str, float]:
+    """{name: median ms of `rounds` rounds of `reps` calls}, the functions alternated within each round."""
+    import time
+
+    for f in fns.values():
+        for _ in range(3):
+            f()
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            t = time.perf_counter()
+            for _ in range(reps):
+                fns[k]()
+            ts[k].append((time.perf_counter() - t) / reps)
+    return {k: 1000 * statistics.median(v) for k, v in ts.items()}
+
+
+def gemm(a) -> None:
+    import torch.nn.functional as F
+
+    from sluice.quant import native
+    from sluice.quant.kernels import QuantSpec
+    from sluice.quant.native import prompt
+    from sluice.quant.samples import random_stored
+
+    native.set_threads(2)
+    for fmt, n, k in (("Q4_K", 1024, 1024), ("Q4_K", 1024, 512)):
+        spec = QuantSpec.ggml(fmt, n, k)
+        raw = random_stored(spec, seed=1)
+        x = torch.randn(256, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+        y, w = torch.empty(256, n), torch.empty(n, k, dtype=torch.bfloat16)
+        ms = _median_ms({"int8 (prompt.c)": lambda: prompt.linears([(spec, raw, y)], x),
+                         "dequantize + bf16 GEMM": lambda: F.linear(x, native.dequantize(spec, raw, w)),
+                         "bf16 GEMM alone": lambda: F.linear(x, w)}, a.rounds, 30)
+        print(f"{fmt} [256 x {k}] @ [{k} x {n}]: " + ", ".join(f"{name} {v:.3f} ms" for name, v in ms.items()))
+
+
+def attend(a) -> None:
+    import torch.nn.functional as F
+
+    from sluice.matmul import sdpa
+    from sluice.quant import native
+    from sluice.quant.native import attend as native_attend
+
+    if not native_attend.available():
+        sys.exit("knobs.py attend: needs the native extension and a CPU with AVX512_BF16")
+    native.set_threads(2)
+    n = a.prompts[0]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(h, n, 128, generator=g).bfloat16() for h in (8, 2, 2))
+    outs = {"attend.c": lambda: native_attend.causal(q, k, v, 0),
+            "matmul.sdpa": lambda: sdpa(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
+            .transpose(0, 1).reshape(n, -1)}
+    ref = F.scaled_dot_product_attention(q[None].double(), k[None].double(), v[None].double(), is_causal=True,
+                                         enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
+    ms = _median_ms(outs, a.rounds, 10)
+    for name, f in outs.items():
+        err = float((f().double() - ref).norm() / ref.norm())
+        print(f"{n} tokens, 8 / 2 heads of 128, causal: {name} {ms[name]:.1f} ms, relative error {err:.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["wait", "blocks", "dequant", "profile", "int8", "blocks-child"])
+    ap.add_argument("what", choices=["wait", "blocks", "dequant", "profile", "int8", "gemm", "attend",
+                                     "blocks-child"])
     ap.add_argument("--model")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--prompts", type=int, nargs="+")
@@ -180,7 +249,8 @@ def main() -> None:
     a.model = a.model or str(DEMO_1G if a.what == "blocks" else PEERS_Q4)
     a.rounds = a.rounds or (6 if a.what in ("wait", "blocks") else 15)
     a.prompts = a.prompts or {"wait": [128, 512, 2048], "blocks": [512, 2048]}.get(a.what, [2048])
-    {"wait": wait, "blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8}[a.what](a)
+    {"wait": wait, "blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm,
+     "attend": attend}[a.what](a)
 
 
 if __name__ == "__main__":
