@@ -270,8 +270,9 @@ class Transformer:
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens ascending within one
         eids, counts = torch.unique_consecutive(flat[order], return_counts=True)
         rows = torch.arange(T * K)  # sorted position -> its row of the block
-        if x.dtype is torch.bfloat16 and bf16_gemm():
-            # each expert's rows padded to a multiple of GEMM_ROW_STEP where they go to a GEMM (see GEMM_ROW_STEP)
+        if x.dtype is torch.bfloat16 and bf16_gemm() and not self.expert_math.int8_rows(self.store.layout.format(L)):
+            # each expert's rows padded to a multiple of GEMM_ROW_STEP where they go to a GEMM (see GEMM_ROW_STEP;
+            # not for the int8 prompt kernels, which take any row count at one speed)
             padded = torch.where(counts >= BF16_GEMM_MIN_ROWS, (counts + GEMM_ROW_STEP - 1) // GEMM_ROW_STEP
                                  * GEMM_ROW_STEP, counts)
             rows += torch.repeat_interleave(torch.cumsum(padded - counts, 0) - (padded - counts), counts)

@@ -79,7 +79,7 @@ class ExpertMath:
         self._plain_glu = glu is None  # the one-call native expert computes act(gate) * up only
         self._kernels: dict[object, tuple] = {}
         self._fused: dict[object, native.ExpertCall | None] = {}  # format -> its one-call path, or None
-        self._int8: dict[object, bool] = {}  # format -> whether a prompt's rows take prompt.c (_int8_prompt)
+        self._int8: dict[object, bool] = {}  # format -> whether a prompt's rows take prompt.c (int8_rows)
         self._scratch_numel = 0  # the largest projection of any format seen
         self._scratch_buf = torch.empty(0, dtype=torch.float32)
 
@@ -101,7 +101,7 @@ class ExpertMath:
             y = torch.empty(x.shape, dtype=torch.float32)  # [n, H]
             self._fused[fmt](raw, x.float().contiguous(), y, self.planes)
             return y.to(self.dtype)
-        if x.shape[0] > EXPERT_Q8_MAX_ROWS and self._int8_prompt(fmt):
+        if x.shape[0] > EXPERT_Q8_MAX_ROWS and self.int8_rows(fmt):
             return self._int8_rows(fmt, raw, x)
         gate_up, gate, up, down = self._kernels_for(fmt)
         scratch = self._scratch()
@@ -117,10 +117,11 @@ class ExpertMath:
             u = up(x, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], scratch)  # [n, I]
         return down(self.glu(g, u), raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes], scratch)
 
-    def _int8_prompt(self, fmt) -> bool:
-        """Whether a prompt's rows of this format's experts run prompt.c's int8 kernel: activations "int8" (one
-        plane, llama.cpp's coding) at a 16-bit compute dtype, plain SwiGLU-shaped experts with Q4_K gate and up, on a
-        CPU with AVX512-VNNI (elsewhere the bf16 GEMM on dequantized weights is faster than its portable path)."""
+    def int8_rows(self, fmt) -> bool:
+        """Whether a prompt's rows (more than EXPERT_Q8_MAX_ROWS) of this format's experts run prompt.c's int8
+        kernel: activations "int8" (one plane, llama.cpp's coding) at a 16-bit compute dtype, plain SwiGLU-shaped
+        experts with Q4_K gate and up, on a CPU with AVX512-VNNI (elsewhere the bf16 GEMM on dequantized weights is
+        faster than its portable path). Such rows need no padding for a GEMM (Transformer.experts)."""
         ok = self._int8.get(fmt)
         if ok is None:
             ok = self._int8[fmt] = bool(

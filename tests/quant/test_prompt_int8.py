@@ -180,3 +180,14 @@ def test_one_expert_call_is_the_projections_in_turn(fused, t, monkeypatch):
     assert float((ys[0].double() - want.double()).norm() / want.double().norm()) <= 5e-3
     ulp = (prod.abs().bfloat16().float() * 2.0**-7).clamp(min=1e-30)  # one bf16 step
     assert ((hs[0].float() - prod).abs() <= ulp).all()
+
+
+def test_int8_prompt_rows_are_not_padded(q4km, kernel_calls):
+    """A GEMM's rows are padded to blocks.GEMM_ROW_STEP (oneDNN builds kernels per row count); the int8 kernels take
+    any count at one speed, so their experts get their own rows only."""
+    with sluice.load(q4km, memory="all", activations="int8") as m:
+        seen: list[int] = []
+        run = m.model._expert
+        m.model._expert = lambda batch, j, x: (seen.append(x.shape[0]), run(batch, j, x))[1]
+        m.logits(LONG)
+    assert kernel_calls and sum(seen) == len(LONG) * m.spec.top_k * m.spec.n_layers and any(n % 16 for n in seen)

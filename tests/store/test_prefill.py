@@ -210,8 +210,8 @@ def test_padding_the_gemm_rows_changes_no_bits(model_dir, resident, memory, monk
         monkeypatch.setattr(blocks, "GEMM_ROW_STEP", step)
         with sluice.load(model_dir, memory=budget, matmul="bf16") as m:
             seen: list[int] = []
-            run = m.model.expert_math
-            m.model.expert_math = lambda batch, j, x: (seen.append(x.shape[0]), run(batch, j, x))[1]
+            run = m.model._expert
+            m.model._expert = lambda batch, j, x: (seen.append(x.shape[0]), run(batch, j, x))[1]
             out.append(m.logits(prompt))
         rows.append(seen)
     padded, plain = rows
