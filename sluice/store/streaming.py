@@ -36,6 +36,10 @@ PAGE_ALIGNED_MIN_SLOT = 256 << 10
 # covers them. GGUF tensors start at 32-byte offsets, safetensors' data at 8. The native kernels use unaligned loads.
 VIEW_ALIGN = 8
 
+#: experts per read batch of a prompt's read-ahead (prefetch(prompt=True)): the neighbouring expert ranges of one
+#: batch coalesce into one read per stacked tensor, and a batch costs its planning and hand-off once
+PROMPT_READ_GROUP = 4
+
 
 def _page_shifts(layout: ExpertLayout) -> dict[int, int]:
     """Per MoE layer, the byte of a page-aligned slot row its experts start at: the residue modulo PAGE that most
@@ -335,9 +339,10 @@ class StreamingExpertStore:
             return
         futures: list = []
         try:
-            if prompt:
-                for b in batches:
-                    futures.append(self.reader.submit(b))
+            if prompt:  # a few experts per read batch: their neighbouring ranges coalesce (PROMPT_READ_GROUP)
+                for g in range(0, len(batches), PROMPT_READ_GROUP):
+                    group = batches[g : g + PROMPT_READ_GROUP]
+                    futures += [self.reader.submit([r for b in group for r in b])] * len(group)
             else:
                 futures = [self.reader.submit([r for b in batches for r in b])] * len(keys)
         finally:

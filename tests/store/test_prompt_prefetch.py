@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sluice
+from sluice.store import streaming
 
 from ..models.tiny import hf_model, write_checkpoint
 
@@ -51,9 +52,12 @@ def test_no_read_ahead_on_the_mmap_reader(model_dir):
         assert m.stats()["prompt_prefetch_issued"] == 0
 
 
-def test_a_read_ahead_whose_reader_fails_midway_keeps_the_cache_true(model_dir):
-    """The reader raises on the third expert of a read-ahead: the two submitted stay cached with their reads pending
-    (an acquire waits for them), the rest leave the cache with their slots freed, and the output stays exact."""
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_read_ahead_whose_reader_fails_midway_keeps_the_cache_true(model_dir, group, monkeypatch):
+    """The reader raises on the third read batch of a read-ahead (`group` experts each: PROMPT_READ_GROUP): the
+    experts of the two submitted stay cached with their reads pending (an acquire waits for them), the rest leave
+    the cache with their slots freed, and the output stays exact."""
+    monkeypatch.setattr(streaming, "PROMPT_READ_GROUP", group)
     with sluice.load(model_dir, memory="all") as m:
         want = m.logits(LONG)
         resident, layout, spec = m.resident_bytes, m.layout, m.spec
@@ -73,6 +77,26 @@ def test_a_read_ahead_whose_reader_fails_midway_keeps_the_cache_true(model_dir):
             store.prefetch(layer, list(range(spec.num_experts)), prompt=True)
         m.reader.submit = submit
         placed = [(layer, e) for e in range(spec.num_experts) if (layer, e) in store.policy]
-        assert len(placed) == 2 and all(k in store._pending for k in placed)
+        assert len(placed) == 2 * group and all(k in store._pending for k in placed)
         assert len(store._free) + len(store.policy) == store.n_slots
+        assert torch.equal(m.logits(LONG), want)
+
+
+def test_a_read_ahead_submits_a_few_experts_per_batch(model_dir):
+    """A prompt's read-ahead hands the reader PROMPT_READ_GROUP experts per batch (their neighbouring ranges
+    coalesce; a batch's planning and hand-off are paid once), and every expert of a batch waits on its future."""
+    with sluice.load(model_dir, memory="all") as m:
+        want = m.logits(LONG)
+        resident, layout, spec = m.resident_bytes, m.layout, m.spec
+    with sluice.load(model_dir, memory=resident + 3 * spec.num_experts * layout.expert_nbytes, io="direct") as m:
+        store, submit, sizes = m.store, m.reader.submit, []
+        m.reader.submit = lambda requests: (sizes.append(len(requests)), submit(requests))[1]
+        layer = store.layout.layers[-1]
+        store.prefetch(layer, list(range(spec.num_experts)), prompt=True)
+        m.reader.submit = submit
+        group = streaming.PROMPT_READ_GROUP
+        per = len(store._requests(layer, 0, 0))  # reads of one expert
+        assert len(sizes) == -(-spec.num_experts // group) and sizes[0] == min(group, spec.num_experts) * per
+        futures = [store._pending[(layer, e)] for e in range(spec.num_experts)]
+        assert all(futures[e] is futures[e - e % group] for e in range(spec.num_experts))
         assert torch.equal(m.logits(LONG), want)
