@@ -71,15 +71,16 @@ static void layout_task(void *c, int64_t i) {  /* kv head i / (Lp / 16), its blo
     }
 }
 
-/* scores of RQ rows (q pointers) against 32 keys (two 16-key blocks of kt), times scale, into s[r][0..31] */
-BF16_INLINE void scores(const uint16_t *const *q, const uint32_t *kt0, const uint32_t *kt1, int64_t D, float scale,
+/* scores of RQ rows against 32 keys (two 16-key blocks of kt), times scale, into s[r][0..31]; qi holds the rows'
+ * value pairs interleaved, [D / 2][RQ] (one pointer, fixed offsets: the broadcasts are loads) */
+BF16_INLINE void scores(const uint32_t *qi, const uint32_t *kt0, const uint32_t *kt1, int64_t D, float scale,
                         float *s, int64_t lds) {
     __m512 acc[RQ][2];
     for (int r = 0; r < RQ; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < D / 2; p++) {
         __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt0 + 16 * p), k1 = (__m512bh)_mm512_loadu_si512(kt1 + 16 * p);
         for (int r = 0; r < RQ; r++) {
-            __m512bh qq = (__m512bh)_mm512_set1_epi32((int)rdu32(q[r] + 2 * p));
+            __m512bh qq = (__m512bh)_mm512_set1_epi32((int)qi[p * RQ + r]);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qq);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qq);
         }
@@ -129,7 +130,7 @@ BF16_FN static void attend_task(void *c, int64_t i) {
     int64_t h = i / j->qblocks, t0 = i % j->qblocks * BQ, D = j->D, G = j->G;
     int64_t nq = j->T - t0 < BQ ? j->T - t0 : BQ, rows = G * nq, prow = (rows + RQ - 1) / RQ * RQ;
     /* scratch: scores [prow][BK] float, probabilities [prow][BK] bf16, o [prow][D], max, sum, alpha [prow] */
-    size_t need = (size_t)prow * (BK * 4 + BK * 2 + D * 4 + 12) + 64;
+    size_t need = (size_t)prow * (BK * 4 + BK * 2 + D * 4 + 12 + D * 2) + 64;
     uint8_t *buf = scratch(need);
     if (!buf) {
         ((att_job *)j)->failed = 1;
@@ -138,6 +139,7 @@ BF16_FN static void attend_task(void *c, int64_t i) {
     float *s = (float *)buf, *o = s + prow * BK;
     float *mx = o + prow * D, *sum = mx + prow, *alpha = sum + prow;
     uint16_t *pb = (uint16_t *)(alpha + prow);
+    uint32_t *qi = (uint32_t *)(pb + prow * BK);  /* [prow / RQ][D / 2][RQ] the rows' q pairs, interleaved */
     const uint16_t *qrow[RQ * 64];  /* prow <= G * BQ rows: G <= 16 */
     for (int64_t r = 0; r < prow; r++) {
         qrow[r] = r < rows ? j->q + (h * G + r / nq) * j->qh + (t0 + r % nq) * j->qt : zero_row;
@@ -145,12 +147,14 @@ BF16_FN static void attend_task(void *c, int64_t i) {
         sum[r] = 0.0f;
     }
     memset(o, 0, (size_t)prow * D * 4);
+    for (int64_t r = 0; r < prow; r++)
+        for (int64_t p = 0; p < D / 2; p++) qi[(r / RQ * (D / 2) + p) * RQ + r % RQ] = rdu32(qrow[r] + 2 * p);
     const uint32_t *kt = j->kt + h * j->Lp * D / 2, *v2 = j->v2 + h * j->Lp * D / 2;
     int64_t last = j->pos + t0 + nq;  /* keys the block's last query sees */
     for (int64_t k0 = 0; k0 < last; k0 += BK) {
         for (int64_t r = 0; r < prow; r += RQ)
             for (int64_t kk = 0; kk < BK; kk += 32)
-                scores(qrow + r, kt + (k0 + kk) / 16 * 16 * (D / 2), kt + (k0 + kk + 16) / 16 * 16 * (D / 2), D,
+                scores(qi + r * (D / 2), kt + (k0 + kk) / 16 * 16 * (D / 2), kt + (k0 + kk + 16) / 16 * 16 * (D / 2), D,
                        j->scale, s + r * BK + kk, BK);
         for (int64_t r = 0; r < prow; r++) {
             int64_t see = r < rows ? j->pos + t0 + r % nq + 1 - k0 : 0;  /* keys of this block row r sees */
