@@ -206,12 +206,15 @@ class LoadOptions:
     activations: str = option(
         "int16", choices=tuple(ACTIVATION_PLANES),
         help="how the integer kernels code a quantized projection's input: int16 (two 8-bit planes, finer than "
-             "bf16) or int8 (llama.cpp's Q8_K / Q8_0 coding: faster, 0.5-2.3%% error per projection)",
+             "bf16) or int8 (llama.cpp's Q8_K / Q8_0 coding: faster, also for a prompt's Q4_K projections on "
+             "AVX512-VNNI; 0.5-2.3%% error per projection)",
         doc="how the integer kernels of GGUF block formats code a projection's input at the bf16 / f16 dtypes: "
             "`int16`, two planes of 8-bit codes per 32 values (256 for the K-quants), x to ~1/32,000 of the "
             "block's largest value, finer than bf16 itself; `int8`, one plane, x to 1/127 of it, as llama.cpp's "
-            "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, 0.5-2.3% error per projection. float32 keeps "
-            "the exact float kernels either way")
+            "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, 0.5-2.3% error per projection. With `int8` "
+            "a prompt's Q4_K projections (experts and attention) also run on 8-bit codes where the CPU has "
+            "AVX512-VNNI, instead of a bf16 GEMM on their weights dequantized (`int16`: ~0.2% error; ~1.5x fewer "
+            "seconds per multiply). float32 keeps the exact float kernels either way")
     # matmul: matmul.py (rows_linear and the quantized kernels' many-row path), set process-wide at load
     # (engine.py); auto: host/cpus.bf16_dot. Peers bf16 model, resident 2,048-token prefill on a 2-core AVX512_BF16
     # EPYC, the modes alternated in one process: float32 238, bf16 507 tok/s (benchmarks/resident_matmul.py)

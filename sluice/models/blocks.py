@@ -193,8 +193,9 @@ class Transformer:
         on a CPU with AVX512_BF16, heads attend.c takes, and no key outside a sliding window (the mask is then the
         causal one attend.c draws itself)."""
         s, win = self.spec, self.spec.sliding_window[L]
-        return (self.native_prompt_attention and self.dtype is torch.bfloat16 and bf16_gemm() and native_attend.available()
-                and native_attend.supports(s.n_heads, s.n_kv_heads, s.head_dim) and (win is None or pos + T <= win))
+        return (self.native_prompt_attention and self.dtype is torch.bfloat16 and bf16_gemm()
+                and native_attend.available() and native_attend.supports(s.n_heads, s.n_kv_heads, s.head_dim)
+                and (win is None or pos + T <= win))
 
     def _decode_attention(self) -> list | None:
         """Each layer's native attention of one bf16 decode token (native/decode.py: the q / k norms, rope, cache
@@ -470,6 +471,12 @@ class Transformer:
         if pos + T > self.cache.max_context:
             raise ValueError(f"context overflow: {pos + T} tokens > max_context {self.cache.max_context}")
         x = self.embed(tokens)
+        if (self.prompt_prerouter is not None and T * s.top_k >= s.num_experts
+                and self.store.max_batch >= s.num_experts
+                and (first := self.prompt_prerouter.predict_first(x)) is not None):
+            # the first MoE layer's likely experts, from the embeddings: their reads overlap the attention before it
+            # (where a whole layer fits in the slots: that layer then runs in one pass and evicts none of them)
+            self.store.prefetch(*first, prompt=True)
         masks: dict[int | None, torch.Tensor | None] = {}
         for L, lw in enumerate(self.w.layers):
             win = s.sliding_window[L]

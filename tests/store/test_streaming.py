@@ -51,7 +51,9 @@ def test_streamed_equals_resident(model_dir, reference, io, odirect, cache):
     assert torch.equal(logits, ref_logits)  # bitwise
     assert tokens == ref_tokens
     # every byte read is a miss's or a prompt read-ahead's (the next layer's experts, read while a prompt runs)
-    assert st["misses"] > 0 and st["bytes_read"] == (st["misses"] + st["prompt_prefetch_issued"]) * reference[3]
+    # (with room for every expert the read-ahead may catch them all, the first MoE layer's from the embeddings)
+    assert st["misses"] + st["prompt_prefetch_issued"] > 0
+    assert st["bytes_read"] == (st["misses"] + st["prompt_prefetch_issued"]) * reference[3]
     if cache == "all":
         assert st["evictions"] == 0
 
@@ -144,10 +146,10 @@ def test_prefetch_never_evicts_pinned_slots(model_dir, reference):
         m.store.reader = spy
         prefetch = m.store.prefetch
 
-        def spied_prefetch(*args):
+        def spied_prefetch(*args, **kw):
             spy.in_prefetch = True
             try:
-                prefetch(*args)
+                prefetch(*args, **kw)
             finally:
                 spy.in_prefetch = False
 

@@ -20,6 +20,9 @@
     pool.linear(spec, x, raw)                 # one projection's output rows split over those threads (float path)
     native.set_threads(2)                     # the C pool's threads and the Python pool's, process-wide
     native.pool_phase(prompt=True)            # the C pool's wait between jobs for a prompt (short) or decode
+    from sluice.quant.native import prompt, attend  # a prompt's Q4_K projections on 8-bit codes (prompt.c,
+                                              # --activations int8, AVX512-VNNI) and its causal attention in one
+                                              # call (attend.c, AVX512_BF16); their modules say more
 
 Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file), MLX
 affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales, and gpt-oss MXFP4 (QuantSpec.mxfp4:

@@ -190,7 +190,8 @@ BF16_FN static void attend_task(void *c, int64_t i) {
         uint16_t *dst = j->out + (t0 + r % nq) * j->nH * D + (h * G + r / nq) * D;
         __m512 inv = _mm512_set1_ps(1.0f / sum[r]);
         for (int64_t d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
+            _mm256_storeu_si256((__m256i *)(dst + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
     }
 }
 #else

@@ -85,7 +85,8 @@ static void pack_tile_scalar(const uint8_t *w, int64_t row_bytes, int64_t N, int
             for (int j = 0; j < 8; j++)
                 for (int v = 0; v < 4; v++)
                     for (int i = 0; i < 4; i++)
-                        t[256 * j + 64 * v + 4 * r + i] = (uint8_t)(q[32 * j + 4 * v + i] | q[32 * j + 16 + 4 * v + i] << 4);
+                        t[256 * j + 64 * v + 4 * r + i] =
+                            (uint8_t)(q[32 * j + 4 * v + i] | q[32 * j + 16 + 4 * v + i] << 4);
             int32_t *sc32 = (int32_t *)(t + SB_CODES);
             int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
             float *df = (float *)(t + SB_CODES + 768);
@@ -322,15 +323,19 @@ static void quant_row(const void *x, int bf16, int64_t K, int8_t *c, float *d, i
 static void quant_task(void *c, int64_t t) {
     const quant_job *j = (const quant_job *)c;
     int64_t K = j->xq.K;
-    const void *row = j->bf16 ? (const void *)((const uint16_t *)j->x + t * K) : (const void *)((const float *)j->x + t * K);
+    const void *row = j->bf16 ? (const void *)((const uint16_t *)j->x + t * K)
+                              : (const void *)((const float *)j->x + t * K);
     quant_row(row, j->bf16, K, (int8_t *)j->xq.c + t * K, (float *)j->xq.d + t * (K / 256),
               (int16_t *)j->xq.s + t * (K / 32), j->scalar);
 }
 
 /* bytes of T coded rows of K values, and the coded rows' layout at p */
-static size_t xq_bytes(int64_t T, int64_t K) { return (size_t)(T * K + T * (K / 256) * 4 + T * (K / 32) * 2 + 63) / 64 * 64; }
+static size_t xq_bytes(int64_t T, int64_t K) {
+    return (size_t)(T * K + T * (K / 256) * 4 + T * (K / 32) * 2 + 63) / 64 * 64;
+}
 static xq_t xq_at(uint8_t *p, int64_t T, int64_t K) {
-    return (xq_t){.c = (const int8_t *)p, .d = (const float *)(p + T * K), .s = (const int16_t *)(p + T * K + T * (K / 256) * 4),
+    return (xq_t){.c = (const int8_t *)p, .d = (const float *)(p + T * K),
+                  .s = (const int16_t *)(p + T * K + T * (K / 256) * 4),
                   .K = K, .T = T};
 }
 
@@ -463,7 +468,8 @@ int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int6
     int64_t dd[5] = {H, (intptr_t)dq, drb, 0, H};
     if (dq) pd = tile_setup(&dn, 1, dd, I);
     if (pu < 0 || pd < 0) return -2;
-    size_t xb = xq_bytes(T, H), gb = (size_t)(T * 2 * I) * 4, hb = dq ? xq_bytes(T, I) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
+    size_t xb = xq_bytes(T, H), gb = (size_t)(T * 2 * I) * 4;
+    size_t hb = dq ? xq_bytes(T, I) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
     size_t pb = (size_t)(pu > pd ? pu : pd);
     int owned;
     uint8_t *buf = keep_take(xb + gb + hb + yb + pb, &owned);
