@@ -471,12 +471,6 @@ class Transformer:
         if pos + T > self.cache.max_context:
             raise ValueError(f"context overflow: {pos + T} tokens > max_context {self.cache.max_context}")
         x = self.embed(tokens)
-        if (self.prompt_prerouter is not None and T * s.top_k >= s.num_experts
-                and self.store.max_batch >= s.num_experts
-                and (first := self.prompt_prerouter.predict_first(x)) is not None):
-            # the first MoE layer's likely experts, from the embeddings: their reads overlap the attention before it
-            # (where a whole layer fits in the slots: that layer then runs in one pass and evicts none of them)
-            self.store.prefetch(*first, prompt=True)
         masks: dict[int | None, torch.Tensor | None] = {}
         for L, lw in enumerate(self.w.layers):
             win = s.sliding_window[L]

@@ -38,24 +38,12 @@ class RouterPrerouter:
     def __init__(self, spec: Spec, weights: Weights, margin: int = 0):
         self.spec, self.w, self.margin = spec, weights, margin
         self.next_moe = next_moe_layers(spec)  # layer -> the first MoE layer after it
-        self.first_moe = next((L for L, moe in enumerate(spec.moe_layers) if moe), None)
-
-    def predict_first(self, x: torch.Tensor) -> tuple[int, list[int]] | None:
-        """(the first MoE layer, predicted expert ids) from the embeddings x [T, H], before any layer runs: that
-        layer's router on the residual stream as it enters the model (a prompt's read-ahead for its first MoE
-        layer, which no earlier layer predicts); None without MoE layers."""
-        if self.first_moe is None:
-            return None
-        return self._ranked(self.first_moe, x)
 
     def predict(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
         """(next MoE layer, predicted expert ids) from x [T, H] after `layer`'s attention, or None at the end."""
         nxt = self.next_moe.get(layer)
         if nxt is None:
             return None
-        return self._ranked(nxt, x)
-
-    def _ranked(self, nxt: int, x: torch.Tensor) -> tuple[int, list[int]]:
         lw = self.w.layers[nxt]
         # ranked as the layer's own router ranks (its bias, groups): models/routing.py
         scores = selection_scores(self.spec, lw, rms_norm(x, lw.post_norm, self.spec.rms_norm_eps))  # [T, E]

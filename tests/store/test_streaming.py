@@ -51,9 +51,7 @@ def test_streamed_equals_resident(model_dir, reference, io, odirect, cache):
     assert torch.equal(logits, ref_logits)  # bitwise
     assert tokens == ref_tokens
     # every byte read is a miss's or a prompt read-ahead's (the next layer's experts, read while a prompt runs)
-    # (with room for every expert the read-ahead may catch them all, the first MoE layer's from the embeddings)
-    assert st["misses"] + st["prompt_prefetch_issued"] > 0
-    assert st["bytes_read"] == (st["misses"] + st["prompt_prefetch_issued"]) * reference[3]
+    assert st["misses"] > 0 and st["bytes_read"] == (st["misses"] + st["prompt_prefetch_issued"]) * reference[3]
     if cache == "all":
         assert st["evictions"] == 0
 
