@@ -28,7 +28,7 @@ from ..checkpoint.ref import DTYPES
 from ..matmul import packed_linear, row_blocks, rows_linear
 from ..quant import native
 from ..quant.native import prompt
-from ..quant.native.kernel import bf16_gemm_rows, bf16_view
+from ..quant.native.kernel import BF16_GEMM_MIN_ROWS, bf16_gemm_rows, bf16_view
 from ..quant.stored import StoredLinear
 from ..store.layout import BiasedGluFormat
 
@@ -145,9 +145,14 @@ class ExpertMath:
                 y = torch.empty(n, fmt.down.out_features, dtype=torch.bfloat16)  # [n, H]
                 prompt.expert(gate, up, (fmt.down, dn), x, y)
                 return y
-            h = torch.empty(n, i, dtype=torch.bfloat16)  # [n, I]: silu(g) * u for the down's own kernel
-            prompt.expert(gate, up, None, x, h)
-            return self._kernels_for(fmt)[3](h, dn, self._scratch())
+            # [n, I]: silu(g) * u for the down's own kernel, a bf16 GEMM: its rows padded with zero rows as
+            # Transformer.experts pads a GEMM's (blocks.GEMM_ROW_STEP: oneDNN builds kernels per row count)
+            from .blocks import GEMM_ROW_STEP
+            pad = -(-n // GEMM_ROW_STEP) * GEMM_ROW_STEP if n >= BF16_GEMM_MIN_ROWS else n
+            h = torch.empty(pad, i, dtype=torch.bfloat16)
+            h[n:] = 0
+            prompt.expert(gate, up, None, x, h[:n])
+            return self._kernels_for(fmt)[3](h, dn, self._scratch())[:n]
         gu = torch.empty(n, 2 * i)  # [n, 2I] float32
         if fmt.gate_up is not None:
             prompt.linears([(fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes], gu)], x)
