@@ -340,6 +340,10 @@ class StreamingExpertStore:
         futures: list = []
         try:
             if prompt:  # a few experts per read batch: their neighbouring ranges coalesce (PROMPT_READ_GROUP)
+                # in expert order (the placement above followed the prediction's): neighbours in the stacked
+                # tensors share a batch, and they land in the order the layer runs them (ascending ids)
+                order = sorted(range(len(keys)), key=lambda i: keys[i][1])
+                batches, keys = [batches[i] for i in order], [keys[i] for i in order]
                 for g in range(0, len(batches), PROMPT_READ_GROUP):
                     group = batches[g : g + PROMPT_READ_GROUP]
                     futures += [self.reader.submit([r for b in group for r in b])] * len(group)

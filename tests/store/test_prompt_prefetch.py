@@ -83,8 +83,9 @@ def test_a_read_ahead_whose_reader_fails_midway_keeps_the_cache_true(model_dir, 
 
 
 def test_a_read_ahead_submits_a_few_experts_per_batch(model_dir):
-    """A prompt's read-ahead hands the reader PROMPT_READ_GROUP experts per batch (their neighbouring ranges
-    coalesce; a batch's planning and hand-off are paid once), and every expert of a batch waits on its future."""
+    """A prompt's read-ahead hands the reader PROMPT_READ_GROUP experts per batch in expert order, whatever the
+    prediction's order (neighbours in a stacked tensor coalesce; a batch's planning and hand-off are paid once), and
+    every expert of a batch waits on its future."""
     with sluice.load(model_dir, memory="all") as m:
         want = m.logits(LONG)
         resident, layout, spec = m.resident_bytes, m.layout, m.spec
@@ -92,7 +93,7 @@ def test_a_read_ahead_submits_a_few_experts_per_batch(model_dir):
         store, submit, sizes = m.store, m.reader.submit, []
         m.reader.submit = lambda requests: (sizes.append(len(requests)), submit(requests))[1]
         layer = store.layout.layers[-1]
-        store.prefetch(layer, list(range(spec.num_experts)), prompt=True)
+        store.prefetch(layer, list(range(spec.num_experts))[::-1], prompt=True)  # the prediction's order: any
         m.reader.submit = submit
         group = streaming.PROMPT_READ_GROUP
         per = len(store._requests(layer, 0, 0))  # reads of one expert
