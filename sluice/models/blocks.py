@@ -431,6 +431,12 @@ class Transformer:
         between a decode step's (native.pool_phase)."""
         if _NATIVE:
             native.pool_phase(prompt=tokens.shape[0] > 1)
+        if tokens.shape[0] > 1:
+            try:
+                return self._forward(tokens, pos)
+            finally:
+                if _NATIVE:  # the prompt calls' kept scratch goes back (up to ~10 MB at 2,048 tokens)
+                    native.release_scratch()
         if tokens.shape[0] == 1 and torch.get_num_threads() > 1 and self._native_decode():
             threads = torch.get_num_threads()
             torch.set_num_threads(1)

@@ -119,13 +119,13 @@ class ExpertMath:
 
     def int8_rows(self, fmt) -> bool:
         """Whether a prompt's rows (more than EXPERT_Q8_MAX_ROWS) of this format's experts run prompt.c's int8
-        kernel: activations "int8" (one plane, llama.cpp's coding) at a 16-bit compute dtype, plain SwiGLU-shaped
+        kernel: activations "int8" (one plane, llama.cpp's coding) at the bf16 compute dtype, plain SwiGLU-shaped
         experts with Q4_K gate and up, on a CPU with AVX512-VNNI (elsewhere the bf16 GEMM on dequantized weights is
         faster than its portable path). Such rows need no padding for a GEMM (Transformer.experts)."""
         ok = self._int8.get(fmt)
         if ok is None:
             ok = self._int8[fmt] = bool(
-                (self.planes or native.Q8_PLANES) == 1 and self.dtype is not torch.float32
+                (self.planes or native.Q8_PLANES) == 1 and self.dtype is torch.bfloat16
                 and not isinstance(fmt, BiasedGluFormat) and prompt.available()
                 and all(prompt.supported(s) for s in (fmt.gate_up or fmt.gate, fmt.up)))
         return ok

@@ -77,12 +77,17 @@ def test_strided_queries_and_thread_counts_give_the_same_bits():
 
 def test_bad_arguments_are_named():
     q, k, v = case(8, 0, 4, 2, 64)
-    with pytest.raises(ValueError, match="q must be bf16"):
+    with pytest.raises(ValueError, match="q must be a CPU bf16"):
         attend.causal(q.float(), k, v, 0)
     with pytest.raises(ValueError, match=r"k must be a bf16 cache \[nKV, >= 20"):
         attend.causal(q, k, v, 12)
     with pytest.raises(ValueError, match="unsupported heads"):
         attend.causal(q[:3], k, v, 0)
+    with pytest.raises(ValueError, match="q must be a CPU bf16"):
+        attend.causal(torch.empty(4, 8, 64, dtype=torch.bfloat16, device="meta"), k, v, 0)
+    with pytest.raises(ValueError, match="same kv heads and head stride"):
+        attend.causal(q, k, v[:1], 0)
+    assert attend.causal(q[:, :0], k, v, 0).shape == (0, 4 * 64)
     with pytest.raises(ValueError, match="unsupported heads"):
         attend.causal(*case(8, 0, 4, 2, 48), 0)
     assert attend.supports(64, 8, 128) and not attend.supports(64, 2, 128) and not attend.supports(8, 2, 80)

@@ -191,3 +191,27 @@ def test_int8_prompt_rows_are_not_padded(q4km, kernel_calls):
         m.model._expert = lambda batch, j, x: (seen.append(x.shape[0]), run(batch, j, x))[1]
         m.logits(LONG)
     assert kernel_calls and sum(seen) == len(LONG) * m.spec.top_k * m.spec.n_layers and any(n % 16 for n in seen)
+
+
+def test_a_nan_in_x_gives_nan_rows_on_both_paths(monkeypatch):
+    """A NaN in a 256-value block of x makes that row's outputs NaN (as a float GEMM's would), wherever it sits in
+    the block and on both paths; the other rows keep their values."""
+    spec = QuantSpec.ggml("Q4_K", 32, 512)
+    raw = random_stored(spec, seed=5)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(6))
+    clean = run(spec, raw, x, False, monkeypatch)
+    for at in (0, 17, 255, 300):
+        bad = x.clone()
+        bad[1, at] = float("nan")
+        for y in (run(spec, raw, bad, scalar, monkeypatch) for scalar in paths()):
+            assert y[1].isnan().all()
+            assert torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
+
+
+def test_float16_keeps_its_own_path(q4km, kernel_calls):
+    """The int8 prompt kernels take bf16 rows; at --dtype float16 a prompt runs the float16 path it ran before (it
+    once reached prompt.linears with float16 rows and raised). This random model overflows float16 (its logits are
+    NaN at int16 too), so only the path is checked."""
+    with sluice.load(q4km, memory="all", activations="int8", dtype="float16") as m:
+        got = m.logits(LONG)
+    assert not kernel_calls and got.shape == (len(LONG), m.spec.vocab_size)

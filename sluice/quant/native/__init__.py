@@ -668,8 +668,13 @@ def pool_phase(prompt: bool) -> None:
     if _LIB is not None and want != _wait:
         _LIB.sluice_set_spin(*want)
         _wait = want
-        if not prompt:  # the prompt calls' kept scratch (pool.c keep_take) goes back
-            _LIB.sluice_keep_release()
+
+
+def release_scratch() -> None:
+    """Free the scratch buffer the native prompt calls keep between calls (pool.c keep_take); the next call
+    allocates it again. Transformer.forward calls it after a prompt's forward pass."""
+    if _LIB is not None:
+        _LIB.sluice_keep_release()
 
 
 def set_threads(threads: int) -> None:

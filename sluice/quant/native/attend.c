@@ -38,19 +38,6 @@ typedef struct {
     volatile int failed;  /* a task found no memory for its scratch */
 } att_job;
 
-/* this thread's scratch for attend_task (~170 KB at D = 128 and 4 query heads per kv head), kept for the next
- * call: NULL when it cannot grow */
-static _Thread_local uint8_t *scratch_buf;
-static _Thread_local size_t scratch_size;
-static uint8_t *scratch(size_t n) {
-    if (n > scratch_size) {
-        free(scratch_buf);
-        scratch_buf = (uint8_t *)malloc(n);
-        scratch_size = scratch_buf ? n : 0;
-    }
-    return scratch_buf;
-}
-
 static void layout_task(void *c, int64_t i) {  /* kv head i / (Lp / 16), its block of 16 keys i % (Lp / 16) */
     const att_job *j = (const att_job *)c;
     int64_t nb = j->Lp / 16, h = i / nb, b = i % nb, D = j->D;
@@ -131,7 +118,7 @@ BF16_FN static void attend_task(void *c, int64_t i) {
     int64_t nq = j->T - t0 < BQ ? j->T - t0 : BQ, rows = G * nq, prow = (rows + RQ - 1) / RQ * RQ;
     /* scratch: scores [prow][BK] float, probabilities [prow][BK] bf16, o [prow][D], max, sum, alpha [prow] */
     size_t need = (size_t)prow * (BK * 4 + BK * 2 + D * 4 + 12 + D * 2) + 64;
-    uint8_t *buf = scratch(need);
+    uint8_t *buf = thread_scratch(need);  /* ~170 KB at D = 128 and 4 query heads per kv head */
     if (!buf) {
         ((att_job *)j)->failed = 1;
         return;

@@ -37,7 +37,7 @@ def available() -> bool:
 
 def supports(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
     """Whether attend.c takes these heads: head_dim a multiple of 32 up to 512, at most 16 query heads per kv head."""
-    return (n_kv_heads >= 1 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 16 and head_dim % 32 == 0
+    return (n_kv_heads >= 1 and n_heads >= 1 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 16 and head_dim % 32 == 0
             and head_dim <= 512)
 
 
@@ -46,19 +46,24 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch
     T - 1 over the caches k and v (bf16 [nKV, P, D], P >= pos + T, each position's D values contiguous)."""
     if _LIB is None or not available():
         raise RuntimeError("attend.causal needs the native extension and a CPU with AVX512_BF16 (available())")
-    if not (q.dtype is torch.bfloat16 and q.dim() == 3 and q.stride(2) == 1):
-        raise ValueError(f"q must be bf16 [nH, T, D] with unit stride along D, got {q.dtype} {list(q.shape)}")
+    if not (q.dtype is torch.bfloat16 and q.dim() == 3 and q.is_cpu and q.stride(2) == 1):
+        raise ValueError(f"q must be a CPU bf16 [nH, T, D] tensor with unit stride along D, got {q.dtype} "
+                         f"{list(q.shape)} on {q.device}")
     nh, t, d = q.shape
     for name, c in (("k", k), ("v", v)):
-        if not (c.dtype is torch.bfloat16 and c.dim() == 3 and c.shape[2] == d and c.stride(2) == 1
+        if not (c.dtype is torch.bfloat16 and c.dim() == 3 and c.is_cpu and c.shape[2] == d and c.stride(2) == 1
                 and c.stride(1) == d and c.shape[1] >= pos + t):
             raise ValueError(f"{name} must be a bf16 cache [nKV, >= {pos + t}, {d}], positions contiguous, got "
                              f"{c.dtype} {list(c.shape)} strides {c.stride()}")
     nkv = k.shape[0]
-    if v.shape[0] != nkv or v.stride(0) != k.stride(0) or not supports(nh, nkv, d) or pos < 0:
-        raise ValueError(f"attend.causal: unsupported heads ({nh} query, {nkv} / {v.shape[0]} kv, dim {d}) or "
-                         f"position {pos}")
+    if v.shape[0] != nkv or v.stride(0) != k.stride(0):
+        raise ValueError(f"attend.causal: k and v must have the same kv heads and head stride, got {list(k.shape)} "
+                         f"/ {list(v.shape)} strides {k.stride(0)} / {v.stride(0)}")
+    if not supports(nh, nkv, d) or pos < 0:
+        raise ValueError(f"attend.causal: unsupported heads ({nh} query, {nkv} kv, dim {d}) or position {pos}")
     out = torch.empty(t, nh * d, dtype=torch.bfloat16)
+    if t == 0:
+        return out
     rc = _LIB.sluice_prompt_attention(nh, nkv, t, d, pos, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(),
                                       v.data_ptr(), k.stride(0), d ** -0.5, out.data_ptr())
     if rc == -1:

@@ -110,6 +110,9 @@ int sluice_threads(void);
  * (*owned 1; NULL when memory is short); keep_give returns it */
 uint8_t *keep_take(size_t n, int *owned);
 void keep_give(uint8_t *p, int owned);
+/* pool.c: this thread's own scratch of n bytes (64-aligned; NULL when memory is short), kept for its next call and
+ * freed when the thread exits */
+uint8_t *thread_scratch(size_t n);
 
 /* ops.c, also called by decode.c */
 void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out);

@@ -101,7 +101,17 @@ static void *worker(void *arg) {
 }
 
 /* the child of a fork has no workers; its locks start free */
+/* ---- one kept scratch buffer for a prompt's native calls (prompt.c, attend.c) ----
+ * A prompt runs ~2 calls per expert and layer, each wanting 1-10 MB of scratch: malloc serves that size with fresh
+ * mmap'd (or trimmed and re-grown) pages, so every call paid a page fault per 4 KiB it wrote. The buffer grows to
+ * the largest call of a prompt and is freed when decode starts (native.pool_phase). A call made while another
+ * thread holds it gets its own allocation. */
+static pthread_mutex_t keep_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint8_t *keep_buf;
+static size_t keep_size;
+
 static void after_fork_child(void) {
+    pthread_mutex_init(&keep_mu, NULL);  /* a parent thread may have held it: the child has no such thread */
     pthread_mutex_init(&S.mu, NULL);
     pthread_mutex_init(&S.run, NULL);
     pthread_cond_init(&S.wake, NULL);
@@ -180,15 +190,6 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
     pthread_mutex_unlock(&S.run);
 }
 
-/* ---- one kept scratch buffer for a prompt's native calls (prompt.c, attend.c) ----
- * A prompt runs ~2 calls per expert and layer, each wanting 1-10 MB of scratch: malloc serves that size with fresh
- * mmap'd (or trimmed and re-grown) pages, so every call paid a page fault per 4 KiB it wrote. The buffer grows to
- * the largest call of a prompt and is freed when decode starts (native.pool_phase). A call made while another
- * thread holds it gets its own allocation. */
-static pthread_mutex_t keep_mu = PTHREAD_MUTEX_INITIALIZER;
-static uint8_t *keep_buf;
-static size_t keep_size;
-
 uint8_t *keep_take(size_t n, int *owned) {
     n = (n + 63) / 64 * 64;
     if (pthread_mutex_trylock(&keep_mu) == 0) {
@@ -220,4 +221,25 @@ void sluice_keep_release(void) {
     keep_buf = NULL;
     keep_size = 0;
     pthread_mutex_unlock(&keep_mu);
+}
+
+/* ---- one scratch buffer per thread (pool workers and callers), freed when the thread exits ----
+ * For work split over the pool that needs its own room per task (a packed weight tile, an attention block's
+ * scores): a task takes its thread's buffer, grown as needed; tasks of one thread run one at a time. */
+static pthread_key_t thread_key;
+static pthread_once_t thread_key_once = PTHREAD_ONCE_INIT;
+
+static void thread_key_make(void) { pthread_key_create(&thread_key, free); }
+
+uint8_t *thread_scratch(size_t n) {
+    pthread_once(&thread_key_once, thread_key_make);
+    uint8_t *p = (uint8_t *)pthread_getspecific(thread_key);
+    size_t have = p ? *(size_t *)p : 0;  /* the first 64 bytes hold the size */
+    if (n > have) {
+        free(p);
+        p = (uint8_t *)aligned_alloc(64, (n + 64 + 63) / 64 * 64);
+        if (p) *(size_t *)p = n;
+        pthread_setspecific(thread_key, p);
+    }
+    return p ? p + 64 : NULL;
 }

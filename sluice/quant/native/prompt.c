@@ -34,13 +34,16 @@ void sluice_to_bf16(int64_t n, const float *x, uint16_t *out);  /* kernels.c */
 static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s) {
     for (int64_t b = 0; b < K; b += 256) {
         float v[256], amax = 0.0f;
+        int nan = 0;
         for (int i = 0; i < 256; i++) {
             v[i] = bf16 ? bf16_float(((const uint16_t *)x)[b + i]) : ((const float *)x)[b + i];
             float a = fabsf(v[i]);
             amax = amax > a ? amax : a;  /* maxps's order */
+            nan |= v[i] != v[i];
         }
+        amax = nan ? 0.0f : amax;  /* a NaN in the block: codes 0 (-127 for the NaN) and scale NaN, on both paths */
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b / 256] = amax / 127.0f;
+        d[b / 256] = nan ? NAN : amax / 127.0f;
         for (int j = 0; j < 8; j++) {
             int sum = 0;
             for (int i = 32 * j; i < 32 * j + 32; i++) {
@@ -163,9 +166,12 @@ VNNI static void quant_row_vnni(const void *x, int bf16, int64_t K, int8_t *c, f
             }
             m = _mm512_max_ps(m, _mm512_abs_ps(v[i]));
         }
-        float amax = _mm512_reduce_max_ps(m);  /* max is exact in any order */
+        float amax = _mm512_reduce_max_ps(m);  /* max is exact in any order (NaN aside: below) */
+        __mmask16 nan = 0;
+        for (int i = 0; i < 16; i++) nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
+        amax = nan ? 0.0f : amax;  /* as the scalar path (the lanes' max saw a NaN or not, by its place) */
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b / 256] = amax / 127.0f;
+        d[b / 256] = nan ? NAN : amax / 127.0f;
         __m512 vi = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
         for (int j = 0; j < 8; j++) {
             /* rint under the default rounding mode: cvtps_epi32 rounds half to even, as rintf */
@@ -351,7 +357,7 @@ typedef struct {
     int64_t nsb, tiles[MAX_PROJ + 1];  /* tiles[a]: the first task of projection a; tiles[m]: all */
     int64_t d[5 * MAX_PROJ];            /* m x (N, codes address, bytes per row, y address, ldy) */
     const xq_t *xq;
-    uint8_t *pack;                      /* the packed tiles, one per task */
+    volatile int failed;                /* a task found no memory for its tile */
 } tile_job;
 
 static void tile_task(void *c, int64_t i) {
@@ -363,7 +369,11 @@ static void tile_task(void *c, int64_t i) {
     const uint8_t *w = (const uint8_t *)(intptr_t)d[1];
     float *y = (float *)(intptr_t)d[3] + n0;
     int rows = N - n0 < TILE_ROWS ? (int)(N - n0) : TILE_ROWS;
-    uint8_t *tile = j->pack + i * j->nsb * SB_TILE;
+    uint8_t *tile = thread_scratch((size_t)(j->nsb * SB_TILE));  /* packed here, used by this task only */
+    if (!tile) {
+        ((tile_job *)j)->failed = 1;
+        return;
+    }
 #if SLUICE_X86
     if (!j->scalar && sluice_prompt_vnni()) {
         pack_tile_vnni(w, d[2], N, j->nsb, n0, tile);
@@ -375,8 +385,8 @@ static void tile_task(void *c, int64_t i) {
     tile_scalar(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
 }
 
-/* the bytes the packed tiles of m projections (descs as below) take; -1 for a bad descriptor */
-static int64_t tile_setup(tile_job *j, int64_t m, const int64_t *descs, int64_t K) {
+/* 0, or -1 for a bad descriptor */
+static int tile_setup(tile_job *j, int64_t m, const int64_t *descs, int64_t K) {
     j->m = (int)m;
     j->nsb = K / 256;
     j->tiles[0] = 0;
@@ -385,7 +395,7 @@ static int64_t tile_setup(tile_job *j, int64_t m, const int64_t *descs, int64_t 
         j->tiles[a + 1] = j->tiles[a] + (descs[5 * a] + TILE_ROWS - 1) / TILE_ROWS;
         for (int k = 0; k < 5; k++) j->d[5 * a + k] = descs[5 * a + k];
     }
-    return j->tiles[m] * j->nsb * SB_TILE;
+    return 0;
 }
 
 /* y_a [T, N_a] (float32, rows ldy_a apart) = x [T, K] @ W_a^T for m <= 4 Q4_K projections of one x (an expert's
@@ -397,19 +407,16 @@ int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x,
     if (m < 1 || m > MAX_PROJ || K <= 0 || K % 256 || T < 0) return -2;
     if (T == 0) return 0;
     tile_job j = {.scalar = scalar};
-    int64_t pb = tile_setup(&j, m, descs, K);
-    if (pb < 0) return -2;
-    size_t xb = xq_bytes(T, K);
+    if (tile_setup(&j, m, descs, K) < 0) return -2;
     int owned;
-    uint8_t *buf = keep_take(xb + (size_t)pb, &owned);
+    uint8_t *buf = keep_take(xq_bytes(T, K), &owned);
     if (!buf) return -1;
     xq_t xq = xq_at(buf, T, K);
     j.xq = &xq;
-    j.pack = buf + xb;
     quantize(x, bf16, xq, scalar);
     pool_run(tile_task, &j, j.tiles[m]);
     keep_give(buf, owned);
-    return 0;
+    return j.failed ? -1 : 0;
 }
 
 /* ---- one SwiGLU expert ---- */
@@ -464,22 +471,18 @@ int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int6
     float *gu_base = NULL;
     int64_t du[10] = {I, (intptr_t)gq, grb, 0, 2 * I, I, (intptr_t)uq, urb, 0, 2 * I};
     if (!uq) du[0] = 2 * I;
-    int64_t pu = tile_setup(&up, uq ? 2 : 1, du, H), pd = 0;
     int64_t dd[5] = {H, (intptr_t)dq, drb, 0, H};
-    if (dq) pd = tile_setup(&dn, 1, dd, I);
-    if (pu < 0 || pd < 0) return -2;
+    if (tile_setup(&up, uq ? 2 : 1, du, H) < 0 || (dq && tile_setup(&dn, 1, dd, I) < 0)) return -2;
     size_t xb = xq_bytes(T, H), gb = (size_t)(T * 2 * I) * 4;
     size_t hb = dq ? xq_bytes(T, I) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
-    size_t pb = (size_t)(pu > pd ? pu : pd);
     int owned;
-    uint8_t *buf = keep_take(xb + gb + hb + yb + pb, &owned);
+    uint8_t *buf = keep_take(xb + gb + hb + yb, &owned);
     if (!buf) return -1;
     xq_t xq = xq_at(buf, T, H);
     gu_base = (float *)(buf + xb);
     up.d[3] = (intptr_t)gu_base;
     up.d[8] = (intptr_t)(gu_base + I);
     up.xq = &xq;
-    up.pack = dn.pack = buf + xb + gb + hb + yb;
     quantize(x, 1, xq, scalar);
     pool_run(tile_task, &up, up.tiles[up.m]);
     glu_job g = {.gu = gu_base, .I = I, .h = h, .scalar = scalar};
@@ -494,5 +497,5 @@ int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int6
         pool_run(bf16_task, &b, T);
     }
     keep_give(buf, owned);
-    return 0;
+    return up.failed || dn.failed ? -1 : 0;
 }
