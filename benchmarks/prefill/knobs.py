@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/prefill/knobs.py int8    [--rounds 15]
     .venv/bin/python benchmarks/prefill/knobs.py gemm    [--rounds 15]
     .venv/bin/python benchmarks/prefill/knobs.py attend  [--rounds 15] [--prompts 2048]
+    .venv/bin/python benchmarks/prefill/knobs.py code    [--model GGUF] [--rounds 6] [--prompts 2048]
 
 wait: the native pool's wait between a prompt's jobs (native.PROMPT_WAIT) at 1 ms / 200 us / 50 us of spin + yield,
 alternated in one process on resident prompts (rotated order, a new seeded prompt each run), medians of prefill ms;
@@ -24,6 +25,8 @@ gemm: one prompt expert's Q4_K projections (256 rows; the peers model's shapes) 
 that GEMM alone, 2 native / torch threads, alternated, median ms of rounds of 30.
 attend: a prompt's causal attention (8 query / 2 kv heads of 128) in native/attend.c against matmul.sdpa, alternated,
 median ms of rounds of 10; and the relative error of each against float64.
+code: at --activations int8, a layer's rows coded once for all its experts (Transformer.code_rows_once) against each
+expert coding its own, resident, alternated in one process (a new seeded prompt each run), medians of prefill ms.
 """
 
 from __future__ import annotations
@@ -234,9 +237,23 @@ def attend(a) -> None:
         print(f"{n} tokens, 8 / 2 heads of 128, causal: {name} {ms[name]:.1f} ms, relative error {err:.2e}")
 
 
+def code(a) -> None:
+    arms = {"coded once a layer": True, "coded per expert": False}
+    with sluice.load(a.model, memory="all", activations="int8") as m:
+        list(m.generate_tokens(_prompt(64, 1), max_tokens=1, stop_at_eos=False))
+        res: dict[str, list[float]] = {k: [] for k in arms}
+        for r in range(a.rounds):
+            for i, k in enumerate(list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                m.model.code_rows_once = arms[k]
+                list(m.generate_tokens(_prompt(a.prompts[0], 100 * r + i + 3), max_tokens=1, stop_at_eos=False))
+                res[k].append(m.stats()["prefill_ms"])
+        print(f"{a.prompts[0]} tokens, prefill ms (median of {a.rounds}): "
+              + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in res.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["wait", "blocks", "dequant", "profile", "int8", "gemm", "attend",
+    ap.add_argument("what", choices=["wait", "blocks", "dequant", "profile", "int8", "gemm", "attend", "code",
                                      "blocks-child"])
     ap.add_argument("--model")
     ap.add_argument("--rounds", type=int)
@@ -247,10 +264,10 @@ def main() -> None:
         print(json.dumps(blocks_child(a.model, a.prompts[0], a.split)))
         return
     a.model = a.model or str(DEMO_1G if a.what == "blocks" else PEERS_Q4)
-    a.rounds = a.rounds or (6 if a.what in ("wait", "blocks") else 15)
+    a.rounds = a.rounds or (6 if a.what in ("wait", "blocks", "code") else 15)
     a.prompts = a.prompts or {"wait": [128, 512, 2048], "blocks": [512, 2048]}.get(a.what, [2048])
     {"wait": wait, "blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm,
-     "attend": attend}[a.what](a)
+     "attend": attend, "code": code}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from ..matmul import bf16_gemm, sdpa
 from ..quant import native
 from ..quant.native import attend as native_attend
+from ..quant.native import prompt
 from ..quant.native.decode import DecodeAttention, router_probs_bf16
 from ..quant.native.kernel import BF16_GEMM_MIN_ROWS, Q8_MAX_ROWS
 from ..quant.resident import QuantLinear
 from ..store.base import ExpertStore
-from .experts import ExpertMath, glu_for
+from .experts import EXPERT_Q8_MAX_ROWS, ExpertMath, glu_for
 from .linear import linear, logits
 from . import mla  # latent attention; mla.py uses this module's rms_norm, so modules, not names, are imported
 from .rope import apply_rope, rope_table
@@ -135,6 +136,9 @@ class Transformer:
         self.native_attention = True
         # False: a prompt's attention runs matmul.sdpa where attend.c would run it (tests, benchmarks)
         self.native_prompt_attention = True
+        # False: each int8 prompt expert codes its own rows instead of gathering a layer's once-coded rows (tests,
+        # benchmarks/prefill/knobs.py code)
+        self.code_rows_once = True
         self._all_native: bool | None = None  # _native_decode's answer, computed at the first decode step
         self._qkv_groups: dict[int, object] = {}  # layer -> its q/k/v native group (or None), built at first use
         self.act = ACTIVATIONS[spec.hidden_act]
@@ -288,8 +292,14 @@ class Transformer:
         # rank order and y * w; at 2,048 tokens of a top-8 H=1024 bf16 model each is 32 MiB.) Its capacity covers
         # the most padding any layer may bring, so it is allocated once per prompt.
         ys = self._rows_block(n_rows, x, T * K + self.spec.num_experts * (GEMM_ROW_STEP - 1))
-        if n_rows == T * K:
-            torch.index_select(x, 0, order // K, out=ys)
+        coded, tok = None, order // K  # tok: each sorted row's token
+        if (self.code_rows_once and n_rows == T * K and x.dtype is torch.bfloat16
+                and self.expert_math.int8_whole(self.store.layout.format(L))):
+            # the int8 prompt kernels code x once here, not once per expert for each of its k experts (each row's
+            # codes are the same bytes either way); experts then gather their rows' codes, not their bf16 rows
+            coded = prompt.code(x.contiguous())
+        elif n_rows == T * K:
+            torch.index_select(x, 0, tok, out=ys)
         else:  # padding rows read the zero row appended to x
             src = torch.full((n_rows,), T, dtype=torch.long).index_copy_(0, rows, order // K)
             torch.index_select(torch.cat([x, x.new_zeros(1, x.shape[1])]), 0, src, out=ys)
@@ -304,7 +314,12 @@ class Transformer:
                 for j in sorted(range(len(chunk)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
                     batch.wait(j)
                     a, n = starts[c0 + j], padded[c0 + j]
-                    ys[a : a + n] = self._expert(batch, j, ys[a : a + n])
+                    if coded is None:
+                        ys[a : a + n] = self._expert(batch, j, ys[a : a + n])
+                    elif n > EXPERT_Q8_MAX_ROWS:
+                        ys[a : a + n] = self._expert_coded(batch, j, coded, tok[a : a + n])
+                    else:  # a few rows: the decode-style native call on the rows themselves
+                        ys[a : a + n] = self._expert(batch, j, x[tok[a : a + n]])
             finally:
                 self.store.release(L)
         w = torch.gather(weights, 1, rank_of).flatten()[order]  # [T*K] each sorted row's routing weight
@@ -335,6 +350,10 @@ class Transformer:
     def _expert(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the j-th expert of `batch` on x [n, H] -> [n, H], straight from the slots (models/experts.py)."""
         return self.expert_math(batch, j, x)
+
+    def _expert_coded(self, batch, j: int, coded, rows: torch.Tensor) -> torch.Tensor:
+        """The j-th expert of `batch` on rows `rows` of a layer's coded x (ExpertMath.coded) -> [n, H]."""
+        return self.expert_math.coded(batch, j, coded, rows)
 
     def _experts_one_token(
         self, L: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor

@@ -137,22 +137,8 @@ class ExpertMath:
         n, i = x.shape[0], fmt.gate.out_features
         x = x.contiguous()
         dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
-        if self.dtype is torch.bfloat16 and self.act is F.silu and self._plain_glu:  # one native call
-            gate = (fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes]) if fmt.gate_up is not None else \
-                (fmt.gate, raw[: fmt.gate.nbytes])
-            up = None if fmt.gate_up is not None else (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes])
-            if prompt.supported(fmt.down):
-                y = torch.empty(n, fmt.down.out_features, dtype=torch.bfloat16)  # [n, H]
-                prompt.expert(gate, up, (fmt.down, dn), x, y)
-                return y
-            # [n, I]: silu(g) * u for the down's own kernel, a bf16 GEMM: its rows padded with zero rows as
-            # Transformer.experts pads a GEMM's (blocks.GEMM_ROW_STEP: oneDNN builds kernels per row count)
-            from .blocks import GEMM_ROW_STEP
-            pad = -(-n // GEMM_ROW_STEP) * GEMM_ROW_STEP if n >= BF16_GEMM_MIN_ROWS else n
-            h = torch.empty(pad, i, dtype=torch.bfloat16)
-            h[n:] = 0
-            prompt.expert(gate, up, None, x, h[:n])
-            return self._kernels_for(fmt)[3](h, dn, self._scratch())[:n]
+        if self.int8_whole(fmt):  # one native call
+            return self._int8_call(fmt, raw, x, n)
         gu = torch.empty(n, 2 * i)  # [n, 2I] float32
         if fmt.gate_up is not None:
             prompt.linears([(fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes], gu)], x)
@@ -166,6 +152,36 @@ class ExpertMath:
             return y.to(self.dtype)
         down = self._kernels_for(fmt)[3]
         return down(h.to(self.dtype), dn, self._scratch())
+
+    def int8_whole(self, fmt) -> bool:
+        """Whether a prompt's rows of this format's experts run as one native call each (prompt.expert): int8_rows
+        and the plain SiLU GLU; Transformer.experts then codes a layer's rows once for all its experts (coded())."""
+        return self.int8_rows(fmt) and self.act is F.silu and self._plain_glu
+
+    def coded(self, batch, j: int, x: "prompt.Coded", rows: torch.Tensor) -> torch.Tensor:
+        """The j-th expert of `batch` on rows `rows` (int64 [n]) of a layer's coded rows x (prompt.code), for a
+        format int8_whole takes: bitwise what __call__ gives on those rows of the uncoded x."""
+        return self._int8_call(batch.format, batch.raw[batch.slots[j]], x, rows.numel(), rows)
+
+    def _int8_call(self, fmt, raw: torch.Tensor, x, n: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """prompt.expert on x [n, H] bf16, or on rows of a prompt.Coded x: [n, H] bf16."""
+        i = fmt.gate.out_features
+        dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
+        gate = (fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes]) if fmt.gate_up is not None else \
+            (fmt.gate, raw[: fmt.gate.nbytes])
+        up = None if fmt.gate_up is not None else (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes])
+        if prompt.supported(fmt.down):
+            y = torch.empty(n, fmt.down.out_features, dtype=torch.bfloat16)  # [n, H]
+            prompt.expert(gate, up, (fmt.down, dn), x, y, rows=rows)
+            return y
+        # [n, I]: silu(g) * u for the down's own kernel, a bf16 GEMM: its rows padded with zero rows as
+        # Transformer.experts pads a GEMM's (blocks.GEMM_ROW_STEP: oneDNN builds kernels per row count)
+        from .blocks import GEMM_ROW_STEP
+        pad = -(-n // GEMM_ROW_STEP) * GEMM_ROW_STEP if n >= BF16_GEMM_MIN_ROWS else n
+        h = torch.empty(pad, i, dtype=torch.bfloat16)
+        h[n:] = 0
+        prompt.expert(gate, up, None, x, h[:n], rows=rows)
+        return self._kernels_for(fmt)[3](h, dn, self._scratch())[:n]
 
     def _swiglu(self, x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, lin) -> torch.Tensor:
         """down(glu(gate x, up x)) of bf16 / float weights gu [2I, H] and dn [H, I] (plain, or packed for

@@ -122,7 +122,8 @@ def kernel_calls(monkeypatch):
     calls = []
     monkeypatch.setattr(prompt, "available", lambda: True)
     for name in ("linears", "expert"):
-        monkeypatch.setattr(prompt, name, lambda *a, _real=getattr(prompt, name): calls.append(1) or _real(*a))
+        monkeypatch.setattr(prompt, name,
+                            lambda *a, _real=getattr(prompt, name), **kw: calls.append(1) or _real(*a, **kw))
     return calls
 
 
@@ -187,8 +188,9 @@ def test_int8_prompt_rows_are_not_padded(q4km, kernel_calls):
     any count at one speed, so their experts get their own rows only."""
     with sluice.load(q4km, memory="all", activations="int8") as m:
         seen: list[int] = []
-        run = m.model._expert
+        run, coded = m.model._expert, m.model._expert_coded
         m.model._expert = lambda batch, j, x: (seen.append(x.shape[0]), run(batch, j, x))[1]
+        m.model._expert_coded = lambda batch, j, c, rows: (seen.append(rows.numel()), coded(batch, j, c, rows))[1]
         m.logits(LONG)
     assert kernel_calls and sum(seen) == len(LONG) * m.spec.top_k * m.spec.n_layers and any(n % 16 for n in seen)
 
@@ -215,3 +217,23 @@ def test_float16_keeps_its_own_path(q4km, kernel_calls):
     with sluice.load(q4km, memory="all", activations="int8", dtype="float16") as m:
         got = m.logits(LONG)
     assert not kernel_calls and got.shape == (len(LONG), m.spec.vocab_size)
+
+
+def test_a_layer_coded_once_gives_each_expert_its_own_bits(q4km, kernel_calls):
+    """Transformer.experts codes a layer's rows once (prompt.code) and each int8 expert gathers its rows' codes:
+    the same bits as every expert coding its own rows (prompt.expert on a Coded x with rows == on those rows)."""
+    h, i = 512, 256
+    gate, up, down = QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", h, i)
+    raws = [random_stored(s, seed=n) for n, s in enumerate((gate, up, down))]
+    x = torch.randn(40, h, generator=torch.Generator().manual_seed(9)).bfloat16()
+    rows = torch.tensor([3, 7, 7, 0, 39, 12, 5, 22, 30, 1])
+    a, b = (torch.empty(10, h, dtype=torch.bfloat16) for _ in range(2))
+    prompt.expert((gate, raws[0]), (up, raws[1]), (down, raws[2]), prompt.code(x), a, rows=rows)
+    prompt.expert((gate, raws[0]), (up, raws[1]), (down, raws[2]), x[rows].contiguous(), b)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="rows must be a contiguous CPU int64"):
+        prompt.expert((gate, raws[0]), (up, raws[1]), (down, raws[2]), prompt.code(x), a, rows=rows.int())
+    with sluice.load(q4km, memory="all", activations="int8") as m:
+        once = m.logits(LONG)
+        m.model.code_rows_once = False
+        assert torch.equal(m.logits(LONG), once)

@@ -22,6 +22,9 @@
 #include "common.h"
 
 void sluice_to_bf16(int64_t n, const float *x, uint16_t *out);  /* kernels.c */
+int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
+                               int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
+                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int scalar);
 
 #define TILE_ROWS 16
 #define SB_CODES 2048                          /* 8 sub-blocks x 4 vectors x 64 bytes */
@@ -351,6 +354,29 @@ static void quantize(const void *x, int bf16, xq_t xq, int scalar) {
     pool_run(quant_task, &j, xq.T);
 }
 
+/* x [T, K] bf16 coded into out (xq_bytes(T, K) bytes, the layout xq_at reads): a layer's rows coded once, each
+ * expert then gathering its own (sluice_prompt_expert with xc). Returns 0, -2 for bad arguments. */
+int sluice_prompt_code(const uint16_t *x, int64_t T, int64_t K, uint8_t *out, int scalar) {
+    if (T < 0 || K <= 0 || K % 256) return -2;
+    if (T) quantize(x, 1, xq_at(out, T, K), scalar);
+    return 0;
+}
+
+int64_t sluice_prompt_code_bytes(int64_t T, int64_t K) { return (int64_t)xq_bytes(T, K); }
+
+typedef struct {
+    xq_t from, to;
+    const int64_t *idx;
+} gather_job;
+
+static void gather_task(void *c, int64_t t) {  /* row idx[t] of `from` into row t of `to`: the same bytes */
+    const gather_job *j = (const gather_job *)c;
+    int64_t K = j->to.K, r = j->idx[t];
+    memcpy((int8_t *)j->to.c + t * K, j->from.c + r * K, (size_t)K);
+    memcpy((float *)j->to.d + t * (K / 256), j->from.d + r * (K / 256), (size_t)(K / 256) * 4);
+    memcpy((int16_t *)j->to.s + t * (K / 32), j->from.s + r * (K / 32), (size_t)(K / 32) * 2);
+}
+
 #define MAX_PROJ 4
 typedef struct {
     int scalar, m;
@@ -465,7 +491,18 @@ static void bf16_task(void *c, int64_t t) {
 int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
                          int64_t drb, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y, uint16_t *h,
                          int scalar) {
+    return sluice_prompt_expert_coded(gq, grb, uq, urb, dq, drb, H, I, x, NULL, 0, NULL, T, y, h, scalar);
+}
+
+/* sluice_prompt_expert on rows idx[0 .. T) of a layer's coded rows xc (sluice_prompt_code of Tc rows) when xc is
+ * not NULL (x unused): each row's codes are the bytes coding it alone gives, so the result is the same bits */
+int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
+                               int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
+                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int scalar) {
     if (H <= 0 || H % 256 || I <= 0 || (dq && I % 256) || T < 0 || (!dq && !h) || (dq && !y)) return -2;
+    if (xc && !idx) return -2;
+    for (int64_t t = 0; xc && t < T; t++)
+        if (idx[t] < 0 || idx[t] >= Tc) return -2;
     if (T == 0) return 0;
     tile_job up = {.scalar = scalar}, dn = {.scalar = scalar};
     float *gu_base = NULL;
@@ -483,7 +520,12 @@ int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int6
     up.d[3] = (intptr_t)gu_base;
     up.d[8] = (intptr_t)(gu_base + I);
     up.xq = &xq;
-    quantize(x, 1, xq, scalar);
+    if (xc) {
+        gather_job gj = {.from = xq_at((uint8_t *)xc, Tc, H), .to = xq, .idx = idx};
+        pool_run(gather_task, &gj, T);
+    } else {
+        quantize(x, 1, xq, scalar);
+    }
     pool_run(tile_task, &up, up.tiles[up.m]);
     glu_job g = {.gu = gu_base, .I = I, .h = h, .scalar = scalar};
     if (dq) g.xq = xq_at(buf + xb + gb, T, I);

@@ -7,6 +7,7 @@
     prompt.linears([(spec, raw, out), ...], x) # out_a float32 [T, N_a] (views with a row stride allowed) = x @ W_a^T
     prompt.expert((gate, raw), (up, raw), (down, raw), x, out)   # out bf16 [T, H] = down(silu(gate x) * up x)
     prompt.expert((gate_up, raw), None, None, x, h)              # h bf16 [T, I] = silu(gate x) * up x
+    coded = prompt.code(x)                     # a layer's rows coded once: prompt.expert(..., coded, out, rows=idx)
 
 x (float32 or bf16 [T, K]) is coded once per call as llama.cpp's Q8_K codes it (8 bits per value, one scale per 256
 values: to 1/127 of each 256-block's largest value), the products summed in integers per 32-value sub-block and
@@ -36,6 +37,14 @@ if _LIB is not None:
     # gate (codes, bytes per row), up, down, H, I, x, T, y, h, scalar
     _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 3 + [_i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
     _LIB.sluice_prompt_expert.restype = ctypes.c_int
+    # the same with a layer's coded rows: ..., x, coded rows, their count, row indices, T, y, h, scalar
+    _LIB.sluice_prompt_expert_coded.argtypes = ([_ptr, _i64] * 3 + [_i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
+                                                                    _ptr, ctypes.c_int])
+    _LIB.sluice_prompt_expert_coded.restype = ctypes.c_int
+    _LIB.sluice_prompt_code.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]  # x, T, K, out, scalar
+    _LIB.sluice_prompt_code.restype = ctypes.c_int
+    _LIB.sluice_prompt_code_bytes.argtypes = [_i64, _i64]
+    _LIB.sluice_prompt_code_bytes.restype = _i64
 
 
 def available() -> bool:
@@ -96,21 +105,56 @@ def _codes(spec: QuantSpec, raw: torch.Tensor, n: int, k: int, what: str) -> tup
     return q, row_bytes
 
 
-def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tensor] | None,
-           down: tuple[QuantSpec, torch.Tensor] | None, x: torch.Tensor, out: torch.Tensor) -> None:
-    """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K; up None
-    when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K down on it coded again, its
-    rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I] instead (for
-    a down of another format, run by the caller)."""
+class Coded:
+    """A [T, K] bf16 x coded once (code()): the bytes prompt.c reads, for experts that each take some of its rows."""
+
+    def __init__(self, data: torch.Tensor, rows: int, cols: int):
+        self.data, self.rows, self.cols = data, rows, cols
+
+
+def code(x: torch.Tensor) -> Coded:
+    """x bf16 [T, K] (contiguous, K a multiple of 256) coded as every call here codes its x, once: each row's bytes
+    are those coding the row alone gives, so an expert on some of these rows (expert(..., rows=)) computes the same
+    bits as on those rows of x."""
     from . import FORCE_SCALAR
 
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False)")
     if not (isinstance(x, torch.Tensor) and x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_cpu
-            and x.is_contiguous()):
+            and x.is_contiguous() and x.shape[1] % 256 == 0):
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be a contiguous CPU bf16 [T, H] tensor, got {got}")
-    t, h = x.shape
+        raise ValueError(f"prompt.code: x must be a contiguous CPU bf16 [T, K] tensor, K a multiple of 256, got {got}")
+    t, k = x.shape
+    data = torch.empty(_LIB.sluice_prompt_code_bytes(t, k), dtype=torch.uint8)
+    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), int(FORCE_SCALAR)):
+        raise ValueError(f"prompt.code: the kernel refused x [{t}, {k}]")
+    return Coded(data, t, k)
+
+
+def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tensor] | None,
+           down: tuple[QuantSpec, torch.Tensor] | None, x: "torch.Tensor | Coded", out: torch.Tensor,
+           rows: torch.Tensor | None = None) -> None:
+    """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K; up None
+    when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K down on it coded again, its
+    rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I] instead (for
+    a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
+    it), the expert runs on those rows of the coded x, the same bits as on those rows of x itself."""
+    from . import FORCE_SCALAR
+
+    if _LIB is None:
+        raise RuntimeError("the native kernels are not built (native_available() is False)")
+    if isinstance(x, Coded):
+        if not (isinstance(rows, torch.Tensor) and rows.dtype is torch.int64 and rows.dim() == 1
+                and rows.is_contiguous() and rows.is_cpu):
+            raise ValueError(f"prompt.expert: rows must be a contiguous CPU int64 [T] tensor with a Coded x, got "
+                             f"{rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__}")
+        t, h = rows.numel(), x.cols
+    elif not (isinstance(x, torch.Tensor) and x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_cpu
+              and x.is_contiguous()) or rows is not None:
+        got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a contiguous CPU bf16 [T, H] tensor (rows only with a Coded x), got {got}")
+    else:
+        t, h = x.shape
     i = gate[0].out_features // (1 if up is not None else 2)
     g = _codes(*gate, i if up is not None else 2 * i, h, "gate")
     u = _codes(*up, i, h, "up") if up is not None else (None, 0)
@@ -121,7 +165,11 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
         got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"out must be a contiguous bf16 [{t}, {n}] tensor, got {got}")
     y, hh = (out.data_ptr(), None) if down is not None else (None, out.data_ptr())
-    rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, int(FORCE_SCALAR))
+    if isinstance(x, Coded):
+        rc = _LIB.sluice_prompt_expert_coded(*g, *u, *d, h, i, None, x.data.data_ptr(), x.rows, rows.data_ptr(), t,
+                                             y, hh, int(FORCE_SCALAR))
+    else:
+        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, int(FORCE_SCALAR))
     if rc == -1:
         raise MemoryError(f"prompt.expert: no memory for a [{t} x {h}] expert's scratch")
     if rc:
