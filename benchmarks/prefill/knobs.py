@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/prefill/knobs.py gemm    [--rounds 15]
     .venv/bin/python benchmarks/prefill/knobs.py attend  [--rounds 15] [--prompts 2048]
     .venv/bin/python benchmarks/prefill/knobs.py code    [--model GGUF] [--rounds 6] [--prompts 2048]
+    .venv/bin/python benchmarks/prefill/knobs.py reads   [--model GGUF] [--rounds 6] [--prompts 2048]
 
 wait: the native pool's wait between a prompt's jobs (native.PROMPT_WAIT) at 1 ms / 200 us / 50 us of spin + yield,
 alternated in one process on resident prompts (rotated order, a new seeded prompt each run), medians of prefill ms;
@@ -27,11 +28,15 @@ attend: a prompt's causal attention (8 query / 2 kv heads of 128) in native/atte
 median ms of rounds of 10; and the relative error of each against float64.
 code: at --activations int8, a layer's rows coded once for all its experts (Transformer.code_rows_once) against each
 expert coding its own, resident, alternated in one process (a new seeded prompt each run), medians of prefill ms.
+reads: a prompt's read-ahead in batches of 4 experts (streaming.PROMPT_READ_GROUP) against one expert a batch,
+streamed (--io direct --odirect --memory 512MiB, int8), alternated in one process: medians of prefill ms and of the
+reader's reads per prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -108,8 +113,6 @@ def blocks(a) -> None:
 
 
 def dequant(a) -> None:
-    import time
-
     from sluice.quant import native
     from sluice.quant.kernels import QuantSpec
     from sluice.quant.native.kernel import bf16_view
@@ -121,19 +124,13 @@ def dequant(a) -> None:
     scratch = torch.empty(1024 * 1024)
     outs = {"bf16": lambda s: bf16_view(scratch, s.out_features * s.in_features),
             "float32": lambda s: scratch[: s.out_features * s.in_features]}
-    for name, out in outs.items():
-        def one():
-            for s, raw in zip(specs, raws):
-                native.dequantize(s, raw, out(s))
-        for _ in range(20):
-            one()
-        ts = []
-        for _ in range(a.rounds):
-            t = time.perf_counter()
-            for _ in range(50):
-                one()
-            ts.append((time.perf_counter() - t) / 50)
-        print(f"dequantize one expert to {name}: {1000 * statistics.median(ts):.3f} ms (one thread)")
+    def one(out):
+        for s, raw in zip(specs, raws):
+            native.dequantize(s, raw, out(s))
+
+    ms = _median_ms({name: functools.partial(one, out) for name, out in outs.items()}, a.rounds, 50, warm=20)
+    for name, v in ms.items():
+        print(f"dequantize one expert to {name}: {v:.3f} ms (one thread)")
 
 
 def profile(a) -> None:
@@ -155,33 +152,24 @@ def profile(a) -> None:
 
 
 def int8(a) -> None:
-    import time
-
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
     a8 = torch.randint(-100, 100, (256, 1024), dtype=torch.int8, generator=g)
     b8 = torch.randint(-100, 100, (1024, 1024), dtype=torch.int8, generator=g)
     x, w = torch.randn(256, 1024, generator=g).bfloat16(), torch.randn(1024, 1024, generator=g).bfloat16()
-    for name, f in (("bf16 F.linear", lambda: F.linear(x, w)), ("int8 torch._int_mm", lambda: torch._int_mm(a8, b8))):
-        for _ in range(5):
-            f()
-        ts = []
-        for _ in range(a.rounds):
-            t = time.perf_counter()
-            for _ in range(30):
-                f()
-            ts.append((time.perf_counter() - t) / 30)
-        ms = 1000 * statistics.median(ts)
+    fns = {"bf16 F.linear": lambda: F.linear(x, w), "int8 torch._int_mm": lambda: torch._int_mm(a8, b8)}
+    for name, ms in _median_ms(fns, a.rounds, 30, warm=5).items():
         print(f"{name}: {ms:.3f} ms ({2 * 256 * 1024 * 1024 / ms / 1e6:.0f} GOP/s)")
 
 
-def _median_ms(fns: dict, rounds: int, reps: int) -> dict[str, float]:
-    """{name: median ms of `rounds` rounds of `reps` calls}, the functions alternated within each round."""
+def _median_ms(fns: dict, rounds: int, reps: int, warm: int = 3) -> dict[str, float]:
+    """{name: median ms of `rounds` rounds of `reps` calls}, the functions alternated within each round, each called
+    `warm` times first."""
     import time
 
     for f in fns.values():
-        for _ in range(3):
+        for _ in range(warm):
             f()
     ts: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(rounds):
@@ -251,10 +239,30 @@ def code(a) -> None:
               + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in res.items()))
 
 
+def reads(a) -> None:
+    from sluice.store import streaming
+
+    arms = {"4 experts a batch": 4, "1 expert a batch": 1}
+    with sluice.load(a.model, memory="512MiB", io="direct", odirect=True, activations="int8") as m:
+        list(m.generate_tokens(_prompt(64, 1), max_tokens=1, stop_at_eos=False))
+        ms: dict[str, list[float]] = {k: [] for k in arms}
+        n_reads: dict[str, list[int]] = {k: [] for k in arms}
+        for r in range(a.rounds):
+            for i, k in enumerate(list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                streaming.PROMPT_READ_GROUP = arms[k]
+                before = m.reader.stats()["reads"]
+                list(m.generate_tokens(_prompt(a.prompts[0], 100 * r + i + 5), max_tokens=1, stop_at_eos=False))
+                ms[k].append(m.stats()["prefill_ms"])
+                n_reads[k].append(m.reader.stats()["reads"] - before)
+        print(f"{a.prompts[0]} tokens, streamed (median of {a.rounds}): "
+              + ", ".join(f"{k} {statistics.median(ms[k]):.0f} ms, {statistics.median(n_reads[k]):.0f} reads"
+                          for k in arms))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["wait", "blocks", "dequant", "profile", "int8", "gemm", "attend", "code",
-                                     "blocks-child"])
+                                     "reads", "blocks-child"])
     ap.add_argument("--model")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--prompts", type=int, nargs="+")
@@ -264,10 +272,10 @@ def main() -> None:
         print(json.dumps(blocks_child(a.model, a.prompts[0], a.split)))
         return
     a.model = a.model or str(DEMO_1G if a.what == "blocks" else PEERS_Q4)
-    a.rounds = a.rounds or (6 if a.what in ("wait", "blocks", "code") else 15)
+    a.rounds = a.rounds or (6 if a.what in ("wait", "blocks", "code", "reads") else 15)
     a.prompts = a.prompts or {"wait": [128, 512, 2048], "blocks": [512, 2048]}.get(a.what, [2048])
     {"wait": wait, "blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm,
-     "attend": attend, "code": code}[a.what](a)
+     "attend": attend, "code": code, "reads": reads}[a.what](a)
 
 
 if __name__ == "__main__":

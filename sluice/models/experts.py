@@ -125,8 +125,7 @@ class ExpertMath:
         ok = self._int8.get(fmt)
         if ok is None:
             ok = self._int8[fmt] = bool(
-                (self.planes or native.Q8_PLANES) == 1 and self.dtype is torch.bfloat16
-                and not isinstance(fmt, BiasedGluFormat) and prompt.available()
+                prompt.wanted(self.dtype, self.planes) and not isinstance(fmt, BiasedGluFormat)
                 and all(prompt.supported(s) for s in (fmt.gate_up or fmt.gate, fmt.up)))
         return ok
 
@@ -136,9 +135,9 @@ class ExpertMath:
         StoredLinear on the product rounded to the compute dtype."""
         n, i = x.shape[0], fmt.gate.out_features
         x = x.contiguous()
-        dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
         if self.int8_whole(fmt):  # one native call
             return self._int8_call(fmt, raw, x, n)
+        dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
         gu = torch.empty(n, 2 * i)  # [n, 2I] float32
         if fmt.gate_up is not None:
             prompt.linears([(fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes], gu)], x)

@@ -89,8 +89,7 @@ class QuantLinear:
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
         self.spec, self.raw, self.dtype, self.planes = spec, raw.contiguous(), dtype, planes
         # a prompt's many bf16 rows on 8-bit codes (prompt.c) where activations are int8 and the CPU runs it fast
-        self._int8_prompt = ((planes or native.Q8_PLANES) == 1 and dtype is torch.bfloat16 and prompt.available()
-                             and prompt.supported(spec))
+        self._int8_prompt = prompt.wanted(dtype, planes) and prompt.supported(spec)
         self.scratch = scratch if scratch is not None else Scratch()
         self._q8 = QuantGroup([self])  # decode's call, checked once; rows over the C pool
         self._split = spec.out_features * spec.in_features >= SPLIT_MIN_WEIGHTS

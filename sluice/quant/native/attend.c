@@ -21,14 +21,6 @@
 #define BF16_FN __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define BF16_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
 
-static int have_bf16(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
-}
-
-static inline uint32_t rdu32(const void *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-
 typedef struct {
     int64_t nH, nKV, G, T, D, pos, L, Lp, qh, qt, kvh, qblocks;
     const uint16_t *q, *k, *v;
@@ -47,7 +39,7 @@ static void layout_task(void *c, int64_t i) {  /* kv head i / (Lp / 16), its blo
     for (int key = 0; key < 16; key++) {
         int64_t at = 16 * b + key;
         for (int64_t p = 0; p < D / 2; p++)
-            kt[p * 16 + key] = at < j->L ? rdu32(k + at * D + 2 * p) : 0;
+            kt[p * 16 + key] = at < j->L ? rd32(k + at * D + 2 * p) : 0;
     }
     for (int pr = 0; pr < 8; pr++) {
         int64_t a0 = 16 * b + 2 * pr, a1 = a0 + 1;
@@ -89,7 +81,7 @@ BF16_INLINE void weighted_cols(float *o, int64_t D, const float *alpha, const ui
             acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c0 + 16 * c), _mm512_set1_ps(alpha[r]));
     for (int jp = 0; jp < BK / 2; jp++) {
         __m512bh pp[RP];
-        for (int r = 0; r < RP; r++) pp[r] = (__m512bh)_mm512_set1_epi32((int)rdu32(p + r * BK + 2 * jp));
+        for (int r = 0; r < RP; r++) pp[r] = (__m512bh)_mm512_set1_epi32((int)rd32(p + r * BK + 2 * jp));
         for (int c = 0; c < NC; c++) {
             __m512bh vv = (__m512bh)_mm512_loadu_si512(v2 + jp * D + c0 + 16 * c);
             for (int r = 0; r < RP; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv, pp[r]);
@@ -135,7 +127,7 @@ BF16_FN static void attend_task(void *c, int64_t i) {
     }
     memset(o, 0, (size_t)prow * D * 4);
     for (int64_t r = 0; r < prow; r++)
-        for (int64_t p = 0; p < D / 2; p++) qi[(r / RQ * (D / 2) + p) * RQ + r % RQ] = rdu32(qrow[r] + 2 * p);
+        for (int64_t p = 0; p < D / 2; p++) qi[(r / RQ * (D / 2) + p) * RQ + r % RQ] = rd32(qrow[r] + 2 * p);
     const uint32_t *kt = j->kt + h * j->Lp * D / 2, *v2 = j->v2 + h * j->Lp * D / 2;
     int64_t last = j->pos + t0 + nq;  /* keys the block's last query sees */
     for (int64_t k0 = 0; k0 < last; k0 += BK) {
@@ -181,16 +173,10 @@ BF16_FN static void attend_task(void *c, int64_t i) {
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
     }
 }
-#else
-static int have_bf16(void) { return 0; }
 #endif
 
 /* 1 when this CPU runs sluice_prompt_attention (AVX512_BF16) */
-int sluice_attention_bf16(void) {
-    static int v = -1;
-    if (v < 0) v = have_bf16();
-    return v;
-}
+int sluice_attention_bf16(void) { return SLUICE_X86 && sluice_cpu_avx512bf16(); }
 
 /* out [T, nH * D] bf16 = causal attention of q [nH, T, D] bf16 (head stride qh, position stride qt, in elements)
  * over the cached k and v [nKV, >= pos + T, D] bf16 (head stride kvh, position stride D), the queries at positions

@@ -63,6 +63,7 @@ static inline float reduce8(const float *a) {
 
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 static inline float rdf16(const uint8_t *p) { return f16_to_f32(rd16(p)); }
+static inline uint32_t rd32(const void *p) { uint32_t v; memcpy(&v, p, 4); return v; }  /* any alignment */
 
 /* Q4_K / Q5_K: the 12 packed scale bytes -> 8 scales and 8 mins (ggml's get_scale_min_k4), four bytes at a time:
  * scales 0-3 / mins 0-3 are the low 6 bits of bytes 0-3 / 4-7; scales 4-7 (mins 4-7) the low (high) nibbles of
@@ -98,6 +99,8 @@ static inline float exp_poly(float z) {
     return p * f32_bits((uint32_t)((int32_t)n + 127) << 23);
 }
 
+/* 1 when the CPU has AVX512_BF16 with AVX512 F / BW / VL / DQ (kernels.c; computed once) */
+int sluice_cpu_avx512bf16(void);
 /* 1 when the AVX2 + FMA + F16C path runs on this CPU (kernels.c) */
 int sluice_simd(void);
 

@@ -465,7 +465,7 @@ AVX512BF16 static void to_bf16_avx512(const float *x, uint16_t *o, int64_t n) {
     for (; i < n; i++) o[i] = bf16_round(x[i]);
 }
 
-static int have_avx512bf16(void) {
+int sluice_cpu_avx512bf16(void) {
     static int known = -1;  /* every thread computes the same value: a race on it is harmless */
     if (known < 0) {
         __builtin_cpu_init();
@@ -475,12 +475,14 @@ static int have_avx512bf16(void) {
     }
     return known;
 }
+#else
+int sluice_cpu_avx512bf16(void) { return 0; }
 #endif
 
 static void to_bf16_row(const float *x, uint16_t *o, int64_t n, int scalar) {
     (void)scalar;
 #if SLUICE_X86
-    if (!scalar && have_avx512bf16()) { to_bf16_avx512(x, o, n); return; }
+    if (!scalar && sluice_cpu_avx512bf16()) { to_bf16_avx512(x, o, n); return; }
     if (!scalar && have_avx2()) { to_bf16_avx2(x, o, n); return; }
 #endif
     for (int64_t i = 0; i < n; i++) o[i] = bf16_round(x[i]);

@@ -155,8 +155,6 @@ static int have_vnni(void) {
            __builtin_cpu_supports("avx512vnni");
 }
 
-static inline int32_t rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
-
 VNNI static void quant_row_vnni(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s) {
     for (int64_t b = 0; b < K; b += 256) {
         __m512 v[16], m = _mm512_setzero_ps();
@@ -260,8 +258,8 @@ VNNI_INLINE void tile_vnni_n(const uint8_t *tile, int64_t nsb, const xq_t *x, in
                 __m512i lo = _mm512_and_si512(u, m4), hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), m4);
                 for (int t = 0; t < NT; t++) {
                     const int8_t *p = xc + t * K + 32 * j + 4 * v;
-                    tmp[t] = _mm512_dpbusd_epi32(tmp[t], lo, _mm512_set1_epi32(rd32(p)));
-                    tmp[t] = _mm512_dpbusd_epi32(tmp[t], hi, _mm512_set1_epi32(rd32(p + 16)));
+                    tmp[t] = _mm512_dpbusd_epi32(tmp[t], lo, _mm512_set1_epi32((int)rd32(p)));
+                    tmp[t] = _mm512_dpbusd_epi32(tmp[t], hi, _mm512_set1_epi32((int)rd32(p + 16)));
                 }
             }
             __m512i sc = _mm512_loadu_si512(tb + SB_CODES + 64 * j);
@@ -274,7 +272,7 @@ VNNI_INLINE void tile_vnni_n(const uint8_t *tile, int64_t nsb, const xq_t *x, in
             __m512i ms = _mm512_setzero_si512();
             for (int p = 0; p < 4; p++)  /* m_2p * S2_2p + m_2p+1 * S2_2p+1 per row, exact in int32 */
                 ms = _mm512_dpwssd_epi32(ms, _mm512_loadu_si512(tb + SB_CODES + 512 + 64 * p),
-                                         _mm512_set1_epi32(rd32(s2 + 2 * p)));
+                                         _mm512_set1_epi32((int)rd32(s2 + 2 * p)));
             __m512 dx = _mm512_set1_ps(x->d[(t0 + t) * (K / 256) + b]);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, dx), acc[t]);
             acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, dx), acc[t]);

@@ -53,6 +53,14 @@ def available() -> bool:
     return _LIB is not None and bool(_LIB.sluice_prompt_vnni())
 
 
+def wanted(dtype: torch.dtype, planes: int | None) -> bool:
+    """Whether a prompt's many rows take these kernels: activations coded in one 8-bit plane (planes 1, None meaning
+    native.Q8_PLANES: LoadOptions.activations "int8") at the bf16 compute dtype, where they run fast (available())."""
+    from . import Q8_PLANES
+
+    return (planes or Q8_PLANES) == 1 and dtype is torch.bfloat16 and available()
+
+
 def supported(spec: QuantSpec) -> bool:
     """Whether prompt.c computes this projection: GGUF Q4_K with in_features a multiple of 256."""
     return spec.family == "ggml" and spec.name == "Q4_K" and spec.in_features % 256 == 0
