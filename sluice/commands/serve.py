@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
+import math
+import resource
 import socket
 import sys
 from pathlib import Path
@@ -22,6 +24,8 @@ from .common import add_model_arguments, load_from_args
 # run one at a time for seconds to minutes each: a longer queue only makes clients wait past their timeouts
 # (the openai client's default is 10 minutes) while holding memory.
 MAX_QUEUE = 1024
+# Files the process holds beside its connections: the model's files, the listening socket, the event loop's, stdio.
+FILES_BESIDE_CONNECTIONS = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body", default="4MiB", metavar="SIZE",
                    help="largest request body; larger ones get 413 before they are read (default 4MiB: a 256K-token "
                         "context of text, even JSON-escaped)")
+    g.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a client must send a request's head whole within this time, and may not pause its body "
+                        "longer; else 408 and the connection is closed (default 30)")
+    g.add_argument("--max-connections", type=int, default=128, metavar="N",
+                   help="open connections at once; one more gets 503 and is closed. Must exceed --max-queue: each "
+                        "waiting request holds one (default 128)")
 
 
 def is_loopback(host: str) -> bool:
@@ -77,13 +87,36 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_connections(max_connections: int, max_queue: int) -> None:
+    """--max-connections must leave room for the queue, and the process must be allowed that many open files (the
+    soft limit is raised toward the hard one when needed), else the cap would be EMFILE instead of a 503."""
+    if max_connections <= max_queue:
+        raise ConfigError(f"--max-connections ({max_connections}) must be more than --max-queue ({max_queue}): each "
+                          "waiting request holds a connection, and so does the running one")
+    need = max_connections + FILES_BESIDE_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        refused = f"--max-connections {max_connections} needs about {need} open files, and this process may open"
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise ConfigError(f"{refused} {hard} (ulimit -Hn): lower --max-connections")
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        except (ValueError, OSError) as e:  # past the kernel's fs.nr_open
+            raise ConfigError(f"{refused} {soft} ({e}): lower --max-connections") from e
+
+
 def main(args: argparse.Namespace) -> int:
     import uvicorn  # imported here so the other commands start without the server stack
 
     from ..server.app import check_model_name, create_app
+    from ..server.http import Limits, uvicorn_config
 
     if not 0 <= args.max_queue <= MAX_QUEUE:
         raise ConfigError(f"--max-queue must be in 0..{MAX_QUEUE}, got {args.max_queue}")
+    if not (math.isfinite(args.read_timeout) and args.read_timeout > 0):
+        raise ConfigError(f"--read-timeout must be a positive number of seconds, got {args.read_timeout:g}")
+    check_connections(args.max_connections, args.max_queue)
+    limits = Limits(read_timeout=args.read_timeout, max_connections=args.max_connections)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     max_body = parse_size(args.max_body, "--max-body")
@@ -99,10 +132,9 @@ def main(args: argparse.Namespace) -> int:
             host, port = sock.getsockname()[:2]
             url = f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
             print(f"sluice serve: model {name!r} at {url} (context {m.cache.max_context} tokens, queue "
-                  f"{args.max_queue}, body up to {format_bytes(max_body)})", file=sys.stderr, flush=True)
-            # A bounded graceful shutdown: open streams are cancelled by the app's lifespan, not waited for.
-            config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
-            uvicorn.Server(config).run(sockets=[sock])
+                  f"{args.max_queue}, body up to {format_bytes(max_body)}, read timeout {limits.read_timeout:g} s, "
+                  f"up to {limits.max_connections} connections)", file=sys.stderr, flush=True)
+            uvicorn.Server(uvicorn_config(app, limits)).run(sockets=[sock])
     finally:
         sock.close()
     return 0

@@ -216,6 +216,10 @@ def test_serve_port_in_use_fails_before_loading(model_dir, never_load, capsys):
     (["--max-queue", "100000"], "--max-queue must be in 0..1024, got 100000"),
     (["--max-body", "lots"], "--max-body: expected a size"),
     (["--model-name", "a\udcffb"], "must be printable text (--model-name)"),
+    (["--read-timeout", "0"], "--read-timeout must be a positive number of seconds, got 0"),
+    (["--read-timeout", "nan"], "--read-timeout must be a positive number of seconds, got nan"),
+    (["--max-connections", "16"], "--max-connections (16) must be more than --max-queue (16)"),
+    (["--max-connections", "100000000"], "open files"),
 ])
 def test_serve_bad_flags_are_one_line_before_loading(model_dir, never_load, capsys, args, needle):
     assert cli.main(["serve", str(model_dir), "--port", "0", *args]) == 2

@@ -1,0 +1,185 @@
+"""`sluice serve` at the HTTP level, below the app: the read timeout, the connection cap, answers to requests h11
+refuses (a head too large, malformed HTTP) and what a client that leaves mid-request costs the log.
+
+Raw sockets on loopback against `sluice serve` subprocesses (the real stack). Two servers: `quick` with
+`--read-timeout 1`, `capped` with `--max-connections 3` and the default read timeout. No test asserts how fast
+anything happens: each waits up to `WAIT_S` for what it expects, far past the 1 s timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from sluice.tools.tokenizer_train import train_tokenizer
+
+from ..models.tiny import hf_model, write_checkpoint
+from .test_server import ROOT, free_port, wait_healthy
+
+WAIT_S = 10.0  # the longest any test waits for the server to act; its timeout is 1 s
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path_factory.mktemp("http"), "per_expert")
+    train_tokenizer(folder, vocab_size=300)
+    return folder
+
+
+@contextlib.contextmanager
+def serve(model_dir: Path, log: Path, *flags: str) -> Iterator[tuple[str, int]]:
+    """(base URL, port) of `sluice serve MODEL *flags`, its output going to `log`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sluice", "serve", str(model_dir), "--port", str(port), "--threads", "1", *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, {}, proc)
+        yield url, port
+    except Exception:
+        print(log.read_text())
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def quick(model_dir, tmp_path_factory):
+    """(base URL, port, log path) of a server with a 1 s read timeout."""
+    log = tmp_path_factory.mktemp("http-quick") / "serve.log"
+    with serve(model_dir, log, "--read-timeout", "1") as (url, port):
+        yield url, port, log
+
+
+@pytest.fixture(scope="module")
+def capped(model_dir, tmp_path_factory):
+    """(base URL, port, log path) of a server that holds at most 3 connections (and the default read timeout)."""
+    log = tmp_path_factory.mktemp("http-capped") / "serve.log"
+    with serve(model_dir, log, "--max-connections", "3", "--max-queue", "1") as (url, port):
+        yield url, port, log
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a reset raises: the client would lose the answer)."""
+    out, deadline = b"", time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            got = sock.recv(65536)
+        except TimeoutError:
+            break
+        if not got:
+            return out
+        out += got
+    raise AssertionError(f"the server kept the connection open for {WAIT_S} s; it sent {out[:300]!r}")
+
+
+def drip(sock: socket.socket, data: bytes, gap: float = 0.1) -> bytes:
+    """Send `data` a byte every `gap` s (a slow-loris client) until the server answers; then what it sends until it
+    closes."""
+    deadline = time.monotonic() + WAIT_S
+    for byte in data:
+        if time.monotonic() > deadline:
+            break
+        sock.sendall(bytes([byte]))
+        if select.select([sock], [], [], gap)[0]:
+            return read_until_closed(sock)
+    raise AssertionError(f"the server took {WAIT_S} s of header bytes, one every {gap} s, without answering")
+
+
+def parse(raw: bytes) -> tuple[int, dict[str, str], dict]:
+    """(status, headers, JSON body) of one HTTP response."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    assert headers.get("content-type") == "application/json", raw[:300]
+    assert int(headers["content-length"]) == len(body), raw[:300]
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def assert_error(raw: bytes, status: int, code: str, needle: str, type: str = "invalid_request_error") -> dict:
+    got, headers, body = parse(raw)
+    err = body["error"]
+    assert (got, err["code"], err["type"]) == (status, code, type), raw[:400]
+    assert needle in err["message"] and "param" in err, err
+    assert headers["connection"] == "close"
+    return headers
+
+
+# ---- 1. the read timeout and the connection cap ----------------------------------------------------------------------
+
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize("how", ["silent", "slow head", "half body"])
+def test_a_stalled_request_gets_408_and_is_closed(quick, how):
+    url, port, _ = quick
+    with connect(port) as s:
+        if how == "silent":  # connects and sends nothing
+            raw = read_until_closed(s)
+        elif how == "slow head":  # a byte every 0.1 s: within any idle timeout, never a whole head
+            raw = drip(s, HEAD + b"X-Slow: " + b"a" * 10_000)
+        else:  # a whole head, then 10 of the 1,000 body bytes it announced
+            s.sendall(HEAD + b"Content-Length: 1000\r\n\r\n" + b'{"messages')
+            raw = read_until_closed(s)
+    needle = "request body paused" if how == "half body" else "request head"
+    assert_error(raw, 408, "request_timeout", needle)
+    assert "--read-timeout" in json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["message"]
+    assert httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200
+
+
+def test_requests_sent_in_time_are_not_cut(quick):
+    """The timeout is for stalls: kept-alive requests and a body sent in two pieces pass."""
+    url, port, _ = quick
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    with httpx.Client(base_url=url, timeout=WAIT_S) as c:  # one kept-alive connection
+        for _ in range(3):
+            assert c.post(CHAT, content=body).status_code == 200
+    with connect(port) as s:
+        s.sendall(HEAD + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body[:5])
+        s.sendall(body[5:])
+        raw = read_until_closed(s)
+    assert raw.startswith(b"HTTP/1.1 200 "), raw[:300]
+
+
+def test_connections_over_the_cap_get_503(capped):
+    url, port, log = capped
+    held = [connect(port) for _ in range(3)]  # idle: the default read timeout (30 s) keeps them open
+    try:
+        r = httpx.get(f"{url}/health", timeout=WAIT_S)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        err = r.json()["error"]
+        assert err["code"] == "too_many_connections" and err["type"] == "server_error"
+        assert "--max-connections" in err["message"]
+        with connect(port) as s:  # a raw client too: answered without sending anything, then closed
+            assert_error(read_until_closed(s), 503, "too_many_connections", "3 connections", type="server_error")
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + WAIT_S  # once the server has seen them close, there is room again
+    while httpx.get(f"{url}/health", timeout=WAIT_S).status_code != 200:
+        assert time.monotonic() < deadline, "still refused after the held connections closed"
+        time.sleep(0.1)
+    assert "refused: 3 connections are open" in log.read_text()
