@@ -6,6 +6,8 @@ control needs, which uvicorn (0.54, h11 0.16) does not enforce by itself.
   otherwise the client gets a 408 and the connection is closed. uvicorn has no such timer: 50 slow-loris connections
   (a header byte at a time) and 1,100 half-sent bodies were held open indefinitely. The head has a deadline, not an
   idle timer, because a byte every few seconds would keep an idle timer alive for hours.
+- A request head over h11's limit (16 KiB) gets a 431. uvicorn answered it as malformed (a plain-text 400, then a reset
+  the client saw instead), and passed a large head whole when one read brought all of it.
 - A cap on open connections: one over `max_connections` is answered 503 at once and closed. uvicorn's own
   `limit_concurrency` answers in plain text, and only once a request head has arrived whole, so connections that
   never finish their head are never refused and pile up to the process's file limit.
@@ -25,20 +27,38 @@ import functools
 import http
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import h11
 import uvicorn
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..options import format_bytes
 from . import schemas as S
 
 # How long an answered connection still reads (and drops) what the client sends before it is closed: enough for a
 # client to finish sending a large request over a slow link and read the answer, short enough that a flood of
 # refused connections does not hold file descriptors for long.
 LINGER_S = 5.0
+# Where a request head ends (h11 accepts bare LF line ends too).
+_HEAD_END = re.compile(rb"\n\r?\n")
+
+
+class _Connection(h11.Connection):
+    """h11's connection, keeping the error it found in the request: uvicorn catches it and keeps only its own text."""
+
+    error: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> Any:
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.error = e
+            raise
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,9 @@ class SluiceHTTP(H11Protocol):
                  limits: Limits):
         super().__init__(config, server_state, app_state, _loop)
         self.limits = limits
+        # the largest request head h11 buffers (its error names it); the connection keeps the error it raises
+        self.max_head = config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        self.conn = _Connection(h11.SERVER, self.max_head)
         self.timer: asyncio.TimerHandle | None = None  # the read timeout, or the end of a lingering close
         self.answered = False  # an answer of ours is sent: what the client still sends is dropped
 
@@ -83,6 +106,10 @@ class SluiceHTTP(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self.answered:
             return  # a lingering close: dropped
+        if self.conn.their_state is h11.IDLE and self.head_too_large(data):
+            self.logger.warning("%s: request head over %s: 431, closed", self.peer(), format_bytes(self.max_head))
+            self.answer(self.head_error())
+            return
         super().data_received(data)
         if not self.answered:
             self.watch()
@@ -138,6 +165,25 @@ class SluiceHTTP(H11Protocol):
                                     "request without pauses", code="request_timeout"))
 
     # -- answers -----------------------------------------------------------------------------------------------------
+    def head_too_large(self, data: bytes) -> bool:
+        """Whether the head being read, with `data`, has passed `max_head` bytes without ending. h11 checks this
+        only while its buffer holds part of a head: a large head that arrives whole in one read (up to 256 KiB) would
+        pass."""
+        pending = self.conn.trailing_data[0] + data
+        return len(pending) > self.max_head and not _HEAD_END.search(pending, 0, self.max_head + 4)
+
+    def head_error(self) -> S.ApiError:
+        return S.ApiError(431, f"the request head (request line and headers) is over {format_bytes(self.max_head)}, "
+                               "this server's limit: send shorter headers", code="request_header_fields_too_large")
+
+    def send_400_response(self, msg: str) -> None:
+        """What uvicorn calls when h11 refuses the request's bytes (it has logged one line)."""
+        e = self.conn.error
+        if e is not None and e.error_status_hint == 431:
+            self.answer(self.head_error())
+            return
+        super().send_400_response(msg)
+
     def answer(self, err: S.ApiError) -> None:
         """Send `err` as the connection's last response and close it, lingering (see the module's doc)."""
         self.answered = True

@@ -8,6 +8,7 @@ anything happens: each waits up to `WAIT_S` for what it expects, far past the 1 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import select
@@ -21,7 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import uvicorn
+from uvicorn.server import ServerState
 
+from sluice.server.http import Limits, SluiceHTTP
 from sluice.tools.tokenizer_train import train_tokenizer
 
 from ..models.tiny import hf_model, write_checkpoint
@@ -128,7 +132,7 @@ def assert_error(raw: bytes, status: int, code: str, needle: str, type: str = "i
     return headers
 
 
-# ---- 1. the read timeout and the connection cap ----------------------------------------------------------------------
+# ---- 1. the read timeout and the connection cap ---------------------------------------------------------------
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
@@ -183,3 +187,71 @@ def test_connections_over_the_cap_get_503(capped):
         assert time.monotonic() < deadline, "still refused after the held connections closed"
         time.sleep(0.1)
     assert "refused: 3 connections are open" in log.read_text()
+
+
+# ---- 2. a head too large ---------------------------------------------------------------------------------------------
+
+
+def test_a_200_kb_header_gets_431_not_a_reset(quick):
+    url, port, _ = quick
+    big = b"a" * 200_000
+    with connect(port) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + big + b"\r\n\r\n")  # all of it is read
+        raw = read_until_closed(s)  # before: "Connection reset by peer" here
+    assert_error(raw, 431, "request_header_fields_too_large", "16.0 KiB")
+    r = httpx.get(f"{url}/health", headers={"X-Big": big.decode()}, timeout=WAIT_S)
+    assert r.status_code == 431 and "shorter headers" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200
+
+
+class Transport(asyncio.Transport):
+    """A connection's transport that records what the protocol writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.written, self.eof, self.closed = b"", False, False
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 5555), "sockname": ("127.0.0.1", 8080)}.get(name, default)
+
+    def write(self, data):
+        self.written += data
+
+    def can_write_eof(self):
+        return True
+
+    def write_eof(self):
+        self.eof = True
+
+    def close(self):
+        self.closed = True
+
+    def is_closing(self):
+        return self.closed
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
+def test_a_large_head_in_one_read_gets_431():
+    """h11 limits a head only while part of it waits in its buffer: a 100 KB head read whole at once (a loaded
+    server reads up to 256 KiB at a time) reached the app. The protocol alone, fed that one read."""
+
+    async def app(scope, receive, send):
+        raise AssertionError("the app was handed a 100 KB head")
+
+    async def run() -> Transport:
+        config = uvicorn.Config(app, log_config=None, lifespan="off")
+        protocol, transport = SluiceHTTP(config, ServerState(), {}, limits=Limits()), Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+        await asyncio.sleep(0.1)  # (the app's task, had one been started, runs and answers here)
+        protocol.connection_lost(None)
+        return transport
+
+    transport = asyncio.run(run())
+    assert_error(transport.written, 431, "request_header_fields_too_large", "16.0 KiB")
+    assert transport.eof  # the write side is shut; the connection lingers to read what the client still sends
