@@ -8,6 +8,7 @@ control needs, which uvicorn (0.54, h11 0.16) does not enforce by itself.
   idle timer, because a byte every few seconds would keep an idle timer alive for hours.
 - A request head over h11's limit (16 KiB) gets a 431. uvicorn answered it as malformed (a plain-text 400, then a reset
   the client saw instead), and passed a large head whole when one read brought all of it.
+- Malformed HTTP gets a 400 naming what h11 found (uvicorn: "Invalid HTTP request received." in plain text).
 - A cap on open connections: one over `max_connections` is answered 503 at once and closed. uvicorn's own
   `limit_concurrency` answers in plain text, and only once a request head has arrived whole, so connections that
   never finish their head are never refused and pile up to the process's file limit.
@@ -181,8 +182,10 @@ class SluiceHTTP(H11Protocol):
         e = self.conn.error
         if e is not None and e.error_status_hint == 431:
             self.answer(self.head_error())
-            return
-        super().send_400_response(msg)
+        elif self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # the body after an early answer (a 413) is bad: there is nobody left to tell
+        else:
+            self.answer(S.ApiError(400, f"malformed HTTP request: {e or msg}", code="invalid_http"))
 
     def answer(self, err: S.ApiError) -> None:
         """Send `err` as the connection's last response and close it, lingering (see the module's doc)."""

@@ -132,7 +132,7 @@ def assert_error(raw: bytes, status: int, code: str, needle: str, type: str = "i
     return headers
 
 
-# ---- 1. the read timeout and the connection cap ---------------------------------------------------------------
+# ---- 1. the read timeout and the connection cap ----------------------------------------------------------------------
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
@@ -201,6 +201,28 @@ def test_a_200_kb_header_gets_431_not_a_reset(quick):
     assert_error(raw, 431, "request_header_fields_too_large", "16.0 KiB")
     r = httpx.get(f"{url}/health", headers={"X-Big": big.decode()}, timeout=WAIT_S)
     assert r.status_code == 431 and "shorter headers" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200
+
+
+
+# ---- 3. malformed HTTP -----------------------------------------------------------------------------------------------
+
+MALFORMED = [  # (what the client sends, what h11 says)
+    (b"GARBAGE\r\n\r\n", "illegal request line"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", "illegal header line"),
+    (bytes.fromhex("160301020001000001fc0303") + bytes(64), "illegal request line"),  # TLS to a plain HTTP port
+    (b"GET /health HTTP/1.1\r\n\r\n", "Missing mandatory Host: header"),
+    (HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", "illegal chunk header"),  # while the app reads the body
+]
+
+
+@pytest.mark.parametrize("sent,needle", MALFORMED)
+def test_malformed_http_gets_400_error_object(quick, sent, needle):
+    url, port, _ = quick
+    with connect(port) as s:
+        s.sendall(sent)
+        raw = read_until_closed(s)  # before: 400 "Invalid HTTP request received." in plain text
+    assert_error(raw, 400, "invalid_http", needle)
     assert httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200
 
 
