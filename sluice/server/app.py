@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -284,6 +284,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error_response(S.ApiError(exc.status_code, msg, code=code, headers=exc.headers))
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # The client left before its body was read whole: nobody reads this answer, and sluice serve's HTTP layer has
+    # logged one line (server/http.py). Left to the catch-all below, each one logged a traceback.
+    return Response(status_code=499)
+
+
 async def _request_error(request: Request, exc: Exception) -> Response:
     return _error_response(S.ApiError(400, str(exc)))  # the engine refused the request's values
 
@@ -312,7 +318,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, m
     app = Starlette(
         routes=api.routes(),
         exception_handlers={S.ApiError: _api_error, RequestError: _request_error, HTTPException: _http_error,
-                            Exception: _internal_error},
+                            ClientDisconnect: _client_gone, Exception: _internal_error},
         lifespan=lifespan,
     )
     app.state.worker = api.worker

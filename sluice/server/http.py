@@ -9,6 +9,8 @@ control needs, which uvicorn (0.54, h11 0.16) does not enforce by itself.
 - A request head over h11's limit (16 KiB) gets a 431. uvicorn answered it as malformed (a plain-text 400, then a reset
   the client saw instead), and passed a large head whole when one read brought all of it.
 - Malformed HTTP gets a 400 naming what h11 found (uvicorn: "Invalid HTTP request received." in plain text).
+- A client gone mid-request is one line in the log ("client 127.0.0.1:5555 disconnected mid-request"), where a
+  body cut short used to log a traceback (1,152 in one run).
 - A cap on open connections: one over `max_connections` is answered 503 at once and closed. uvicorn's own
   `limit_concurrency` answers in plain text, and only once a request head has arrived whole, so connections that
   never finish their head are never refused and pile up to the process's file limit.
@@ -117,6 +119,9 @@ class SluiceHTTP(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm()
+        if not self.answered and self.mid_request():
+            # one line: the app sees http.disconnect and drops the request without a traceback (app.py)
+            self.logger.info("%s disconnected mid-request", self.peer())
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
@@ -124,6 +129,13 @@ class SluiceHTTP(H11Protocol):
             self.transport.close()
             return
         super().shutdown()
+
+    def mid_request(self) -> bool:
+        """Whether the client owes the rest of a request: a head begun, or a body not answered yet."""
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            return self.cycle is None or not self.cycle.response_complete
+        return state is h11.IDLE and bool(self.conn.trailing_data[0])
 
     # -- the read timeout --------------------------------------------------------------------------------------------
     def arm(self) -> None:

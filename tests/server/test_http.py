@@ -226,6 +226,29 @@ def test_malformed_http_gets_400_error_object(quick, sent, needle):
     assert httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200
 
 
+
+# ---- 4. a client gone mid-request ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sent", [HEAD + b"Content-Length: 1000\r\n\r\n" + b'{"messa', HEAD[:30]],
+                         ids=["mid-body", "mid-head"])
+def test_a_client_gone_mid_request_is_one_log_line(capped, sent):
+    url, port, log = capped
+    start = len(log.read_text())
+    for _ in range(5):
+        with connect(port) as s:
+            s.sendall(sent)
+            line = f"client 127.0.0.1:{s.getsockname()[1]} disconnected mid-request"
+        deadline = time.monotonic() + WAIT_S
+        while line not in log.read_text()[start:]:  # one at a time: the connection cap is 3
+            assert time.monotonic() < deadline, f"no {line!r} in the log: {log.read_text()[start:][-2000:]}"
+            time.sleep(0.05)
+    assert httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200
+    logged = log.read_text()[start:]
+    assert logged.count("disconnected mid-request") == 5, logged[-2000:]
+    assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged[-3000:]  # before: 5
+
+
 class Transport(asyncio.Transport):
     """A connection's transport that records what the protocol writes."""
 
