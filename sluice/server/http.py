@@ -197,7 +197,9 @@ class SluiceHTTP(H11Protocol):
         elif self.cycle is not None and self.cycle.response_started:
             self.transport.close()  # the body after an early answer (a 413) is bad: there is nobody left to tell
         else:
-            self.answer(S.ApiError(400, f"malformed HTTP request: {e or msg}", code="invalid_http"))
+            why = str(e or msg)  # h11's words, with the offending bytes (a whole header line at worst): cut short
+            why = why if len(why) <= 200 else why[:200] + "..."
+            self.answer(S.ApiError(400, f"malformed HTTP request: {why}", code="invalid_http"))
 
     def answer(self, err: S.ApiError) -> None:
         """Send `err` as the connection's last response and close it, lingering (see the module's doc)."""
