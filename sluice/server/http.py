@@ -226,7 +226,8 @@ class SluiceHTTP(H11Protocol):
 
 
 def uvicorn_config(app: ASGIApp, limits: Limits) -> uvicorn.Config:
-    """How `sluice serve` runs `app`: this protocol with `limits`, uvicorn's info log, and a bounded graceful
-    shutdown (open streams are cancelled by the app's lifespan, not waited for)."""
+    """How `sluice serve` runs `app`: this protocol with `limits`, no WebSocket upgrades (the app has no such route,
+    and an upgraded connection would leave these limits), uvicorn's info log, and a bounded graceful shutdown (open
+    streams are cancelled by the app's lifespan, not waited for)."""
     return uvicorn.Config(app, http=functools.partial(SluiceHTTP, limits=limits),  # type: ignore[arg-type]
-                          log_level="info", timeout_graceful_shutdown=5)
+                          ws="none", log_level="info", timeout_graceful_shutdown=5)

@@ -189,6 +189,21 @@ def test_connections_over_the_cap_get_503(capped):
     assert "refused: 3 connections are open" in log.read_text()
 
 
+def test_max_connections_raises_the_open_file_limit_when_it_must():
+    """A cap above the soft open-file limit would be EMFILE at accept, not a 503: the soft limit is raised (in a
+    child process, to leave this one's alone)."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 2000:
+        pytest.skip(f"the hard open-file limit here is {hard}: no room to raise the soft one to 1,064")
+    code = ("import resource; from sluice.commands.serve import check_connections; "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+            "check_connections(1000, 16); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and int(out.stdout) >= 1000, out.stderr
+
+
 # ---- 2. a head too large ---------------------------------------------------------------------------------------------
 
 
