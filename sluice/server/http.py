@@ -16,7 +16,8 @@ control needs, which uvicorn (0.54, h11 0.16) does not enforce by itself.
   never finish their head are never refused and pile up to the process's file limit.
 
 Every answer given here is OpenAI's error object, as the app's are, and is followed by a lingering close: the write
-side is shut, and what the client still sends is read and dropped until it closes or `LINGER_S` passes. Closing at
+side is shut, and what the client still sends is read and dropped until it closes or `LINGER_S` passes (less for a
+connection refused over the cap). Closing at
 once with the client's bytes unread makes the kernel reset the connection, and the client loses the answer too (a
 200 KB header got a reset, not a response).
 
@@ -47,6 +48,10 @@ from . import schemas as S
 # client to finish sending a large request over a slow link and read the answer, short enough that a flood of
 # refused connections does not hold file descriptors for long.
 LINGER_S = 5.0
+# The same for a connection refused over the cap: its client has sent at most a request head, which lands within a
+# round trip, and in a flood of them each lingering one holds a file descriptor beyond the cap (1,100 connections at
+# once: ~1,000 descriptors held for LINGER_S).
+REFUSED_LINGER_S = 1.0
 # Where a request head ends (h11 accepts bare LF line ends too).
 _HEAD_END = re.compile(rb"\n\r?\n")
 
@@ -102,7 +107,8 @@ class SluiceHTTP(H11Protocol):
                                 self.peer(), len(self.connections) - 1)
             self.answer(S.ApiError(503, f"this server already holds {self.limits.max_connections} connections, its "
                                         "limit (sluice serve --max-connections): retry shortly",
-                                   type="server_error", code="too_many_connections", headers={"Retry-After": "1"}))
+                                   type="server_error", code="too_many_connections", headers={"Retry-After": "1"}),
+                        linger=REFUSED_LINGER_S)
             return
         self.arm()  # the first request's head: from the connection's opening
 
@@ -201,8 +207,9 @@ class SluiceHTTP(H11Protocol):
             why = why if len(why) <= 200 else why[:200] + "..."
             self.answer(S.ApiError(400, f"malformed HTTP request: {why}", code="invalid_http"))
 
-    def answer(self, err: S.ApiError) -> None:
-        """Send `err` as the connection's last response and close it, lingering (see the module's doc)."""
+    def answer(self, err: S.ApiError, linger: float = LINGER_S) -> None:
+        """Send `err` as the connection's last response and close it, lingering up to `linger` seconds (see the
+        module's doc)."""
         self.answered = True
         self.disarm()
         self._unset_keepalive_if_required()
@@ -219,7 +226,7 @@ class SluiceHTTP(H11Protocol):
         self.flow.resume_reading()  # keep reading, to drop what still comes
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.timer = self.loop.call_later(LINGER_S, self.transport.close)
+        self.timer = self.loop.call_later(linger, self.transport.close)
 
     def peer(self) -> str:
         return "client %s:%d" % self.client if self.client else "client"
