@@ -3,7 +3,8 @@
 # sluice against llama.cpp's prompt processing (mmap, its default n_batch 512) on the same GGUF, in `sluice bench`
 # (fresh process per run, rotated arms, paired medians; prefill tok/s and prefill read columns); then the same prompt
 # resident and warm (the compute time), and table.py's verdicts: bytes read vs the touched experts' bytes, streamed
-# time vs max(compute, bytes / disk bandwidth), sluice vs llama.cpp.
+# time vs max(compute, prompt floor: sluice's own prompt reads replayed cold in the same run, before and after the
+# rounds), sluice vs llama.cpp.
 #
 #   bash benchmarks/prefill/run.sh        # ROUNDS=3 PROMPT=2048 CEILING=1GiB MEMORY=640MiB SETS="q4km bf16"
 #   ACTIVATIONS=int8 bash benchmarks/prefill/run.sh   # sluice's arms with --activations int8 (llama.cpp's coding of

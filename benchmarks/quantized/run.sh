@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quantized experts against llama.cpp on the same Q4_K_M file (issue 14): every arm reads the same GGUF bytes, cold
 # (verified), in a fresh process inside a memory cgroup (page cache included), replaying the same tokens, rotated,
-# paired medians, step time against the measured I/O floor. The Q4_K_M files are made by llama.cpp's own quantizer
+# paired medians, step time against the I/O floor measured in the same run (sluice's own reads replayed cold with its
+# reader before the first round and after the last). The Q4_K_M files are made by llama.cpp's own quantizer
 # from `sluice export-gguf`'s bf16 GGUF (benchmarks/quantized/quantize_llamacpp.py, in the peers venv).
 #
 #   peers   the 3.4 GB bf16 synthetic qwen3_moe of benchmarks/peers (16 layers, 64 experts top-8, expert

@@ -68,16 +68,33 @@ def _first(*xs):
     return next((x for x in xs if x is not None), None)
 
 
-def floor_ms(bytes_per_step: float | None, bandwidth: float | None) -> float | None:
-    """The I/O floor of a step: bytes that missed the cache / the best measured disk bandwidth (bytes/s), in ms."""
-    if bytes_per_step is None or not bandwidth:
-        return None
-    return 1000 * bytes_per_step / bandwidth
+def floor_fields(step_ms: float | None, prefill_ms: float | None, floor: dict[str, Any] | None) -> dict[str, Any]:
+    """The summary's floor fields from an arm's floor measurements (floor.measure records under "before" and
+    "after"; either may be missing): each one's decode and prompt floors, the faster of the two, and step time
+    against each and against the faster. A floor of 0 (nothing read) gives no ratio."""
+    out: dict[str, Any] = {}
+    for when in ("before", "after"):
+        m = (floor or {}).get(when) or {}
+        out[f"floor_ms_{when}"] = m.get("floor_ms")
+        out[f"prefill_floor_ms_{when}"] = m.get("prefill_floor_ms")
+    for key in ("floor_ms", "prefill_floor_ms"):
+        vals = [out[f"{key}_{w}"] for w in ("before", "after") if out[f"{key}_{w}"] is not None]
+        out[key] = min(vals) if vals else None
+
+    def ratio(t: float | None, f: float | None) -> float | None:
+        return t / f if t is not None and f else None
+
+    out["step_floor_before"] = ratio(step_ms, out["floor_ms_before"])
+    out["step_floor_after"] = ratio(step_ms, out["floor_ms_after"])
+    out["step_floor_ratio"] = ratio(step_ms, out["floor_ms"])  # against the faster floor: the stricter bar
+    out["prefill_floor_ratio"] = ratio(prefill_ms, out["prefill_floor_ms"])
+    return out
 
 
-def summarize(runs: Sequence[Run], bandwidth: float | None = None) -> dict[str, Any]:
+def summarize(runs: Sequence[Run], floor: dict[str, Any] | None = None) -> dict[str, Any]:
     """Metrics of one arm over its rounds. Step latency median/p90 pool every timed step of every round; the
-    per-run rates (tok/s, CPU, faults, bytes per step) are medians over rounds; peak RSS is the maximum."""
+    per-run rates (tok/s, CPU, faults, bytes per step) are medians over rounds; peak RSS is the maximum. `floor`:
+    the arm's floor measurements, {"before": ..., "after": ...} (see floor_fields)."""
     ok = [r for r in runs if r.ok]
     out: dict[str, Any] = {
         "runs": len(runs),
@@ -120,9 +137,7 @@ def summarize(runs: Sequence[Run], bandwidth: float | None = None) -> dict[str, 
         hit_rate=_median([hit_rate(r) for r in ok]),
         io_wait_ms_per_step=_median([per_step(r, "io_wait_s", 1000) for r in ok]),
     )
-    out["floor_ms"] = floor_ms(out["bytes_read_per_step"], bandwidth)
-    f = out["floor_ms"]
-    out["step_floor_ratio"] = out["step_ms_median"] / f if f else None
+    out.update(floor_fields(out["step_ms_median"], out["prefill_ms"], floor))
     # counters a later feature adds to Model.stats() (prefetch recall, waste, ...): carried as medians over rounds
     for key in sorted({k for r in ok for k in r.record.get("stats", {}) if k.startswith("prefetch")}):
         vals = [r.record["stats"].get(key) for r in ok]

@@ -22,6 +22,13 @@ def _size(x: float | None) -> str:
     return DASH if x is None else format_bytes(x)
 
 
+def _pair(before: float | None, after: float | None, spec: str = ".2f") -> str:
+    """'12.31 / 11.80': a figure measured before the rounds and after them."""
+    if before is None and after is None:
+        return DASH
+    return f"{_num(before, spec)} / {_num(after, spec)}"
+
+
 def _arm_cell(name: str, s: dict[str, Any], reference: str) -> str:
     notes = []
     if name == reference:
@@ -34,7 +41,7 @@ def _arm_cell(name: str, s: dict[str, Any], reference: str) -> str:
 COLUMNS = ["arm", "ms/step", "p90", "tok/s", "vs ref", "paired wins", "prefill ms", "prefill tok/s", "prefill read",
            "CPU ms/step", "peak RSS",
            "major flt/step", "minor flt/step", "read/step", "disk read/step", "hit rate", "I/O wait ms/step",
-           "floor ms", "step/floor", "argmax vs ref"]
+           "floor ms before / after", "step/floor", "argmax vs ref"]
 
 
 def table(results: dict[str, Any]) -> str:
@@ -69,7 +76,7 @@ def table(results: dict[str, Any]) -> str:
             _size(s["disk_read_bytes_per_step"]),
             DASH if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%",
             _num(s["io_wait_ms_per_step"], ".2f"),
-            _num(s["floor_ms"], ".2f"),
+            _pair(s.get("floor_ms_before"), s.get("floor_ms_after")),
             _num(s["step_floor_ratio"], ".2f"),
             ident,
         ]
@@ -80,7 +87,7 @@ def table(results: dict[str, Any]) -> str:
 def header(results: dict[str, Any]) -> str:
     """One paragraph saying what was measured, so a pasted table keeps its conditions."""
     m = results["meta"]
-    disk = results.get("disk")
+    floor = results.get("floor")
     parts = [
         f"model `{m['model']}`",
         f"{m['rounds']} rounds x {len(results['arms'])} arms (rotated, fresh process each)",
@@ -90,7 +97,8 @@ def header(results: dict[str, Any]) -> str:
             m["page_cache"], "page cache as found"),
         f"memory ceiling {format_bytes(m['ceiling'])} (cgroup, page cache included)" if m["ceiling"] else
         "no memory ceiling",
-        f"floor at {disk['bytes_per_s'] / 1e9:.2f} GB/s ({disk['best']})" if disk else "no floor (--no-floor)",
+        "I/O floor measured in this run, before the first round and after the last (below)" if floor is not None
+        else "no floor (--no-floor)",
     ]
     if m.get("context"):
         parts.append(f"a KV cache of {m['context']} positions (prompt + steps + 16, as the llama.cpp arm's n_ctx) "
@@ -118,9 +126,54 @@ def prefetch_table(results: dict[str, Any]) -> str:
     return "\n\nPrefetch, per run (medians over rounds):\n\n" + head + "\n" + "\n".join(rows)
 
 
+def _reader_text(spec: dict[str, Any]) -> str:
+    """'direct, 8 workers, O_DIRECT' / 'mmap'."""
+    if spec["mode"] != "direct":
+        return spec["mode"]
+    return f"direct, {spec['workers']} workers, {'O_DIRECT' if spec['odirect'] else 'buffered'}"
+
+
+def floor_table(results: dict[str, Any]) -> str:
+    """How each arm's floor was measured and what it gave, before and after the rounds; "" without floors."""
+    floor = results.get("floor")
+    if not floor:
+        return ""
+    rows = []
+    for arm in results["arms"]:
+        f = floor.get(arm["name"])
+        if f is None:
+            continue
+        s = results["summary"][arm["name"]]
+        p = f.get("plan_summary")
+        if p is None:
+            why = "; ".join(f["errors"] + f.get("oom", []))[:160].replace("|", "/")
+            rows.append(f"| {arm['name']} | no plan: {why} |" + f" {DASH} |" * 6)
+            continue
+        gbs = [(f.get(w) or {}).get("bytes_per_s") for w in ("before", "after")]
+        rows.append(
+            f"| {arm['name']} | {', '.join(_reader_text(r) for r in p['readers'])} "
+            f"| {_size(p['bytes_per_step'])} in {_num(p['reads_per_step'], '.0f')} reads "
+            f"| {_pair(s.get('floor_ms_before'), s.get('floor_ms_after'))} "
+            f"| {_pair(*(None if g is None else g / 1e9 for g in gbs))} "
+            f"| {_pair(s.get('step_floor_before'), s.get('step_floor_after'))} "
+            f"| {_pair(s.get('prefill_floor_ms_before'), s.get('prefill_floor_ms_after'), '.1f')} "
+            f"| {_size(p['prefill_bytes'])} |")
+    head = ("| arm | reader | reads per timed step | floor ms/step before / after | GB/s before / after "
+            "| step/floor before / after | prompt floor ms before / after | prompt reads |\n" + "|---" * 8 + "|")
+    m = results["meta"]
+    state = ("read into the page cache first, as the arms' were" if m["page_cache"] == "warm" else
+             "the model's files evicted and verified cold first")
+    ceiling = f" under the same {format_bytes(m['ceiling'])} ceiling" if m.get("ceiling") else ""
+    return ("\n\nI/O floor: each arm's own reads (the file ranges its readers read in an untimed replay of the same "
+            f"work, per step) replayed in a fresh process{ceiling} with readers made like the arm's, {state}, each "
+            "step's reads in flight together; the floor of a step is the timed steps' replay time / their number, "
+            "measured before the first round and after the last. The main table's step/floor divides by the faster "
+            "of the two.\n\n" + head + "\n" + "\n".join(rows))
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The conditions paragraph and the table(s), as printed on stdout and written to results.md."""
-    return header(results) + "\n\n" + table(results) + prefetch_table(results) + "\n"
+    return header(results) + "\n\n" + table(results) + floor_table(results) + prefetch_table(results) + "\n"
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:
@@ -157,7 +210,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         f = results["summary"][n].get("floor_ms")
         if f is not None:
             ax.hlines(f, x - 0.3, x + 0.3, colors="tab:red", linewidth=2.5,
-                      label=None if floor_drawn else "I/O floor (missed bytes / best disk bandwidth)")
+                      label=None if floor_drawn else "I/O floor (the arm's reads replayed cold; the faster of "
+                                                     "before / after)")
             floor_drawn = True
     ax.set_xticks(xs, names)
     ax.set_xlim(0.4, len(names) + 0.6)

@@ -16,7 +16,7 @@ from sluice.bench import BenchError
 from sluice.bench.arms import parse_arm, parse_arms
 from sluice.bench.peers import CHILD, peer_argv, peer_files
 
-from .test_bench import budgets, cache_home, disk_dir, model_dir, seed_disk_cache  # noqa: F401 (fixtures)
+from .test_bench import budgets, cache_home, disk_dir, model_dir  # noqa: F401 (fixtures)
 
 
 def test_peer_arms_parse_to_the_peer_and_its_options():
@@ -91,7 +91,6 @@ print(json.dumps({{"ok": True, "argmax": tokens + [0], "load_s": 0.1, "prefill_s
 
 def test_end_to_end_with_a_stand_in_peer(model_dir, tmp_path, cache_home, capsys):
     """Routing, rotation and the identity gate over a peer arm; a peer has no store, so no hit rate or floor."""
-    seed_disk_cache(model_dir, 1e9)
     bf16, _ = budgets(model_dir, capsys)
     fake = tmp_path / "peer-python"
     fake.write_text(STAND_IN.format(python=sys.executable))
