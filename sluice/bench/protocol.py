@@ -145,6 +145,37 @@ def summarize(runs: Sequence[Run], floor: dict[str, Any] | None = None) -> dict[
     return out
 
 
+def best_of_peers(arms: Sequence[dict[str, Any]], summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """For each peer kind with a successful arm (e.g. llama.cpp run three ways: defaults, repacking off,
+    MADV_RANDOM): its fastest arm at decode (lowest median step) and at the prompt (highest prefill tok/s), and
+    sluice's best arm at each against it as a ratio of tokens/s (> 1: sluice is faster). `arms`: Arm.to_json()s."""
+    def ok(a: dict[str, Any]) -> bool:
+        return bool(summary[a["name"]]["ok_runs"])
+
+    def fastest(names: list[str]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        decode = min(names, key=lambda n: summary[n]["step_ms_median"], default=None)
+        with_prompt = [n for n in names if summary[n].get("prefill_tok_s")]
+        prompt = max(with_prompt, key=lambda n: summary[n]["prefill_tok_s"], default=None)
+        return (None if decode is None else {"arm": decode, "step_ms": summary[decode]["step_ms_median"]},
+                None if prompt is None else {"arm": prompt, "prefill_tok_s": summary[prompt]["prefill_tok_s"]})
+
+    own_decode, own_prompt = fastest([a["name"] for a in arms if a.get("peer") is None and ok(a)])
+    out: dict[str, Any] = {}
+    for kind in dict.fromkeys(a["peer"] for a in arms if a.get("peer")):
+        names = [a["name"] for a in arms if a.get("peer") == kind and ok(a)]
+        if not names:
+            continue
+        decode, prompt = fastest(names)
+        if decode is not None and own_decode is not None:
+            decode.update(sluice_arm=own_decode["arm"], sluice_step_ms=own_decode["step_ms"],
+                          sluice_vs_best=decode["step_ms"] / own_decode["step_ms"])
+        if prompt is not None and own_prompt is not None:
+            prompt.update(sluice_arm=own_prompt["arm"], sluice_prefill_tok_s=own_prompt["prefill_tok_s"],
+                          sluice_vs_best=own_prompt["prefill_tok_s"] / prompt["prefill_tok_s"])
+        out[kind] = {"arms": names, "decode": decode, "prefill": prompt}
+    return out
+
+
 def pair(runs: Sequence[Run], reference: str, arm: str) -> dict[str, Any]:
     """Per round where both ran: ratio = arm's median step / reference's median step (< 1 is faster); a round is a
     paired win when the ratio is below 1. Returns ratios by round, their median and p90, wins and pairs."""

@@ -35,6 +35,8 @@ def _arm_cell(name: str, s: dict[str, Any], reference: str) -> str:
         notes.append("ref")
     if s["oom_runs"] and s["ok_runs"]:
         notes.append(f"OOM {s['oom_runs']}/{s['runs']}")
+    if "died of" in s.get("repacking", ""):  # peers.repacking_note of a fallback
+        notes.append("defaults crashed: repacking off")
     return f"{name} ({', '.join(notes)})" if notes else name
 
 
@@ -171,9 +173,33 @@ def floor_table(results: dict[str, Any]) -> str:
             "of the two.\n\n" + head + "\n" + "\n".join(rows))
 
 
+def peers_note(results: dict[str, Any]) -> str:
+    """The best arm of each peer kind at decode and at the prompt, sluice's best against it, and which llama.cpp each
+    llama.cpp arm ran (its defaults, repacking off, or repacking off after the defaults crashed); "" without peers."""
+    lines = []
+    for kind, b in (results.get("peers") or {}).items():
+        parts = []
+        d, p = b.get("decode"), b.get("prefill")
+        if d:
+            vs = (f" (sluice's best, {d['sluice_arm']}: {d['sluice_step_ms']:.2f} ms/step, {d['sluice_vs_best']:.2f}x "
+                  f"{d['arm']}'s tokens/s)" if "sluice_vs_best" in d else "")
+            parts.append(f"decode **{d['arm']}** {d['step_ms']:.2f} ms/step{vs}")
+        if p:
+            vs = (f" (sluice's best, {p['sluice_arm']}: {p['sluice_prefill_tok_s']:.1f} tok/s, "
+                  f"{p['sluice_vs_best']:.2f}x {p['arm']}'s)" if "sluice_vs_best" in p else "")
+            parts.append(f"prompt **{p['arm']}** {p['prefill_tok_s']:.1f} tok/s{vs}")
+        lines.append(f"Best {kind} arm of {len(b['arms'])} ({', '.join(b['arms'])}): " + "; ".join(parts) + ".")
+    notes = [f"**{a['name']}** {results['summary'][a['name']]['repacking']}" for a in results["arms"]
+             if results["summary"][a["name"]].get("repacking")]
+    if notes:
+        lines.append("llama.cpp arms: " + "; ".join(notes) + ".")
+    return "\n\n" + "\n\n".join(lines) if lines else ""
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The conditions paragraph and the table(s), as printed on stdout and written to results.md."""
-    return header(results) + "\n\n" + table(results) + floor_table(results) + prefetch_table(results) + "\n"
+    return (header(results) + "\n\n" + table(results) + peers_note(results) + floor_table(results)
+            + prefetch_table(results) + "\n")
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

@@ -13,6 +13,7 @@ before the first round and after the last, and step times are reported against b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -29,8 +30,8 @@ from ..bench import disk as diskmod
 from ..bench.arms import Arm, context_for, parse_arms, sized_context
 from ..bench.floor import describe_plan
 from ..bench.launch import arm_argv, check_ceiling, child_argv, model_files, prepare, run_child
-from ..bench.peers import check_peer, peer_files
-from ..bench.protocol import Run, identity, pair, rotation, summarize
+from ..bench.peers import check_peer, crash_signal, peer_files, repacking_note, repacking_off
+from ..bench.protocol import Run, best_of_peers, identity, pair, rotation, summarize
 from ..bench.report import markdown, write_all
 from ..errors import OutputError
 from ..options import format_bytes, parse_size
@@ -122,6 +123,8 @@ class Bench:
         self.runs: list[Run] = []
         # per sluice arm: its read plan and the floor measured from it before the first round and after the last
         self.floor: dict[str, dict[str, Any]] = {}
+        # llama.cpp arms whose defaults crashed on this machine: the signal, the round, the options run since
+        self.fallbacks: dict[str, dict[str, Any]] = {}
         self.with_floor = not args.no_floor
         floors = 3 * sum(a.peer is None for a in arms) if self.with_floor else 0  # plan, before, after
         # KV positions of every sluice arm without --max-context (arms.sized_context; None: a text --prompt, whose
@@ -207,19 +210,37 @@ class Bench:
             f = got.record["floor_ms"]
             _log(f"{what}: {'-' if f is None else f'{f:.2f}'} ms/step, prompt {got.record['prefill_floor_ms']:.1f} ms")
 
+    def _replay(self, arm: Arm, what: str, work: Path):
+        res = self._prepare(what)
+        argv = arm_argv(arm, "replay", self.args.model, self.args.peer_python, work=work, warmup=self.args.warmup)
+        return res, run_child(argv, self.ceiling)
+
     def replay_round(self, rnd: int, work: Path) -> None:
-        """Every arm once, in this round's rotated order, each in a fresh child."""
+        """Every arm once, in this round's rotated order, each in a fresh child. A llama.cpp arm on llama.cpp's
+        defaults whose child crashes is run again with repacking off, and so in every later round (peers.py)."""
         by_name = {arm.name: arm for arm in self.arms}
         for pos, name in enumerate(rotation(list(by_name), rnd - 1)):
             what = f"arm {name!r} round {rnd}"
             self.progress.set_description(f"round {rnd}/{self.args.rounds} {name}")
-            res = self._prepare(what)
-            argv = arm_argv(by_name[name], "replay", self.args.model, self.args.peer_python, work=work,
-                            warmup=self.args.warmup)
-            got = run_child(argv, self.ceiling)
+            arm, fallback, extra = by_name[name], self.fallbacks.get(name), {}
+            if fallback is not None:
+                arm = dataclasses.replace(arm, options=fallback["options"])
+            res, got = self._replay(arm, what, work)
+            sig = crash_signal(got.returncode, got.oom_killed)
+            off = repacking_off(arm.peer, arm.options) if sig else None
+            if off is not None:
+                _log(f"{what}: llama.cpp's defaults died of {sig}; running it again with repacking off "
+                     "(use_extra_bufts=False), as in every later round")
+                fallback = self.fallbacks[name] = {"signal": sig, "round": rnd, "options": off}
+                extra["crashed"] = {"signal": sig, "options": arm.options, "wall_s": round(got.wall_s, 3),
+                                    "stderr_tail": got.stderr_tail[-2000:]}
+                res, got = self._replay(dataclasses.replace(arm, options=off), f"{what} (repacking off)", work)
+            if fallback is not None:
+                extra["fallback"] = {"signal": fallback["signal"], "round": fallback["round"]}
             err = got.error()
             run = Run(name, rnd, pos, record=got.record if err is None else None, error=err, oom=got.oom_killed,
-                      residency=res, cgroup_peak_bytes=got.cgroup_peak_bytes, wall_s=round(got.wall_s, 3))
+                      residency=res, cgroup_peak_bytes=got.cgroup_peak_bytes, wall_s=round(got.wall_s, 3),
+                      extra=extra)
             self.runs.append(run)
             if err is not None:
                 _log(f"{what}: {err}")
@@ -233,7 +254,11 @@ class Bench:
         ref = self.arms[0].name
         summary = {}
         for arm in self.arms:
-            s = summarize([r for r in self.runs if r.arm == arm.name], self.floor.get(arm.name))
+            runs = [r for r in self.runs if r.arm == arm.name]
+            s = summarize(runs, self.floor.get(arm.name))
+            note = repacking_note(arm.peer, arm.options, runs)
+            if note is not None:
+                s["repacking"] = note
             if arm.name != ref:
                 s["pair"] = pair(self.runs, ref, arm.name)
             summary[arm.name] = s
@@ -250,6 +275,7 @@ class Bench:
             "sequence": {"prompt_ids": sequence["prompt_ids"], "tokens": sequence["tokens"]},
             "runs": [r.to_json() for r in self.runs],
             "summary": summary,
+            "peers": best_of_peers([arm.to_json() for arm in self.arms], summary),
             "identity": identity(self.runs, ref),
         }
 
