@@ -70,7 +70,7 @@ def bench_without_runs(monkeypatch):
 
     monkeypatch.setattr(bench.Bench, "reference_sequence", lambda self: {"prompt_ids": [1], "tokens": [2]})
     monkeypatch.setattr(bench.Bench, "replay_round", lambda self, rnd, work: None)
-    monkeypatch.setattr(bench.Bench, "results", lambda self, seq, disk: {"summary": {}, "sequence": seq})
+    monkeypatch.setattr(bench.Bench, "results", lambda self, seq: {"summary": {}, "sequence": seq})
     monkeypatch.setattr(bench, "markdown", lambda results: "| the table |\n")
     monkeypatch.setattr(report, "markdown", lambda results: "x" * 2**20)
     monkeypatch.setattr(report, "plot", lambda results, path: path.write_bytes(b"png"))

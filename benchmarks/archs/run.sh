@@ -2,7 +2,8 @@
 # One streaming row per architecture (issue 16): a synthetic checkpoint of the family's real proportions and layout
 # (`make-model --arch A --size SIZE`: gpt_oss with its MXFP4 experts as shipped), cold (verified), inside a 1 GiB
 # memory cgroup (page cache included), `sluice bench` with the direct reader: ms/token and the ratio to the I/O
-# floor (bytes that missed the cache / measured disk bandwidth). table.py gathers the rows.
+# floor, measured in the same run (the arm's own reads replayed cold with its reader, before the first round and
+# after the last; the ratio divides by the faster). table.py gathers the rows.
 #
 #   bash benchmarks/archs/run.sh     # ARCHS="gpt_oss glm4_moe deepseek_v3" SIZE=3.5GB ROUNDS=3 STEPS=8 WARMUP=2
 set -euo pipefail

@@ -39,18 +39,21 @@ def row(folder: str) -> str:
     n, bad = ident.get("steps_compared", 0), ident.get("mismatched_steps", 0)
     return (f"| {Path(folder).name} | {size(files)} | {fmt} | "
             f"{size(per_token)} | {s['step_ms_median']:,.0f} | {size(s['bytes_read_per_step'])} | "
-            f"{100 * s['hit_rate']:.1f}% | {_f(s['floor_ms'], ',.0f')} | {_f(s['step_floor_ratio'], '.2f')} | "
+            f"{100 * s['hit_rate']:.1f}% | "
+            f"{_f(s.get('floor_ms_before'), ',.0f')} / {_f(s.get('floor_ms_after'), ',.0f')} | "
+            f"{_f(s['step_floor_ratio'], '.2f')} | "
             f"{size(s['peak_rss_bytes'])} | {n - bad}/{n} |")
 
 
 def main(folders: list[str]) -> str:
     first = json.loads((Path(folders[0]) / "results.json").read_text())
-    m, disk = first["meta"], first.get("disk") or {}
+    m = first["meta"]
     head = (f"# One streaming row per architecture: synthetic checkpoints, cold, {size(m['ceiling'])} ceiling, "
-            f"{m['rounds']} rounds x {m['steps']} tokens (+{m['warmup']} untimed), disk "
-            f"{disk.get('bytes_per_s', 0) / 1e9:.2f} GB/s\n\n`bash benchmarks/archs/run.sh`\n")
+            f"{m['rounds']} rounds x {m['steps']} tokens (+{m['warmup']} untimed); the I/O floor is each run's own "
+            "reads replayed cold with its reader before the first round and after the last, step/floor against the "
+            "faster\n\n`bash benchmarks/archs/run.sh`\n")
     lines = ["| architecture | checkpoint | expert format | expert bytes/token | ms/token | read/token | hit rate | "
-             "floor ms | step/floor | peak RSS | greedy identical across rounds |", "|" + "---|" * 11]
+             "floor ms before / after | step/floor | peak RSS | greedy identical across rounds |", "|" + "---|" * 11]
     return head + "\n" + "\n".join(lines + [row(f) for f in folders]) + "\n"
 
 

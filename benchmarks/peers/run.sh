@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # sluice against what users run instead (issue 8): llama.cpp's mmap path (llama-cpp-python on a GGUF that sluice
-# exports from the same checkpoint) and transformers + accelerate disk offload, as arms of one `sluice bench` run per
+# exports from the same checkpoint; three ways: its defaults, repacked CPU buffers on unless they crash on this CPU,
+# where the bench falls back to off and says so; repacking off; MADV_RANDOM) and transformers + accelerate disk
+# offload, as arms of one `sluice bench` run per
 # model, verified cold before every run, each run in a fresh process inside a 1 GiB memory cgroup (page cache
 # included), every arm replaying the tokens sluice's reference arm generated. Two models, ~3.4 GB bf16 each:
 #   synthetic  qwen3_moe, 16 layers, 64 experts top-8, one expert = 3 MiB, 403 MB of expert weights per token,
@@ -59,6 +61,7 @@ for kind in $MODELS; do
       --arm direct="--io direct --no-odirect --memory $MEM" \
       --arm direct+odirect="--io direct --odirect --memory $MEM" \
       --arm llama.cpp="peer:llama.cpp" \
+      --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts" \
       --arm llama.cpp+random="peer:llama.cpp --madvise random" \
       --arm accelerate="peer:accelerate --max-memory $ACC_MEM" \
       --peer-python "$PEER_PY" --out "$DIR" "$@"

@@ -9,7 +9,8 @@ import sys
 from sluice.options import format_bytes as size
 
 LABELS = {"direct": "sluice direct", "direct+odirect": "sluice direct+odirect",
-          "llama.cpp": "llama.cpp mmap (defaults)", "llama.cpp+random": "llama.cpp + MADV_RANDOM",
+          "llama.cpp": "llama.cpp mmap (defaults)", "llama.cpp-norepack": "llama.cpp mmap, repacking off",
+          "llama.cpp+random": "llama.cpp + MADV_RANDOM",
           "accelerate": "transformers + accelerate offload"}
 
 
@@ -25,6 +26,8 @@ def table(path: str) -> str:
              "peak RSS | greedy tokens |", "|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         name = LABELS.get(arm, arm)
+        if "died of" in s.get("repacking", ""):  # the defaults crashed on this CPU: the bench ran repacking off
+            name = name.replace(" (defaults)", "") + " (defaults crashed: repacking off)"
         if not s["ok_runs"]:
             lines.append(f"| {name} | OOM-killed ({s['oom_runs']}/{s['runs']} runs) | - | - | - | - | - | - |")
             continue

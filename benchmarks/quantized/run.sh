@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Quantized experts against llama.cpp on the same Q4_K_M file (issue 14): every arm reads the same GGUF bytes, cold
 # (verified), in a fresh process inside a memory cgroup (page cache included), replaying the same tokens, rotated,
-# paired medians, step time against the measured I/O floor. The Q4_K_M files are made by llama.cpp's own quantizer
+# paired medians, step time against the I/O floor measured in the same run (sluice's own reads replayed cold with its
+# reader before the first round and after the last). The Q4_K_M files are made by llama.cpp's own quantizer
 # from `sluice export-gguf`'s bf16 GGUF (benchmarks/quantized/quantize_llamacpp.py, in the peers venv).
 #
+# llama.cpp runs three ways in every set (issue 33): its defaults (repacked CPU buffers on; `sluice bench` falls back
+# to repacking off by itself, and says so, where the defaults crash on this CPU), repacking off (`--no-extra-bufts`),
+# and MADV_RANDOM over its mapping (defaults otherwise); each wins somewhere, and each results.md names the best.
+#
 #   peers   the 3.4 GB bf16 synthetic qwen3_moe of benchmarks/peers (16 layers, 64 experts top-8, expert
-#           intermediate 512): its Q4_K_M file is 1.05 GB, about the size of memory at a 1 GiB ceiling; llama.cpp
-#           also with MADV_RANDOM, the issue-8 table's rows for a user holding the Q4_K_M file (transformers +
-#           accelerate cannot offload from a GGUF: it has no row here)
+#           intermediate 512): its Q4_K_M file is 1.05 GB, about the size of memory at a 1 GiB ceiling: the issue-8
+#           table's rows for a user holding the Q4_K_M file (transformers + accelerate cannot offload from a GGUF:
+#           it has no row here)
 #   6GiB    a ~6 GiB bf16 synthetic qwen3_moe with expert intermediate 512 (multiples of 256, as real models'):
 #           Q4_K_M ~1.8 GB, which does not fit at 1 GiB; also sluice with --activations int8
 #   resident  the peers Q4_K_M file with no ceiling, warm: decode speed with everything in memory, same threads;
@@ -36,6 +41,8 @@ SIX=benchmarks/models/qwen3_moe-6GiB-i512
 model "$PEERS" --size 3.4GB --layers 16 --experts 64 --top-k 8 --expert-intermediate 512
 model "$SIX" --size 6GiB --expert-intermediate 512
 
+LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
+       --arm llama.cpp+random="peer:llama.cpp --madvise random")
 bench() {  # bench MODEL OUTDIR bench-args...
   local m=$1 dir=$2; shift 2
   echo "== $m -> $dir"
@@ -48,16 +55,17 @@ for set in $SETS; do
       for setting in 1GiB:640MiB 1536MiB:1GiB; do
         C=${setting%%:*}; M=${setting##*:}
         bench "$PEERS/model-Q4_K_M.gguf" "$OUT/peers-$C" --cold --ceiling "$C" \
-          --arm sluice="--io direct --memory $M" --arm llama.cpp="peer:llama.cpp" \
-          --arm llama.cpp+random="peer:llama.cpp --madvise random"
+          --arm sluice="--io direct --memory $M" "${LLAMA[@]}"
       done ;;
     6GiB)
       bench "$SIX/model-Q4_K_M.gguf" "$OUT/6GiB-1GiB" --cold --ceiling 1GiB \
-        --arm sluice="--io direct --memory 640MiB" --arm llama.cpp="peer:llama.cpp" \
+        --arm sluice="--io direct --memory 640MiB" "${LLAMA[@]}" \
         --arm sluice-int8="--io direct --memory 640MiB --activations int8" ;;
     resident)
       bench "$PEERS/model-Q4_K_M.gguf" "$OUT/resident" --warm \
         --arm sluice="--memory all --threads 2" --arm llama.cpp="peer:llama.cpp --threads 2" \
+        --arm llama.cpp-norepack="peer:llama.cpp --threads 2 --no-extra-bufts" \
+        --arm llama.cpp+random="peer:llama.cpp --threads 2 --madvise random" \
         --arm sluice-int8="--memory all --threads 2 --activations int8" ;;
     bf16)
       bench "$PEERS" "$OUT/bf16-1GiB" --cold --ceiling 1GiB --arm sluice-bf16="--io direct --memory 640MiB" ;;

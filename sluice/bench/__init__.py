@@ -4,7 +4,8 @@
     child.py     one run in a fresh process: generate the reference sequence, or replay it and measure
     launch.py    residency before a run (cold / warm), and the child under an optional memory cgroup
     protocol.py  rotation, per-arm summaries, pairing against the reference, the identity gate
-    disk.py      disk bandwidth measured once per device and cached; the floor of a step
+    floor.py     the I/O floor: each arm's own reads, recorded in an untimed replay, replayed cold before and after
+    disk.py      `sluice bench --disk`: a disk's bandwidth by access pattern (a separate tool)
     report.py    markdown table, results.json, latency.png
 """
 

@@ -1,7 +1,9 @@
-"""One bench run in a fresh process: `python -m sluice.bench.child generate|replay ...` prints one JSON line.
+"""One bench run in a fresh process: `python -m sluice.bench.child generate|replay|floor ...` prints one JSON line.
 
     generate  load the reference arm, generate the sequence every arm will replay (greedy, or sampled with a seed)
-    replay    load an arm, feed the recorded sequence step by step (teacher forcing, Model.replay), and measure
+    replay    load an arm, feed the recorded sequence step by step (teacher forcing, Model.replay), and measure;
+              with --journal, also return the arm's read plan (floor.Recorder: every batch its readers planned)
+    floor     replay a read plan (--plan FILE) through readers made like the arm's, and time it (floor.measure)
 
 A fresh process per run is the isolation the protocol needs: no expert cache, page-cache mapping, allocator state
 or thread pool carries over from one arm to the next. Errors a user can fix (SluiceError) come back as
@@ -21,6 +23,7 @@ from .. import load
 from ..errors import SluiceError
 from ..host.procstat import disk_read_bytes
 from . import BenchError
+from .floor import Recorder, measure
 
 
 def process_counters(m) -> dict[str, float]:
@@ -56,14 +59,17 @@ class StepProbe:
     therefore opens after the last untimed step (the prefill when warmup is 0) and all timed I/O lands inside it.
     """
 
-    def __init__(self, m, n_prompt: int, warmup: int):
+    def __init__(self, m, n_prompt: int, warmup: int, recorder: Recorder | None = None):
         self._m = m
         self.window_end_pos = n_prompt + warmup
         self.start: dict[str, float] | None = None
         self.marks: list[tuple[float, ...]] = []  # marks[0]: window opens; marks[i + 1]: after timed step i
+        self.recorder = recorder  # cut at the prefill's end and at each step's
 
     def __call__(self, end: int) -> None:
         """`end`: tokens in the cache after the step."""
+        if self.recorder is not None:
+            self.recorder.mark()
         if end == self.window_end_pos:
             self.start = process_counters(self._m)
         if end >= self.window_end_pos:
@@ -74,13 +80,16 @@ def _deltas(marks: list[tuple[float, ...]], i: int) -> list[float]:
     return [round(b[i] - a[i], 6) for a, b in zip(marks, marks[1:])]
 
 
-def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[int], warmup: int) -> dict:
-    """Replay `tokens` after `prompt` in arm `options`; decode steps before `warmup` are untimed."""
+def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[int], warmup: int,
+           journal: bool = False) -> dict:
+    """Replay `tokens` after `prompt` in arm `options`; decode steps before `warmup` are untimed. `journal`: also
+    record the arm's read plan (the bench's floor replays it)."""
     t0 = time.perf_counter()
     m = load(model, **options)
     load_s = time.perf_counter() - t0
     try:
-        probe = StepProbe(m, len(prompt), warmup)
+        recorder = Recorder(m) if journal else None  # after load: the plan holds the prompt's and steps' reads
+        probe = StepProbe(m, len(prompt), warmup, recorder)
         argmax = m.replay(prompt, tokens, on_step=probe)
         end = process_counters(m)
         if probe.start is None:
@@ -91,7 +100,9 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
         for i, k in enumerate(IO_FIELDS):
             window[k] = probe.marks[-1][i] - probe.marks[0][i]
         stats = m.stats()
+        extra = {"plan": recorder.plan(warmup)} if recorder is not None else {}
         return {
+            **extra,
             "ok": True,
             "argmax": argmax,
             "load_s": round(load_s, 4),
@@ -142,11 +153,13 @@ def generate(model: str, options: dict[str, Any], n_tokens: int, prompt: str | N
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sluice.bench.child", description=__doc__)
-    p.add_argument("mode", choices=["generate", "replay"])
+    p.add_argument("mode", choices=["generate", "replay", "floor"])
     p.add_argument("--model", required=True)
     p.add_argument("--options", default="{}", help="LoadOptions keyword arguments as JSON")
     p.add_argument("--work", help="replay: JSON file holding prompt_ids and tokens")
     p.add_argument("--warmup", type=int, default=0, help="replay: untimed decode steps first")
+    p.add_argument("--journal", action="store_true", help="replay: also return the arm's read plan")
+    p.add_argument("--plan", help="floor: JSON file holding a read plan (a replay --journal record's `plan`)")
     p.add_argument("--tokens", type=int, default=0, help="generate: tokens to generate")
     p.add_argument("--prompt", default=None, help="generate: prompt text (needs the model's tokenizer)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="generate: random prompt ids when no text")
@@ -157,10 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.mode == "generate":
             out = generate(a.model, options, a.tokens, a.prompt, a.prompt_tokens, a.temperature, a.seed)
+        elif a.mode == "floor":
+            with open(a.plan) as f:
+                out = measure(json.load(f))
         else:
             with open(a.work) as f:
                 work = json.load(f)
-            out = replay(a.model, options, work["prompt_ids"], work["tokens"], a.warmup)
+            out = replay(a.model, options, work["prompt_ids"], work["tokens"], a.warmup, a.journal)
     except SluiceError as e:
         print(json.dumps({"ok": False, "error": str(e)}), flush=True)
         return 2

@@ -1,10 +1,12 @@
-"""The disk under a model, measured once per device (st_dev) and cached: the denominator of every step's I/O floor.
+"""`sluice bench --disk PATH`: the disk under a model, by access pattern -- a tool for looking at a disk, separate
+from the bench's floor (floor.py replays each arm's own reads in the run that quotes it).
 
-`sluice bench --disk PATH` writes a temporary file of random bytes next to PATH (same filesystem, same device),
-then reads it cold -- evicted and checked by mincore before each pattern -- with the reader sluice itself uses:
-sequential (8 MiB reads, one worker) and random reads at expert-chunk sizes with 1..16 workers, each buffered and
-with O_DIRECT. The file is deleted afterwards. The result goes to $XDG_CACHE_HOME/sluice/disk-<st_dev>.json
-(~/.cache when unset). The floor uses the best bandwidth seen: no schedule of these reads can beat it.
+It writes a temporary file of random bytes next to PATH (same filesystem, same device), then reads it cold --
+evicted and checked by mincore before each pattern -- with the reader sluice itself uses: sequential (8 MiB reads,
+one worker) and random reads at expert-chunk sizes with 1..16 workers, each buffered and with O_DIRECT. The file is
+deleted afterwards. The result is saved to $XDG_CACHE_HOME/sluice/disk-<st_dev>.json (~/.cache when unset) for
+reference; nothing reads it back (a figure from another day is not the disk's rate during a run: the same disk
+gave 0.83 and 2.28 GB/s 18 minutes apart).
 """
 
 from __future__ import annotations
@@ -53,14 +55,6 @@ def device_of(path: str | os.PathLike[str]) -> int:
 def cache_path(dev: int) -> Path:
     """The cache file of device `dev` (st_dev)."""
     return cache_dir() / f"disk-{dev}.json"
-
-
-def load_cached(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The cached measurement of the device holding `path`, or None (never measured, or unreadable)."""
-    try:
-        return json.loads(cache_path(device_of(path)).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def save(result: dict[str, Any]) -> Path:
@@ -169,18 +163,6 @@ def measure(path: str | os.PathLike[str], size: int = DEFAULT_SIZE, workers: Seq
     out["best"] = best(out)
     out["best_bytes_per_s"] = out["best"]["bytes_per_s"]
     return out
-
-
-def bandwidth_for(path: str | os.PathLike[str], size: int = DEFAULT_SIZE, log: Log | None = None) -> dict[str, Any]:
-    """The cached measurement of the disk holding `path`, measured (and cached) first if there is none."""
-    cached = load_cached(path)
-    if cached is not None:
-        return cached
-    log = log or (lambda s: None)
-    log(f"measuring the disk under {path} once; cached in {cache_path(device_of(path))}")
-    result = measure(path, size, log=log)
-    save(result)
-    return result
 
 
 def table(result: dict[str, Any]) -> str:

@@ -114,10 +114,13 @@ def child_env() -> dict[str, str]:
 
 
 def child_argv(mode: str, model: str, options: dict[str, Any], **extra: Any) -> list[str]:
-    """argv of `python -m sluice.bench.child MODE ...`; `extra` become --key value flags (None values dropped)."""
+    """argv of `python -m sluice.bench.child MODE ...`; `extra` become --key value flags (None and False values
+    dropped, True ones a bare --key)."""
     argv = [sys.executable, "-m", "sluice.bench.child", mode, "--model", str(model), "--options", json.dumps(options)]
     for k, v in extra.items():
-        if v is not None:
+        if v is True:
+            argv.append(f"--{k.replace('_', '-')}")
+        elif v is not None and v is not False:
             argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv
 

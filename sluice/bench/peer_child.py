@@ -6,7 +6,8 @@ by path, and the peer's own packages inside its function. It prints one JSON lin
 like sluice's child's record (argmax, step times, the timed window's counters, peak RSS), so the bench summarizes,
 pairs and identity-checks peers exactly as it does sluice's arms.
 
-    llama.cpp   llama_cpp.Llama on a GGUF; the prompt is evaluated in one batch, then each recorded token with
+    llama.cpp   llama_cpp.Llama on a GGUF, with llama.cpp's defaults (its repacked CPU buffers on) unless the arm
+                turns repacking off; the prompt is evaluated in one batch, then each recorded token with
                 Llama.eval([token]) (teacher forcing); argmax of the logits llama.cpp computed for the last position.
     accelerate  transformers from_pretrained(device_map="auto", max_memory={"cpu": ...}, offload_folder=...): what
                 does not fit is offloaded to disk; a forward over the prompt, then one forward per recorded token
@@ -118,6 +119,21 @@ def madvise_file_mappings(path: str, advice: str) -> int:
     return total
 
 
+def with_extra_bufts(defaults, extra_bufts: bool | None):
+    """llama_model_default_params with use_extra_bufts set to `extra_bufts`; `defaults` itself when None (llama.cpp's
+    own choice, repacking on) or when this llama.cpp has no such field."""
+    if extra_bufts is None:
+        return defaults
+
+    def model_params():
+        p = defaults()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = bool(extra_bufts)
+        return p
+
+    return model_params
+
+
 def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int], warmup: int) -> dict[str, Any]:
     import llama_cpp
     import numpy as np
@@ -128,22 +144,19 @@ def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int],
         n_threads=threads, n_threads_batch=threads, use_mmap=opts.get("mmap", True),
         use_mlock=opts.get("mlock", False), logits_all=False, verbose=False,
     )
-    # use_extra_bufts (weight repacking buffers; the AMX path raised SIGILL on quantized GGUFs on this host) is a
-    # field of llama_model_params that Llama() does not take as an argument: set it in the defaults it starts from.
-    extra_bufts = bool(opts.get("extra_bufts", False))
+    # use_extra_bufts (the CPU backend's repacked weight buffers) is llama.cpp's default and stays so unless the arm
+    # asks for repacking off (extra_bufts False: `--no-extra-bufts`, or the bench's fallback after the defaults
+    # crashed, e.g. a SIGILL on an AMX path). Llama() takes no argument for it: it is set in the defaults it starts
+    # from.
+    extra_bufts = opts.get("extra_bufts")
     defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-    def model_params():
-        p = defaults()
-        if hasattr(p, "use_extra_bufts"):
-            p.use_extra_bufts = extra_bufts
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = model_params
-    t0 = time.perf_counter()
-    llm = llama_cpp.Llama(**params)
-    load_s = time.perf_counter() - t0
-    llama_cpp.llama_cpp.llama_model_default_params = defaults
+    llama_cpp.llama_cpp.llama_model_default_params = with_extra_bufts(defaults, extra_bufts)
+    try:
+        t0 = time.perf_counter()
+        llm = llama_cpp.Llama(**params)
+        load_s = time.perf_counter() - t0
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = defaults
     advised = madvise_file_mappings(opts["gguf"], opts["madvise"]) if opts.get("madvise") else 0
     n_vocab = llm.n_vocab()
 
@@ -168,6 +181,7 @@ def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int],
     settings = {k: v for k, v in params.items() if k != "model_path"}
     settings.update(gguf=opts["gguf"], madvise=opts.get("madvise"), madvised_bytes=advised,
                     use_extra_bufts=getattr(llm.model_params, "use_extra_bufts", "not in this llama.cpp"),
+                    repacking="llama.cpp's default" if extra_bufts is None else "off (use_extra_bufts=False)",
                     system_info=llama_cpp.llama_print_system_info().decode(errors="replace").strip())
     if hasattr(llm, "close"):  # frees the model and context now, not at interpreter exit
         llm.close()

@@ -1,9 +1,16 @@
 """Peer arms: the tools users would pick instead of sluice, run by `sluice bench` beside sluice's own arms.
 
     --arm llama.cpp='peer:llama.cpp'                      llama-cpp-python on MODEL/model.gguf (`sluice export-gguf`),
-                                                          or on MODEL itself when it is a GGUF file
+                                                          or on MODEL itself when it is a GGUF file; llama.cpp's
+                                                          defaults (its repacked CPU buffers on)
+    --arm llama.cpp-norepack='peer:llama.cpp --no-extra-bufts'   repacking off (use_extra_bufts=False)
     --arm llama.cpp+random='peer:llama.cpp --madvise random'
     --arm accelerate='peer:accelerate --max-memory 256MiB' transformers + accelerate disk offload
+
+A llama.cpp arm on llama.cpp's defaults whose child crashes (dies of SIGILL, SIGSEGV, ...: the repacked kernels of
+an AMX path raised SIGILL on one CPU) is run again with repacking off, and stays so for the rounds after; the run's
+record and the report say which it used (`repacking_off`, `repacking_note`). The comparison is against llama.cpp as
+users run it, so the defaults are always tried first, on every machine.
 
 A peer runs in its own environment (benchmarks/peers/setup.sh builds one), so its child is started with that
 environment's interpreter (`sluice bench --peer-python PATH`) on sluice/bench/peer_child.py, a script that imports
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +46,9 @@ def _llama_cpp_parser() -> FlagParser:
     p.add_argument("--mlock", action="store_true", help="use_mlock=True")
     p.add_argument("--madvise", choices=("random", "sequential", "willneed"),
                    help="madvise the GGUF mapping after load (random: no readahead around each fault)")
-    p.add_argument("--extra-bufts", action="store_true",
-                   help="use_extra_bufts=True (CPU repacking buffers; SIGILL on this host's AMX path when quantized)")
+    p.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_const", const=False, default=None,
+                   help="use_extra_bufts=False: llama.cpp's repacked CPU buffers off (default: llama.cpp's own "
+                        "choice, on; the bench falls back to off by itself when the defaults crash)")
     p.add_argument("--n-batch", type=int, default=512, help="n_batch (prompt evaluation batch, 512)")
     return p
 
@@ -124,3 +134,45 @@ def peer_argv(python: str, kind: str, options: dict[str, Any], model: str, **ext
         if v is not None:
             argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv
+
+
+# Signals a crash dies of (an OOM kill is SIGKILL, reported as such; a user's SIGTERM / SIGINT is not a crash)
+CRASH_SIGNALS = (signal.SIGILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGABRT)
+
+
+def crash_signal(returncode: int, oom_killed: bool) -> str | None:
+    """'SIGILL' when a child died of one of CRASH_SIGNALS (returncode -N), else None."""
+    if oom_killed or returncode >= 0:
+        return None
+    try:
+        sig = signal.Signals(-returncode)
+    except ValueError:
+        return None
+    return sig.name if sig in CRASH_SIGNALS else None
+
+
+def repacking_off(kind: str | None, options: dict[str, Any]) -> dict[str, Any] | None:
+    """For a llama.cpp arm on llama.cpp's defaults (repacking not turned off): its options with repacking off, the
+    fallback after a crash. None for any other arm (nothing to fall back to)."""
+    if kind != "llama.cpp" or options.get("extra_bufts") is False:
+        return None
+    return {**options, "extra_bufts": False}
+
+
+def repacking_note(kind: str | None, options: dict[str, Any], runs: Sequence[Any]) -> str | None:
+    """Which llama.cpp the arm's runs used, in words, for results.json and the report; None for other arms.
+
+    `runs`: protocol.Run objects of the arm; a fallback is recorded in a run's extra["fallback"]."""
+    if kind != "llama.cpp":
+        return None
+    fell = next((r.extra["fallback"] for r in runs if r.extra.get("fallback")), None)
+    if fell is not None:
+        return (f"repacking off: llama.cpp's defaults died of {fell['signal']} in round {fell['round']} on this "
+                "machine (use_extra_bufts=False from then on)")
+    if options.get("extra_bufts") is False:
+        return "repacking off (--no-extra-bufts)"
+    # what the child saw: True, or "not in this llama.cpp" for an old one without the field
+    used = {str(r.record.get("peer", {}).get("settings", {}).get("use_extra_bufts")) for r in runs if r.ok}
+    if used == {"True"}:
+        return "llama.cpp's defaults (repacked CPU buffers on)"
+    return "llama.cpp's defaults" + (f" (use_extra_bufts: {', '.join(sorted(used))})" if used else "")

@@ -68,16 +68,33 @@ def _first(*xs):
     return next((x for x in xs if x is not None), None)
 
 
-def floor_ms(bytes_per_step: float | None, bandwidth: float | None) -> float | None:
-    """The I/O floor of a step: bytes that missed the cache / the best measured disk bandwidth (bytes/s), in ms."""
-    if bytes_per_step is None or not bandwidth:
-        return None
-    return 1000 * bytes_per_step / bandwidth
+def floor_fields(step_ms: float | None, prefill_ms: float | None, floor: dict[str, Any] | None) -> dict[str, Any]:
+    """The summary's floor fields from an arm's floor measurements (floor.measure records under "before" and
+    "after"; either may be missing): each one's decode and prompt floors, the faster of the two, and step time
+    against each and against the faster. A floor of 0 (nothing read) gives no ratio."""
+    out: dict[str, Any] = {}
+    for when in ("before", "after"):
+        m = (floor or {}).get(when) or {}
+        out[f"floor_ms_{when}"] = m.get("floor_ms")
+        out[f"prefill_floor_ms_{when}"] = m.get("prefill_floor_ms")
+    for key in ("floor_ms", "prefill_floor_ms"):
+        vals = [out[f"{key}_{w}"] for w in ("before", "after") if out[f"{key}_{w}"] is not None]
+        out[key] = min(vals) if vals else None
+
+    def ratio(t: float | None, f: float | None) -> float | None:
+        return t / f if t is not None and f else None
+
+    out["step_floor_before"] = ratio(step_ms, out["floor_ms_before"])
+    out["step_floor_after"] = ratio(step_ms, out["floor_ms_after"])
+    out["step_floor_ratio"] = ratio(step_ms, out["floor_ms"])  # against the faster floor: the stricter bar
+    out["prefill_floor_ratio"] = ratio(prefill_ms, out["prefill_floor_ms"])
+    return out
 
 
-def summarize(runs: Sequence[Run], bandwidth: float | None = None) -> dict[str, Any]:
+def summarize(runs: Sequence[Run], floor: dict[str, Any] | None = None) -> dict[str, Any]:
     """Metrics of one arm over its rounds. Step latency median/p90 pool every timed step of every round; the
-    per-run rates (tok/s, CPU, faults, bytes per step) are medians over rounds; peak RSS is the maximum."""
+    per-run rates (tok/s, CPU, faults, bytes per step) are medians over rounds; peak RSS is the maximum. `floor`:
+    the arm's floor measurements, {"before": ..., "after": ...} (see floor_fields)."""
     ok = [r for r in runs if r.ok]
     out: dict[str, Any] = {
         "runs": len(runs),
@@ -120,13 +137,42 @@ def summarize(runs: Sequence[Run], bandwidth: float | None = None) -> dict[str, 
         hit_rate=_median([hit_rate(r) for r in ok]),
         io_wait_ms_per_step=_median([per_step(r, "io_wait_s", 1000) for r in ok]),
     )
-    out["floor_ms"] = floor_ms(out["bytes_read_per_step"], bandwidth)
-    f = out["floor_ms"]
-    out["step_floor_ratio"] = out["step_ms_median"] / f if f else None
+    out.update(floor_fields(out["step_ms_median"], out["prefill_ms"], floor))
     # counters a later feature adds to Model.stats() (prefetch recall, waste, ...): carried as medians over rounds
     for key in sorted({k for r in ok for k in r.record.get("stats", {}) if k.startswith("prefetch")}):
         vals = [r.record["stats"].get(key) for r in ok]
         out[key] = _median([v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)])
+    return out
+
+
+def best_of_peers(arms: Sequence[dict[str, Any]], summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """For each peer kind with a successful arm (e.g. llama.cpp run three ways: defaults, repacking off,
+    MADV_RANDOM): its fastest arm at decode (lowest median step) and at the prompt (highest prefill tok/s), and
+    sluice's best arm at each against it as a ratio of tokens/s (> 1: sluice is faster). `arms`: Arm.to_json()s."""
+    def ok(a: dict[str, Any]) -> bool:
+        return bool(summary[a["name"]]["ok_runs"])
+
+    def fastest(names: list[str]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        decode = min(names, key=lambda n: summary[n]["step_ms_median"], default=None)
+        with_prompt = [n for n in names if summary[n].get("prefill_tok_s")]
+        prompt = max(with_prompt, key=lambda n: summary[n]["prefill_tok_s"], default=None)
+        return (None if decode is None else {"arm": decode, "step_ms": summary[decode]["step_ms_median"]},
+                None if prompt is None else {"arm": prompt, "prefill_tok_s": summary[prompt]["prefill_tok_s"]})
+
+    own_decode, own_prompt = fastest([a["name"] for a in arms if a.get("peer") is None and ok(a)])
+    out: dict[str, Any] = {}
+    for kind in dict.fromkeys(a["peer"] for a in arms if a.get("peer")):
+        names = [a["name"] for a in arms if a.get("peer") == kind and ok(a)]
+        if not names:
+            continue
+        decode, prompt = fastest(names)
+        if decode is not None and own_decode is not None:
+            decode.update(sluice_arm=own_decode["arm"], sluice_step_ms=own_decode["step_ms"],
+                          sluice_vs_best=decode["step_ms"] / own_decode["step_ms"])
+        if prompt is not None and own_prompt is not None:
+            prompt.update(sluice_arm=own_prompt["arm"], sluice_prefill_tok_s=own_prompt["prefill_tok_s"],
+                          sluice_vs_best=own_prompt["prefill_tok_s"] / prompt["prefill_tok_s"])
+        out[kind] = {"arms": names, "decode": decode, "prefill": prompt}
     return out
 
 

@@ -22,19 +22,28 @@ def _size(x: float | None) -> str:
     return DASH if x is None else format_bytes(x)
 
 
+def _pair(before: float | None, after: float | None, spec: str = ".2f") -> str:
+    """'12.31 / 11.80': a figure measured before the rounds and after them."""
+    if before is None and after is None:
+        return DASH
+    return f"{_num(before, spec)} / {_num(after, spec)}"
+
+
 def _arm_cell(name: str, s: dict[str, Any], reference: str) -> str:
     notes = []
     if name == reference:
         notes.append("ref")
     if s["oom_runs"] and s["ok_runs"]:
         notes.append(f"OOM {s['oom_runs']}/{s['runs']}")
+    if "died of" in s.get("repacking", ""):  # peers.repacking_note of a fallback
+        notes.append("defaults crashed: repacking off")
     return f"{name} ({', '.join(notes)})" if notes else name
 
 
 COLUMNS = ["arm", "ms/step", "p90", "tok/s", "vs ref", "paired wins", "prefill ms", "prefill tok/s", "prefill read",
            "CPU ms/step", "peak RSS",
            "major flt/step", "minor flt/step", "read/step", "disk read/step", "hit rate", "I/O wait ms/step",
-           "floor ms", "step/floor", "argmax vs ref"]
+           "floor ms before / after", "step/floor", "argmax vs ref"]
 
 
 def table(results: dict[str, Any]) -> str:
@@ -69,7 +78,7 @@ def table(results: dict[str, Any]) -> str:
             _size(s["disk_read_bytes_per_step"]),
             DASH if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%",
             _num(s["io_wait_ms_per_step"], ".2f"),
-            _num(s["floor_ms"], ".2f"),
+            _pair(s.get("floor_ms_before"), s.get("floor_ms_after")),
             _num(s["step_floor_ratio"], ".2f"),
             ident,
         ]
@@ -80,7 +89,7 @@ def table(results: dict[str, Any]) -> str:
 def header(results: dict[str, Any]) -> str:
     """One paragraph saying what was measured, so a pasted table keeps its conditions."""
     m = results["meta"]
-    disk = results.get("disk")
+    floor = results.get("floor")
     parts = [
         f"model `{m['model']}`",
         f"{m['rounds']} rounds x {len(results['arms'])} arms (rotated, fresh process each)",
@@ -90,7 +99,8 @@ def header(results: dict[str, Any]) -> str:
             m["page_cache"], "page cache as found"),
         f"memory ceiling {format_bytes(m['ceiling'])} (cgroup, page cache included)" if m["ceiling"] else
         "no memory ceiling",
-        f"floor at {disk['bytes_per_s'] / 1e9:.2f} GB/s ({disk['best']})" if disk else "no floor (--no-floor)",
+        "I/O floor measured in this run, before the first round and after the last (below)" if floor is not None
+        else "no floor (--no-floor)",
     ]
     if m.get("context"):
         parts.append(f"a KV cache of {m['context']} positions (prompt + steps + 16, as the llama.cpp arm's n_ctx) "
@@ -118,9 +128,78 @@ def prefetch_table(results: dict[str, Any]) -> str:
     return "\n\nPrefetch, per run (medians over rounds):\n\n" + head + "\n" + "\n".join(rows)
 
 
+def _reader_text(spec: dict[str, Any]) -> str:
+    """'direct, 8 workers, O_DIRECT' / 'mmap'."""
+    if spec["mode"] != "direct":
+        return spec["mode"]
+    return f"direct, {spec['workers']} workers, {'O_DIRECT' if spec['odirect'] else 'buffered'}"
+
+
+def floor_table(results: dict[str, Any]) -> str:
+    """How each arm's floor was measured and what it gave, before and after the rounds; "" without floors."""
+    floor = results.get("floor")
+    if not floor:
+        return ""
+    rows = []
+    for arm in results["arms"]:
+        f = floor.get(arm["name"])
+        if f is None:
+            continue
+        s = results["summary"][arm["name"]]
+        p = f.get("plan_summary")
+        if p is None:
+            why = "; ".join(f["errors"] + f.get("oom", []))[:160].replace("|", "/")
+            rows.append(f"| {arm['name']} | no plan: {why} |" + f" {DASH} |" * 6)
+            continue
+        gbs = [(f.get(w) or {}).get("bytes_per_s") for w in ("before", "after")]
+        rows.append(
+            f"| {arm['name']} | {', '.join(_reader_text(r) for r in p['readers'])} "
+            f"| {_size(p['bytes_per_step'])} in {_num(p['reads_per_step'], '.0f')} reads "
+            f"| {_pair(s.get('floor_ms_before'), s.get('floor_ms_after'))} "
+            f"| {_pair(*(None if g is None else g / 1e9 for g in gbs))} "
+            f"| {_pair(s.get('step_floor_before'), s.get('step_floor_after'))} "
+            f"| {_pair(s.get('prefill_floor_ms_before'), s.get('prefill_floor_ms_after'), '.1f')} "
+            f"| {_size(p['prefill_bytes'])} |")
+    head = ("| arm | reader | reads per timed step | floor ms/step before / after | GB/s before / after "
+            "| step/floor before / after | prompt floor ms before / after | prompt reads |\n" + "|---" * 8 + "|")
+    m = results["meta"]
+    state = ("read into the page cache first, as the arms' were" if m["page_cache"] == "warm" else
+             "the model's files evicted and verified cold first")
+    ceiling = f" under the same {format_bytes(m['ceiling'])} ceiling" if m.get("ceiling") else ""
+    return ("\n\nI/O floor: each arm's own reads (the file ranges its readers read in an untimed replay of the same "
+            f"work, per step) replayed in a fresh process{ceiling} with readers made like the arm's, {state}, each "
+            "step's reads in flight together; the floor of a step is the timed steps' replay time / their number, "
+            "measured before the first round and after the last. The main table's step/floor divides by the faster "
+            "of the two.\n\n" + head + "\n" + "\n".join(rows))
+
+
+def peers_note(results: dict[str, Any]) -> str:
+    """The best arm of each peer kind at decode and at the prompt, sluice's best against it, and which llama.cpp each
+    llama.cpp arm ran (its defaults, repacking off, or repacking off after the defaults crashed); "" without peers."""
+    lines = []
+    for kind, b in (results.get("peers") or {}).items():
+        parts = []
+        d, p = b.get("decode"), b.get("prefill")
+        if d:
+            vs = (f" (sluice's best, {d['sluice_arm']}: {d['sluice_step_ms']:.2f} ms/step, {d['sluice_vs_best']:.2f}x "
+                  f"{d['arm']}'s tokens/s)" if "sluice_vs_best" in d else "")
+            parts.append(f"decode **{d['arm']}** {d['step_ms']:.2f} ms/step{vs}")
+        if p:
+            vs = (f" (sluice's best, {p['sluice_arm']}: {p['sluice_prefill_tok_s']:.1f} tok/s, "
+                  f"{p['sluice_vs_best']:.2f}x {p['arm']}'s)" if "sluice_vs_best" in p else "")
+            parts.append(f"prompt **{p['arm']}** {p['prefill_tok_s']:.1f} tok/s{vs}")
+        lines.append(f"Best {kind} arm of {len(b['arms'])} ({', '.join(b['arms'])}): " + "; ".join(parts) + ".")
+    notes = [f"**{a['name']}** {results['summary'][a['name']]['repacking']}" for a in results["arms"]
+             if results["summary"][a["name"]].get("repacking")]
+    if notes:
+        lines.append("llama.cpp arms: " + "; ".join(notes) + ".")
+    return "\n\n" + "\n\n".join(lines) if lines else ""
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The conditions paragraph and the table(s), as printed on stdout and written to results.md."""
-    return header(results) + "\n\n" + table(results) + prefetch_table(results) + "\n"
+    return (header(results) + "\n\n" + table(results) + peers_note(results) + floor_table(results)
+            + prefetch_table(results) + "\n")
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:
@@ -157,7 +236,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         f = results["summary"][n].get("floor_ms")
         if f is not None:
             ax.hlines(f, x - 0.3, x + 0.3, colors="tab:red", linewidth=2.5,
-                      label=None if floor_drawn else "I/O floor (missed bytes / best disk bandwidth)")
+                      label=None if floor_drawn else "I/O floor (the arm's reads replayed cold; the faster of "
+                                                     "before / after)")
             floor_drawn = True
     ax.set_xticks(xs, names)
     ax.set_xlim(0.4, len(names) + 0.6)

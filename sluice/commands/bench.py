@@ -1,14 +1,19 @@
 """`sluice bench MODEL --arm NAME='FLAGS' ...`: paired, replayed, cold-verified A/B runs, reported against the I/O
-floor; `sluice bench --disk PATH`: measure (and cache) the disk bandwidth the floor divides by.
+floor measured in the same run; `sluice bench --disk PATH`: a table of the disk's bandwidth by access pattern.
 
 Protocol (DESIGN.md "Measuring"): the first arm generates the token sequence once in its own process; then in every
 round every arm, in rotated order, replays that sequence (teacher forcing) in a fresh process: `--warmup` untimed
 decode steps, then `--steps` timed ones. Each replayed argmax is checked against the reference arm's.
+
+The floor (bench/floor.py): before the rounds, each sluice arm replays the sequence once more, untimed, recording its
+read plan (the file ranges its readers read, per step); that plan is replayed cold with readers made like the arm's
+before the first round and after the last, and step times are reported against both.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -23,9 +28,10 @@ from tqdm import tqdm
 from ..bench import BenchError
 from ..bench import disk as diskmod
 from ..bench.arms import Arm, context_for, parse_arms, sized_context
+from ..bench.floor import describe_plan
 from ..bench.launch import arm_argv, check_ceiling, child_argv, model_files, prepare, run_child
-from ..bench.peers import check_peer, peer_files
-from ..bench.protocol import Run, identity, pair, rotation, summarize
+from ..bench.peers import check_peer, crash_signal, peer_files, repacking_note, repacking_off
+from ..bench.protocol import Run, best_of_peers, identity, pair, rotation, summarize
 from ..bench.report import markdown, write_all
 from ..errors import OutputError
 from ..options import format_bytes, parse_size
@@ -56,13 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="results.md, results.json, latency.png (./bench-out/<timestamp>)")
     p.add_argument("--require-identical", action="store_true",
                    help="exit 1 if any arm's argmax differs from the reference's at any replayed step")
-    p.add_argument("--no-floor", action="store_true", help="do not measure the disk; report no I/O floor")
-    p.add_argument("--disk", metavar="PATH", help="measure the disk holding PATH, cache the result, and exit")
+    p.add_argument("--no-floor", action="store_true",
+                   help="report no I/O floor (skips each sluice arm's untimed recording replay and the floor replays "
+                        "of its reads before the first round and after the last)")
+    p.add_argument("--disk", metavar="PATH",
+                   help="measure the disk holding PATH by access pattern, print the table, save it, and exit (a "
+                        "separate tool: the bench's floor replays each arm's own reads instead)")
     p.add_argument("--peer-python", metavar="PATH",
                    help="interpreter of the peers' environment, for `peer:llama.cpp` / `peer:accelerate` arms "
                         "(bash benchmarks/peers/setup.sh makes benchmarks/peers/.venv/bin/python)")
     p.add_argument("--disk-size", metavar="SIZE", default="1GiB",
-                   help="temporary file size of the disk measurement (1GiB)")
+                   help="--disk: size of the temporary file it reads (1GiB)")
 
 
 def _log(msg: str) -> None:
@@ -70,11 +80,11 @@ def _log(msg: str) -> None:
 
 
 def disk_main(args: argparse.Namespace) -> int:
-    """`sluice bench --disk PATH`: measure now (a fresh figure even if cached), cache it, print the table."""
+    """`sluice bench --disk PATH`: measure now, save the result, print the table."""
     result = diskmod.measure(args.disk, parse_size(args.disk_size, "disk-size"), log=_log)
     path = diskmod.save(result)
     print(diskmod.table(result))
-    _log(f"cached in {path}")
+    _log(f"saved in {path}")
     return 0
 
 
@@ -111,11 +121,17 @@ class Bench:
         self.files = sorted({f.resolve() for f in [*model_files(args.model), *extra]})
         self.page_cache = "cold" if args.cold else "warm" if args.warm else None
         self.runs: list[Run] = []
+        # per sluice arm: its read plan and the floor measured from it before the first round and after the last
+        self.floor: dict[str, dict[str, Any]] = {}
+        # llama.cpp arms whose defaults crashed on this machine: the signal, the round, the options run since
+        self.fallbacks: dict[str, dict[str, Any]] = {}
+        self.with_floor = not args.no_floor
+        floors = 3 * sum(a.peer is None for a in arms) if self.with_floor else 0  # plan, before, after
         # KV positions of every sluice arm without --max-context (arms.sized_context; None: a text --prompt, whose
         # length the tokenizer decides, keeps the default)
         self.context: int | None = None
-        self.progress = tqdm(total=1 + args.rounds * len(arms), unit="run", file=sys.stderr, disable=None,
-                             desc="bench")
+        self.progress = tqdm(total=1 + args.rounds * len(arms) + floors, unit="run", file=sys.stderr,
+                             disable=None, desc="bench")
 
     def _prepare(self, what: str) -> dict[str, Any] | None:
         res = prepare(self.files, self.page_cache, what)
@@ -140,19 +156,91 @@ class Bench:
                                 else ""))
         return got.record
 
+    def record_plans(self, work: Path, folder: Path) -> None:
+        """Each sluice arm replays the work once, untimed, under the same ceiling, recording its read plan (what its
+        readers read, per step) into `folder`/plan-<arm>.json."""
+        for arm in self.arms:
+            if arm.peer is not None:
+                continue
+            self.progress.set_description(f"recording the reads of {arm.name}")
+            argv = arm_argv(arm, "replay", self.args.model, work=work, warmup=self.args.warmup, journal=True)
+            got = run_child(argv, self.ceiling)
+            self.progress.update()
+            entry = self.floor.setdefault(arm.name, {"errors": [], "oom": []})
+            if got.error() is not None:  # an OOM kill is the arm's own result under the ceiling, not an error
+                entry["oom" if got.oom_killed else "errors"].append(f"recording its reads: {got.error()}")
+                _log(f"floor of arm {arm.name!r}: recording its reads failed: {got.error()}")
+                continue
+            plan = got.record["plan"]
+            (folder / f"plan-{arm.name}.json").write_text(json.dumps(plan))
+            entry.update(plan=plan, plan_summary=describe_plan(plan))
+
+    def measure_floors(self, when: str, folder: Path) -> None:
+        """The floor of every arm with a plan, `when` ("before" the rounds or "after"): its plan replayed in a
+        fresh child under the ceiling, the files evicted and verified cold first (warm for a --warm bench)."""
+        for name, entry in self.floor.items():
+            if "plan" not in entry:
+                continue
+            what = f"the floor of arm {name!r} ({when})"
+            self.progress.set_description(f"floor {when}: {name}")
+            if not entry["plan"]["prefill"] and not any(entry["plan"]["steps"]):  # resident: nothing to replay
+                entry[when] = {"ok": True, "floor_ms": 0.0, "prefill_floor_ms": 0.0, "bytes_per_s": None,
+                               "skipped": "the arm read nothing"}
+                self.progress.update()
+                continue
+            state = "warm" if self.page_cache == "warm" else "cold"
+            try:
+                res = prepare(self.files, state, what)
+            except BenchError as e:
+                entry["errors"].append(f"{when}: {e}")
+                _log(f"{what}: {e}")
+                self.progress.update()
+                continue
+            line = _residency_line(res, what)
+            if line:
+                _log(line)
+            argv = child_argv("floor", self.args.model, {}, plan=folder / f"plan-{name}.json")
+            got = run_child(argv, self.ceiling)
+            self.progress.update()
+            if got.error() is not None:
+                entry["oom" if got.oom_killed else "errors"].append(f"{when}: {got.error()}")
+                _log(f"{what}: {got.error()}")
+                continue
+            entry[when] = {**got.record, "residency": res, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            f = got.record["floor_ms"]
+            _log(f"{what}: {'-' if f is None else f'{f:.2f}'} ms/step, prompt {got.record['prefill_floor_ms']:.1f} ms")
+
+    def _replay(self, arm: Arm, what: str, work: Path):
+        res = self._prepare(what)
+        argv = arm_argv(arm, "replay", self.args.model, self.args.peer_python, work=work, warmup=self.args.warmup)
+        return res, run_child(argv, self.ceiling)
+
     def replay_round(self, rnd: int, work: Path) -> None:
-        """Every arm once, in this round's rotated order, each in a fresh child."""
+        """Every arm once, in this round's rotated order, each in a fresh child. A llama.cpp arm on llama.cpp's
+        defaults whose child crashes is run again with repacking off, and so in every later round (peers.py)."""
         by_name = {arm.name: arm for arm in self.arms}
         for pos, name in enumerate(rotation(list(by_name), rnd - 1)):
             what = f"arm {name!r} round {rnd}"
             self.progress.set_description(f"round {rnd}/{self.args.rounds} {name}")
-            res = self._prepare(what)
-            argv = arm_argv(by_name[name], "replay", self.args.model, self.args.peer_python, work=work,
-                            warmup=self.args.warmup)
-            got = run_child(argv, self.ceiling)
+            arm, fallback, extra = by_name[name], self.fallbacks.get(name), {}
+            if fallback is not None:
+                arm = dataclasses.replace(arm, options=fallback["options"])
+            res, got = self._replay(arm, what, work)
+            sig = crash_signal(got.returncode, got.oom_killed)
+            off = repacking_off(arm.peer, arm.options) if sig else None
+            if off is not None:
+                _log(f"{what}: llama.cpp's defaults died of {sig}; running it again with repacking off "
+                     "(use_extra_bufts=False), as in every later round")
+                fallback = self.fallbacks[name] = {"signal": sig, "round": rnd, "options": off}
+                extra["crashed"] = {"signal": sig, "options": arm.options, "wall_s": round(got.wall_s, 3),
+                                    "stderr_tail": got.stderr_tail[-2000:]}
+                res, got = self._replay(dataclasses.replace(arm, options=off), f"{what} (repacking off)", work)
+            if fallback is not None:
+                extra["fallback"] = {"signal": fallback["signal"], "round": fallback["round"]}
             err = got.error()
             run = Run(name, rnd, pos, record=got.record if err is None else None, error=err, oom=got.oom_killed,
-                      residency=res, cgroup_peak_bytes=got.cgroup_peak_bytes, wall_s=round(got.wall_s, 3))
+                      residency=res, cgroup_peak_bytes=got.cgroup_peak_bytes, wall_s=round(got.wall_s, 3),
+                      extra=extra)
             self.runs.append(run)
             if err is not None:
                 _log(f"{what}: {err}")
@@ -161,13 +249,16 @@ class Bench:
                 self.progress.set_postfix_str(f"{name} {sorted(ms)[len(ms) // 2]:.2f} ms/step")
             self.progress.update()
 
-    def results(self, sequence: dict[str, Any], disk: dict[str, Any] | None) -> dict[str, Any]:
+    def results(self, sequence: dict[str, Any]) -> dict[str, Any]:
         a = self.args
-        bw = disk["best_bytes_per_s"] if disk else None
         ref = self.arms[0].name
         summary = {}
         for arm in self.arms:
-            s = summarize([r for r in self.runs if r.arm == arm.name], bw)
+            runs = [r for r in self.runs if r.arm == arm.name]
+            s = summarize(runs, self.floor.get(arm.name))
+            note = repacking_note(arm.peer, arm.options, runs)
+            if note is not None:
+                s["repacking"] = note
             if arm.name != ref:
                 s["pair"] = pair(self.runs, ref, arm.name)
             summary[arm.name] = s
@@ -179,14 +270,12 @@ class Bench:
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
                 "cpus": os.cpu_count(), "python": platform.python_version(), "peer_python": a.peer_python,
             },
-            "disk": None if disk is None else {
-                "bytes_per_s": bw, "best": diskmod.describe(disk["best"]), "device": disk["device"],
-                "measured_at": disk.get("measured_at"),
-            },
+            "floor": self.floor if self.with_floor else None,
             "arms": [arm.to_json() for arm in self.arms],
             "sequence": {"prompt_ids": sequence["prompt_ids"], "tokens": sequence["tokens"]},
             "runs": [r.to_json() for r in self.runs],
             "summary": summary,
+            "peers": best_of_peers([arm.to_json() for arm in self.arms], summary),
             "identity": identity(self.runs, ref),
         }
 
@@ -206,9 +295,6 @@ def main(args: argparse.Namespace) -> int:
     if ceiling is not None:
         check_ceiling(ceiling)  # before anything runs: no cgroup is a setup error, not a per-arm result
     out = Path(args.out) if args.out else Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
-    disk = None
-    if not args.no_floor:
-        disk = diskmod.bandwidth_for(args.model, parse_size(args.disk_size, "disk-size"), log=_log)
     context = None
     if args.prompt is None:  # the prompt's length is known before anything runs: the reference arm runs sized too
         context = context_for(args.prompt_tokens or DEFAULT_PROMPT_TOKENS, args.warmup + args.steps)
@@ -220,11 +306,16 @@ def main(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
             work = Path(tmp) / "sequence.json"
             work.write_text(json.dumps({"prompt_ids": sequence["prompt_ids"], "tokens": sequence["tokens"]}))
+            if bench.with_floor:
+                bench.record_plans(work, Path(tmp))
+                bench.measure_floors("before", Path(tmp))
             for rnd in range(1, args.rounds + 1):
                 bench.replay_round(rnd, work)
+            if bench.with_floor:
+                bench.measure_floors("after", Path(tmp))
     finally:
         bench.progress.close()
-    results = bench.results(sequence, disk)
+    results = bench.results(sequence)
     print(markdown(results), end="")
     try:
         paths = write_all(results, out)
@@ -236,12 +327,16 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _exit_status(results: dict[str, Any], require_identical: bool) -> int:
-    """1 when an arm failed other than by OOM (its numbers are missing), or when --require-identical and any
-    replayed argmax differs from the reference (or nothing could be compared); else 0."""
+    """1 when an arm failed other than by OOM, or its floor could not be measured (numbers are missing), or when
+    --require-identical and any replayed argmax differs from the reference (or nothing could be compared); else 0."""
     rc = 0
     for name, s in results["summary"].items():
         if s["errors"]:
             _log(f"arm {name!r} failed: {'; '.join(s['errors'])}")
+            rc = 1
+    for name, f in (results.get("floor") or {}).items():
+        if f["errors"]:
+            _log(f"the floor of arm {name!r} is missing: {'; '.join(f['errors'])}")
             rc = 1
     if require_identical:
         ident = results["identity"]

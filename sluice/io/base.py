@@ -42,6 +42,10 @@ class Reader(Protocol):
         """Release mappings, file descriptors and threads. Idempotent."""
         ...
 
+    def journal(self, into: list | None) -> None:
+        """From now on append each batch's file reads to `into` (None: stop); see Counters.journal."""
+        ...
+
 
 class FileGuard:
     """The version of each file a reader may read, and the checks that keep it to that version.
@@ -101,9 +105,15 @@ class Counters:
         self.wait_s = 0.0
         self.copied_bytes = 0
         self.threads: dict[str, list[int]] = {}  # thread name -> [major_faults, minor_faults]
+        # When a list: one entry per batch, the file reads it issues [(path, offset, nbytes), ...] (windows after
+        # dedup and coalescing, gaps included): what `sluice bench` replays to measure a run's I/O floor with the
+        # run's own reads (bench/floor.py). Off (None) unless the bench asks; appending costs ~1 us per read.
+        self.journal: list[list[tuple[str, int, int]]] | None = None
 
     def add_plan(self, plan: ReadPlan) -> None:
         with self._lock:
+            if self.journal is not None:
+                self.journal.append([(r.path, r.offset, r.nbytes) for r in plan.reads])
             self.batches += 1
             self.requests += plan.requests
             self.bytes_requested += plan.bytes_requested

@@ -402,6 +402,10 @@ class DirectReader:
         )
         return s
 
+    def journal(self, into: list | None) -> None:
+        """From now on append each batch's file reads to `into` (None: stop); see Counters.journal."""
+        self._counters.journal = into
+
     def close(self) -> None:
         """Let queued batches finish, stop the threads, close the files. Idempotent."""
         self._finalizer()

@@ -167,6 +167,10 @@ class MmapReader:
         s["mapped_files"] = len(self._maps)
         return s
 
+    def journal(self, into: list | None) -> None:
+        """From now on append each batch's file reads to `into` (None: stop); see Counters.journal."""
+        self._counters.journal = into
+
     def close(self) -> None:
         """Unmap every file. Idempotent; read() after close raises RuntimeError."""
         with self._lock:

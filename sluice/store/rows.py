@@ -128,6 +128,11 @@ class RowTable:
         return self.ref.name
 
     @property
+    def reader(self) -> Reader | None:
+        """The reader that moves this table's rows (shared with the model's, or its own); None when resident."""
+        return self._reader
+
+    @property
     def nbytes_resident(self) -> int:
         """Bytes this table holds in memory: the whole table ("resident") or the staging buffer (streamed)."""
         if self._table is not None:

@@ -1,5 +1,6 @@
-"""`sluice bench`: arm parsing, rotation, pairing and identity arithmetic on synthetic numbers, the floor, the disk
-measurement cache, cold verification and the cgroup checks, and one end-to-end run on a tiny model."""
+"""`sluice bench`: arm parsing, rotation, pairing and identity arithmetic on synthetic numbers, the disk measurement
+tool, cold verification and the cgroup checks, and one end-to-end run on a tiny model with its floor measured in
+the run (the floor itself: test_floor.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from sluice.bench.arms import context_for, parse_arm, parse_arms, sized_context
 from sluice.bench.launch import model_files, prepare, run_child
 from sluice.bench.protocol import (
     Run,
-    floor_ms,
     identity,
     identity_text,
     pair,
@@ -147,15 +147,16 @@ def test_percentile_interpolates():
     assert percentile(list(range(1, 11)), 90) == pytest.approx(9.1)
 
 
-def test_floor_arithmetic():
-    assert floor_ms(100e6, 1e9) == pytest.approx(100.0)  # 100 MB missed per step at 1 GB/s: 100 ms
-    assert floor_ms(0, 1e9) == 0.0 and floor_ms(5, None) is None
-    s = summarize([fake_run("a", 1, [30.0] * 4, bytes_read=4 * 10_000_000, hits=6, misses=2)], bandwidth=1e9)
+def test_floor_in_the_summary():
+    floor = {"before": {"floor_ms": 10.0, "prefill_floor_ms": 50.0}, "after": {"floor_ms": 7.5,
+                                                                              "prefill_floor_ms": 60.0}}
+    s = summarize([fake_run("a", 1, [30.0] * 4, bytes_read=4 * 10_000_000, hits=6, misses=2)], floor)
     assert s["bytes_read_per_step"] == 10_000_000 and s["disk_read_bytes_per_step"] == 20_000_000
-    assert s["floor_ms"] == pytest.approx(10.0)
-    assert s["step_floor_ratio"] == pytest.approx(3.0)
+    assert (s["floor_ms_before"], s["floor_ms_after"], s["floor_ms"]) == (10.0, 7.5, 7.5)
+    assert s["step_floor_ratio"] == pytest.approx(4.0) and s["step_floor_before"] == pytest.approx(3.0)
+    assert s["prefill_floor_ratio"] == pytest.approx(500 / 50)
     assert s["hit_rate"] == pytest.approx(0.75)
-    assert summarize([fake_run("a", 1, [30.0])])["floor_ms"] is None  # no bandwidth: no floor
+    assert summarize([fake_run("a", 1, [30.0])])["floor_ms"] is None  # not measured: no floor
 
 
 def test_identity_gate_on_synthetic_argmax():
@@ -175,7 +176,7 @@ def test_identity_gate_on_synthetic_argmax():
 # --- disk measurement -----------------------------------------------------------------------------------------------
 
 
-def test_disk_measure_cache_and_reuse(disk_dir, cache_home, monkeypatch):
+def test_disk_measure_tool(disk_dir, cache_home):
     result = diskmod.measure(disk_dir, size=8 << 20, workers=(1, 4), chunks=(64 << 10,))
     assert len(result["results"]) == 2 * (1 + 2)  # buffered and O_DIRECT: sequential + random x 2 worker counts
     assert result["best_bytes_per_s"] == max(e["bytes_per_s"] for e in result["results"]) > 0
@@ -183,16 +184,7 @@ def test_disk_measure_cache_and_reuse(disk_dir, cache_home, monkeypatch):
     assert not list(disk_dir.glob(".sluice-disk-*"))  # the temporary file is gone
     path = diskmod.save(result)
     assert path == cache_home / "sluice" / f"disk-{os.stat(disk_dir).st_dev}.json"
-    monkeypatch.setattr(diskmod, "measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
-    assert diskmod.bandwidth_for(disk_dir)["best_bytes_per_s"] == result["best_bytes_per_s"]
     assert "| random 64.0 KiB | O_DIRECT |" in diskmod.table(result)
-
-
-def seed_disk_cache(path: Path, bytes_per_s: float) -> None:
-    entry = {"pattern": "sequential", "chunk": 8 << 20, "workers": 1, "odirect": False, "bytes_per_s": bytes_per_s}
-    dev = os.stat(path).st_dev
-    diskmod.save({"device": dev, "major_minor": "0:0", "path": str(path), "file_bytes": 1, "results": [entry],
-                  "best": entry, "best_bytes_per_s": bytes_per_s})
 
 
 # --- residency and ceilings -----------------------------------------------------------------------------------------
@@ -256,7 +248,6 @@ def budgets(model_dir: Path, capsys) -> tuple[str, str]:
 
 
 def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monkeypatch):
-    seed_disk_cache(model_dir, 1e9)
     bf16, f32 = budgets(model_dir, capsys)
     out = tmp_path / "out"
     warmup, steps = 3, 5
@@ -264,6 +255,10 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monke
     child_argv = bench_cmd.child_argv
     monkeypatch.setattr(bench_cmd, "child_argv", lambda mode, model, options, **kw: (
         generated.append(options) if mode == "generate" else None, child_argv(mode, model, options, **kw))[1])
+    children: list[str] = []  # every child in the order it ran: generate, replay, replay --journal, floor
+    run = bench_cmd.run_child
+    monkeypatch.setattr(bench_cmd, "run_child", lambda argv, *a, **k: (
+        children.append(argv[3] + (" --journal" if "--journal" in argv else "")), run(argv, *a, **k))[1])
     rc = cli.main(["bench", str(model_dir), "--arm", f"ref=--io direct --memory {bf16}",
                    "--arm", f"f32=--io mmap --dtype float32 --memory {f32}", "--rounds", "2", "--steps", str(steps),
                    "--warmup", str(warmup), "--prompt-tokens", "6", "--cold", "--require-identical",
@@ -307,12 +302,34 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monke
     assert [o["max_context"] for o in generated] == [512]
     assert "a KV cache of 512 positions" in captured.out
 
-    # metrics and the floor at the cached 1 GB/s
+    # metrics
     s = results["summary"]
     assert s["ref"]["step_ms_median"] > 0 and s["ref"]["tok_s"] > 0 and s["ref"]["peak_rss_bytes"] > 0
     assert s["ref"]["bytes_read_per_step"] > 0  # 6 of 16 experts cached: some steps miss
     assert s["ref"]["prefill_tok_s"] > 0 and s["ref"]["prefill_read_bytes"] > 0
     assert "| prefill ms | prefill tok/s | prefill read |" in captured.out
-    assert s["ref"]["floor_ms"] == pytest.approx(s["ref"]["bytes_read_per_step"] / 1e6)
     assert s["f32"]["pair"]["pairs"] == 2
-    assert results["disk"]["bytes_per_s"] == 1e9
+
+    # the floor, measured in this run: each arm's reads recorded once, replayed cold before round 1 and after round 2
+    assert children == ["generate", "replay --journal", "replay --journal", "floor", "floor",
+                        "replay", "replay", "replay", "replay", "floor", "floor"]
+    floor = results["floor"]
+    assert floor["ref"]["plan_summary"]["readers"] == [{"mode": "direct", "workers": 8, "odirect": False}]
+    assert floor["f32"]["plan_summary"]["readers"][0]["mode"] == "mmap"
+    for name in ("ref", "f32"):
+        f, sm = floor[name], s[name]
+        assert not f["errors"] and f["plan_summary"]["timed_steps"] == steps
+        for when in ("before", "after"):
+            assert f[when]["residency"]["state"] == "cold" and f[when]["residency"]["resident_fraction"] <= 0.01
+            assert f[when]["resident_before"] <= 0.01 and f[when]["floor_ms"] >= 0
+            assert sm[f"floor_ms_{when}"] == f[when]["floor_ms"]
+        assert sm["floor_ms"] == min(f["before"]["floor_ms"], f["after"]["floor_ms"])
+    ref = s["ref"]
+    assert ref["floor_ms"] > 0 and ref["step_floor_ratio"] == pytest.approx(ref["step_ms_median"] / ref["floor_ms"])
+    # the plan read what the arm's rounds read, per timed step (the store's count, plus gaps read through)
+    assert floor["ref"]["plan_summary"]["bytes_per_step"] >= ref["bytes_read_per_step"] > 0
+    assert "| floor ms before / after | step/floor |" in captured.out
+    assert f"| {ref['floor_ms_before']:.2f} / {ref['floor_ms_after']:.2f} |" in captured.out
+    assert "I/O floor measured in this run, before the first round and after the last" in captured.out
+    assert "| ref | direct, 8 workers, buffered |" in captured.out and "| f32 | mmap |" in captured.out
+    assert not (cache_home / "sluice").exists()  # no cached disk figure was read or written

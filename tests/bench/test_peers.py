@@ -16,7 +16,7 @@ from sluice.bench import BenchError
 from sluice.bench.arms import parse_arm, parse_arms
 from sluice.bench.peers import CHILD, peer_argv, peer_files
 
-from .test_bench import budgets, cache_home, disk_dir, model_dir, seed_disk_cache  # noqa: F401 (fixtures)
+from .test_bench import budgets, cache_home, disk_dir, model_dir  # noqa: F401 (fixtures)
 
 
 def test_peer_arms_parse_to_the_peer_and_its_options():
@@ -91,7 +91,6 @@ print(json.dumps({{"ok": True, "argmax": tokens + [0], "load_s": 0.1, "prefill_s
 
 def test_end_to_end_with_a_stand_in_peer(model_dir, tmp_path, cache_home, capsys):
     """Routing, rotation and the identity gate over a peer arm; a peer has no store, so no hit rate or floor."""
-    seed_disk_cache(model_dir, 1e9)
     bf16, _ = budgets(model_dir, capsys)
     fake = tmp_path / "peer-python"
     fake.write_text(STAND_IN.format(python=sys.executable))
@@ -144,3 +143,114 @@ def test_a_gguf_model_is_its_own_peer_file_and_cold_set(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(BenchError, match="neither a model folder .* nor a .gguf file"):
         _check(cli.build_parser().parse_args(["bench", str(tmp_path / "notes.txt"), "--arm", "a=--io direct"]))
+
+
+# --- llama.cpp's defaults first, repacking off only when they crash ---------------------------------------------------
+
+
+def test_repacking_is_llama_cpps_default_unless_turned_off():
+    from sluice.bench.peers import crash_signal, repacking_off
+
+    default = parse_arm("l=peer:llama.cpp").options
+    assert default["extra_bufts"] is None  # the child leaves llama.cpp's use_extra_bufts alone
+    assert parse_arm("n=peer:llama.cpp --no-extra-bufts").options["extra_bufts"] is False
+    assert repacking_off("llama.cpp", default) == {**default, "extra_bufts": False}
+    assert repacking_off("llama.cpp", {**default, "extra_bufts": False}) is None  # nothing left to fall back to
+    assert repacking_off("accelerate", {}) is None and repacking_off(None, {}) is None
+    assert crash_signal(-4, False) == "SIGILL" and crash_signal(-11, False) == "SIGSEGV"
+    assert crash_signal(-9, True) is None  # an OOM kill is the ceiling's result, not a crash
+    assert crash_signal(-15, False) is None and crash_signal(2, False) is None and crash_signal(0, False) is None
+
+
+def test_peer_child_sets_use_extra_bufts_only_when_asked():
+    import runpy
+    from types import SimpleNamespace
+
+    with_extra_bufts = runpy.run_path(str(CHILD))["with_extra_bufts"]
+    defaults = lambda: SimpleNamespace(use_extra_bufts=True, use_mmap=True)  # noqa: E731
+    assert with_extra_bufts(defaults, None) is defaults  # llama.cpp's own defaults, untouched
+    off = with_extra_bufts(defaults, False)()
+    assert off.use_extra_bufts is False and off.use_mmap is True
+    old = with_extra_bufts(lambda: SimpleNamespace(use_mmap=True), False)()  # a llama.cpp without the field
+    assert not hasattr(old, "use_extra_bufts")
+
+
+CRASHING = '''#!{python}
+"""Stands in for the peers' interpreter running llama.cpp: on a GGUF named crash*.gguf its defaults die of SIGILL (as
+the repacked AMX kernels did on one CPU); with repacking off they run. exit2*.gguf fails cleanly (exit status 2)."""
+import json, os, resource, signal, sys
+argv = sys.argv[2:]
+opt = lambda k: argv[argv.index(k) + 1]
+opts = json.loads(opt("--options"))
+name = os.path.basename(opts["gguf"])
+with open({log!r}, "a") as f:
+    f.write(json.dumps([name, opts.get("extra_bufts")]) + "\\n")
+if name.startswith("crash") and opts.get("extra_bufts") is not False:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left behind
+    os.kill(os.getpid(), signal.SIGILL)
+if name.startswith("exit2"):
+    print(json.dumps({{"ok": False, "error": "llama.cpp: OSError: cannot load"}}))
+    sys.exit(2)
+work, warmup = json.load(open(opt("--work"))), int(opt("--warmup"))
+tokens = work["tokens"]
+ms = {{"crash.gguf": 0.03, "fine.gguf": 0.02}}.get(name, 0.01)  # crash2.gguf: 10 ms
+steps = [ms] * len(tokens)
+used = opts.get("extra_bufts") is not False  # llama.cpp's default is on
+print(json.dumps({{"ok": True, "argmax": tokens + [0], "load_s": 0.1, "prefill_s": 0.2 if used else 0.4,
+    "prefill_tokens": len(work["prompt_ids"]), "warmup_step_s": steps[:warmup], "step_s": steps[warmup:],
+    "window": {{"disk_read_bytes": 0, "major_faults": 0, "minor_faults": 0, "cpu_s": 0.1, "wall_s": 0.1,
+                "steps": len(steps[warmup:]), "hits": 0, "misses": 0}},
+    "peak_rss_bytes": 1 << 20, "stats": {{}},
+    "peer": {{"kind": "llama.cpp", "settings": {{"use_extra_bufts": used}}}}}}))
+'''
+
+
+def test_llama_cpp_falls_back_to_repacking_off_only_when_its_defaults_crash(model_dir, disk_dir, tmp_path, capsys):
+    bf16, _ = budgets(model_dir, capsys)
+    log = tmp_path / "calls.jsonl"
+    fake = tmp_path / "peer-python"
+    fake.write_text(CRASHING.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    ggufs = {n: disk_dir / f"{n}.gguf" for n in ("crash", "crash2", "fine", "exit2")}
+    for p in ggufs.values():
+        p.write_bytes(b"GGUF")
+    out = tmp_path / "out"
+    rc = cli.main(["bench", str(model_dir), "--arm", f"ref=--io direct --memory {bf16}",
+                   "--arm", f"llama.cpp=peer:llama.cpp --gguf {ggufs['crash']}",
+                   "--arm", f"norepack=peer:llama.cpp --no-extra-bufts --gguf {ggufs['crash2']}",
+                   "--arm", f"fine=peer:llama.cpp --gguf {ggufs['fine']}",
+                   "--arm", f"broken=peer:llama.cpp --gguf {ggufs['exit2']}",
+                   "--peer-python", str(fake), "--rounds", "2", "--steps", "2", "--warmup", "1",
+                   "--prompt-tokens", "4", "--no-floor", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 1, captured.err  # the broken arm failed; nothing else did
+    calls = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+    # the defaults are tried first; after they died once, that arm runs with repacking off; nothing else is retried
+    assert calls.count(("crash.gguf", None)) == 1 and calls.count(("crash.gguf", False)) == 2
+    assert calls.count(("crash2.gguf", False)) == 2 and ("crash2.gguf", None) not in calls
+    assert calls.count(("fine.gguf", None)) == 2 and calls.count(("exit2.gguf", None)) == 2
+    assert calls.index(("crash.gguf", None)) < calls.index(("crash.gguf", False))
+    assert "llama.cpp's defaults died of SIGILL; running it again with repacking off" in captured.err
+
+    results = json.loads((out / "results.json").read_text())
+    runs = {(r["arm"], r["round"]): r for r in results["runs"]}
+    assert all(runs[("llama.cpp", rnd)]["error"] is None for rnd in (1, 2))
+    first = runs[("llama.cpp", 1)]["extra"]
+    assert first["crashed"]["signal"] == "SIGILL" and first["crashed"]["options"]["extra_bufts"] is None
+    assert first["fallback"] == {"signal": "SIGILL", "round": 1}
+    assert runs[("llama.cpp", 2)]["extra"] == {"fallback": {"signal": "SIGILL", "round": 1}}
+    assert runs[("fine", 1)]["extra"] == {} and runs[("broken", 1)]["error"] == "llama.cpp: OSError: cannot load"
+    s = results["summary"]
+    assert "died of SIGILL in round 1" in s["llama.cpp"]["repacking"]
+    assert s["norepack"]["repacking"] == "repacking off (--no-extra-bufts)"
+    assert s["fine"]["repacking"] == "llama.cpp's defaults (repacked CPU buffers on)"
+    assert "repacking" not in s["ref"]
+    # the best of the llama.cpp arms, at decode and at the prompt, and sluice's best against it
+    best = results["peers"]["llama.cpp"]
+    assert best["arms"] == ["llama.cpp", "norepack", "fine"]
+    assert best["decode"]["arm"] == "norepack" and best["decode"]["step_ms"] == pytest.approx(10.0)
+    assert best["decode"]["sluice_vs_best"] == pytest.approx(10.0 / s["ref"]["step_ms_median"])
+    assert best["prefill"]["arm"] == "fine"  # the defaults' prompt (0.2 s) beat repacking off (0.4 s)
+    assert "| llama.cpp (defaults crashed: repacking off) |" in captured.out
+    assert "Best llama.cpp arm of 3 (llama.cpp, norepack, fine): decode **norepack** 10.00 ms/step" in captured.out
+    assert "**fine** llama.cpp's defaults (repacked CPU buffers on)" in captured.out
