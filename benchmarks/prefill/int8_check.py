@@ -39,7 +39,8 @@ ARMS = {"float32": {"dtype": "float32"}, "int16": {}, "int8": {"activations": "i
 # -- llama.cpp (runs in the peers venv: no sluice import) ------------------------------------------------------------
 def llama_child(a) -> int:
     """Evaluate the prompt in one eval (n_batch 512, as the bench's peer arm), then the fed token; save both
-    positions' logits as float32 [2, V] to a.npy."""
+    positions' logits as float32 [2, V] to a.npy, and with a.all_npy every prompt position's [T, V] from a second
+    context that keeps them all (logits_all)."""
     import llama_cpp
     import numpy as np
 
@@ -201,14 +202,15 @@ def top2(x) -> dict:
 
 
 def compare(logits: dict, ref: str) -> dict:
-    """Per position: each arm's top-2 and relative L2 against `ref`, and every arm's logit gap between the tokens
-    the arms pick there."""
+    """Per position: each arm's top-2 and relative L2 against `ref`, and each arm's logits of every token some arm
+    picks there."""
     out = {}
     for p, name in enumerate(("after prompt (token 1)", "decode step (token 2)")):
-        picks = sorted({int(l[p].argmax()) for l in logits.values()})
-        out[name] = {arm: {**top2(l[p]), "rel_l2_vs_float32": None if arm == ref else round(rel(l[p], logits[ref][p]), 6),
-                           "logits_of_picks": {str(t): round(float(l[p][t]), 5) for t in picks}}
-                     for arm, l in logits.items()}
+        picks = sorted({int(lg[p].argmax()) for lg in logits.values()})
+        out[name] = {arm: {**top2(lg[p]),
+                           "rel_l2_vs_float32": None if arm == ref else round(rel(lg[p], logits[ref][p]), 6),
+                           "logits_of_picks": {str(t): round(float(lg[p][t]), 5) for t in picks}}
+                     for arm, lg in logits.items()}
     return out
 
 
@@ -270,10 +272,9 @@ def main() -> int:
     import sluice  # noqa: F401  before torch: sluice sets torch's OpenMP wait policy
     import torch
 
-    from sluice.quant.native import prompt as native_prompt
-
     from sluice.options import LoadOptions
     from sluice.plan import plan
+    from sluice.quant.native import prompt as native_prompt
 
     vocab = plan(a.model, LoadOptions(memory="all")).spec.vocab_size
     prompt = torch.randint(0, vocab, (a.prompt_tokens,), generator=torch.Generator().manual_seed(a.seed)).tolist()
