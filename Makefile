@@ -16,13 +16,17 @@ TORCH_PIP := $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX) --retries 0
 
 .PHONY: demo test install clean
 
-# setup.py builds the native kernels in place (pip install -e): a changed C source reinstalls
-$(BIN)/.installed: pyproject.toml setup.py sluice/quant/native/kernels.c
+NATIVE := $(wildcard sluice/quant/native/*.c sluice/quant/native/*.h)
+# setup.py builds the native kernels in place (pip install -e): a changed C source or header reinstalls. The build is
+# optional (no C compiler: the torch kernels run, `make demo` works); without it the stamp is not written, so the next
+# make tries again (after a compiler is installed), and `make test` stops with one line (tests/conftest.py).
+$(BIN)/.installed: pyproject.toml setup.py $(NATIVE)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIP) $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench]'
-	touch $@
+	@if $(BIN)/python -c 'from sluice.quant import native; raise SystemExit(not native.native_available())'; \
+	then touch $@; else echo "sluice: the native kernels did not build (no C compiler?): the torch kernels run instead"; fi
 
 install: $(BIN)/.installed
 

@@ -185,8 +185,8 @@ def test_decode_experts_split_over_threads_are_bitwise(quantized, streamed):
     from sluice.quant import native
 
     name, path, _, _ = quantized
-    if name == "BF16" or not native.native_available():
-        pytest.skip("plain experts, or the native kernels are not built")
+    if name == "BF16":
+        pytest.skip("BF16: plain experts, computed by torch (no native expert calls to split)")
     kw = {}
     if streamed:
         with sluice.load(path, memory="all") as m:
@@ -206,8 +206,8 @@ def test_an_all_native_decode_step_runs_torch_on_one_thread(quantized, monkeypat
     from sluice.quant import native
 
     name, path, _, _ = quantized
-    if name == "BF16" or not native.native_available():
-        pytest.skip("plain weights, or the native kernels are not built")
+    if name == "BF16":
+        pytest.skip("BF16: plain weights, no quantized kernels")
     seen = []
     real = native.ExpertCall.many
     monkeypatch.setattr(native.ExpertCall, "many",
@@ -235,11 +235,9 @@ def test_native_decode_attention_and_router_match_the_torch_steps(quantized):
     turn a rounding difference into another expert now and then, so a few tokens decide: the Q5_K model's first
     12 steps are 5.1e-2 off this way, 3.1e-2 the torch way, and its 64 steps 0.32 and 0.30; with int8 activations
     the Q4_1-Q5_0-Q5_1 model's 64 steps are 3.8e-2 and 2.3e-2)."""
-    from sluice.quant import native
-
     name, path, _, _ = quantized
-    if name == "BF16" or not native.native_available():
-        pytest.skip("plain weights (a plain model's decode keeps the torch steps), or the kernels are not built")
+    if name == "BF16":
+        pytest.skip("BF16: plain weights (a plain model's decode keeps the torch steps)")
     ids = torch.randint(0, 300, (68,), generator=torch.Generator().manual_seed(5)).tolist()
     with sluice.load(path, memory="all", dtype="float32") as m:
         exact = _decode_logits(m, ids)
@@ -279,7 +277,7 @@ def test_int8_activations_reach_every_integer_kernel_and_stream_bitwise(quantize
 
     name, path, _, _ = quantized
     if name == "BF16":
-        pytest.skip("plain weights: no integer kernels")
+        pytest.skip("BF16: plain weights, no integer kernels")
     with sluice.load(path, memory="all", dtype="float32") as m:
         exact = _decode_logits(m, IDS)
     logits = {}
