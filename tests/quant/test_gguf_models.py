@@ -152,22 +152,30 @@ def test_slots_hold_the_stored_bytes(quantized):
     assert st["bytes_read"] >= st["misses"] * min(per_layer.values())
 
 
-def test_decode_runs_one_native_call_per_expert(quantized, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_runs_one_native_call_per_expert(quantized, threads, monkeypatch):
     """At the default dtype a decode step computes each SiLU expert of a K/legacy-quant file in one native call
-    (the model once built ExpertMath with a gate function that turned that path off: 97 vs 78 ms/token)."""
+    (the model once built ExpertMath with a gate function that turned that path off: 97 vs 78 ms/token): on one
+    thread ExpertCall() per expert, on two ExpertCall.many for a layer's experts, their rows over the native pool.
+    Counted over the decode step alone (a prompt's rows may take the same calls): its top_k experts of every MoE
+    layer, each on its one row."""
     from sluice.quant import native
 
     name, path, _, _ = quantized
-    if name == "BF16" or not native.native_available():
-        pytest.skip("plain experts, or the native kernels are not built")
-    calls = []
-    real = native.ExpertCall.__call__
-    monkeypatch.setattr(native.ExpertCall, "__call__", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    with sluice.load(path, memory="all") as m:
-        m.replay(IDS[:4], [IDS[4]])  # a 4-token prefill, then one decode step
-        moe_layers = sum(m.spec.moe_layers)
-        top_k = m.spec.top_k
-    assert len(calls) >= moe_layers * top_k  # the decode step's experts (the prefill's 4 rows may add more)
+    if name == "BF16":
+        pytest.skip("BF16: plain experts, computed by torch")
+    rows = []  # x's rows, one entry per expert computed by a one-call kernel
+    call, many = native.ExpertCall.__call__, native.ExpertCall.many
+    monkeypatch.setattr(native.ExpertCall, "__call__", lambda self, slot, x, *a, **k: (
+        rows.append(x.shape[0]), call(self, slot, x, *a, **k))[1])
+    monkeypatch.setattr(native.ExpertCall, "many", lambda self, raw, slots, x, *a, **k: (
+        rows.extend([x.shape[0]] * len(slots)), many(self, raw, slots, x, *a, **k))[1])
+    with sluice.load(path, memory="all", threads=threads) as m, torch.inference_mode():
+        m.model.forward(torch.tensor(IDS[:4]), 0)  # a 4-token prompt
+        rows.clear()
+        m.model.forward(torch.tensor([IDS[4]]), 4)  # one decode step
+        experts = sum(m.spec.moe_layers) * m.spec.top_k
+    assert rows == [1] * experts
 
 
 def _decode_logits(m, ids: list[int]) -> torch.Tensor:
