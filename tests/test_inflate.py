@@ -39,11 +39,10 @@ def _assert_same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     a few ulps; through 2-6 layers that stays orders of magnitude under 1e-4 of the largest logit (the parity
     bound against transformers, tests/models/test_parity.py). bf16: one output rounding that falls the other way
     is 2^-8 relative and compounds through the layers, so the bound is the parity test's bf16 one (2%). The greedy
-    tokens are checked exactly elsewhere (test_inflated_greedy_output_identical_resident_and_streamed)."""
+    tokens are checked exactly elsewhere (test_inflated_greedy_output_identical_resident_and_streamed). No argmax
+    check here: where two logits lie within twice the bound the winner may change, elsewhere the bound implies it."""
     fp32 = want.dtype == torch.float32 and got.dtype == torch.float32
     assert (got - want).abs().max().item() <= (1e-4 if fp32 else 2e-2) * want.abs().max().item()
-    if fp32:  # at 1e-4 of the scale no position's winner can change but for an exact tie
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def _greedy(folder: Path, **load) -> list[int]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The peers' benchmark environment, never used by CI: benchmarks/peers/.venv (gitignored) holding
 #   llama-cpp-python  built from source (~8 min on 2 cores; CMake picks the host's CPU features, GGML_NATIVE)
-#   transformers + accelerate, with torch pinned to 2.13.0 (the CPU wheel on disk; an unpinned torch pulls a CUDA
-#   build of several GB)
+#   transformers + accelerate, with torch pinned to 2.13.0 from PyTorch's CPU index (PyPI's wheel pulls several GB of
+#   CUDA libraries; TORCH_INDEX overrides the index, TORCH_INDEX= leaves it to pip's configuration, as in the Makefile,
+#   whose comment says why --index-url and the short retries)
 # `sluice bench --peer-python benchmarks/peers/.venv/bin/python` runs the `peer:` arms with this interpreter.
 #
 #   bash benchmarks/peers/setup.sh          # idempotent: an existing, complete venv is only checked
@@ -13,6 +14,7 @@ PY=${PYTHON:-python3}
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 TRANSFORMERS=${TRANSFORMERS:-5.24.0}  # the version sluice's parity tests use
 ACCELERATE=${ACCELERATE:-1.15.0}
+TORCH_INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
@@ -20,7 +22,9 @@ CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==2.13.0" > "$CONSTRAINTS"  # every later install keeps it
 
-"${PIP[@]}" -c "$CONSTRAINTS" "torch==2.13.0"
+TORCH_PIP=()
+[ -z "$TORCH_INDEX" ] || TORCH_PIP=(--index-url "$TORCH_INDEX" --retries 0 --timeout 15)
+"${PIP[@]}" "${TORCH_PIP[@]}" -c "$CONSTRAINTS" "torch==2.13.0"
 "${PIP[@]}" -c "$CONSTRAINTS" "transformers==$TRANSFORMERS" "accelerate==$ACCELERATE" safetensors numpy
 
 if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then

@@ -17,7 +17,6 @@ import random
 import re
 import signal
 import struct
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -329,7 +328,7 @@ def test_fuzz_safetensors_headers(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     bases = base_files()
     path = tmp_path / "fuzz.safetensors"
-    accepted, start = 0, time.perf_counter()
+    accepted = 0
     for case in range(HEADER_CASES):
         blob = mutate(rng, rng.choice(bases), HEADER_MUTATORS)
         rewrite(path, blob)
@@ -342,7 +341,6 @@ def test_fuzz_safetensors_headers(tmp_path: Path) -> None:
                                  f"failing-{case}.safetensors, header {blob[:300]!r}") from e
     # the fuzz exercises both paths: plenty of files are refused, and some mutations keep a valid file
     assert 0.01 * HEADER_CASES < accepted < 0.6 * HEADER_CASES, accepted
-    assert time.perf_counter() - start < 60
 
 
 # --- the shard index ---------------------------------------------------------------------------------------------

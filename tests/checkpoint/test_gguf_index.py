@@ -275,7 +275,7 @@ def test_names_round_trip():
 def test_shared_expert_gate_is_1_by_h(pair):
     arch, model, _, path = pair
     if arch != "qwen2_moe":
-        pytest.skip("qwen2_moe only")
+        pytest.skip(f"{arch} has no shared expert gate (qwen2_moe's)")
     ref = CheckpointIndex.open(path)["model.layers.0.mlp.shared_expert_gate.weight"]
     assert ref.shape == (1, model.config.hidden_size)
 

@@ -105,7 +105,7 @@ def test_a_quantized_expert_is_dequantized_once_for_all_its_blocks(model, monkey
     """Quantized experts' prompt rows run on their weights dequantized to bf16 once (ExpertMath._bf16_weights),
     however many blocks the rows take."""
     if "safetensors" in str(model):
-        pytest.skip("bf16 experts")
+        pytest.skip("the safetensors model's experts are bf16: nothing to dequantize")
     calls: list[int] = []
     f = experts.ExpertMath._bf16_weights
     monkeypatch.setattr(experts.ExpertMath, "_bf16_weights", lambda self, *a: (calls.append(1), f(self, *a))[1])

@@ -152,22 +152,30 @@ def test_slots_hold_the_stored_bytes(quantized):
     assert st["bytes_read"] >= st["misses"] * min(per_layer.values())
 
 
-def test_decode_runs_one_native_call_per_expert(quantized, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_runs_one_native_call_per_expert(quantized, threads, monkeypatch):
     """At the default dtype a decode step computes each SiLU expert of a K/legacy-quant file in one native call
-    (the model once built ExpertMath with a gate function that turned that path off: 97 vs 78 ms/token)."""
+    (the model once built ExpertMath with a gate function that turned that path off: 97 vs 78 ms/token): on one
+    thread ExpertCall() per expert, on two ExpertCall.many for a layer's experts, their rows over the native pool.
+    Counted over the decode step alone (a prompt's rows may take the same calls): its top_k experts of every MoE
+    layer, each on its one row."""
     from sluice.quant import native
 
     name, path, _, _ = quantized
-    if name == "BF16" or not native.native_available():
-        pytest.skip("plain experts, or the native kernels are not built")
-    calls = []
-    real = native.ExpertCall.__call__
-    monkeypatch.setattr(native.ExpertCall, "__call__", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    with sluice.load(path, memory="all") as m:
-        m.replay(IDS[:4], [IDS[4]])  # a 4-token prefill, then one decode step
-        moe_layers = sum(m.spec.moe_layers)
-        top_k = m.spec.top_k
-    assert len(calls) >= moe_layers * top_k  # the decode step's experts (the prefill's 4 rows may add more)
+    if name == "BF16":
+        pytest.skip("BF16: plain experts, computed by torch")
+    rows = []  # x's rows, one entry per expert computed by a one-call kernel
+    call, many = native.ExpertCall.__call__, native.ExpertCall.many
+    monkeypatch.setattr(native.ExpertCall, "__call__", lambda self, slot, x, *a, **k: (
+        rows.append(x.shape[0]), call(self, slot, x, *a, **k))[1])
+    monkeypatch.setattr(native.ExpertCall, "many", lambda self, raw, slots, x, *a, **k: (
+        rows.extend([x.shape[0]] * len(slots)), many(self, raw, slots, x, *a, **k))[1])
+    with sluice.load(path, memory="all", threads=threads) as m, torch.inference_mode():
+        m.model.forward(torch.tensor(IDS[:4]), 0)  # a 4-token prompt
+        rows.clear()
+        m.model.forward(torch.tensor([IDS[4]]), 4)  # one decode step
+        experts = sum(m.spec.moe_layers) * m.spec.top_k
+    assert rows == [1] * experts
 
 
 def _decode_logits(m, ids: list[int]) -> torch.Tensor:
@@ -185,8 +193,8 @@ def test_decode_experts_split_over_threads_are_bitwise(quantized, streamed):
     from sluice.quant import native
 
     name, path, _, _ = quantized
-    if name == "BF16" or not native.native_available():
-        pytest.skip("plain experts, or the native kernels are not built")
+    if name == "BF16":
+        pytest.skip("BF16: plain experts, computed by torch (no native expert calls to split)")
     kw = {}
     if streamed:
         with sluice.load(path, memory="all") as m:
@@ -206,8 +214,8 @@ def test_an_all_native_decode_step_runs_torch_on_one_thread(quantized, monkeypat
     from sluice.quant import native
 
     name, path, _, _ = quantized
-    if name == "BF16" or not native.native_available():
-        pytest.skip("plain weights, or the native kernels are not built")
+    if name == "BF16":
+        pytest.skip("BF16: plain weights, no quantized kernels")
     seen = []
     real = native.ExpertCall.many
     monkeypatch.setattr(native.ExpertCall, "many",
@@ -235,11 +243,9 @@ def test_native_decode_attention_and_router_match_the_torch_steps(quantized):
     turn a rounding difference into another expert now and then, so a few tokens decide: the Q5_K model's first
     12 steps are 5.1e-2 off this way, 3.1e-2 the torch way, and its 64 steps 0.32 and 0.30; with int8 activations
     the Q4_1-Q5_0-Q5_1 model's 64 steps are 3.8e-2 and 2.3e-2)."""
-    from sluice.quant import native
-
     name, path, _, _ = quantized
-    if name == "BF16" or not native.native_available():
-        pytest.skip("plain weights (a plain model's decode keeps the torch steps), or the kernels are not built")
+    if name == "BF16":
+        pytest.skip("BF16: plain weights (a plain model's decode keeps the torch steps)")
     ids = torch.randint(0, 300, (68,), generator=torch.Generator().manual_seed(5)).tolist()
     with sluice.load(path, memory="all", dtype="float32") as m:
         exact = _decode_logits(m, ids)
@@ -279,7 +285,7 @@ def test_int8_activations_reach_every_integer_kernel_and_stream_bitwise(quantize
 
     name, path, _, _ = quantized
     if name == "BF16":
-        pytest.skip("plain weights: no integer kernels")
+        pytest.skip("BF16: plain weights, no integer kernels")
     with sluice.load(path, memory="all", dtype="float32") as m:
         exact = _decode_logits(m, IDS)
     logits = {}

@@ -1,4 +1,5 @@
-"""The native kernels (sluice/quant/native) against the exact dequantization + a float64 matmul, on both C paths."""
+"""The native kernels (sluice/quant/native) against the exact dequantization + a float64 matmul, on each C path
+(tests/quant/paths.py: the best this CPU runs, AVX2 alone, the portable one)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sluice.quant.kernels import QuantSpec
 from sluice.quant.native.kernel import NATIVE_MAX_ROWS, native_kernel
 from sluice.quant.samples import random_stored
 from sluice.quant.stored import StoredLinear
+from tests.quant import paths
 
 built = pytest.mark.skipif(not native.native_available(),
                            reason="native kernels not built (pip install -e . with a C compiler builds them)")
@@ -22,14 +24,11 @@ SPECS += [QuantSpec.mlx(bits, group, 29, 384, dt) for bits, group, dt in
           [(4, 32, torch.bfloat16), (4, 64, torch.float16), (4, 128, torch.float32), (8, 32, torch.float16),
            (8, 64, torch.bfloat16), (8, 128, torch.float32)]]
 SPECS += [QuantSpec.mxfp4(29, 224)]  # gpt-oss layout
-PATHS = ["simd", "scalar"]
 
 
-@pytest.fixture(params=PATHS)
+@pytest.fixture(params=paths.PATHS)
 def path(request, monkeypatch):
-    if request.param == "simd" and not native.simd():
-        pytest.skip("this CPU has no AVX2 + FMA + F16C: only the scalar path runs")
-    monkeypatch.setattr(native, "FORCE_SCALAR", request.param == "scalar")
+    paths.use(request.param, monkeypatch)
     return request.param
 
 
@@ -284,10 +283,10 @@ class _Spy:
 
 @pytest.mark.skipif(not native.native_available(), reason="native kernels not built")
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 1000])
-def test_float32_to_bf16_is_torchs_rounding_bitwise(n):
+def test_float32_to_bf16_is_torchs_rounding_bitwise(n, path):
     """kernels.c's float32 -> bf16 (a bf16 dequantization's and the integer path's outputs): round to nearest even
     with subnormals kept (torch's .to(bfloat16) there) and every NaN as 0x7FC0 (c10's scalar rounding; torch's
-    vectorized one keeps some payloads), on every path this CPU takes (AVX512_BF16's conversion flushes subnormals
+    vectorized one keeps some payloads), on every path (AVX512_BF16's conversion flushes subnormals
     and quiets NaNs its own way: blocks holding them go through the exact rounding)."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)
@@ -299,7 +298,7 @@ def test_float32_to_bf16_is_torchs_rounding_bitwise(n):
             at = torch.randint(0, n - len(extra) + 1, (1,), generator=g).item()
             x[at : at + len(extra)] = extra
     out = torch.empty(n, dtype=torch.bfloat16)
-    native._LIB.sluice_to_bf16(n, x.data_ptr(), out.data_ptr())
+    native._LIB.sluice_to_bf16(n, x.data_ptr(), out.data_ptr(), native._path())
     u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
     want = torch.where(x.isnan(), torch.tensor(0x7FC0), want)

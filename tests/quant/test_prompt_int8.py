@@ -20,6 +20,7 @@ from sluice.quant.native import prompt
 from sluice.quant.samples import random_stored
 from tests.checkpoint.gguf_files import GGUF_TINY, convert
 from tests.models.tiny import hf_model
+from tests.quant import paths
 from tests.quant.streaming import assert_streamed_equals_resident
 from tests.quant.test_gguf_models import K_SHAPES, q4_k_m
 
@@ -37,8 +38,8 @@ def coded(x: torch.Tensor) -> torch.Tensor:
     return ((xb * inv).clamp(-127, 127).round() * (amax / 127.0)).view(t, k)
 
 
-def run(spec, raw, x, scalar: bool, monkeypatch, threads: int = 2) -> torch.Tensor:
-    monkeypatch.setattr(native, "FORCE_SCALAR", scalar)
+def run(spec, raw, x, path: str, monkeypatch, threads: int = 2) -> torch.Tensor:
+    paths.use(path, monkeypatch)
     old = native._LIB.sluice_threads()
     native.set_threads(threads)
     try:
@@ -49,36 +50,53 @@ def run(spec, raw, x, scalar: bool, monkeypatch, threads: int = 2) -> torch.Tens
     return y
 
 
-def paths() -> list[bool]:
-    return [False, True] if prompt.available() else [True]
+def tile_paths() -> list[str]:
+    """The paths of prompt.c's tiles this CPU runs: AVX512-VNNI ("best") where it has it, and the portable one (an
+    AVX2-only CPU runs the portable tiles: prompt.c has no AVX2 code but the bf16 rounding, tested below)."""
+    return ["best", "portable"] if prompt.available() else ["portable"]
 
 
-@pytest.mark.parametrize("shape", [(37, 768, 17), (64, 1024, 8), (48, 512, 3), (16, 256, 1), (300, 512, 9)])
-def test_the_kernel_is_its_definition_on_every_path(shape, monkeypatch):
+SHAPES = [(37, 768, 17), (64, 1024, 8), (48, 512, 3), (16, 256, 1), (300, 512, 9)]
+
+
+def _case(shape):
     n, k, t = shape
     spec = QuantSpec.ggml("Q4_K", n, k)
-    raw = random_stored(spec, seed=n)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(k)) * torch.rand(k) * 4  # uneven channels
+    return spec, random_stored(spec, seed=n), x
+
+
+@pytest.mark.parametrize("path", ["best", "portable"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernel_is_its_definition_on_every_path(shape, path, monkeypatch):
+    spec, raw, x = _case(shape)
+    y, yb = (run(spec, raw, xx, path, monkeypatch) for xx in (x, x.bfloat16()))
     ref = coded(x).double() @ spec.dequantize(raw).double().T
-    ys = [run(spec, raw, xx, scalar, monkeypatch) for scalar in paths() for xx in (x, x.bfloat16())]
-    assert all(torch.equal(ys[0], y) for y in ys[2::2]) and all(torch.equal(ys[1], y) for y in ys[3::2])
-    assert float((ys[0].double() - ref).norm() / ref.norm()) <= 1e-6
+    assert float((y.double() - ref).norm() / ref.norm()) <= 1e-6
     bref = coded(x.bfloat16().float()).double() @ spec.dequantize(raw).double().T
-    assert float((ys[1].double() - bref).norm() / bref.norm()) <= 1e-6
+    assert float((yb.double() - bref).norm() / bref.norm()) <= 1e-6
     # against the exact product: the coding's error, about llama.cpp's (test_q8.py's K-quant table)
     exact = x.double() @ spec.dequantize(raw).double().T
-    assert float((ys[0].double() - exact).norm() / exact.norm()) <= 3e-2
+    assert float((y.double() - exact).norm() / exact.norm()) <= 3e-2
+
+
+@pytest.mark.skipif(not prompt.available(), reason="this CPU has no AVX512-VNNI: only the portable tiles run")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_vnni_tiles_give_the_portable_bits(shape, monkeypatch):
+    spec, raw, x = _case(shape)
+    for xx in (x, x.bfloat16()):
+        assert torch.equal(run(spec, raw, xx, "best", monkeypatch), run(spec, raw, xx, "portable", monkeypatch))
 
 
 def test_rows_do_not_depend_on_t_threads_or_the_output_stride(monkeypatch):
     spec = QuantSpec.ggml("Q4_K", 40, 512)
     raw = random_stored(spec, seed=3)
     x = torch.randn(21, 512, generator=torch.Generator().manual_seed(4))
-    for scalar in paths():
-        whole = run(spec, raw, x, scalar, monkeypatch, threads=2)
-        assert torch.equal(run(spec, raw, x, scalar, monkeypatch, threads=1), whole)
+    for path in tile_paths():
+        whole = run(spec, raw, x, path, monkeypatch, threads=2)
+        assert torch.equal(run(spec, raw, x, path, monkeypatch, threads=1), whole)
         for a, b in ((0, 1), (3, 11), (11, 21)):
-            assert torch.equal(run(spec, raw, x[a:b].contiguous(), scalar, monkeypatch), whole[a:b])
+            assert torch.equal(run(spec, raw, x[a:b].contiguous(), path, monkeypatch), whole[a:b])
         wide = torch.full((21, 100), 7.0)  # two projections into column slices of one output
         prompt.linears([(spec, raw, wide[:, :40]), (spec, raw, wide[:, 50:90])], x)
         assert torch.equal(wide[:, :40], whole) and torch.equal(wide[:, 50:90], whole)
@@ -170,17 +188,19 @@ def test_one_expert_call_is_the_projections_in_turn(fused, t, monkeypatch):
         args = ((QuantSpec.ggml("Q4_K", 2 * i, h), torch.cat(raws[:2])), None)
     else:
         args = ((gate, raws[0]), (up, raws[1]))
-    ys, hs = [], []
-    for scalar in paths():
-        monkeypatch.setattr(native, "FORCE_SCALAR", scalar)
-        ys.append(torch.empty(t, h, dtype=torch.bfloat16))
-        prompt.expert(*args, (down, raws[2]), x, ys[-1])
-        hs.append(torch.empty(t, i, dtype=torch.bfloat16))
-        prompt.expert(*args, None, x, hs[-1])
-    assert all(torch.equal(ys[0], y) for y in ys) and all(torch.equal(hs[0], y) for y in hs)
-    assert float((ys[0].double() - want.double()).norm() / want.double().norm()) <= 5e-3
-    ulp = (prod.abs().bfloat16().float() * 2.0**-7).clamp(min=1e-30)  # one bf16 step
-    assert ((hs[0].float() - prod).abs() <= ulp).all()
+    def both():
+        y, hh = torch.empty(t, h, dtype=torch.bfloat16), torch.empty(t, i, dtype=torch.bfloat16)
+        prompt.expert(*args, (down, raws[2]), x, y)
+        prompt.expert(*args, None, x, hh)
+        return [y, hh]
+
+    # every path: VNNI tiles where the CPU has them, the bf16 outputs rounded by AVX512_BF16, AVX2 or portable code
+    outs = paths.on_each(both, monkeypatch)
+    for y, hh in outs:
+        assert float((y.double() - want.double()).norm() / want.double().norm()) <= 5e-3
+        ulp = (prod.abs().bfloat16().float() * 2.0**-7).clamp(min=1e-30)  # one bf16 step
+        assert ((hh.float() - prod).abs() <= ulp).all()
+    paths.same_bits(outs)
 
 
 def test_int8_prompt_rows_are_not_padded(q4km, kernel_calls):
@@ -201,11 +221,11 @@ def test_a_nan_in_x_gives_nan_rows_on_both_paths(monkeypatch):
     spec = QuantSpec.ggml("Q4_K", 32, 512)
     raw = random_stored(spec, seed=5)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(6))
-    clean = run(spec, raw, x, False, monkeypatch)
+    clean = run(spec, raw, x, "best", monkeypatch)
     for at in (0, 17, 255, 300):
         bad = x.clone()
         bad[1, at] = float("nan")
-        for y in (run(spec, raw, bad, scalar, monkeypatch) for scalar in paths()):
+        for y in (run(spec, raw, bad, path, monkeypatch) for path in tile_paths()):
             assert y[1].isnan().all()
             assert torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
 

@@ -9,7 +9,7 @@ random blocks, 5 seeds of 4 rows; every format within the range given):
   Gaussian x                                      6.6e-3 - 7.7e-3
   heavy-tailed x                                  1.6e-2 - 2.3e-2
 The test bounds are 1e-2 / 1.5e-2 (planes=1; K-quants 1e-2 / 3e-2) and 1e-4 (planes=2). The AVX2 and the scalar C
-paths give the same bits; so does any T.
+paths give the same bits (so does the AVX-512 rounding of bf16 outputs, tests/quant/paths.py); so does any T.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
 from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS, native_kernel
 from sluice.quant.samples import random_expert_slots, random_stored
+from tests.quant import paths
 
 pytestmark = pytest.mark.skipif(not native.native_available(),
                                 reason="native kernels not built (pip install -e . with a C compiler builds them)")
@@ -37,13 +38,10 @@ def rel_l2(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
 
-def both_paths(fn, monkeypatch):
-    """fn() on the AVX2 path (where the CPU has it) and on the scalar path."""
-    out = []
-    for scalar in ([False, True] if native.simd() else [True]):
-        monkeypatch.setattr(native, "FORCE_SCALAR", scalar)
-        out.append(fn())
-    return out
+def both_paths(fn, monkeypatch) -> list:
+    """fn() on each C path this CPU runs (AVX2 and the portable one, and AVX-512 where it has it: tests/quant/paths.py),
+    the portable one last."""
+    return paths.on_each(fn, monkeypatch)
 
 
 @pytest.mark.parametrize("planes", [1, 2])
@@ -53,7 +51,6 @@ def test_within_the_bound_of_the_exact_weights_and_the_same_bits_on_both_paths(s
     raw = random_stored(spec, seed=T)
     x = torch.randn(T, spec.in_features, generator=torch.Generator().manual_seed(T))
     ys = both_paths(lambda: native.linear_q8(spec, x, raw, planes=planes), monkeypatch)
-    assert all(torch.equal(ys[0], y) for y in ys)
     assert ys[0].shape == (T, spec.out_features) and ys[0].dtype == torch.float32
     assert rel_l2(ys[0], x, spec.dequantize(raw)) <= (1e-2 if planes == 1 else 1e-4)
     # row t does not depend on T; a given quantized x gives the same y
@@ -61,6 +58,7 @@ def test_within_the_bound_of_the_exact_weights_and_the_same_bits_on_both_paths(s
     assert torch.equal(native.linear_q8(spec, mid, raw, planes=planes), ys[0][T // 2:T // 2 + 1])
     xq = native.quantize_q8(x, planes, spec=spec)
     assert torch.equal(native.linear_q8(spec, x, raw, xq=xq, planes=planes), ys[0])
+    paths.same_bits(ys)
 
 
 @pytest.mark.parametrize("planes", [1, 2])
@@ -83,7 +81,6 @@ def test_quantized_x_layout(planes, monkeypatch):
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(planes)) * 3
     x[1, :64] = 0  # all-zero blocks: d = 0, codes 0
     xqs = both_paths(lambda: native.quantize_q8(x, planes), monkeypatch)
-    assert all(torch.equal(xqs[0], v) for v in xqs)
     assert xqs[0].shape == (2, native.q8_row_bytes(K, planes)) == (2, K // 32 * B)
     blocks = xqs[0].view(2, K // 32, B)
     d = blocks[..., :4].contiguous().view(torch.float32)[..., 0]  # [2, blocks]
@@ -104,6 +101,7 @@ def test_quantized_x_layout(planes, monkeypatch):
     assert torch.equal(d, D)
     assert bool(((code * d[..., None] - xb).abs() <= d[..., None] * (0.5 if planes == 1 else 1.0) * (1 + 1e-6)).all())
     assert torch.equal(s, d * code.sum(-1))
+    paths.same_bits(xqs)
 
 
 def test_super_block_layout_of_the_k_quants(monkeypatch):
@@ -115,7 +113,6 @@ def test_super_block_layout_of_the_k_quants(monkeypatch):
     x[1, :256] = 0  # an all-zero super-block: d = 0, codes 0
     spec = QuantSpec.ggml("Q4_K", 4, K)
     xqs = both_paths(lambda: native.quantize_q8(x, 2, spec=spec), monkeypatch)
-    assert all(torch.equal(xqs[0], v) for v in xqs)
     assert xqs[0].shape == (2, native.q8_row_bytes(K, 2, spec)) == (2, K // 256 * 580)
     assert native.q8_row_bytes(K, 2, QuantSpec.ggml("Q8_0", 4, K)) == native.q8_row_bytes(K, 2) == K // 32 * 72
     assert native.q8_row_bytes(K, 1, QuantSpec.ggml("Q8_0", 4, K)) == native.q8_row_bytes(K, 1) == K // 32 * 40
@@ -136,6 +133,7 @@ def test_super_block_layout_of_the_k_quants(monkeypatch):
     # the same bits from linear_q8 with this xq as with x
     raw = random_stored(spec)
     assert torch.equal(native.linear_q8(spec, x, raw, xq=xqs[0]), native.linear_q8(spec, x, raw))
+    paths.same_bits(xqs)
 
 
 def test_one_plane_super_block_layout_of_the_k_quants(monkeypatch):
@@ -146,7 +144,6 @@ def test_one_plane_super_block_layout_of_the_k_quants(monkeypatch):
     x[1, 256:] = 0
     spec = QuantSpec.ggml("Q6_K", 4, K)
     xqs = both_paths(lambda: native.quantize_q8(x, 1, spec=spec), monkeypatch)
-    assert all(torch.equal(xqs[0], v) for v in xqs)
     assert xqs[0].shape == (2, native.q8_row_bytes(K, 1, spec)) == (2, K // 256 * 324)
     sb = xqs[0].view(2, K // 256, 324)
     d = sb[..., :4].contiguous().view(torch.float32)[..., 0]
@@ -160,7 +157,9 @@ def test_one_plane_super_block_layout_of_the_k_quants(monkeypatch):
     assert not hi[1, 1].any() and d[1, 1] == 0
     raw = random_stored(spec)
     ys = both_paths(lambda: native.linear_q8(spec, x, raw, xq=xqs[0], planes=1), monkeypatch)
-    assert all(torch.equal(ys[0], y) for y in ys) and torch.equal(ys[0], native.linear_q8(spec, x, raw, planes=1))
+    assert torch.equal(ys[0], native.linear_q8(spec, x, raw, planes=1))
+    paths.same_bits(xqs)
+    paths.same_bits(ys)
 
 
 def test_nonfinite_activations_do_not_crash():
@@ -221,7 +220,7 @@ def test_one_call_expert_is_the_three_projections(T, planes, monkeypatch):
     raws = tuple(random_stored(s, seed=k) for k, s in enumerate(specs))
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
     ys = both_paths(lambda: native.expert_q8(specs, raws, x, planes=planes), monkeypatch)
-    assert all(torch.equal(ys[0], y) for y in ys) and ys[0].shape == (T, H)
+    assert ys[0].shape == (T, H)
     g, u = (native.linear_q8(s, x, r, planes=planes) for s, r in zip(specs[:2], raws[:2]))
     # silu in float32 (libm's expf there, torch's exp here: equal to an ulp)
     want = native.linear_q8(specs[2], (g / (1 + torch.exp(-g)) * u).contiguous(), raws[2], planes=planes)
@@ -234,6 +233,7 @@ def test_one_call_expert_is_the_three_projections(T, planes, monkeypatch):
         native.expert_q8((specs[0], specs[2], specs[2]), raws, x)
     with pytest.raises(ValueError, match="int8 path does not compute"):
         native.expert_q8((QuantSpec.mlx(4, 64, I, H),) + specs[1:], raws, x)
+    paths.same_bits(ys)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -316,14 +316,16 @@ def test_linears_q8_are_linear_q8_on_any_thread_count(T, threads, c_threads, mon
     raws = [random_stored(s, seed=k) for k, s in enumerate(specs)]
     x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T))
     call = native.LinearsQ8(list(zip(specs, raws)))
+    every = []
     for planes in (1, 2):
         outs = both_paths(lambda: call(x, planes=planes), monkeypatch)
-        for ys in outs:
-            for y, s, r in zip(ys, specs, raws):
-                assert y.shape == (T, s.out_features) and y.is_contiguous()
-                assert torch.equal(y, native.linear_q8(s, x, r, planes=planes))
-        for y, b in zip(outs[0], call(x, planes=planes, out_dtype=torch.bfloat16)):  # rounded in C as .to rounds
+        for y, s, r in zip(outs[0], specs, raws):
+            assert y.shape == (T, s.out_features) and y.is_contiguous()
+            assert torch.equal(y, native.linear_q8(s, x, r, planes=planes))
+        bf16 = both_paths(lambda: call(x, planes=planes, out_dtype=torch.bfloat16), monkeypatch)
+        for y, b in zip(outs[0], bf16[0]):  # rounded in C as .to rounds
             assert b.dtype == torch.bfloat16 and torch.equal(b, y.to(torch.bfloat16))
+        every += [outs, bf16]
     with pytest.raises(ValueError, match="share in_features"):
         native.LinearsQ8([(specs[0], raws[0]), (QuantSpec.ggml("Q8_0", 4, 64), random_stored(QuantSpec.ggml(
             "Q8_0", 4, 64)))])
@@ -331,6 +333,8 @@ def test_linears_q8_are_linear_q8_on_any_thread_count(T, threads, c_threads, mon
         call(torch.randn(T, 256))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         call(x, out_dtype=torch.float16)
+    for outs in every:
+        paths.same_bits(outs)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -349,14 +353,17 @@ def test_experts_in_one_call_are_each_expert_q8(T, threads, c_threads, monkeypat
     want = torch.empty(5, T, H)
     for e in range(5):
         call(slots[e], x, want[e])
+    every = []
     for order in ([0, 1, 2, 3, 4], [3], [4, 0, 2]):
         def run():
             ys = torch.full((6, T, H), float("nan"))
             call.many(slots, order, x, ys, [e + 1 for e in order])  # expert e into row e + 1
             return ys
-        for ys in both_paths(run, monkeypatch):
-            assert torch.equal(ys[[e + 1 for e in order]], want[order])
-            assert all(ys[r].isnan().all() for r in range(6) if r - 1 not in order)
+        rows = [e + 1 for e in order]
+        outs = both_paths(run, monkeypatch)
+        assert torch.equal(outs[0][rows], want[order])
+        assert all(ys[r].isnan().all() for ys in outs for r in range(6) if r - 1 not in order)
+        every.append([ys[rows] for ys in outs])
     with pytest.raises(ValueError, match="expert slots"):
         call.many(slots[:, :-1], [0], x, torch.empty(1, T, H), [0])
     with pytest.raises(ValueError, match="expert slots"):
@@ -365,6 +372,8 @@ def test_experts_in_one_call_are_each_expert_q8(T, threads, c_threads, monkeypat
         call.many(slots, [0], x, torch.empty(1, T, H + 1), [0])
     with pytest.raises(ValueError, match="expert outputs"):
         call.many(slots, [0, 1], x, torch.empty(2, T, H), [0, 2])
+    for outs in every:
+        paths.same_bits(outs)
 
 
 @pytest.mark.parametrize("planes", [1, 2])
@@ -381,10 +390,12 @@ def test_the_largest_min_terms_are_exact_on_both_paths(name, planes, monkeypatch
     else:
         blocks[..., 4:16] = 255  # every 6-bit scale and min 63
     w = spec.dequantize(raw)
+    every = []
     for x in (torch.ones(2, 1024), -torch.ones(2, 1024)):
-        ys = both_paths(lambda: native.linear_q8(spec, x, raw, planes=planes), monkeypatch)
-        assert all(torch.equal(ys[0], y) for y in ys)
-        assert rel_l2(ys[0], x, w) <= (1e-2 if planes == 1 else 1e-4)
+        every.append(both_paths(lambda: native.linear_q8(spec, x, raw, planes=planes), monkeypatch))
+        assert rel_l2(every[-1][0], x, w) <= (1e-2 if planes == 1 else 1e-4)
+    for ys in every:
+        paths.same_bits(ys)
 
 
 def test_the_prefetch_distance_does_not_change_the_bits():

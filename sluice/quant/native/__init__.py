@@ -105,7 +105,7 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_rope_bf16.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr]  # heads, T, D, rot, x, sh, st
     lib.sluice_set_threads.restype = lib.sluice_combine_bf16.restype = lib.sluice_rms_norm_bf16.restype = None
     lib.sluice_rope_bf16.restype = None
-    lib.sluice_to_bf16.argtypes = [i64, ptr, ptr]  # n, x float32, out bf16
+    lib.sluice_to_bf16.argtypes = [i64, ptr, ptr, i32]  # n, x float32, out bf16, scalar
     lib.sluice_to_bf16.restype = None
     lib.sluice_set_spin.argtypes = [i64, i64]
     lib.sluice_set_spin.restype = None
@@ -117,17 +117,25 @@ def _load() -> ctypes.CDLL | None:
 
 
 _LIB = _load()
-#: test hook: True runs the portable scalar C path even where AVX2 is available
+#: test hooks, read at every call (tests set them with monkeypatch, which restores them): FORCE_SCALAR runs the
+#: portable C path even where AVX2 is available; AVX2_ONLY keeps the AVX2 path but none of the AVX-512 ones (kernels.c's
+#: AVX512_BF16 rounding to bf16, prompt.c's VNNI tiles), as an AVX2-only CPU runs them, so one CPU tests all three
 FORCE_SCALAR = False
-_ops_scalar = False  # what ops.c was last told (_sync_ops)
+AVX2_ONLY = False
+_ops_scalar = 0  # what ops.c was last told (_sync_ops)
+
+
+def _path() -> int:
+    """The C entry points' `scalar` argument, the path cap of common.h: 1 portable, 2 at most AVX2, 0 the best."""
+    return 1 if FORCE_SCALAR else 2 if AVX2_ONLY else 0
 
 
 def _sync_ops() -> None:
     """Tell ops.c's vectorized loops (rms_norm, rope, combine_rows) whether FORCE_SCALAR asks for the portable ones."""
     global _ops_scalar
-    if FORCE_SCALAR != _ops_scalar:
-        _LIB.sluice_ops_scalar(int(FORCE_SCALAR))
-        _ops_scalar = FORCE_SCALAR
+    if _path() != _ops_scalar:
+        _ops_scalar = _path()
+        _LIB.sluice_ops_scalar(_ops_scalar)
 
 
 _warned = False
@@ -236,10 +244,10 @@ def _run(desc: tuple, x: torch.Tensor, out: torch.Tensor, rows: tuple[int, int] 
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False); use the torch kernels")
     if rows is None:  # all rows, split over set_threads' pool (a prefill's experts): the same bits
-        rc = _LIB.sluice_rows_pool(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), None, int(FORCE_SCALAR))
+        rc = _LIB.sluice_rows_pool(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), None, _path())
     else:
         n0, n1 = _rows(rows, desc[1])
-        rc = _LIB.sluice_linear(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), n0, n1, int(FORCE_SCALAR))
+        rc = _LIB.sluice_linear(*desc, x.data_ptr(), x.shape[0], out.data_ptr(), n0, n1, _path())
     if rc:
         raise MemoryError(f"native linear failed (code {rc}): no memory for a {desc[2]}-value row buffer")
     return out
@@ -290,11 +298,11 @@ def dequantize(spec: QuantSpec, raw: torch.Tensor, out: torch.Tensor | None = No
         out = torch.empty(n, k)
     if out.dtype is torch.bfloat16:
         _buffer(out, f"out ([{n}, {k}])", torch.bfloat16, n * k)
-        if _LIB.sluice_dequantize_bf16(*desc, out.data_ptr(), int(FORCE_SCALAR)):
+        if _LIB.sluice_dequantize_bf16(*desc, out.data_ptr(), _path()):
             raise MemoryError(f"native dequantize: no memory for a {k}-value row buffer")
         return out.view(n, k)
     _buffer(out, f"out ([{n}, {k}])", torch.float32, n * k)
-    _LIB.sluice_rows_pool(*desc, None, 0, None, out.data_ptr(), int(FORCE_SCALAR))  # rows over the pool
+    _LIB.sluice_rows_pool(*desc, None, 0, None, out.data_ptr(), _path())  # rows over the pool
     return out.view(n, k)
 
 
@@ -365,8 +373,7 @@ def quantize_q8(x: torch.Tensor, planes: int | None = None, out: torch.Tensor | 
     if out is None:
         out = torch.empty(x.shape[0], rb, dtype=torch.uint8)
     _buffer(out, f"xq ([{x.shape[0]}, {rb}])", torch.uint8, x.shape[0] * rb)
-    _LIB.sluice_quantize_q8(k, x.data_ptr(), x.shape[0], out.data_ptr(), _layout_of(spec, planes),
-                            int(FORCE_SCALAR))
+    _LIB.sluice_quantize_q8(k, x.data_ptr(), x.shape[0], out.data_ptr(), _layout_of(spec, planes), _path())
     return out.view(x.shape[0], rb)
 
 
@@ -394,7 +401,7 @@ def _run_q8(desc: tuple, xq: torch.Tensor | None, x: torch.Tensor, out: torch.Te
             rows: tuple[int, int]) -> torch.Tensor:
     """Output columns rows=(n0, n1) of the integer path (x quantized here when xq is None)."""
     rc = _LIB.sluice_linear_q8(*desc, None if xq is None else xq.data_ptr(), x.data_ptr(), x.shape[0], planes,
-                               out.data_ptr(), rows[0], rows[1], int(FORCE_SCALAR))
+                               out.data_ptr(), rows[0], rows[1], _path())
     if rc:
         raise MemoryError(f"native linear_q8 failed (code {rc}): no memory for {x.shape[0]} quantized rows")
     return out
@@ -430,8 +437,7 @@ class LinearsQ8:
             y = torch.empty(t, ni, dtype=out_dtype)  # one op each (views of one block took two more each)
             ys.append(y)
             vals += (fmt, n, q, row_bytes, y.data_ptr(), bf16)
-        rc = _LIB.sluice_linears_q8(len(self.ns), self._arr(*vals), self.k, x.data_ptr(), t, _planes(planes),
-                                    int(FORCE_SCALAR))
+        rc = _LIB.sluice_linears_q8(len(self.ns), self._arr(*vals), self.k, x.data_ptr(), t, _planes(planes), _path())
         if rc:
             raise MemoryError(f"native linears_q8 failed (code {rc}): no memory for {t} quantized rows")
         return ys
@@ -472,8 +478,7 @@ def expert_q8(specs: tuple, raws: tuple, x: torch.Tensor, out: torch.Tensor | No
 def _run_expert(args: tuple | list, h: int, i: int, x: torch.Tensor, out: torch.Tensor,
                 planes: int | None) -> torch.Tensor:
     """The C call behind expert_q8 and ExpertCall: args (format, codes address, bytes per row) of gate, up, down."""
-    rc = _LIB.sluice_expert_q8(*args, h, i, x.data_ptr(), x.shape[0], _planes(planes), out.data_ptr(),
-                               int(FORCE_SCALAR))
+    rc = _LIB.sluice_expert_q8(*args, h, i, x.data_ptr(), x.shape[0], _planes(planes), out.data_ptr(), _path())
     if rc:
         raise MemoryError(f"native expert failed (code {rc}): no memory for its [{x.shape[0]} x {i}] scratch")
     return out
@@ -532,7 +537,7 @@ class ExpertCall:
             at = base + s * stride
             vals += (gf, at + ga, gr, uf, at + ua, ur, df, at + da, dr, yb + 4 * r * th)
         rc = _LIB.sluice_experts_q8(n, (ctypes.c_int64 * len(vals))(*vals), h, self.i, x.data_ptr(), x.shape[0],
-                                    _planes(planes), int(FORCE_SCALAR))
+                                    _planes(planes), _path())
         if rc:
             raise MemoryError(f"native experts failed (code {rc}): no memory for {n} experts' [{x.shape[0]} x "
                               f"{self.i}] scratch")

@@ -19,6 +19,14 @@
 #define SLUICE_X86 0
 #endif
 
+/* The `scalar` argument of every entry point caps the vector code a call may run, so that one CPU tests each path
+ * (the Python side's test hooks FORCE_SCALAR and AVX2_ONLY, native._path): 0 the best this CPU has, 1 the portable C
+ * only, 2 at most AVX2 (no AVX-512 path: what an AVX2-only CPU runs). */
+#define SLUICE_PATH_SCALAR 1
+#define SLUICE_PATH_AVX2 2
+static inline int sluice_avx2_ok(int scalar) { return scalar != SLUICE_PATH_SCALAR; }
+static inline int sluice_avx512_ok(int scalar) { return scalar == 0; }
+
 enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI, N_FORMATS };
 /* MXFP4_OAI: gpt-oss's *_blocks [N, K/32, 16] (value 2i the low nibble of byte i) and *_scales [N, K/32] (in s) */
 enum { S_F32, S_F16, S_BF16 };  /* MLX scale / bias dtype */

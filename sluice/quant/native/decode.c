@@ -55,12 +55,12 @@ AVX2 static void axpy_bf16_avx2(float w, const uint16_t *v, float *acc, int64_t 
 typedef float (*dot_fn)(const uint16_t *, const uint16_t *, int64_t);
 typedef void (*axpy_fn)(float, const uint16_t *, float *, int64_t);
 
-/* the AVX2 copies where the CPU has them (the same bits), else the portable ones; scalar != 0 forces those */
+/* the AVX2 copies where the CPU has them (the same bits), else the portable ones; scalar 1 forces those */
 static void pick(int scalar, dot_fn *dot, axpy_fn *axpy) {
     *dot = dot_bf16;
     *axpy = axpy_bf16;
 #if SLUICE_X86
-    if (!scalar && sluice_simd()) *dot = dot_bf16_avx2, *axpy = axpy_bf16_avx2;
+    if (sluice_avx2_ok(scalar) && sluice_simd()) *dot = dot_bf16_avx2, *axpy = axpy_bf16_avx2;
 #else
     (void)scalar;
 #endif
@@ -117,7 +117,7 @@ static void clip_bf16(uint16_t *x, int64_t n, float c) {  /* torch's x.clamp(-c,
  *   attention -> out [nH * D] bf16.
  * sinks: [nH] float32 (the sink logits, already rounded to bf16) or NULL. rq: bf16 scratch [(nH + nKV) * D];
  * scratch: float32 [nH * (n + D)] with n = pos - lo + 1. Heads go over the pool when the scores are worth it.
- * scalar != 0: the portable loops. */
+ * scalar: common.h's path cap (1: the portable loops). */
 void sluice_attend_bf16(int64_t nH, int64_t nKV, int64_t D, int64_t rot, uint16_t *q, uint16_t *k, const uint16_t *v,
                         int norm_mode, const uint16_t *qn, const uint16_t *kn, float eps, float clip,
                         const uint16_t *cos, const uint16_t *sin, uint16_t *ck, uint16_t *cv, int64_t sh, int64_t sp,

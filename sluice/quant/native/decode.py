@@ -107,7 +107,7 @@ class LayerAttention:
         native._sync_ops()  # its norms and rope are ops.c's: FORCE_SCALAR reaches them too
         _LIB.sluice_attend_bf16(nH, nKV, D, a.rot, _bf16(q, "q", nH * D), _bf16(k, "k", nKV * D),
                                 _bf16(v, "v", nKV * D), *self._args, pos, lo, self._sinks, a.rq.data_ptr(),
-                                a.scratch.data_ptr(), out.data_ptr(), int(native.FORCE_SCALAR))
+                                a.scratch.data_ptr(), out.data_ptr(), native._path())
         return out
 
 
@@ -119,5 +119,5 @@ def router_probs_bf16(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     E, H = router.shape
     probs = torch.empty(1, E, dtype=torch.float32)
     _LIB.sluice_router_probs_bf16(E, H, _bf16(x, "x", H), _bf16(router, "router", E * H), probs.data_ptr(),
-                                  int(native.FORCE_SCALAR))
+                                  native._path())
     return probs

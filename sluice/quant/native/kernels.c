@@ -383,11 +383,11 @@ static void rows_scalar(const wdesc *w, const float *x, int64_t T, float *y, int
     }
 }
 
-/* row n's float32 weights into o: the AVX2 path where it runs (and scalar is 0), else the portable one */
+/* row n's float32 weights into o: the AVX2 path where it runs (and scalar allows it), else the portable one */
 static void deq_row(const wdesc *w, int64_t n, float *o, int scalar) {
     (void)scalar;  /* unused where only the portable path is compiled */
 #if SLUICE_X86
-    if (!scalar && have_avx2()) { deq_row_avx2(w, n, o); return; }
+    if (sluice_avx2_ok(scalar) && have_avx2()) { deq_row_avx2(w, n, o); return; }
 #endif
     deq_row_scalar(w, n, o);
 }
@@ -403,7 +403,7 @@ static wdesc desc(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_b
     return w;
 }
 
-/* y[t, n] for n in [n0, n1) (y is [T, N], row stride N); scalar != 0 forces the portable path.
+/* y[t, n] for n in [n0, n1) (y is [T, N], row stride N); scalar caps the path (common.h: 1 the portable one).
  * Returns 0, or -1 when the row buffer cannot be allocated, -2 for an unknown format. */
 int sluice_linear(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *s,
                   const uint8_t *b, int sdt, int gs, const float *x, int64_t T, float *y, int64_t n0, int64_t n1,
@@ -414,7 +414,7 @@ int sluice_linear(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_b
     float *buf = (float *)malloc((size_t)K * sizeof(float) + 64);
     if (!buf) return -1;
 #if SLUICE_X86
-    if (!scalar && have_avx2()) rows_avx2(&w, x, T, y, n0, n1, buf);
+    if (sluice_avx2_ok(scalar) && have_avx2()) rows_avx2(&w, x, T, y, n0, n1, buf);
     else
 #endif
         rows_scalar(&w, x, T, y, n0, n1, buf);
@@ -482,14 +482,14 @@ int sluice_cpu_avx512bf16(void) { return 0; }
 static void to_bf16_row(const float *x, uint16_t *o, int64_t n, int scalar) {
     (void)scalar;
 #if SLUICE_X86
-    if (!scalar && sluice_cpu_avx512bf16()) { to_bf16_avx512(x, o, n); return; }
-    if (!scalar && have_avx2()) { to_bf16_avx2(x, o, n); return; }
+    if (sluice_avx512_ok(scalar) && sluice_cpu_avx512bf16()) { to_bf16_avx512(x, o, n); return; }
+    if (sluice_avx2_ok(scalar) && have_avx2()) { to_bf16_avx2(x, o, n); return; }
 #endif
     for (int64_t i = 0; i < n; i++) o[i] = bf16_round(x[i]);
 }
 
-/* float32 [n] -> bf16 [n], round to nearest even (torch's .to(torch.bfloat16)); q8.c's bf16 outputs */
-void sluice_to_bf16(int64_t n, const float *x, uint16_t *out) { to_bf16_row(x, out, n, 0); }
+/* float32 [n] -> bf16 [n], round to nearest even (torch's .to(torch.bfloat16)); q8.c's and prompt.c's bf16 outputs */
+void sluice_to_bf16(int64_t n, const float *x, uint16_t *out, int scalar) { to_bf16_row(x, out, n, scalar); }
 
 /* the weights of rows [n0, n1) as bf16 into out16 [N, K]: each row dequantized (bitwise sluice_dequantize's) into
  * a float32 row buffer, then rounded to bf16. Returns 0, -1 (no memory). */

@@ -5,10 +5,10 @@
 
 #include "common.h"
 
-static int ops_scalar; /* sluice_ops_scalar */
+static int ops_scalar; /* sluice_ops_scalar: common.h's path cap */
 
 /* whether the AVX2 copies below run (the CPU has them and the test hook does not ask for the portable loops) */
-static inline int ops_simd(void) { return SLUICE_X86 && !ops_scalar && sluice_simd(); }
+static inline int ops_simd(void) { return SLUICE_X86 && sluice_avx2_ok(ops_scalar) && sluice_simd(); }
 
 /* The weighted sum of a token's expert outputs into out (bf16 [H], added to what it holds), in the order given:
  * for j = 0..n-1, out = bf16(out + bf16(p_j)) with p_j = bf16(ys[j]) * w[at[j]] (w bf16: the product rounded to

@@ -21,7 +21,7 @@
 
 #include "common.h"
 
-void sluice_to_bf16(int64_t n, const float *x, uint16_t *out);  /* kernels.c */
+void sluice_to_bf16(int64_t n, const float *x, uint16_t *out, int scalar);  /* kernels.c */
 int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
                                int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
                                const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int scalar);
@@ -319,7 +319,7 @@ typedef struct {
 
 static void quant_row(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int scalar) {
 #if SLUICE_X86
-    if (!scalar && sluice_prompt_vnni()) {
+    if (sluice_avx512_ok(scalar) && sluice_prompt_vnni()) {
         quant_row_vnni(x, bf16, K, c, d, s);
         return;
     }
@@ -399,7 +399,7 @@ static void tile_task(void *c, int64_t i) {
         return;
     }
 #if SLUICE_X86
-    if (!j->scalar && sluice_prompt_vnni()) {
+    if (sluice_avx512_ok(j->scalar) && sluice_prompt_vnni()) {
         pack_tile_vnni(w, d[2], N, j->nsb, n0, tile);
         tile_vnni(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
         return;
@@ -457,7 +457,7 @@ static void glu_task(void *c, int64_t t) {
     const glu_job *j = (const glu_job *)c;
     float *g = j->gu + t * 2 * j->I, *u = g + j->I;
 #if SLUICE_X86
-    if (!j->scalar && sluice_prompt_vnni())
+    if (sluice_avx512_ok(j->scalar) && sluice_prompt_vnni())
         silu_mul_vnni(g, u, j->I);
     else
 #endif
@@ -466,18 +466,19 @@ static void glu_task(void *c, int64_t t) {
         quant_row(g, 0, j->I, (int8_t *)j->xq.c + t * j->I, (float *)j->xq.d + t * (j->I / 256),
                   (int16_t *)j->xq.s + t * (j->I / 32), j->scalar);
     else
-        sluice_to_bf16(j->I, g, j->h + t * j->I);
+        sluice_to_bf16(j->I, g, j->h + t * j->I, j->scalar);
 }
 
 typedef struct {
     const float *y;
     uint16_t *out;
     int64_t H;
+    int scalar;
 } bf16_job;
 
 static void bf16_task(void *c, int64_t t) {
     const bf16_job *j = (const bf16_job *)c;
-    sluice_to_bf16(j->H, j->y + t * j->H, j->out + t * j->H);
+    sluice_to_bf16(j->H, j->y + t * j->H, j->out + t * j->H, j->scalar);
 }
 
 /* y [T, H] bf16 = down(silu(gate x) * up x) for x [T, H] bf16, gate and up Q4_K [I, H] (gq / uq and their bytes
@@ -533,7 +534,7 @@ int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq
         dn.d[3] = (intptr_t)yf;
         dn.xq = &g.xq;
         pool_run(tile_task, &dn, dn.tiles[1]);
-        bf16_job b = {.y = yf, .out = y, .H = H};
+        bf16_job b = {.y = yf, .out = y, .H = H, .scalar = scalar};
         pool_run(bf16_task, &b, T);
     }
     keep_give(buf, owned);

@@ -70,7 +70,7 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
     """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K projections sharing x [T, K] (float32 or bf16,
     contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
     output is fine). x is coded once; the tiles of all projections run over the native pool."""
-    from . import FORCE_SCALAR
+    from . import _path
 
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False)")
@@ -97,7 +97,7 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
         _, n, _, q, row_bytes, *_ = _desc(spec, raw)
         vals += (n, q, row_bytes, out.data_ptr(), out.stride(0))
     rc = _LIB.sluice_prompt_q4k(len(projections), (ctypes.c_int64 * len(vals))(*vals), k, x.data_ptr(),
-                                int(x.dtype is torch.bfloat16), t, int(FORCE_SCALAR))
+                                int(x.dtype is torch.bfloat16), t, _path())
     if rc == -1:
         raise MemoryError(f"prompt.linears: no memory for the packed weights and the [{t} x {k}] codes")
     if rc:
@@ -124,7 +124,7 @@ def code(x: torch.Tensor) -> Coded:
     """x bf16 [T, K] (contiguous, K a multiple of 256) coded as every call here codes its x, once: each row's bytes
     are those coding the row alone gives, so an expert on some of these rows (expert(..., rows=)) computes the same
     bits as on those rows of x."""
-    from . import FORCE_SCALAR
+    from . import _path
 
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False)")
@@ -134,7 +134,7 @@ def code(x: torch.Tensor) -> Coded:
         raise ValueError(f"prompt.code: x must be a contiguous CPU bf16 [T, K] tensor, K a multiple of 256, got {got}")
     t, k = x.shape
     data = torch.empty(_LIB.sluice_prompt_code_bytes(t, k), dtype=torch.uint8)
-    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), int(FORCE_SCALAR)):
+    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), _path()):
         raise ValueError(f"prompt.code: the kernel refused x [{t}, {k}]")
     return Coded(data, t, k)
 
@@ -147,7 +147,7 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
     rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I] instead (for
     a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
     it), the expert runs on those rows of the coded x, the same bits as on those rows of x itself."""
-    from . import FORCE_SCALAR
+    from . import _path
 
     if _LIB is None:
         raise RuntimeError("the native kernels are not built (native_available() is False)")
@@ -175,9 +175,9 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
     y, hh = (out.data_ptr(), None) if down is not None else (None, out.data_ptr())
     if isinstance(x, Coded):
         rc = _LIB.sluice_prompt_expert_coded(*g, *u, *d, h, i, None, x.data.data_ptr(), x.rows, rows.data_ptr(), t,
-                                             y, hh, int(FORCE_SCALAR))
+                                             y, hh, _path())
     else:
-        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, int(FORCE_SCALAR))
+        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, _path())
     if rc == -1:
         raise MemoryError(f"prompt.expert: no memory for a [{t} x {h}] expert's scratch")
     if rc:

@@ -595,7 +595,7 @@ AVX2 static void quant_rows_avx2(const float *x, int64_t K, int64_t T, uint8_t *
 void sluice_quantize_q8(int64_t K, const float *x, int64_t T, uint8_t *xq, int XF, int scalar) {
     (void)scalar;
 #if SLUICE_X86
-    if (!scalar && sluice_simd()) { quant_rows_avx2(x, K, T, xq, XF); return; }
+    if (sluice_avx2_ok(scalar) && sluice_simd()) { quant_rows_avx2(x, K, T, xq, XF); return; }
 #endif
     quant_rows_scalar(x, K, T, xq, XF);
 }
@@ -612,7 +612,7 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
     const int64_t rb = sluice_q8_row_bytes(K, XF);
     (void)scalar;
 #if SLUICE_X86
-    if (!scalar && sluice_simd()) {  /* x rows 4 at a time against each weight row */
+    if (sluice_avx2_ok(scalar) && sluice_simd()) {  /* x rows 4 at a time against each weight row */
         for (int64_t n = n0; n < n1; n++) {
             if (pf_bytes) {  /* the lines of [start + pf_bytes, next start + pf_bytes), within the task's rows */
                 const uint8_t *a = q + n * row_bytes + pf_bytes, *e = q + n1 * row_bytes;
@@ -634,8 +634,8 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
 
 /* y[t, n] for n in [n0, n1) (y [T, N]) from the quantized x rows xq (in the layout of fmt with P planes:
  * sluice_q8_layout), or from x [T, K] float32 quantized here when xq is NULL (one call instead of two: ~10 us of
- * Python less per projection); scalar != 0 forces the portable path. Returns 0, -1 when the quantized rows cannot
- * be allocated, -2 for a format without an integer path or P not 1 or 2. */
+ * Python less per projection); scalar caps the path (common.h: 1 the portable one). Returns 0, -1 when the
+ * quantized rows cannot be allocated, -2 for a format without an integer path or P not 1 or 2. */
 int sluice_linear_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *xq,
                      const float *x, int64_t T, int P, float *y, int64_t n0, int64_t n1, int scalar) {
     if (!has_q8(fmt) || (P != 1 && P != 2)) return -2;
@@ -705,7 +705,7 @@ typedef struct {
     int P, scalar;
 } lin_job;
 
-void sluice_to_bf16(int64_t n, const float *x, uint16_t *out);  /* kernels.c */
+void sluice_to_bf16(int64_t n, const float *x, uint16_t *out, int scalar);  /* kernels.c */
 
 static void lin_task(void *c, int64_t i) {
     const lin_job *j = (const lin_job *)c;
@@ -749,7 +749,8 @@ int sluice_linears_q8(int64_t m, const int64_t *descs, int64_t K, const float *x
     }
     pool_run(lin_task, &j, j.first[m]);
     for (int64_t a = 0; a < m; a++)
-        if (descs[6 * a + 5]) sluice_to_bf16(T * descs[6 * a + 1], j.y[a], (uint16_t *)(intptr_t)descs[6 * a + 4]);
+        if (descs[6 * a + 5]) sluice_to_bf16(T * descs[6 * a + 1], j.y[a], (uint16_t *)(intptr_t)descs[6 * a + 4],
+                                           scalar);
     free(buf);
     free(ftmp);
     return 0;

@@ -1,0 +1,38 @@
+"""Checks of the test run itself, before any test is collected.
+
+setup.py builds the native kernels with optional=True: a machine without a C compiler still installs sluice and runs
+the torch kernels (`make demo` works there). The tests of those kernels would then skip by the hundred while the run
+reads green, so a run without the extension stops at once with one line saying why and what to do (pytest's usage
+error: "ERROR: ..." and exit status 4).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sysconfig
+
+import pytest
+
+
+def c_compiler() -> str | None:
+    """The C compiler setuptools builds with ($CC, else the one this Python was built with), if it is on PATH."""
+    words = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    return shutil.which(words[0]) if words else None
+
+
+def unbuilt_message(compiler: str | None) -> str:
+    """The line a run without the native extension stops with."""
+    if compiler is None:
+        return ("sluice's native kernels did not build: no C compiler found (CC, gcc); install one (apt-get install "
+                "gcc) and run `make test` again")
+    return (f"sluice's native kernels did not build although a C compiler is here ({compiler}): run "
+            "`.venv/bin/pip install -v -e .` to see the compiler's error")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from sluice.quant import native
+
+    if not native.native_available():
+        raise pytest.UsageError(unbuilt_message(c_compiler()))

@@ -1,0 +1,68 @@
+"""The C paths of the native kernels, for tests that run each (native._path, common.h's path cap):
+
+  "best"      what this CPU runs by default: its AVX-512 code where it has some (kernels.c's AVX512_BF16 rounding to
+              bf16, prompt.c's VNNI tiles), else AVX2, else the portable C
+  "avx2"      native.AVX2_ONLY: the AVX2 code without the AVX-512 code, as an AVX2-only CPU runs it, so that an
+              AVX-512 CPU tests it too
+  "portable"  native.FORCE_SCALAR: the scalar C every CPU runs
+
+The hooks are set with monkeypatch, so no test leaves them set for the next.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.quant import native
+
+PATHS = ("best", "avx2", "portable")
+NO_AVX2 = "this CPU has no AVX2 + FMA + F16C: only the portable path runs"
+
+
+def avx512() -> bool:
+    """Whether this CPU runs AVX-512 code of the kernels ("best" differs from "avx2")."""
+    from sluice.quant.native import prompt
+
+    return native.native_available() and bool(native._LIB.sluice_cpu_avx512bf16() or prompt.available())
+
+
+def distinct() -> list[str]:
+    """The paths this CPU runs that run different code, portable last: ["portable"] without AVX2, ["avx2",
+    "portable"] without AVX-512, all three with it."""
+    if not native.simd():
+        return ["portable"]
+    return (["best"] if avx512() else []) + ["avx2", "portable"]
+
+
+def use(path: str, monkeypatch) -> None:
+    """Run the kernels on path from now until the test ends (skips when this CPU does not run it)."""
+    if path != "portable" and not native.simd():
+        pytest.skip(NO_AVX2)
+    monkeypatch.setattr(native, "FORCE_SCALAR", path == "portable")
+    monkeypatch.setattr(native, "AVX2_ONLY", path == "avx2")
+
+
+def on_each(fn, monkeypatch, among: list[str] | None = None) -> list:
+    """[fn() on each path of among (default distinct(): each one that runs different code here)], portable last;
+    the default path again after."""
+    out = []
+    for path in distinct() if among is None else among:
+        use(path, monkeypatch)
+        out.append(fn())
+    monkeypatch.setattr(native, "FORCE_SCALAR", False)
+    monkeypatch.setattr(native, "AVX2_ONLY", False)
+    return out
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else len(a) == len(b) and all(map(_equal, a, b))
+
+
+def same_bits(outs: list) -> None:
+    """Every path gave outs[0]'s bits (outs: on_each's results, tensors or lists of them). Called last in a test:
+    where the CPU runs one path only there is nothing to compare it with, and the test says so by skipping after
+    its other checks."""
+    if len(outs) < 2:
+        pytest.skip(f"{NO_AVX2}: no second path to compare its bits with (the other checks ran)")
+    assert all(_equal(outs[0], o) for o in outs[1:])

@@ -1,0 +1,35 @@
+"""A test run without the native extension stops with one line (tests/conftest.py) instead of skipping its tests.
+
+The child hides the built extension (a None in sys.modules makes importlib's find_spec answer None, as for an install
+whose build failed) and runs pytest; CC picks which of the two lines it prints.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = ("import sys; sys.modules['sluice.quant.native._kernels'] = None; import pytest; "
+         "sys.exit(pytest.main(['-p', 'no:cacheprovider', '--collect-only', 'tests/test_options.py']))")
+
+
+def run_without_the_extension(cc: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CC": cc}
+    return subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("cc, says", [
+    ("/nonexistent/cc", "sluice's native kernels did not build: no C compiler found (CC, gcc); install one"),
+    (sys.executable, f"sluice's native kernels did not build although a C compiler is here ({sys.executable})"),
+])
+def test_a_run_without_the_extension_fails_with_one_line(cc, says):
+    r = run_without_the_extension(cc)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout + r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"ERROR: {says}"), lines
