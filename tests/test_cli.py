@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 
@@ -82,6 +83,22 @@ def test_bad_input_is_a_clean_error(model_dir, args, needle):
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
     assert len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{{ 'x' * 300000000 }}", "'*' makes 300,000,000 characters"),
+    ("{% for i in range(100000000) %}{% endfor %}", "failed at line 1: OverflowError"),  # was "internal error"
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed too deeply"),
+])
+def test_a_failing_chat_template_is_one_error_line_naming_it(model_dir, tmp_path, template, needle):
+    folder = shutil.copytree(model_dir, tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    r = sluice_cli("run", str(folder), "--prompt", "hi", "--chat", "--max-tokens", "2")
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and "Traceback" not in r.stderr
+    assert lines[0].startswith(f"sluice run: error: the chat template of model {folder}") and needle in lines[0]
 
 
 def test_unknown_model_type_lists_supported(model_dir, tmp_path):

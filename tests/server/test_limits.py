@@ -190,6 +190,31 @@ def test_create_app_max_body_keyword(model_dir):
             assert r.status_code == 200
 
 
+@pytest.mark.parametrize("template,needle", [
+    ("{{ 'x' * 300000000 }}", "'*' makes 300,000,000 characters"),  # was the server killed for memory
+    ("{% for i in range(100000000) %}{% endfor %}", "OverflowError"),  # these were 500s
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed too deeply"),
+    ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ("{{ [] + 1 }}", "TypeError"),
+])
+def test_a_failing_chat_template_is_a_400_naming_it(model_dir, template, needle):
+    from starlette.testclient import TestClient
+
+    import sluice
+    from sluice.server import create_app
+
+    with sluice.load(model_dir, threads=1) as m:
+        m.tokenizer.chat_template = template
+        with TestClient(create_app(m, "x"), raise_server_exceptions=False) as tc:
+            for stream in (False, True):
+                r = tc.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "stream": stream})
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert needle in err["message"] and err["type"] == "invalid_request_error"
+                assert err["message"].startswith(f"the chat template of model {model_dir}")
+            assert tc.get("/health").json()["busy"] is False
+
+
 @pytest.fixture
 def never_load(monkeypatch):
     """`sluice serve` checks its flags and binds before loading: loading here fails the test."""
