@@ -30,19 +30,27 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def check_text(text: str, what: str = "prompt") -> None:
-    """Raise RequestError if `text` holds a lone surrogate (U+D800-U+DFFF), which no UTF-8 tokenizer can encode.
+def text_problem(text: str) -> str | None:
+    """Why `text` cannot be encoded, or None: a lone surrogate (U+D800-U+DFFF), which no UTF-8 tokenizer can encode.
 
     They come from bytes that are not UTF-8 (Python decodes argv and, with surrogateescape, files and stdin to
-    U+DC80-U+DCFF) or from a JSON string with half of a `\\u` surrogate pair. Found without copying the text.
+    U+DC80-U+DCFF) or from a JSON string with half of a `\\u` surrogate pair (or its bytes, ED A0 80 for U+D800, which
+    json.loads lets through). Found without copying the text.
     """
     m = _SURROGATE.search(text)
     if m is None:
-        return
+        return None
     cp = ord(m.group())
     byte = f"the byte 0x{cp - 0xDC00:02X} of input that is not UTF-8, or " if 0xDC80 <= cp <= 0xDCFF else ""
-    raise RequestError(f"{what} is not valid text: character {m.start()} is U+{cp:04X}, a lone surrogate "
-                       f"({byte}half of a UTF-16 surrogate pair); send UTF-8 text")
+    return (f"not valid text: character {m.start()} is U+{cp:04X}, a lone surrogate ({byte}half of a UTF-16 "
+            "surrogate pair); send UTF-8 text")
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """Raise RequestError naming `what` if `text` holds a lone surrogate (see text_problem)."""
+    problem = text_problem(text)
+    if problem is not None:
+        raise RequestError(f"{what} is {problem}")
 
 
 class Tokenizer:
