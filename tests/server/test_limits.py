@@ -187,6 +187,15 @@ def test_lone_surrogates_are_a_400_naming_the_field(server, path, body, param):
     assert err["param"] == param and "a lone surrogate" in err["message"] and err["message"].startswith(param)
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 1, "top_p": 1e-300}, {"temperature": 5e-324, "top_p": 0.5}])
+def test_extreme_sampling_values_generate(server, sampling):
+    url, _ = server  # both were a 500 (an IndexError in the sampler)
+    greedy = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, "temperature": 0}, timeout=30)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, **sampling}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
 def test_completions_prompt_with_lone_surrogate_is_400(server):
     url, _ = server
     r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "x\\udcff"}', timeout=30)
