@@ -223,3 +223,26 @@ def test_inspect_bad_checkpoint_prints_one_error_line(tmp_path, kind, needle):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith("sluice inspect: error: ") and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_model_paths_say_what_they_are(tmp_path, capsys):
+    """A FIFO or a symbolic link loop named .gguf was "not found", and a missing folder "not a directory"."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo.gguf")
+    for a, b in (("loop.gguf", "loop2.gguf"), ("loop", "loop2")):
+        (tmp_path / a).symlink_to(tmp_path / b)
+        (tmp_path / b).symlink_to(tmp_path / a)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    cases = [
+        ("missing", "not found; pass a Hugging Face model folder or a .gguf file"),
+        ("missing.gguf", "not found; pass a .gguf file"),
+        ("fifo.gguf", "is a FIFO; pass a .gguf file"),
+        ("loop.gguf", "is a symbolic link loop; pass a .gguf file"),
+        ("loop", "is a symbolic link loop; pass a Hugging Face model folder or a .gguf file"),
+        ("weights.bin", "is a file, not a folder (a GGUF file's name ends in .gguf); pass a Hugging Face model "
+                        "folder or a .gguf file"),
+    ]
+    for name, message in cases:
+        assert cli.main(["inspect", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err.strip() == f"sluice inspect: error: file {tmp_path / name}: {message}"
