@@ -197,6 +197,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list | None = None
     response_format: dict | None = None
 
@@ -205,6 +206,14 @@ class ChatRequest(_Sampling):
     def _no_logprobs(cls, v: bool | None) -> bool | None:
         if v:
             raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        # it was ignored; OpenAI refuses it without logprobs=true, which sluice does not support
+        if v is not None:
+            raise ValueError("needs logprobs=true, and logprobs are not supported; leave it out")
         return v
 
     @field_validator("tools")
