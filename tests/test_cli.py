@@ -246,3 +246,21 @@ def test_model_paths_say_what_they_are(tmp_path, capsys):
     for name, message in cases:
         assert cli.main(["inspect", str(tmp_path / name)]) == 2
         assert capsys.readouterr().err.strip() == f"sluice inspect: error: file {tmp_path / name}: {message}"
+
+
+def test_sluice_warnings_are_one_line(monkeypatch, capsys):
+    """A model file replaced during a run is said as one `warning:` line, as a budget that may not fit is."""
+    import warnings
+
+    from sluice.errors import MemoryWarning, ModelFileWarning
+
+    def main(args):
+        warnings.warn("file /m/model.safetensors was replaced by another file after it was opened", ModelFileWarning)
+        warnings.warn("--memory 1.0 GiB keeps ...", MemoryWarning)
+        return 0
+
+    monkeypatch.setattr("sluice.commands.inspect.main", main)
+    assert cli.main(["inspect", "anything"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "sluice inspect: warning: file /m/model.safetensors was replaced by another file after it was opened",
+        "sluice inspect: warning: --memory 1.0 GiB keeps ..."]
