@@ -187,4 +187,5 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
                           "--memory auto (streams experts within the room), or lower --max-context")
     raise BudgetError(f"{detail}: {why}, and no budget fits: the smallest that runs, {format_bytes(smallest)} "
                       f"(resident weights + {top_k} expert slots), needs {format_bytes(smallest + kv_bytes + reserve)} "
-                      "with the KV cache and the runtime. Lower --max-context, free memory, or raise the limit")
+                      "with the KV cache and the runtime. Lower --max-context (--memory auto then finds the budget), "
+                      "free memory, or raise the limit")
