@@ -16,7 +16,7 @@ import sys
 import traceback
 import warnings
 
-from .errors import MemoryWarning, SluiceError, describe_os_error
+from .errors import SluiceError, SluiceWarning, describe_os_error
 
 DEBUG_ENV = "SLUICE_DEBUG"
 
@@ -98,10 +98,10 @@ def _debug_traceback() -> None:
 
 
 def _one_line(command: str, default):
-    """sluice's own warnings (MemoryWarning) as one `sluice CMD: warning: ...` line, others as Python prints them."""
+    """sluice's own warnings (SluiceWarning) as one `sluice CMD: warning: ...` line, others as Python prints them."""
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, MemoryWarning):
+        if issubclass(category, SluiceWarning):
             print(f"sluice {command}: warning: {message}", file=sys.stderr)
         else:
             default(message, category, filename, lineno, file, line)

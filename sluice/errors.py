@@ -91,5 +91,14 @@ class OutputError(SluiceError):
         super().__init__(f"cannot write {path}: {describe_os_error(error)}{'; ' + note if note else ''}")
 
 
-class MemoryWarning(UserWarning):
-    """A chosen budget may not fit in the memory this process can take; the CLI prints it as one `warning:` line."""
+class SluiceWarning(UserWarning):
+    """sluice's own warnings: the CLI prints each as one `sluice CMD: warning: ...` line."""
+
+
+class MemoryWarning(SluiceWarning):
+    """A chosen budget may not fit in the memory this process can take."""
+
+
+class ModelFileWarning(SluiceWarning):
+    """A model file was replaced (renamed over) or removed on disk after a reader opened it: the run goes on with
+    the version it opened, the one its header described, and the warning says so once per file."""

@@ -136,7 +136,7 @@ def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLa
                            spec.top_k, kv_bytes)
         return auto.memory, auto
     check_room(options.memory, room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
-               kv_bytes, held=held)
+               kv_bytes, held=held, top_k=spec.top_k)
     return options.memory, None
 
 

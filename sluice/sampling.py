@@ -63,7 +63,8 @@ def make_sampler(
     temperature 0 is greedy argmax (the other knobs are then moot). Otherwise the probabilities of
     `logits / temperature` are filtered by top_k (keep the k most likely), then top_p (keep the smallest set whose
     probability, renormalized over what top_k kept, reaches top_p), then min_p (drop tokens below min_p * the top
-    probability); the most likely token always survives. Draws come from a private CPU generator seeded with
+    probability); the most likely token always survives, whatever the values (top_p 1e-300, temperature 5e-324:
+    one too small for float32 is taken at its limit, greedy). Draws come from a private CPU generator seeded with
     `seed`, so a seeded run repeats exactly whatever device produced the logits; seed None draws fresh entropy.
     """
     validate_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
@@ -78,13 +79,27 @@ def make_sampler(
     filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
 
     def sample(logits: torch.Tensor) -> int:
-        x = logits.detach().reshape(-1).to("cpu", torch.float32) / temperature  # [V]
+        x = _scaled(logits.detach().reshape(-1).to("cpu", torch.float32), temperature)  # [V]
         if not filtered:
             return _draw(torch.softmax(x, dim=-1), gen)
         ids, p = _filter(x, top_k, top_p, min_p)
         return int(ids[_draw(p, gen)])
 
     return sample
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`x / temperature`, or its limit where float32 cannot hold it.
+
+    A temperature below ~1e-36 overflows x / temperature to inf (and softmax of inf is NaN), one below float32's
+    smallest subnormal (1.4e-45) rounds to 0 (0 / 0). Then the distribution's limit is taken: the largest logits
+    share all the probability (greedy, a tie drawn among the tied tokens). It is exact there: two float32 logits
+    that differ at all differ by > 1e31 times such a temperature, and e^-1e31 is 0.
+    """
+    scaled = x / temperature
+    if math.isfinite(float(scaled.max())):
+        return scaled
+    return torch.where(x == x.max(), 0.0, -math.inf)
 
 
 def _filter(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +112,10 @@ def _filter(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[to
     if top_k > 0:
         ids, p = ids[:top_k], p[:top_k]
     if top_p < 1.0:
-        total = p.sum() if top_k > 0 else probs.sum()  # top_p is a share of what top_k kept
-        mass_before = torch.cumsum(p, dim=-1) - p  # mass of the strictly more likely tokens
-        keep = int((mass_before < top_p * total).sum())  # until the kept mass first reaches top_p; always >= 1
+        # float64: top_p * total underflowed to 0 in float32 for top_p <= ~1e-45, and kept no token (IndexError)
+        total = (p if top_k > 0 else probs).double().sum()  # top_p is a share of what top_k kept
+        mass_before = torch.cumsum(p.double(), dim=-1) - p.double()  # mass of the strictly more likely tokens
+        keep = max(1, int((mass_before < top_p * total).sum()))  # until the kept mass first reaches top_p
         ids, p = ids[:keep], p[:keep]
     if min_p > 0.0:
         keep = int((p >= min_p * p[0]).sum())  # p is sorted, so the survivors are a prefix

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 
@@ -82,6 +83,22 @@ def test_bad_input_is_a_clean_error(model_dir, args, needle):
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
     assert len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{{ 'x' * 300000000 }}", "'*' makes 300,000,000 characters"),
+    ("{% for i in range(100000000) %}{% endfor %}", "failed at line 1: OverflowError"),  # was "internal error"
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed too deeply"),
+])
+def test_a_failing_chat_template_is_one_error_line_naming_it(model_dir, tmp_path, template, needle):
+    folder = shutil.copytree(model_dir, tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    r = sluice_cli("run", str(folder), "--prompt", "hi", "--chat", "--max-tokens", "2")
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and "Traceback" not in r.stderr
+    assert lines[0].startswith(f"sluice run: error: the chat template of model {folder}") and needle in lines[0]
 
 
 def test_unknown_model_type_lists_supported(model_dir, tmp_path):
@@ -206,3 +223,44 @@ def test_inspect_bad_checkpoint_prints_one_error_line(tmp_path, kind, needle):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith("sluice inspect: error: ") and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_model_paths_say_what_they_are(tmp_path, capsys):
+    """A FIFO or a symbolic link loop named .gguf was "not found", and a missing folder "not a directory"."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo.gguf")
+    for a, b in (("loop.gguf", "loop2.gguf"), ("loop", "loop2")):
+        (tmp_path / a).symlink_to(tmp_path / b)
+        (tmp_path / b).symlink_to(tmp_path / a)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    cases = [
+        ("missing", "not found; pass a Hugging Face model folder or a .gguf file"),
+        ("missing.gguf", "not found; pass a .gguf file"),
+        ("fifo.gguf", "is a FIFO; pass a .gguf file"),
+        ("loop.gguf", "is a symbolic link loop; pass a .gguf file"),
+        ("loop", "is a symbolic link loop; pass a Hugging Face model folder or a .gguf file"),
+        ("weights.bin", "is a file, not a folder (a GGUF file's name ends in .gguf); pass a Hugging Face model "
+                        "folder or a .gguf file"),
+    ]
+    for name, message in cases:
+        assert cli.main(["inspect", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err.strip() == f"sluice inspect: error: file {tmp_path / name}: {message}"
+
+
+def test_sluice_warnings_are_one_line(monkeypatch, capsys):
+    """A model file replaced during a run is said as one `warning:` line, as a budget that may not fit is."""
+    import warnings
+
+    from sluice.errors import MemoryWarning, ModelFileWarning
+
+    def main(args):
+        warnings.warn("file /m/model.safetensors was replaced by another file after it was opened", ModelFileWarning)
+        warnings.warn("--memory 1.0 GiB keeps ...", MemoryWarning)
+        return 0
+
+    monkeypatch.setattr("sluice.commands.inspect.main", main)
+    assert cli.main(["inspect", "anything"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "sluice inspect: warning: file /m/model.safetensors was replaced by another file after it was opened",
+        "sluice inspect: warning: --memory 1.0 GiB keeps ..."]

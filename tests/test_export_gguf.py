@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -167,6 +171,69 @@ def test_cli(tiny, tmp_path, capsys):
     assert cli.main(["export-gguf", str(tiny), str(out), "--dtype", "f32", "--json", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["dtype"] == "f32" and summary["bytes"] == out.stat().st_size
+
+
+def special_outputs(tmp_path) -> list[tuple["Path", str]]:
+    """Names an output must never replace, even with --force: (path, what the error calls it)."""
+    (tmp_path / "special").mkdir()
+    fifo, loop, dangling = (tmp_path / "special" / n for n in ("fifo.gguf", "loop.gguf", "dangling.gguf"))
+    os.mkfifo(fifo)
+    loop.symlink_to(tmp_path / "special" / "loop2.gguf")
+    (tmp_path / "special" / "loop2.gguf").symlink_to(loop)
+    dangling.symlink_to(tmp_path / "special" / "nowhere")
+    out = [(fifo, "a FIFO"), (loop, "a symbolic link loop"), (dangling, "a symbolic link to a missing target")]
+    try:  # as root, export-gguf replaced a device node with its output
+        os.mknod(tmp_path / "special" / "dev.gguf", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        out.append((tmp_path / "special" / "dev.gguf", "a character device"))
+    except PermissionError:
+        pass  # (not root: the FIFO and the links still run)
+    return out
+
+
+def _kinds(paths) -> list[tuple[int, str | None]]:
+    return [(os.lstat(p).st_mode, os.readlink(p) if os.path.islink(p) else None) for p in paths]
+
+
+def test_existing_output_is_kept_unless_forced(tiny, tmp_path, capsys):
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"mine")  # export-gguf overwrote it (it had no --force)
+    assert cli.main(["export-gguf", str(tiny), str(out), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == f"sluice export-gguf: error: {out} exists; pass --force to replace it"
+    assert out.read_bytes() == b"mine"
+    assert cli.main(["export-gguf", str(tiny), str(out), "--no-progress", "--force"]) == 0
+    assert gguf.GGUFReader(out).fields["general.architecture"].contents() == "qwen3moe"
+    # a link to a file: --force replaces the link, never the file it points to
+    target, link = tmp_path / "target", tmp_path / "link.gguf"
+    target.write_bytes(b"kept")
+    link.symlink_to(target)
+    assert cli.main(["export-gguf", str(tiny), str(link), "--no-progress"]) == 2
+    assert cli.main(["export-gguf", str(tiny), str(link), "--no-progress", "--force"]) == 0
+    assert not link.is_symlink() and target.read_bytes() == b"kept"
+
+
+def test_special_outputs_are_never_replaced(tiny, tmp_path, capsys):
+    cases = special_outputs(tmp_path)
+    before = _kinds([p for p, _ in cases])
+    for path, kind in cases:
+        for force in ([], ["--force"]):
+            assert cli.main(["export-gguf", str(tiny), str(path), "--no-progress", *force]) == 2
+            assert capsys.readouterr().err.strip() == (
+                f"sluice export-gguf: error: {path} is {kind}, not a file sluice may replace; choose another OUT")
+    assert _kinds([p for p, _ in cases]) == before
+    assert sorted(os.listdir(tmp_path / "special")) == sorted(p.name for p, _ in cases) + ["loop2.gguf"]
+
+
+def test_a_partial_name_that_is_not_a_file_is_refused(tiny, tmp_path):
+    out = tmp_path / "x.gguf"
+    os.mkfifo(tmp_path / "x.gguf.partial")  # opened for writing: blocked forever
+    (tmp_path / "y.gguf.partial").symlink_to(tmp_path / "elsewhere")  # followed: written somewhere else
+    for name in ("x.gguf", "y.gguf"):
+        r = subprocess.run([sys.executable, "-m", "sluice", "export-gguf", str(tiny), str(tmp_path / name),
+                            "--no-progress"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip() == (
+            f"sluice export-gguf: error: {tmp_path / name}.partial exists and is not a file an earlier run left: "
+            "move it away")
+    assert not out.exists() and not (tmp_path / "elsewhere").exists()
 
 
 def _with_config(tiny, folder, edit) -> "Path":

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -107,6 +110,9 @@ def test_bos_replaces_each_windows_first_token():
     (["--context", "4096"], "shorter than one window of --context 4096"),
     (["--context", "1"], "--context 1: a window needs at least 2 tokens"),
     (["--stride", "64"], "--stride 64: must be between 1 and --context (32)"),
+    (["--context", "2"], "--context 2: llama.cpp's windows score only their second half"),  # a ZeroDivisionError
+    (["--max-text", "1KiB"], "more than 1.0 KiB (--max-text); give a shorter text, or raise --max-text"),
+    (["--max-text", "lots"], "--max-text: expected a size"),
 ])
 def test_bad_input_is_one_line(tiny, capsys, argv, needle):
     folder, text = tiny
@@ -120,3 +126,42 @@ def test_missing_text_file(tiny, capsys, tmp_path):
     folder, _ = tiny
     assert cli.main(["perplexity", str(folder), "--text", str(tmp_path / "none.txt"), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == f"sluice perplexity: error: --text {tmp_path / 'none.txt'}: no such file"
+
+
+def test_context_2_scores_with_a_stride(tiny, capsys):
+    folder, text = tiny
+    got = _cli_json(capsys, str(folder), "--text", str(text), "--context", "2", "--stride", "1", "--memory", "all")
+    assert got["tokens_scored"] > 0 and math.isfinite(got["perplexity"])
+
+
+def _run(*argv: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sluice", "perplexity", *argv, "--no-progress"], capture_output=True,
+                          timeout=120, **kw)
+
+
+def test_stdin_is_read_and_bounded(tiny, capsys):
+    folder, text = tiny
+    want = _cli_json(capsys, str(folder), "--text", str(text), "--context", str(CONTEXT), "--memory", "all")
+    r = _run(str(folder), "--text", "-", "--context", str(CONTEXT), "--memory", "all", "--json",
+             input=text.read_bytes())
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == want
+    # an endless pipe stops at --max-text (it was read until memory ran out)
+    with subprocess.Popen(["yes", "all work and no play"], stdout=subprocess.PIPE) as endless:
+        r = _run(str(folder), "--text", "-", "--max-text", "1MiB", stdin=endless.stdout)
+        endless.kill()
+    assert r.returncode == 2 and r.stderr.decode().strip() == (
+        "sluice perplexity: error: --text -: more than 1.0 MiB (--max-text); give a shorter text, or raise --max-text")
+
+
+def test_a_fifo_or_a_device_is_refused_at_once(tiny, tmp_path):
+    folder, _ = tiny
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    # a FIFO with no writer blocked the open forever; /dev/zero was read until memory ran out (--max-text only
+    # guards this test from that: the device is refused before it is read)
+    for name, kind in ((fifo, "a FIFO"), ("/dev/zero", "a device")):
+        r = _run(str(folder), "--text", str(name), "--max-text", "1MiB")
+        assert r.returncode == 2 and r.stderr.decode().strip() == (
+            f"sluice perplexity: error: --text {name}: is {kind}, not a text file; give a file, or pipe the text to "
+            "standard input with --text -")

@@ -213,6 +213,19 @@ def test_existing_output_is_kept_unless_forced(models, tmp_path, capsys):
     assert gguf.GGUFReader(out).fields["general.architecture"].contents() == "olmoe"
 
 
+def test_special_outputs_are_never_replaced(models, tmp_path, capsys):
+    from tests.test_export_gguf import _kinds, special_outputs
+
+    cases = special_outputs(tmp_path)  # a symbolic link loop was replaced by the output
+    before = _kinds([p for p, _ in cases])
+    for path, kind in cases:
+        for to in ("q8_0", "mlx-4bit"):
+            (line,) = _error_lines(capsys, ["quantize", str(models["olmoe"]), str(path), "--to", to,
+                                            "--no-progress", "--force"])
+            assert f"{path} " in line and kind in line and "choose another OUT" in line, line
+    assert _kinds([p for p, _ in cases]) == before
+
+
 def test_unsupported_architecture_or_math(models, tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -50,6 +50,37 @@ def test_top_k_1_and_tiny_top_p_equal_greedy() -> None:
     assert make_sampler(temperature=1.0, top_k=1, seed=0)(tied) == greedy(tied) == 1
 
 
+@pytest.mark.parametrize("kw", [
+    {"temperature": 1.0, "top_p": 1e-300},  # top_p * total underflowed in float32: no token kept, an IndexError
+    {"temperature": 1.0, "top_p": 5e-324},
+    {"temperature": 5e-324, "top_p": 0.5},  # the temperature rounded to 0 in float32: NaN probabilities
+    {"temperature": 5e-324},
+    {"temperature": 1e-40, "top_k": 3},
+    {"temperature": 1e-37, "min_p": 0.5},  # logits / temperature overflowed to inf
+    {"temperature": 1e-38},
+    {"temperature": 1e-30, "top_p": 1e-300, "min_p": 1e-300},
+])
+def test_extreme_valid_values_behave_like_greedy(kw: dict) -> None:
+    g = torch.Generator().manual_seed(4)
+    sample, greedy = make_sampler(seed=0, **kw), make_sampler()
+    for scale in (1.0, 30.0):
+        for _ in range(10):
+            logits = torch.randn(300, generator=g) * scale
+            assert sample(logits) == greedy(logits)
+
+
+def test_a_tiny_temperature_draws_among_tied_maxima() -> None:
+    tied = torch.tensor([0.0, 3.0, -math.inf, 3.0, 2.9999998])
+    drawn = {make_sampler(temperature=5e-324, seed=s)(tied) for s in range(40)}
+    assert drawn == {1, 3}  # the limit of softmax(x / T) as T -> 0: the tied maxima, evenly
+
+
+def test_a_huge_temperature_is_uniform() -> None:
+    counts = _draws(make_sampler(temperature=1e300, seed=5, top_p=0.99), torch.tensor([50.0, 0.0, -50.0, -1e30]),
+                    n=4000)
+    assert all(900 < counts.get(i, 0) < 1100 for i in range(4)), counts
+
+
 def test_unfiltered_sampling_follows_softmax() -> None:
     counts = _draws(make_sampler(temperature=1.0, seed=3), LOGITS, n=4000)
     for i, p in enumerate(PROBS.tolist()):
@@ -133,6 +164,10 @@ def test_repetition_penalty_off_and_empty_context() -> None:
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_p": -1e-300}, "top_p"),
+        ({"min_p": math.nan}, "min_p"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),

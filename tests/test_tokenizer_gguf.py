@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.errors import CheckpointError, ConfigError
+from sluice.errors import CheckpointError, ConfigError, RequestError
 from sluice.tokenizer import Tokenizer
 from sluice.tokenizer.gguf import tokenizer_from_gguf
 from tests import tokenizer_cases as tc
@@ -160,6 +160,13 @@ def test_spm_encodes_as_tokenizer_json(spm):
     assert _mismatches(tok, lambda t, a: hf.encode(t, add_special_tokens=a).ids, SPM_TEXTS) == []
     assert _mismatches(tok, lambda t, a: hf.encode(t, add_special_tokens=a).ids, SPM_TEXTS, False) == []
     assert tok.encode("Hello")[0] == tok.bos_token_id == 1 and tok.eos_token_id == 2
+
+
+def test_lone_surrogates_are_refused_by_both_kinds(exported, spm):
+    # the BPE path raised a TypeError from the tokenizers backend; the SentencePiece path encoded the bytes ED A0 80
+    for path in (exported["qwen2"][1], spm[0]):
+        with pytest.raises(RequestError, match="prompt is not valid text: character 1 is U\\+D800"):
+            _load(path).encode("a\ud800b")
 
 
 def test_spm_rules(spm):

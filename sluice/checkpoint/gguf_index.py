@@ -33,6 +33,7 @@ from .gguf import INTEGER_TYPES, GGUFFile, read_gguf
 from ..models import by_gguf_name
 from .gguf_config import gguf_arch, gguf_config
 from .index import CheckpointIndex
+from .paths import path_kind
 from .ref import TensorRef
 
 # gguf-split / gguf-py shard names: PREFIX-00001-of-00003.gguf (llama.cpp's llama_split_path)
@@ -171,8 +172,13 @@ class GGUFIndex(CheckpointIndex):
         ConfigError for an architecture or setting sluice does not run.
         """
         path = Path(path)
-        if not path.is_file():
-            raise CheckpointError("not found; pass a .gguf file", file=str(path))
+        try:
+            kind = path_kind(path)
+        except OSError as e:  # a name too long, a permission denied on a parent
+            raise CheckpointError(f"cannot open: {e.strerror or e}", file=str(path)) from None
+        if kind != "file":
+            raise CheckpointError(f"{'not found' if kind == 'missing' else 'is ' + kind}; pass a .gguf file",
+                                  file=str(path))
         first = read_gguf(path)
         files = split_files(first)  # first: a later split gets "open the first split", not a missing-metadata error
         arch = gguf_arch(first).GGUF.name

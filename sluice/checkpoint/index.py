@@ -13,6 +13,7 @@ import torch
 
 from sluice.checkpoint.jsonfile import read_json
 from sluice.checkpoint.mlx_index import is_mlx, mlx_tensors
+from sluice.checkpoint.paths import path_kind
 from sluice.checkpoint.ref import FileStamp, TensorRef
 from sluice.checkpoint.safetensors import read_header, write_safetensors
 from sluice.errors import CheckpointError
@@ -62,11 +63,12 @@ class CheckpointIndex:
 
             return GGUFIndex.open(folder)
         try:
-            is_dir = folder.is_dir()
-        except OSError as e:  # a name too long, a permission denied on a parent: pathlib only swallows "missing"
+            kind = path_kind(folder)
+        except OSError as e:  # a name too long, a permission denied on a parent
             raise CheckpointError(f"cannot open: {e.strerror or e}", file=str(folder)) from None
-        if not is_dir:
-            raise CheckpointError("not a directory; pass a Hugging Face model folder or a .gguf file",
+        if kind != "directory":
+            what = {"missing": "not found", "file": "is a file, not a folder (a GGUF file's name ends in .gguf)"}
+            raise CheckpointError(f"{what.get(kind, 'is ' + kind)}; pass a Hugging Face model folder or a .gguf file",
                                   file=str(folder))
         config = read_json(folder / CONFIG)
         gen_path = folder / GENERATION_CONFIG

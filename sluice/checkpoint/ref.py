@@ -65,6 +65,19 @@ class FileStamp:
             raise CheckpointError(f"cannot stat: {e.strerror or e}", file=self.path, tensor=tensor) from e
         self.compare(st, tensor)
 
+    def moved(self) -> str | None:
+        """What happened to the path since this version was opened, or None if it still names it: another file
+        renamed over it, or the file removed or renamed away. A descriptor opened before still reads this version."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return "was removed or renamed away"
+        except OSError as e:
+            return f"cannot be looked up any more ({e.strerror or e})"
+        if (st.st_dev, st.st_ino) != (self.dev, self.ino):
+            return "was replaced by another file"
+        return None
+
     def compare(self, st: os.stat_result, tensor: str | None = None) -> None:
         """CheckpointError naming the file (and `tensor`) when `st`, an fstat of it, shows another file or version."""
         if (st.st_dev, st.st_ino) != (self.dev, self.ino):

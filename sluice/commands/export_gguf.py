@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ..errors import OutputError, SluiceError
 from ..options import format_bytes
@@ -19,11 +20,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "f32", "f16"), default="bf16",
                    help="dtype of the 2-D weights (default bf16: a bf16 checkpoint's exact bytes); norms and the "
                         "router stay f32; f32 makes llama.cpp compute in f32 throughout, at twice the bytes")
+    p.add_argument("--force", action="store_true", help="replace OUT.gguf if it exists (a regular file only)")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
+    from ..tools.gguf_export import check_output
+
+    check_output(Path(args.out), args.force)  # before any work
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -36,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export-gguf",
               disable=True if args.no_progress else None) as bar:
         try:
-            summary = export_gguf(args.model, args.out, args.dtype, progress=bar.update)
+            summary = export_gguf(args.model, args.out, args.dtype, progress=bar.update, force=args.force)
         except OSError as e:  # export_gguf removes OUT.partial on any error
             raise OutputError(args.out, e, f"the partial file {args.out}.partial was removed") from e
     if args.json:

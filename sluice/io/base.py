@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
 from sluice.checkpoint.ref import FileStamp
+from sluice.errors import ModelFileWarning
 from sluice.io.ranges import Dest, ReadPlan, ReadRange
 
 Request = tuple[ReadRange, Dest]
@@ -47,6 +50,11 @@ class Reader(Protocol):
         ...
 
 
+# How often `check` also looks the path up (a stat, ~4 us here against fstat's ~2): at most every this many seconds
+# per file, so a streaming step's dozens of batches pay for it about once.
+PATH_CHECK_S = 0.25
+
+
 class FileGuard:
     """The version of each file a reader may read, and the checks that keep it to that version.
 
@@ -55,11 +63,17 @@ class FileGuard:
     `check` runs before each batch touches the file: one fstat per file per batch, 2-11 us on the shared 2-core VM
     (the per-step cost is in io/mapped.py `_copy`). A file that changes DURING a batch is not caught by this: see
     each reader's docstring.
+
+    A file replaced by rename, or removed, after it was opened is not an error: the open descriptor keeps the
+    version the header described, and every byte read is still right. But the model on disk is no longer the one
+    running, so `check` also looks the path up (every PATH_CHECK_S at most) and warns once per file
+    (ModelFileWarning).
     """
 
     def __init__(self) -> None:
         self._stamps: dict[str, FileStamp] = {}
         self._lock = threading.Lock()
+        self._looked_up: dict[str, float] = {}  # path -> when `check` last looked it up (monotonic)
 
     def expect(self, stamps: Iterable[FileStamp]) -> None:
         """Register the versions to hold files to (a later stamp of the same path replaces an earlier one)."""
@@ -79,8 +93,18 @@ class FileGuard:
         stamp.compare(st)
 
     def check(self, path: str, fd: int) -> None:
-        """Before a batch reads `path` through `fd`: CheckpointError naming it if it changed since `opened`."""
-        self._stamps[path].check(fd)
+        """Before a batch reads `path` through `fd`: CheckpointError naming it if it changed since `opened`; a
+        ModelFileWarning, once, if the path no longer names it."""
+        stamp = self._stamps[path]
+        stamp.check(fd)
+        now = time.monotonic()
+        if now - self._looked_up.get(path, -math.inf) < PATH_CHECK_S:
+            return
+        self._looked_up[path] = math.inf if (what := stamp.moved()) else now  # inf: warned, never looked up again
+        if what:
+            warnings.warn(f"file {path} {what} after it was opened; this run goes on reading the version it opened "
+                          "(the one its header described): reload the model to use the file now at that path",
+                          ModelFileWarning, stacklevel=2)
 
 
 def thread_faults() -> tuple[int, int]:

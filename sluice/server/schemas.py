@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..sampling import SEED_MAX, SEED_MIN
+from ..tokenizer import text_problem
 
 
 class ApiError(Exception):
@@ -62,6 +63,15 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> Any:
         raise ApiError(400, f"{param}: {msg}{more}" if param else msg + more, code=code, param=param or None) from e
 
 
+def _text(v: str) -> str:
+    """A string the model will read: one with a lone surrogate (`\\ud800`, or the bytes ED A0 80) is refused here,
+    where the error can name the field."""
+    problem = text_problem(v)
+    if problem is not None:
+        raise ValueError(problem)
+    return v
+
+
 def _param(loc: tuple) -> str:
     out = ""
     for part in loc:
@@ -81,18 +91,23 @@ class ChatMessage(_Strict):
 
     @field_validator("content")
     @classmethod
-    def _text(cls, v: Any) -> str | None:
+    def _content(cls, v: Any) -> str | None:
         """Content is a string or a list of text parts (joined); images and audio cannot be fed to a text model."""
         if v is None or isinstance(v, str):
-            return v
+            return v if v is None else _text(v)
         if isinstance(v, list):
             texts = []
             for i, part in enumerate(v):
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                     raise ValueError(f"part {i} is not a text part; only {{'type': 'text', 'text': ...}} is supported")
                 texts.append(part["text"])
-            return "".join(texts)
+            return _text("".join(texts))
         raise ValueError(f"must be a string or a list of text parts, got {type(v).__name__}")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return v if v is None else _text(v)
 
     def to_template(self) -> dict[str, Any]:
         role = "system" if self.role == "developer" else self.role
@@ -136,6 +151,9 @@ class _Sampling(_Strict):
             raise ValueError("must be a non-empty string or a list of non-empty strings")
         if len(stops) > 16:
             raise ValueError(f"at most 16 stop strings, got {len(stops)}")
+        for i, stop in enumerate(stops):
+            if (problem := text_problem(stop)) is not None:  # it could never match the text generated
+                raise ValueError(f"stop[{i}] is {problem}")
         return stops
 
     @field_validator("n")
@@ -179,6 +197,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list | None = None
     response_format: dict | None = None
 
@@ -187,6 +206,14 @@ class ChatRequest(_Sampling):
     def _no_logprobs(cls, v: bool | None) -> bool | None:
         if v:
             raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        # it was ignored; OpenAI refuses it without logprobs=true, which sluice does not support
+        if v is not None:
+            raise ValueError("needs logprobs=true, and logprobs are not supported; leave it out")
         return v
 
     @field_validator("tools")
@@ -223,9 +250,9 @@ class CompletionRequest(_Sampling):
     def _one_prompt(cls, v: Any) -> str | list[int]:
         """One prompt: a string, a list holding one string, or a list of token ids."""
         if isinstance(v, str):
-            return v
+            return _text(v)
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
-            return v[0]
+            return _text(v[0])
         if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return v
         raise ValueError("must be a string or a list of token ids (one prompt per request)")

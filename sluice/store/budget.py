@@ -151,16 +151,18 @@ def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, 
 
 
 def check_room(memory: int | None, room: int, source: str, resident_bytes: int, expert_bytes: int,
-               total_experts: int, kv_bytes: int, held: int = 0) -> None:
+               total_experts: int, kv_bytes: int, held: int = 0, top_k: int = 1) -> None:
     """An explicit budget (or `all`, memory None) against the room this process may take (sysmem).
 
-    `auto` sizes itself from the room; a budget the user chose does not, and a resident model bigger than a cgroup
-    limit is OOM-killed with no message. What the plan allocates for sure is the weights it keeps (everything for
-    `all`; resident + the slots the budget buys when streaming) and the KV cache. Above a cgroup limit that is a
-    BudgetError before any weight loads (the kernel would kill the process); above MemAvailable, or leaving less
-    than the runtime reserve, a MemoryWarning (memory may be freed by others, or swapped; the user decides).
-    `held`: this process's anonymous memory now, so only reserve_left(held) is still needed (as activation_room
-    counts it): at a 1 GiB ceiling the peers benchmark's `--memory 640MiB` warned although its peak RSS was 918 MiB.
+    `auto` sizes itself from the room; a budget the user chose does not. What the plan allocates for sure is the
+    weights it keeps (everything for `all`; resident + the slots the budget buys when streaming) and the KV cache;
+    the runtime takes about RUNTIME_RESERVE more. Under a cgroup limit, a budget that does not fit beside both is a
+    BudgetError before any weight loads, naming the largest budget that fits: above the limit the kernel kills the
+    process, and just under it the page cache the streamed experts need is squeezed out, so every step re-reads
+    them (measured: `--memory 300MiB` in a 512 MiB cgroup, 360 MiB available, re-read 16 GB in 50 s and had not
+    made 48 tokens in 240 s). Above MemAvailable it is a MemoryWarning: others may free memory, or swap; the user
+    decides. `held`: this process's anonymous memory now, so only reserve_left(held) is still needed (as
+    activation_room counts it): at a 1 GiB ceiling the peers benchmark's `--memory 640MiB` had a peak RSS of 918 MiB.
     """
     weights = kept_bytes(memory, resident_bytes, expert_bytes, total_experts)
     what = "--memory all (every weight resident)" if memory is None else f"--memory {format_bytes(memory)}"
@@ -172,6 +174,18 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
               f"(--max-context) and about {format_bytes(reserve)} more for the runtime, but only "
               f"{format_bytes(room)} is available ({source})")
     advice = "pass --memory auto (streams experts within the room) or a smaller --memory SIZE, or lower --max-context"
-    if need > room and source.startswith("cgroup"):
-        raise BudgetError(f"{detail}: the process would be killed by the kernel. {advice}")
-    warnings.warn(f"{detail}; it may run out of memory. If it does, {advice}", MemoryWarning, stacklevel=2)
+    if not source.startswith("cgroup"):
+        warnings.warn(f"{detail}; it may run out of memory. If it does, {advice}", MemoryWarning, stacklevel=2)
+        return
+    why = "the process would be killed by the kernel" if need > room else \
+        "it would be left too little memory and thrash (the streamed experts re-read from disk at every step)"
+    largest, smallest = room - kv_bytes - reserve, resident_bytes + top_k * expert_bytes
+    if largest >= smallest:
+        mib = largest // 2**20  # shown in whole MiB, rounded down so that it fits, unless that is too small
+        shown = f"{mib}MiB" if mib * 2**20 >= smallest else str(largest)
+        raise BudgetError(f"{detail}: {why}. The largest budget that fits is --memory {shown}; or pass "
+                          "--memory auto (streams experts within the room), or lower --max-context")
+    raise BudgetError(f"{detail}: {why}, and no budget fits: the smallest that runs, {format_bytes(smallest)} "
+                      f"(resident weights + {top_k} expert slots), needs {format_bytes(smallest + kv_bytes + reserve)} "
+                      "with the KV cache and the runtime. Lower --max-context (--memory auto then finds the budget), "
+                      "free memory, or raise the limit")

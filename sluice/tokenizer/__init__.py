@@ -2,29 +2,25 @@
 
 Encoding and decoding are `tokenizers` (the Rust library transformers' fast tokenizers wrap), so ids match
 `AutoTokenizer`. Chat templates render with jinja2 in the same sandboxed environment transformers builds
-(`transformers/utils/chat_template_utils.py`), so prompts match `apply_chat_template(..., tokenize=False)`.
+(`transformers/utils/chat_template_utils.py`), so prompts match `apply_chat_template(..., tokenize=False)`, with
+bounds on the size, work and steps of a rendering (template.py): a template that fails or runs away is one
+RequestError naming it.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
 from sluice.checkpoint.jsonfile import read_json
 from sluice.errors import CheckpointError, RequestError
+from sluice.tokenizer.template import Limits, TemplateLimitError, error_line, render
 
 # The named special tokens transformers exposes to templates as `bos_token`, `eos_token`, ... (in this order).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -34,19 +30,27 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def check_text(text: str, what: str = "prompt") -> None:
-    """Raise RequestError if `text` holds a lone surrogate (U+D800-U+DFFF), which no UTF-8 tokenizer can encode.
+def text_problem(text: str) -> str | None:
+    """Why `text` cannot be encoded, or None: a lone surrogate (U+D800-U+DFFF), which no UTF-8 tokenizer can encode.
 
     They come from bytes that are not UTF-8 (Python decodes argv and, with surrogateescape, files and stdin to
-    U+DC80-U+DCFF) or from a JSON string with half of a `\\u` surrogate pair. Found without copying the text.
+    U+DC80-U+DCFF) or from a JSON string with half of a `\\u` surrogate pair (or its bytes, ED A0 80 for U+D800, which
+    json.loads lets through). Found without copying the text.
     """
     m = _SURROGATE.search(text)
     if m is None:
-        return
+        return None
     cp = ord(m.group())
     byte = f"the byte 0x{cp - 0xDC00:02X} of input that is not UTF-8, or " if 0xDC80 <= cp <= 0xDCFF else ""
-    raise RequestError(f"{what} is not valid text: character {m.start()} is U+{cp:04X}, a lone surrogate "
-                       f"({byte}half of a UTF-16 surrogate pair); send UTF-8 text")
+    return (f"not valid text: character {m.start()} is U+{cp:04X}, a lone surrogate ({byte}half of a UTF-16 "
+            "surrogate pair); send UTF-8 text")
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """Raise RequestError naming `what` if `text` holds a lone surrogate (see text_problem)."""
+    problem = text_problem(text)
+    if problem is not None:
+        raise RequestError(f"{what} is {problem}")
 
 
 class Tokenizer:
@@ -161,7 +165,7 @@ class Tokenizer:
         reach the template (e.g. `enable_thinking=False`) and override the special tokens of the same name.
         Encode the result with `add_special_tokens=False`: templates write their own bos.
         """
-        template = self._select_template(chat_template, tools)
+        template, label = self._select_template(chat_template, tools)
         chat = _validate_messages(messages)
         if tools is not None and (
             not isinstance(tools, Sequence) or isinstance(tools, str) or not all(isinstance(t, Mapping) for t in tools)
@@ -169,46 +173,58 @@ class Tokenizer:
             raise RequestError("tools must be a list of JSON-schema objects (dicts)")
         documents = extra.pop("documents", None)
         kwargs = {**self.special_tokens, **extra}  # caller's values win, as in transformers
+        variables = dict(messages=chat, tools=[dict(t) for t in tools] if tools is not None else None,
+                         documents=documents, add_generation_prompt=add_generation_prompt, **kwargs)
+        limits = Limits.for_input(variables, messages=len(chat))
         try:
-            compiled = _compile(template)
+            return render(template, limits, **variables)
         except jinja2.TemplateSyntaxError as e:
-            msg = f"the chat template is not valid jinja (line {e.lineno}): {e.message}"
-            named = isinstance(self.chat_template, dict) and chat_template in self.chat_template
-            if chat_template is not None and not named:
-                raise RequestError(msg) from e
-            raise CheckpointError(msg, file=self.source) from e
-        try:
-            return compiled.render(
-                messages=chat,
-                tools=[dict(t) for t in tools] if tools is not None else None,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
-        except jinja2.TemplateError as e:  # raise_exception() in the template: it refuses this conversation
-            raise RequestError(f"the chat template rejected the messages: {e}") from e
+            if label == "the template passed as chat_template":
+                raise RequestError(f"{label} is not valid jinja (line {e.lineno}): {e.message}") from e
+            label = label.removesuffix(f" of model {self.source}")  # the file is named in front
+            raise CheckpointError(f"{label} is not valid jinja (line {e.lineno}): {e.message}", file=self.source) from e
+        except TemplateLimitError as e:  # a template that would run away with time or memory
+            raise RequestError(f"{label}{_at(e)} was stopped: {e}") from None
+        except RecursionError as e:
+            raise RequestError(f"{label}{_at(e)} recursed too deeply (RecursionError)") from None
+        except MemoryError:
+            raise RequestError(f"{label} ran out of memory") from None
+        except Exception as e:  # noqa: BLE001 - the template's own operations: TypeError, ZeroDivisionError, ...
+            if type(e) is jinja2.TemplateError:  # raise_exception() in the template: it refuses this conversation
+                raise RequestError(f"{label} rejected the messages{_at(e)}: {e}") from None
+            what = " ".join(str(e).split())
+            what = what if len(what) <= 300 else what[:300] + "..."
+            raise RequestError(f"{label} failed{_at(e)}: {type(e).__name__}: {what}") from None
 
-    def _select_template(self, name_or_template: str | None, tools: object) -> str:
+    def _select_template(self, name_or_template: str | None, tools: object) -> tuple[str, str]:
+        """(the template, how errors name it)."""
         templates = self.chat_template
+        passed = "the template passed as chat_template"
         if isinstance(templates, dict):
             if name_or_template is not None:
-                return templates.get(name_or_template, name_or_template)
-            if tools is not None and "tool_use" in templates:
-                return templates["tool_use"]
-            if "default" in templates:
-                return templates["default"]
+                if name_or_template in templates:
+                    return templates[name_or_template], f"chat template {name_or_template!r} of model {self.source}"
+                return name_or_template, passed
+            for name in (["tool_use"] if tools is not None else []) + ["default"]:
+                if name in templates:
+                    return templates[name], f"chat template {name!r} of model {self.source}"
             raise RequestError(
                 f"model {self.source} has several chat templates {sorted(templates)} and none named 'default'; "
                 "pass chat_template=<name>"
             )
         if name_or_template is not None:
-            return name_or_template
+            return name_or_template, passed
         if templates is None:
             raise RequestError(
                 f"model {self.source} has no chat template (none in tokenizer_config.json or chat_template.jinja); "
                 "send a raw prompt instead, or pass chat_template=<jinja string>"
             )
-        return templates
+        return templates, f"the chat template of model {self.source}"
+
+
+def _at(e: BaseException) -> str:
+    line = error_line(e)
+    return "" if line is None else f" at line {line}"
 
 
 def _token_content(value: object, name: str, source: str) -> str | None:
@@ -275,78 +291,6 @@ def _validate_messages(messages: object) -> list[dict[str, Any]]:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         chat.append(m)
     return chat
-
-
-# ---- the jinja environment transformers renders chat templates in ---------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; at inference it is a no-op."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-class _TemplateDict:
-    # `dict(...)` in templates without handing out the dict type itself.
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    # Underscore attributes on a namespace are a known sandbox escape route; transformers refuses them too.
-    def __init__(*args: Any, **kwargs: Any):
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    # jinja's own tojson HTML-escapes `<>&'`; templates expect plain json.dumps.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(template)
 
 
 # ---- streaming ------------------------------------------------------------------------------------------------------

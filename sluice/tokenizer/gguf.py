@@ -37,7 +37,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders, models, pre_tokenizers
 
 from sluice.errors import CheckpointError, ConfigError, RequestError
-from sluice.tokenizer import Tokenizer
+from sluice.tokenizer import Tokenizer, check_text
 
 # llama.cpp's token types (llama.h LLAMA_TOKEN_TYPE_*, gguf.TokenType)
 UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(7)
@@ -324,6 +324,7 @@ class GGUFTokenizer(Tokenizer):
         """Token ids for `text`, as llama.cpp's `llama_tokenize(text, add_special, parse_special=True)`."""
         if not isinstance(text, str):
             raise RequestError(f"text to encode must be a string, got {type(text).__name__}")
+        check_text(text)  # (the BPE backend raised a TypeError for one, the SentencePiece path encoded its bytes)
         v = self.vocab
         out: list[int] = [v.special["bos"]] if add_special_tokens and v.add_bos else []
         prev_special = True  # SentencePiece prefixes a space to text that opens the prompt or follows a special

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from ..checkpoint.index import CONFIG, CheckpointIndex
+from ..checkpoint.paths import output_kind
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError, ConfigError, SluiceError
 from ..io.tensor import read_tensor
@@ -304,17 +305,27 @@ def _bytes_of(t: torch.Tensor, type_name: str) -> np.ndarray:
 
 
 def check_output(out: Path, force: bool) -> None:
-    """OUT must not exist unless `force` (then only a file is replaced, never a folder)."""
+    """OUT may be written: it does not exist, or `force` is given and it is a regular file (or a symbolic link to one,
+    which the output then replaces, leaving its target alone). A folder, a FIFO, a device, a socket or a link that
+    loops or leads nowhere is refused even with `force`: rename would put a regular file in its place (as root, over
+    /dev/...). OUT.partial, the name written, may only be a regular file left by an earlier run: it is opened for
+    writing, which a FIFO would block and a symbolic link would redirect."""
     from .synth import OutputExistsError
 
-    if out.is_dir():
+    kind = output_kind(out)
+    if kind == "directory":
         raise OutputExistsError(f"{out} is a directory; choose a file name for the GGUF")
-    if out.exists() and not force:
+    if kind not in ("missing", "file"):
+        raise OutputExistsError(f"{out} is {kind}, not a file sluice may replace; choose another OUT")
+    if kind == "file" and not force:
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
+    partial = out.with_name(out.name + ".partial")
+    if os.path.islink(partial) or output_kind(partial) not in ("missing", "file"):
+        raise OutputExistsError(f"{partial} exists and is not a file an earlier run left: move it away")
 
 
 def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "bf16",
-                progress: Callable[[int], None] | None = None, force: bool = True,
+                progress: Callable[[int], None] | None = None, force: bool = False,
                 fallbacks: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     """Write `model` (a supported Hugging Face MoE folder) as the GGUF file `out`, 2-D weights in `dtype` (one of
     EXPORT_DTYPES; see tools/gguf_types.py for the tensors kept in F32 or another type).

@@ -55,18 +55,26 @@ class Perplexity:
                 "definition": "llama.cpp" if self.stride is None else "sliding"}
 
 
-def windows(n_tokens: int, context: int, stride: int | None = None) -> list[Window]:
-    """The windows over a text of `n_tokens` tokens (see the module doc). ConfigError when there are none."""
+def check_windows(context: int, stride: int | None = None) -> None:
+    """ConfigError unless windows of `context` tokens (every `stride`) score at least one token each."""
     if context < 2:
         raise ConfigError(f"--context {context}: a window needs at least 2 tokens")
+    if stride is None and context < 3:  # C - 1 - C/2 tokens scored per window: none at C = 2 (was a ZeroDivisionError)
+        raise ConfigError(f"--context {context}: llama.cpp's windows score only their second half, which a window "
+                          "of 2 tokens does not have; give --context 3 or more, or --stride")
+    if stride is not None and not 1 <= stride <= context:
+        raise ConfigError(f"--stride {stride}: must be between 1 and --context ({context})")
+
+
+def windows(n_tokens: int, context: int, stride: int | None = None) -> list[Window]:
+    """The windows over a text of `n_tokens` tokens (see the module doc). ConfigError when there are none."""
+    check_windows(context, stride)
     if stride is None:
         if n_tokens < context:
             raise ConfigError(f"the text is {n_tokens} tokens, shorter than one window of --context {context}: give a "
                               "longer text or a smaller --context")
         return [Window(i * context, (i + 1) * context, i * context + context // 2 + 1)
                 for i in range(n_tokens // context)]
-    if not 1 <= stride <= context:
-        raise ConfigError(f"--stride {stride}: must be between 1 and --context ({context})")
     if n_tokens < 2:
         raise ConfigError(f"the text is {n_tokens} token(s): at least 2 are needed to score one")
     out, scored_to = [], 1  # token 0 has no prediction

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.paths import output_kind
 from ..errors import ConfigError, SluiceError
 from ..models import get_arch, supported
 from ..models.arch import TensorName
@@ -418,10 +419,12 @@ def writing_model(out: Path, force: bool) -> Iterator[Path]:
 
 
 def _check_output(out: Path, force: bool) -> None:
-    if not out.exists():
+    kind = output_kind(out)  # (pathlib's exists() is False for a symbolic link loop, which rename then replaced)
+    if kind == "missing":
         return
-    if not out.is_dir():
-        raise OutputExistsError(f"{out} exists and is not a directory; choose another OUT")
+    if kind != "directory":
+        raise OutputExistsError(f"{out} exists and is {'a file' if kind == 'file' else kind}, not a directory; "
+                                "choose another OUT")
     if not any(out.iterdir()):
         return
     if not force:

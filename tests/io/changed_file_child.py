@@ -3,7 +3,7 @@
 Run as `python changed_file_child.py MODEL_DIR WORK_DIR SCENARIO...`, a scenario being
 `IO:ODIRECT:EMBEDDINGS:HOW-WHEN-STORE` (e.g. `direct:1:resident:truncate-between-stream`). For each it copies the
 model to a fresh folder, loads it, runs a step (or not), changes the file, generates, and prints one JSON line:
-{"scenario", "error", "file", "type", "weights"} or {"scenario", "ok": true, "weights"}. A SIGBUS kills the process,
+{"scenario", "error", "file", "type", "weights"} or {"scenario", "ok": true, "weights", "warnings"}. A SIGBUS kills the process,
 which the parent sees as a negative return code: that is the point of running here and not inside pytest. One
 child runs many scenarios because importing torch costs seconds.
 """
@@ -14,10 +14,14 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import sluice
+import sluice.io.base
 from sluice.errors import SluiceError
+
+sluice.io.base.PATH_CHECK_S = 0.0  # look the paths up at every batch: what a warning says must not hang on timing
 
 IDS = [5, 17, 42, 99, 3, 250, 77, 8]
 
@@ -61,11 +65,13 @@ def run(model: Path, work: Path, scenario: str) -> dict:
             m.logits(IDS[:4])
         change(weights, how)
         try:
-            list(m.generate_tokens(IDS, max_tokens=4, stop_at_eos=False))
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                list(m.generate_tokens(IDS, max_tokens=4, stop_at_eos=False))
         except SluiceError as e:
             return {"scenario": scenario, "error": str(e), "file": getattr(e, "file", None),
                     "type": type(e).__name__, "weights": str(weights)}
-    return {"scenario": scenario, "ok": True, "weights": str(weights)}
+    return {"scenario": scenario, "ok": True, "weights": str(weights), "warnings": [str(w.message) for w in said]}
 
 
 def main() -> None:

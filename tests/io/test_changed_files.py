@@ -73,9 +73,13 @@ def test_changed_weight_file_is_a_checkpoint_error(model_dir, tmp_path, io, odir
     for embeddings, hows in ROWS[io] if not odirect else []:
         when = {"replace": "before"}
         scenarios += [f"{prefix}:{embeddings}:{how}-{when.get(how, 'between')}-resident" for how in hows]
-    # Documented, not an error: once a reader has the file open, a new file renamed over it is another inode; the
-    # old one's bytes stay readable and are still the ones the header described.
+    # Not an error: once a reader has the file open, a new file renamed over it is another inode; the old one's
+    # bytes stay readable and are still the ones the header described. It is said, once (it went unnoticed).
     kept = [f"{prefix}:resident:replace-between-stream"]
     results = run_child(model_dir, tmp_path, scenarios + kept)
     check_errors(results[: len(scenarios)])
-    assert all(x.get("ok") for x in results[len(scenarios) :]), results
+    for x in results[len(scenarios) :]:
+        assert x.get("ok") and x["warnings"] == [
+            f"file {x['weights']} was replaced by another file after it was opened; this run goes on reading the "
+            "version it opened (the one its header described): reload the model to use the file now at that "
+            "path"], x

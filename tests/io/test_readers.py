@@ -6,11 +6,12 @@ import errno
 import os
 import random
 import threading
+import warnings
 
 import pytest
 import torch
 
-from sluice.errors import CheckpointError
+from sluice.errors import CheckpointError, ModelFileWarning
 from sluice.io import DirectReader, MmapReader, WillneedReader, make_reader
 from sluice.io.mapped import merged_page_windows
 from sluice.io.ranges import MIN_SPLIT, ReadRange, page_window, plan_reads, split_even
@@ -190,17 +191,28 @@ def test_truncated_after_open_raises(reader, data_file):
 
 
 @pytest.mark.parametrize("make", [MmapReader, lambda: DirectReader(2), lambda: DirectReader(2, odirect=True)])
-def test_replaced_file_keeps_old_bytes(data_file, make):
-    """Documented: a reader keeps the inode it opened, so a file replaced at the same path reads the old bytes."""
+@pytest.mark.parametrize("how", ["replace", "remove"])
+def test_replaced_or_removed_file_keeps_old_bytes_and_warns_once(data_file, make, how, monkeypatch):
+    """A reader keeps the inode it opened, so a file replaced at the same path (or removed) reads the old bytes,
+    which are the ones its header described; the path no longer naming it is said once (it was not noticed)."""
+    monkeypatch.setattr("sluice.io.base.PATH_CHECK_S", 0.0)  # look the path up at every batch
     path, data = data_file
     with make() as r:
-        r.read([req(path, 0, 10)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            r.read([req(path, 0, 10)])
         os.unlink(path)
-        with open(path, "wb") as f:
-            f.write(b"\0" * SIZE)
+        if how == "replace":
+            with open(path, "wb") as f:
+                f.write(b"\0" * SIZE)
         reqs = [req(path, 1000, 50_000)]
-        r.read(reqs)
+        what = "was replaced by another file" if how == "replace" else "was removed or renamed away"
+        with pytest.warns(ModelFileWarning, match=f"file {path} {what} after it was opened; this run goes on"):
+            r.read(reqs)
         check(reqs, data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per file
+            r.read(reqs)
 
 
 def io_threads() -> list[threading.Thread]:

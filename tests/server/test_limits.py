@@ -164,7 +164,7 @@ def test_hostile_json_is_a_4xx_error_object(server, body, needle):
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
     if needle == "U+D800":
-        assert r.json()["error"]["param"] == "messages"
+        assert r.json()["error"]["param"] == "messages[0].content"
 
 
 def test_many_bad_messages_cost_one_error(server):
@@ -175,6 +175,35 @@ def test_many_bad_messages_cost_one_error(server):
     assert r.status_code == 400 and r.json()["error"]["message"] == "messages[0].role: Field required"
     # before: every error was built to report the first (6.5 s and +341 MiB here; 1.3M took 36 s and 1.8 GB)
     assert memory_mib(pid)[1] - hwm0 < 64
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "a\xed\xa0\x80b"}', "prompt"),  # its UTF-8 bytes: json.loads lets them through
+    ("/v1/completions", b'{"prompt": ["a\\ud800b"]}', "prompt"),
+    ("/v1/completions", b'{"prompt": "ab", "stop": "\\udfff"}', "stop"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}', "messages[0].content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages[0].content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "b", "name": "\\ud800"}]}',
+     "messages[1].name"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["x", "\\ud800"]}', "stop"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(server, path, body, param):
+    url, _ = server
+    r = httpx.post(f"{url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "a lone surrogate" in err["message"] and err["message"].startswith(param)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1, "top_p": 1e-300}, {"temperature": 5e-324, "top_p": 0.5}])
+def test_extreme_sampling_values_generate(server, sampling):
+    url, _ = server  # both were a 500 (an IndexError in the sampler)
+    greedy = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, "temperature": 0}, timeout=30)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, **sampling}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
 
 def test_completions_prompt_with_lone_surrogate_is_400(server):
@@ -198,6 +227,31 @@ def test_create_app_max_body_keyword(model_dir):
             assert r.status_code == 413 and "1000 B" in r.json()["error"]["message"]
             r = tc.post(CHAT, content=chat_body("a" * 10), headers={"Content-Type": "application/json"})
             assert r.status_code == 200
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{{ 'x' * 300000000 }}", "'*' makes 300,000,000 characters"),  # was the server killed for memory
+    ("{% for i in range(100000000) %}{% endfor %}", "OverflowError"),  # these were 500s
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed too deeply"),
+    ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ("{{ [] + 1 }}", "TypeError"),
+])
+def test_a_failing_chat_template_is_a_400_naming_it(model_dir, template, needle):
+    from starlette.testclient import TestClient
+
+    import sluice
+    from sluice.server import create_app
+
+    with sluice.load(model_dir, threads=1) as m:
+        m.tokenizer.chat_template = template
+        with TestClient(create_app(m, "x"), raise_server_exceptions=False) as tc:
+            for stream in (False, True):
+                r = tc.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "stream": stream})
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert needle in err["message"] and err["type"] == "invalid_request_error"
+                assert err["message"].startswith(f"the chat template of model {model_dir}")
+            assert tc.get("/health").json()["busy"] is False
 
 
 @pytest.fixture

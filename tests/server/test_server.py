@@ -215,6 +215,10 @@ BAD_REQUESTS = [  # (path, body, status, param)
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),  # ignored
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0, "logprobs": False}, 400,
+     "top_logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": "3"}, 400, "top_logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
     ("/v1/completions", {"prompt": LONG, "stream": True}, 400, "prompt"),

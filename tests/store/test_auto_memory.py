@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import sluice
+from sluice import cli
 from sluice.errors import BudgetError, ConfigError, MemoryWarning
+from sluice.options import format_bytes
 from sluice.options import LoadOptions
 from sluice.store.budget import RUNTIME_RESERVE, auto_memory
 from sluice.host.memory import MemoryRoom
@@ -126,9 +128,15 @@ def test_odirect_auto_is_off_when_resident(model_dir, monkeypatch):
 
 def test_memory_all_above_a_cgroup_limit_is_refused_before_loading(model_dir, resident, monkeypatch):
     """--memory all used to be OOM-killed with no message inside a cgroup that cannot hold the model."""
-    _, resident_bytes, _ = resident
+    _, resident_bytes, expert = resident
+    with sluice.load(model_dir, memory="all") as m:
+        kv = m.cache.nbytes
     _room(monkeypatch, resident_bytes // 2)
-    with pytest.raises(BudgetError, match=r"--memory all .* would be killed .* --memory auto"):
+    with pytest.raises(BudgetError, match=r"--memory all .* would be killed .* no budget fits"):
+        sluice.load(model_dir, memory="all")
+    monkeypatch.setattr("sluice.plan.memory_status", lambda: {"rss_anon_bytes": RUNTIME_RESERVE})  # all held
+    _room(monkeypatch, resident_bytes + 4 * expert + kv)  # a streaming budget fits: it is named
+    with pytest.raises(BudgetError, match=r"--memory all .* would be killed .* largest budget that fits .* auto"):
         sluice.load(model_dir, memory="all")
 
 
@@ -137,6 +145,43 @@ def test_explicit_budget_above_a_cgroup_limit_is_refused(model_dir, resident, mo
     _room(monkeypatch, resident_bytes + 2 * expert)
     with pytest.raises(BudgetError, match=r"--memory .* keeps .* only .* available \(cgroup /test limit\)"):
         sluice.load(model_dir, memory=resident_bytes + 8 * expert)
+
+
+def test_budget_that_fits_under_a_cgroup_limit_but_not_beside_the_runtime_is_refused(model_dir, resident,
+                                                                                    monkeypatch, capsys):
+    """`sluice run BIG --memory 300MiB` in a 512 MiB cgroup (360 MiB available, 297 MiB weights + ~104 MiB runtime)
+    warned, then thrashed: 16 GB re-read in 50 s. It is refused as auto refuses, naming the largest budget that fits."""
+    _, resident_bytes, expert = resident
+    monkeypatch.setattr("sluice.plan.memory_status", lambda: {"rss_anon_bytes": 0})  # all of the reserve to come
+    with sluice.load(model_dir, memory="all") as m:
+        kv = m.cache.nbytes
+    smallest = resident_bytes + 2 * expert  # top_k 2
+    room = kv + RUNTIME_RESERVE + smallest + 3 * expert  # beside the KV cache and the runtime: 5 expert slots
+    _room(monkeypatch, room)
+    memory = resident_bytes + 8 * expert  # fits in the room, not beside the runtime
+    with pytest.raises(BudgetError, match=rf"thrash .* The largest budget that fits is --memory {smallest + 3 * expert};"):
+        sluice.load(model_dir, memory=memory)
+    with sluice.load(model_dir, memory=smallest + 3 * expert) as m:  # the figure named works
+        assert m.stats()["slots"] == 5
+    assert cli.main(["run", str(model_dir), "--prompt", "x", "--memory", str(memory)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()  # one line, no warning before it
+    assert line.startswith(f"sluice run: error: --memory {format_bytes(memory)} keeps") and "cgroup /test" in line
+    # when not even the smallest budget fits beside them, that is said instead
+    _room(monkeypatch, smallest + kv)
+    with pytest.raises(BudgetError, match="no budget fits: the smallest that runs"):
+        sluice.load(model_dir, memory=memory)
+
+
+def test_the_largest_budget_is_shown_in_whole_mib_that_fit():
+    from sluice.store.budget import check_room
+
+    # the issue's 512 MiB cgroup: 360 MiB available, 104 MiB of the runtime still to come
+    room, held, source = 360 * MiB + MiB // 2, RUNTIME_RESERVE - 104 * MiB, "cgroup /sys/fs/cgroup/x limit 512.0 MiB"
+    with pytest.raises(BudgetError, match=r"thrash .* The largest budget that fits is --memory 256MiB;"):
+        check_room(300 * MiB, room, source, 200 * MiB, MiB, 10**6, 0, held=held)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_room(256 * MiB, room, source, 200 * MiB, MiB, 10**6, 0, held=held)
 
 
 def test_budget_above_mem_available_warns_and_runs(model_dir, resident, monkeypatch):
@@ -157,7 +202,8 @@ def test_budget_that_fits_says_nothing(model_dir, monkeypatch):
 
 def test_the_reserve_counts_what_the_process_already_holds():
     """The room is already net of this process's memory (a cgroup's limit minus its usage, or MemAvailable): a
-    budget that leaves the rest of the reserve says nothing; one that does not still warns."""
+    budget that leaves the rest of the reserve says nothing; one that does not is refused under a cgroup limit and
+    warned about under MemAvailable."""
     from sluice.store.budget import RUNTIME_RESERVE, check_room
 
     MiB = 2**20
@@ -166,5 +212,7 @@ def test_the_reserve_counts_what_the_process_already_holds():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_room(weights, room, "cgroup /test limit", 0, MiB, 10**6, kv, held=RUNTIME_RESERVE // 2)
-    with pytest.warns(MemoryWarning, match="more for the runtime"):
+    with pytest.raises(BudgetError, match="more for the runtime"):
         check_room(weights, room, "cgroup /test limit", 0, MiB, 10**6, kv, held=0)
+    with pytest.warns(MemoryWarning, match="more for the runtime"):
+        check_room(weights, room, "MemAvailable", 0, MiB, 10**6, kv, held=0)
