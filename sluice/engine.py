@@ -51,7 +51,8 @@ class Model:
         s = self.spec
         if p.threads != torch.get_num_threads():
             torch.set_num_threads(p.threads)
-        set_matmul(p.options.matmul)  # process-wide like the threads: how prompts multiply bf16 weights (the
+        native.set_isa(p.options.isa)  # process-wide too (issue 29 moves both onto the model)
+        set_matmul(p.options.matmul, avx2=p.options.isa != "auto")  # process-wide like the threads: how prompts multiply bf16 weights (the
         # resident store packs bf16 experts under bf16 GEMMs, so it is set before the store is made)
         keep_heap(p.prefill_bytes)  # process-wide too: a prefill's blocks stay in the heap (host/memory.py)
         self.governor = ThreadGovernor(p.threads, set_threads=self._set_threads) if p.governed else None
@@ -329,6 +330,7 @@ class Model:
             "memory_plan": self.load_plan.describe_memory(),
             "dtype": str(self.dtype).replace("torch.", ""),
             "matmul": "bf16" if bf16_gemm() else "float32",  # how a prompt's bf16 rows multiply (matmul.py)
+            "isa": self.options.isa,  # the cap on the kernels' instruction sets (native.set_isa)
             "threads": torch.get_num_threads(),
             "thread_changes": self.governor.changes if self.governor is not None else 0,
         }

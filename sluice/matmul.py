@@ -16,19 +16,22 @@ MATMUL_MODES = ("auto", "bf16", "float32")
 _bf16_gemm: bool | None = None  # set_matmul's answer; None until a load sets it (then "auto")
 
 
-def set_matmul(mode: str) -> bool:
+def set_matmul(mode: str, avx2: bool = False) -> bool:
     """How rows_linear multiplies several bf16 rows, process-wide like the thread count (engine.py sets it at each
     load from LoadOptions.matmul): "bf16", torch's bf16 GEMM; "float32", both sides widened and a float32 GEMM;
-    "auto", bf16 where the CPU has bf16 dot-product instructions (host/cpus.bf16_dot). Returns whether bf16 runs."""
+    "auto", bf16 where the CPU has bf16 dot-product instructions (host/cpus.bf16_dot) and `avx2` (LoadOptions.isa
+    capped below AVX-512: a CPU without them) is False. Returns whether bf16 runs."""
     global _bf16_gemm
     if mode not in MATMUL_MODES:
         raise ValueError(f"matmul mode {mode!r}: expected one of {', '.join(MATMUL_MODES)}")
-    _bf16_gemm = bf16_dot() if mode == "auto" else mode == "bf16"
+    _bf16_gemm = (bf16_dot() and not avx2) if mode == "auto" else mode == "bf16"
     return _bf16_gemm
 
 
-def describe_matmul(mode: str) -> str:
+def describe_matmul(mode: str, avx2: bool = False) -> str:
     """What `mode` (LoadOptions.matmul) means on this CPU, for `sluice inspect`."""
+    if mode == "auto" and avx2:
+        return "float32 GEMM (auto, --isa capped below AVX-512: as a CPU without bf16 dot-product instructions)"
     if mode == "auto":
         return ("bf16 GEMM (auto: this CPU has bf16 dot-product instructions)" if bf16_dot()
                 else "float32 GEMM (auto: this CPU has no bf16 dot-product instructions)")

@@ -228,6 +228,16 @@ class LoadOptions:
             "(on AVX2 torch's bf16 GEMM has no native kernel and runs ~6x slower). Both accumulate in float32. "
             "Under bf16 a resident model also keeps its bf16 experts packed in oneDNN's layout (the same bits) and "
             "a prompt's attention runs in float32 on bf16 dot products")
+    # isa: native.set_isa, set process-wide at load (engine.py) like matmul
+    isa: str = option(
+        "auto", choices=("auto", "avx2", "portable"),
+        help="cap the instruction sets sluice's kernels use: auto = the best this CPU has; avx2 = as on a CPU "
+             "without AVX-512 (benchmarks; torch's own: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)",
+        doc="the instruction sets sluice's native kernels use: `auto`, the best this CPU has; `avx2`, none of the "
+            "AVX-512 paths (VNNI prompt tiles, AVX512_BF16 attention and rounding) and `--matmul auto` as on a CPU "
+            "without bf16 dot products, so an AVX-512 machine measures what an AVX2-only one runs (torch's own "
+            "kernels take the environment: `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`); `portable`, the "
+            "plain C loops. The same bits on every path where the kernels claim them")
     # max_context: capped by the model's max_position_embeddings
     max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",
                               doc="KV cache positions, allocated once")

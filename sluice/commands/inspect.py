@@ -60,7 +60,7 @@ def describe(p: LoadPlan) -> dict:
         "prefill_chunk": p.prefill_chunk,
         "prefill_chunk_why": p.prefill_why,
         "prefill_bytes": p.prefill_bytes,  # a chunk's activations: the heap keeps this much (host/memory.keep_heap)
-        "prefill_matmul": describe_matmul(p.options.matmul),
+        "prefill_matmul": describe_matmul(p.options.matmul, avx2=p.options.isa != "auto"),
         "kv_cache_bytes": p.kv_bytes,
         # what one position costs in every layer: the latent and rope key under latent attention (MLA), else the
         # keys and values of the kv heads

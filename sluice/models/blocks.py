@@ -198,7 +198,8 @@ class Transformer:
         causal one attend.c draws itself)."""
         s, win = self.spec, self.spec.sliding_window[L]
         return (self.native_prompt_attention and self.dtype is torch.bfloat16 and bf16_gemm()
-                and native_attend.available() and native_attend.supports(s.n_heads, s.n_kv_heads, s.head_dim)
+                and native_attend.available() and not native.isa_capped()
+                and native_attend.supports(s.n_heads, s.n_kv_heads, s.head_dim)
                 and (win is None or pos + T <= win))
 
     def _decode_attention(self) -> list | None:

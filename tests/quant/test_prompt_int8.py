@@ -257,3 +257,24 @@ def test_a_layer_coded_once_gives_each_expert_its_own_bits(q4km, kernel_calls):
         once = m.logits(LONG)
         m.model.code_rows_once = False
         assert torch.equal(m.logits(LONG), once)
+
+
+def test_isa_avx2_runs_what_an_avx2_cpu_runs(q4km, kernel_calls, monkeypatch):
+    """LoadOptions.isa "avx2": no int8 prompt kernels (AVX512-VNNI), float32 GEMMs under matmul auto, and the C
+    kernels capped at AVX2: bitwise what the AVX2_ONLY test hook gives with the same choices made by hand."""
+    from sluice.matmul import bf16_gemm
+
+    try:
+        with sluice.load(q4km, memory="all", activations="int8", isa="avx2") as m:
+            kernel_calls.clear()
+            capped = m.logits(LONG)
+            assert not kernel_calls and not bf16_gemm() and native._path() == 2
+            assert m.stats()["isa"] == "avx2" and m.stats()["matmul"] == "float32"
+        monkeypatch.setattr(native, "AVX2_ONLY", True)
+        monkeypatch.setattr(prompt, "available", lambda: False)
+        with sluice.load(q4km, memory="all", activations="int8", matmul="float32") as m:
+            assert native._path() == 2
+            assert torch.equal(m.logits(LONG), capped)
+    finally:
+        native.set_isa("auto")
+    assert not native.isa_capped()

@@ -123,11 +123,32 @@ _LIB = _load()
 FORCE_SCALAR = False
 AVX2_ONLY = False
 _ops_scalar = 0  # what ops.c was last told (_sync_ops)
+#: LoadOptions.isa's choices and the path cap each sets (set_isa)
+ISA_CAPS = {"auto": 0, "avx2": 2, "portable": 1}
+_isa_cap = 0  # set_isa's cap: what a load asked for (the test hooks above tighten it further)
+
+
+def set_isa(mode: str) -> None:
+    """Cap the instruction sets the C kernels use, process-wide like the thread count (engine.py sets it at each load
+    from LoadOptions.isa): "auto" the best this CPU has, "avx2" at most AVX2 (none of the AVX-512 paths: the
+    float32 -> bf16 rounding, prompt.c's VNNI tiles, attend.c), as an AVX2-only CPU runs them, "portable" no SIMD."""
+    global _isa_cap
+    if mode not in ISA_CAPS:
+        raise ValueError(f"isa {mode!r}: expected one of {', '.join(ISA_CAPS)}")
+    _isa_cap = ISA_CAPS[mode]
+
+
+def isa_capped() -> bool:
+    """Whether a load capped the kernels below this CPU's best (set_isa): the AVX-512-only kernels (prompt.c's VNNI
+    tiles, attend.c) are then not chosen, as on a CPU without them."""
+    return _isa_cap != 0
 
 
 def _path() -> int:
     """The C entry points' `scalar` argument, the path cap of common.h: 1 portable, 2 at most AVX2, 0 the best."""
-    return 1 if FORCE_SCALAR else 2 if AVX2_ONLY else 0
+    if FORCE_SCALAR or _isa_cap == 1:
+        return 1
+    return 2 if AVX2_ONLY or _isa_cap == 2 else 0
 
 
 def _sync_ops() -> None:

@@ -55,10 +55,11 @@ def available() -> bool:
 
 def wanted(dtype: torch.dtype, planes: int | None) -> bool:
     """Whether a prompt's many rows take these kernels: activations coded in one 8-bit plane (planes 1, None meaning
-    native.Q8_PLANES: LoadOptions.activations "int8") at the bf16 compute dtype, where they run fast (available())."""
-    from . import Q8_PLANES
+    native.Q8_PLANES: LoadOptions.activations "int8") at the bf16 compute dtype, where they run fast (available(), and
+    no LoadOptions.isa cap)."""
+    from . import Q8_PLANES, isa_capped
 
-    return (planes or Q8_PLANES) == 1 and dtype is torch.bfloat16 and available()
+    return (planes or Q8_PLANES) == 1 and dtype is torch.bfloat16 and available() and not isa_capped()
 
 
 def supported(spec: QuantSpec) -> bool:
