@@ -7,9 +7,18 @@
 # `sluice bench --peer-python benchmarks/peers/.venv/bin/python` runs the `peer:` arms with this interpreter.
 #
 #   bash benchmarks/peers/setup.sh          # idempotent: an existing, complete venv is only checked
+#   AVX2=1 bash benchmarks/peers/setup.sh   # benchmarks/peers/.venv-avx2: llama.cpp built for an AVX2-only CPU
+#                                           # (GGML_NATIVE=OFF, AVX2 + FMA + F16C, no AVX-512 / AVX-VNNI / AMX), to
+#                                           # measure the AVX2 path on an AVX-512 machine beside `sluice --isa avx2`
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
+if [ -n "${AVX2:-}" ]; then
+  VENV=.venv-avx2
+  export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+-DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF \
+-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+fi
 PY=${PYTHON:-python3}
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 TRANSFORMERS=${TRANSFORMERS:-5.24.0}  # the version sluice's parity tests use

@@ -9,6 +9,9 @@
 # rounds), sluice vs llama.cpp.
 #
 #   bash benchmarks/prefill/run.sh        # ROUNDS=3 PROMPT=2048 CEILING=1GiB MEMORY=640MiB SETS="q4km bf16"
+#   ISA=avx2 bash benchmarks/prefill/run.sh        # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
+#                                                  # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama.cpp built
+#                                                  # for AVX2 (peers/setup.sh AVX2=1); results in <set>[-act]-avx2*
 #   ACTIVATIONS=int8 bash benchmarks/prefill/run.sh   # sluice's arms with --activations int8 (llama.cpp's coding of
 #                                                     # x: the int8 prompt kernels); results in <set>-int8*
 #
@@ -24,9 +27,14 @@ ACT=(); TAG=""
 if [ -n "${ACTIVATIONS:-}" ]; then ACT=(--activations "$ACTIVATIONS"); TAG="-$ACTIVATIONS"; fi
 OUT=${OUT:-benchmarks/results/prefill}
 PEER_PY=benchmarks/peers/.venv/bin/python
+if [ "${ISA:-auto}" = avx2 ]; then  # the AVX2 path on any x86 machine: sluice, torch and llama.cpp all capped
+  ACT+=(--isa avx2); TAG="$TAG-avx2"; PEER_PY=benchmarks/peers/.venv-avx2/bin/python
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+fi
 SLUICE=(nice -n 19 .venv/bin/sluice)
 PEERS=benchmarks/models/qwen3_moe-peers
-[ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || bash benchmarks/peers/setup.sh
+[ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || \
+  AVX2=$([ "$PEER_PY" = benchmarks/peers/.venv-avx2/bin/python ] && echo 1) bash benchmarks/peers/setup.sh
 [ -f "$PEERS/model-Q4_K_M.gguf" ] || SETS=peers bash benchmarks/quantized/run.sh
 
 bench() {  # bench MODEL OUTDIR bench-args...: one decode step after the prompt (the prefill is what is measured)

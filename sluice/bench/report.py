@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from ..host.cpus import cpu_line
 from ..options import format_bytes
 from .protocol import Run, identity_text, wins_text
 
@@ -105,6 +106,8 @@ def header(results: dict[str, Any]) -> str:
     if m.get("context"):
         parts.append(f"a KV cache of {m['context']} positions (prompt + steps + 16, as the llama.cpp arm's n_ctx) "
                      "for every sluice arm that does not set --max-context")
+    if m.get("cpu"):
+        parts.append(f"CPU {cpu_line(m['cpu'])}")
     arms = "; ".join(f"**{a['name']}** `{a['flags'] or '(defaults)'}`" for a in results["arms"])
     return ", ".join(parts) + ".\nArms: " + arms + ". Ratios and wins are paired per round against the first arm."
 

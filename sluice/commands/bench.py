@@ -34,6 +34,7 @@ from ..bench.peers import check_peer, crash_signal, peer_files, repacking_note, 
 from ..bench.protocol import Run, best_of_peers, identity, pair, rotation, summarize
 from ..bench.report import markdown, write_all
 from ..errors import OutputError
+from ..host.cpus import describe_cpu
 from ..options import format_bytes, parse_size
 from ..sampling import SEED_MIN, SEED_MAX
 
@@ -268,7 +269,8 @@ class Bench:
                 "prompt": a.prompt, "prompt_tokens": len(sequence["prompt_ids"]), "temperature": a.temperature,
                 "seed": a.seed, "page_cache": self.page_cache, "ceiling": self.ceiling, "context": self.context,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
-                "cpus": os.cpu_count(), "python": platform.python_version(), "peer_python": a.peer_python,
+                "cpus": os.cpu_count(), "cpu": describe_cpu(), "python": platform.python_version(),
+                "peer_python": a.peer_python,
             },
             "floor": self.floor if self.with_floor else None,
             "arms": [arm.to_json() for arm in self.arms],

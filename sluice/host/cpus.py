@@ -66,6 +66,38 @@ def bf16_dot(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return False
 
 
+#: the /proc/cpuinfo flags a benchmark's CPU line names: the instruction sets sluice's, torch's and llama.cpp's
+#: kernels dispatch on
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+#: environment variables that cap torch's kernels below the CPU's best (an AVX2 run on an AVX-512 machine)
+CAP_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """{"model", "flags", "env"}: the CPU's model name, its SIMD flags (SIMD_FLAGS and every avx512*), and the
+    environment variables that cap torch's kernels, as every committed benchmark result records them."""
+    model, flags = "unknown", []
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    have = value.split()
+                    flags = [x for x in have if x in SIMD_FLAGS or x.startswith("avx512")]
+                    break
+    except OSError:
+        pass
+    return {"model": model, "flags": flags, "env": {k: os.environ[k] for k in CAP_ENV if k in os.environ}}
+
+
+def cpu_line(cpu: dict) -> str:
+    """describe_cpu's dict as one line: 'AMD EPYC ... (avx2 avx512f ...; ATEN_CPU_CAPABILITY=avx2)'."""
+    env = "; ".join(f"{k}={v}" for k, v in cpu.get("env", {}).items())
+    return f"{cpu['model']} ({' '.join(cpu['flags']) or 'no SIMD flags read'}{'; ' + env if env else ''})"
+
+
 def _busy_ticks(stat: Path = Path("/proc/stat")) -> int | None:
     """Clock ticks all CPUs spent busy since boot (user, nice, system, irq, softirq, steal), None if unreadable."""
     try:

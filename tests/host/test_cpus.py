@@ -152,3 +152,19 @@ def test_importing_sluice_sets_a_short_openmp_spin_unless_a_policy_is_given():
         out = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True,
                              check=True).stdout
         assert out.split() == want, given
+
+
+def test_describe_cpu_names_the_model_the_simd_flags_and_the_caps(tmp_path, monkeypatch):
+    from sluice.host.cpus import cpu_line, describe_cpu
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9999\nflags\t\t: fpu sse avx avx2 fma avx512f "
+                    "avx512_vnni avx512_bf16 amx_tile\nprocessor\t: 1\nmodel name\t: AMD EPYC 9999\n")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    cpu = describe_cpu(info)
+    assert cpu == {"model": "AMD EPYC 9999", "flags": ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16",
+                                                       "amx_tile"], "env": {"ATEN_CPU_CAPABILITY": "avx2"}}
+    assert cpu_line(cpu) == ("AMD EPYC 9999 (avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile; "
+                             "ATEN_CPU_CAPABILITY=avx2)")
+    assert describe_cpu(tmp_path / "missing") == {"model": "unknown", "flags": [], "env": {"ATEN_CPU_CAPABILITY": "avx2"}}
