@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from sluice.plan import open_index
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "contention"
@@ -115,13 +116,12 @@ def main() -> None:
     for name in [p for p in POLICIES if p not in chosen]:
         del POLICIES[name]
     from sluice.tools.inflate import inflate, scale_for_size
-    from sluice.checkpoint import CheckpointIndex
     from sluice.tools.inflate import demo_model_dir
     from sluice.options import parse_size
 
     model = Path(a.model) if a.model else ROOT / "benchmarks" / "models" / f"demo-{a.size}"
     if not (model / "config.json").exists():
-        n = scale_for_size(CheckpointIndex.open(demo_model_dir()), parse_size(a.size))
+        n = scale_for_size(open_index(demo_model_dir()), parse_size(a.size))
         inflate("demo", model, n, progress=True)
     scenarios = {"resident": ["--memory", "all"],
                  "streamed": ["--memory", a.stream_memory, "--io", "direct"]}

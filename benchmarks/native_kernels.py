@@ -41,7 +41,7 @@ import quant_kernels  # noqa: E402  (benchmarks/: the load note and the clock)
 from sluice.quant import native  # noqa: E402
 from sluice.quant.kernels import AffineKernel, Int4PackKernel, QuantSpec  # noqa: E402
 from sluice.quant.native.kernel import NativeKernel  # noqa: E402
-from sluice.quant.samples import random_stored  # noqa: E402
+from tests.quant.samples import random_stored  # noqa: E402
 
 FORMATS = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "mlx4"]
 

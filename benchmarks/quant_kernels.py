@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from sluice.quant import ggml, int4pack  # noqa: E402
 from sluice.quant.kernels import AffineKernel, Int4PackKernel, QuantSpec  # noqa: E402
-from sluice.quant.samples import random_stored  # noqa: E402
+from tests.quant.samples import random_stored  # noqa: E402
 
 SHAPES = [(2048, 768), (1024, 512)]
 ROWS = [1, 4, 128]

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from sluice.host.cpus import bf16_dot
-from sluice.matmul import pack, packable, packed_linear, set_matmul
-from sluice.matmul import sdpa as matmul_sdpa
+from sluice.quant.matmul import pack, packable, packed_linear, set_matmul
+from sluice.quant.matmul import sdpa as matmul_sdpa
 
 PEERS_BF16 = "benchmarks/models/qwen3_moe-peers/model.gguf"
 # made by: sluice make-model benchmarks/models/qwen3_moe-1GiB --from demo --size 1GiB
@@ -133,7 +133,7 @@ def crossover() -> None:
     from sluice.quant import native
     from sluice.quant.kernels import QuantSpec
     from sluice.quant.native.kernel import NativeKernel
-    from sluice.quant.samples import random_stored
+    from tests.quant.samples import random_stored
 
     native.set_threads(2)
     for name, n, k in (("Q4_K", 1024, 1024), ("Q6_K", 1024, 512)):

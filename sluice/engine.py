@@ -18,7 +18,7 @@ from .host.cpus import ThreadGovernor
 from .host.memory import keep_heap
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
-from .matmul import bf16_gemm, set_matmul
+from .quant.matmul import bf16_gemm, set_matmul
 from .models.blocks import Transformer
 from .models.spec import KVCache
 from .options import ACTIVATION_PLANES, LoadOptions
@@ -28,7 +28,7 @@ from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter
 from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from .store.resident import ResidentExpertStore
 from .store.rows import RowTable
-from .store.weights import load_resident
+from .models.weights import load_resident
 from .tokenizer import Tokenizer
 from .tokenizer.limit import PIECE, tokens_at_least
 

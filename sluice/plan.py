@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
+from .checkpoint import open as _opener
 from .checkpoint.index import CONFIG, GENERATION_CONFIG, CheckpointIndex
 from .checkpoint.ref import TensorRef
 from .errors import ConfigError, SluiceError
 from .host.cpus import usable_cpus
 from .host.memory import MemoryRoom, available_memory
 from .host.procstat import memory_status
-from .models import model_args
+from .models import gguf_archs, model_args
 from .models.args import GenerationArgs, eos_ids
 from .models.schema import parse
 from .models.spec import KVCache, Spec
@@ -34,7 +35,7 @@ from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESER
                            activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_token_bytes,
                            prefill_tokens_per_chunk, reserve_left)
 from .store.layout import ExpertLayout
-from .store.weights import resident_nbytes, resident_refs
+from .models.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
 from .tokenizer.gguf import tokenizer_from_gguf
 
@@ -54,7 +55,7 @@ class LoadPlan:
     layout: ExpertLayout  # where each expert's bytes are, and their stored format
     dtype: torch.dtype  # compute dtype of the resident weights, activations and KV cache
     lazy_embed: bool  # the token embedding table stays on disk (rows read per batch)
-    resident_bytes: int  # resident weights as held: in `dtype`, or stored bytes when kept quantized (store/weights.py)
+    resident_bytes: int  # resident weights as held: in `dtype`, or stored bytes when kept quantized (models/weights.py)
     max_context: int  # KV positions: options.max_context capped by the model's
     prefill_chunk: int  # prompt tokens per forward pass (options.prefill_chunk, "auto" resolved)
     prefill_why: str  # how the chunk was chosen, for inspect
@@ -78,12 +79,18 @@ class LoadPlan:
         return "everything resident" if self.memory is None else f"budget {format_bytes(self.memory)}"
 
 
+def open_index(path: str | os.PathLike) -> CheckpointIndex:
+    """The checkpoint index of a model folder or .gguf file (checkpoint/open.py), GGUF files read by the
+    architectures' own facts (models.gguf_archs)."""
+    return _opener.open_index(path, gguf_archs())
+
+
 def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     """Read the checkpoint's headers and decide everything a load needs. Raises CheckpointError / ConfigError for
     a file or option sluice cannot run, BudgetError when the memory cannot hold one step (the message says the
     smallest budget that works)."""
     path = Path(path)
-    index = CheckpointIndex.open(path)
+    index = open_index(path)
     arch, args = model_args(index.config, index.folder / CONFIG)
     generation = parse(GenerationArgs, index.generation_config or {}, source=str(index.folder / GENERATION_CONFIG))
     spec = args.spec()

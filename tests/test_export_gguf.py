@@ -17,12 +17,12 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from sluice import cli  # noqa: E402
-from sluice.checkpoint.index import CheckpointIndex  # noqa: E402
 from sluice.errors import ConfigError  # noqa: E402
 from sluice.tools.gguf_export import ExportError, export_gguf, pre_tokenizer_name, tensor_plan  # noqa: E402
-from sluice.io import read_tensor  # noqa: E402
+from sluice.quant.tensor import read_tensor  # noqa: E402
 from sluice.tools.synth import SynthConfig, make_model  # noqa: E402
 from sluice.tokenizer import Tokenizer  # noqa: E402
+from sluice.plan import open_index
 
 TINY = SynthConfig(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    num_experts=4, top_k=2, moe_intermediate_size=32, vocab_size=300, dtype="bfloat16")
@@ -50,7 +50,7 @@ def _tensors(path) -> dict[str, tuple[str, tuple[int, ...], torch.Tensor]]:
 
 def _expected(folder) -> dict[str, torch.Tensor]:
     """llama.cpp name -> the checkpoint's values (float32), experts stacked, built independently of the plan."""
-    idx = CheckpointIndex.open(folder)
+    idx = open_index(folder)
     cfg = idx.config
     get = lambda n: read_tensor(idx[n]).float()  # noqa: E731
     want = {"token_embd.weight": get("model.embed_tokens.weight"), "output_norm.weight": get("model.norm.weight"),
@@ -145,7 +145,7 @@ def test_fused_layout_gives_the_same_tensors(tiny, tmp_path):
 
 def test_plan_streams_one_tensor_at_a_time(tiny):
     """The plan holds references only (nothing read); an expert stack names its E per-expert sources in order."""
-    plan = {t.name: t for t in tensor_plan(CheckpointIndex.open(tiny))}
+    plan = {t.name: t for t in tensor_plan(open_index(tiny))}
     stack = plan["blk.0.ffn_up_exps.weight"]
     assert [r.name for r in stack.sources] == [f"model.layers.0.mlp.experts.{e}.up_proj.weight"
                                                for e in range(TINY.num_experts)]

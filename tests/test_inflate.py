@@ -20,10 +20,10 @@ import torch
 
 import sluice
 from sluice import cli
-from sluice.checkpoint import CheckpointIndex
 from sluice.errors import ConfigError
 from sluice.tools.inflate import demo_model_dir, inflate, plan, scale_for_size
 from sluice.tools.synth import SynthConfig, make_model
+from sluice.plan import open_index
 
 PROMPT = "The list"
 IDS = [5, 17, 300, 41, 9, 1000, 77, 8, 250, 3, 64, 12]
@@ -51,7 +51,7 @@ def _greedy(folder: Path, **load) -> list[int]:
 
 
 def test_inflated_demo_layout(demo_x3):
-    base, big = CheckpointIndex.open(demo_model_dir()), CheckpointIndex.open(demo_x3)
+    base, big = open_index(demo_model_dir()), open_index(demo_x3)
     I = base.config["moe_intermediate_size"]
     assert big.config["moe_intermediate_size"] == 3 * I
     assert {k: v for k, v in big.config.items() if k != "moe_intermediate_size"} == \
@@ -112,7 +112,7 @@ def test_inflate_other_layouts_and_archs(tmp_path, arch, layout):
 
 
 def test_scale_for_size_reaches_target():
-    index = CheckpointIndex.open(demo_model_dir())
+    index = open_index(demo_model_dir())
     target = 100 * 2**20
     n = scale_for_size(index, target)
     assert plan(index, n).total_bytes >= target > plan(index, n - 1).total_bytes

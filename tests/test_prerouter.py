@@ -16,9 +16,9 @@ from sluice.checkpoint.safetensors import read_header, write_safetensors
 from sluice.errors import CheckpointError
 from sluice.prerouter.predict import (PREROUTER_FILE, Head, LearnedPrerouter, RouterPrerouter, load_heads,
                               model_fingerprint, next_moe_layers)
-from sluice.prerouter.fit import FitOptions, corpus_ids, fit, record
+from sluice.tools.prerouter_fit import FitOptions, corpus_ids, fit, record
 from sluice.tools.tokenizer_train import train_tokenizer
-from sluice.store.weights import resident_refs
+from sluice.models.weights import resident_refs
 from sluice.models.blocks import rms_norm
 from sluice.models.routing import route
 

@@ -14,15 +14,15 @@ gguf = pytest.importorskip("gguf")
 
 import sluice  # noqa: E402
 from sluice import cli  # noqa: E402
-from sluice.checkpoint.index import CheckpointIndex  # noqa: E402
 from sluice.errors import ConfigError  # noqa: E402
-from sluice.io import read_tensor  # noqa: E402
+from sluice.quant.tensor import read_tensor  # noqa: E402
 from sluice.tools.gguf_export import ExportError  # noqa: E402
 from sluice.tools.gguf_types import GGUF_TYPES  # noqa: E402
 from sluice.tools.quantize import quantize  # noqa: E402
 from sluice.tools.synth import OutputExistsError, SynthConfig, make_model  # noqa: E402
 from tests.checkpoint.gguf_files import permute  # noqa: E402
 from tests.test_disk_full import full_disk, sluice_cli  # noqa: E402,F401 (a fixture)
+from sluice.plan import open_index
 
 Q = gguf.GGMLQuantizationType
 IDS = list(range(3, 40))
@@ -51,7 +51,7 @@ def _file_tensors(path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
 def _expected_f32(folder) -> dict[str, np.ndarray]:
     """llama.cpp name -> the checkpoint's values as float32, built independently of sluice's export plan: experts
     stacked, Mixtral's q/k permuted as convert_hf_to_gguf.py permutes them, qwen2moe's shared gate squeezed."""
-    idx = CheckpointIndex.open(folder)
+    idx = open_index(folder)
     cfg = idx.config
     mixtral = cfg["model_type"] == "mixtral"
     get = lambda n: read_tensor(idx[n]).float().numpy()  # noqa: E731
@@ -98,7 +98,7 @@ def _expected_type(name: str, shape: tuple[int, ...], to: str, n_experts: int) -
 def _check_file(src, out, to: str) -> None:
     got, want = _file_tensors(out), _expected_f32(src)
     assert set(got) == set(want)
-    E = CheckpointIndex.open(src).config.get("num_experts") or 8
+    E = open_index(src).config.get("num_experts") or 8
     for name, (kind, shape, raw) in got.items():
         values = want[name]
         assert shape == values.shape, name

@@ -85,7 +85,7 @@ def wait(a) -> None:
 
 
 def blocks_child(model: str, n: int, split: bool) -> list[float]:
-    from sluice import matmul
+    from sluice.quant import matmul
 
     if not split:
         matmul.GEMM_BLOCK_BYTES = matmul.GEMM_MIN_BLOCK = 1 << 40
@@ -187,7 +187,7 @@ def gemm(a) -> None:
     from sluice.quant import native
     from sluice.quant.kernels import QuantSpec
     from sluice.quant.native import prompt
-    from sluice.quant.samples import random_stored
+    from tests.quant.samples import random_stored
 
     native.set_threads(2)
     for fmt, n, k in (("Q4_K", 1024, 1024), ("Q4_K", 1024, 512)):
@@ -204,7 +204,7 @@ def gemm(a) -> None:
 def attend(a) -> None:
     import torch.nn.functional as F
 
-    from sluice.matmul import sdpa
+    from sluice.quant.matmul import sdpa
     from sluice.quant import native
     from sluice.quant.native import attend as native_attend
 

@@ -16,7 +16,7 @@ import torch
 
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
-from sluice.quant.samples import random_expert_slots
+from tests.quant.samples import random_expert_slots
 from sluice.store.layout import ExpertFormat
 
 

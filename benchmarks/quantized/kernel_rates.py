@@ -13,7 +13,7 @@ import torch
 
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
-from sluice.quant.samples import random_expert_slots, random_stored
+from tests.quant.samples import random_expert_slots, random_stored
 from sluice.store.layout import ExpertFormat
 
 

@@ -18,13 +18,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sluice.checkpoint import CheckpointIndex
-from sluice.io.tensor import read_tensor
+from sluice.quant.tensor import read_tensor
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
 from sluice.quant.resident import QuantLinear, Scratch, quant_spec
-from sluice.quant.samples import random_stored
-from sluice.store.weights import _quant_linear
+from tests.quant.samples import random_stored
+from sluice.models.weights import _quant_linear
+from sluice.plan import open_index
 
 
 def median_ms(f, n: int) -> float:
@@ -48,7 +48,7 @@ def split_ms(q: QuantLinear, x: torch.Tensor, n: int) -> tuple[float, float]:
 
 
 def projections(model: str) -> None:
-    index = CheckpointIndex.open(model)
+    index = open_index(model)
     for name in ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.0.self_attn.v_proj.weight"):
         ref = index[name]

@@ -25,7 +25,7 @@ import torch
 
 from ..io import DirectReader, ReadRange
 from ..io.residency import evict, resident_fraction
-from ..options import format_bytes
+from ..units import format_bytes
 from . import BenchError
 from ..host.procstat import disk_read_bytes
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..io.residency import ResidencyError, evict, resident_bytes, run_in_memory_cgroup, verify_cold, warm
-from ..options import format_bytes
+from ..units import format_bytes
 from . import BenchError
+from ..plan import open_index
 
 MAX_COLD_FRACTION = 0.01  # "verified cold": at most 1% of the model's pages cached before a run
 
@@ -24,9 +25,8 @@ def model_files(folder: str | os.PathLike[str]) -> list[Path]:
     """Every regular file of the model folder (weights, config, tokenizer): all of it is what a run may read.
     A GGUF model is its file and, when split, its other parts (the checkpoint index finds them)."""
     if Path(folder).is_file():
-        from ..checkpoint import CheckpointIndex
 
-        return sorted(Path(p) for p in CheckpointIndex.open(folder).files)
+        return sorted(Path(p) for p in open_index(folder).files)
     return sorted(p for p in Path(folder).iterdir() if p.is_file())
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SluiceError
-from ..options import parse_size
+from ..units import parse_size
 from . import BenchError, FlagError, FlagParser
 
 PREFIX = "peer:"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..host.cpus import cpu_line
-from ..options import format_bytes
+from ..units import format_bytes
 from .protocol import Run, identity_text, wins_text
 
 DASH = "—"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ..quant.formats import BY_ID, SUPPORTED
+from .formats import BY_ID, SUPPORTED
 from .ref import FileStamp, TensorRef
 
 MAGIC = b"GGUF"

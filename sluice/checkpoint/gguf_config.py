@@ -34,7 +34,7 @@ router normalisation than its graph hard-codes) are set so that sluice computes 
     `blk.0.attn_q.bias` present           qkv_bias (qwen2moe)
 
 Architectures: each models/<model_type>.py names its llama.cpp architecture and adds its own keys (`GGUF`, a
-models.arch.GGUFArch; None when llama.cpp has none): qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe,
+gguf_arch.GGUFArch; None when llama.cpp has none; the opener hands this module the table of them): qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe,
 llama with expert_count > 0 -> mixtral. Keys whose math sluice does not compute (another gating function, an expert
 weight scale, an attention scale, longrope) are a ConfigError naming the key, never silently dropped.
 """
@@ -44,11 +44,9 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from types import ModuleType
-
 from ..errors import CheckpointError, ConfigError
-from ..models import archs, by_gguf_name
 from .gguf import INTEGER_TYPES, GGUFFile
+from .gguf_arch import GGUFArch, GGUFArchs
 from .ref import TensorRef
 
 _MISSING = object()
@@ -151,25 +149,25 @@ class GGUFMeta:
         return self.gf.metadata[key]
 
 
-def gguf_arch(gf: GGUFFile) -> ModuleType:
-    """The architecture module (models/) of general.architecture; ConfigError listing the supported ones when sluice
-    has none, or when the architecture's `accept` refuses the file (a llama GGUF without experts)."""
+def gguf_arch(gf: GGUFFile, archs: GGUFArchs) -> GGUFArch:
+    """The facts (of `archs`: general.architecture -> GGUFArch) of the file's general.architecture; ConfigError
+    listing the supported ones when sluice has none, or when the architecture's `accept` refuses the file (a llama
+    GGUF without experts)."""
     name = GGUFMeta(gf, "general").str("general.architecture")
-    arch = by_gguf_name(name)
-    if arch is None:
-        known = ", ".join(f"{a.GGUF.name} ({t})" for t, a in archs().items() if a.GGUF is not None)
+    facts = archs.get(name)
+    if facts is None:
+        known = ", ".join(f"{a.name} ({a.model_type})" for a in archs.values())
         raise ConfigError(f"{gf.path}: GGUF architecture {name!r} is not supported; supported (llama.cpp's name and "
                           f"config.json model_type): {known}")
-    if arch.GGUF.accept is not None:
-        arch.GGUF.accept(GGUFMeta(gf, name))
-    return arch
+    if facts.accept is not None:
+        facts.accept(GGUFMeta(gf, name))
+    return facts
 
 
-def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef]) -> dict[str, Any]:
-    """The config.json dict for the GGUF whose first file is `gf` and whose tensors (GGUF names) are `tensors`: the
-    keys every architecture reads the same, then the architecture's own (its GGUFArch.config hook)."""
-    arch = gguf_arch(gf)
-    facts = arch.GGUF
+def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef], facts: GGUFArch) -> dict[str, Any]:
+    """The config.json dict for the GGUF whose first file is `gf`, of architecture `facts` (gguf_arch), and whose
+    tensors (GGUF names) are `tensors`: the keys every architecture reads the same, then the architecture's own (its
+    GGUFArch.config hook)."""
     m = GGUFMeta(gf, facts.name)
     _refuse_unsupported(m, facts.norm_topk_prob, facts.router_keys)
     heads = m.int("attention.head_count")
@@ -185,7 +183,7 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef]) -> dict[str, Any]:
                           f"{m.key('expert_count')} {n_experts}")
     theta = m.float("rope.freq_base", 10000.0, positive=True)
     cfg: dict[str, Any] = {
-        "model_type": arch.MODEL_TYPE,
+        "model_type": facts.model_type,
         "num_hidden_layers": m.int("block_count"),
         "hidden_size": hidden,
         "num_attention_heads": heads,

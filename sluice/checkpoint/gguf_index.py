@@ -14,7 +14,8 @@ Tensor names map to the ones sluice's model files read (models/*.py, weights.py,
     blk.N.ffn_{gate,up,down}_shexp    model.layers.N.mlp.shared_expert.*_proj.weight  (qwen2moe)
     blk.N.ffn_gate_inp_shexp          model.layers.N.mlp.shared_expert_gate.weight    [1, H] (stored [H] or [1, H])
 
-Each architecture's table is its module's `GGUF.tensors` (models/<model_type>.py). The MoE block is always `mlp`
+Each architecture's table is its `GGUFArch.tensors` (declared by models/<model_type>.py, handed to `GGUFIndex.open`
+by the opener: plan.open_index). The MoE block is always `mlp`
 (Mixtral included: its fused HF layout uses that prefix too). Each mapped TensorRef keeps the GGUF name as
 `ref.name`, so errors name the tensor as it is in the file. A tensor the architecture does not have in llama.cpp is an
 error (llama.cpp refuses such files too). Where the architecture says `rope_permuted` (`llama`: Mixtral) the q/k rows
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .gguf import INTEGER_TYPES, GGUFFile, read_gguf
-from ..models import by_gguf_name
+from .gguf_arch import GGUFArch, GGUFArchs
 from .gguf_config import gguf_arch, gguf_config
 from .index import CheckpointIndex
 from .paths import path_kind
@@ -47,34 +48,27 @@ _OLD_EXPERTS = re.compile(r"ffn_(gate|up|down)\.\d+\.weight")
 _OLD_EXPERTS_HINT = "this is the old per-expert Mixtral layout: re-convert the model with a current llama.cpp"
 
 
-def _layer_names(arch: str) -> dict[str, str]:
-    """blk.N.<suffix> -> model.layers.N.<name> of GGUF architecture `arch` (one sluice runs)."""
-    module = by_gguf_name(arch)
-    assert module is not None, f"{arch!r} is not a GGUF architecture sluice runs"
-    return module.GGUF.tensors
-
-
-def gguf_name(name: str, arch: str) -> str | None:
-    """The GGUF name of config.json-world tensor `name` in architecture `arch` (the inverse of hf_name)."""
+def gguf_name(name: str, facts: GGUFArch) -> str | None:
+    """The GGUF name of config.json-world tensor `name` in architecture `facts` (the inverse of hf_name)."""
     for g, h in _GLOBAL.items():
         if h == name:
             return g
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
-        for g, h in _layer_names(arch).items():
+        for g, h in facts.tensors.items():
             if h == m[2]:
                 return f"blk.{m[1]}.{g}"
     return None
 
 
-def hf_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
-    """The config.json-world name of GGUF tensor `gguf_name` in architecture `arch`, or None if it has none."""
+def hf_name(gguf_name: str, facts: GGUFArch, n_layers: int) -> str | None:
+    """The config.json-world name of GGUF tensor `gguf_name` in architecture `facts`, or None if it has none."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     m = _BLK_RE.fullmatch(gguf_name)
     if m is None or int(m["layer"]) >= n_layers or str(int(m["layer"])) != m["layer"]:
         return None
-    rest = _layer_names(arch).get(m["rest"])
+    rest = facts.tensors.get(m["rest"])
     return None if rest is None else f"model.layers.{m['layer']}.{rest}"
 
 
@@ -151,22 +145,24 @@ def _no_extra_splits(folder: Path, prefix: str, count: int) -> None:
 class GGUFIndex(CheckpointIndex):
     """A GGUF model (one file or a split set) as config + HF tensor name -> TensorRef; no tensor bytes are read.
 
-    Beyond CheckpointIndex: `arch` (GGUF architecture), `metadata` (the first file's key -> value, for the tokenizer
+    Beyond CheckpointIndex: `arch` (GGUF architecture), `facts` (its GGUFArch), `metadata` (the first file's key -> value, for the tokenizer
     and chat template: tokenizer.ggml.*), `gguf_files` (each parsed shard), `gguf_names` (HF name -> GGUF name).
     `folder` is the first .gguf file, so errors that name the checkpoint name the file the user passed.
     """
 
     def __init__(self, path: Path, config: dict, tensors: dict[str, TensorRef], gguf_files: list[GGUFFile],
-                 arch: str, gguf_names: dict[str, str]):
+                 facts: GGUFArch, gguf_names: dict[str, str]):
         super().__init__(path, config, None, tensors, [gf.path for gf in gguf_files])
-        self.arch = arch
+        self.facts = facts
+        self.arch = facts.name
         self.gguf_files = gguf_files
         self.metadata = gguf_files[0].metadata
         self.gguf_names = gguf_names
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> GGUFIndex:
-        """Parse `path` (a .gguf file, or the first of a split set) and its other splits; map config and names.
+    def open(cls, path: str | os.PathLike[str], archs: GGUFArchs) -> GGUFIndex:
+        """Parse `path` (a .gguf file, or the first of a split set) and its other splits; map config and names by
+        the facts of its architecture in `archs` (general.architecture -> GGUFArch: models.gguf_archs()).
 
         Raises CheckpointError for a bad file, a bad split set or a tensor the architecture does not have, and
         ConfigError for an architecture or setting sluice does not run.
@@ -181,7 +177,7 @@ class GGUFIndex(CheckpointIndex):
                                   file=str(path))
         first = read_gguf(path)
         files = split_files(first)  # first: a later split gets "open the first split", not a missing-metadata error
-        arch = gguf_arch(first).GGUF.name
+        facts = gguf_arch(first, archs)
         raw: dict[str, TensorRef] = {}
         for gf in files:
             for name, ref in gf.tensors.items():
@@ -189,16 +185,16 @@ class GGUFIndex(CheckpointIndex):
                     raise CheckpointError(f"also stored in {Path(raw[name].path).name}; the split set is "
                                           "inconsistent: re-download it", file=str(gf.path), tensor=name)
                 raw[name] = ref
-        config = gguf_config(first, raw)
-        tensors, names = _map_tensors(raw, arch, config, str(path))
-        return cls(path, config, tensors, files, arch, names)
+        config = gguf_config(first, raw, facts)
+        tensors, names = _map_tensors(raw, facts, config, str(path))
+        return cls(path, config, tensors, files, facts, names)
 
     def __getitem__(self, name: str) -> TensorRef:
         try:
             return self.tensors[name]
         except KeyError:
             pass
-        g = gguf_name(name, self.arch)
+        g = gguf_name(name, self.facts)
         what = f"GGUF tensor {g!r}" if g else "a tensor"
         raise CheckpointError(f"{what} is missing (sluice looked for {name!r}); the file is incomplete or not a "
                               f"{self.arch} model as llama.cpp writes it", file=str(self.folder), tensor=g or name)
@@ -208,16 +204,16 @@ class GGUFIndex(CheckpointIndex):
                 f"files={len(self.files)}, bytes={self.total_bytes()})")
 
 
-def _map_tensors(raw: dict[str, TensorRef], arch: str, config: dict, file: str
+def _map_tensors(raw: dict[str, TensorRef], facts: GGUFArch, config: dict, file: str
                  ) -> tuple[dict[str, TensorRef], dict[str, str]]:
     """HF name -> TensorRef (GGUF name kept as ref.name), and HF name -> GGUF name."""
-    facts, model_type = by_gguf_name(arch).GGUF, config["model_type"]
+    arch, model_type = facts.name, config["model_type"]
     n_layers = config["num_hidden_layers"]
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     tensors: dict[str, TensorRef] = {}
     names: dict[str, str] = {}
     for gname, ref in raw.items():
-        hname = hf_name(gname, arch, n_layers)
+        hname = hf_name(gname, facts, n_layers)
         if hname is None:
             m = _BLK_RE.fullmatch(gname)
             hint = _ROPE_FREQS_HINT if gname == "rope_freqs.weight" else \

@@ -52,16 +52,12 @@ class CheckpointIndex:
 
         Weights come from `model.safetensors`, else from the shards named by `model.safetensors.index.json`
         (the order transformers uses). An MLX folder (mlx-lm's `quantization` in config.json, or its stacked
-        `switch_mlp` experts) is presented under sluice's names, quantized modules dequantizable (mlx_index.py). A path ending in .gguf is opened as a GGUF model instead (a GGUFIndex:
-        config and HF tensor names mapped from its metadata and tensor infos, see gguf_index.py). Raises
+        `switch_mlp` experts) is presented under sluice's names, quantized modules dequantizable (mlx_index.py). A GGUF file has its own class (gguf_index.py); open.open_index picks
+        between them. Raises
         CheckpointError for a missing/invalid config, missing weights, a missing shard, an index entry absent from
         its shard, a tensor stored twice, or any bad header.
         """
         folder = Path(folder)
-        if folder.suffix == ".gguf" and not folder.is_dir():
-            from .gguf_index import GGUFIndex  # GGUFIndex subclasses this class
-
-            return GGUFIndex.open(folder)
         try:
             kind = path_kind(folder)
         except OSError as e:  # a name too long, a permission denied on a parent

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..quant.mlx import BITS
+from .formats import MLX_BITS as BITS
 from .ref import MLXQuant, TensorRef
 
 GROUP_SIZES = (32, 64, 128)  # what mlx.core.quantize accepts for affine quantization (mlx 0.32)

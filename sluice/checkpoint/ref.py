@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
-from ..quant.formats import BY_NAME, BlockFormat
+from .formats import BY_NAME, BlockFormat
 
 # safetensors dtype code -> (bytes per element, torch dtype)
 DTYPES: dict[str, tuple[int, torch.dtype]] = {
@@ -104,7 +104,7 @@ class FileStamp:
 class TensorRef:
     """One tensor inside a checkpoint file: absolute byte `offset` in `path`, `nbytes`, dtype code, shape.
 
-    `dtype` is a safetensors code (DTYPES) or, for a GGUF tensor, the ggml type name (quant/formats.py: "F16",
+    `dtype` is a safetensors code (DTYPES) or, for a GGUF tensor, the ggml type name (checkpoint/formats.py: "F16",
     "Q4_K", ...); the plain GGUF types F32/F16/BF16 use the same codes as safetensors. A block format
     (`quantized`) has no torch dtype: its `nbytes` are the stored blocks, `shape` is the logical torch-order shape
     (GGUF dims reversed), and rows (the last dim) are whole blocks, `row_nbytes` bytes each.

@@ -35,7 +35,7 @@ from ..bench.protocol import Run, best_of_peers, identity, pair, rotation, summa
 from ..bench.report import markdown, write_all
 from ..errors import OutputError
 from ..host.cpus import describe_cpu
-from ..options import format_bytes, parse_size
+from ..units import format_bytes, parse_size
 from ..sampling import SEED_MIN, SEED_MAX
 
 DEFAULT_PROMPT_TOKENS = 32  # a prompt of seeded random ids works for every model, tokenizer or not

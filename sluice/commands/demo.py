@@ -19,6 +19,7 @@ from ..engine import load
 from ..options import LoadOptions, add_load_arguments, format_bytes, options_from_args, parse_size
 from ..plan import plan
 from .common import stats_line
+from ..plan import open_index
 
 DEFAULT_MEMORY = 384 * 2**20
 
@@ -54,11 +55,10 @@ def ensure_demo_model(size: int) -> Path:
     The folder name carries the expert scale and a digest of the shipped weights, so a new sluice release with a
     retrained model inflates again instead of reusing a stale copy.
     """
-    from ..checkpoint import CheckpointIndex
     from ..tools.inflate import demo_model_dir, inflate, scale_for_size
 
     src = demo_model_dir()
-    index = CheckpointIndex.open(src)
+    index = open_index(src)
     scale = scale_for_size(index, size)
     digest = hashlib.sha256()
     for f in index.files:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..errors import OutputError, SluiceError
-from ..options import format_bytes
+from ..units import format_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

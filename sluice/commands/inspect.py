@@ -7,9 +7,9 @@ import argparse
 import json
 
 from ..engine import Model
-from ..matmul import describe_matmul
+from ..quant.matmul import describe_matmul
 from ..models.spec import KVCache
-from ..options import format_bytes
+from ..units import format_bytes
 from ..plan import LoadPlan, plan
 from .common import add_model_arguments, options_from_args
 

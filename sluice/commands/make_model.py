@@ -15,7 +15,8 @@ import dataclasses
 
 from ..errors import ConfigError, OutputError
 from ..models import archs, supported
-from ..options import format_bytes, parse_size
+from ..units import format_bytes, parse_size
+from ..plan import open_index
 
 # CLI flag -> SynthConfig field, for the overrides of the size rule.
 _OVERRIDES = {
@@ -88,9 +89,8 @@ def main(args: argparse.Namespace) -> int:
         raise _output_error(args.out, e) from e
 
     # Summarise what was written (the vocab may have grown to the tokenizer's; re-read sizes from the files).
-    from ..checkpoint import CheckpointIndex
 
-    index = CheckpointIndex.open(out)
+    index = open_index(out)
     written = dataclasses.replace(sc, vocab_size=index.config["vocab_size"])
     report = size_of(written)
     files = sorted(p.name for p in out.iterdir())
@@ -105,7 +105,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main_inflate(args: argparse.Namespace) -> int:
-    from ..checkpoint import CheckpointIndex
     from ..tools.inflate import describe, inflate, plan, resolve_source, scale_for_size
 
     given = [f"--{flag.replace('_', '-')}" for flag in ("arch", *_OVERRIDES) if getattr(args, flag) is not None]
@@ -116,7 +115,7 @@ def _main_inflate(args: argparse.Namespace) -> int:
                           "(only --expert-scale or --size, --shard-size, --force, --no-progress apply)")
     if (args.expert_scale is None) == (args.size is None):
         raise ConfigError("with --from give exactly one of --expert-scale N or --size SIZE")
-    index = CheckpointIndex.open(resolve_source(args.source))
+    index = open_index(resolve_source(args.source))
     if args.size is not None:
         scale = scale_for_size(index, parse_size(args.size, "--size"))
     else:

@@ -16,7 +16,7 @@ import sys
 from typing import BinaryIO
 
 from ..errors import ConfigError, RequestError
-from ..options import format_bytes, parse_size
+from ..units import format_bytes, parse_size
 from .common import add_model_arguments, load_from_args
 
 

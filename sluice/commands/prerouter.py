@@ -2,7 +2,7 @@
 
 Records (residual stream after layer L's attention, true experts of the next MoE layer) over a corpus, fits one
 head per layer, prints held-out recall of `learned` against the training-free `router`, and writes
-MODEL/prerouter.safetensors (see sluice/prerouter_fit.py for how the recording leaves the model untouched).
+MODEL/prerouter.safetensors (see sluice/tools/prerouter_fit.py for how the recording leaves the model untouched).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..prerouter.fit import FitOptions, fit
+    from ..tools.prerouter_fit import FitOptions, fit
 
     opts = FitOptions(tokens=args.tokens, seq_len=args.seq_len, kind=args.kind, epochs=args.epochs, lr=args.lr,
                       hidden=args.hidden, margin=args.margin, seed=args.seed)

@@ -13,7 +13,7 @@ import json
 import sys
 
 from ..errors import OutputError, SluiceError
-from ..options import format_bytes
+from ..units import format_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import format_bytes, parse_size
+from ..units import format_bytes, parse_size
 from .common import add_model_arguments, load_from_args
 
 # Waiting requests beyond the running one. Each holds its prompt (up to the context) while it waits, and requests

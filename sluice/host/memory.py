@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cgroup import V1_ROOT, V2_ROOT, chain, own_cgroup, read_keyed, read_value
-from ..options import format_bytes
+from ..units import format_bytes
 
 _UNLIMITED = 1 << 60  # v1 reports "no limit" as a page-rounded LONG_MAX
 

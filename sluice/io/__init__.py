@@ -11,7 +11,7 @@ from sluice.io.base import Reader, ReadFuture, Request
 from sluice.io.direct import DEFAULT_WORKERS, DirectReader
 from sluice.io.mapped import MmapReader, WillneedReader
 from sluice.io.ranges import ReadRange, page_window, plan_reads
-from sluice.io.tensor import read_tensor
+from sluice.io.tensor import read_bytes
 
 MODES = ("mmap", "willneed", "direct")
 
@@ -40,5 +40,5 @@ __all__ = [
     "make_reader",
     "page_window",
     "plan_reads",
-    "read_tensor",
+    "read_bytes",
 ]

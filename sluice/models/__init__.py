@@ -15,7 +15,7 @@ reads all it needs from the module. What a module provides (tests/models/test_ar
     EXPERT_PROJ       the per-expert projection names (gate, up, down), e.g. ("w1", "w3", "w2")
     INTERMEDIATE_KEY  the config.json key of one routed expert's intermediate size (tools/inflate.py scales it)
     layer_tensors     (spec, layer, moe_prefix) -> [TensorName]: one layer's resident tensors (roles, checkpoint names,
-                      shapes); most modules use arch.layer_tensors, the Qwen/Mixtral/OLMoE layout; store/weights.py
+                      shapes); most modules use arch.layer_tensors, the Qwen/Mixtral/OLMoE layout; models/weights.py
                       loads them and tools/synth.py writes them
     SYNTH             SynthDefaults (arch.py): transformers class, the family's expert count / top-k / rope theta / eps
     synth_config      (SynthConfig) -> dict: the config.json keys of a synthetic checkpoint beyond the common ones
@@ -36,6 +36,7 @@ A module outside the package (a plugin, or a test's throwaway architecture) join
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -118,6 +119,13 @@ def by_gguf_name(name: str) -> ModuleType | None:
         if module.GGUF is not None and module.GGUF.name == name:
             return module
     return None
+
+
+def gguf_archs() -> dict:
+    """general.architecture -> GGUFArch (checkpoint/gguf_arch.py) of every architecture llama.cpp stores, each with
+    its model_type: the table the checkpoint layer reads GGUF files by (plan.open_index hands it down)."""
+    return {module.GGUF.name: dataclasses.replace(module.GGUF, model_type=module.MODEL_TYPE)
+            for module in archs().values() if module.GGUF is not None}
 
 
 def get_arch(model_type: Any, source: str | os.PathLike[str] = "config.json") -> ModuleType:

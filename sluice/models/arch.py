@@ -1,16 +1,17 @@
 """What an architecture module provides besides its math, and the shared pieces most of them reuse.
 
 Generic code reads these from the module `models.get_arch(model_type)` returns (see `models/__init__.py` for the
-whole interface): `SynthDefaults` (tools/synth.py), `layer_tensors` (store/weights.py and tools/synth.py: the
-checkpoint names of one decoder layer's resident tensors) and `GGUFArch` (checkpoint/gguf_config.py and
-gguf_index.py). No torch and no math here, so the loaders and tools can import it cheaply.
+whole interface): `SynthDefaults` (tools/synth.py), `layer_tensors` (models/weights.py and tools/synth.py: the
+checkpoint names of one decoder layer's resident tensors) and `GGUFArch` (defined in checkpoint/gguf_arch.py,
+which reads files by it). No torch and no math here, so the loaders and tools can import it cheaply.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+from ..checkpoint.gguf_arch import GGUFArch  # noqa: F401  (re-exported: the architectures declare their GGUF facts)
 
 if TYPE_CHECKING:
     from .spec import Spec
@@ -35,7 +36,7 @@ class SynthDefaults:
 class TensorName(NamedTuple):
     """One resident tensor of a decoder layer as the checkpoint names it."""
 
-    role: str  # what the loader builds from it (store/weights.py): "q", "q_bias", "router", "shared.gate", ...
+    role: str  # what the loader builds from it (models/weights.py): "q", "q_bias", "router", "shared.gate", ...
     name: str  # the checkpoint's name, e.g. model.layers.3.self_attn.q_proj.weight
     shape: tuple[int, ...]
     init: str  # how a synthetic checkpoint draws it: "norm" (1 + noise), "proj" or "bias" (noise)
@@ -96,35 +97,6 @@ def mlp_tensors(role: str, prefix: str, inter: int, hidden: int) -> list[TensorN
 
 
 # -- GGUF ------------------------------------------------------------------------------------------------------------
-#: GGUFArch.config's signature: (typed metadata of the file -- checkpoint/gguf_config.GGUFMeta --, the file's tensors
-#: by GGUF name) -> the architecture's config.json keys
-GGUFConfigHook = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class GGUFArch:
-    """How llama.cpp stores the architecture: checkpoint/gguf_config.py and gguf_index.py read files by this.
-
-    The generic part of the config (sizes, heads, rope, eps, vocab, bos/eos, tied head, top-k, norm_topk_prob) is
-    read the same for every architecture; `config` adds the architecture's own keys (expert count spelling,
-    intermediate sizes, biases, dense layers) and may override norm_topk_prob.
-    """
-
-    name: str  # general.architecture, e.g. "qwen3moe"
-    tensors: Mapping[str, str]  # blk.N.<GGUF suffix> -> model.layers.N.<config.json-world suffix>
-    config: GGUFConfigHook
-    # top-k renormalisation when expert_weights_norm is absent: what llama.cpp's graph passes to build_moe_ffn
-    norm_topk_prob: bool
-    # q/k rows stored permuted for llama.cpp's interleaved rope (its llama converter); read_tensor un-permutes them
-    rope_permuted: bool = False
-    # runs first, before any other key is read: raises ConfigError for files of this GGUF architecture that are not
-    # this model (a llama file without experts is a dense Llama, not Mixtral)
-    accept: Callable[[Any], None] | None = None
-    # router keys the `config` hook reads itself; the others are refused when they ask for math sluice does not do
-    # (expert_gating_func other than softmax, expert_weights_scale, an expert_weights_norm != norm_topk_prob)
-    router_keys: frozenset[str] = frozenset()
-
-
 # llama.cpp's tensor names (blk.N.<suffix>) shared by the architectures here, -> transformers' names under the layer
 GGUF_ATTN = {f"attn_{g}.weight": f"self_attn.{h}_proj.weight"
              for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))}

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..matmul import bf16_gemm, sdpa
+from ..quant.matmul import bf16_gemm, sdpa
 from ..quant import native
 from ..quant.native import attend as native_attend
 from ..quant.native import prompt

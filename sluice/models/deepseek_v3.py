@@ -101,7 +101,7 @@ class ModelArgs(BaseArgs):
 def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
     """One decoder layer's resident tensors: latent attention (q_a/q_b or q_proj, kv_a_proj_with_mqa, the two lora
     norms, kv_b_proj, o_proj), then the router with its e_score_correction_bias and the shared experts, or the dense
-    MLP of the first first_k_dense_replace layers. Roles: store/weights.py builds MLAWeights from the `mla.` ones."""
+    MLP of the first first_k_dense_replace layers. Roles: models/weights.py builds MLAWeights from the `mla.` ones."""
     s, m = spec, spec.mla
     H, nH, Q, r = s.hidden_size, s.n_heads, m.q_lora_rank, m.kv_lora_rank
     p = f"model.layers.{layer}"

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.ref import DTYPES
-from ..matmul import packed_linear, row_blocks, rows_linear
+from ..quant.matmul import packed_linear, row_blocks, rows_linear
 from ..quant import native
 from ..quant.native import prompt
 from ..quant.native.kernel import BF16_GEMM_MIN_ROWS, bf16_gemm_rows, bf16_view

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant.resident import QuantLinear
-from ..matmul import rows_linear
+from ..quant.matmul import rows_linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -128,7 +128,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # [E, H] on MoE layers
     # [E]: gpt-oss's router bias (added to the logits) or glm4_moe / deepseek_v3's e_score_correction_bias
-    # (selection only); loaded in float32 (store/weights.py)
+    # (selection only); loaded in float32 (models/weights.py)
     router_bias: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # [nH] attention sink logits (gpt-oss, Spec.attn_sinks)
     mlp: MLPWeights | None = None  # dense layers

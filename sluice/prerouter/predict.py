@@ -3,7 +3,7 @@
 Predictions only drive prefetch; the true router always decides, so output never depends on them.
   - RouterPrerouter (`prefetch="router"`): training-free, the next layer's router on the current residual stream.
   - LearnedPrerouter (`prefetch="learned"`): one small head per layer, fit by `sluice prerouter fit`
-    (sluice/prerouter_fit.py) and read from MODEL/prerouter.safetensors:
+    (sluice/tools/prerouter_fit.py) and read from MODEL/prerouter.safetensors:
         heads.{L}.weight [E, H], heads.{L}.bias [E]      (+ heads.{L}.up.weight [D, H], heads.{L}.down.weight [E, D]
                                                            for kind "mlp")
     where L is the layer whose post-attention x the head reads; it predicts the next MoE layer after L. The
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..checkpoint.ref import TensorRef
 from ..checkpoint.safetensors import read_header, write_safetensors
 from ..errors import CheckpointError
-from ..io.tensor import read_tensor
+from ..quant.tensor import read_tensor
 from ..models.blocks import rms_norm
 from ..models.routing import selection_scores
 from ..models.spec import Spec, Weights

@@ -39,7 +39,7 @@ f16 compute) rounds each group's scale and zero to bf16, ~2e-3 relative L2 on th
 with bf16 activations (issue 14 allows 3e-2 for the default dtype). Measured speeds are in kernels.py.
 """
 
-from .formats import UnsupportedFormat
+from ..checkpoint.formats import UnsupportedFormat
 from .kernels import Kernel, Part, QuantSpec, kernel_for
 
 __all__ = ["Kernel", "Part", "QuantSpec", "UnsupportedFormat", "kernel_for"]

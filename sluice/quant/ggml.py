@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .affine import Affine
-from .formats import BY_NAME, BlockFormat, UnsupportedFormat
+from ..checkpoint.formats import BY_NAME, BlockFormat, UnsupportedFormat
 from .mxfp4 import e8m0_half, fp4_doubled
 
 #: the ggml types `dequantize` computes: issue 14's list (formats.SUPPORTED) plus MXFP4 (gpt-oss GGUFs, issue 16)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from . import int4pack
 from .affine import Affine, apply_affine
-from .formats import BY_NAME, UnsupportedFormat
+from ..checkpoint.formats import BY_NAME, UnsupportedFormat
 from .ggml import DEQUANTIZABLE
 from .ggml import affine as ggml_affine
 from .mlx import BITS as MLX_BITS

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.formats import MLX_BITS as BITS
 from .affine import Affine
-
-BITS = (2, 3, 4, 5, 6, 8)
 
 
 def unpack_codes(weight: torch.Tensor, bits: int, n: int) -> torch.Tensor:

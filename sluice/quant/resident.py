@@ -15,7 +15,7 @@ weight rows into the shared float32 scratch (SCRATCH_BYTES) and run float32 F.li
 becomes one 622 MB float32 copy. The integer path splits every weight's output rows over the extension's threads
 (native.LinearsQ8, pool.c: a handoff costs a few us there); the float row kernel splits those of the large weights
 (SPLIT_MIN_WEIGHTS: the head) over native.shared_pool()'s Python threads. Any split gives the same bits.
-`quant_spec` is the one rule deciding which tensors stay quantized, so the load (store/weights.py) and the memory
+`quant_spec` is the one rule deciding which tensors stay quantized, so the load (models/weights.py) and the memory
 plan (plan.py) cannot disagree.
 
 Measured at commit fafc679 on the peers model's Q4_K_M file (benchmarks/models/qwen3_moe-peers: 16 layers, hidden
@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.ref import TensorRef
-from ..matmul import bf16_gemm
+from .matmul import bf16_gemm
 from . import native
-from .formats import UnsupportedFormat
+from ..checkpoint.formats import UnsupportedFormat
 from .kernels import QuantSpec
 from .native import prompt
 from .native.kernel import BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, Q8_MAX_ROWS, bf16_view

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import ConfigError, ContextLengthError, RequestError
-from ..options import format_bytes
+from ..units import format_bytes
 from ..sampling import validate_sampling
 from ..generate import TextStream
 from . import schemas as S

@@ -41,7 +41,7 @@ from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..options import format_bytes
+from ..units import format_bytes
 from . import schemas as S
 
 # How long an answered connection still reads (and drops) what the client sends before it is closed: enough for a

@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..errors import BudgetError, MemoryWarning
-from ..options import format_bytes
+from ..units import format_bytes
 
 
 @dataclass(frozen=True)

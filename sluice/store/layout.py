@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -34,9 +35,17 @@ from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
 from ..io.ranges import ReadRange
-from ..models.spec import Spec
 from ..quant import QuantSpec, UnsupportedFormat
 from ..quant.kernels import Part
+
+class ExpertShapes(Protocol):
+    """What the layout reads of a model's Spec (models/spec.py, above this layer): the shapes every expert must have."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    moe_layers: list[bool]
+
 
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ALIGN = 64  # quantized projections start at 64-byte offsets inside a slot (SIMD loads of whole blocks)
@@ -164,7 +173,7 @@ def moe_prefix(index: CheckpointIndex, arch: ModuleType, layer: int) -> str:
 class ExpertLayout:
     """Byte ranges and storage format of every expert of every MoE layer, validated against the Spec's shapes."""
 
-    def __init__(self, index: CheckpointIndex, spec: Spec, arch: ModuleType):
+    def __init__(self, index: CheckpointIndex, spec: ExpertShapes, arch: ModuleType):
         self.spec = spec
         H, I = spec.hidden_size, spec.moe_intermediate_size
         self.gate_up_shape, self.down_shape = (2 * I, H), (H, I)

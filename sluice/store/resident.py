@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from ..matmul import pack, packable
+from ..quant.matmul import pack, packable
 from .base import ExpertBatch
 from .layout import ExpertLayout
 

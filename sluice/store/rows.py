@@ -36,7 +36,8 @@ import torch
 
 from sluice.checkpoint.ref import TensorRef
 from sluice.errors import CheckpointError
-from sluice.io import DirectReader, MmapReader, ReadRange, Reader, read_tensor
+from sluice.io import DirectReader, MmapReader, ReadRange, Reader
+from sluice.quant.tensor import read_tensor
 
 MODES = ("resident", "mmap", "direct")
 # Which reader modes may serve each streamed RowTable mode: a direct pool handed to an "mmap" table (or the other

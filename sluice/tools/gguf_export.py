@@ -50,12 +50,13 @@ from ..checkpoint.index import CONFIG, CheckpointIndex
 from ..checkpoint.paths import output_kind
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError, ConfigError, SluiceError
-from ..io.tensor import read_tensor
+from ..quant.tensor import read_tensor
 from ..models import archs, model_args
 from ..models.schema import show
 from ..store.layout import moe_prefix
 from ..tokenizer import Tokenizer
 from .gguf_types import GGUF_TYPES, TypeChoice, choose, encode, nbytes
+from ..plan import open_index
 
 EXPORT_DTYPES = tuple(GGUF_TYPES)  # "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 #: config.json model_type -> llama.cpp's GGUF architecture name
@@ -341,7 +342,7 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
         raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     folder, out = Path(model), Path(out)
     check_output(out, force)
-    index = CheckpointIndex.open(folder)
+    index = open_index(folder)
     plan = export_plan(index)
     vocab = vocab_meta(folder, index.config)
     types = plan.types(dtype)
@@ -428,5 +429,5 @@ def _tokenizer_keys(w, vocab: VocabMeta) -> None:
 
 def planned_bytes(model: str | os.PathLike[str], dtype: str = "bf16") -> int:
     """Tensor bytes the GGUF of `model` will hold in `dtype` (for a progress bar)."""
-    plan = export_plan(CheckpointIndex.open(model))
+    plan = export_plan(open_index(model))
     return sum(nbytes(c.type, t.shape) for t, c in zip(plan.tensors, plan.types(dtype)))

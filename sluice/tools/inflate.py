@@ -37,8 +37,9 @@ from ..checkpoint import CheckpointIndex, TensorRef
 from ..errors import CheckpointError, ConfigError
 from ..models import get_arch
 from ..store.layout import moe_prefix
-from ..options import format_bytes
+from ..units import format_bytes
 from .synth import writing_model
+from ..plan import open_index
 
 GiB = 2**30
 SOURCES = ("demo",)  # named sources; anything else is a model folder path
@@ -187,7 +188,7 @@ def inflate(
     Returns `out`. The result is the same model: greedy tokens and logits match the source's (see the module doc).
     """
     src = resolve_source(source)
-    index = CheckpointIndex.open(src)
+    index = open_index(src)
     p = plan(index, expert_scale)
     if max_shard_bytes <= 0:
         raise ConfigError(f"shard size must be positive, got {max_shard_bytes}")

@@ -31,10 +31,11 @@ import torch
 
 from ..checkpoint.index import CONFIG, CheckpointIndex, write_sharded
 from ..errors import SluiceError
-from ..io.tensor import read_tensor
+from ..quant.tensor import read_tensor
 from ..models import get_arch, model_args
 from ..models.spec import Spec
 from ..store.layout import moe_prefix
+from ..plan import open_index
 
 GROUP_SIZE = 64  # mlx-lm's default for affine quantization
 MLX_TYPES = {"mlx-4bit": 4, "mlx-8bit": 8}
@@ -143,7 +144,7 @@ def mlx_stream(index: CheckpointIndex, bits: int, quantization: dict[str, Any]) 
 def planned_bytes(model: str | os.PathLike[str], bits: int) -> int:
     """About the bytes export_mlx writes (the routers' 8 bits aside): for a progress bar."""
     total = 0
-    for ref in CheckpointIndex.open(model).tensors.values():
+    for ref in open_index(model).tensors.values():
         n = int(np.prod(ref.shape))
         if ref.name.endswith(".weight") and len(ref.shape) >= 2 and ref.shape[-1] % GROUP_SIZE == 0:
             total += n * bits // 8 + 2 * (n // GROUP_SIZE) * (ref.nbytes // max(n, 1))
@@ -163,7 +164,7 @@ def export_mlx(model: str | os.PathLike[str], out: str | os.PathLike[str], bits:
         raise SluiceError(f"MLX bits {bits}: 4 or 8")
     _mx()
     folder, out = Path(model), Path(out)
-    index = CheckpointIndex.open(folder)
+    index = open_index(folder)
     model_args(index.config, folder / CONFIG)  # a ConfigError before anything is written
     quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
     count = 0

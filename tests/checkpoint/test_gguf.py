@@ -15,7 +15,7 @@ import torch
 from sluice.checkpoint.gguf import MAX_HEADER_BYTES, read_gguf
 from sluice.checkpoint.ref import TensorRef, rope_row_order
 from sluice.errors import CheckpointError
-from sluice.io import read_tensor
+from sluice.quant.tensor import read_tensor
 from sluice.quant import formats
 from tests.checkpoint.gguf_files import Q, add, f32_tensor_file, gguf, kv, permute, raw_gguf, s, tinfo
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from sluice.checkpoint.gguf import read_gguf
-from sluice.checkpoint.gguf_index import GGUFIndex
 from sluice.errors import SluiceError
 from tests.checkpoint.gguf_files import Q, add, gguf
+from sluice.plan import open_index
 
 U64 = [0, 1, 2, 3, 31, 32, 33, 64, 255, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63 - 1, 2**63,
        2**64 - 1]
@@ -136,7 +136,7 @@ def test_fuzzed_headers(tmp_path, kind, cases, opener):
     base = reader_file(base_path) if kind == "reader" else model_file(base_path)
     header = read_gguf(base_path).data_start
     if opener == "index":
-        GGUFIndex.open(base_path)  # the unmutated file is a valid model
+        open_index(base_path)  # the unmutated file is a valid model
     rng = random.Random(f"gguf-fuzz-{kind}")
     path = tmp_path / "fuzz.gguf"
     # rewritten in place, then cut to length: creating or emptying the file each time costs ~5 ms here (ext4 flushes
@@ -150,7 +150,7 @@ def test_fuzzed_headers(tmp_path, kind, cases, opener):
         t0 = time.perf_counter()
         try:
             if opener == "index":
-                GGUFIndex.open(path)
+                open_index(path)
             else:
                 read_gguf(path)
         except SluiceError:

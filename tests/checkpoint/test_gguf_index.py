@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import sluice
-from sluice.checkpoint import CheckpointIndex
 from sluice.checkpoint.gguf_index import GGUFIndex, gguf_name, hf_name
 from sluice.errors import CheckpointError, ConfigError
-from sluice.io import read_tensor
+from sluice.quant.tensor import read_tensor
 from sluice.models import archs, get_arch
 from sluice.models.rope import inv_freq
 from sluice.store.layout import ExpertLayout
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert, gguf, kv, raw_gguf, s, tinfo
 from tests.models.tiny import hf_model, write_checkpoint
+from sluice.plan import open_index
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"]
 IDS = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -57,7 +57,7 @@ def assert_same_spec(gguf_config: dict, hf_config: dict) -> None:
 
 def test_config_matches_the_hf_config(pair):
     arch, model, folder, path = pair
-    index = CheckpointIndex.open(path)
+    index = open_index(path)
     assert isinstance(index, GGUFIndex) and index.folder == path and index.files == [path]
     assert index.config["model_type"] == arch and index.generation_config is None
     assert_same_spec(index.config, json.loads((folder / "config.json").read_text()))
@@ -66,7 +66,7 @@ def test_config_matches_the_hf_config(pair):
 
 def test_every_tensor_holds_the_hf_values(pair):
     arch, model, _, path = pair
-    index = CheckpointIndex.open(path)
+    index = open_index(path)
     sd = model.state_dict()
     for name, t in sd.items():
         if ".experts." in name or (name == "lm_head.weight" and model.config.tie_word_embeddings):
@@ -87,7 +87,7 @@ def test_every_tensor_holds_the_hf_values(pair):
 
 def test_expert_layout_reads_stacked_experts(pair):
     arch, model, _, path = pair
-    index = CheckpointIndex.open(path)
+    index = open_index(path)
     mod = get_arch(arch)
     spec = spec_of(index.config)
     layout = ExpertLayout(index, spec, mod)
@@ -123,7 +123,7 @@ def test_fused_gate_up_exps(tmp_path):
     model = hf_model("qwen2_moe", **GGUF_TINY["qwen2_moe"])
     folder = write_checkpoint(model, tmp_path / "hf", "per_expert")
     path = convert(model, tmp_path / "f.gguf", tie=True, fuse_gate_up=True)
-    index = CheckpointIndex.open(path)
+    index = open_index(path)
     assert index.gguf_names["model.layers.0.mlp.experts.gate_up_proj"] == "blk.0.ffn_gate_up_exps.weight"
     with sluice.load(folder, memory="all") as a, sluice.load(path, memory="all") as b:
         assert b.layout.kind == "fused"
@@ -132,16 +132,16 @@ def test_fused_gate_up_exps(tmp_path):
 
 def test_tied_embeddings(tmp_path):
     model = hf_model("qwen3_moe", **GGUF_TINY["qwen3_moe"])
-    index = CheckpointIndex.open(convert(model, tmp_path / "t.gguf", tie=True))
+    index = open_index(convert(model, tmp_path / "t.gguf", tie=True))
     assert index.config["tie_word_embeddings"] is True and "lm_head.weight" not in index
 
 
 def test_split_set_equals_single_file(tmp_path):
     model = hf_model("mixtral", **GGUF_TINY["mixtral"])
-    single = CheckpointIndex.open(convert(model, tmp_path / "one.gguf"))
+    single = open_index(convert(model, tmp_path / "one.gguf"))
     first = convert(model, tmp_path / "m.gguf", split_max_tensors=8)
     assert first.name == "m-00001-of-00003.gguf"
-    split = CheckpointIndex.open(first)
+    split = open_index(first)
     assert len(split.files) == 3 and split.config == single.config and set(split.tensors) == set(single.tensors)
     for name in single.tensors:
         assert torch.equal(read_tensor(split[name]), read_tensor(single[name])), name
@@ -161,20 +161,20 @@ def test_split_errors(split_set, tmp_path):
     n = len(files)
     assert n >= 3 and first == files[0]
     with pytest.raises(CheckpointError, match=rf"is split 2 of {n}; open the first split, m-00001-of-0000{n}.gguf"):
-        GGUFIndex.open(files[1])
+        open_index(files[1])
     stray = tmp_path / f"m-0000{n + 1}-of-0000{n}.gguf"
     stray.write_bytes(files[-1].read_bytes())
     with pytest.raises(CheckpointError, match=rf"is split {n + 1} of a {n}-split set; a stray file") as e:
-        GGUFIndex.open(first)
+        open_index(first)
     assert e.value.file == str(stray)
     stray.unlink()
     renamed = first.rename(tmp_path / "model.gguf")
     with pytest.raises(CheckpointError, match=rf"its name must end in -00001-of-0000{n}.gguf"):
-        GGUFIndex.open(renamed)
+        open_index(renamed)
     renamed.rename(first)
     files[2].unlink()
     with pytest.raises(CheckpointError, match=rf"split 3 of {n} is missing") as e:
-        GGUFIndex.open(first)
+        open_index(first)
     assert e.value.file == str(files[2])
 
 
@@ -188,21 +188,21 @@ def test_split_metadata_must_agree(split_set):
     first, files = split_set
     _patch(files[1], s("split.no") + struct.pack("<IH", 2, 1), s("split.no") + struct.pack("<IH", 2, 2))
     with pytest.raises(CheckpointError, match=rf"split.no is 2, expected 1 for split 2 of {len(files)}") as e:
-        GGUFIndex.open(first)
+        open_index(first)
     assert e.value.file == str(files[1])
     _patch(files[1], s("split.no") + struct.pack("<IH", 2, 2), s("split.no") + struct.pack("<IH", 2, 1))
     n = sum(len(gguf.GGUFReader(f).tensors) for f in files)
     count = s("split.tensors.count")
     _patch(first, count + struct.pack("<Ii", 5, n), count + struct.pack("<Ii", 5, n + 1))
     with pytest.raises(CheckpointError, match=r"split.tensors.count \d+ differs from the first split's"):
-        GGUFIndex.open(first)
+        open_index(first)
 
 
 def test_named_as_a_split_without_split_metadata(tmp_path):
     model = hf_model("olmoe", **GGUF_TINY["olmoe"])
     path = convert(model, tmp_path / "x.gguf").rename(tmp_path / "x-00001-of-00002.gguf")
     with pytest.raises(CheckpointError, match=r"named as split 1 of 2 but has no split.count"):
-        GGUFIndex.open(path)
+        open_index(path)
 
 
 def test_a_tensor_in_two_splits(tmp_path):
@@ -214,7 +214,7 @@ def test_a_tensor_in_two_splits(tmp_path):
     (tmp_path / "d-00001-of-00002.gguf").write_bytes(shard(0))
     (tmp_path / "d-00002-of-00002.gguf").write_bytes(shard(1))
     with pytest.raises(CheckpointError, match=r"also stored in d-00001-of-00002.gguf") as e:
-        GGUFIndex.open(tmp_path / "d-00001-of-00002.gguf")
+        open_index(tmp_path / "d-00001-of-00002.gguf")
     assert e.value.tensor == "token_embd.weight"
 
 
@@ -231,7 +231,7 @@ def test_export_gguf_round_trip_config(tmp_path):
     train_tokenizer(folder, vocab_size=300)
     out = tmp_path / "m.gguf"
     export_gguf(folder, out, "bf16")
-    index = CheckpointIndex.open(out)
+    index = open_index(out)
     hf_config = json.loads((folder / "config.json").read_text())
     assert_same_spec(index.config, hf_config)
     for key in ("vocab_size", "moe_intermediate_size", "head_dim", "rms_norm_eps", "max_position_embeddings",
@@ -249,7 +249,7 @@ def test_quantized_file_opens_and_loads(tmp_path):
         return Q.F32 if name.endswith("ffn_gate_inp.weight") else Q.Q8_0 if "exps" in name else Q.Q4_0
 
     path = convert(model, tmp_path / "q.gguf", qtype=pick)
-    index = CheckpointIndex.open(path)
+    index = open_index(path)
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
     for hname, ref in index.tensors.items():
         t = reader[index.gguf_names[hname]]
@@ -276,7 +276,7 @@ def test_shared_expert_gate_is_1_by_h(pair):
     arch, model, _, path = pair
     if arch != "qwen2_moe":
         pytest.skip(f"{arch} has no shared expert gate (qwen2_moe's)")
-    ref = CheckpointIndex.open(path)["model.layers.0.mlp.shared_expert_gate.weight"]
+    ref = open_index(path)["model.layers.0.mlp.shared_expert_gate.weight"]
     assert ref.shape == (1, model.config.hidden_size)
 
 
@@ -299,11 +299,11 @@ def test_unsupported_architectures(qwen3, tmp_path):
     with pytest.raises(ConfigError, match=r"architecture 'gemma3' is not supported; supported \(llama.cpp's name and "
                                           r"config.json model_type\): llama \(mixtral\), olmoe \(olmoe\), "
                                           r"qwen2moe \(qwen2_moe\), qwen3moe \(qwen3_moe\)"):
-        GGUFIndex.open(path)
+        open_index(path)
     dense = _with(qwen3, tmp_path, lambda w: (_set("general.architecture", "add_string", "llama")(w),
                                               w.kv_data[0].pop("qwen3moe.expert_count")))
     with pytest.raises(ConfigError, match=r"llama GGUF without experts .* is a dense model"):
-        GGUFIndex.open(dense)
+        open_index(dense)
 
 
 @pytest.mark.parametrize("change,error,pattern", [
@@ -328,13 +328,13 @@ def test_unsupported_architectures(qwen3, tmp_path):
 def test_metadata_errors(qwen3, tmp_path, change, error, pattern):
     path = _with(qwen3, tmp_path, change)
     with pytest.raises(error, match=pattern) as e:
-        GGUFIndex.open(path)
+        open_index(path)
     assert str(path) in str(e.value)
 
 
 def test_uniform_per_layer_array_is_accepted(qwen3, tmp_path):
     path = _with(qwen3, tmp_path, _set("qwen3moe.attention.head_count_kv", "add_array", [2, 2, 2]))
-    assert GGUFIndex.open(path).config["num_key_value_heads"] == 2
+    assert open_index(path).config["num_key_value_heads"] == 2
 
 
 def test_rope_scaling_keys(qwen3, tmp_path):
@@ -344,25 +344,25 @@ def test_rope_scaling_keys(qwen3, tmp_path):
         w.add_rope_scaling_orig_ctx_len(64)
         w.add_rope_scaling_yarn_beta_fast(16.0)
 
-    cfg = GGUFIndex.open(_with(qwen3, tmp_path, yarn)).config
+    cfg = open_index(_with(qwen3, tmp_path, yarn)).config
     assert cfg["rope_parameters"] == {"rope_theta": 50000.0, "rope_type": "yarn", "factor": 4.0,
                                       "original_max_position_embeddings": 64, "beta_fast": 16.0}
-    cfg = GGUFIndex.open(_with(qwen3, tmp_path, _set("qwen3moe.rope.scale_linear", "add_float32", 2.0))).config
+    cfg = open_index(_with(qwen3, tmp_path, _set("qwen3moe.rope.scale_linear", "add_float32", 2.0))).config
     assert cfg["rope_parameters"] == {"rope_theta": 50000.0, "rope_type": "linear", "factor": 2.0}
 
 
 def test_unknown_and_missing_tensors(qwen3, tmp_path):
     path = _with(qwen3, tmp_path, lambda w: w.add_tensor("blk.0.ffn_gate.weight", np.ones((4, 64), np.float32)))
     with pytest.raises(CheckpointError, match=r"is not part of a qwen3moe model \(qwen3_moe\) with 3 layers") as e:
-        GGUFIndex.open(path)
+        open_index(path)
     assert e.value.tensor == "blk.0.ffn_gate.weight"
     path = _with(qwen3, tmp_path, lambda w: w.add_tensor("rope_freqs.weight", np.ones(4, np.float32)))
     with pytest.raises(CheckpointError, match=r"per-dimension rope factors"):
-        GGUFIndex.open(path)
+        open_index(path)
     path = _with(qwen3, tmp_path, lambda w: w.add_tensor("blk.0.ffn_up.3.weight", np.ones(4, np.float32)))
     with pytest.raises(CheckpointError, match=r"old per-expert Mixtral layout"):
-        GGUFIndex.open(path)
-    index = GGUFIndex.open(convert(qwen3, tmp_path / "ok.gguf"))
+        open_index(path)
+    index = open_index(convert(qwen3, tmp_path / "ok.gguf"))
     del index.tensors["model.layers.2.mlp.gate.weight"]
     with pytest.raises(CheckpointError, match=r"GGUF tensor 'blk.2.ffn_gate_inp.weight' is missing") as e:
         index["model.layers.2.mlp.gate.weight"]

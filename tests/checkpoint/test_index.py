@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from sluice.checkpoint import CheckpointIndex, write_safetensors, write_sharded
 from sluice.errors import CheckpointError
+from sluice.plan import open_index
 
 CONFIG = {"model_type": "toy", "hidden_size": 8}
 
@@ -47,7 +48,7 @@ def test_single_file_folder(tmp_path: Path) -> None:
     (folder / "generation_config.json").write_text('{"eos_token_id": 2}')
     tensors = make_tensors()
     save_file(tensors, str(folder / "model.safetensors"))
-    index = CheckpointIndex.open(folder)
+    index = open_index(folder)
     assert index.config == CONFIG and index.generation_config == {"eos_token_id": 2}
     assert index.files == [folder / "model.safetensors"] and index.folder == folder
     assert "layers.3.w" in index and "nope" not in index and len(index) == len(tensors)
@@ -58,13 +59,13 @@ def test_single_file_folder(tmp_path: Path) -> None:
 def test_generation_config_optional(tmp_path: Path) -> None:
     folder = with_config(tmp_path / "m")
     write_safetensors(folder / "model.safetensors", {"w": torch.ones(2)})
-    assert CheckpointIndex.open(folder).generation_config is None
+    assert open_index(folder).generation_config is None
 
 
 def test_missing_tensor_suggests_close_names(tmp_path: Path) -> None:
     folder = with_config(tmp_path / "m")
     write_safetensors(folder / "model.safetensors", make_tensors())
-    index = CheckpointIndex.open(folder)
+    index = open_index(folder)
     with pytest.raises(CheckpointError) as info:
         index["layers.3.v"]
     msg = str(info.value)
@@ -96,7 +97,7 @@ def test_write_sharded_streams_and_opens(tmp_path: Path) -> None:
     assert index_json["weight_map"]["layers.0.w"] == files[0].name
     assert index_json["weight_map"]["embed.weight"] == files[-1].name
 
-    index = CheckpointIndex.open(folder)
+    index = open_index(folder)
     assert index.files == files and index.total_bytes() == total
     assert_refs_match(index, tensors)
     for shard in files:  # each shard is a valid file for the reference reader too
@@ -110,7 +111,7 @@ def test_write_sharded_single_file_and_stale_cleanup(tmp_path: Path) -> None:
     files = write_sharded(folder, tensors.items(), max_shard_bytes=10_000)
     assert files == [folder / "model.safetensors"]
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
-    assert_refs_match(CheckpointIndex.open(folder), tensors)
+    assert_refs_match(open_index(folder), tensors)
 
 
 def test_write_sharded_oversized_tensor_gets_own_shard(tmp_path: Path) -> None:
@@ -144,7 +145,7 @@ def test_transformers_interop(tmp_path: Path) -> None:
     # transformers writes shards -> we index them
     theirs = tmp_path / "theirs"
     model.save_pretrained(theirs, max_shard_size="4KB")
-    index = CheckpointIndex.open(theirs)
+    index = open_index(theirs)
     assert len(index.files) > 1 and index.config["model_type"] == "llama"
     assert index.generation_config is not None
     assert_refs_match(index, state)
@@ -166,7 +167,7 @@ def test_missing_config(tmp_path: Path) -> None:
     folder.mkdir()
     write_safetensors(folder / "model.safetensors", {"w": torch.ones(2)})
     with pytest.raises(CheckpointError, match="config.json") as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert info.value.file == str(folder / "config.json")
 
 
@@ -175,20 +176,20 @@ def test_invalid_config_json(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": ')
     with pytest.raises(CheckpointError, match=r"config\.json.*not valid JSON"):
-        CheckpointIndex.open(folder)
+        open_index(folder)
 
 
 def test_no_weights_lists_what_was_looked_for(tmp_path: Path) -> None:
     folder = with_config(tmp_path / "m")
     with pytest.raises(CheckpointError, match=r"model\.safetensors and model\.safetensors\.index\.json"):
-        CheckpointIndex.open(folder)
+        open_index(folder)
 
 
 def test_pytorch_bin_not_supported(tmp_path: Path) -> None:
     folder = with_config(tmp_path / "m")
     (folder / "pytorch_model.bin").write_bytes(b"not really a pickle")
     with pytest.raises(CheckpointError) as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     msg = str(info.value)
     assert "pytorch_model.bin" in msg and "not supported yet" in msg and "safe_serialization=True" in msg
 
@@ -197,7 +198,7 @@ def test_gguf_in_folder_points_at_the_file(tmp_path: Path) -> None:
     folder = with_config(tmp_path / "m")
     (folder / "model-q4.gguf").write_bytes(b"GGUF")
     with pytest.raises(CheckpointError, match=r"model-q4\.gguf: pass the \.gguf file itself"):
-        CheckpointIndex.open(folder)
+        open_index(folder)
 
 
 def sharded_folder(tmp_path: Path) -> Path:
@@ -210,7 +211,7 @@ def test_missing_shard_is_named(tmp_path: Path) -> None:
     folder = sharded_folder(tmp_path)
     (folder / "model-00003-of-00005.safetensors").unlink()
     with pytest.raises(CheckpointError, match="missing") as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert "model-00003-of-00005.safetensors" in str(info.value)
 
 
@@ -221,7 +222,7 @@ def test_index_entry_absent_from_shard(tmp_path: Path) -> None:
     data["weight_map"]["ghost.w"] = "model-00002-of-00005.safetensors"
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError) as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert info.value.tensor == "ghost.w" and "model-00002-of-00005.safetensors" in str(info.value)
 
 
@@ -232,7 +233,7 @@ def test_duplicate_tensor_across_shards(tmp_path: Path) -> None:
     write_safetensors(folder / "model-00002-of-00005.safetensors",
                       {**load_file(str(folder / "model-00002-of-00005.safetensors")), name: first[name]})
     with pytest.raises(CheckpointError, match="stored twice") as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert info.value.tensor == name
 
 
@@ -240,7 +241,7 @@ def test_index_without_weight_map(tmp_path: Path) -> None:
     folder = with_config(tmp_path / "m")
     (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with pytest.raises(CheckpointError, match="weight_map"):
-        CheckpointIndex.open(folder)
+        open_index(folder)
 
 
 def test_corrupt_shard_names_file(tmp_path: Path) -> None:
@@ -248,7 +249,7 @@ def test_corrupt_shard_names_file(tmp_path: Path) -> None:
     shard = folder / "model-00004-of-00005.safetensors"
     shard.write_bytes(shard.read_bytes()[:-3])
     with pytest.raises(CheckpointError, match="3 bytes missing") as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert info.value.file == str(shard)
 
 
@@ -277,7 +278,7 @@ def test_shard_paths_outside_the_folder_are_refused(tmp_path: Path, where: str) 
     }[where]
     name = _remap(folder, shard)
     with pytest.raises(CheckpointError, match="not a file inside the model folder") as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert info.value.file == str(folder / "model.safetensors.index.json") and info.value.tensor == name
 
 
@@ -292,7 +293,7 @@ def test_symlinked_shards_of_a_hub_cache_work(tmp_path: Path) -> None:
     for i, p in enumerate(sorted(src.iterdir())):
         (blobs / f"blob{i}").write_bytes(p.read_bytes())
         (snap / p.name).symlink_to(Path("../../blobs") / f"blob{i}")
-    index = CheckpointIndex.open(snap)
+    index = open_index(snap)
     assert_refs_match(index, make_tensors())
     assert index.files[0].parent == snap  # the names the index gave, not the resolved blobs
 
@@ -304,7 +305,7 @@ def test_subfolder_shards_are_allowed(tmp_path: Path) -> None:
     write_safetensors(folder / "w" / "a.safetensors", tensors)
     weight_map = {name: "w/a.safetensors" for name in tensors}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    assert_refs_match(CheckpointIndex.open(folder), tensors)
+    assert_refs_match(open_index(folder), tensors)
 
 
 @pytest.mark.parametrize(
@@ -322,5 +323,5 @@ def test_bad_index_is_a_checkpoint_error(tmp_path: Path, text: str, words: str) 
     folder = with_config(tmp_path / "m")
     (folder / "model.safetensors.index.json").write_text(text)
     with pytest.raises(CheckpointError, match=words) as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert info.value.file == str(folder / "model.safetensors.index.json")

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.checkpoint import CheckpointIndex, write_safetensors
+from sluice.checkpoint import write_safetensors
 from sluice.checkpoint.jsonfile import MAX_DEPTH, loads, read_json
 from sluice.errors import CheckpointError
 from sluice.tokenizer import Tokenizer
+from sluice.plan import open_index
 
 HOSTILE = {
     "deep": b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # RecursionError in json.loads
@@ -50,7 +51,7 @@ def test_config_files(tmp_path: Path, name: str, kind: str) -> None:
     folder = folder_with_weights(tmp_path)
     (folder / name).write_bytes(HOSTILE[kind])
     with pytest.raises(CheckpointError, match=WORDS[kind]) as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert info.value.file == str(folder / name)
 
 
@@ -61,7 +62,7 @@ def test_shard_index(tmp_path: Path, kind: str) -> None:
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors.index.json").write_bytes(HOSTILE[kind])
     with pytest.raises(CheckpointError, match=WORDS[kind]) as info:
-        CheckpointIndex.open(folder)
+        open_index(folder)
     assert info.value.file == str(folder / "model.safetensors.index.json")
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from sluice.checkpoint import DTYPES, TensorRef, read_header, write_safetensors
 from sluice.errors import CheckpointError
-from sluice.io import read_tensor
+from sluice.quant.tensor import read_tensor
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:

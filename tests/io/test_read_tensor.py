@@ -7,7 +7,7 @@ import torch
 
 from sluice.checkpoint.ref import TensorRef, dtype_code
 from sluice.errors import CheckpointError
-from sluice.io import read_tensor
+from sluice.quant.tensor import read_tensor
 
 
 def raw(t: torch.Tensor) -> bytes:

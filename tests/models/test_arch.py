@@ -16,11 +16,11 @@ import torch
 
 import sluice
 from sluice import models
-from sluice.checkpoint import CheckpointIndex
 from sluice.errors import ConfigError
 from sluice.models.arch import TensorName
 from sluice.tools.inflate import inflate
 from sluice.tools.synth import SynthConfig, config_json, make_model, size_of, tensors
+from sluice.plan import open_index
 
 IDS = [5, 17, 3, 250, 42, 7, 99, 1]
 
@@ -125,7 +125,7 @@ def test_a_registered_module_synthesizes_loads_and_inflates(toy, tmp_path):
     assert "toy_moe" in models.supported() and models.get_arch("toy_moe") is toy
     assert models.by_gguf_name("qwen3moe").MODEL_TYPE == "qwen3_moe"  # GGUF None: no GGUF file maps to it
     out = make_model(tmp_path / "toy", tiny("toy_moe"), progress=False)
-    index = CheckpointIndex.open(out)
+    index = open_index(out)
     assert index.config["model_type"] == "toy_moe"
     assert "model.layers.1.moe.experts.3.w_down.weight" in index.names()
     assert not any(".mlp." in n or "gate_proj" in n for n in index.names())
@@ -140,7 +140,7 @@ def test_a_registered_module_synthesizes_loads_and_inflates(toy, tmp_path):
     with sluice.load(out, memory=memory, io="direct") as m:  # streamed through the store's per-expert ranges
         assert torch.equal(m.logits(IDS), want)
     big = inflate(out, tmp_path / "big", 3, progress=False)
-    assert CheckpointIndex.open(big).config["moe_intermediate_size"] == 96
+    assert open_index(big).config["moe_intermediate_size"] == 96
     with sluice.load(big, memory="all") as m:
         torch.testing.assert_close(m.logits(IDS), want, rtol=1e-5, atol=1e-5)
 
@@ -152,7 +152,7 @@ def test_dense_layers_come_from_the_architecture(toy, tmp_path, monkeypatch):
     monkeypatch.setattr(toy, "synth_config", lambda sc: {**plain(sc), "mlp_only_layers": [0]})
     sc = tiny("toy_moe", num_layers=3)
     out = make_model(tmp_path / "dense", sc, progress=False)
-    index = CheckpointIndex.open(out)
+    index = open_index(out)
     names = set(index.names())
     assert {f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} <= names
     assert not any(n.startswith("model.layers.0.moe.") for n in names)

@@ -1,4 +1,4 @@
-"""How several bf16 rows multiply bf16 weights (sluice/matmul.py rows_linear, LoadOptions.matmul): "bf16" is
+"""How several bf16 rows multiply bf16 weights (sluice/quant/matmul.py rows_linear, LoadOptions.matmul): "bf16" is
 torch's bf16 GEMM, "float32" widens both sides, "auto" follows the CPU's flags (host/cpus.bf16_dot); one row stays
 in the compute dtype either way. The choice is process-wide, set at each load."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from sluice.host.cpus import bf16_dot
-from sluice import matmul
-from sluice.matmul import bf16_gemm, rows_linear, set_matmul
+from sluice.quant import matmul
+from sluice.quant.matmul import bf16_gemm, rows_linear, set_matmul
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +71,7 @@ def test_inspect_and_stats_say_which_gemm_a_prompt_runs(tmp_path, capsys, monkey
     from tests.models.tiny import hf_model, write_checkpoint
 
     folder = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path / "m", "per_expert")
-    monkeypatch.setattr("sluice.matmul.bf16_dot", lambda: False)
+    monkeypatch.setattr("sluice.quant.matmul.bf16_dot", lambda: False)
     assert cli.main(["inspect", str(folder), "--usage-tokens", "0"]) == 0
     assert "bf16 rows: float32 GEMM (auto: this CPU has no bf16 dot-product instructions)" in capsys.readouterr().out
     assert cli.main(["inspect", str(folder), "--usage-tokens", "0", "--matmul", "bf16"]) == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sluice
-from sluice import matmul
+from sluice.quant import matmul
 from sluice.models import experts
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model, write_checkpoint

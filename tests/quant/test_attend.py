@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import sluice
-from sluice.matmul import sdpa
+from sluice.quant.matmul import sdpa
 from sluice.quant import native
 from sluice.quant.native import attend
 from tests.models.tiny import hf_model, write_checkpoint

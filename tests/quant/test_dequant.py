@@ -8,9 +8,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from sluice.quant.formats import BY_NAME, UnsupportedFormat  # noqa: E402
+from sluice.checkpoint.formats import BY_NAME, UnsupportedFormat  # noqa: E402
 from sluice.quant.ggml import DEQUANTIZABLE, dequantize  # noqa: E402
-from sluice.quant.samples import F16_FIELDS  # noqa: E402
+from tests.quant.samples import F16_FIELDS  # noqa: E402
 
 QUANTIZED = sorted(DEQUANTIZABLE - {"F32", "F16", "BF16"})
 # f16 edge values: +-0, smallest subnormal, largest subnormal, smallest normal, 1, -1, largest finite, -largest

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import sluice
-from sluice.checkpoint import CheckpointIndex
-from sluice.io import read_tensor
+from sluice.quant.tensor import read_tensor
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model, write_checkpoint
 from tests.quant.streaming import assert_streamed_equals_resident
+from sluice.plan import open_index
 
 IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(11)).tolist()
 # experts of more than native.kernel.BF16_GEMM_MIN_ROWS rows each
@@ -53,7 +53,7 @@ TYPES = {  # name -> (type of each 2-D tensor by GGUF name, tiny-config override
 
 def dequantized_reference(model, gguf_path):
     """`model` (transformers) with every tensor replaced by the GGUF file's exact float32 dequantization."""
-    index = CheckpointIndex.open(gguf_path)
+    index = open_index(gguf_path)
     sd = {name: read_tensor(ref) for name, ref in index.tensors.items()}  # HF names, HF row order
     for n in range(model.config.num_hidden_layers):
         p = f"model.layers.{n}.mlp.experts"
@@ -136,7 +136,7 @@ def test_streamed_equals_resident_bitwise(quantized, io, odirect, cache):
 def test_slots_hold_the_stored_bytes(quantized):
     """A miss reads one expert's stored blocks, nothing more; the budget buys slots of the quantized size."""
     name, path, _, _ = quantized
-    index = CheckpointIndex.open(path)
+    index = open_index(path)
     with sluice.load(path, memory="all") as m:
         resident, layout = m.resident_bytes, m.layout
     fmt = layout.format(layout.layers[0])

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from sluice.quant import int4pack
-from sluice.quant.formats import UnsupportedFormat
+from sluice.checkpoint.formats import UnsupportedFormat
 from sluice.quant.kernels import INT4_MAX_ROWS, QuantSpec, kernel_for
-from sluice.quant.samples import random_stored
+from tests.quant.samples import random_stored
 
 # the default dtype's tolerance: issue 14 allows 3e-2 relative L2 for the default dtype; the packed int4 op measures
 # ~3e-3 here (bf16 scales / zeros and bf16 activations), so 1e-2 still catches a wrong layout or zero point

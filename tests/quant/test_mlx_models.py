@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import sluice
-from sluice.checkpoint import CheckpointIndex
 from tests.quant.streaming import assert_streamed_equals_resident
 from tests.quant.mlx_files import dequantized_state_dict, mlx_folder, mlx_lm_float32, mlx_lm_greedy, mlx_lm_logits
+from sluice.plan import open_index
 
 IDS = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(11)).tolist()
 
@@ -99,7 +99,7 @@ def test_streamed_equals_resident_bitwise(converted, io, odirect, cache):
 def test_slots_hold_the_packed_bytes(converted):
     """A miss reads one expert's slices of the nine stacked tensors, nothing more; the budget buys slots of that."""
     _, folder, _, _ = converted
-    index = CheckpointIndex.open(folder)
+    index = open_index(folder)
     with sluice.load(folder, memory="all") as m:
         resident, layout, E = m.resident_bytes, m.layout, m.spec.num_experts
     L = layout.layers[0]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
 from sluice.quant.native.kernel import NATIVE_MAX_ROWS, native_kernel
-from sluice.quant.samples import random_stored
+from tests.quant.samples import random_stored
 from sluice.quant.stored import StoredLinear
 from tests.quant import paths
 
@@ -66,7 +66,7 @@ def test_dequantize_to_bf16_is_the_reference_rounded(spec, path):
 def test_many_bf16_rows_follow_the_matmul_mode(mode):
     """From BF16_GEMM_MIN_ROWS rows, --matmul bf16 runs the weights rounded to bf16 through torch's bf16 GEMM (the
     stored kernel and a resident QuantLinear alike); float32 keeps the float32 dequantization + GEMM."""
-    from sluice.matmul import set_matmul
+    from sluice.quant.matmul import set_matmul
     from sluice.quant.native.kernel import BF16_GEMM_MIN_ROWS
     from sluice.quant.resident import QuantLinear
 

@@ -17,7 +17,7 @@ import sluice
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
 from sluice.quant.native import prompt
-from sluice.quant.samples import random_stored
+from tests.quant.samples import random_stored
 from tests.checkpoint.gguf_files import GGUF_TINY, convert
 from tests.models.tiny import hf_model
 from tests.quant import paths
@@ -262,7 +262,7 @@ def test_a_layer_coded_once_gives_each_expert_its_own_bits(q4km, kernel_calls):
 def test_isa_avx2_runs_what_an_avx2_cpu_runs(q4km, kernel_calls, monkeypatch):
     """LoadOptions.isa "avx2": no int8 prompt kernels (AVX512-VNNI), float32 GEMMs under matmul auto, and the C
     kernels capped at AVX2: bitwise what the AVX2_ONLY test hook gives with the same choices made by hand."""
-    from sluice.matmul import bf16_gemm
+    from sluice.quant.matmul import bf16_gemm
 
     try:
         with sluice.load(q4km, memory="all", activations="int8", isa="avx2") as m:

@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice import matmul
+from sluice.quant import matmul
 from sluice.quant import native
 from sluice.quant.kernels import QuantSpec
 from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS, native_kernel
-from sluice.quant.samples import random_expert_slots, random_stored
+from tests.quant.samples import random_expert_slots, random_stored
 from tests.quant import paths
 
 pytestmark = pytest.mark.skipif(not native.native_available(),

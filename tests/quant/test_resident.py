@@ -12,16 +12,16 @@ import torch.nn.functional as F
 
 import sluice
 from sluice import cli
-from sluice.checkpoint import CheckpointIndex
-from sluice.io import read_tensor
+from sluice.quant.tensor import read_tensor
 from sluice.quant import native, resident
 from sluice.quant.kernels import QuantSpec
 from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS
 from sluice.quant.resident import QuantLinear
-from sluice.quant.samples import random_stored
+from tests.quant.samples import random_stored
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model
 from tests.quant.test_native import check_close
+from sluice.plan import open_index
 
 built = pytest.mark.skipif(not native.native_available(),
                            reason="native kernels not built (pip install -e . with a C compiler builds them)")
@@ -175,7 +175,7 @@ def test_default_dtype_keeps_the_quantized_projections_as_stored(gguf, capsys):
 
 @built
 def test_without_the_native_kernels_every_weight_is_a_tensor(gguf, monkeypatch):
-    index = CheckpointIndex.open(gguf)
+    index = open_index(gguf)
     monkeypatch.setattr(native, "_LIB", None)  # as after an install without a C compiler
     with sluice.load(gguf, memory="all") as m:
         w = _projections(m.model.w)

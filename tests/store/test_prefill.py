@@ -16,7 +16,7 @@ import torch
 
 import sluice
 from sluice import cli
-from sluice.matmul import packable
+from sluice.quant.matmul import packable
 from sluice.models import blocks
 from sluice.host.memory import MemoryRoom
 from sluice.options import LoadOptions

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...matmul import bf16_gemm
+from ..matmul import bf16_gemm
 from ..kernels import Kernel
 from . import dequantize, linear, linear_q8, q8_supported, supports
 

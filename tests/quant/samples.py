@@ -1,10 +1,10 @@
-"""Random stored weights for a QuantSpec (tests and benchmarks): random codes, finite scales of a realistic size."""
+"""Random stored weights for a QuantSpec (tests and benchmarks; test data, so it lives in tests/): random codes, finite scales of a realistic size."""
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import QuantSpec
+from sluice.quant.kernels import QuantSpec
 
 #: byte offsets of the f16 scale fields inside one block of each ggml type
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),

@@ -14,11 +14,12 @@ import torch
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
-from ..io.tensor import read_bytes, read_tensor
-from ..models.spec import LayerWeights, MLAWeights, MLPWeights, Spec, Weights
+from ..io.tensor import read_bytes
+from ..quant.tensor import read_tensor
+from .spec import LayerWeights, MLAWeights, MLPWeights, Spec, Weights
 from ..quant import QuantSpec
 from ..quant.resident import QuantLinear, Scratch, quant_spec
-from .layout import moe_prefix
+from ..store.layout import moe_prefix
 
 
 def _expect(index: CheckpointIndex, name: str, shape: tuple[int, ...]) -> TensorRef:

@@ -36,14 +36,14 @@ from tqdm import tqdm
 
 from ..engine import Model, load
 from ..errors import ConfigError
-from ..options import format_bytes
+from ..units import format_bytes
 from ..models.blocks import rms_norm
 from ..models.routing import route, selection_scores
 from ..models.spec import Spec, Weights
-from .predict import (HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads,
+from ..prerouter.predict import (HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads,
                       unit_rms)
 from ..host.memory import available_memory
-from ..store.weights import resident_refs
+from ..models.weights import resident_refs
 
 
 @dataclass

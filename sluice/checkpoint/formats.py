@@ -46,6 +46,9 @@ _TABLE = [
 BY_ID: dict[int, BlockFormat] = {i: BlockFormat(i, n, e, b) for i, n, e, b in _TABLE}
 BY_NAME: dict[str, BlockFormat] = {f.name: f for f in BY_ID.values()}
 
+#: the MLX affine bit widths sluice reads (mlx_lm.convert --q-bits; quant/mlx.py unpacks each)
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+
 #: the formats sluice reads and computes with (issue 14's list; Q4_K_M / Q5_K_M files mix K-types, Q6_K, Q8_0)
 SUPPORTED = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 

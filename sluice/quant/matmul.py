@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .host.cpus import bf16_dot
+from ..host.cpus import bf16_dot
 
 #: LoadOptions.matmul's choices: how several rows of bf16 activations multiply bf16 weights
 MATMUL_MODES = ("auto", "bf16", "float32")

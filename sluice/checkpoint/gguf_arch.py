@@ -1,0 +1,46 @@
+"""How llama.cpp stores an architecture (`GGUFArch`): what gguf_config.py and gguf_index.py read a GGUF file by.
+
+The facts are the architecture's own: each models/<model_type>.py declares its `GGUF`, and whoever opens a file
+(plan.open_index) hands the checkpoint layer the table of them (models.gguf_archs(): general.architecture -> facts),
+so this layer never imports the model code above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: GGUFArch.config's signature: (typed metadata of the file -- gguf_config.GGUFMeta --, the file's tensors by GGUF
+#: name) -> the architecture's config.json keys
+GGUFConfigHook = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How llama.cpp stores the architecture: checkpoint/gguf_config.py and gguf_index.py read files by this.
+
+    The generic part of the config (sizes, heads, rope, eps, vocab, bos/eos, tied head, top-k, norm_topk_prob) is
+    read the same for every architecture; `config` adds the architecture's own keys (expert count spelling,
+    intermediate sizes, biases, dense layers) and may override norm_topk_prob.
+    """
+
+    name: str  # general.architecture, e.g. "qwen3moe"
+    tensors: Mapping[str, str]  # blk.N.<GGUF suffix> -> model.layers.N.<config.json-world suffix>
+    config: GGUFConfigHook
+    # top-k renormalisation when expert_weights_norm is absent: what llama.cpp's graph passes to build_moe_ffn
+    norm_topk_prob: bool
+    # q/k rows stored permuted for llama.cpp's interleaved rope (its llama converter); read_tensor un-permutes them
+    rope_permuted: bool = False
+    # runs first, before any other key is read: raises ConfigError for files of this GGUF architecture that are not
+    # this model (a llama file without experts is a dense Llama, not Mixtral)
+    accept: Callable[[Any], None] | None = None
+    # router keys the `config` hook reads itself; the others are refused when they ask for math sluice does not do
+    # (expert_gating_func other than softmax, expert_weights_scale, an expert_weights_norm != norm_topk_prob)
+    router_keys: frozenset[str] = frozenset()
+    # config.json's model_type of the architecture (models.gguf_archs fills it from the module's MODEL_TYPE)
+    model_type: str = ""
+
+
+#: general.architecture -> its facts: the table a GGUF file is read by (models.gguf_archs() builds it)
+GGUFArchs = Mapping[str, GGUFArch]
