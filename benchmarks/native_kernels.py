@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import quant_kernels  # noqa: E402  (benchmarks/: the load note and the clock)
 from sluice.quant import native  # noqa: E402
-from sluice.quant.kernels import AffineKernel, Int4PackKernel, QuantSpec  # noqa: E402
+from sluice.quant.spec import AffineKernel, Int4PackKernel, QuantSpec  # noqa: E402
 from sluice.quant.native.kernel import NativeKernel  # noqa: E402
 from tests.quant.samples import random_stored  # noqa: E402
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from sluice.quant import ggml, int4pack  # noqa: E402
-from sluice.quant.kernels import AffineKernel, Int4PackKernel, QuantSpec  # noqa: E402
+from sluice.quant.spec import AffineKernel, Int4PackKernel, QuantSpec  # noqa: E402
 from tests.quant.samples import random_stored  # noqa: E402
 
 SHAPES = [(2048, 768), (1024, 512)]

@@ -131,7 +131,7 @@ def packed() -> None:
 
 def crossover() -> None:
     from sluice.quant import native
-    from sluice.quant.kernels import QuantSpec
+    from sluice.quant.spec import QuantSpec
     from sluice.quant.native.kernel import NativeKernel
     from tests.quant.samples import random_stored
 

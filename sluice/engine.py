@@ -18,12 +18,15 @@ from .host.cpus import ThreadGovernor
 from .host.memory import keep_heap
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, make_reader
-from .quant.matmul import bf16_gemm, set_matmul
-from .models.blocks import Transformer
+from .models.layers import Build
+from .models.model import Transformer
 from .models.spec import KVCache
 from .options import ACTIVATION_PLANES, LoadOptions
 from .plan import LoadPlan, plan
 from .quant import native
+from .quant.compute import Compute
+from .quant.matmul import resolve_matmul
+from .quant.native import pool
 from .prerouter.predict import PREROUTER_FILE, LearnedPrerouter, RouterPrerouter, model_fingerprint
 from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from .store.resident import ResidentExpertStore
@@ -49,20 +52,20 @@ class Model:
         self.prefill_chunk = p.prefill_chunk
         self.tokenizer, self.eos_ids = p.tokenizer, p.eos_ids
         s = self.spec
-        if p.threads != torch.get_num_threads():
-            torch.set_num_threads(p.threads)
-        native.set_isa(p.options.isa)  # process-wide too (issue 29 moves both onto the model)
-        set_matmul(p.options.matmul, avx2=p.options.isa != "auto")  # process-wide like the threads: how prompts multiply bf16 weights (the
-        # resident store packs bf16 experts under bf16 GEMMs, so it is set before the store is made)
-        keep_heap(p.prefill_bytes)  # process-wide too: a prefill's blocks stay in the heap (host/memory.py)
+        # every kernel choice the options and this CPU decide, held by this model alone (quant/compute.py)
+        self.compute = Compute(dtype=self.dtype, bf16_gemm=resolve_matmul(p.options.matmul, p.options.isa != "auto"),
+                               planes=ACTIVATION_PLANES[p.options.activations], path=native.PATHS[p.options.isa],
+                               threads=p.threads)
+        self._threads = p.threads  # what this model runs on (the governor may lower it beside a busy process)
+        self._apply_threads()
+        keep_heap(p.prefill_bytes)  # process-wide: a prefill's blocks stay in the heap (host/memory.py)
         self.governor = ThreadGovernor(p.threads, set_threads=self._set_threads) if p.governed else None
         self.cache = KVCache(s, p.max_context, self.dtype)  # torch.empty: costs nothing until positions are written
         self.reader = make_reader(p.options.io, workers=p.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
         # read each weight file only as the version whose header was read: a shard replaced, truncated or rewritten
         # while the model runs is a CheckpointError naming it (io/base.py FileGuard), not a SIGBUS or wrong bytes
         self.reader.expect(self.index.stamps())
-        planes = ACTIVATION_PLANES[p.options.activations]
-        weights = load_resident(p.refs, s, self.dtype, lazy_embed=p.lazy_embed, planes=planes)
+        weights = load_resident(p.refs, s, self.compute, lazy_embed=p.lazy_embed)
         self.rows = self._make_rows(p.refs["embed"]) if p.lazy_embed else None
         self.store = self._make_store(progress)
         prerouter = None
@@ -74,14 +77,9 @@ class Model:
         # not on the mmap reader: its submit copies in the caller, so the read-ahead would stall this layer's math
         prompt_prerouter = (RouterPrerouter(s, weights) if p.options.prompt_prefetch and self.memory is not None
                             and self.reader.mode != "mmap" else None)
-        self.model = Transformer(s, weights, self.store, self.cache, self.dtype, rows=self.rows, prerouter=prerouter,
-                                 planes=planes, prompt_prerouter=prompt_prerouter)
-        # decode splits the rows of a layer's native experts and of the quantized projections over the threads
-        # (native.set_threads, process-wide like torch's; pool.c). Peers model's Q4_K_M file, resident, the 128
-        # experts of one token, 2-CPU VM (benchmarks/quantized/expert_threads.py, 4 alternated rounds): 21.7-25.5 ms
-        # one expert_q8 call each on one thread, 16.6-18.6 ms as one call per layer over two threads (a Python pool
-        # with one expert per job took 25-29 ms)
-        native.set_threads(p.threads)
+        build = Build(s, weights, self.store, self.cache, self.compute, rows=self.rows, prerouter=prerouter,
+                      prompt_prerouter=prompt_prerouter)
+        self.model = Transformer(self.arch, build)
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
         self.step_times = StepTimes()
@@ -98,8 +96,20 @@ class Model:
     def _set_threads(self, n: int) -> None:
         """The governor's choice, for torch's threads and the native ones (beside a busy process a second thread
         waits a scheduler slice at every layer)."""
-        torch.set_num_threads(n)
-        native.set_threads(n)
+        self._threads = n
+        self._apply_threads()
+
+    def _apply_threads(self) -> None:
+        """Run on this model's threads: torch's and the C pool's (native/pool.py) are the process's, shared by
+        every model in it, so each model applies its own when it starts work (load, logits, each generation).
+        Decode splits the rows of a layer's native experts and of the quantized projections over them: peers
+        model's Q4_K_M file, resident, the 128 experts of one token, 2-CPU VM (benchmarks/quantized/
+        expert_threads.py, 4 alternated rounds): 21.7-25.5 ms one expert_q8 call each on one thread, 16.6-18.6 ms
+        as one call per layer over two threads (a Python pool with one expert per job took 25-29 ms)."""
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        if pool.threads() != self._threads:
+            pool.set_threads(self._threads)
 
     def _tick(self) -> None:
         """Between forward passes: match the thread count to the CPUs other processes leave free."""
@@ -114,7 +124,8 @@ class Model:
 
     def _make_store(self, progress: bool):
         if self.memory is None:
-            return ResidentExpertStore(self.layout, self.reader, self.dtype, progress=progress)
+            return ResidentExpertStore(self.layout, self.reader, self.dtype, progress=progress,
+                                       bf16_gemm=self.compute.bf16_gemm)
         from .store.streaming import StreamingExpertStore
 
         return StreamingExpertStore.with_budget(self.layout, self.reader, self.memory - self.resident_bytes,
@@ -127,10 +138,14 @@ class Model:
         self.forget_cache()
         chunk = self.prefill_chunk
         out = []
+        self._apply_threads()
         with torch.inference_mode():
-            for start in range(0, len(ids), chunk):
-                part = torch.tensor(ids[start : start + chunk], dtype=torch.long)
-                out.append(self.model.logits(self.model.forward(part, start)))
+            try:
+                for start in range(0, len(ids), chunk):
+                    part = torch.tensor(ids[start : start + chunk], dtype=torch.long)
+                    out.append(self.model.logits(self.model.forward(part, start)))
+            finally:
+                pool.release_scratch()  # the native prompt calls' kept scratch
         self._kv_tokens = list(ids)
         return torch.cat(out)
 
@@ -217,6 +232,7 @@ class Model:
         `step_times`, the fault counters and the record of what the KV cache holds consistent."""
         self._kv_tokens, self.last_tokens, self.step_times = [], [], StepTimes()  # the record is invalid meanwhile
         self._prefill_io = None
+        self._apply_threads()
         f0 = counters()
         io0 = self._io_counters()
         with torch.inference_mode():
@@ -329,9 +345,9 @@ class Model:
             "memory": self.memory,  # the budget in bytes; None = everything resident
             "memory_plan": self.load_plan.describe_memory(),
             "dtype": str(self.dtype).replace("torch.", ""),
-            "matmul": "bf16" if bf16_gemm() else "float32",  # how a prompt's bf16 rows multiply (matmul.py)
-            "isa": self.options.isa,  # the cap on the kernels' instruction sets (native.set_isa)
-            "threads": torch.get_num_threads(),
+            "matmul": "bf16" if self.compute.bf16_gemm else "float32",  # how a prompt's bf16 rows multiply
+            "isa": self.options.isa,  # the cap on the kernels' instruction sets (Compute.path)
+            "threads": self._threads,
             "thread_changes": self.governor.changes if self.governor is not None else 0,
         }
         if self.rows is not None:

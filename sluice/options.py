@@ -186,8 +186,8 @@ class LoadOptions:
             "a prompt's Q4_K projections (experts and attention) also run on 8-bit codes where the CPU has "
             "AVX512-VNNI, instead of a bf16 GEMM on their weights dequantized (`int16`: ~0.2% error; ~1.5x fewer "
             "seconds per multiply). float32 keeps the exact float kernels either way")
-    # matmul: matmul.py (rows_linear and the quantized kernels' many-row path), set process-wide at load
-    # (engine.py); auto: host/cpus.bf16_dot. Peers bf16 model, resident 2,048-token prefill on a 2-core AVX512_BF16
+    # matmul: Compute.bf16_gemm (quant/matmul.py rows_linear, quant/linear.py's many-row path), decided per model at
+    # load (engine.py); auto: host/cpus.bf16_dot. Peers bf16 model, resident 2,048-token prefill on a 2-core AVX512_BF16
     # EPYC, the modes alternated in one process: float32 238, bf16 507 tok/s (benchmarks/resident_matmul.py)
     matmul: str = option(
         "auto", choices=MATMUL_MODES,
@@ -199,7 +199,7 @@ class LoadOptions:
             "(on AVX2 torch's bf16 GEMM has no native kernel and runs ~6x slower). Both accumulate in float32. "
             "Under bf16 a resident model also keeps its bf16 experts packed in oneDNN's layout (the same bits) and "
             "a prompt's attention runs in float32 on bf16 dot products")
-    # isa: native.set_isa, set process-wide at load (engine.py) like matmul
+    # isa: the native kernels' path cap, Compute.path (quant/native/_lib.py PATHS), decided per model at load
     isa: str = option(
         "auto", choices=("auto", "avx2", "portable"),
         help="cap the instruction sets sluice's kernels use: auto = the best this CPU has; avx2 = as on a CPU "

@@ -193,18 +193,19 @@ def test_generate_cancelled_after_three_tokens_keeps_the_cache_consistent(model)
 def test_governor_sets_the_native_threads_with_torchs(tmp_path):
     """Beside a busy process (one CPU free) decode stops splitting experts and projections over native threads; it
     splits again when the CPU comes back. The plan's threads set both at load."""
-    from sluice.quant import native
+    from sluice.quant.native import pool
 
     folder = write_checkpoint(hf_model("qwen3_moe", torch.float32), tmp_path, "per_expert")
     threads = torch.get_num_threads()
     try:
         with sluice.load(folder, memory="all", threads=2) as m:
-            assert native.shared_pool() is not None and native.shared_pool().threads == 2
+            assert pool.threads() == 2 and torch.get_num_threads() == 2
             m._set_threads(1)
-            assert native.shared_pool() is None and torch.get_num_threads() == 1
+            assert pool.threads() == 1 and torch.get_num_threads() == 1
             m._set_threads(2)
-            assert native.shared_pool().threads == 2 and torch.get_num_threads() == 2
+            assert pool.threads() == 2 and torch.get_num_threads() == 2
         with sluice.load(folder, memory="all", threads=1):
-            assert native.shared_pool() is None
+            assert pool.threads() == 1
     finally:
         torch.set_num_threads(threads)
+        pool.set_threads(1)

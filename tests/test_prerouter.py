@@ -19,7 +19,7 @@ from sluice.prerouter.predict import (PREROUTER_FILE, Head, LearnedPrerouter, Ro
 from sluice.tools.prerouter_fit import FitOptions, corpus_ids, fit, record
 from sluice.tools.tokenizer_train import train_tokenizer
 from sluice.models.weights import resident_refs
-from sluice.models.blocks import rms_norm
+from sluice.models.layers.norm import rms_norm
 from sluice.models.routing import route
 
 from .models.tiny import hf_model, write_checkpoint

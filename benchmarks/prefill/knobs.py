@@ -114,7 +114,7 @@ def blocks(a) -> None:
 
 def dequant(a) -> None:
     from sluice.quant import native
-    from sluice.quant.kernels import QuantSpec
+    from sluice.quant.spec import QuantSpec
     from sluice.quant.native.kernel import bf16_view
 
     native.set_threads(1)
@@ -185,7 +185,7 @@ def gemm(a) -> None:
     import torch.nn.functional as F
 
     from sluice.quant import native
-    from sluice.quant.kernels import QuantSpec
+    from sluice.quant.spec import QuantSpec
     from sluice.quant.native import prompt
     from tests.quant.samples import random_stored
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from sluice.quant import native
-from sluice.quant.kernels import QuantSpec
+from sluice.quant.spec import QuantSpec
 from tests.quant.samples import random_expert_slots
 from sluice.store.layout import ExpertFormat
 

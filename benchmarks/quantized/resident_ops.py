@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from sluice.quant.tensor import read_tensor
 from sluice.quant import native
-from sluice.quant.kernels import QuantSpec
+from sluice.quant.spec import QuantSpec
 from sluice.quant.resident import QuantLinear, Scratch, quant_spec
 from tests.quant.samples import random_stored
 from sluice.models.weights import _quant_linear

@@ -1,4 +1,4 @@
-"""Architectures, one module per config.json `model_type`; shared math in blocks.py, experts.py, rope.py.
+"""Architectures, one module per config.json `model_type`, each composing its layers from models/layers/.
 
 How to add an architecture: copy the closest module (say qwen3_moe.py) to `models/<model_type>.py`, change what
 differs, and add its tests (a TINY config in tests/models/tiny.py runs it through parity, GGUF and synth tests).
@@ -20,9 +20,12 @@ reads all it needs from the module. What a module provides (tests/models/test_ar
     SYNTH             SynthDefaults (arch.py): transformers class, the family's expert count / top-k / rope theta / eps
     synth_config      (SynthConfig) -> dict: the config.json keys of a synthetic checkpoint beyond the common ones
                       (tools/synth.py); raises ConfigError for a shape the architecture cannot have
-    GGUF              GGUFArch (arch.py) -- llama.cpp's architecture name, tensor names, defaults and metadata ->
-                      config hook -- or None when llama.cpp has no such architecture (then a GGUF file never maps to
-                      it: `by_gguf_name` returns None)
+    GGUF              GGUFArch (checkpoint/gguf_arch.py) -- llama.cpp's architecture name, tensor names, defaults
+                      and metadata -> config hook -- or None when llama.cpp has no such architecture (then a GGUF file
+                      never maps to it: `by_gguf_name` returns None)
+    layers            (layers.Build) -> [layer]: the model's decoder layers, composed from the modules of
+                      models/layers/ (a residual rule holding a mixer and a feed-forward block), e.g. qwen3_moe's
+                      PreNorm(Attention, MoE or dense)
 
 Optional (an architecture whose checkpoints differ from the Qwen family's defines them; absent, the default holds):
 
@@ -49,7 +52,7 @@ from .schema import show
 
 #: every name an architecture module must define (documented above; `check_arch` tests them)
 INTERFACE = ("MODEL_TYPE", "ModelArgs", "MOE_PREFIXES", "EXPERT_PROJ", "INTERMEDIATE_KEY", "layer_tensors", "SYNTH",
-             "synth_config", "GGUF")
+             "synth_config", "GGUF", "layers")
 
 _registered: dict[str, ModuleType] = {}
 
@@ -107,6 +110,7 @@ def check_arch(module: ModuleType) -> None:
         ("SYNTH", isinstance(module.SYNTH, SynthDefaults)),
         ("synth_config", callable(module.synth_config)),
         ("GGUF", module.GGUF is None or isinstance(module.GGUF, GGUFArch)),
+        ("layers", callable(module.layers)),
     ) if not ok]
     if wrong:
         raise ConfigError(f"architecture module {module.__name__}: {', '.join(wrong)} not of the documented type "

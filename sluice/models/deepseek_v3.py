@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / R1 and Kimi K2 (`model_type: deepseek_v3`): multi-head latent attention (models/mla.py: a KV cache
+"""DeepSeek-V3 / R1 and Kimi K2 (`model_type: deepseek_v3`): multi-head latent attention (models/layers/mla.py: a KV cache
 of compressed latents), the grouped sigmoid router (models/routing.py "sigmoid_grouped": e_score_correction_bias for
 selection, n_group / topk_group, routed_scaling_factor), n_shared_experts shared experts run as one ungated MLP, the
 first `first_k_dense_replace` layers dense, yarn rope whose mscale_all_dim also scales the softmax."""
@@ -16,6 +16,7 @@ from .args import MAX_HEAD_DIM, BaseArgs, dense_and_grouped_router_problems
 from .rope import RopeConfig
 from .schema import cfg
 from .spec import MLASpec, Spec
+from .layers import Build, LatentAttention, PreNorm, moe_or_dense
 
 MODEL_TYPE = "deepseek_v3"
 MOE_PREFIXES = ("mlp",)
@@ -166,3 +167,9 @@ def synth_config(sc) -> dict[str, Any]:
 
 
 GGUF = None  # llama.cpp's deepseek2 stores MLA differently (kv_b split into k_b / v_b): not mapped yet
+
+
+def layers(b: Build) -> list[PreNorm]:
+    """Pre-norm layers of multi-head latent attention (layers/mla.py) and a sigmoid grouped-routed MoE block with
+    shared experts, dense on the first first_k_dense_replace layers."""
+    return [PreNorm(b, L, LatentAttention(b, L), moe_or_dense(b, L)) for L in range(b.spec.n_layers)]

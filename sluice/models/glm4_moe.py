@@ -29,6 +29,7 @@ from .arch import SynthDefaults, TensorName
 from .args import CONFIG, BaseArgs, dense_and_grouped_router_problems
 from .schema import cfg, override
 from .spec import Spec
+from .layers import Attention, Build, PreNorm, moe_or_dense
 
 MODEL_TYPE = "glm4_moe"
 MOE_PREFIXES = ("mlp",)
@@ -130,3 +131,9 @@ def synth_config(sc) -> dict[str, Any]:
 # llama.cpp's `glm4moe` exists (exp_probs_b for the selection bias, leading_dense_block_count, expert groups, its
 # NextN layer); reading it is not done yet, so a glm4moe GGUF is refused as an unsupported architecture.
 GGUF = None
+
+
+def layers(b: Build) -> list[PreNorm]:
+    """Pre-norm layers of grouped-query attention (partial rotary, optional q / k norm) and a sigmoid
+    grouped-routed MoE block with a shared expert, dense on the first first_k_dense_replace layers."""
+    return [PreNorm(b, L, Attention(b, L), moe_or_dense(b, L)) for L in range(b.spec.n_layers)]

@@ -6,7 +6,7 @@ gate and up projections are interleaved in one `gate_up` weight and combined by 
 
 Experts as shipped are MXFP4 (`mlp.experts.gate_up_proj_blocks/_scales`, `down_proj_blocks/_scales`) plus bf16
 biases; the dequantized layout `save_pretrained` writes (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`) loads
-too. store/layout.py's BiasedGluFormat holds either in a slot; models/experts.py computes from it.
+too. store/layout.py's BiasedGluFormat holds either in a slot; models/layers/experts.py computes from it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .arch import SynthDefaults, TensorName, attention_tensors
 from .args import CONFIG, BaseArgs, sliding_windows
 from .schema import cfg, override
 from .spec import Spec
+from .layers import Attention, Build, PreNorm, moe_or_dense
 
 MODEL_TYPE = "gpt_oss"
 MOE_PREFIXES = ("mlp",)
@@ -141,3 +142,9 @@ def synth_experts(sc, draw: Callable, generator, prefix: str) -> Iterator[tuple[
 
 
 GGUF = None  # TODO: llama.cpp's gpt-oss GGUFs (MXFP4 blocks, attn sinks) are not mapped yet
+
+
+def layers(b: Build) -> list[PreNorm]:
+    """Pre-norm layers of grouped-query attention with sinks (layers/sinks.py; sliding on every other layer) and a
+    top-k-softmax-routed MoE block of biased, clamped SwiGLU experts."""
+    return [PreNorm(b, L, Attention(b, L), moe_or_dense(b, L)) for L in range(b.spec.n_layers)]

@@ -1,23 +1,24 @@
 """The projection every resident weight of the model math goes through: a plain tensor runs torch (one row in the
-compute dtype, several in float32 or bf16 by the CPU: matmul.rows_linear), a QuantLinear (GGUF blocks kept resident,
-quant/resident.py) its native kernels."""
+compute dtype, several in float32 or bf16 by the model's Compute.bf16_gemm: quant/matmul.py rows_linear), a
+QuantLinear (GGUF blocks kept resident, quant/linear.py) its own row-count ladder."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..quant.resident import QuantLinear
+from ..quant.linear import QuantLinear
 from ..quant.matmul import rows_linear
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w^T (+ bias) -> [T, out] in the compute dtype: a QuantLinear's kernels, else rows_linear (several
-    bf16 rows in float32 unless the CPU multiplies bf16 natively: on AVX2 torch's bf16 GEMM has no native kernel,
-    [33 x 1024] x [1024 x 1024]^T 3.7-4.1 ms bf16, 1.3-1.6 float32)."""
+def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None,
+           bf16: bool = False) -> torch.Tensor:
+    """x [T, in] @ w^T (+ bias) -> [T, out] in the compute dtype: a QuantLinear's ladder, else rows_linear (several
+    bf16 rows in float32 unless `bf16`, the model's Compute.bf16_gemm: on AVX2 torch's bf16 GEMM has no native
+    kernel, [33 x 1024] x [1024 x 1024]^T 3.7-4.1 ms bf16, 1.3-1.6 float32)."""
     if type(w) is QuantLinear:
         return w.linear(x, bias)
-    return rows_linear(x, w, bias)
+    return rows_linear(x, w, bias, bf16)
 
 
 def logits(x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:

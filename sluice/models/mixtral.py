@@ -14,6 +14,7 @@ from .arch import layer_tensors as layer_tensors  # the shared layout; no biases
 from .args import BaseArgs, sliding_windows
 from .spec import Spec
 from .schema import cfg, override
+from .layers import Attention, Build, PreNorm, moe_or_dense
 
 MODEL_TYPE = "mixtral"
 MOE_PREFIXES = ("block_sparse_moe", "mlp")
@@ -69,3 +70,9 @@ def _gguf_config(m, tensors) -> dict[str, Any]:
 
 GGUF = GGUFArch("llama", tensors=dict(GGUF_COMMON), config=_gguf_config, norm_topk_prob=True, rope_permuted=True,
                 accept=_gguf_accept)
+
+
+def layers(b: Build) -> list[PreNorm]:
+    """Pre-norm layers of grouped-query attention (sliding windows where the config sets one) and a softmax-routed
+    MoE block."""
+    return [PreNorm(b, L, Attention(b, L), moe_or_dense(b, L)) for L in range(b.spec.n_layers)]

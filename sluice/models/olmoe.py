@@ -13,6 +13,7 @@ from .arch import layer_tensors as layer_tensors  # the shared layout, q/k norm 
 from .args import BaseArgs
 from .spec import Spec
 from .schema import cfg, override
+from .layers import Attention, Build, PreNorm, moe_or_dense
 
 MODEL_TYPE = "olmoe"
 MOE_PREFIXES = ("mlp",)
@@ -63,3 +64,9 @@ def _gguf_config(m, tensors) -> dict[str, Any]:
 
 
 GGUF = GGUFArch("olmoe", tensors={**GGUF_COMMON, **GGUF_QK_NORM}, config=_gguf_config, norm_topk_prob=False)
+
+
+def layers(b: Build) -> list[PreNorm]:
+    """Pre-norm layers of grouped-query attention (q / k RMSNorm over the whole projection, clip_qkv) and a
+    softmax-routed MoE block."""
+    return [PreNorm(b, L, Attention(b, L), moe_or_dense(b, L)) for L in range(b.spec.n_layers)]

@@ -15,6 +15,7 @@ from .args import BaseArgs, moe_layer_flags, sliding_windows
 from .spec import Spec
 from .qwen3_moe import dense_and_window_problems, qwen_gguf_config
 from .schema import cfg, override
+from .layers import Attention, Build, PreNorm, moe_or_dense
 
 MODEL_TYPE = "qwen2_moe"
 MOE_PREFIXES = ("mlp",)
@@ -92,3 +93,9 @@ _SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
            **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}}
 GGUF = GGUFArch("qwen2moe", tensors={**GGUF_COMMON, **GGUF_QKV_BIAS, **_SHARED}, config=_gguf_config,
                 norm_topk_prob=False)
+
+
+def layers(b: Build) -> list[PreNorm]:
+    """Pre-norm layers of grouped-query attention (q / k / v biases) and a softmax-routed MoE block with a
+    sigmoid-gated shared expert, or a dense MLP."""
+    return [PreNorm(b, L, Attention(b, L), moe_or_dense(b, L)) for L in range(b.spec.n_layers)]

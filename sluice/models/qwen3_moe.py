@@ -13,6 +13,7 @@ from .arch import layer_tensors as layer_tensors  # the shared Qwen/Mixtral/OLMo
 from .args import BaseArgs, moe_layer_flags, sliding_windows
 from .spec import Spec
 from .schema import cfg, override
+from .layers import Attention, Build, PreNorm, moe_or_dense
 
 MODEL_TYPE = "qwen3_moe"
 # Checkpoint naming: the MoE block lives under `mlp`; per-expert projections are gate/up/down.
@@ -96,3 +97,9 @@ def _gguf_config(m, tensors) -> dict[str, Any]:
 
 
 GGUF = GGUFArch("qwen3moe", tensors={**GGUF_COMMON, **GGUF_QK_NORM}, config=_gguf_config, norm_topk_prob=True)
+
+
+def layers(b: Build) -> list[PreNorm]:
+    """Pre-norm layers of grouped-query attention (q / k RMSNorm per head) and a softmax-routed MoE block, or a
+    dense MLP on mlp_only_layers."""
+    return [PreNorm(b, L, Attention(b, L), moe_or_dense(b, L)) for L in range(b.spec.n_layers)]

@@ -14,9 +14,9 @@ import torch
 
 from ..errors import ConfigError
 from ..quant import native
+from ..quant.native import BEST, ops
 from .schema import cfg, parse, show
 
-_NATIVE = native.native_available()
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 #: keys a rope type cannot do without (transformers' required keys; original_max_position_embeddings defaults to
@@ -203,12 +203,13 @@ def rope_table(rc: RopeConfig, n_pos: int, dtype: torch.dtype) -> tuple[torch.Te
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, path: int = BEST) -> torch.Tensor:
     """x [heads, T, D] rotated by cos/sin [T, rot] on its first `rot` dims (rot == D unless partial rotary). bf16
-    runs as one native call (native.rope_bf16, the same bits; ~10 torch ops otherwise, twice per layer)."""
-    if (x.dtype is torch.bfloat16 and cos.dtype is torch.bfloat16 and _NATIVE and x.dim() == 3 and x.stride(2) == 1
-            and cos.is_contiguous() and sin.is_contiguous()):
-        return native.rope_bf16(x, cos, sin)
+    runs as one native call (ops.rope_bf16, the same bits; ~10 torch ops otherwise, twice per layer); `path`: the
+    model's Compute.path."""
+    if (x.dtype is torch.bfloat16 and cos.dtype is torch.bfloat16 and native.available() and x.dim() == 3
+            and x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()):
+        return ops.rope_bf16(x, cos, sin, path=path)
     rot = cos.shape[-1]
     xr, xp = (x, None) if rot == x.shape[-1] else (x[..., :rot], x[..., rot:])
     half = rot // 2

@@ -1,5 +1,5 @@
 """Routers: hidden states -> (each token's top-k expert ids, their weights). One function per routing family,
-chosen by `Spec.router`; the MoE block (models/blocks.py) only calls `route`.
+chosen by `Spec.router`; the MoE block (models/layers/moe.py) only calls `route`.
 
 - "softmax" (Qwen2/3-MoE, Mixtral, OLMoE): softmax over all experts in float32, top-k, optional renormalisation
   (norm_topk_prob); the weights are cast to the compute dtype unless the reference keeps them in float32
@@ -28,7 +28,7 @@ def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.T
 
 def top_of_probs(spec: Spec, probs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The rest of softmax_topk from float32 probabilities [T, E] (a native decode step computes them in one call,
-    models/blocks.py): top-k, the optional renormalisation, the weights in `dtype` unless router_weights_fp32."""
+    models/layers/moe.py): top-k, the optional renormalisation, the weights in `dtype` unless router_weights_fp32."""
     weights, ids = torch.topk(probs, spec.top_k, dim=-1)  # [T, K] each
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)

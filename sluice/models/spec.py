@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..quant.resident import QuantLinear
+    from ..quant.linear import QuantLinear
     from .rope import RopeConfig
 
     Proj = torch.Tensor | QuantLinear  # a projection weight: a QuantLinear when kept in its GGUF blocks
@@ -72,7 +72,7 @@ class Spec:
     routed_scaling_factor: float = 1.0
     attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each query's softmax (LayerWeights.sinks)
     # gpt-oss experts: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit), instead of
-    # act(gate) * up; None: the plain gated activation (models/experts.py glu_for)
+    # act(gate) * up; None: the plain gated activation (models/layers/experts.py glu_for)
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     qkv_bias: bool = False

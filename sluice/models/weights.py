@@ -18,7 +18,8 @@ from ..io.tensor import read_bytes
 from ..quant.tensor import read_tensor
 from .spec import LayerWeights, MLAWeights, MLPWeights, Spec, Weights
 from ..quant import QuantSpec
-from ..quant.resident import QuantLinear, Scratch, quant_spec
+from ..quant.compute import Compute
+from ..quant.linear import QuantLinear, Scratch, quant_spec
 from ..store.layout import moe_prefix
 
 
@@ -62,7 +63,7 @@ LINEAR_ROLES = frozenset({"q", "k", "v", "o", "mlp.gate", "mlp.up", "mlp.down", 
 
 def kept_quantized(refs: dict[str, TensorRef], dtype: torch.dtype) -> dict[str, QuantSpec]:
     """role -> QuantSpec of the resident projections kept in their stored blocks at compute dtype `dtype` (see
-    quant/resident.py quant_spec; an untied lm_head included); the others are converted to `dtype`."""
+    quant/linear.py quant_spec; an untied lm_head included); the others are converted to `dtype`."""
     out = {}
     for role, ref in refs.items():
         if role == "lm_head" or role.split(".", 2)[-1] in LINEAR_ROLES:
@@ -81,25 +82,25 @@ def resident_nbytes(refs: dict[str, TensorRef], dtype: torch.dtype, lazy_embed: 
                for role, ref in refs.items() if not (lazy_embed and role == "embed"))
 
 
-def _quant_linear(ref: TensorRef, spec: QuantSpec, dtype: torch.dtype, scratch: Scratch,
-                  planes: int | None) -> QuantLinear:
+def _quant_linear(ref: TensorRef, spec: QuantSpec, compute: Compute, scratch: Scratch) -> QuantLinear:
     raw = read_bytes(ref)  # [nbytes]: whole blocks per row
     order = ref.row_order()  # rows llama.cpp permuted for its rope, back in Hugging Face order
     if order is not None:
         raw = raw.view(ref.shape[0], ref.row_nbytes)[order].reshape(-1)
-    return QuantLinear(spec, raw, dtype, scratch, planes)
+    return QuantLinear(spec, raw, compute, scratch)
 
 
-def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, lazy_embed: bool = False,
-                  planes: int | None = None) -> Weights:
-    """Read every resident tensor and assemble the Weights struct in `dtype` (`lazy_embed`: leave the token
-    embedding on disk; the model then gathers its rows through a RowTable). The projections kept_quantized names
-    become QuantLinears sharing one scratch, computing with `planes` activation planes (LoadOptions.activations)."""
+def load_resident(refs: dict[str, TensorRef], spec: Spec, compute: Compute, lazy_embed: bool = False) -> Weights:
+    """Read every resident tensor and assemble the Weights struct in the compute dtype (`lazy_embed`: leave the
+    token embedding on disk; the model then gathers its rows through a RowTable). The projections kept_quantized
+    names become QuantLinears sharing one scratch, computing as `compute` says (quant/compute.py)."""
+    dtype = compute.dtype
+
     def as_dtype(role: str) -> torch.dtype:  # router biases (e_score_correction_bias) are added to float32 scores
         return torch.float32 if role.endswith(".router_bias") else dtype
 
     quant, scratch = kept_quantized(refs, dtype), Scratch()
-    t = {role: _quant_linear(ref, quant[role], dtype, scratch, planes) if role in quant
+    t = {role: _quant_linear(ref, quant[role], compute, scratch) if role in quant
          else read_tensor(ref, as_dtype(role)).to(as_dtype(role))
          for role, ref in refs.items() if not (lazy_embed and role == "embed")}
 
@@ -108,7 +109,7 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, dtype: torch.dtype, la
             return None
         return MLPWeights(t[prefix + "gate"], t[prefix + "up"], t[prefix + "down"])
 
-    def mla(prefix: str) -> MLAWeights | None:  # latent attention (models/mla.py): roles `mla.kv_a`, ...
+    def mla(prefix: str) -> MLAWeights | None:  # latent attention (models/layers/mla.py): roles `mla.kv_a`, ...
         if prefix + "kv_a" not in t:
             return None
         n = len(prefix)

@@ -26,7 +26,7 @@ from ..checkpoint.ref import TensorRef
 from ..checkpoint.safetensors import read_header, write_safetensors
 from ..errors import CheckpointError
 from ..quant.tensor import read_tensor
-from ..models.blocks import rms_norm
+from ..models.layers.norm import rms_norm
 from ..models.routing import selection_scores
 from ..models.spec import Spec, Weights
 

@@ -1,7 +1,7 @@
-"""How several rows of bf16 activations multiply bf16 weights, process-wide (LoadOptions.matmul): torch's bf16 GEMM
-where the CPU has bf16 dot-product instructions, float32 elsewhere. rows_linear serves plain weights (resident
-projections, bf16 experts); the quantized kernels ask bf16_gemm() for their many-row path (quant/native/kernel.py,
-quant/resident.py). Under bf16 GEMMs, resident bf16 experts keep their weights in oneDNN's blocked layout (pack,
+"""How several rows of bf16 activations multiply bf16 weights (LoadOptions.matmul, decided per model at load:
+Compute.bf16_gemm): torch's bf16 GEMM where the CPU has bf16 dot-product instructions, float32 elsewhere.
+rows_linear serves plain weights (resident projections, bf16 experts); the quantized weights' many-row path is
+quant/linear.py's. Under bf16 GEMMs, resident bf16 experts keep their weights in oneDNN's blocked layout (pack,
 packed_linear) and a prompt's attention runs on bf16 dot products with float32 scores (sdpa)."""
 
 from __future__ import annotations
@@ -13,19 +13,15 @@ from ..host.cpus import bf16_dot
 
 #: LoadOptions.matmul's choices: how several rows of bf16 activations multiply bf16 weights
 MATMUL_MODES = ("auto", "bf16", "float32")
-_bf16_gemm: bool | None = None  # set_matmul's answer; None until a load sets it (then "auto")
 
 
-def set_matmul(mode: str, avx2: bool = False) -> bool:
-    """How rows_linear multiplies several bf16 rows, process-wide like the thread count (engine.py sets it at each
-    load from LoadOptions.matmul): "bf16", torch's bf16 GEMM; "float32", both sides widened and a float32 GEMM;
-    "auto", bf16 where the CPU has bf16 dot-product instructions (host/cpus.bf16_dot) and `avx2` (LoadOptions.isa
-    capped below AVX-512: a CPU without them) is False. Returns whether bf16 runs."""
-    global _bf16_gemm
+def resolve_matmul(mode: str, avx2: bool = False) -> bool:
+    """Whether a model multiplies several bf16 rows on torch's bf16 GEMM (Compute.bf16_gemm): "bf16" yes,
+    "float32" no (both sides widened, a float32 GEMM), "auto" where the CPU has bf16 dot-product instructions
+    (host/cpus.bf16_dot) and `avx2` (LoadOptions.isa capped below AVX-512: as a CPU without them) is False."""
     if mode not in MATMUL_MODES:
         raise ValueError(f"matmul mode {mode!r}: expected one of {', '.join(MATMUL_MODES)}")
-    _bf16_gemm = (bf16_dot() and not avx2) if mode == "auto" else mode == "bf16"
-    return _bf16_gemm
+    return (bf16_dot() and not avx2) if mode == "auto" else mode == "bf16"
 
 
 def describe_matmul(mode: str, avx2: bool = False) -> str:
@@ -38,14 +34,10 @@ def describe_matmul(mode: str, avx2: bool = False) -> str:
     return f"{mode} GEMM (--matmul {mode})"
 
 
-def bf16_gemm() -> bool:
-    """Whether several bf16 rows run torch's bf16 GEMM (set_matmul; "auto" until a load set it)."""
-    return set_matmul("auto") if _bf16_gemm is None else _bf16_gemm
-
-
-def rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) for x [n, in]; several rows of f16, and of bf16 unless bf16_gemm(), run in float32 and
-    are cast back.
+def rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                bf16: bool = False) -> torch.Tensor:
+    """F.linear(x, w, bias) for x [n, in]; several rows of f16, and of bf16 unless `bf16` (the model's
+    Compute.bf16_gemm), run in float32 and are cast back.
 
     Which is faster depends on the CPU, 2 threads: with bf16 dot-product instructions (2-core AMD EPYC, AVX512_BF16)
     torch's bf16 GEMM takes 0.57 ms for [256 x 1024] @ [1024 x 1024] and the float32 route 2.66
@@ -55,7 +47,7 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     stays in the compute dtype. Both accumulate in float32 and round once at the end, in different orders; resident
     and streamed runs call the same function on the same shapes in one process, so they stay bitwise equal.
     """
-    if x.shape[0] > 1 and (x.dtype is torch.float16 or (x.dtype is torch.bfloat16 and not bf16_gemm())):
+    if x.shape[0] > 1 and (x.dtype is torch.float16 or (x.dtype is torch.bfloat16 and not bf16)):
         return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, w, bias)
 
@@ -72,11 +64,11 @@ _packable: dict[tuple[int, int], bool] = {}
 
 
 def packable(out_features: int, in_features: int) -> bool:
-    """Whether bf16 weights [out, in] may be kept packed (pack): bf16 GEMMs are on (bf16_gemm), torch has oneDNN's
+    """Whether bf16 weights [out, in] may be kept packed (pack) by a model on bf16 GEMMs: torch has oneDNN's
     bf16 ops on this CPU, and a packed random weight gives F.linear's bits for 1 to 200 rows of random input
     (checked once per shape), so a resident store that packs computes bitwise what a streaming store computes with
     F.linear on its slots."""
-    if not bf16_gemm() or not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():
         return False
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
@@ -104,11 +96,8 @@ def _packed(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """rows_linear(x, w) for bf16 x [n, in] and p = pack(w): the same bits (packable), without oneDNN's per-call
-    copy of w. Should the process have switched to float32 GEMMs since p was packed, several rows take rows_linear's
-    float32 route on w unpacked."""
-    if x.shape[0] > 1 and not bf16_gemm():
-        return rows_linear(x, p.to_dense())
+    """rows_linear(x, w, bf16=True) for bf16 x [n, in] and p = pack(w): the same bits (packable), without oneDNN's
+    per-call copy of w (only a model on bf16 GEMMs packs)."""
     return _packed(x.contiguous(), p)
 
 
@@ -144,8 +133,9 @@ def row_blocks(n: int, width: int, step: int = 16) -> list[tuple[int, int]]:
 
 
 # --- a prompt's attention -------------------------------------------------------------------------------------------
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
-    """F.scaled_dot_product_attention(q, k, v, **kw) for a prompt's bf16 rows. Under bf16 GEMMs the inputs are
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bf16: bool = False, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention(q, k, v, **kw) for a prompt's bf16 rows. Under bf16 GEMMs (`bf16`, the model's
+    Compute.bf16_gemm) the inputs are
     widened to float32 (exactly) and torch's float32 attention runs with oneDNN's bf16 dot products
     (torch.backends.mkldnn.matmul.fp32_precision = "bf16", set for this call only): products of bf16 inputs are
     exact, sums and softmax stay float32, and the result is rounded once at the end. Against bf16 SDPA, which rounds
@@ -153,7 +143,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tenso
     / 2 kv heads of 128, causal 53.5 -> 27.6 ms, masked 88.3 -> 48.9 ms, relative error 2.06e-3 -> 1.61e-3
     (`benchmarks/resident_matmul.py sdpa`). One query row (decode), other dtypes and float32 GEMMs run SDPA as
     given."""
-    if q.dtype is not torch.bfloat16 or q.shape[-2] == 1 or not bf16_gemm():
+    if q.dtype is not torch.bfloat16 or q.shape[-2] == 1 or not bf16:
         return F.scaled_dot_product_attention(q, k, v, **kw)
     mask = kw.get("attn_mask")
     if mask is not None and mask.dtype is not torch.bool:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from .layout import ExpertFormat
+    from .layout import ExpertFormat, ExpertLayout
 
 
 @dataclass
@@ -66,6 +66,9 @@ class ExpertStore(Protocol):
 
     #: the most experts one acquire() may hold pinned at once (the MoE block works in passes above it)
     max_batch: int
+    #: where each expert's bytes are and how they are stored (layout.ExpertLayout): the MoE block reads each layer's
+    #: format from it when it is built, to pick that format's math
+    layout: "ExpertLayout"
 
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         """Pin `experts` (ascending ids) of `layer` until release(layer); their reads may still be in flight:

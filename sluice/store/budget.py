@@ -59,7 +59,7 @@ def reserve_left(held: int) -> int:
 
 
 # Prefill activations of a chunk of T prompt tokens, per token and layer at their peak, the MoE block: the residual,
-# its norm, the expert-sorted [T*K, H] block (models/blocks.py Transformer.experts), the [T, H] sum and its gather
+# its norm, the expert-sorted [T*K, H] block (models/layers/moe.py Experts), the [T, H] sum and its gather
 # buffer, one expert's [n, 4I + H] intermediates (n <= T), the router's [T, E] scores, the int64 row indices, and the
 # [T, context] bool attention mask. Attention adds no T x context scores: torch's CPU SDPA is a flash kernel
 # (measured: a 4096-token causal pass grew peak RSS by 39 MiB where the scores would be 1 GiB). Peak RSS grows about

@@ -10,7 +10,7 @@ The unit of streaming is one expert of one layer. Three checkpoint layouts are r
   three ranges; nine for MLX affine experts (the slices of each projection's packed weight, scales and biases).
 
 A slot is one uint8 buffer holding the expert's bytes as stored (`ExpertFormat`): gate, then up, then down, each a
-`QuantSpec` (quant/kernels.py) -- plain BF16/F16/F32 rows, GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row, or
+`QuantSpec` (quant/spec.py) -- plain BF16/F16/F32 rows, GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row, or
 MLX affine weight / scales / biases, each in its QuantSpec part (typed views need aligned parts: MLX projections
 and slots start at 64-byte offsets).
 gpt-oss (`BiasedGluFormat`): `{p}.experts.gate_up_proj_blocks/_scales` [E, 2I, H/32, 16] / [E, 2I, H/32] and
@@ -36,7 +36,7 @@ from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
 from ..io.ranges import ReadRange
 from ..quant import QuantSpec, UnsupportedFormat
-from ..quant.kernels import Part
+from ..quant.spec import Part
 
 class ExpertShapes(Protocol):
     """What the layout reads of a model's Spec (models/spec.py, above this layer): the shapes every expert must have."""
@@ -121,7 +121,7 @@ class BiasedGluFormat:
     MXFP4 as shipped: gate_up QuantSpec.mxfp4 [2I, H], down [H, I] ([out, in], the parts blocks then scales).
     Plain (the dequantized layout `save_pretrained` writes): stored [in, out] -- gate_up [H, 2I], down [I, H] -- and
     kept so (`transposed`): the math computes x @ W from the slot, no transpose per read. Never viewed as typed
-    stacks (plain_dtype None): the stores keep raw slots and models/experts.py reads them through this format.
+    stacks (plain_dtype None): the stores keep raw slots and models/layers/experts.py reads them through this format.
     """
 
     gate_up: QuantSpec  # mxfp4 [2I, H] | plain as stored [H, 2I]

@@ -44,7 +44,10 @@ class ResidentExpertStore:
     stay in their stored bytes, raw [E, slot bytes] per layer (the kernels compute from them: a Q4_K model stays ~4.5
     bits per weight in memory)."""
 
-    def __init__(self, layout: ExpertLayout, reader, dtype: torch.dtype, progress: bool = False):
+    def __init__(self, layout: ExpertLayout, reader, dtype: torch.dtype, progress: bool = False,
+                 bf16_gemm: bool = False):
+        """`bf16_gemm`: the model multiplies several bf16 rows on bf16 GEMMs (Compute.bf16_gemm): only then are
+        bf16 experts packed."""
         s = layout.spec
         self.max_batch = s.num_experts
         self.layout = layout
@@ -66,7 +69,7 @@ class ResidentExpertStore:
             gu, dn = typed_views(layout, raw)
             if gu is None:
                 self.raw[layer] = raw
-            elif dtype is torch.bfloat16 and packable(*gu.shape[1:]) and packable(*dn.shape[1:]):
+            elif dtype is torch.bfloat16 and bf16_gemm and packable(*gu.shape[1:]) and packable(*dn.shape[1:]):
                 # each expert's typed view of the read buffer, packed (a no-op .to for a bf16 checkpoint)
                 self.packed[layer] = ([pack(w.to(dtype)) for w in gu], [pack(w.to(dtype)) for w in dn])
             else:  # contiguous copies in the compute dtype (the math indexes them per expert)

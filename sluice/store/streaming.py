@@ -314,7 +314,7 @@ class StreamingExpertStore:
 
         Never evicts a pinned slot nor an entry it is placing in this same call, and stops when no other slot is
         left. In-flight bytes are bounded by one layer's prediction. The true router still decides: a wrong guess
-        only costs the read. `prompt`: a prompt's read-ahead (models/blocks.py): read batches of PROMPT_READ_GROUP
+        only costs the read. `prompt`: a prompt's read-ahead (models/layers/moe.py): read batches of PROMPT_READ_GROUP
         experts in expert order, so the next layer runs each group as soon as it lands, counted apart from decode's
         prefetch (stats "prompt_prefetch_*") and never paused by its throttle.
         """

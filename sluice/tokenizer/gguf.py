@@ -38,28 +38,14 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from sluice.errors import CheckpointError, ConfigError, RequestError
 from sluice.tokenizer import Tokenizer, check_text
+from sluice.tokenizer.special import EOG_TEXTS as _EOG_TEXTS
+from sluice.tokenizer.special import FIM_EOG_TEXTS as _FIM_EOG_TEXTS
+from sluice.tokenizer.special import FIM_TEXTS as _FIM_TEXTS
 
 # llama.cpp's token types (llama.h LLAMA_TOKEN_TYPE_*, gguf.TokenType)
 UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(7)
 _MATCHED_WHOLE = (CONTROL, USER_DEFINED, UNKNOWN)  # cut out of the text before the model runs
 _SKIPPED = (CONTROL, UNKNOWN)  # rendered as "" by decode(skip_special_tokens=True)
-
-# Token texts llama.cpp treats as end-of-generation / fill-in-middle markers and forces to CONTROL (llama-vocab.cpp,
-# "auto-detect special tokens by text"). It forces only the first FIM marker of each kind it finds, in hash order;
-# files holding two markers of one kind are not known.
-_EOG_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
-))
-_FIM_EOG_TEXTS = frozenset(("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>",
-                            "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>"))
-_FIM_TEXTS = _FIM_EOG_TEXTS | frozenset((
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
-    "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-    "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-    "▁<MID>", "<|code_middle|>", "<|middle|>",
-))
 
 # ---- pre-tokenizers: llama.cpp's regexes per `tokenizer.ggml.pre` (llm_tokenizer_bpe) -----------------------------
 # llama.cpp spells (?i:'s|...) as [sS] alternatives because std::regex has no inline flags; onig accepts both, and

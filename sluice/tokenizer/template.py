@@ -19,15 +19,11 @@ meters below; exceeding a limit raises `TemplateLimitError`, which the tokenizer
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import json
 import math
-import re
-import sys
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -42,204 +38,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg
 from jinja2.visitor import NodeTransformer
 
-# The budget of one rendering grows with its input (message texts, tools, ...), so a long conversation fits while a
-# template can only spend a bounded multiple of what it was given. Measured on 71 real templates (llama.cpp's
-# models/templates) with 3 and 1,001 messages: the hungriest used 249 MB of work for 1,001 messages (Reka-Edge adds
-# each message to a string: quadratic), 515K steps (gemma-4: 4.7 s in plain jinja), output ~1.1x the input.
-SIZE_FLOOR = 2**20  # characters or items of any one value (and of the output), whatever the input
-SIZE_PER_INPUT = 4  # ... plus this many per character of input
-WORK_FLOOR = 2**28  # bytes of values made in all: bounds both the time spent copying and the memory held
-WORK_PER_INPUT = 64  # ... plus this many per character of input
-STEPS_FLOOR = 2**19  # loop iterations and calls (1-4 s of Python at worst)
-STEPS_PER_INPUT = 1  # ... plus this many per character of input
-MACRO_STEPS = 8  # a macro call costs as much as ~8 loop iterations (measured: 18 vs 2 us)
-INPUT_PER_MESSAGE = 256  # characters of input a message counts for, beside its text (templates wrap each)
-INT_BITS = 2**16  # largest integer a template may make (Python cannot print one over 4,300 digits anyway)
-
-
-class TemplateLimitError(Exception):
-    """A rendering went over one of its limits (the message says which and by how much)."""
-
-
-@dataclass
-class Limits:
-    """What one rendering may spend, and what it has spent."""
-
-    size: int  # characters or items of one value
-    work: int  # bytes made, and container elements walked, in all
-    steps: int  # loop iterations and calls
-    made: int = 0
-    taken: int = 0
-
-    @classmethod
-    def for_input(cls, inputs: object, messages: int) -> Limits:
-        """The limits of a rendering of `inputs` (the template's variables), which hold `messages` messages."""
-        scale = text_size(inputs, 2**62)[0] + INPUT_PER_MESSAGE * messages
-        return cls(size=SIZE_FLOOR + SIZE_PER_INPUT * scale, work=WORK_FLOOR + WORK_PER_INPUT * scale,
-                   steps=STEPS_FLOOR + STEPS_PER_INPUT * scale)
-
-    def bound(self, n: int, what: str) -> None:
-        """`what` is about to make a value of at most `n` characters or items."""
-        if n > self.size:
-            raise TemplateLimitError(f"{what} makes {n:,} characters or items, over the limit of {self.size:,} "
-                                     "for this conversation")
-
-    def made_value(self, value: Any, what: str) -> Any:
-        """Check and count a value `what` just made; hand it on."""
-        if isinstance(value, (str, bytes)):
-            self.bound(len(value), what)
-            self.charge(sys.getsizeof(value))
-        elif isinstance(value, (list, tuple, dict, set, frozenset)):
-            self.bound(len(value), what)
-            self.charge(64 + 8 * len(value))
-        elif isinstance(value, int):
-            self.bits(value.bit_length(), what)
-        return value
-
-    def charge(self, n: int) -> None:
-        self.made += n
-        if self.made > self.work:
-            raise TemplateLimitError(f"it makes more than {self.work:,} bytes of values in all, the limit for this "
-                                     "conversation")
-
-    def step(self, n: int = 1) -> None:
-        self.taken += n
-        if self.taken > self.steps:
-            raise TemplateLimitError(f"it runs more than {self.steps:,} loop iterations and calls, the limit for "
-                                     "this conversation")
-
-    def bits(self, n: float, what: str) -> None:
-        if n > INT_BITS:
-            raise TemplateLimitError(f"{what} makes a number of about {int(n):,} bits, over the limit of {INT_BITS:,}")
-
-
-_LIMITS: contextvars.ContextVar[Limits] = contextvars.ContextVar("sluice_template_limits")
-
-
-def _limits() -> Limits:
-    return _LIMITS.get()
-
-
-def text_size(value: object, limit: int) -> tuple[int, int, int]:
-    """(an upper bound of len(str(value)), its nesting depth, its number of elements), walking nested containers;
-    TemplateLimitError as soon as the bound passes `limit`, so the walk costs at most O(limit)."""
-    total = depth = elements = 0
-    stack: list[tuple[object, int]] = [(value, 0)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (str, bytes)):
-            total += len(v) + 3  # quotes, and the `b` of bytes
-        elif isinstance(v, (list, tuple, set, frozenset, dict)):
-            n = len(v)
-            total += 2 + (4 if isinstance(v, dict) else 2) * n  # brackets, separators
-            if total > limit:
-                break
-            elements += n
-            depth = max(depth, d + 1)
-            stack.extend((x, d + 1) for x in v)
-            if isinstance(v, dict):
-                stack.extend((x, d + 1) for x in v.values())
-        elif v is None or isinstance(v, (bool, float)):
-            total += 24
-        elif isinstance(v, int):
-            total += v.bit_length() // 3 + 2  # decimal digits <= bits * 0.302
-        elif isinstance(v, jinja2.utils.Namespace):
-            stack.append((object.__getattribute__(v, "_Namespace__attrs"), d))
-            total += 12
-        elif not isinstance(v, jinja2.Undefined):
-            total += 64  # range(...), a macro, a loop: a short repr
-        if total > limit:
-            break
-    if total > limit:
-        raise TemplateLimitError(f"a value's text is over the limit of {limit:,} characters for this conversation")
-    return total, depth, elements
-
-
-def _sized_len(v: object) -> int | None:
-    return len(v) if isinstance(v, (str, bytes, list, tuple, dict, set, frozenset)) else None
-
-
-def _made(value: Any, what: str) -> Any:
-    return _limits().made_value(value, what)
-
-
-# ---- size bounds of the operations that multiply sizes -------------------------------------------------------------
-
-_DIGITS = re.compile(r"\d+")
-
-
-def _int(v: object) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else 0
-
-
-def _format_bound(fmt: str, args: tuple, kwargs: Mapping, percent: bool) -> int:
-    """Upper bound of `fmt % args` / `fmt.format(*args, **kwargs)`: each field holds at most all the arguments'
-    text, padded to the widest width written in the format or passed as an argument (`%*s`, `{:{w}}`)."""
-    lim = _limits()
-    args_size = text_size((args, kwargs), lim.size)[0]
-    widths = [int(r) if len(r) < 12 else 10**12 for r in _DIGITS.findall(fmt)]
-    if ("*" in fmt) if percent else ("{" in fmt):
-        widths += [_int(a) for a in (*args, *kwargs.values())]
-    return len(fmt) + fmt.count("%" if percent else "{") * (max(widths, default=0) + args_size)
-
-
-def _percent_args(right: Any) -> tuple[tuple, Mapping]:
-    """`fmt % right` as (args, kwargs)."""
-    if isinstance(right, tuple):
-        return right, {}
-    return ((), right) if isinstance(right, Mapping) else ((right,), {})
-
-
-def _str_method_bound(obj: Any, args: tuple, kwargs: dict) -> tuple[int, tuple]:
-    """(upper bound of the result's length, args) for a call of a method of a str / bytes that can make a value
-    much longer than its inputs; (0, args) for the others. join's iterable is made a list first, to be sized."""
-    inner = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format / format_map
-    s = getattr(inner, "__self__", None)
-    if not isinstance(s, (str, bytes)):
-        return 0, args
-    name = inner.__name__
-    a = list(args)
-
-    def arg(i: int, key: str, default: Any) -> Any:
-        return a[i] if len(a) > i else kwargs.get(key, default)
-
-    n = len(s)
-    if name in ("ljust", "rjust", "center", "zfill"):
-        return max(n, _int(arg(0, "width", 0))), args
-    if name == "expandtabs":
-        return n + s.count("\t" if isinstance(s, str) else b"\t") * max(_int(arg(0, "tabsize", 8)), 0), args
-    if name == "replace":
-        old, new, count = arg(0, "old", ""), arg(1, "new", ""), _int(arg(2, "count", -1))
-        if not (isinstance(old, type(s)) and isinstance(new, type(s))):
-            return 0, args  # a TypeError when it runs
-        hits = s.count(old) if old else n + 1
-        hits = hits if count < 0 else min(hits, count)
-        return n + hits * max(len(new) - len(old), 0), args
-    if name == "join" and a:
-        items = a[0] if isinstance(a[0], (list, tuple)) else list(_metered_iter(a[0]))
-        a[0] = items
-        parts = sum(len(x) if isinstance(x, (str, bytes)) else 0 for x in items)
-        return parts + n * len(items), tuple(a)
-    if name in ("format", "format_map"):
-        mapping = a[0] if name == "format_map" and a and isinstance(a[0], Mapping) else kwargs
-        return _format_bound(s, args, mapping, percent=False), args
-    if name == "translate" and a and isinstance(a[0], Mapping):
-        longest = max((len(v) for v in a[0].values() if isinstance(v, (str, bytes))), default=1)
-        return n * max(longest, 1), args
-    if name == "encode":
-        return 4 * n, args
-    return 0, args
-
-
-def _metered_iter(iterable: Iterable) -> Iterator:
-    lim = _limits()
-    for item in iterable:
-        lim.step()
-        yield item
-
-
-# ---- the environment ------------------------------------------------------------------------------------------------
-
+from .template_limits import (MACRO_STEPS, Limits, TemplateLimitError, as_int, current_limits, format_bound, made,
+                              metered_iter, percent_args, reset_limits, sized_len, str_method_bound, text_size,
+                              use_limits)
 
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     """transformers' sandbox (immutable: no list.append in templates) whose calls, operators, loops, `~`,
@@ -255,67 +56,67 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     # -- what the sandbox lets us intercept
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        lim, what = _limits(), f"'{operator}'"
+        lim, what = current_limits(), f"'{operator}'"
         if operator == "*":
             if isinstance(left, int) and isinstance(right, int):
                 lim.bits(left.bit_length() + right.bit_length(), what)
             else:
                 seq, times = (left, right) if isinstance(right, int) else (right, left)
-                n = _sized_len(seq)
+                n = sized_len(seq)
                 if n is not None and isinstance(times, int):
                     lim.bound(n * max(times, 0), what)
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
             lim.bits(right * math.log2(abs(left)), what)
         elif operator == "+":
-            n, m = _sized_len(left), _sized_len(right)
+            n, m = sized_len(left), sized_len(right)
             if n is not None and m is not None:
                 lim.bound(n + m, what)
         elif operator == "%" and isinstance(left, str):
-            lim.bound(_format_bound(left, *_percent_args(right), percent=True), what)
+            lim.bound(format_bound(left, *percent_args(right), percent=True), what)
         return lim.made_value(super().call_binop(context, operator, left, right), what)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's names)
         if isinstance(__obj, types.MethodType) and __obj.__self__ is __self and __obj.__func__ in _METERS:
             kwargs.pop("_loop_vars", None), kwargs.pop("_block_vars", None)  # (what jinja hands macros)
             return __obj(*args, **kwargs)  # a meter the rewrite put in: not a step of the template's own
-        lim = _limits()
+        lim = current_limits()
         lim.step(MACRO_STEPS if isinstance(__obj, jinja2.runtime.Macro) else 1)
         if isinstance(__obj, LoopContext) and args:  # `loop(children)` of a recursive loop: iterations are steps
-            args = (_metered_iter(args[0]),) + args[1:]
-        big = max((_int(a) for a in (*args, *kwargs.values())), default=0)
+            args = (metered_iter(args[0]),) + args[1:]
+        big = max((as_int(a) for a in (*args, *kwargs.values())), default=0)
         if big > lim.size and isinstance(__obj, types.BuiltinMethodType):  # a width, a count: ljust, to_bytes, ...
             raise TemplateLimitError(f"{__obj.__name__}() with the number {big:,} is over the limit of {lim.size:,} "
                                      "characters or items for this conversation")
-        bound, args = _str_method_bound(__obj, args, kwargs)
+        bound, args = str_method_bound(__obj, args, kwargs)
         name = getattr(__obj, "__name__", type(__obj).__name__)
         if bound:
             lim.bound(bound, f"{name}()")
-        return _made(super().call(__context, __obj, *args, **kwargs), f"{name}()")
+        return made(super().call(__context, __obj, *args, **kwargs), f"{name}()")
 
     def getitem(self, obj: Any, argument: Any) -> Any:
         value = super().getitem(obj, argument)
-        return _made(value, "a slice") if isinstance(argument, slice) else value
+        return made(value, "a slice") if isinstance(argument, slice) else value
 
     # -- the meters the rewritten syntax tree calls (environment.sluice_*)
     def sluice_loop(self, iterable: Any) -> Iterator:
         """A `for` loop's iterable: each item is a step (the filtered-out ones too)."""
-        return _metered_iter(iterable)
+        return metered_iter(iterable)
 
     def sluice_charge(self, weight: int) -> str:
         """First statement of a loop or macro body: the text it writes each time it runs."""
-        _limits().charge(weight)
+        current_limits().charge(weight)
         return ""
 
     def sluice_concat(self, *parts: Any) -> str:
         """`a ~ b ~ ...`, sized before it is joined."""
-        lim = _limits()
+        lim = current_limits()
         n = sum(len(p) if isinstance(p, str) else text_size(p, lim.size)[0] for p in parts)
         lim.bound(n, "'~'")
         return lim.made_value("".join(map(str, parts)), "'~'")  # jinja's own str_join
 
     def sluice_sized(self, value: Any) -> Any:
         """An operand of a comparison: comparing costs up to its size (deeply: shared references)."""
-        lim = _limits()
+        lim = current_limits()
         lim.charge(len(value) if isinstance(value, str) else text_size(value, lim.size)[0])
         return value
 
@@ -323,14 +124,14 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         """What `{{ ... }}` writes (jinja's `finalize`): its text is sized before it is made."""
         if isinstance(value, str):
             return value
-        lim = _limits()
+        lim = current_limits()
         lim.bound(text_size(value, lim.size)[0], "an output")
         return lim.made_value(str(value), "an output")
 
     def concat(self, pieces: Iterable[str]) -> str:  # type: ignore[override]
         """Joins what a macro, a `{% set %}` block or a filter block wrote (jinja's is "".join), sized first."""
         pieces = pieces if isinstance(pieces, list) else list(pieces)
-        lim = _limits()
+        lim = current_limits()
         lim.bound(sum(map(len, pieces)), "a block's output")
         return lim.made_value("".join(pieces), "a block's output")
 
@@ -419,10 +220,10 @@ def _filter_bound(name: str, v: Any, a: list, kw: dict, lim: Limits) -> int:
 
     text = len(v) if isinstance(v, str) else text_size(v, lim.size)[0]
     if name == "center":
-        return max(text, _int(arg(0, "width", 80)))
+        return max(text, as_int(arg(0, "width", 80)))
     if name == "indent":
         width = arg(0, "width", 4)
-        width = _int(width) if not isinstance(width, str) else len(width)
+        width = as_int(width) if not isinstance(width, str) else len(width)
         lines = (v.count("\n") if isinstance(v, str) else text) + 1
         return text + lines * width
     if name == "wordwrap":
@@ -433,19 +234,19 @@ def _filter_bound(name: str, v: Any, a: list, kw: dict, lim: Limits) -> int:
         if not (isinstance(old, str) and isinstance(new, str)):
             return 0
         hits = v.count(old) if isinstance(v, str) and old else text + 1
-        hits = hits if count is None else min(hits, max(_int(count), 0))
+        hits = hits if count is None else min(hits, max(as_int(count), 0))
         return text + hits * max(len(new) - len(old), 0)
     if name == "format":
-        return _format_bound(v, tuple(a), kw, percent=True) if isinstance(v, str) else 0
+        return format_bound(v, tuple(a), kw, percent=True) if isinstance(v, str) else 0
     if name == "join":
         d = arg(0, "d", "")
-        return text + (len(d) if isinstance(d, str) else 0) * (_sized_len(v) or 0)
+        return text + (len(d) if isinstance(d, str) else 0) * (sized_len(v) or 0)
     if name in ("batch", "slice"):
-        return (_sized_len(v) or 0) + _int(arg(0, "linecount" if name == "batch" else "slices", 0))
+        return (sized_len(v) or 0) + as_int(arg(0, "linecount" if name == "batch" else "slices", 0))
     if name in ("tojson", "pprint"):
         _, depth, elements = text_size(v, lim.size)
         indent = arg(1, "indent", None) if name == "tojson" else 1
-        indent = len(indent) if isinstance(indent, str) else _int(indent)
+        indent = len(indent) if isinstance(indent, str) else as_int(indent)
         seps = arg(2, "separators", None) if name == "tojson" else None
         sep = sum(len(s) for s in seps if isinstance(s, str)) if isinstance(seps, (list, tuple)) else 2
         escaped = 6 if name == "tojson" and arg(0, "ensure_ascii", False) else 1  # \uXXXX per character
@@ -459,7 +260,7 @@ def _filter_bound(name: str, v: Any, a: list, kw: dict, lim: Limits) -> int:
         return 3 * text
     if name == "sum" and isinstance(v, (list, tuple)):
         start = arg(1, "start", 0)
-        return sum(_sized_len(x) or 0 for x in v) + (_sized_len(start) or 0)
+        return sum(sized_len(x) or 0 for x in v) + (sized_len(start) or 0)
     return 0
 
 
@@ -469,16 +270,16 @@ def _metered_filter(name: str, f: Callable) -> Callable:
 
     @functools.wraps(f)
     def filt(*args: Any, **kwargs: Any) -> Any:
-        lim = _limits()
+        lim = current_limits()
         lead, (value, *rest) = (args[:1], args[1:]) if passes else ((), args)
         if name == "join" and not isinstance(value, (str, list, tuple, dict, set, frozenset)):
-            value = list(_metered_iter(value))  # sized before it is joined
+            value = list(metered_iter(value))  # sized before it is joined
         if name not in _STRUCTURAL and isinstance(value, (list, tuple, dict, set, frozenset)):
             lim.charge(text_size(value, lim.size)[0])  # turned into text, or its items compared
         bound = _filter_bound(name, value, rest, kwargs, lim)
         if bound:
             lim.bound(bound, f"the filter {name!r}")
-        return _made(f(*lead, value, *rest, **kwargs), f"the filter {name!r}")
+        return made(f(*lead, value, *rest, **kwargs), f"the filter {name!r}")
 
     return filt
 
@@ -489,7 +290,7 @@ def _metered_test(name: str, t: Callable) -> Callable:
 
     @functools.wraps(t)
     def test(*args: Any, **kwargs: Any) -> Any:
-        lim = _limits()
+        lim = current_limits()
         lim.charge(text_size((args, kwargs), lim.size)[0])
         return t(*args, **kwargs)
 
@@ -499,7 +300,7 @@ def _metered_test(name: str, t: Callable) -> Callable:
 def _lipsum(f: Callable) -> Callable:
     @functools.wraps(f)
     def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 (jinja's names)
-        _limits().bound(_int(n) * _int(max) * 20, "lipsum()")  # words of at most ~15 characters, markup
+        current_limits().bound(as_int(n) * as_int(max) * 20, "lipsum()")  # words of at most ~15 characters, markup
         return f(n, html, min, max)
 
     return lipsum
@@ -561,7 +362,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 
 def _strftime_now(fmt: str) -> str:
-    _limits().bound(16 * len(fmt), "strftime_now()")  # `%c` (2 characters) writes 24
+    current_limits().bound(16 * len(fmt), "strftime_now()")  # `%c` (2 characters) writes 24
     return datetime.now().strftime(fmt)
 
 
@@ -583,7 +384,7 @@ def render(template: str, limits: Limits, **variables: Any) -> str:
     Raises jinja2.TemplateSyntaxError (the template does not parse), TemplateLimitError, jinja2.TemplateError
     (raise_exception() in the template, a sandbox refusal) or whatever the template's own operations raise
     (TypeError, ZeroDivisionError, RecursionError, ...): the caller names the template in one message."""
-    token = _LIMITS.set(limits)
+    token = use_limits(limits)
     try:
         compiled = _compile(template)  # (constant parts are evaluated while compiling: metered too)
         out, n = [], 0
@@ -595,7 +396,7 @@ def render(template: str, limits: Limits, **variables: Any) -> str:
             out.append(piece)
         return "".join(out)
     finally:
-        _LIMITS.reset(token)
+        reset_limits(token)
 
 
 def error_line(e: BaseException) -> int | None:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from ..engine import Model, load
 from ..errors import ConfigError
 from ..units import format_bytes
-from ..models.blocks import rms_norm
+from ..models.layers.norm import rms_norm
 from ..models.routing import route, selection_scores
 from ..models.spec import Spec, Weights
 from ..prerouter.predict import (HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads,

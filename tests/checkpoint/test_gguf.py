@@ -16,7 +16,7 @@ from sluice.checkpoint.gguf import MAX_HEADER_BYTES, read_gguf
 from sluice.checkpoint.ref import TensorRef, rope_row_order
 from sluice.errors import CheckpointError
 from sluice.quant.tensor import read_tensor
-from sluice.quant import formats
+from sluice.checkpoint import formats
 from tests.checkpoint.gguf_files import Q, add, f32_tensor_file, gguf, kv, permute, raw_gguf, s, tinfo
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]

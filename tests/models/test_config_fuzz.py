@@ -18,11 +18,15 @@ import torch
 from sluice.errors import ConfigError, SluiceError
 from sluice.models import model_args, supported
 from sluice.models.args import ACTIVATIONS
-from sluice.models.blocks import Transformer
+from sluice.models.layers import Build
+from sluice.models.model import Transformer
 from sluice.models.spec import KVCache, LayerWeights, MLAWeights, MLPWeights, Spec, Weights
 from sluice.models.rope import inv_freq
 from sluice.models.schema import MAX_INT, describe_fields
+from sluice.quant.compute import Compute
+from sluice.quant.spec import QuantSpec
 from sluice.store.base import ExpertBatch
+from sluice.store.layout import ExpertFormat
 
 from .test_config import DEMO, transformers_saved
 from .tiny import TINY
@@ -137,7 +141,7 @@ def _small(s: Spec) -> bool:
 
 
 def _mla_weights(s: Spec, r) -> MLAWeights:
-    """Random latent attention projections of spec `s` (models/mla.py)."""
+    """Random latent attention projections of spec `s` (models/layers/mla.py)."""
     m, H, nH = s.mla, s.hidden_size, s.n_heads
     w = MLAWeights(kv_a=r(m.cache_dim, H), kv_a_norm=1 + r(m.kv_lora_rank),
                    kv_b=r(nH * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
@@ -151,8 +155,11 @@ def _mla_weights(s: Spec, r) -> MLAWeights:
 class _Store:
     """All experts in memory as [E, 2I, H] / [E, H, I] stacks per MoE layer (the ExpertStore seam, no files)."""
 
-    def __init__(self, stacks: dict[int, tuple[torch.Tensor, torch.Tensor]], max_batch: int):
+    def __init__(self, stacks: dict[int, tuple[torch.Tensor, torch.Tensor]], max_batch: int, s: Spec):
         self.stacks, self.max_batch = stacks, max_batch
+        H, Im = s.hidden_size, s.moe_intermediate_size
+        fmt = ExpertFormat.of(QuantSpec.ggml("F32", Im, H), QuantSpec.ggml("F32", Im, H), QuantSpec.ggml("F32", H, Im))
+        self.layout = _Layout(fmt, sorted(stacks))
 
     def acquire(self, layer, experts):
         gu, dn = self.stacks[layer]
@@ -165,7 +172,17 @@ class _Store:
         pass
 
 
-def _run_tiny(s: Spec, seed: int) -> torch.Tensor:
+class _Layout:
+    """The store's layout as the MoE block reads it: every layer's experts in one plain format."""
+
+    def __init__(self, fmt: ExpertFormat, layers: list[int]):
+        self.fmt, self.layers = fmt, layers
+
+    def format(self, layer: int) -> ExpertFormat:
+        return self.fmt
+
+
+def _run_tiny(arch, s: Spec, seed: int) -> torch.Tensor:
     """Final logits of a random model of spec `s` on 3 tokens (fewer if the context is shorter)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -203,7 +220,8 @@ def _run_tiny(s: Spec, seed: int) -> torch.Tensor:
     weights = Weights(embed=embed, norm=1 + r(H), lm_head=embed if s.tie_word_embeddings else r(s.vocab_size, H),
                       layers=layers)
     ctx = min(8, s.rope.max_position_embeddings)
-    model = Transformer(s, weights, _Store(stacks, E), KVCache(s, ctx, torch.float32), torch.float32)
+    b = Build(s, weights, _Store(stacks, E, s), KVCache(s, ctx, torch.float32), Compute(torch.float32))
+    model = Transformer(arch, b)
     T = min(3, ctx)
     tokens = torch.randint(0, s.vocab_size, (T,), generator=g)
     out = model.logits(model.forward(tokens, 0))  # prefill
@@ -231,7 +249,7 @@ def _fuzz() -> None:
         cfg = _mutate(rng, rng.choice(bases), keys)
         try:
             try:
-                _, args = model_args(cfg, SRC)
+                arch, args = model_args(cfg, SRC)
                 spec = args.spec()
             except SluiceError as e:
                 refused += 1
@@ -240,7 +258,7 @@ def _fuzz() -> None:
             accepted += 1
             _check_spec(spec)
             if ran < N_MATH and _small(spec):
-                assert torch.isfinite(_run_tiny(spec, i)).all(), "non-finite logits"
+                assert torch.isfinite(_run_tiny(arch, spec, i)).all(), "non-finite logits"
                 ran += 1
         except Exception:
             raise AssertionError(f"config #{i} (seed {SEED}):\n{json.dumps(cfg, default=str)[:2000]}\n"

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sluice
-import sluice.models.blocks as blocks
+import sluice.models.layers.moe as moe
+from sluice.models.layers import Step
 from sluice.errors import ConfigError
 from sluice.models import model_args
 from sluice.models.routing import route
@@ -34,7 +35,7 @@ def test_selection_bias_and_group_limit_change_the_tiny_models_routing(tmp_path,
         seen.append((spec, lw, x))
         return route(spec, lw, x)
 
-    monkeypatch.setattr(blocks, "route", recording)
+    monkeypatch.setattr(moe, "route", recording)
     with sluice.load(folder) as m:
         m.logits(IDS)
     assert seen
@@ -130,4 +131,4 @@ def test_bf16_moe_block_rounds_like_transformers_eager_experts(tmp_path, arch):
         for L in (1, 2):
             for _ in range(4):
                 x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
-                assert torch.equal(m.model.moe(L, x), model.model.layers[L].mlp(x[None])[0])
+                assert torch.equal(m.model.layers[L].ffn(x, Step(0, 1)), model.model.layers[L].mlp(x[None])[0])

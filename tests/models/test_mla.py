@@ -13,8 +13,8 @@ import sluice
 from sluice.commands.inspect import describe
 from sluice.errors import ConfigError
 from sluice.models import model_args
-from sluice.models import mla
-from sluice.models.mla import absorbs, latent_attention, rope_interleaved
+from sluice.models.layers import mla
+from sluice.models.layers.mla import absorbs, latent_attention, rope_interleaved
 from sluice.models.spec import KVCache, LayerWeights, MLAWeights
 from sluice.options import LoadOptions
 from sluice.plan import plan

@@ -1,4 +1,4 @@
-"""A prompt's expert rows run in row blocks (matmul.row_blocks, models/experts.py ExpertMath._swiglu): few GEMM
+"""A prompt's expert rows run in row blocks (matmul.row_blocks, models/layers/experts.py GluMath._swiglu): few GEMM
 shapes whatever the prompt, and the [rows, 2I] gate / up output kept cache-sized. The blocks cover every row once,
 the logits are those of unsplit rows (bitwise where this CPU's GEMM gives a row the same bits whatever the row
 count, else within the GEMM's rounding), and streamed runs stay bitwise the resident ones, for bf16 and quantized
@@ -11,7 +11,7 @@ import torch
 
 import sluice
 from sluice.quant import matmul
-from sluice.models import experts
+from sluice.models.layers import experts
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model, write_checkpoint
 from tests.quant.mlx_files import mlx_folder
@@ -72,19 +72,19 @@ def model(request, tmp_path_factory):
 
 
 def _run(path, monkeypatch, memory="all", **kw):
-    """(logits of PROMPT, the row counts ExpertMath._swiglu's GEMMs were given, the model) under bf16 GEMMs."""
+    """(logits of PROMPT, the row counts GluMath._swiglu's GEMMs were given, the model) under bf16 GEMMs."""
     rows: list[int] = []
     for name in ("packed_linear", "rows_linear"):
         f = getattr(experts, name)
-        monkeypatch.setattr(experts, name, lambda x, w, f=f: (rows.append(x.shape[0]), f(x, w))[1])
+        monkeypatch.setattr(experts, name, lambda x, w, *a, f=f, **k: (rows.append(x.shape[0]), f(x, w, *a, **k))[1])
     with sluice.load(path, memory=memory, matmul="bf16", **kw) as m:
         return m.logits(PROMPT), rows, m
 
 
 def test_blocks_change_no_logits_and_streamed_runs_split_alike(model, monkeypatch):
     seen: list[int] = []
-    f = experts.ExpertMath.__call__
-    monkeypatch.setattr(experts.ExpertMath, "__call__",
+    f = experts.GluMath.__call__
+    monkeypatch.setattr(experts.GluMath, "__call__",
                         lambda self, b, j, x: (seen.append(x.shape[0]), f(self, b, j, x))[1])
     unsplit, _, m = _run(model, monkeypatch)
     assert max(seen) > 32  # experts with more rows than the blocks below
@@ -102,13 +102,13 @@ def test_blocks_change_no_logits_and_streamed_runs_split_alike(model, monkeypatc
 
 
 def test_a_quantized_expert_is_dequantized_once_for_all_its_blocks(model, monkeypatch):
-    """Quantized experts' prompt rows run on their weights dequantized to bf16 once (ExpertMath._bf16_weights),
+    """Quantized experts' prompt rows run on their weights dequantized to bf16 once (GluMath._bf16_weights),
     however many blocks the rows take."""
     if "safetensors" in str(model):
         pytest.skip("the safetensors model's experts are bf16: nothing to dequantize")
     calls: list[int] = []
-    f = experts.ExpertMath._bf16_weights
-    monkeypatch.setattr(experts.ExpertMath, "_bf16_weights", lambda self, *a: (calls.append(1), f(self, *a))[1])
+    f = experts.GluMath._bf16_weights
+    monkeypatch.setattr(experts.GluMath, "_bf16_weights", lambda self, *a: (calls.append(1), f(self, *a))[1])
     monkeypatch.setattr(matmul, "GEMM_MIN_BLOCK", 32)
     monkeypatch.setattr(matmul, "GEMM_BLOCK_BYTES", 0)
     _, rows, _ = _run(model, monkeypatch)

@@ -1,12 +1,12 @@
-"""The C paths of the native kernels, for tests that run each (native._path, common.h's path cap):
+"""The C paths of the native kernels, for tests that run each (every wrapper's `path` keyword, common.h's path cap):
 
   "best"      what this CPU runs by default: its AVX-512 code where it has some (kernels.c's AVX512_BF16 rounding to
               bf16, prompt.c's VNNI tiles), else AVX2, else the portable C
-  "avx2"      native.AVX2_ONLY: the AVX2 code without the AVX-512 code, as an AVX2-only CPU runs it, so that an
-              AVX-512 CPU tests it too
-  "portable"  native.FORCE_SCALAR: the scalar C every CPU runs
+  "avx2"      the AVX2 code without the AVX-512 code, as an AVX2-only CPU runs it, so that an AVX-512 CPU tests it too
+  "portable"  the scalar C every CPU runs
 
-The hooks are set with monkeypatch, so no test leaves them set for the next.
+A model takes its path from LoadOptions.isa (auto / avx2 / portable); the wrappers take it per call, so nothing is
+set process-wide for a test to restore.
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ import pytest
 import torch
 
 from sluice.quant import native
+from sluice.quant.native import AVX2, BEST, PORTABLE, prompt
+from sluice.quant.native._lib import LIB
 
 PATHS = ("best", "avx2", "portable")
+CODES = {"best": BEST, "avx2": AVX2, "portable": PORTABLE}
+ISA = {"best": "auto", "avx2": "avx2", "portable": "portable"}  # the same caps as LoadOptions.isa names them
 NO_AVX2 = "this CPU has no AVX2 + FMA + F16C: only the portable path runs"
 
 
 def avx512() -> bool:
     """Whether this CPU runs AVX-512 code of the kernels ("best" differs from "avx2")."""
-    from sluice.quant.native import prompt
-
-    return native.native_available() and bool(native._LIB.sluice_cpu_avx512bf16() or prompt.available())
+    return native.available() and bool(LIB.sluice_cpu_avx512bf16() or prompt.available())
 
 
 def distinct() -> list[str]:
@@ -35,24 +37,17 @@ def distinct() -> list[str]:
     return (["best"] if avx512() else []) + ["avx2", "portable"]
 
 
-def use(path: str, monkeypatch) -> None:
-    """Run the kernels on path from now until the test ends (skips when this CPU does not run it)."""
+def code(path: str) -> int:
+    """The `path` argument of the wrappers for a path name (skips the test when this CPU does not run it)."""
     if path != "portable" and not native.simd():
         pytest.skip(NO_AVX2)
-    monkeypatch.setattr(native, "FORCE_SCALAR", path == "portable")
-    monkeypatch.setattr(native, "AVX2_ONLY", path == "avx2")
+    return CODES[path]
 
 
-def on_each(fn, monkeypatch, among: list[str] | None = None) -> list:
-    """[fn() on each path of among (default distinct(): each one that runs different code here)], portable last;
-    the default path again after."""
-    out = []
-    for path in distinct() if among is None else among:
-        use(path, monkeypatch)
-        out.append(fn())
-    monkeypatch.setattr(native, "FORCE_SCALAR", False)
-    monkeypatch.setattr(native, "AVX2_ONLY", False)
-    return out
+def on_each(fn, among: list[str] | None = None) -> list:
+    """[fn(path) on each path of among (default distinct(): each one that runs different code here)], portable last;
+    fn takes the wrappers' `path` argument."""
+    return [fn(code(p)) for p in (distinct() if among is None else among)]
 
 
 def _equal(a, b) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.quant.kernels import QuantSpec
+from sluice.quant.spec import QuantSpec
 
 #: byte offsets of the f16 scale fields inside one block of each ggml type
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import sluice
 from sluice.quant.matmul import sdpa
-from sluice.quant import native
-from sluice.quant.native import attend
+from sluice.models.layers import Kernels
+from sluice.quant.native import attend, pool
 from tests.models.tiny import hf_model, write_checkpoint
 from tests.quant.streaming import assert_streamed_equals_resident
 
@@ -36,7 +36,7 @@ def reference(q, k, v, pos: int, dtype=torch.float64) -> torch.Tensor:
     mask = torch.ones(T, pos + T, dtype=torch.bool).tril(pos)
     kk, vv = k[:, : pos + T], v[:, : pos + T]
     if dtype is torch.bfloat16:  # what the model runs without attend.c
-        out = sdpa(q[None], kk[None], vv[None], attn_mask=mask, enable_gqa=True)[0]
+        out = sdpa(q[None], kk[None], vv[None], True, attn_mask=mask, enable_gqa=True)[0]  # on bf16 GEMMs
     else:
         out = F.scaled_dot_product_attention(q[None].to(dtype), kk[None].to(dtype), vv[None].to(dtype),
                                              attn_mask=mask, enable_gqa=True)[0]
@@ -60,14 +60,14 @@ def test_as_close_as_sdpa_to_the_exact_attention(T, pos, nh, nkv, d):
 
 def test_strided_queries_and_thread_counts_give_the_same_bits():
     q, k, v = case(100, 20, 8, 2, 128, seed=1)
-    old = native._LIB.sluice_threads()
+    old = pool.threads()
     try:
-        native.set_threads(1)
+        pool.set_threads(1)
         one = attend.causal(q, k, v, 20)
-        native.set_threads(2)
+        pool.set_threads(2)
         assert torch.equal(attend.causal(q, k, v, 20), one)
     finally:
-        native.set_threads(old)
+        pool.set_threads(old)
     wide = torch.zeros(100, 8, 256, dtype=torch.bfloat16)  # q as a [T, nH, D] slice, viewed [nH, T, D]
     wide[..., :128] = q.transpose(0, 1)
     assert torch.equal(attend.causal(wide[..., :128].transpose(0, 1), k, v, 20), one)
@@ -110,7 +110,7 @@ def test_a_prompt_takes_it_and_streams_bitwise(folder, monkeypatch):
         assert m.model.spec.head_dim == 32
         fast = m.logits(IDS)
         assert calls and set(calls) == {0, 32, 64}  # every chunk's layers: later chunks read the cache before them
-        m.model.native_prompt_attention = False
+        m.model = m.model.rebuilt(Kernels(native_prompt_attention=False))
         calls.clear()
         slow = m.logits(IDS)
         assert not calls

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.models.blocks import rms_norm, sink_attention
+from sluice.models.layers.norm import rms_norm
+from sluice.models.layers.sinks import sink_attention
 from sluice.models.rope import apply_rope
 from sluice.quant import native
 from sluice.quant.native.decode import DecodeAttention, router_probs_bf16
@@ -84,14 +85,11 @@ def test_decode_attention_is_the_torch_steps(nH, nKV, D, rot, norm, clip, sinks,
     assert ((out.double() - exact).abs() <= ulp).all()
     # and torch's own bf16 attention (which rounds its probabilities to bf16) is within its rounding of both
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-    try:  # the portable loops give the same bits
-        native.FORCE_SCALAR = True
-        ck2, cv2 = ck.clone(), cv.clone()
-        layer2 = DecodeAttention(nH, nKV, D, cos, sin).layer(ck2, cv2, norm=norm, q_norm=qn, k_norm=kn, eps=1e-6,
-                                                             clip=clip, sinks=sk)
-        assert torch.equal(layer2(q.clone(), k.clone(), v.clone(), pos, lo), out)
-    finally:
-        native.FORCE_SCALAR = False
+    # the portable loops give the same bits
+    ck2, cv2 = ck.clone(), cv.clone()
+    layer2 = DecodeAttention(nH, nKV, D, cos, sin, path=native.PORTABLE).layer(
+        ck2, cv2, norm=norm, q_norm=qn, k_norm=kn, eps=1e-6, clip=clip, sinks=sk)
+    assert torch.equal(layer2(q.clone(), k.clone(), v.clone(), pos, lo), out)
 
 
 def test_decode_attention_splits_long_contexts_over_threads_with_the_same_bits():
@@ -149,11 +147,7 @@ def test_router_probs_pick_what_torch_picks(E, k):
         if torch.equal(order(mine), order(probs)):
             assert torch.equal(torch.topk(probs, k)[1], torch.topk(mine, k)[1])
         ties += int(probs[0].unique().numel() < E)
-        try:
-            native.FORCE_SCALAR = True
-            assert torch.equal(router_probs_bf16(x, w), probs)
-        finally:
-            native.FORCE_SCALAR = False
+        assert torch.equal(router_probs_bf16(x, w, path=native.PORTABLE), probs)
     assert ties or E < 64  # bf16 logits of 64 experts tie often: the case above is exercised
     with pytest.raises(ValueError, match="router"):
         router_probs_bf16(x, w.float())

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import sluice
+from sluice.models.layers import Kernels
+from sluice.quant.native import pool
 from sluice.quant.tensor import read_tensor
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model, write_checkpoint
@@ -190,7 +192,6 @@ def test_decode_experts_split_over_threads_are_bitwise(quantized, streamed):
     """Decode runs a layer's native experts in one call, their rows split over the native threads: the same
     logits, bit for bit, as one expert_q8 call per expert on one thread (each row is the same kernel call on the
     same bytes; the sum keeps its order)."""
-    from sluice.quant import native
 
     name, path, _, _ = quantized
     if name == "BF16":
@@ -200,17 +201,17 @@ def test_decode_experts_split_over_threads_are_bitwise(quantized, streamed):
         with sluice.load(path, memory="all") as m:
             kw = dict(memory=m.resident_bytes + m.spec.top_k * 2 * m.layout.expert_nbytes, io="direct")
     with sluice.load(path, threads=2, **kw) as m:
-        assert native.shared_pool() is not None
+        assert pool.threads() == 2
         split = _decode_logits(m, IDS)
-        m.model.split_experts = False
+        m.model = m.model.rebuilt(Kernels(split_experts=False))
         one = _decode_logits(m, IDS)
     assert torch.equal(split, one)
 
 
-def test_an_all_native_decode_step_runs_torch_on_one_thread(quantized, monkeypatch):
-    """Every projection a QuantLinear and every expert one native call: a decode step runs torch on one thread
-    (its spinning OpenMP workers took the expert pool's core) and gives the thread count back afterwards; a
-    prefill keeps torch's threads."""
+def test_a_forward_pass_changes_no_process_wide_state(quantized, monkeypatch):
+    """Every projection a QuantLinear and every expert one native call: a decode step's experts go to the C pool
+    together, on the model's threads, and neither a prefill nor a decode step changes torch's or the pool's thread
+    count (a forward pass chooses no kernel and sets nothing process-wide: layers/build.py)."""
     from sluice.quant import native
 
     name, path, _, _ = quantized
@@ -219,21 +220,20 @@ def test_an_all_native_decode_step_runs_torch_on_one_thread(quantized, monkeypat
     seen = []
     real = native.ExpertCall.many
     monkeypatch.setattr(native.ExpertCall, "many",
-                        lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1])
+                        lambda *a, **k: (seen.append((torch.get_num_threads(), pool.threads())), real(*a, **k))[1])
     threads = torch.get_num_threads()
     try:
         with sluice.load(path, memory="all", threads=2) as m:
-            assert m.model._native_decode()
+            assert m.model.build.integer_decode
             with torch.inference_mode():
                 m.model.forward(torch.tensor(IDS[:4]), 0)
-                assert torch.get_num_threads() == 2
+                assert (torch.get_num_threads(), pool.threads()) == (2, 2)
                 seen.clear()
                 m.model.forward(torch.tensor([IDS[4]]), 4)
-            assert seen and set(seen) == {1} and torch.get_num_threads() == 2
-            m.model.split_experts = False
-            assert not m.model._native_decode()
+            assert seen and set(seen) == {(2, 2)} and (torch.get_num_threads(), pool.threads()) == (2, 2)
     finally:
         torch.set_num_threads(threads)
+        pool.set_threads(1)
 
 
 def test_native_decode_attention_and_router_match_the_torch_steps(quantized):
@@ -250,9 +250,10 @@ def test_native_decode_attention_and_router_match_the_torch_steps(quantized):
     with sluice.load(path, memory="all", dtype="float32") as m:
         exact = _decode_logits(m, ids)
     with sluice.load(path, memory="all") as m:
-        assert m.model._decode_attention() is not None
+        assert m.model.build.native_decode
         fast = _decode_logits(m, ids)
-        m.model.native_attention = False  # the torch steps
+        m.model = m.model.rebuilt(Kernels(native_decode=False))  # the torch steps
+        assert not m.model.build.native_decode
         slow = _decode_logits(m, ids)
     err_fast, err_slow = _rel_l2(fast, exact), _rel_l2(slow, exact)
     # a wrong rope, norm or cache write is O(1) off; two rounding choices differ by a few routing flips at most
@@ -280,8 +281,8 @@ def test_int8_activations_reach_every_integer_kernel_and_stream_bitwise(quantize
     """--activations int8 (llama.cpp's one-plane coding) is what every projection and expert of the integer path
     computes with: the decode logits change, stay near the float32 run's, and a streamed run still gives the
     resident run's bits."""
-    from sluice.models.blocks import Transformer
-    from sluice.quant.resident import QuantLinear
+    from sluice.models.model import Transformer
+    from sluice.quant.linear import QuantLinear
 
     name, path, _, _ = quantized
     if name == "BF16":
@@ -293,7 +294,7 @@ def test_int8_activations_reach_every_integer_kernel_and_stream_bitwise(quantize
         with sluice.load(path, memory="all", activations=act) as m:
             t: Transformer = m.model
             planes = {w.planes for lw in t.w.layers for w in (lw.q, lw.k, lw.v, lw.o) if type(w) is QuantLinear}
-            assert planes <= {2 if act == "int16" else 1} and t.expert_math.planes == (2 if act == "int16" else 1)
+            assert planes <= {2 if act == "int16" else 1} and t.compute.planes == (2 if act == "int16" else 1)
             logits[act] = _decode_logits(m, IDS)
     assert not torch.equal(logits["int8"], logits["int16"])
     assert _rel_l2(logits["int8"], exact) <= max(6e-2, 2 * _rel_l2(logits["int16"], exact)), name

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sluice.quant import native
-from sluice.quant.kernels import QuantSpec
-from sluice.quant.native.kernel import NATIVE_MAX_ROWS, native_kernel
+from sluice.quant.spec import QuantSpec
+from sluice.quant.compute import Compute
+from sluice.quant.linear import BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, QuantLinear, Scratch, StoredLinear
+from sluice.quant.native import _lib, pool
 from tests.quant.samples import random_stored
-from sluice.quant.stored import StoredLinear
 from tests.quant import paths
 
 built = pytest.mark.skipif(not native.native_available(),
@@ -27,9 +31,9 @@ SPECS += [QuantSpec.mxfp4(29, 224)]  # gpt-oss layout
 
 
 @pytest.fixture(params=paths.PATHS)
-def path(request, monkeypatch):
-    paths.use(request.param, monkeypatch)
-    return request.param
+def path(request):
+    """The `path` argument of the wrappers: each C path this CPU runs."""
+    return paths.code(request.param)
 
 
 def _ids(s: QuantSpec) -> str:
@@ -49,7 +53,7 @@ def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 @pytest.mark.parametrize("spec", SPECS, ids=_ids)
 def test_dequantize_is_the_reference_bitwise(spec, path):
     raw = random_stored(spec, seed=3)
-    assert torch.equal(native.dequantize(spec, raw), spec.dequantize(raw))
+    assert torch.equal(native.dequantize(spec, raw, path=path), spec.dequantize(raw))
 
 
 @built
@@ -57,41 +61,35 @@ def test_dequantize_is_the_reference_bitwise(spec, path):
 def test_dequantize_to_bf16_is_the_reference_rounded(spec, path):
     raw = random_stored(spec, seed=5)
     want = spec.dequantize(raw).to(torch.bfloat16)
-    got = native.dequantize(spec, raw, torch.empty(spec.out_features * spec.in_features, dtype=torch.bfloat16))
+    got = native.dequantize(spec, raw, torch.empty(spec.out_features * spec.in_features, dtype=torch.bfloat16),
+                            path=path)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @built
 @pytest.mark.parametrize("mode", ["bf16", "float32"])
 def test_many_bf16_rows_follow_the_matmul_mode(mode):
-    """From BF16_GEMM_MIN_ROWS rows, --matmul bf16 runs the weights rounded to bf16 through torch's bf16 GEMM (the
-    stored kernel and a resident QuantLinear alike); float32 keeps the float32 dequantization + GEMM."""
-    from sluice.quant.matmul import set_matmul
-    from sluice.quant.native.kernel import BF16_GEMM_MIN_ROWS
-    from sluice.quant.resident import QuantLinear
-
+    """From BF16_GEMM_MIN_ROWS rows, a model on bf16 GEMMs (Compute.bf16_gemm: --matmul bf16) runs the weights
+    rounded to bf16 through torch's bf16 GEMM (an expert's StoredLinear and a resident QuantLinear alike); float32
+    keeps the float32 dequantization + GEMM."""
     spec = QuantSpec.ggml("Q4_K", 40, 512)
     raw = random_stored(spec, seed=6)
     w = spec.dequantize(raw)
-    k = native_kernel(spec, torch.bfloat16)
-    ql = QuantLinear(spec, raw, torch.bfloat16)
-    set_matmul(mode)
-    try:
-        for T in (BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS, 64):
-            x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T)).bfloat16()
-            y = k.linear(x, raw, torch.empty(k.scratch_numel))
-            if T >= BF16_GEMM_MIN_ROWS and mode == "bf16":
-                want = F.linear(x, w.to(torch.bfloat16))
-            elif T > NATIVE_MAX_ROWS:
-                want = F.linear(x.float(), w).to(torch.bfloat16)
-            else:
-                want = native.linear(spec, x.float(), raw).to(torch.bfloat16)
-            assert torch.equal(y, want), (T, mode)
-            if T > NATIVE_MAX_ROWS or mode == "bf16" and T >= BF16_GEMM_MIN_ROWS:
-                assert torch.equal(ql.linear(x), want), (T, mode)  # one block of rows: the same GEMM
-            assert ((y.float() - F.linear(x.double(), w.double()).float()).norm() / y.float().norm()) < 1e-2
-    finally:
-        set_matmul("auto")
+    compute = Compute(torch.bfloat16, bf16_gemm=mode == "bf16")
+    k = StoredLinear(spec, compute)
+    ql = QuantLinear(spec, raw, compute)
+    for T in (BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS, 64):
+        x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T)).bfloat16()
+        y = k(x, raw, Scratch())
+        if T >= BF16_GEMM_MIN_ROWS and mode == "bf16":
+            want = F.linear(x, w.to(torch.bfloat16))
+        elif T > NATIVE_MAX_ROWS:
+            want = F.linear(x.float(), w).to(torch.bfloat16)
+        else:
+            want = native.linear(spec, x.float(), raw).to(torch.bfloat16)
+        assert torch.equal(y, want), (T, mode)
+        assert torch.equal(ql.linear(x), want), (T, mode)  # one ladder: the same calls
+        assert ((y.float() - F.linear(x.double(), w.double()).float()).norm() / y.float().norm()) < 1e-2
 
 
 @built
@@ -100,11 +98,11 @@ def test_many_bf16_rows_follow_the_matmul_mode(mode):
 def test_linear_matches_the_exact_weights(spec, T, path):
     raw = random_stored(spec, seed=T)
     x = torch.randn(T, spec.in_features, generator=torch.Generator().manual_seed(T))
-    y = native.linear(spec, x, raw)
+    y = native.linear(spec, x, raw, path=path)
     assert y.shape == (T, spec.out_features) and y.dtype == torch.float32
     check_close(y, x, spec.dequantize(raw))
     # row t does not depend on T: each output is one dot product whose order depends on in_features only
-    assert torch.equal(native.linear(spec, x[T // 2:T // 2 + 1].contiguous(), raw), y[T // 2:T // 2 + 1])
+    assert torch.equal(native.linear(spec, x[T // 2:T // 2 + 1].contiguous(), raw, path=path), y[T // 2:T // 2 + 1])
 
 
 @built
@@ -134,13 +132,14 @@ def test_repeated_threaded_and_split_calls_are_bitwise_identical():
     raw = random_stored(spec, seed=2)
     x = torch.randn(5, 512)
     y = native.linear(spec, x, raw)
-    pool = native.Pool(3)
+    with ThreadPoolExecutor(3) as ex:  # the kernels keep no state: calls on several Python threads at once
+        ys = list(ex.map(lambda _: native.linear(spec, x, raw), range(12)))
+    assert all(torch.equal(y, z) for z in ys)
+    pool.set_threads(3)  # output rows split over the C pool's 3 threads
     try:
-        ys = pool.run([lambda: native.linear(spec, x, raw) for _ in range(12)])
-        assert all(torch.equal(y, z) for z in ys)
-        assert torch.equal(pool.linear(spec, x, raw), y)  # output columns split over the 3 threads
+        assert torch.equal(native.linear(spec, x, raw), y)
     finally:
-        pool.close()
+        pool.set_threads(1)
     part = torch.zeros(5, 301)
     native.linear(spec, x, raw, out=part, rows=(100, 200))
     assert torch.equal(part[:, 100:200], y[:, 100:200]) and not part[:, :100].any() and not part[:, 200:].any()
@@ -178,54 +177,47 @@ def test_bad_inputs_raise_value_errors():
     with pytest.raises(ValueError, match="bits=3"):
         native.linear_mlx(x, w, s, s, bits=3, group_size=64)
     with pytest.raises(ValueError, match="threads"):
-        native.Pool(0)
+        pool.set_threads(0)
 
 
 @built
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_and_stored_linear_choose_by_rows(dtype):
+def test_stored_linear_chooses_by_rows(dtype):
     spec = QuantSpec.ggml("Q4_K", 40, 512)
     raw = random_stored(spec, seed=4)
-    k = native_kernel(spec, dtype)
-    assert k.name == "native" and k.nbytes == spec.nbytes
-    slot = k.prepare(raw, torch.empty(k.nbytes, dtype=torch.uint8))
-    assert torch.equal(slot, raw)
-    scratch = torch.empty(k.scratch_numel)
+    lin = StoredLinear(spec, Compute(dtype))
+    assert lin.native and lin.int8 == (dtype is torch.bfloat16)
     w = spec.dequantize(raw)
-    assert torch.equal(k.dequantize(slot, scratch), w)
     for T in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1):
         x = torch.randn(T, 512).to(dtype)
-        y = k.linear(x, slot, scratch)
+        y = lin(x, raw, Scratch())
         assert y.dtype == dtype and y.shape == (T, 40)
         if dtype == torch.float32:
             check_close(y, x, w)
             if T > NATIVE_MAX_ROWS:  # the dequantize + matmul path: the reference computation itself
                 assert torch.equal(y, F.linear(x, w))
-        assert torch.equal(StoredLinear(spec, dtype)(x, raw, scratch), y)
-        native.set_threads(3)  # the rows split over 3 threads: the same bits
+        pool.set_threads(3)  # the rows split over 3 threads: the same bits
         try:
-            assert torch.equal(k.linear(x, slot, scratch), y)
+            assert torch.equal(lin(x, raw, Scratch()), y)
         finally:
-            native.set_threads(1)
-        assert native.shared_pool() is None
-    with pytest.raises(ValueError, match="do not compute"):
-        native_kernel(QuantSpec.mlx(2, 32, 8, 256), torch.float32)
+            pool.set_threads(1)
+    assert not StoredLinear(QuantSpec.mlx(2, 32, 8, 256), Compute(torch.float32)).native
 
 
 def test_without_the_extension_stored_linear_runs_the_torch_path(monkeypatch, caplog):
-    monkeypatch.setattr(native, "_LIB", None)  # as after an install without a C compiler
-    monkeypatch.setattr(native, "_warned", False)
+    monkeypatch.setattr(_lib, "LIB", None)  # as after an install without a C compiler
+    monkeypatch.setattr(_lib, "_warned", False)
     assert not native.native_available() and not native.simd()
     spec = QuantSpec.ggml("Q4_K", 8, 256)
     raw = random_stored(spec)
     x = torch.randn(2, 256)
     with caplog.at_level("WARNING"):
-        lin = StoredLinear(spec, torch.float32)
-        StoredLinear(spec, torch.float32)
+        lin = StoredLinear(spec, Compute(torch.float32))
+        StoredLinear(spec, Compute(torch.float32))
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # said once, when needed
     assert "native quantized kernels not built" in caplog.records[0].message
-    assert lin.native is None
-    assert torch.equal(lin(x, raw, torch.empty(lin.scratch_numel)), F.linear(x, spec.dequantize(raw)))
+    assert not lin.native
+    assert torch.equal(lin(x, raw, Scratch()), F.linear(x, spec.dequantize(raw)))
     with pytest.raises(RuntimeError, match="not built"):
         native.linear(spec, x, raw)
 
@@ -233,7 +225,7 @@ def test_without_the_extension_stored_linear_runs_the_torch_path(monkeypatch, ca
 @built
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_rows_over_the_pool_are_the_one_thread_bits(name):
-    """native.linear (all rows) and native.dequantize split the rows over set_threads' pool in tasks of ~64K
+    """native.linear (all rows) and native.dequantize split the rows over the C pool in tasks of ~64K
     weights (x T): many tasks here, the same bits as on one thread and the reference dequantization."""
     spec = QuantSpec.ggml(name, 300, 1024)
     raw = random_stored(spec, seed=11)
@@ -242,43 +234,10 @@ def test_rows_over_the_pool_are_the_one_thread_bits(name):
     native.set_threads(3)
     try:
         assert torch.equal(native.linear(spec, x, raw), one)
-        assert torch.equal(native.dequantize(spec, raw), spec.dequantize(raw))
+        assert torch.equal(native.dequantize(spec, raw, path=path), spec.dequantize(raw))
     finally:
         native.set_threads(1)
     assert torch.equal(native.linear(spec, x, raw, rows=(0, 300)), one)
-
-
-@pytest.mark.skipif(not native.native_available(), reason="native kernels not built")
-def test_the_pool_waits_briefly_between_a_prompts_jobs_and_longer_in_decode(tmp_path, monkeypatch):
-    """native.pool_phase: a forward pass of several tokens sets PROMPT_WAIT, a decode step DECODE_WAIT, and the
-    pool's workers take it (pool.c reads it after each job)."""
-    import sluice
-    from tests.models.tiny import hf_model, write_checkpoint
-
-    calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(native, "_LIB", _Spy(native._LIB, calls))
-    monkeypatch.setattr(native, "_wait", native.DECODE_WAIT)
-    path = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path, "per_expert")
-    with sluice.load(path, memory="all") as m:
-        m.logits(list(range(3, 40)))
-        assert native._wait == native.PROMPT_WAIT and calls == [native.PROMPT_WAIT]
-        list(m.generate_tokens(list(range(40, 50)), max_tokens=3, stop_at_eos=False))
-        assert native._wait == native.DECODE_WAIT and calls[-1] == native.DECODE_WAIT
-        assert native.PROMPT_WAIT[1] < native.DECODE_WAIT[1]
-
-
-class _Spy:
-    """native._LIB with sluice_set_spin's arguments recorded (and passed on)."""
-
-    def __init__(self, lib, calls):
-        self._lib, self._calls = lib, calls
-
-    def __getattr__(self, name):
-        return getattr(self._lib, name)
-
-    def sluice_set_spin(self, spin, wait):
-        self._calls.append((spin, wait))
-        self._lib.sluice_set_spin(spin, wait)
 
 
 @pytest.mark.skipif(not native.native_available(), reason="native kernels not built")
@@ -298,7 +257,10 @@ def test_float32_to_bf16_is_torchs_rounding_bitwise(n, path):
             at = torch.randint(0, n - len(extra) + 1, (1,), generator=g).item()
             x[at : at + len(extra)] = extra
     out = torch.empty(n, dtype=torch.bfloat16)
-    native._LIB.sluice_to_bf16(n, x.data_ptr(), out.data_ptr(), native._path())
+    lib = _lib.LIB
+    lib.sluice_to_bf16.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # n, x, out, path
+    lib.sluice_to_bf16.restype = None
+    lib.sluice_to_bf16(n, x.data_ptr(), out.data_ptr(), path)
     u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
     want = torch.where(x.isnan(), torch.tensor(0x7FC0), want)

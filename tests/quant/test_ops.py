@@ -75,10 +75,8 @@ def test_rms_norm_is_its_lane_order_bitwise_on_any_path(shape):
     native.set_threads(2)
     try:
         fast = native.rms_norm_bf16(x, w, 1e-6)
-        native.FORCE_SCALAR = True
-        portable = native.rms_norm_bf16(x, w, 1e-6)
+        portable = native.rms_norm_bf16(x, w, 1e-6, path=native.PORTABLE)
     finally:
-        native.FORCE_SCALAR = False
         native.set_threads(1)
     want = _rms_norm_lanes(x, w, 1e-6)
     assert torch.equal(fast.view(torch.int16), want.view(torch.int16))
@@ -93,13 +91,9 @@ def test_rope_and_combine_rows_take_the_same_bits_on_the_portable_path():
     ys = torch.randn(T * K, H, generator=g).bfloat16()
     w, at = torch.rand(T * K, generator=g), torch.randperm(T * K, generator=g).view(T, K)
     out = []
-    for scalar in (False, True):
-        native.FORCE_SCALAR = scalar
-        try:
-            out.append((native.rope_bf16(x, cos, sin),
-                        native.combine_rows_bf16(ys, w, at, torch.empty(T, H, dtype=torch.bfloat16))))
-        finally:
-            native.FORCE_SCALAR = False
+    for path in (native.BEST, native.PORTABLE):
+        out.append((native.rope_bf16(x, cos, sin, path=path),
+                    native.combine_rows_bf16(ys, w, at, torch.empty(T, H, dtype=torch.bfloat16), path=path)))
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*out))
 
 

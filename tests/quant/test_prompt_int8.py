@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 import sluice
 from sluice.quant import native
-from sluice.quant.kernels import QuantSpec
-from sluice.quant.native import prompt
+from sluice.quant.spec import QuantSpec
+from sluice.models.layers import Kernels
+from sluice.models.layers.experts import GluMath
+from sluice.quant.native import pool, prompt
 from tests.quant.samples import random_stored
 from tests.checkpoint.gguf_files import GGUF_TINY, convert
 from tests.models.tiny import hf_model
@@ -39,14 +41,14 @@ def coded(x: torch.Tensor) -> torch.Tensor:
 
 
 def run(spec, raw, x, path: str, monkeypatch, threads: int = 2) -> torch.Tensor:
-    paths.use(path, monkeypatch)
-    old = native._LIB.sluice_threads()
-    native.set_threads(threads)
+    code = paths.code(path)
+    old = pool.threads()
+    pool.set_threads(threads)
     try:
         y = torch.empty(x.shape[0], spec.out_features)
-        prompt.linears([(spec, raw, y)], x)
+        prompt.linears([(spec, raw, y)], x, path=code)
     finally:
-        native.set_threads(old)
+        pool.set_threads(old)
     return y
 
 
@@ -188,14 +190,14 @@ def test_one_expert_call_is_the_projections_in_turn(fused, t, monkeypatch):
         args = ((QuantSpec.ggml("Q4_K", 2 * i, h), torch.cat(raws[:2])), None)
     else:
         args = ((gate, raws[0]), (up, raws[1]))
-    def both():
+    def both(path):
         y, hh = torch.empty(t, h, dtype=torch.bfloat16), torch.empty(t, i, dtype=torch.bfloat16)
-        prompt.expert(*args, (down, raws[2]), x, y)
-        prompt.expert(*args, None, x, hh)
+        prompt.expert(*args, (down, raws[2]), x, y, path=path)
+        prompt.expert(*args, None, x, hh, path=path)
         return [y, hh]
 
     # every path: VNNI tiles where the CPU has them, the bf16 outputs rounded by AVX512_BF16, AVX2 or portable code
-    outs = paths.on_each(both, monkeypatch)
+    outs = paths.on_each(both)
     for y, hh in outs:
         assert float((y.double() - want.double()).norm() / want.double().norm()) <= 5e-3
         ulp = (prod.abs().bfloat16().float() * 2.0**-7).clamp(min=1e-30)  # one bf16 step
@@ -203,14 +205,15 @@ def test_one_expert_call_is_the_projections_in_turn(fused, t, monkeypatch):
     paths.same_bits(outs)
 
 
-def test_int8_prompt_rows_are_not_padded(q4km, kernel_calls):
-    """A GEMM's rows are padded to blocks.GEMM_ROW_STEP (oneDNN builds kernels per row count); the int8 kernels take
+def test_int8_prompt_rows_are_not_padded(q4km, kernel_calls, monkeypatch):
+    """A GEMM's rows are padded to experts.GEMM_ROW_STEP (oneDNN builds kernels per row count); the int8 kernels take
     any count at one speed, so their experts get their own rows only."""
     with sluice.load(q4km, memory="all", activations="int8") as m:
         seen: list[int] = []
-        run, coded = m.model._expert, m.model._expert_coded
-        m.model._expert = lambda batch, j, x: (seen.append(x.shape[0]), run(batch, j, x))[1]
-        m.model._expert_coded = lambda batch, j, c, rows: (seen.append(rows.numel()), coded(batch, j, c, rows))[1]
+        call, coded = GluMath.__call__, GluMath.coded
+        monkeypatch.setattr(GluMath, "__call__", lambda self, b, j, x: (seen.append(x.shape[0]), call(self, b, j, x))[1])
+        monkeypatch.setattr(GluMath, "coded",
+                            lambda self, b, j, c, rows: (seen.append(rows.numel()), coded(self, b, j, c, rows))[1])
         m.logits(LONG)
     assert kernel_calls and sum(seen) == len(LONG) * m.spec.top_k * m.spec.n_layers and any(n % 16 for n in seen)
 
@@ -240,7 +243,7 @@ def test_float16_keeps_its_own_path(q4km, kernel_calls):
 
 
 def test_a_layer_coded_once_gives_each_expert_its_own_bits(q4km, kernel_calls):
-    """Transformer.experts codes a layer's rows once (prompt.code) and each int8 expert gathers its rows' codes:
+    """A MoE layer codes its rows once (prompt.code) and each int8 expert gathers its rows' codes:
     the same bits as every expert coding its own rows (prompt.expert on a Coded x with rows == on those rows)."""
     h, i = 512, 256
     gate, up, down = QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", h, i)
@@ -255,26 +258,17 @@ def test_a_layer_coded_once_gives_each_expert_its_own_bits(q4km, kernel_calls):
         prompt.expert((gate, raws[0]), (up, raws[1]), (down, raws[2]), prompt.code(x), a, rows=rows.int())
     with sluice.load(q4km, memory="all", activations="int8") as m:
         once = m.logits(LONG)
-        m.model.code_rows_once = False
+        m.model = m.model.rebuilt(Kernels(code_rows_once=False))
         assert torch.equal(m.logits(LONG), once)
 
 
-def test_isa_avx2_runs_what_an_avx2_cpu_runs(q4km, kernel_calls, monkeypatch):
-    """LoadOptions.isa "avx2": no int8 prompt kernels (AVX512-VNNI), float32 GEMMs under matmul auto, and the C
-    kernels capped at AVX2: bitwise what the AVX2_ONLY test hook gives with the same choices made by hand."""
-    from sluice.quant.matmul import bf16_gemm
-
-    try:
-        with sluice.load(q4km, memory="all", activations="int8", isa="avx2") as m:
-            kernel_calls.clear()
-            capped = m.logits(LONG)
-            assert not kernel_calls and not bf16_gemm() and native._path() == 2
-            assert m.stats()["isa"] == "avx2" and m.stats()["matmul"] == "float32"
-        monkeypatch.setattr(native, "AVX2_ONLY", True)
-        monkeypatch.setattr(prompt, "available", lambda: False)
-        with sluice.load(q4km, memory="all", activations="int8", matmul="float32") as m:
-            assert native._path() == 2
-            assert torch.equal(m.logits(LONG), capped)
-    finally:
-        native.set_isa("auto")
-    assert not native.isa_capped()
+def test_isa_caps_the_kernels_of_one_model(q4km, kernel_calls):
+    """LoadOptions.isa "avx2": no int8 prompt kernels (AVX512-VNNI), float32 GEMMs under matmul auto, the C kernels
+    capped at AVX2 (Compute.path); "portable" the plain C loops, the same bits."""
+    with sluice.load(q4km, memory="all", activations="int8", isa="avx2") as m:
+        kernel_calls.clear()
+        capped = m.logits(LONG)
+        assert not kernel_calls and m.compute.path == native.AVX2 and not m.compute.bf16_gemm
+        assert m.stats()["isa"] == "avx2" and m.stats()["matmul"] == "float32"
+    with sluice.load(q4km, memory="all", activations="int8", isa="portable") as m:
+        assert m.compute.path == native.PORTABLE and torch.equal(m.logits(LONG), capped)

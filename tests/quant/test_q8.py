@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.quant import matmul
 from sluice.quant import native
-from sluice.quant.kernels import QuantSpec
-from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS, native_kernel
+from sluice.quant.compute import Compute
+from sluice.quant.linear import NATIVE_MAX_ROWS, Q8_MAX_ROWS, Scratch, StoredLinear
+from sluice.quant.native import pool
+from sluice.quant.spec import QuantSpec
 from tests.quant.samples import random_expert_slots, random_stored
 from tests.quant import paths
 
@@ -38,10 +39,10 @@ def rel_l2(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
 
-def both_paths(fn, monkeypatch) -> list:
-    """fn() on each C path this CPU runs (AVX2 and the portable one, and AVX-512 where it has it: tests/quant/paths.py),
-    the portable one last."""
-    return paths.on_each(fn, monkeypatch)
+def both_paths(fn, monkeypatch=None) -> list:
+    """fn(path) on each C path this CPU runs (AVX2 and the portable one, and AVX-512 where it has it:
+    tests/quant/paths.py), the portable one last."""
+    return paths.on_each(fn)
 
 
 @pytest.mark.parametrize("planes", [1, 2])
@@ -50,7 +51,7 @@ def both_paths(fn, monkeypatch) -> list:
 def test_within_the_bound_of_the_exact_weights_and_the_same_bits_on_both_paths(spec, T, planes, monkeypatch):
     raw = random_stored(spec, seed=T)
     x = torch.randn(T, spec.in_features, generator=torch.Generator().manual_seed(T))
-    ys = both_paths(lambda: native.linear_q8(spec, x, raw, planes=planes), monkeypatch)
+    ys = both_paths(lambda path: native.linear_q8(spec, x, raw, planes=planes, path=path), monkeypatch)
     assert ys[0].shape == (T, spec.out_features) and ys[0].dtype == torch.float32
     assert rel_l2(ys[0], x, spec.dequantize(raw)) <= (1e-2 if planes == 1 else 1e-4)
     # row t does not depend on T; a given quantized x gives the same y
@@ -80,7 +81,7 @@ def test_quantized_x_layout(planes, monkeypatch):
     K, B = 512, 8 + 32 * planes
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(planes)) * 3
     x[1, :64] = 0  # all-zero blocks: d = 0, codes 0
-    xqs = both_paths(lambda: native.quantize_q8(x, planes), monkeypatch)
+    xqs = both_paths(lambda path: native.quantize_q8(x, planes, path=path), monkeypatch)
     assert xqs[0].shape == (2, native.q8_row_bytes(K, planes)) == (2, K // 32 * B)
     blocks = xqs[0].view(2, K // 32, B)
     d = blocks[..., :4].contiguous().view(torch.float32)[..., 0]  # [2, blocks]
@@ -112,7 +113,7 @@ def test_super_block_layout_of_the_k_quants(monkeypatch):
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(5)) * 3
     x[1, :256] = 0  # an all-zero super-block: d = 0, codes 0
     spec = QuantSpec.ggml("Q4_K", 4, K)
-    xqs = both_paths(lambda: native.quantize_q8(x, 2, spec=spec), monkeypatch)
+    xqs = both_paths(lambda path: native.quantize_q8(x, 2, spec=spec, path=path), monkeypatch)
     assert xqs[0].shape == (2, native.q8_row_bytes(K, 2, spec)) == (2, K // 256 * 580)
     assert native.q8_row_bytes(K, 2, QuantSpec.ggml("Q8_0", 4, K)) == native.q8_row_bytes(K, 2) == K // 32 * 72
     assert native.q8_row_bytes(K, 1, QuantSpec.ggml("Q8_0", 4, K)) == native.q8_row_bytes(K, 1) == K // 32 * 40
@@ -143,7 +144,7 @@ def test_one_plane_super_block_layout_of_the_k_quants(monkeypatch):
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(6)) * 3
     x[1, 256:] = 0
     spec = QuantSpec.ggml("Q6_K", 4, K)
-    xqs = both_paths(lambda: native.quantize_q8(x, 1, spec=spec), monkeypatch)
+    xqs = both_paths(lambda path: native.quantize_q8(x, 1, spec=spec, path=path), monkeypatch)
     assert xqs[0].shape == (2, native.q8_row_bytes(K, 1, spec)) == (2, K // 256 * 324)
     sb = xqs[0].view(2, K // 256, 324)
     d = sb[..., :4].contiguous().view(torch.float32)[..., 0]
@@ -156,7 +157,7 @@ def test_one_plane_super_block_layout_of_the_k_quants(monkeypatch):
     assert torch.equal(bsum, hi.view(2, K // 256, 16, 16).sum(-1).int())
     assert not hi[1, 1].any() and d[1, 1] == 0
     raw = random_stored(spec)
-    ys = both_paths(lambda: native.linear_q8(spec, x, raw, xq=xqs[0], planes=1), monkeypatch)
+    ys = both_paths(lambda path: native.linear_q8(spec, x, raw, xq=xqs[0], planes=1, path=path), monkeypatch)
     assert torch.equal(ys[0], native.linear_q8(spec, x, raw, planes=1))
     paths.same_bits(xqs)
     paths.same_bits(ys)
@@ -189,16 +190,15 @@ def test_bad_inputs_raise_value_errors():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_kernel_runs_int8_at_bf16_and_f16_and_float_at_float32(dtype, monkeypatch):
+def test_the_kernel_runs_int8_at_bf16_and_f16_and_float_at_float32(dtype):
     """(--matmul float32: the bf16 GEMM route of many rows is tests/quant/test_native.py's)"""
-    monkeypatch.setattr(matmul, "_bf16_gemm", False)
     spec = QuantSpec.ggml("Q4_K", 40, 512)
     raw = random_stored(spec, seed=4)
-    k = native_kernel(spec, dtype)
-    scratch = torch.empty(k.scratch_numel)
+    k = StoredLinear(spec, Compute(dtype, bf16_gemm=False))
+    scratch = Scratch()
     for T in (1, Q8_MAX_ROWS, Q8_MAX_ROWS + 1, NATIVE_MAX_ROWS + 1):
         x = torch.randn(T, 512)
-        y = k.linear(x.to(dtype), raw, scratch)
+        y = k(x.to(dtype), raw, scratch)
         xf = x.to(dtype).float()
         if T > NATIVE_MAX_ROWS:  # many rows: dequantize + float32 matmul at every dtype
             want = F.linear(xf, spec.dequantize(raw))
@@ -207,7 +207,7 @@ def test_the_kernel_runs_int8_at_bf16_and_f16_and_float_at_float32(dtype, monkey
         else:
             want = native.linear_q8(spec, xf, raw)
         assert torch.equal(y, want.to(dtype))
-    assert not native_kernel(QuantSpec.mlx(4, 64, 8, 256), torch.bfloat16).int8
+    assert not StoredLinear(QuantSpec.mlx(4, 64, 8, 256), Compute(torch.bfloat16)).int8
 
 
 @pytest.mark.parametrize("planes", [1, 2])
@@ -219,7 +219,7 @@ def test_one_call_expert_is_the_three_projections(T, planes, monkeypatch):
     specs = (QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
     raws = tuple(random_stored(s, seed=k) for k, s in enumerate(specs))
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
-    ys = both_paths(lambda: native.expert_q8(specs, raws, x, planes=planes), monkeypatch)
+    ys = both_paths(lambda path: native.expert_q8(specs, raws, x, planes=planes, path=path), monkeypatch)
     assert ys[0].shape == (T, H)
     g, u = (native.linear_q8(s, x, r, planes=planes) for s, r in zip(specs[:2], raws[:2]))
     # silu in float32 (libm's expf there, torch's exp here: equal to an ulp)
@@ -238,7 +238,7 @@ def test_one_call_expert_is_the_three_projections(T, planes, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float32(dtype, monkeypatch):
-    from sluice.models.experts import EXPERT_Q8_MAX_ROWS, ExpertMath
+    from sluice.models.layers.experts import EXPERT_Q8_MAX_ROWS, ExpertMath
     from sluice.store.base import ExpertBatch
     from sluice.store.layout import ExpertFormat
 
@@ -251,7 +251,7 @@ def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float
     real = native.ExpertCall.__call__
     monkeypatch.setattr(native.ExpertCall, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(EXPERT_Q8_MAX_ROWS, H).to(dtype)
-    y = ExpertMath(dtype, F.silu)(batch, 0, x)
+    y = ExpertMath(Compute(dtype), F.silu)[fmt](batch, 0, x)
     assert y.dtype == dtype and y.shape == (EXPERT_Q8_MAX_ROWS, H)
     parts = (slot[0, :fmt.gate.nbytes], slot[0, fmt.up_offset:fmt.up_offset + fmt.up.nbytes],
              slot[0, fmt.down_offset:fmt.down_offset + fmt.down.nbytes])
@@ -262,20 +262,21 @@ def test_expert_math_runs_one_native_call_at_bf16_and_the_float_kernels_at_float
     else:
         assert calls == [1]
         assert torch.equal(y, one_call((fmt.gate, fmt.up, fmt.down), parts, x.float()).to(dtype))
-        assert ExpertMath(dtype, F.gelu)(batch, 0, x) is not None and calls == [1]  # other activations: 3 calls
+        assert ExpertMath(Compute(dtype), F.gelu)[fmt](batch, 0, x) is not None and calls == [1]  # 3 calls
     x = torch.randn(EXPERT_Q8_MAX_ROWS + 1, H).to(dtype)  # more rows: three kernel calls, not the one call
-    ExpertMath(dtype, F.silu)(batch, 0, x)
+    ExpertMath(Compute(dtype), F.silu)[fmt](batch, 0, x)
     assert len(calls) == (0 if dtype is torch.float32 else 1)
 
 
-def test_the_default_planes_are_read_at_each_call(monkeypatch):
+def test_the_planes_are_each_calls_own():
+    """Two planes unless a call names one (a model names its own: Compute.planes); nothing is read process-wide."""
     spec = QuantSpec.ggml("Q8_0", 8, 64)
     raw, x = random_stored(spec), torch.randn(1, 64)
     two = native.linear_q8(spec, x, raw)
-    assert native.Q8_PLANES == 2 and torch.equal(two, native.linear_q8(spec, x, raw, planes=2))
-    monkeypatch.setattr(native, "Q8_PLANES", 1)  # a benchmark can run llama.cpp's one plane for a whole run
-    assert torch.equal(native.linear_q8(spec, x, raw), native.linear_q8(spec, x, raw, planes=1))
-    assert native.quantize_q8(x).shape == (1, native.q8_row_bytes(64, 1)) == (1, 80)
+    assert torch.equal(two, native.linear_q8(spec, x, raw, planes=2))
+    one = native.linear_q8(spec, x, raw, planes=1)
+    assert not torch.equal(one, two) and torch.equal(native.linear_q8(spec, x, raw), two)
+    assert native.quantize_q8(x, 1).shape == (1, native.q8_row_bytes(64, 1)) == (1, 80)
 
 
 def test_expert_call_is_expert_q8_with_the_checks_done_once():
@@ -301,9 +302,9 @@ def test_expert_call_is_expert_q8_with_the_checks_done_once():
 
 @pytest.fixture
 def c_threads():
-    """native.set_threads(n) for the test (the C pool and the Python one), back to one thread after it."""
-    yield native.set_threads
-    native.set_threads(1)
+    """pool.set_threads(n) for the test (the C pool), back to one thread after it."""
+    yield pool.set_threads
+    pool.set_threads(1)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -318,11 +319,11 @@ def test_linears_q8_are_linear_q8_on_any_thread_count(T, threads, c_threads, mon
     call = native.LinearsQ8(list(zip(specs, raws)))
     every = []
     for planes in (1, 2):
-        outs = both_paths(lambda: call(x, planes=planes), monkeypatch)
+        outs = both_paths(lambda path: call(x, planes=planes, path=path), monkeypatch)
         for y, s, r in zip(outs[0], specs, raws):
             assert y.shape == (T, s.out_features) and y.is_contiguous()
             assert torch.equal(y, native.linear_q8(s, x, r, planes=planes))
-        bf16 = both_paths(lambda: call(x, planes=planes, out_dtype=torch.bfloat16), monkeypatch)
+        bf16 = both_paths(lambda path: call(x, planes=planes, out_dtype=torch.bfloat16, path=path), monkeypatch)
         for y, b in zip(outs[0], bf16[0]):  # rounded in C as .to rounds
             assert b.dtype == torch.bfloat16 and torch.equal(b, y.to(torch.bfloat16))
         every += [outs, bf16]
@@ -355,9 +356,9 @@ def test_experts_in_one_call_are_each_expert_q8(T, threads, c_threads, monkeypat
         call(slots[e], x, want[e])
     every = []
     for order in ([0, 1, 2, 3, 4], [3], [4, 0, 2]):
-        def run():
+        def run(path):
             ys = torch.full((6, T, H), float("nan"))
-            call.many(slots, order, x, ys, [e + 1 for e in order])  # expert e into row e + 1
+            call.many(slots, order, x, ys, [e + 1 for e in order], path=path)  # expert e into row e + 1
             return ys
         rows = [e + 1 for e in order]
         outs = both_paths(run, monkeypatch)
@@ -392,7 +393,7 @@ def test_the_largest_min_terms_are_exact_on_both_paths(name, planes, monkeypatch
     w = spec.dequantize(raw)
     every = []
     for x in (torch.ones(2, 1024), -torch.ones(2, 1024)):
-        every.append(both_paths(lambda: native.linear_q8(spec, x, raw, planes=planes), monkeypatch))
+        every.append(both_paths(lambda path: native.linear_q8(spec, x, raw, planes=planes, path=path), monkeypatch))
         assert rel_l2(every[-1][0], x, w) <= (1e-2 if planes == 1 else 1e-4)
     for ys in every:
         paths.same_bits(ys)
@@ -405,8 +406,8 @@ def test_the_prefetch_distance_does_not_change_the_bits():
     try:
         ys = []
         for nbytes in (0, 64, 2048, 1 << 20):
-            native.set_prefetch(nbytes)
+            native.q8.set_prefetch(nbytes)
             ys.append(native.linear_q8(spec, x, raw))
     finally:
-        native.set_prefetch(2048)
+        native.q8.set_prefetch(2048)
     assert all(torch.equal(ys[0], y) for y in ys)

@@ -1,4 +1,4 @@
-"""Resident projections kept in their GGUF blocks (quant/resident.py QuantLinear): the kernels each row count runs,
+"""Resident projections kept in their GGUF blocks (quant/linear.py QuantLinear): the kernels each row count runs,
 the models that keep them, and the memory the plan counts for them."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import sluice
 from sluice import cli
 from sluice.quant.tensor import read_tensor
-from sluice.quant import native, resident
-from sluice.quant.kernels import QuantSpec
-from sluice.quant.native.kernel import NATIVE_MAX_ROWS, Q8_MAX_ROWS
-from sluice.quant.resident import QuantLinear
+from sluice.quant import linear, native
+from sluice.quant.compute import Compute
+from sluice.quant.linear import NATIVE_MAX_ROWS, Q8_MAX_ROWS, QuantLinear
+from sluice.quant.spec import QuantSpec
 from tests.quant.samples import random_stored
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model
@@ -36,17 +36,16 @@ def _x(T: int, k: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture
 def threads():
-    """native.set_threads(n) for the test, back to one thread after it."""
+    """native.set_threads(n) (the C pool) for the test, back to one thread after it."""
     yield native.set_threads
     native.set_threads(1)
 
 
 @built
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
-def test_few_rows_run_the_integer_path_bitwise_for_any_split(spec, threads, monkeypatch):
-    monkeypatch.setattr(resident, "SPLIT_MIN_WEIGHTS", 0)  # split these small weights too
+def test_few_rows_run_the_integer_path_bitwise_for_any_split(spec, threads):
     raw = random_stored(spec, seed=1)
-    w = QuantLinear(spec, raw, torch.bfloat16)
+    w = QuantLinear(spec, raw, Compute(torch.bfloat16))
     assert w.shape == (37, spec.in_features) and w.nbytes == spec.nbytes
     assert torch.equal(w.dequantize(), spec.dequantize(raw))
     assert torch.equal(w.dequantize((5, 20)), spec.dequantize(raw)[5:20])
@@ -65,9 +64,8 @@ def test_few_rows_run_the_integer_path_bitwise_for_any_split(spec, threads, monk
 @built
 @pytest.mark.parametrize("spec", SPECS[2:4], ids=lambda s: s.name)
 def test_more_rows_run_the_float_row_kernel_then_blocks_of_dequantized_weights(spec, threads, monkeypatch):
-    monkeypatch.setattr(resident, "SPLIT_MIN_WEIGHTS", 0)
     raw = random_stored(spec, seed=2)
-    w = QuantLinear(spec, raw, torch.float16)
+    w = QuantLinear(spec, raw, Compute(torch.float16))
     exact = spec.dequantize(raw)  # [37, in] float32
     x = _x(NATIVE_MAX_ROWS, spec.in_features)
     want = native.linear(spec, x, raw)
@@ -79,8 +77,8 @@ def test_more_rows_run_the_float_row_kernel_then_blocks_of_dequantized_weights(s
     assert torch.equal(w.linear(x, out_dtype=torch.float32), F.linear(x, exact))  # one block: the same computation
     bias = torch.randn(37).half()
     assert torch.equal(w.linear(x.half(), bias), (F.linear(x.half().float(), exact) + bias.float()).half())
-    monkeypatch.setattr(resident, "SCRATCH_BYTES", 5 * 4 * spec.in_features)  # blocks of 5 rows: 8 blocks
-    w = QuantLinear(spec, raw, torch.float16)  # a fresh scratch
+    monkeypatch.setattr(linear, "SCRATCH_BYTES", 5 * 4 * spec.in_features)  # blocks of 5 rows: 8 blocks
+    w = QuantLinear(spec, raw, Compute(torch.float16))  # a fresh scratch
     y = w.linear(x, out_dtype=torch.float32)
     check_close(y, x, exact)  # within float32 dot-product error of the exact weights
     assert w.scratch.get(0).untyped_storage().nbytes() == 4 * 5 * spec.in_features  # never more than one block
@@ -90,9 +88,9 @@ def test_more_rows_run_the_float_row_kernel_then_blocks_of_dequantized_weights(s
 def test_bad_bytes_or_formats_are_refused():
     spec = SPECS[0]
     with pytest.raises(ValueError, match="stored bytes"):
-        QuantLinear(spec, torch.zeros(spec.nbytes - 1, dtype=torch.uint8), torch.bfloat16)
+        QuantLinear(spec, torch.zeros(spec.nbytes - 1, dtype=torch.uint8), Compute(torch.bfloat16))
     with pytest.raises(ValueError, match="q8_supported"):
-        QuantLinear(QuantSpec.mlx(4, 32, 8, 64), torch.zeros(1, dtype=torch.uint8), torch.bfloat16)
+        QuantLinear(QuantSpec.mlx(4, 32, 8, 64), torch.zeros(1, dtype=torch.uint8), Compute(torch.bfloat16))
 
 
 # -- models ----------------------------------------------------------------------------------------------------------

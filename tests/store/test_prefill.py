@@ -17,7 +17,7 @@ import torch
 import sluice
 from sluice import cli
 from sluice.quant.matmul import packable
-from sluice.models import blocks
+from sluice.models.layers import experts, moe
 from sluice.host.memory import MemoryRoom
 from sluice.options import LoadOptions
 from sluice.plan import plan
@@ -202,7 +202,7 @@ def _rows_independent(spec) -> bool:
 
 @pytest.mark.parametrize("memory", ["all", "stream"])
 def test_padding_the_gemm_rows_changes_no_bits(model_dir, resident, memory, monkeypatch):
-    """Under bf16 GEMMs an expert's 16+ rows run padded to a multiple of blocks.GEMM_ROW_STEP (oneDNN builds kernels
+    """Under bf16 GEMMs an expert's 16+ rows run padded to a multiple of experts.GEMM_ROW_STEP (oneDNN builds kernels
     per row count). Where this CPU's GEMM gives a row the same bits whatever the row count (_rows_independent: here,
     a 2-core AVX512_BF16 EPYC), the logits are bitwise those of unpadded rows; elsewhere (another kernel per row
     count) they differ by the GEMM's rounding only. Streamed and resident runs pad alike, so they agree either way
@@ -210,13 +210,14 @@ def test_padding_the_gemm_rows_changes_no_bits(model_dir, resident, memory, monk
     _, _, resident_bytes, expert, spec = resident
     budget = "all" if memory == "all" else resident_bytes + spec.top_k * expert
     prompt = LONG[:300]  # ~75 rows per expert (8 experts, top 2): padded
-    out, rows, step_in_use = [], [], blocks.GEMM_ROW_STEP
+    out, rows, step_in_use = [], [], moe.GEMM_ROW_STEP
+    call = experts.GluMath.__call__
     for step in (step_in_use, 1):
-        monkeypatch.setattr(blocks, "GEMM_ROW_STEP", step)
+        monkeypatch.setattr(moe, "GEMM_ROW_STEP", step)
         with sluice.load(model_dir, memory=budget, matmul="bf16") as m:
             seen: list[int] = []
-            run = m.model._expert
-            m.model._expert = lambda batch, j, x: (seen.append(x.shape[0]), run(batch, j, x))[1]
+            monkeypatch.setattr(experts.GluMath, "__call__",
+                                lambda self, batch, j, x: (seen.append(x.shape[0]), call(self, batch, j, x))[1])
             out.append(m.logits(prompt))
         rows.append(seen)
     padded, plain = rows

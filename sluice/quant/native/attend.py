@@ -6,7 +6,7 @@
 
 The queries sit at positions pos .. pos + T - 1 and see the keys 0 .. their own position; query head h reads kv head
 h // (nH // nKV). Scores are float32 sums of bf16 products times D^-0.5, the softmax runs online per block of 64
-keys, the probabilities are rounded to bf16 before they weight v (as matmul.sdpa's bf16 dot products round them),
+keys, the probabilities are rounded to bf16 before they weight v (as quant/matmul.py sdpa's bf16 dot products round them),
 and the result is rounded to bf16 once. Against a float64 reference it is about as close as matmul.sdpa (relative
 error 1.7e-3 - 2.0e-3 against its 1.6e-3 on random inputs; tests/quant/test_attend.py bounds it at 1.3x sdpa's) in
 less than half its time: 2,048 tokens, 8 / 2 heads of 128, 13.3-13.6 vs 28.4-30.1 ms
@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from . import _LIB
+from ._lib import LIB as _LIB
 
 if _LIB is not None:
     _i64 = ctypes.c_int64

@@ -20,7 +20,7 @@
 #endif
 
 /* The `scalar` argument of every entry point caps the vector code a call may run, so that one CPU tests each path
- * (the Python side's test hooks FORCE_SCALAR and AVX2_ONLY, native._path): 0 the best this CPU has, 1 the portable C
+ * (the Python side passes the model's Compute.path, LoadOptions.isa; tests pass each): 0 the best this CPU has, 1 the portable C
  * only, 2 at most AVX2 (no AVX-512 path: what an AVX2-only CPU runs). */
 #define SLUICE_PATH_SCALAR 1
 #define SLUICE_PATH_AVX2 2
@@ -126,9 +126,10 @@ void keep_give(uint8_t *p, int owned);
 uint8_t *thread_scratch(size_t n);
 
 /* ops.c, also called by decode.c */
-void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out);
+void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out,
+                          int scalar);
 void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const uint16_t *x, int64_t sh, int64_t st,
-                      const uint16_t *cos, const uint16_t *sin, uint16_t *out);
+                      const uint16_t *cos, const uint16_t *sin, uint16_t *out, int scalar);
 
 #if SLUICE_X86
 #include <immintrin.h>

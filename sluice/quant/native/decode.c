@@ -124,20 +124,20 @@ void sluice_attend_bf16(int64_t nH, int64_t nKV, int64_t D, int64_t rot, uint16_
                         int64_t pos, int64_t lo, const float *sinks, uint16_t *rq, float *scratch, uint16_t *out,
                         int scalar) {
     if (norm_mode == 2) {
-        sluice_rms_norm_bf16(1, nH * D, q, qn, eps, q);
-        sluice_rms_norm_bf16(1, nKV * D, k, kn, eps, k);
+        sluice_rms_norm_bf16(1, nH * D, q, qn, eps, q, scalar);
+        sluice_rms_norm_bf16(1, nKV * D, k, kn, eps, k, scalar);
     }
     if (clip >= 0.0f) {
         clip_bf16(q, nH * D, clip);
         clip_bf16(k, nKV * D, clip);
     }
     if (norm_mode == 1) {
-        sluice_rms_norm_bf16(nH, D, q, qn, eps, q);
-        sluice_rms_norm_bf16(nKV, D, k, kn, eps, k);
+        sluice_rms_norm_bf16(nH, D, q, qn, eps, q, scalar);
+        sluice_rms_norm_bf16(nKV, D, k, kn, eps, k, scalar);
     }
     uint16_t *rk = rq + nH * D;
-    sluice_rope_bf16(nH, 1, D, rot, q, D, 0, cos + pos * rot, sin + pos * rot, rq);
-    sluice_rope_bf16(nKV, 1, D, rot, k, D, 0, cos + pos * rot, sin + pos * rot, rk);
+    sluice_rope_bf16(nH, 1, D, rot, q, D, 0, cos + pos * rot, sin + pos * rot, rq, scalar);
+    sluice_rope_bf16(nKV, 1, D, rot, k, D, 0, cos + pos * rot, sin + pos * rot, rk, scalar);
     for (int64_t g = 0; g < nKV; g++) {  /* v is clipped on its way into the cache (the caller's v is kept) */
         memcpy(cv + g * sh + pos * sp, v + g * D, 2 * D);
         if (clip >= 0.0f) clip_bf16(cv + g * sh + pos * sp, D, clip);

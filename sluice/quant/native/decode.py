@@ -5,7 +5,8 @@
     out = layer(q, k, v, pos, lo)                           # [1, nH * D] bf16; k and v written to the caches
     probs = router_probs_bf16(x, router)                    # softmax(F.linear(x, router)) in float32, [1, E]
 
-models/blocks.py calls them for a bf16 decode step (T == 1); everything else keeps the torch code. What they
+models/layers/attention.py and moe.py call them for a bf16 decode step (T == 1); everything else keeps the torch
+code. What they
 compute, and how it compares with the torch expressions, is in decode.c's header.
 """
 
@@ -15,8 +16,7 @@ import ctypes
 
 import torch
 
-from .. import native
-from . import _LIB
+from ._lib import BEST, LIB as _LIB
 
 if _LIB is not None:
     _i64, _ptr, _i32, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -44,17 +44,19 @@ class DecodeAttention:
     rope; float32 scores for max_context positions per head, committed only as far as they are written) and the
     rope tables; `layer` checks a layer's constant arguments once and returns its call."""
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor):
-        """cos / sin: the rope tables, bf16 [max_context, rot] (models/rope.py rope_table)."""
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, *,
+                 path: int = BEST):
+        """cos / sin: the rope tables, bf16 [max_context, rot] (models/rope.py rope_table); path: the model's
+        Compute.path (native/_lib.py)."""
         if _LIB is None:
-            raise RuntimeError("DecodeAttention needs the native extension (sluice.quant.native.native_available())")
+            raise RuntimeError("DecodeAttention needs the native extension (sluice.quant.native.available())")
         P, rot = cos.shape
         if n_heads % n_kv_heads or rot % 2 or rot > head_dim:
             raise ValueError(f"DecodeAttention: n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads} and "
                              f"rot {rot} even and <= head_dim {head_dim}")
         _bf16(cos, "cos", P * rot), _bf16(sin, "sin", P * rot)
         self.nH, self.nKV, self.D, self.rot, self.max_context = n_heads, n_kv_heads, head_dim, rot, P
-        self.cos, self.sin = cos, sin
+        self.cos, self.sin, self.path = cos, sin, path
         self.rq = torch.empty((n_heads + n_kv_heads) * head_dim, dtype=torch.bfloat16)
         self.scratch = torch.empty(n_heads * (P + head_dim), dtype=torch.float32)
 
@@ -104,20 +106,18 @@ class LayerAttention:
         if not 0 <= lo <= pos < a.max_context:
             raise ValueError(f"DecodeAttention: need 0 <= lo {lo} <= pos {pos} < max_context {a.max_context}")
         out = torch.empty(1, nH * D, dtype=torch.bfloat16)
-        native._sync_ops()  # its norms and rope are ops.c's: FORCE_SCALAR reaches them too
         _LIB.sluice_attend_bf16(nH, nKV, D, a.rot, _bf16(q, "q", nH * D), _bf16(k, "k", nKV * D),
                                 _bf16(v, "v", nKV * D), *self._args, pos, lo, self._sinks, a.rq.data_ptr(),
-                                a.scratch.data_ptr(), out.data_ptr(), native._path())
+                                a.scratch.data_ptr(), out.data_ptr(), a.path)
         return out
 
 
-def router_probs_bf16(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+def router_probs_bf16(x: torch.Tensor, router: torch.Tensor, *, path: int = BEST) -> torch.Tensor:
     """softmax(F.linear(x, router), dtype=float32) for one bf16 token x [1, H] and a bf16 router [E, H] in one call
     (decode.c): float32 [1, E]. The logits are rounded to bf16 as F.linear's are, but summed in another order, so
     one may land a bf16 step from torch's; equal logits give equal probabilities, so torch.topk over these resolves
     ties as it does over torch's."""
     E, H = router.shape
     probs = torch.empty(1, E, dtype=torch.float32)
-    _LIB.sluice_router_probs_bf16(E, H, _bf16(x, "x", H), _bf16(router, "router", E * H), probs.data_ptr(),
-                                  native._path())
+    _LIB.sluice_router_probs_bf16(E, H, _bf16(x, "x", H), _bf16(router, "router", E * H), probs.data_ptr(), path)
     return probs

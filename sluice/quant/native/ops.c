@@ -5,10 +5,9 @@
 
 #include "common.h"
 
-static int ops_scalar; /* sluice_ops_scalar: common.h's path cap */
-
-/* whether the AVX2 copies below run (the CPU has them and the test hook does not ask for the portable loops) */
-static inline int ops_simd(void) { return SLUICE_X86 && sluice_avx2_ok(ops_scalar) && sluice_simd(); }
+/* whether the AVX2 copies below run: the CPU has them and the caller's path cap (common.h; the model's
+ * LoadOptions.isa) does not ask for the portable loops */
+static inline int ops_simd(int scalar) { return SLUICE_X86 && sluice_avx2_ok(scalar) && sluice_simd(); }
 
 /* The weighted sum of a token's expert outputs into out (bf16 [H], added to what it holds), in the order given:
  * for j = 0..n-1, out = bf16(out + bf16(p_j)) with p_j = bf16(ys[j]) * w[at[j]] (w bf16: the product rounded to
@@ -39,6 +38,7 @@ typedef struct {
     int w_f32;
     const int64_t *at;
     uint16_t *out;
+    int scalar;
 } combine_rows_job;
 
 #define COMBINE_ROWS 32 /* tokens per pool task */
@@ -72,7 +72,7 @@ static void combine_rows_task(void *c, int64_t i) {
             float wa = j->w_f32 ? ((const float *)j->w)[a] : bf16_float(((const uint16_t *)j->w)[a]);
             const uint16_t *y = j->ys + a * j->H;
 #if SLUICE_X86
-            if (ops_simd()) {
+            if (ops_simd(j->scalar)) {
                 add_scaled_row_avx2(o, y, wa, j->H);
                 continue;
             }
@@ -83,8 +83,8 @@ static void combine_rows_task(void *c, int64_t i) {
 }
 
 void sluice_combine_rows_bf16(int64_t T, int64_t K, int64_t H, const uint16_t *ys, const void *w, int w_f32,
-                              const int64_t *at, uint16_t *out) {
-    combine_rows_job j = {T, K, H, ys, w, w_f32, at, out};
+                              const int64_t *at, uint16_t *out, int scalar) {
+    combine_rows_job j = {T, K, H, ys, w, w_f32, at, out, scalar};
     pool_run(combine_rows_task, &j, (T + COMBINE_ROWS - 1) / COMBINE_ROWS);
 }
 
@@ -142,6 +142,7 @@ typedef struct {
     const uint16_t *x, *w;
     float eps;
     uint16_t *out;
+    int scalar;
 } rms_job;
 
 #define OPS_TASK_ELEMS 32768 /* elements per pool task: enough work to be worth another thread */
@@ -151,7 +152,7 @@ static void rms_task(void *c, int64_t i) {
     int64_t r1 = (i + 1) * j->per_task < j->rows ? (i + 1) * j->per_task : j->rows;
     for (int64_t r = i * j->per_task; r < r1; r++) {
 #if SLUICE_X86
-        if (ops_simd()) {
+        if (ops_simd(j->scalar)) {
             rms_norm_row_avx2(j->x + r * j->n, j->w, j->n, j->eps, j->out + r * j->n);
             continue;
         }
@@ -160,9 +161,10 @@ static void rms_task(void *c, int64_t i) {
     }
 }
 
-void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out) {
+void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out,
+                          int scalar) {
     int64_t per = n > 0 && OPS_TASK_ELEMS / n > 1 ? OPS_TASK_ELEMS / n : 1;
-    rms_job j = {rows, n, per, x, w, eps, out};
+    rms_job j = {rows, n, per, x, w, eps, out, scalar};
     pool_run(rms_task, &j, (rows + per - 1) / per);
 }
 
@@ -197,11 +199,12 @@ AVX2 static int64_t rope_span_avx2(const uint16_t *xr, const uint16_t *c, const 
 }
 #endif
 
-static void rope_row(const uint16_t *xr, const uint16_t *c, const uint16_t *s, uint16_t *o, int64_t D, int64_t rot) {
+static void rope_row(const uint16_t *xr, const uint16_t *c, const uint16_t *s, uint16_t *o, int64_t D, int64_t rot,
+                     int scalar) {
     const int64_t half = rot / 2;
     int64_t d = 0, e = half;
 #if SLUICE_X86
-    if (ops_simd()) {
+    if (ops_simd(scalar)) {
         d = rope_span_avx2(xr, c, s, o, 0, half, half, 1);
         e = rope_span_avx2(xr, c, s, o, half, rot, -half, 0);
     }
@@ -215,6 +218,7 @@ typedef struct {
     int64_t heads, T, D, rot, sh, st, per_task;
     const uint16_t *x, *cos, *sin;
     uint16_t *out;
+    int scalar;
 } rope_job;
 
 static void rope_task(void *c, int64_t i) {
@@ -223,16 +227,13 @@ static void rope_task(void *c, int64_t i) {
     for (int64_t r = i * j->per_task; r < r1; r++) {
         int64_t h = r / j->T, t = r % j->T;
         rope_row(j->x + h * j->sh + t * j->st, j->cos + t * j->rot, j->sin + t * j->rot, j->out + r * j->D, j->D,
-                 j->rot);
+                 j->rot, j->scalar);
     }
 }
 
 void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const uint16_t *x, int64_t sh, int64_t st,
-                      const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
+                      const uint16_t *cos, const uint16_t *sin, uint16_t *out, int scalar) {
     int64_t per = D > 0 && OPS_TASK_ELEMS / D > 1 ? OPS_TASK_ELEMS / D : 1;
-    rope_job j = {heads, T, D, rot, sh, st, per, x, cos, sin, out};
+    rope_job j = {heads, T, D, rot, sh, st, per, x, cos, sin, out, scalar};
     pool_run(rope_task, &j, (heads * T + per - 1) / per);
 }
-
-/* test hook: 1 runs the portable loops above even where AVX2 is available (the same bits) */
-void sluice_ops_scalar(int scalar) { ops_scalar = scalar; }

@@ -2,7 +2,8 @@
 "int8" where the CPU has AVX512-VNNI.
 
     from sluice.quant.native import prompt
-    prompt.available()                         # the extension is built and this CPU has AVX512-VNNI
+    prompt.available()                         # the extension is built and this CPU has AVX512-VNNI (Compute.int8_prompt
+                                               # decides whether a model takes these kernels)
     prompt.supported(spec)                     # a Q4_K projection whose in_features is a multiple of 256
     prompt.linears([(spec, raw, out), ...], x) # out_a float32 [T, N_a] (views with a row stride allowed) = x @ W_a^T
     prompt.expert((gate, raw), (up, raw), (down, raw), x, out)   # out bf16 [T, H] = down(silu(gate x) * up x)
@@ -12,7 +13,7 @@
 x (float32 or bf16 [T, K]) is coded once per call as llama.cpp's Q8_K codes it (8 bits per value, one scale per 256
 values: to 1/127 of each 256-block's largest value), the products summed in integers per 32-value sub-block and
 scaled in float32 in a fixed order, so every output element has the same bits whichever thread ran it, whatever T
-and on the portable path (FORCE_SCALAR) too. Against a bf16 GEMM on the dequantized weights it trades precision
+and on the portable path too. Against a bf16 GEMM on the dequantized weights it trades precision
 (0.5-1% relative error per projection instead of ~0.2%) for time: one peers expert's [256 x 1024] @ [1024 x 1024]
 gate / up 0.450 ms against 0.718 to dequantize and multiply in bf16 (0.612 for the GEMM alone), its [256 x 512] @
 [512 x 1024] down 0.230 against 0.379 (`.venv/bin/python benchmarks/prefill/knobs.py gemm`, 2 threads). Q6_K (a
@@ -25,8 +26,8 @@ import ctypes
 
 import torch
 
-from ..kernels import QuantSpec
-from . import _LIB, _desc
+from ..spec import QuantSpec
+from ._lib import BEST, LIB as _LIB, desc as _desc, need
 
 if _LIB is not None:
     _LIB.sluice_prompt_vnni.restype = ctypes.c_int
@@ -53,28 +54,17 @@ def available() -> bool:
     return _LIB is not None and bool(_LIB.sluice_prompt_vnni())
 
 
-def wanted(dtype: torch.dtype, planes: int | None) -> bool:
-    """Whether a prompt's many rows take these kernels: activations coded in one 8-bit plane (planes 1, None meaning
-    native.Q8_PLANES: LoadOptions.activations "int8") at the bf16 compute dtype, where they run fast (available(), and
-    no LoadOptions.isa cap)."""
-    from . import Q8_PLANES, isa_capped
-
-    return (planes or Q8_PLANES) == 1 and dtype is torch.bfloat16 and available() and not isa_capped()
-
-
 def supported(spec: QuantSpec) -> bool:
     """Whether prompt.c computes this projection: GGUF Q4_K with in_features a multiple of 256."""
     return spec.family == "ggml" and spec.name == "Q4_K" and spec.in_features % 256 == 0
 
 
-def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: torch.Tensor) -> None:
+def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: torch.Tensor, *,
+            path: int = BEST) -> None:
     """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K projections sharing x [T, K] (float32 or bf16,
     contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
     output is fine). x is coded once; the tiles of all projections run over the native pool."""
-    from . import _path
-
-    if _LIB is None:
-        raise RuntimeError("the native kernels are not built (native_available() is False)")
+    need()
     if not 1 <= len(projections) <= 4:
         raise ValueError(f"prompt.linears takes 1 to 4 projections, got {len(projections)}")
     if not (isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
@@ -98,7 +88,7 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
         _, n, _, q, row_bytes, *_ = _desc(spec, raw)
         vals += (n, q, row_bytes, out.data_ptr(), out.stride(0))
     rc = _LIB.sluice_prompt_q4k(len(projections), (ctypes.c_int64 * len(vals))(*vals), k, x.data_ptr(),
-                                int(x.dtype is torch.bfloat16), t, _path())
+                                int(x.dtype is torch.bfloat16), t, path)
     if rc == -1:
         raise MemoryError(f"prompt.linears: no memory for the packed weights and the [{t} x {k}] codes")
     if rc:
@@ -121,37 +111,31 @@ class Coded:
         self.data, self.rows, self.cols = data, rows, cols
 
 
-def code(x: torch.Tensor) -> Coded:
+def code(x: torch.Tensor, *, path: int = BEST) -> Coded:
     """x bf16 [T, K] (contiguous, K a multiple of 256) coded as every call here codes its x, once: each row's bytes
     are those coding the row alone gives, so an expert on some of these rows (expert(..., rows=)) computes the same
     bits as on those rows of x."""
-    from . import _path
-
-    if _LIB is None:
-        raise RuntimeError("the native kernels are not built (native_available() is False)")
+    need()
     if not (isinstance(x, torch.Tensor) and x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_cpu
             and x.is_contiguous() and x.shape[1] % 256 == 0):
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"prompt.code: x must be a contiguous CPU bf16 [T, K] tensor, K a multiple of 256, got {got}")
     t, k = x.shape
     data = torch.empty(_LIB.sluice_prompt_code_bytes(t, k), dtype=torch.uint8)
-    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), _path()):
+    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), path):
         raise ValueError(f"prompt.code: the kernel refused x [{t}, {k}]")
     return Coded(data, t, k)
 
 
 def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tensor] | None,
            down: tuple[QuantSpec, torch.Tensor] | None, x: "torch.Tensor | Coded", out: torch.Tensor,
-           rows: torch.Tensor | None = None) -> None:
+           rows: torch.Tensor | None = None, *, path: int = BEST) -> None:
     """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K; up None
     when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K down on it coded again, its
     rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I] instead (for
     a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
     it), the expert runs on those rows of the coded x, the same bits as on those rows of x itself."""
-    from . import _path
-
-    if _LIB is None:
-        raise RuntimeError("the native kernels are not built (native_available() is False)")
+    need()
     if isinstance(x, Coded):
         if not (isinstance(rows, torch.Tensor) and rows.dtype is torch.int64 and rows.dim() == 1
                 and rows.is_contiguous() and rows.is_cpu):
@@ -176,9 +160,9 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
     y, hh = (out.data_ptr(), None) if down is not None else (None, out.data_ptr())
     if isinstance(x, Coded):
         rc = _LIB.sluice_prompt_expert_coded(*g, *u, *d, h, i, None, x.data.data_ptr(), x.rows, rows.data_ptr(), t,
-                                             y, hh, _path())
+                                             y, hh, path)
     else:
-        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, _path())
+        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, path)
     if rc == -1:
         raise MemoryError(f"prompt.expert: no memory for a [{t} x {h}] expert's scratch")
     if rc:

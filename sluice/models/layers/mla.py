@@ -25,10 +25,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import blocks  # its rms_norm (blocks imports this module: modules, not names, are imported)
-from .linear import linear
-from .rope import apply_rope
-from .spec import LayerWeights, MLASpec
+from ...quant.native import BEST
+from ..linear import linear
+from ..rope import apply_rope
+from ..spec import LayerWeights, MLASpec
+from .build import Build, Step
+from .norm import rms_norm
 
 # q_a_layernorm / kv_a_layernorm: transformers (and DeepSeek's reference code) build them with RMSNorm's default eps,
 # not config.json's rms_norm_eps
@@ -96,25 +98,41 @@ def _expanded(m: MLASpec, q_nope: torch.Tensor, q_rot: torch.Tensor, seen: torch
 
 def latent_attention(m: MLASpec, n_heads: int, lw: LayerWeights, x: torch.Tensor, cache: torch.Tensor, pos: int,
                      mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                     absorb: bool | None = None) -> torch.Tensor:
+                     absorb: bool | None = None, bf16: bool = False, path: int = BEST) -> torch.Tensor:
     """One latent attention layer on x [T, H] at positions pos..pos+T-1 -> [T, H]; writes the latent and rope key
     of the T positions into `cache` [P, r + R] (this layer's slice of KVCache.latent). `mask` [T, pos+T] (True =
-    attend) or None; cos/sin [T, R] for these positions. `absorb`: the form to use (None: `absorbs` decides)."""
+    attend) or None; cos/sin [T, R] for these positions. `absorb`: the form to use (None: `absorbs` decides).
+    bf16 / path: the model's Compute.bf16_gemm / Compute.path."""
     w = lw.mla
     T, nH = x.shape[0], n_heads
     N, R, V, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
     if w.q is not None:
-        q = linear(x, w.q)  # [T, nH*(N+R)]
+        q = linear(x, w.q, None, bf16)  # [T, nH*(N+R)]
     else:
-        q = linear(blocks.rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LORA_NORM_EPS), w.q_b)
+        q = linear(rms_norm(linear(x, w.q_a, w.q_a_bias, bf16), w.q_a_norm, LORA_NORM_EPS, path), w.q_b, None, bf16)
     q_nope, q_rot = q.view(T, nH, N + R).transpose(0, 1).split([N, R], dim=-1)  # [nH, T, N], [nH, T, R]
-    latent, k_rot = linear(x, w.kv_a, w.kv_a_bias).split([r, R], dim=-1)  # [T, r], [T, R]
-    rotate = rope_interleaved if m.rope_interleave else apply_rope
+    latent, k_rot = linear(x, w.kv_a, w.kv_a_bias, bf16).split([r, R], dim=-1)  # [T, r], [T, R]
+    rotate = rope_interleaved if m.rope_interleave else (lambda t, c, s_: apply_rope(t, c, s_, path))
     q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[None], cos, sin)[0]
-    cache[pos : pos + T, :r] = blocks.rms_norm(latent, w.kv_a_norm, LORA_NORM_EPS)
+    cache[pos : pos + T, :r] = rms_norm(latent, w.kv_a_norm, LORA_NORM_EPS, path)
     cache[pos : pos + T, r:] = k_rot
     seen = cache[: pos + T]  # [S, r + R]
     if absorb is None:
         absorb = absorbs(m, nH, T, pos + T, x.element_size())
     out = (_absorbed if absorb else _expanded)(m, q_nope, q_rot, seen, w.kv_b.view(nH, N + V, r), mask)
-    return linear(out.transpose(0, 1).reshape(T, nH * V), lw.o, lw.o_bias)
+    return linear(out.transpose(0, 1).reshape(T, nH * V), lw.o, lw.o_bias, bf16)
+
+
+class LatentAttention:
+    """The latent attention mixer of layer L (Spec.mla): x [T, H] -> [T, H] over its slice of KVCache.latent."""
+
+    def __init__(self, b: Build, L: int):
+        s, c = b.spec, b.compute
+        self.m, self.n_heads, self.lw, self.window = s.mla, s.n_heads, b.w.layers[L], s.sliding_window[L]
+        self.cache, self.cos, self.sin = b.cache.latent[L], b.cos, b.sin
+        self.bf16, self.path = c.bf16_gemm, c.path
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        pos, T = step.pos, x.shape[0]
+        return latent_attention(self.m, self.n_heads, self.lw, x, self.cache, pos, step.mask(self.window),
+                                self.cos[pos : pos + T], self.sin[pos : pos + T], bf16=self.bf16, path=self.path)

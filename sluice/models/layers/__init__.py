@@ -1,0 +1,32 @@
+"""The modules a decoder layer is composed of, one concern each, composed by each architecture file (`layers(b)`):
+
+    build.py      Build (what modules are built from, the model-wide choices), Kernels, Step (one forward pass)
+    residual.py   PreNorm: the residual rule, x + mixer(norm(x)), x + ffn(norm(x))
+    attention.py  Attention: grouped-query attention over a KV cache (its decode / prompt cores chosen at build)
+    sinks.py      attention sinks (gpt-oss), a core of Attention
+    mla.py        LatentAttention: multi-head latent attention over a latent cache (deepseek_v3)
+    moe.py        MoE: router, the routed experts from the store, the shared expert
+    dense.py      DenseMLP: a dense gated MLP (dense layers, shared experts)
+    experts.py    the experts' math per stored format (GluMath, BiasedGluMath)
+    norm.py       rms_norm
+
+A new layer kind is a new module here plus the architecture that composes it, and their tests.
+"""
+
+from __future__ import annotations
+
+from .attention import Attention
+from .build import Build, Kernels, Step
+from .dense import DenseMLP, dense
+from .mla import LatentAttention
+from .moe import MoE, moe
+from .residual import PreNorm
+
+
+def moe_or_dense(b: Build, L: int):
+    """Layer L's feed-forward block: the MoE block on a sparse layer (moe_layers), else its dense MLP."""
+    return moe(b, L) if b.spec.moe_layers[L] else dense(b, L)
+
+
+__all__ = ["Attention", "Build", "DenseMLP", "Kernels", "LatentAttention", "MoE", "PreNorm", "Step", "dense", "moe",
+           "moe_or_dense"]

@@ -1,0 +1,30 @@
+"""The residual rule of a decoder layer: pre-norm, x + mixer(norm(x)) then x + ffn(norm(x)), every architecture here
+(hyper-connections, several residual streams mixed into the block input, would be another rule beside this one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .build import Build, Step
+from .norm import rms_norm
+
+Block = Callable[[torch.Tensor, Step], torch.Tensor]  # a mixer or a feed-forward block: (x [T, H], step) -> [T, H]
+
+
+class PreNorm:
+    """One decoder layer: its mixer and its feed-forward block, each behind an RMSNorm and a residual add. Between
+    them the step's `after_mixer` (the model's read-ahead of the next MoE layer's experts) sees the residual."""
+
+    def __init__(self, b: Build, L: int, mixer: Block, ffn: Block):
+        lw = b.w.layers[L]
+        self.L, self.mixer, self.ffn = L, mixer, ffn
+        self.input_norm, self.post_norm = lw.input_norm, lw.post_norm
+        self.eps, self.path = b.spec.rms_norm_eps, b.compute.path
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        x = x + self.mixer(rms_norm(x, self.input_norm, self.eps, self.path), step)
+        if step.after_mixer is not None:
+            step.after_mixer(self.L, x, step)
+        return x + self.ffn(rms_norm(x, self.post_norm, self.eps, self.path), step)

@@ -1,0 +1,78 @@
+"""The decoder-only MoE model: token embeddings, the layers its architecture composes (models/<model_type>.py
+`layers(b)` from the modules of models/layers/), the final norm and the head.
+
+Weights are plain tensors held in dataclasses (llama2.c style, spec.py), or a GGUF file's projections kept in their
+stored blocks (quant/linear.py QuantLinear); expert weights are not held at all: the MoE blocks ask the
+`ExpertStore` for them by (layer, ids).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from .layers.build import Build, Kernels, Step
+from .layers.norm import rms_norm
+from .linear import logits
+
+
+class Transformer:
+    """`forward(tokens, pos)` runs T new tokens at positions pos..pos+T-1 through the layers, writing the caches in
+    place, and returns the final-norm hidden states [T, H]; `logits(hidden)` applies the LM head."""
+
+    def __init__(self, arch: ModuleType, b: Build):
+        """The layers of `arch` (an architecture module: models/__init__.py) built from `b`."""
+        self.arch, self.build = arch, b
+        self.spec, self.w, self.store, self.cache, self.rows = b.spec, b.w, b.store, b.cache, b.rows
+        self.dtype, self.compute, self.kernels = b.dtype, b.compute, b.kernels
+        self.prerouter, self.prompt_prerouter = b.prerouter, b.prompt_prerouter
+        self.layers = list(arch.layers(b))
+        if len(self.layers) != self.spec.n_layers:
+            raise ValueError(f"{arch.__name__}.layers built {len(self.layers)} layers for {self.spec.n_layers}")
+
+    def rebuilt(self, kernels: Kernels) -> "Transformer":
+        """The same model (weights, store, caches) built with other Kernels: tests and benchmarks compare the
+        implementations a model chooses between."""
+        b = self.build
+        return Transformer(self.arch, Build(b.spec, b.w, b.store, b.cache, b.compute, kernels, b.rows, b.prerouter,
+                                            b.prompt_prerouter))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows.gather(tokens)  # [T, H], already in the compute dtype
+        return self.w.embed[tokens]  # [T, H]
+
+    def forward(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """tokens [T] at positions pos.. -> final-norm hidden states [T, H]; writes the caches."""
+        T = tokens.shape[0]
+        if pos + T > self.cache.max_context:
+            raise ValueError(f"context overflow: {pos + T} tokens > max_context {self.cache.max_context}")
+        step = Step(pos, T, self._after_mixer if self._reads_ahead(T) else None)
+        try:
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x, step)
+            return rms_norm(x, self.w.norm, self.spec.rms_norm_eps, self.compute.path)
+        finally:
+            self.build.workspace.release()  # a prompt's [T*K, H] rows are not held between passes
+
+    def _reads_ahead(self, T: int) -> bool:
+        s = self.spec
+        return ((self.prerouter is not None and T == 1)
+                or (self.prompt_prerouter is not None and T * s.top_k >= s.num_experts))
+
+    def _after_mixer(self, L: int, x: torch.Tensor, step: Step) -> None:
+        """Between layer L's mixer and its feed-forward block: read the next MoE layer's likely experts. A decode
+        token's prerouter guess is read while this layer's experts run (a dense layer pins none first); a prompt
+        chunk that picks at least as many experts as a layer has (shorter ones would waste some reads) leaves its
+        guess in the step, read once this layer's experts are pinned (layers/moe.py)."""
+        s = self.spec
+        if self.prerouter is not None and step.T == 1 and (guess := self.prerouter.predict(L, x)) is not None:
+            (self.store.prefetch_next if s.moe_layers[L] else self.store.prefetch)(*guess)
+        elif self.prompt_prerouter is not None and step.T * s.top_k >= s.num_experts and s.moe_layers[L]:
+            step.prompt_guess = self.prompt_prerouter.predict(L, x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> float32 logits [T, V]."""
+        return logits(hidden, self.w.lm_head)

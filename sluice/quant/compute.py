@@ -1,0 +1,50 @@
+"""How one model computes: every kernel choice that depends on the load options and the CPU, decided once at load
+(engine.py from the plan) and handed to each weight and layer as they are built. Nothing here is process-wide, so
+two models loaded in one process with different options each keep theirs (tests/test_compute.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .native import attend, prompt
+from .native._lib import BEST
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A model's compute settings (LoadOptions -> plan -> here).
+
+    dtype       the compute dtype (activations, resident plain weights)
+    bf16_gemm   several bf16 rows multiply on torch's bf16 GEMM (LoadOptions.matmul, resolved for this CPU;
+                quant/matmul.py), else widened to float32
+    planes      the integer kernels' activation coding (LoadOptions.activations): 2 planes of 8-bit codes (int16,
+                finer than bf16) or 1 (int8, llama.cpp's)
+    path        the native kernels' path cap (LoadOptions.isa, native/_lib.py): BEST, AVX2 or PORTABLE
+    threads     compute threads: torch's and the native pool's (engine.py applies them when the model runs)
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    bf16_gemm: bool = False
+    planes: int = 2
+    path: int = BEST
+    threads: int = 1
+
+    @property
+    def int8_prompt(self) -> bool:
+        """Whether a prompt's Q4_K rows run prompt.c's 8-bit kernels: activations int8 at bf16, on a CPU with
+        AVX512-VNNI whose kernels are not capped below it (elsewhere the bf16 GEMM on dequantized weights is faster
+        than the portable tiles)."""
+        return self.planes == 1 and self.dtype is torch.bfloat16 and self.path == BEST and prompt.available()
+
+    @property
+    def attend_prompt(self) -> bool:
+        """Whether a prompt's causal attention may run attend.c (bf16 products, AVX512_BF16): bf16 on bf16 GEMMs,
+        the kernels not capped below AVX-512."""
+        return (self.dtype is torch.bfloat16 and self.bf16_gemm and self.path == BEST and attend.available())
+
+    def gemm_rows(self, x: torch.Tensor, min_rows: int) -> bool:
+        """Whether x's rows (at least min_rows of them, bf16) go to a bf16 GEMM on weights dequantized to bf16."""
+        return self.bf16_gemm and x.shape[0] >= min_rows and x.dtype is torch.bfloat16 and self.dtype is torch.bfloat16
