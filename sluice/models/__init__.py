@@ -27,12 +27,14 @@ reads all it needs from the module. What a module provides (tests/models/test_ar
                       models/layers/ (a residual rule holding a mixer and a feed-forward block), e.g. qwen3_moe's
                       PreNorm(Attention, MoE or dense)
 
-Optional (an architecture whose checkpoints differ from the Qwen family's defines them; absent, the default holds):
-
-    ROUTER            the router's name under the MoE prefix (default "gate"; gpt_oss: "router")
-    synth_experts     (SynthConfig, draw, generator, prefix) -> (name, tensor) of one layer's experts: tools/synth.py
-                      writes these instead of its per-expert / fused layouts (gpt_oss: MXFP4 as shipped)
-    synth_expert_nbytes  (SynthConfig) -> bytes of one expert as synth_experts writes it
+    ROUTER            the router's name under the MoE prefix ("gate"; gpt_oss: "router")
+    MLX_MOE           mlx-lm's name of the MoE block in its folders ("mlp"; Mixtral: "block_sparse_moe")
+    synth_experts     None, or (SynthConfig, draw, generator, prefix) -> (name, tensor) of one layer's experts:
+                      tools/synth.py writes these instead of its per-expert / fused layouts (gpt_oss: MXFP4 as shipped)
+    synth_expert_nbytes  None, or (SynthConfig) -> bytes of one expert as synth_experts writes it
+    expert_layer      None, or (store.layout.ExpertLayout, index, MoE prefix, layer) -> its kind: where the layer's
+                      experts are when the architecture stores them its own way (gpt_oss: biased MXFP4 experts);
+                      None: the per-expert, fused and stacked layouts store/layout.py knows
 
 A module outside the package (a plugin, or a test's throwaway architecture) joins with `register(module)`.
 """
@@ -52,7 +54,8 @@ from .schema import show
 
 #: every name an architecture module must define (documented above; `check_arch` tests them)
 INTERFACE = ("MODEL_TYPE", "ModelArgs", "MOE_PREFIXES", "EXPERT_PROJ", "INTERMEDIATE_KEY", "layer_tensors", "SYNTH",
-             "synth_config", "GGUF", "layers")
+             "synth_config", "GGUF", "layers", "ROUTER", "MLX_MOE", "synth_experts", "synth_expert_nbytes",
+             "expert_layer")
 
 _registered: dict[str, ModuleType] = {}
 
@@ -111,6 +114,11 @@ def check_arch(module: ModuleType) -> None:
         ("synth_config", callable(module.synth_config)),
         ("GGUF", module.GGUF is None or isinstance(module.GGUF, GGUFArch)),
         ("layers", callable(module.layers)),
+        ("ROUTER", isinstance(module.ROUTER, str)),
+        ("MLX_MOE", isinstance(module.MLX_MOE, str)),
+        ("synth_experts", module.synth_experts is None or callable(module.synth_experts)),
+        ("synth_expert_nbytes", (module.synth_expert_nbytes is None) == (module.synth_experts is None)),
+        ("expert_layer", module.expert_layer is None or callable(module.expert_layer)),
     ) if not ok]
     if wrong:
         raise ConfigError(f"architecture module {module.__name__}: {', '.join(wrong)} not of the documented type "

@@ -1,7 +1,8 @@
-"""DeepSeek-V3 / R1 and Kimi K2 (`model_type: deepseek_v3`): multi-head latent attention (models/layers/mla.py: a KV cache
-of compressed latents), the grouped sigmoid router (models/routing.py "sigmoid_grouped": e_score_correction_bias for
-selection, n_group / topk_group, routed_scaling_factor), n_shared_experts shared experts run as one ungated MLP, the
-first `first_k_dense_replace` layers dense, yarn rope whose mscale_all_dim also scales the softmax."""
+"""DeepSeek-V3 / R1 and Kimi K2 (`model_type: deepseek_v3`): multi-head latent attention (models/layers/mla.py: a KV
+cache of compressed latents), the grouped sigmoid router (models/routing.py "sigmoid_grouped":
+e_score_correction_bias for selection, n_group / topk_group, routed_scaling_factor), n_shared_experts shared experts
+run as one ungated MLP, the first `first_k_dense_replace` layers dense, yarn rope whose mscale_all_dim also scales
+the softmax."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ from .layers import Build, LatentAttention, PreNorm, moe_or_dense
 MODEL_TYPE = "deepseek_v3"
 MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
+MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
+expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 INTERMEDIATE_KEY = "moe_intermediate_size"
 
 

@@ -17,6 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..checkpoint.index import CheckpointIndex
+from ..errors import CheckpointError
+from ..io.ranges import ReadRange
+from ..quant import QuantSpec, UnsupportedFormat
+from ..store.layout import PLAIN, BiasedGluFormat, ExpertLayout, ExpertPart, shaped
 from .arch import SynthDefaults, TensorName, attention_tensors
 from .args import CONFIG, BaseArgs, sliding_windows
 from .schema import cfg, override
@@ -29,6 +34,7 @@ ROUTER = "router"  # the router is `mlp.router.weight` / `.bias` (store/layout.p
 # no per-expert layout exists for gpt-oss; the names of its fused projections (tools/gguf_export, tools/inflate read
 # these only for the per-expert layout, which store/layout.py never takes for these checkpoints)
 EXPERT_PROJ = ("gate_up_proj", "gate_up_proj", "down_proj")
+MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
 INTERMEDIATE_KEY = "intermediate_size"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: transformers' GptOssConfig rope when config.json gives none
@@ -148,3 +154,44 @@ def layers(b: Build) -> list[PreNorm]:
     """Pre-norm layers of grouped-query attention with sinks (layers/sinks.py; sliding on every other layer) and a
     top-k-softmax-routed MoE block of biased, clamped SwiGLU experts."""
     return [PreNorm(b, L, Attention(b, L), moe_or_dense(b, L)) for L in range(b.spec.n_layers)]
+
+
+# -- experts: how the checkpoint stores them (store/layout.py reads them through this) --------------------------------
+def expert_layer(layout: ExpertLayout, index: CheckpointIndex, p: str, layer: int) -> str:
+    """Where layer's experts are (store/layout.py calls this for the architecture): one BiasedGluFormat slot per
+    expert from MXFP4 `*_blocks` / `*_scales` as shipped, or the dequantized [E, in, out] `save_pretrained` writes,
+    plus the biases; expert e is one contiguous slice of each tensor. Returns the layout's kind ("fused")."""
+    s = layout.spec
+    E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
+    x = f"{p}.experts"
+    biases = [shaped(index[f"{x}.{n}"], shape) for n, shape in
+              (("gate_up_proj_bias", (E, 2 * I)), ("down_proj_bias", (E, H)))]
+    for b in biases:
+        if b.dtype not in PLAIN:
+            raise CheckpointError(f"expert biases stored as {b.dtype}; expected F32, F16 or BF16", file=b.path,
+                                  tensor=b.name)
+    try:
+        if f"{x}.gate_up_proj_blocks" in index:  # MXFP4 as shipped: [E, out, in/32, 16] codes, [E, out, in/32]
+            gate_up, down = QuantSpec.mxfp4(2 * I, H), QuantSpec.mxfp4(H, I)
+            tensors = [[shaped(index[f"{x}.{n}_blocks"], (E, o, i // 32, 16), "U8"),
+                        shaped(index[f"{x}.{n}_scales"], (E, o, i // 32), "U8")]
+                       for n, o, i in (("gate_up_proj", 2 * I, H), ("down_proj", H, I))]
+        else:  # dequantized: gate_up [E, H, 2I], down [E, I, H], kept [in, out] (BiasedGluFormat.transposed)
+            gu, dn = shaped(index[f"{x}.gate_up_proj"], (E, H, 2 * I)), shaped(index[f"{x}.down_proj"], (E, I, H))
+            if gu.dtype not in PLAIN or dn.dtype != gu.dtype:
+                raise ValueError(f"expected both in one of F32, F16, BF16, got {gu.dtype} and {dn.dtype}")
+            gate_up, down = QuantSpec.ggml(gu.dtype, H, 2 * I), QuantSpec.ggml(dn.dtype, I, H)
+            tensors = [[gu], [dn]]
+    except (UnsupportedFormat, ValueError) as e:
+        raise CheckpointError(f"gpt-oss experts: {e}", file=biases[0].path, tensor=f"{x}.gate_up_proj") from None
+    fmt = layout.keep_format(layer, biases[0], BiasedGluFormat.of(
+        gate_up, down, PLAIN[biases[0].dtype], PLAIN[biases[1].dtype], H, I))
+    pieces = [(t, part.offset) for t, part in zip(tensors[0], gate_up.parts)]
+    pieces += [(t, fmt.down_offset + part.offset) for t, part in zip(tensors[1], down.parts)]
+    pieces += [(biases[0], fmt.gate_up_bias.offset), (biases[1], fmt.down_bias.offset)]
+    for e in range(E):  # expert e: one contiguous slice of each tensor
+        layout.add_expert(layer, e, [
+            ExpertPart(t.name.rsplit(".", 1)[-1], dest, ReadRange(t.path, t.offset + e * (t.nbytes // E),
+                                                                   t.nbytes // E))
+            for t, dest in pieces])
+    return "fused"

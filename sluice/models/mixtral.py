@@ -19,6 +19,10 @@ from .layers import Attention, Build, PreNorm, moe_or_dense
 MODEL_TYPE = "mixtral"
 MOE_PREFIXES = ("block_sparse_moe", "mlp")
 EXPERT_PROJ = ("w1", "w3", "w2")
+ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
+MLX_MOE = "block_sparse_moe"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
+expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 INTERMEDIATE_KEY = "intermediate_size"
 
 

@@ -20,6 +20,10 @@ from .layers import Attention, Build, PreNorm, moe_or_dense
 MODEL_TYPE = "qwen2_moe"
 MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
+MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
+expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 INTERMEDIATE_KEY = "moe_intermediate_size"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

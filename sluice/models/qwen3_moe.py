@@ -19,6 +19,10 @@ MODEL_TYPE = "qwen3_moe"
 # Checkpoint naming: the MoE block lives under `mlp`; per-expert projections are gate/up/down.
 MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
+MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
+expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 INTERMEDIATE_KEY = "moe_intermediate_size"
 
 

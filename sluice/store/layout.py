@@ -13,8 +13,8 @@ A slot is one uint8 buffer holding the expert's bytes as stored (`ExpertFormat`)
 `QuantSpec` (quant/spec.py) -- plain BF16/F16/F32 rows, GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row, or
 MLX affine weight / scales / biases, each in its QuantSpec part (typed views need aligned parts: MLX projections
 and slots start at 64-byte offsets).
-gpt-oss (`BiasedGluFormat`): `{p}.experts.gate_up_proj_blocks/_scales` [E, 2I, H/32, 16] / [E, 2I, H/32] and
-`down_proj_blocks/_scales` in MXFP4 as shipped, or the dequantized `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`
+gpt-oss (`BiasedGluFormat`, read by models/gpt_oss.py expert_layer): `{p}.experts.gate_up_proj_blocks/_scales`
+[E, 2I, H/32, 16] / [E, 2I, H/32] and `down_proj_blocks/_scales` in MXFP4 as shipped, or the dequantized `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`
 (`save_pretrained`), plus `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`: expert e is one contiguous slice
 of each tensor, four ranges (six in MXFP4) into one slot.
 Nothing converts them between the read and the math: the kernels compute from the stored bytes. Formats may differ
@@ -47,7 +47,8 @@ class ExpertShapes(Protocol):
     moe_layers: list[bool]
 
 
-_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+#: the plain stored dtypes, by their names
+PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ALIGN = 64  # quantized projections start at 64-byte offsets inside a slot (SIMD loads of whole blocks)
 
 
@@ -101,7 +102,7 @@ class ExpertFormat:
     def plain_dtype(self) -> torch.dtype | None:
         """The torch dtype when all three projections are plain and of one dtype, else None."""
         names = {self.gate.name, self.up.name, self.down.name}
-        return _PLAIN[self.gate.name] if len(names) == 1 and self.gate.plain else None
+        return PLAIN[self.gate.name] if len(names) == 1 and self.gate.plain else None
 
     @property
     def stored_nbytes(self) -> int:
@@ -160,8 +161,8 @@ def _aligned(n: int) -> int:
 
 def moe_prefix(index: CheckpointIndex, arch: ModuleType, layer: int) -> str:
     """The MoE block's name prefix in this checkpoint (Mixtral: block_sparse_moe on the hub, mlp when fused), found
-    by its router `{prefix}.{arch.ROUTER or gate}.weight` (gpt-oss: `mlp.router.weight`)."""
-    router = getattr(arch, "ROUTER", "gate")
+    by its router `{prefix}.{arch.ROUTER}.weight` (gpt-oss: `mlp.router.weight`)."""
+    router = arch.ROUTER
     for p in arch.MOE_PREFIXES:
         name = f"model.layers.{layer}.{p}"
         if f"{name}.{router}.weight" in index:
@@ -239,11 +240,16 @@ class ExpertLayout:
         except (UnsupportedFormat, ValueError) as e:
             raise CheckpointError(f"experts stored as {ref.dtype}: {e}", file=ref.path, tensor=ref.name) from None
 
+    def add_expert(self, layer: int, expert: int, parts: list[ExpertPart]) -> None:
+        """The byte ranges of one expert, each landing at its offset of the slot."""
+        self._parts[(layer, expert)] = parts
+
     def _set_format(self, layer: int, ref: TensorRef, gate: QuantSpec, up: QuantSpec,
                     down: QuantSpec) -> ExpertFormat:
-        return self._keep_format(layer, ref, ExpertFormat.of(gate, up, down))
+        return self.keep_format(layer, ref, ExpertFormat.of(gate, up, down))
 
-    def _keep_format(self, layer: int, ref: TensorRef, fmt):
+    def keep_format(self, layer: int, ref: TensorRef, fmt):
+        """Record `fmt` as layer's format (CheckpointError naming `ref` when the layer already has another)."""
         old = self._formats.setdefault(layer, fmt)
         if old != fmt:
             names = ["/".join(s.name for s in f.specs) for f in (old, fmt)]
@@ -255,9 +261,8 @@ class ExpertLayout:
         s = self.spec
         E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
         p = moe_prefix(index, arch, layer)
-        if f"{p}.experts.gate_up_proj_bias" in index:
-            self.kind = "fused"
-            self._biased_layer(index, p, layer)
+        if arch.expert_layer is not None:  # an architecture whose experts are its own (gpt_oss: models/gpt_oss.py)
+            self.kind = arch.expert_layer(self, index, p, layer)
             return
         if f"{p}.experts.gate_proj" in index:
             self.kind = "stacked"
@@ -305,45 +310,7 @@ class ExpertLayout:
             ]
 
 
-    def _biased_layer(self, index: CheckpointIndex, p: str, layer: int) -> None:
-        """gpt-oss experts (BiasedGluFormat): MXFP4 `*_blocks` / `*_scales`, or the dequantized [E, in, out]."""
-        s = self.spec
-        E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
-        x = f"{p}.experts"
-        biases = [_shaped(index[f"{x}.{n}"], shape) for n, shape in
-                  (("gate_up_proj_bias", (E, 2 * I)), ("down_proj_bias", (E, H)))]
-        for b in biases:
-            if b.dtype not in _PLAIN:
-                raise CheckpointError(f"expert biases stored as {b.dtype}; expected F32, F16 or BF16", file=b.path,
-                                      tensor=b.name)
-        try:
-            if f"{x}.gate_up_proj_blocks" in index:  # MXFP4 as shipped: [E, out, in/32, 16] codes, [E, out, in/32]
-                gate_up, down = QuantSpec.mxfp4(2 * I, H), QuantSpec.mxfp4(H, I)
-                tensors = [[_shaped(index[f"{x}.{n}_blocks"], (E, o, i // 32, 16), "U8"),
-                            _shaped(index[f"{x}.{n}_scales"], (E, o, i // 32), "U8")]
-                           for n, o, i in (("gate_up_proj", 2 * I, H), ("down_proj", H, I))]
-            else:  # dequantized: gate_up [E, H, 2I], down [E, I, H], kept [in, out] (BiasedGluFormat.transposed)
-                gu, dn = _shaped(index[f"{x}.gate_up_proj"], (E, H, 2 * I)), _shaped(index[f"{x}.down_proj"], (E, I, H))
-                if gu.dtype not in _PLAIN or dn.dtype != gu.dtype:
-                    raise ValueError(f"expected both in one of F32, F16, BF16, got {gu.dtype} and {dn.dtype}")
-                gate_up, down = QuantSpec.ggml(gu.dtype, H, 2 * I), QuantSpec.ggml(dn.dtype, I, H)
-                tensors = [[gu], [dn]]
-        except (UnsupportedFormat, ValueError) as e:
-            raise CheckpointError(f"gpt-oss experts: {e}", file=biases[0].path, tensor=f"{x}.gate_up_proj") from None
-        fmt = self._keep_format(layer, biases[0], BiasedGluFormat.of(
-            gate_up, down, _PLAIN[biases[0].dtype], _PLAIN[biases[1].dtype], H, I))
-        pieces = [(t, part.offset) for t, part in zip(tensors[0], gate_up.parts)]
-        pieces += [(t, fmt.down_offset + part.offset) for t, part in zip(tensors[1], down.parts)]
-        pieces += [(biases[0], fmt.gate_up_bias.offset), (biases[1], fmt.down_bias.offset)]
-        for e in range(E):  # expert e: one contiguous slice of each tensor
-            self._parts[(layer, e)] = [
-                ExpertPart(t.name.rsplit(".", 1)[-1], dest, ReadRange(t.path, t.offset + e * (t.nbytes // E),
-                                                                       t.nbytes // E))
-                for t, dest in pieces
-            ]
-
-
-def _shaped(ref: TensorRef, shape: tuple[int, ...], dtype: str | None = None) -> TensorRef:
+def shaped(ref: TensorRef, shape: tuple[int, ...], dtype: str | None = None) -> TensorRef:
     """ref itself when its shape (and dtype) are the expected ones; CheckpointError naming it otherwise."""
     if tuple(ref.shape) != tuple(shape) or (dtype is not None and ref.dtype != dtype):
         raise CheckpointError(f"{ref.dtype} {list(ref.shape)} does not match config.json (expected "

@@ -85,7 +85,7 @@ def _module_tensors(index: CheckpointIndex) -> Iterator[tuple[str, Callable[[], 
         if not sparse:
             continue
         src = moe_prefix(index, arch, n)
-        dst = f"model.layers.{n}.{'block_sparse_moe' if cfg['model_type'] == 'mixtral' else 'mlp'}"
+        dst = f"model.layers.{n}.{arch.MLX_MOE}"
         expert_names[src] = dst
     E = spec.num_experts
     for name in index.tensors:

@@ -129,7 +129,7 @@ class SynthConfig:
     def expert_nbytes(self) -> int:
         """Bytes of one expert of one layer (gate + up + down; the architecture's `synth_expert_nbytes` when it
         writes its experts itself, e.g. gpt_oss in MXFP4 with biases)."""
-        own = getattr(get_arch(self.arch), "synth_expert_nbytes", None)
+        own = get_arch(self.arch).synth_expert_nbytes
         if own is not None:
             return own(self)
         return 3 * self.hidden_size * self.moe_intermediate_size * self.itemsize
@@ -343,7 +343,7 @@ def tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
         if not spec.moe_layers[L]:
             continue
         m = f"model.layers.{L}.{_moe_prefix(sc)}.experts"
-        own = getattr(get_arch(sc.arch), "synth_experts", None)
+        own = get_arch(sc.arch).synth_experts
         if own is not None:  # the architecture's own expert tensors (gpt_oss: MXFP4 blocks, scales, biases)
             yield from own(sc, draw, g, m)
         elif sc.layout == "per_expert":
@@ -471,5 +471,5 @@ def describe(sc: SynthConfig) -> str:
 
 
 def _layout_name(sc: SynthConfig) -> str:
-    own = hasattr(get_arch(sc.arch), "synth_experts")  # gpt_oss writes its experts as shipped (MXFP4)
+    own = get_arch(sc.arch).synth_experts is not None  # gpt_oss writes its experts as shipped (MXFP4)
     return "experts as the family ships them" if own else f"{sc.layout} layout"
