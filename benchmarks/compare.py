@@ -3,10 +3,8 @@ rotated order (sluice.bench.timing.alternate), medians over rounds, the greedy t
 each writes benchmarks/results/<name>.{md,json} (contention: a folder, with a plot).
 
     .venv/bin/python benchmarks/compare.py resident-decode --size 1GiB --rounds 3 --tokens 32
-    .venv/bin/python benchmarks/compare.py resident-prefill --model benchmarks/models/qwen3_moe-1GiB --rounds 3 \
-        --prompts 512 2048
-    .venv/bin/python benchmarks/compare.py streaming-modes --size 4GiB --ceiling 1GiB --memory 640MiB --rounds 3 \
-        --tokens 24
+    .venv/bin/python benchmarks/compare.py resident-prefill --rounds 3 --prompts 512 2048   # [--model FOLDER]
+    .venv/bin/python benchmarks/compare.py streaming-modes --size 4GiB --ceiling 1GiB --memory 640MiB --tokens 24
     .venv/bin/python benchmarks/compare.py contention --rounds 3 --tokens 48
 
 (They were benchmarks/resident_decode.py, resident_prefill.py, streaming_modes.py and contention.py, with the same
