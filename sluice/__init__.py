@@ -9,7 +9,7 @@ sleeping at once (PASSIVE alone, the default before): resident prefill vs transf
 resident-prefill --rounds 5`) 1.52x / 1.83x against 1.29x / 1.68x at 512 / 2,048 tokens; a streamed 2,048-token
 prompt at a 1 GiB ceiling (`MEMORY=512MiB SETS="bf16 q4km" bash benchmarks/prefill/run.sh`) 2,644 vs 2,795 ms on the
 peers bf16 file and 2,698 vs 3,001 on its Q4_K_M file. A ~30 us spin (GOMP_SPINCOUNT=3000) was faster resident
-still but slower streamed (bf16 2,949 / 3,311 ms in two runs); `benchmarks/quantized/omp_wait.py MODEL --prompt N`
+still but slower streamed (bf16 2,949 / 3,311 ms in two runs); `benchmarks/knobs.py omp-wait --model MODEL --prompt N`
 compares the policies on one model. Set OMP_WAIT_POLICY (or GOMP_SPINCOUNT) yourself to keep another.
 """
 

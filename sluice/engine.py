@@ -78,9 +78,10 @@ class Model:
                                  planes=planes, prompt_prerouter=prompt_prerouter)
         # decode splits the rows of a layer's native experts and of the quantized projections over the threads
         # (native.set_threads, process-wide like torch's; pool.c). Peers model's Q4_K_M file, resident, the 128
-        # experts of one token, 2-CPU VM (benchmarks/quantized/expert_threads.py, 4 alternated rounds): 21.7-25.5 ms
-        # one expert_q8 call each on one thread, 16.6-18.6 ms as one call per layer over two threads (a Python pool
-        # with one expert per job took 25-29 ms)
+        # experts of one token, 2-CPU VM (benchmarks/quantized/expert_threads.py, 4 alternated rounds; a removed
+        # script, its command in benchmarks/results/quantized/README.md): 21.7-25.5 ms one expert_q8 call each on one
+        # thread, 16.6-18.6 ms as one call per layer over two threads (a Python pool with one expert per job took
+        # 25-29 ms)
         native.set_threads(p.threads)
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []

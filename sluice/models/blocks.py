@@ -34,7 +34,7 @@ _NATIVE = native.native_available()
 # (zero rows, results dropped; on a CPU whose GEMM gives a row the same bits whatever the row count, as here, the
 # logits are unchanged: tests/store/test_prefill.py; streamed and resident runs pad alike everywhere). oneDNN
 # builds kernels for each row count it has not seen, and every prompt brings new ones. Demo model at 1 GiB, resident,
-# three prompts in a fresh process, medians of 3 alternated processes (`benchmarks/resident_matmul.py rows`): 512
+# three prompts in a fresh process, medians of 3 alternated processes (`benchmarks/prefill/knobs.py rows`): 512
 # tokens 208 / 180 / 179 ms padded vs 236 / 214 / 201 unpadded; 2,048 tokens 650 / 565 / 544 vs 693 / 641 / 614.
 GEMM_ROW_STEP = 16
 
@@ -132,7 +132,7 @@ class Transformer:
         # False: decode runs one expert_q8 call per expert instead of one call per layer (tests, benchmarks)
         self.split_experts = True
         # False: decode runs the torch attention and router steps where _decode_attention would run them natively
-        # (tests, benchmarks/quantized/decode_arms.py)
+        # (tests, `benchmarks/knobs.py arms`)
         self.native_attention = True
         # False: a prompt's attention runs matmul.sdpa where attend.c would run it (tests, benchmarks)
         self.native_prompt_attention = True
@@ -184,7 +184,7 @@ class Transformer:
         elif pos == 0 and mask is not None and (s.sliding_window[L] is None or T <= s.sliding_window[L]):
             # a prompt's first pass: the mask is the lower triangle, which SDPA's is_causal draws itself and skips
             # the blocks above the diagonal (2,048 tokens, 8 heads of 128, bf16: 52 vs 90 ms per layer, the same
-            # bits; benchmarks/resident_matmul.py sdpa); matmul.sdpa runs it on bf16 dot products with float32 sums
+            # bits; benchmarks/prefill/knobs.py sdpa); matmul.sdpa runs it on bf16 dot products with float32 sums
             out = sdpa(q[None], ck[None, :, :T], cv[None, :, :T], is_causal=True, enable_gqa=True)[0]  # [nH, T, D]
         else:  # later chunks of a prompt, decode on the torch path
             out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], attn_mask=mask,
@@ -340,8 +340,9 @@ class Transformer:
         """A [n, H] block of x's dtype for experts(), the same memory for every layer of a forward pass (_forward
         drops it at the end). Allocated per layer it was 32 MiB at 2,048 tokens of a top-8 H=1024 bf16 model, at or
         above glibc's largest mmap threshold: a fresh mapping each layer, 8,192 page faults to fill it (peers bf16,
-        resident 2,048-token prefill: 230k -> ~90k minor faults; benchmarks/prefill/faults.py). `capacity`: rows to
-        allocate when it grows (room for the padding any layer may bring)."""
+        resident 2,048-token prefill: 230k -> ~90k minor faults; benchmarks/prefill/faults.py, removed: its command is
+        in benchmarks/results/prefill/README.md). `capacity`: rows to allocate when it grows (room for the padding
+        any layer may bring)."""
         H = x.shape[1]
         if self._block is None or self._block.dtype != x.dtype or self._block.numel() < n * H:
             self._block = None  # freed before its successor is allocated
@@ -404,12 +405,12 @@ class Transformer:
         The ones in memory run in one native call, the others as their reads land (each call takes the one waited
         for and every later one already in; only this thread waits on the store); native.set_threads' threads split
         the rows of each call (pool.c). Each row is bitwise what one expert_q8 call gives, whichever thread computed
-        it. split_experts False: one expert_q8 call per expert (tests compare the two;
-        benchmarks/quantized/expert_threads.py runs it on one thread).
+        it. split_experts False: one expert_q8 call per expert (tests compare the two; `benchmarks/knobs.py threads`
+        times the decode step either way).
 
-        Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py): 16.6-18.6 ms this
-        way on two threads, 21.7-25.5 one expert_q8 call each on one thread, 25-29 split over a Python pool with one
-        expert per job (the way before)."""
+        Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py, removed: its command
+        is in benchmarks/results/quantized/README.md): 16.6-18.6 ms this way on two threads, 21.7-25.5 one expert_q8
+        call each on one thread, 25-29 split over a Python pool with one expert per job (the way before)."""
         ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
         em = self.expert_math
         if not self.split_experts:
@@ -446,7 +447,7 @@ class Transformer:
         native call; native.set_threads made a pool) runs torch on one thread: torch's OpenMP workers spin after
         each parallel op and took the core the native pool splits the experts onto (split experts beside torch on
         2 threads were no faster than unsplit ones). Peers Q4_K_M, resident, quiet, alternated replays of 48 tokens
-        in one process (benchmarks/quantized/decode_threads.py, this on against off): 62.2 vs 74.4 ms/token, and
+        in one process (`benchmarks/knobs.py threads`, this on against off): 62.2 vs 74.4 ms/token, and
         47.8 vs 61.7 in a second run. The C pool's workers wait briefly between a prompt's native jobs and longer
         between a decode step's (native.pool_phase)."""
         if _NATIVE:

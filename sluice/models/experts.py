@@ -9,8 +9,8 @@ Experts that run as one native call each (below) split their rows over the exten
 decode a layer's experts go to it together (Transformer._native_experts); every other kind runs on one thread with
 torch's own threads inside the matmuls. A Python pool over experts was measured and dropped once, when each expert
 still cost ~0.1 ms of Python around the C call and torch's OpenMP workers spun between the bf16 ops around it
-(peers Q4_K_M resident: 118 ms/token with the pool, 69.6 without); see benchmarks/quantized/expert_threads.py and
-engine.py for the C pool.
+(peers Q4_K_M resident: 118 ms/token with the pool, 69.6 without); see engine.py for the C pool (its numbers came
+from benchmarks/quantized/expert_threads.py, removed: its command is in benchmarks/results/quantized/README.md).
 
 At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (GGUF block
 formats, quant/native/q8.c) runs as one native call up to EXPERT_Q8_MAX_ROWS rows (native.expert_q8: x quantized

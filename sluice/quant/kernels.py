@@ -17,10 +17,11 @@ Kernels:
   holds the reference dequantization bit for bit (gguf / mx.dequantize), see affine.py.
 - "plain" (F32 / F16 / BF16): the slot holds the bytes as stored; widened into the scratch unless already float32.
 
-Measured (benchmarks/quant_kernels.py -> results/quant_kernels.md): ms per expert y = down(silu(gate x) * up x),
-H=2048 x I=768 (Qwen3-30B-A3B), one thread, thread CPU time, median of 21 interleaved rounds, on the shared 2-core
-AMD EPYC (Zen 3, AVX2, no AVX-512/AMX) dev VM at load ~10. An earlier run at load 13 gave the dequantizing arms
-20-40% lower and the op / dense arms within 20%: the ranking is stable, the values are not; re-measure quiet.
+Measured (benchmarks/quant_kernels.py, removed: its command is in benchmarks/results/README.md; the table is
+results/quant_kernels.md): ms per expert y = down(silu(gate x) * up x), H=2048 x I=768 (Qwen3-30B-A3B), one thread,
+thread CPU time, median of 21 interleaved rounds, on the shared 2-core AMD EPYC (Zen 3, AVX2, no AVX-512/AMX) dev
+VM at load ~10. An earlier run at load 13 gave the dequantizing arms 20-40% lower and the op / dense arms within
+20%: the ranking is stable, the values are not; re-measure quiet.
 
 | arm                                      | T=1         | T=4         | T=128       |
 |------------------------------------------|-------------|-------------|-------------|
@@ -70,7 +71,8 @@ INT4_MAX_ROWS = 64
 
 # The dequantizing kernels write float32 weights into the scratch and run a float32 matmul, also for bf16 compute:
 # without native bf16 (AVX2, no avx512_bf16 / AMX) torch's bf16 matmul is 2x (1 row) to 12x (128 rows) slower than
-# float32 on the same weights (dev VM, benchmarks/quant_kernels.py), and float32 is the more exact of the two.
+# float32 on the same weights (dev VM, benchmarks/quant_kernels.py, removed: benchmarks/results/README.md), and
+# float32 is the more exact of the two.
 # TODO: measure a bf16 scratch on an AMX machine, where bf16 matmuls are the fast ones.
 
 

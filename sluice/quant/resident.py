@@ -20,14 +20,15 @@ plan (plan.py) cannot disagree.
 
 Measured at commit fafc679 on the peers model's Q4_K_M file (benchmarks/models/qwen3_moe-peers: 16 layers, hidden
 1024, a Q6_K head [32768 x 1024]), 2-CPU dev VM, medians. Resident weights 210 -> 115 MiB (`sluice inspect`). Single
-calls (benchmarks/quantized/resident_ops.py): bf16 F.linear of [33 x 1024] x [1024 x 1024]^T 3.7-4.1 ms, this
+calls (`benchmarks/knobs.py projections`): bf16 F.linear of [33 x 1024] x [1024 x 1024]^T 3.7-4.1 ms, this
 blocked float32 path 1.3-1.6; the head at T=1 5.2-5.4 ms bf16 on 2 torch threads, 5.1-5.3 here on one thread, 3.1
 split over native.set_threads(2); attention at T=1 about even (q [1024 x 1024] 0.12-0.13 bf16 / 0.11-0.15 here; k,
 v [256 x 1024] 0.03-0.04 / 0.04-0.07). So decode ms/token did not move beyond the VM's +-15% run-to-run noise, and a
-256-token prefill got faster (benchmarks/quantized/resident_ab.py, one process, arms alternated, 9 rounds, bf16 /
-QuantLinear / with set_threads(2): decode 86.4 / 80.4 / 80.7 ms/token, prefill 5.1 / 4.2 / 4.3 s). The head of a
-151936-token vocabulary, Q6_K at T=1 (benchmarks/quantized/resident_ops.py head): bf16 24.2 ms, one thread 19-23, split
-over Pool(2) 11-12 (21 when torch's OpenMP workers still spin from a parallel op).
+256-token prefill got faster (benchmarks/quantized/resident_ab.py, removed: its command is in
+benchmarks/results/quantized/README.md; one process, arms alternated, 9 rounds, bf16 / QuantLinear / with
+set_threads(2): decode 86.4 / 80.4 / 80.7 ms/token, prefill 5.1 / 4.2 / 4.3 s). The head of a 151936-token
+vocabulary, Q6_K at T=1 (`benchmarks/knobs.py head`): bf16 24.2 ms, one thread 19-23, split over Pool(2) 11-12 (21
+when torch's OpenMP workers still spin from a parallel op).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ SCRATCH_BYTES = 32 * 2**20
 #: weights (out x in) from which the float row kernel (T up to NATIVE_MAX_ROWS) splits the output rows over
 #: native.shared_pool(): a handoff to a Python pool thread costs ~0.1 ms here. Measured on the integer path before it
 #: moved to the C pool: Q4_K at T=1, ms on one thread / split over Pool(2), median of 101, quiet 2-CPU
-#: VM (benchmarks/quantized/resident_ops.py split, projections): [1024 x 1024] 0.15 / 0.25, [2048 x 1024] 0.20 /
+#: VM (`benchmarks/knobs.py split` and `projections`): [1024 x 1024] 0.15 / 0.25, [2048 x 1024] 0.20 /
 #: 0.27, [4096 x 1024] 0.38 / 0.46, [8192 x 1024] 0.87 / 0.78; the peers model's Q6_K head [32768 x 1024] 5.3 / 3.1
 #: (bf16 F.linear on 2 torch threads: 5.2)
 SPLIT_MIN_WEIGHTS = 2**24

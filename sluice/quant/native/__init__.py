@@ -351,7 +351,7 @@ def q8_row_bytes(in_features: int, planes: int | None = None, spec: QuantSpec | 
 
 def set_super_blocks(on: bool) -> None:
     """Benchmark hook: False makes the K-quants read x in 32-value blocks, as before the super-block layout (q8.c),
-    process-wide, until set back (benchmarks/quantized/kernel_layouts.py). Default True."""
+    process-wide, until set back (`benchmarks/knobs.py layouts`). Default True."""
     _LIB.sluice_set_super_blocks(int(on))
 
 
@@ -711,8 +711,9 @@ def set_threads(threads: int) -> None:
 
     native.linear over all rows and native.dequantize split their rows over the C pool too (a prefill's experts of
     5+ rows, NativeKernel.linear): peers Q4_K_M, resident, prompts of 32 / 256 tokens prefilled in 359 / 2234 ms
-    against 448 / 2815 with both on the calling thread (benchmarks/quantized/prefill_rows.py). At T=1 a layer's
-    experts go to the pool together instead (ExpertCall.many), the cheaper split there."""
+    against 448 / 2815 with both on the calling thread (benchmarks/quantized/prefill_rows.py, removed: its command
+    is in benchmarks/results/quantized/README.md). At T=1 a layer's experts go to the pool together instead
+    (ExpertCall.many), the cheaper split there."""
     global _SHARED
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")

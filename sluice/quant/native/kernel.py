@@ -23,7 +23,7 @@ NATIVE_MAX_ROWS = 32
 
 # Rows from which a bf16 projection runs as dequantize-to-bf16 + torch's bf16 GEMM where that GEMM is the fast one
 # (matmul.bf16_gemm: bf16 dot-product instructions) instead of the float row kernel. ms, row kernel / dequantize to
-# bf16 + GEMM, 2 threads, median of 30, 2-core AVX512_BF16 EPYC (benchmarks/resident_matmul.py crossover):
+# bf16 + GEMM, 2 threads, median of 30, 2-core AVX512_BF16 EPYC (benchmarks/prefill/knobs.py crossover):
 #   Q4_K [1024 x 1024]  T=8 0.13 / 0.19   T=12 0.21 / 0.19   T=16 0.27 / 0.20   T=32 0.52 / 0.27   T=48 0.78 / 0.32
 #   Q6_K [1024 x 512]   T=8 0.07 / 0.10   T=12 0.10 / 0.11   T=16 0.13 / 0.12   T=32 0.27 / 0.15   T=48 0.42 / 0.18
 BF16_GEMM_MIN_ROWS = 16
@@ -100,8 +100,8 @@ class NativeKernel(Kernel):
         straight to bf16 (the exact weights rounded to nearest, relative error <= 2^-9 each, as bf16 activations
         are) into the scratch's memory, one bf16 GEMM (float32 accumulation, the output rounded once). Peers
         Q4_K_M, resident 2,048-token prefill on a 2-core AVX512_BF16 EPYC, the routes alternated in one process:
-        279 tok/s on the float32 route, 580 on this one (`benchmarks/resident_matmul.py prefill --model
-        benchmarks/models/qwen3_moe-peers/model-Q4_K_M.gguf`)."""
+        279 tok/s on the float32 route, 580 on this one (`benchmarks/prefill/knobs.py matmul-prefill
+        --model benchmarks/models/qwen3_moe-peers/model-Q4_K_M.gguf`)."""
         if not x.is_contiguous():
             x = x.contiguous()
         if slot.numel() != self.nbytes:
