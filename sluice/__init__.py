@@ -5,12 +5,12 @@ policy: torch's OpenMP workers (libgomp) spin ~10 us after each parallel op, the
 ms, and on a machine with as many threads as cores that took the CPU from sluice's native pool (its worker started a
 job's tasks 4.5 ms per decode token late in all, peers Q4_K_M, resident, 2 threads) and from a streamed prompt's read
 workers; sleeping at once makes every torch op of a prompt wake them. 2-core AVX512_BF16 EPYC, this default against
-sleeping at once (PASSIVE alone, the default before): resident prefill vs transformers (`benchmarks/resident_prefill.py
---rounds 5`) 1.52x / 1.83x against 1.29x / 1.68x at 512 / 2,048 tokens; a streamed 2,048-token prompt at a 1 GiB
-ceiling (`MEMORY=512MiB SETS="bf16 q4km" bash benchmarks/prefill/run.sh`) 2,644 vs 2,795 ms on the peers bf16 file
-and 2,698 vs 3,001 on its Q4_K_M file. A ~30 us spin (GOMP_SPINCOUNT=3000) was faster resident still but slower
-streamed (bf16 2,949 / 3,311 ms in two runs); `benchmarks/quantized/omp_wait.py MODEL --prompt N` compares the
-policies on one model. Set OMP_WAIT_POLICY (or GOMP_SPINCOUNT) yourself to keep another.
+sleeping at once (PASSIVE alone, the default before): resident prefill vs transformers (`benchmarks/compare.py
+resident-prefill --rounds 5`) 1.52x / 1.83x against 1.29x / 1.68x at 512 / 2,048 tokens; a streamed 2,048-token
+prompt at a 1 GiB ceiling (`MEMORY=512MiB SETS="bf16 q4km" bash benchmarks/prefill/run.sh`) 2,644 vs 2,795 ms on the
+peers bf16 file and 2,698 vs 3,001 on its Q4_K_M file. A ~30 us spin (GOMP_SPINCOUNT=3000) was faster resident
+still but slower streamed (bf16 2,949 / 3,311 ms in two runs); `benchmarks/knobs.py omp-wait --model MODEL --prompt N`
+compares the policies on one model. Set OMP_WAIT_POLICY (or GOMP_SPINCOUNT) yourself to keep another.
 """
 
 import os as _os

@@ -173,7 +173,7 @@ class LoadOptions:
             "bfloat16 / float16")
     # activations: the integer kernels' coding of a quantized projection's input (native/q8.c), planes per value:
     # ACTIVATION_PLANES. Peers Q4_K_M, resident, alternated in one process: int16 25.3, int8 20.0 ms/token
-    # (benchmarks/quantized/decode_arms.py); one projection's error: tests/quant/test_q8.py's table
+    # (`benchmarks/knobs.py arms`); one projection's error: tests/quant/test_q8.py's table
     activations: str = option(
         "int16", choices=tuple(ACTIVATION_PLANES),
         help="how the integer kernels code a quantized projection's input: int16 (two 8-bit planes, finer than "
@@ -188,7 +188,8 @@ class LoadOptions:
             "seconds per multiply). float32 keeps the exact float kernels either way")
     # matmul: Compute.bf16_gemm (quant/matmul.py rows_linear, quant/linear.py's many-row path), decided per model at
     # load (engine.py); auto: host/cpus.bf16_dot. Peers bf16 model, resident 2,048-token prefill on a 2-core AVX512_BF16
-    # EPYC, the modes alternated in one process: float32 238, bf16 507 tok/s (benchmarks/resident_matmul.py)
+    # EPYC, the modes alternated in one process: float32 238, bf16 507 tok/s (`benchmarks/prefill/knobs.py
+    # matmul-prefill`)
     matmul: str = option(
         "auto", choices=MATMUL_MODES,
         help="how several rows of bf16 activations multiply bf16 weights (prompts): bf16 GEMM or float32; auto = "

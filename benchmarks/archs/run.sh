@@ -3,7 +3,7 @@
 # (`make-model --arch A --size SIZE`: gpt_oss with its MXFP4 experts as shipped), cold (verified), inside a 1 GiB
 # memory cgroup (page cache included), `sluice bench` with the direct reader: ms/token and the ratio to the I/O
 # floor, measured in the same run (the arm's own reads replayed cold with its reader, before the first round and
-# after the last; the ratio divides by the faster). table.py gathers the rows.
+# after the last; the ratio divides by the faster). `benchmarks/tables.py archs` gathers the rows.
 #
 #   bash benchmarks/archs/run.sh     # ARCHS="gpt_oss glm4_moe deepseek_v3" SIZE=3.5GB ROUNDS=3 STEPS=8 WARMUP=2
 set -euo pipefail
@@ -21,5 +21,5 @@ for arch in $ARCHS; do
   "${SLUICE[@]}" bench "$M" --cold --ceiling "$CEILING" --rounds "$ROUNDS" --steps "$STEPS" --warmup "$WARMUP" \
     --prompt-tokens 32 --arm direct="--io direct --memory $MEMORY" --out "$OUT/$arch"
 done
-.venv/bin/python benchmarks/archs/table.py $(for a in $ARCHS; do echo "$OUT/$a"; done) > "$OUT/README.md"
+.venv/bin/python benchmarks/tables.py archs $(for a in $ARCHS; do echo "$OUT/$a"; done) > "$OUT/README.md"
 cat "$OUT/README.md"

@@ -2,11 +2,11 @@
 # Streamed prefill (issue 15): a 2,048-token prompt under a memory ceiling the model does not fit, cold (verified),
 # sluice against llama.cpp's prompt processing (mmap, its default n_batch 512) on the same GGUF, run three ways (its
 # defaults, repacked CPU buffers on unless they crash on this CPU; repacking off, `--no-extra-bufts`; MADV_RANDOM;
-# table.py compares with the best of them), in `sluice bench`
+# `benchmarks/tables.py prefill` compares with the best of them), in `sluice bench`
 # (fresh process per run, rotated arms, paired medians; prefill tok/s and prefill read columns); then the same prompt
-# resident and warm (the compute time), and table.py's verdicts: bytes read vs the touched experts' bytes, streamed
-# time vs max(compute, prompt floor: sluice's own prompt reads replayed cold in the same run, before and after the
-# rounds), sluice vs llama.cpp.
+# resident and warm (the compute time), and `tables.py prefill`'s verdicts: bytes read vs the touched experts' bytes,
+# streamed time vs max(compute, prompt floor: sluice's own prompt reads replayed cold in the same run, before and
+# after the rounds), sluice vs llama.cpp.
 #
 #   bash benchmarks/prefill/run.sh        # ROUNDS=3 PROMPT=2048 CEILING=1GiB MEMORY=640MiB SETS="q4km bf16"
 #   ISA=avx2 bash benchmarks/prefill/run.sh        # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
@@ -54,6 +54,6 @@ for set in $SETS; do
     --arm sluice="--io direct --memory $MEMORY ${ACT[*]}" --arm llama.cpp="peer:llama.cpp" \
     --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts" --arm llama.cpp+random="peer:llama.cpp --madvise random"
   bench "$M" "$OUT/$set$TAG-resident" --warm --arm resident="--memory all ${ACT[*]}"
-  .venv/bin/python benchmarks/prefill/table.py "$M" "$OUT/$set$TAG-$CEILING" "$OUT/$set$TAG-resident" \
+  .venv/bin/python benchmarks/tables.py prefill "$M" "$OUT/$set$TAG-$CEILING" "$OUT/$set$TAG-resident" \
     --out "$OUT/$set$TAG.md"
 done

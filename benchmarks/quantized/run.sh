@@ -3,7 +3,7 @@
 # (verified), in a fresh process inside a memory cgroup (page cache included), replaying the same tokens, rotated,
 # paired medians, step time against the I/O floor measured in the same run (sluice's own reads replayed cold with its
 # reader before the first round and after the last). The Q4_K_M files are made by llama.cpp's own quantizer
-# from `sluice export-gguf`'s bf16 GGUF (benchmarks/quantized/quantize_llamacpp.py, in the peers venv).
+# from `sluice export-gguf`'s bf16 GGUF (`benchmarks/quality.py quantize`, in the peers venv).
 #
 # llama.cpp runs three ways in every set (issue 33): its defaults (repacked CPU buffers on; `sluice bench` falls back
 # to repacking off by itself, and says so, where the defaults crash on this CPU), repacking off (`--no-extra-bufts`),
@@ -27,7 +27,7 @@ SETS=${SETS:-peers 6GiB resident bf16}
 OUT=${OUT:-benchmarks/results/quantized}
 PEER_PY=benchmarks/peers/.venv/bin/python
 SLUICE=(nice -n 19 .venv/bin/sluice)
-QUANT=(nice -n 19 "$PEER_PY" benchmarks/quantized/quantize_llamacpp.py)
+QUANT=(nice -n 19 "$PEER_PY" benchmarks/quality.py quantize)
 [ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || bash benchmarks/peers/setup.sh
 
 model() {  # model DIR make-model-args...: the bf16 folder, its bf16 GGUF and llama.cpp's Q4_K_M of it

@@ -53,7 +53,7 @@ def bf16_dot(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
     It decides how several rows of bf16 activations multiply bf16 weights (LoadOptions.matmul): with them torch's
     bf16 GEMM is the fast one ([256 x 1024] @ [1024 x 1024]: 0.57 ms bf16 vs 2.66 ms via float32 on a 2-core AMD
-    EPYC with AVX512_BF16, `benchmarks/resident_matmul.py gemm`), without them it has no native kernel and float32
+    EPYC with AVX512_BF16, `benchmarks/prefill/knobs.py matmul`), without them it has no native kernel and float32
     is (AVX2: ~6x the other way, matmul.rows_linear). False where the file is unreadable or has no flags line (not
     Linux x86)."""
     try:

@@ -73,9 +73,10 @@ def keep_heap(nbytes: int) -> bool:
     chunk's activations (LoadPlan.prefill_bytes), which the memory plan already counts as taken. Otherwise glibc's
     default (blocks over its sliding mmap threshold get their own mapping; the heap is trimmed above twice that)
     returns and refaults them layer after layer. A 2,048-token prompt of the peers bf16 file, resident, medians of 3
-    alternated processes (`benchmarks/prefill/faults.py [--glibc-default]`): first prompt 99k -> 34k minor faults,
-    2,400 -> 2,340 ms; later prompts ~80k -> 8.5k faults, ~2,400 -> ~2,300 ms. Process-wide, like the thread count;
-    False where the C library has no mallopt (not glibc)."""
+    alternated processes (`benchmarks/prefill/faults.py [--glibc-default]`, a removed script: its command is in
+    benchmarks/results/prefill/README.md): first prompt 99k -> 34k minor faults, 2,400 -> 2,340 ms; later prompts
+    ~80k -> 8.5k faults, ~2,400 -> ~2,300 ms. Process-wide, like the thread count; False where the C library has no
+    mallopt (not glibc)."""
     import ctypes
 
     try:

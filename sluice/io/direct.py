@@ -31,7 +31,7 @@ from sluice.io.base import Counters, FileGuard, ReadFuture, Request, done_future
 from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, address, copy_bytes,
                                plan_reads, split_even)
 
-# Worker threads = reads in flight. Measured by benchmarks/io_workers.py: 1.5 GiB random file on /dev/vda (ext4),
+# Worker threads = reads in flight. Measured by `benchmarks/knobs.py workers`: 1.5 GiB random file on /dev/vda (ext4),
 # evicted with posix_fadvise(DONTNEED) and verified cold by mincore before every arm, 2 CPU cores, shared machine.
 # experts: batches of 8 experts x (3 x 768 KiB + 3 x 48 KiB) at random offsets (19.7 MB); rows: 256 x 4000 B.
 # Medians of 3 rounds (run A) and 5 rounds (run B); amp = /proc/self/io read_bytes / bytes asked.

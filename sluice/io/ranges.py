@@ -26,7 +26,7 @@ PAGE = 4096
 DEFAULT_MAX_GAP = 64 * 1024
 # One read never grows past 8 MiB by coalescing, and larger ranges are cut into pieces of at most this size, so
 # per-worker staging stays small and a batch can be spread over workers; 8 MiB is also the kernel's largest mmap
-# readahead here, past which one bigger request bought nothing in benchmarks/io_workers.py.
+# readahead here, past which one bigger request bought nothing in `benchmarks/knobs.py workers`.
 DEFAULT_MAX_READ = 8 * 1024 * 1024
 # Pieces are not cut below 1 MiB when splitting a batch for `parts` workers: each piece is a task for a worker
 # thread (queue handoff, GIL, ~40 us per read), and the streaming store submits one batch per expert. On a 3 MiB

@@ -46,7 +46,7 @@ NATIVE_MAX_ROWS = 32
 
 # Rows from which a bf16 projection runs as dequantize-to-bf16 + torch's bf16 GEMM where that GEMM is the fast one
 # (Compute.bf16_gemm: bf16 dot-product instructions) instead of the float row kernel. ms, row kernel / dequantize to
-# bf16 + GEMM, 2 threads, median of 30, 2-core AVX512_BF16 EPYC (benchmarks/resident_matmul.py crossover):
+# bf16 + GEMM, 2 threads, median of 30, 2-core AVX512_BF16 EPYC (`benchmarks/prefill/knobs.py crossover`):
 #   Q4_K [1024 x 1024]  T=8 0.13 / 0.19   T=12 0.21 / 0.19   T=16 0.27 / 0.20   T=32 0.52 / 0.27   T=48 0.78 / 0.32
 #   Q6_K [1024 x 512]   T=8 0.07 / 0.10   T=12 0.10 / 0.11   T=16 0.13 / 0.12   T=32 0.27 / 0.15   T=48 0.42 / 0.18
 BF16_GEMM_MIN_ROWS = 16
@@ -190,7 +190,8 @@ class QuantLinear(StoredLinear):
     weights quantized too. Measured at commit fafc679 on the peers model's Q4_K_M file (16 layers, hidden 1024, a
     Q6_K head [32768 x 1024]), 2-CPU dev VM, medians: resident weights 210 -> 115 MiB (`sluice inspect`); a
     256-token prefill 5.1 -> 4.2 s, decode 86.4 -> 80.4 ms/token (benchmarks/quantized/resident_ab.py, one process,
-    arms alternated, 9 rounds); single calls in benchmarks/quantized/resident_ops.py."""
+    arms alternated, 9 rounds; removed: its command is in benchmarks/results/quantized/README.md); single calls in
+    `benchmarks/knobs.py split / head / projections`."""
 
     def __init__(self, spec: QuantSpec, raw: torch.Tensor, compute: Compute, scratch: Scratch | None = None):
         if not q8.q8_supported(spec):

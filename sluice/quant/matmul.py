@@ -41,7 +41,7 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 
     Which is faster depends on the CPU, 2 threads: with bf16 dot-product instructions (2-core AMD EPYC, AVX512_BF16)
     torch's bf16 GEMM takes 0.57 ms for [256 x 1024] @ [1024 x 1024] and the float32 route 2.66
-    (`.venv/bin/python benchmarks/resident_matmul.py gemm`); without them (the AVX2 development VM, an earlier
+    (`.venv/bin/python benchmarks/prefill/knobs.py matmul`); without them (the AVX2 development VM, an earlier
     session's measurement) torch's bf16 GEMM has no native kernel and runs ~6x slower than float32 with both
     conversions ([256 x 1024] @ [1024 x 448] then [256 x 224] @ [224 x 1024]: 27.9 vs 4.5 ms). One row (decode)
     stays in the compute dtype. Both accumulate in float32 and round once at the end, in different orders; resident
@@ -55,7 +55,7 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 # --- resident bf16 weights in oneDNN's blocked layout -------------------------------------------------------------
 # F.linear on a plain bf16 weight makes oneDNN copy the weight into its blocked (VNNI) layout on every call; a weight
 # packed once skips that copy. 192 experts of [7296 x 256] + [256 x 3648], weights cold in DRAM, 2-core AMD EPYC with
-# AVX512_BF16 (`benchmarks/resident_matmul.py packed`): one row each 63 -> 45 ms, 64 rows 127 -> 106 ms, 256 rows
+# AVX512_BF16 (`benchmarks/prefill/knobs.py packed`): one row each 63 -> 45 ms, 64 rows 127 -> 106 ms, 256 rows
 # 328 -> 304 ms. The packed GEMM runs the same kernels on the same blocks, so it gives F.linear's bits, which is
 # checked once per shape before a store packs (packable).
 _PACK_ROWS_HINT = 64  # the row count oneDNN picks the blocked layout for; any count runs on it
@@ -141,7 +141,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bf16: bool = False, 
     exact, sums and softmax stay float32, and the result is rounded once at the end. Against bf16 SDPA, which rounds
     its blocks to bf16 on the way, it is about twice as fast and closer to a float64 reference: 2,048 tokens, 8 query
     / 2 kv heads of 128, causal 53.5 -> 27.6 ms, masked 88.3 -> 48.9 ms, relative error 2.06e-3 -> 1.61e-3
-    (`benchmarks/resident_matmul.py sdpa`). One query row (decode), other dtypes and float32 GEMMs run SDPA as
+    (`benchmarks/prefill/knobs.py sdpa`). One query row (decode), other dtypes and float32 GEMMs run SDPA as
     given."""
     if q.dtype is not torch.bfloat16 or q.shape[-2] == 1 or not bf16:
         return F.scaled_dot_product_attention(q, k, v, **kw)

@@ -64,7 +64,7 @@ def reserve_left(held: int) -> int:
 # [T, context] bool attention mask. Attention adds no T x context scores: torch's CPU SDPA is a flash kernel
 # (measured: a 4096-token causal pass grew peak RSS by 39 MiB where the scores would be 1 GiB). Peak RSS grows about
 # twice those live bytes: glibc keeps freed activations in its heap and per-thread arenas. Measured
-# (benchmarks/prefill/activation.py, peers Q4_K_M resident, one chunk): +24.5 MiB at 512 tokens, +137.4 MiB at
+# (`benchmarks/prefill/knobs.py activation`, peers Q4_K_M resident, one chunk): +24.5 MiB at 512 tokens, +137.4 MiB at
 # 2,048, a slope of 75 KiB a token; the estimate below says 72 KiB (the code before the one-block MoE: 115 KiB).
 ALLOCATOR_FACTOR = 2
 PREFILL_ROOM = 64 * 2**20  # activation bytes a chunk may take when the room is unknown

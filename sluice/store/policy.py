@@ -91,7 +91,7 @@ class FairShareLFU(GlobalLRU):
         # each key's place in the global order (larger: more recent). A layer's own dict is the global order
         # restricted to it, so the oldest entry of the layers above their share is the oldest of their first ones:
         # victim() compares those instead of walking the whole cache, which took 117 us a miss for a layer under its
-        # share with 588 slots of 31 layers, 3 us now (benchmarks/policy_victim.py, before and after)
+        # share with 588 slots of 31 layers, 3 us now (`benchmarks/knobs.py victim`, before and after)
         self._clock = 0
         self._tick: dict[Key, int] = {}
 

@@ -7,7 +7,7 @@ attends. The cores are chosen when the layer is built:
   - attention sinks (gpt-oss, sinks.py): the reference's eager attention with the sink column;
   - a prompt where Compute allows it: attend.c's causal attention (bf16 products, about half SDPA's time);
   - a prompt's first pass: SDPA with is_causal (it skips the blocks above the diagonal: 2,048 tokens, 8 heads of
-    128, bf16: 52 vs 90 ms per layer, the same bits; benchmarks/resident_matmul.py sdpa), on bf16 dot products with
+    128, bf16: 52 vs 90 ms per layer, the same bits; benchmarks/prefill/knobs.py sdpa), on bf16 dot products with
     float32 sums where the model multiplies on bf16 GEMMs (quant/matmul.py sdpa);
   - later chunks of a prompt and torch decode steps: SDPA with the mask.
 """

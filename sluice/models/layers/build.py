@@ -79,7 +79,8 @@ class Workspace:
     """The [n, H] block a prompt's MoE layers gather their expert-sorted rows into: the same memory for every layer
     of a forward pass (the model drops it after the pass). Allocated per layer it was 32 MiB at 2,048 tokens of a
     top-8 H=1024 bf16 model, at or above glibc's largest mmap threshold: a fresh mapping each layer, 8,192 page faults
-    to fill it (peers bf16, resident 2,048-token prefill: 230k -> ~90k minor faults; benchmarks/prefill/faults.py)."""
+    to fill it (peers bf16, resident 2,048-token prefill: 230k -> ~90k minor faults; benchmarks/prefill/faults.py,
+    removed: its command is in benchmarks/results/prefill/README.md)."""
 
     def __init__(self) -> None:
         self._block: torch.Tensor | None = None

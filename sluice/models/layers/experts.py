@@ -14,7 +14,8 @@ Experts that run as one native call each (below) split their rows over the exten
 decode a layer's experts go to it together (layers/moe.py Experts._native); every other kind runs on one thread with
 torch's own threads inside the matmuls. A Python pool over experts was measured and dropped once, when each expert
 still cost ~0.1 ms of Python around the C call and torch's OpenMP workers spun between the bf16 ops around it
-(peers Q4_K_M resident: 118 ms/token with the pool, 69.6 without; benchmarks/quantized/expert_threads.py).
+(peers Q4_K_M resident: 118 ms/token with the pool, 69.6 without; benchmarks/quantized/expert_threads.py,
+removed: its command is in benchmarks/results/quantized/README.md).
 
 At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (GGUF block
 formats, quant/native/q8.c) runs as one native call up to EXPERT_Q8_MAX_ROWS rows (q8.expert_q8: x quantized
@@ -50,7 +51,7 @@ EXPERT_Q8_MAX_ROWS = 4
 # (zero rows, results dropped; on a CPU whose GEMM gives a row the same bits whatever the row count, as here, the
 # logits are unchanged: tests/store/test_prefill.py; streamed and resident runs pad alike everywhere). oneDNN
 # builds kernels for each row count it has not seen, and every prompt brings new ones. Demo model at 1 GiB, resident,
-# three prompts in a fresh process, medians of 3 alternated processes (`benchmarks/resident_matmul.py rows`): 512
+# three prompts in a fresh process, medians of 3 alternated processes (`benchmarks/prefill/knobs.py rows`): 512
 # tokens 208 / 180 / 179 ms padded vs 236 / 214 / 201 unpadded; 2,048 tokens 650 / 565 / 544 vs 693 / 641 / 614.
 GEMM_ROW_STEP = 16
 

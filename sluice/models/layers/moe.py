@@ -181,12 +181,13 @@ class Experts:
         The ones in memory run in one native call, the others as their reads land (each call takes the one waited
         for and every later one already in; only this thread waits on the store); the C pool's threads split the
         rows of each call. Each row is bitwise what one expert_q8 call gives, whichever thread computed it.
-        Kernels.split_experts False: one expert_q8 call per expert (tests compare the two;
-        benchmarks/quantized/expert_threads.py runs it on one thread).
+        Kernels.split_experts False: one expert_q8 call per expert (tests compare the two; `benchmarks/knobs.py
+        threads` times the decode step either way).
 
-        Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py): 16.6-18.6 ms this
-        way on two threads, 21.7-25.5 one expert_q8 call each on one thread, 25-29 split over a Python pool with one
-        expert per job (the way before)."""
+        Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py, removed: its command
+        is in benchmarks/results/quantized/README.md): 16.6-18.6 ms this way on two threads, 21.7-25.5 one
+        expert_q8 call each on one thread, 25-29 split over a Python pool with one expert per job (the way
+        before)."""
         ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
         math = self.math
         if not self.kernels.split_experts:

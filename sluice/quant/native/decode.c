@@ -1,7 +1,8 @@
 /* One decode token's attention core and softmax router probabilities in bf16, each one native call. At one token
  * these are tiny (a 16-layer model's q/k norms, rope, cache writes and attention over a few hundred positions: well
  * under a millisecond of arithmetic) but took ~30 torch ops per layer: on the peers Q4_K_M model, resident, 30.3
- * against 25.3 ms/token with these calls (benchmarks/quantized/decode_arms.py; decode_ops.py counts the ops).
+ * against 25.3 ms/token with these calls (`benchmarks/knobs.py arms`; benchmarks/quantized/decode_ops.py counted
+ * the ops, a removed script: its command is in benchmarks/results/quantized/README.md).
  *
  * Numerics: norms and rope are ops.c's functions (rope bitwise the torch expression, rms_norm to the last bit of a
  * row's scale). The attention computes in float32 from the bf16 q, k and v: scores q . k (8 lanes, a fixed order)

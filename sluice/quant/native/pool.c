@@ -2,10 +2,11 @@
  *
  * Why here and not a Python pool: a Python thread pool costs a future, a lock handoff and the GIL per job; a decode
  * token of the peers model ran 128 expert calls and ~70 projections through it, and its experts took 25-29 ms
- * split over 2 threads against ~28 ms of pure C work on one (benchmarks/quantized/expert_threads.py). Here a job is
- * a list of tasks (rows of one or several projections, experts of a layer) handed out by an atomic counter; the
- * calling thread works too, and the workers spin briefly between jobs (a decode step runs several jobs per layer,
- * and a futex wake-up costs tens of us), then sleep.
+ * split over 2 threads against ~28 ms of pure C work on one (benchmarks/quantized/expert_threads.py, removed: its
+ * command is in benchmarks/results/quantized/README.md). Here a job is a list of tasks (rows of one or several
+ * projections, experts of a layer) handed out by an atomic counter; the calling thread works too, and the workers
+ * spin briefly between jobs (a decode step runs several jobs per layer, and a futex wake-up costs tens of us), then
+ * sleep.
  *
  * Every task writes its own outputs and computes them as one thread would (the same kernel call on the same
  * bytes), so a result has the same bits whichever thread ran which task and for any thread count.

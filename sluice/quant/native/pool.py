@@ -31,7 +31,8 @@ def set_threads(threads: int) -> None:
     """Threads native calls split their rows over (1: everything on the calling thread). Any count gives the same
     bits. A prefill's experts of 5+ rows, decode's experts of one layer (ExpertCall.many), the rows of the quantized
     projections: peers Q4_K_M, resident, prompts of 32 / 256 tokens prefilled in 359 / 2234 ms over two threads
-    against 448 / 2815 on the calling thread (benchmarks/quantized/prefill_rows.py)."""
+    against 448 / 2815 on the calling thread (benchmarks/quantized/prefill_rows.py,
+    removed: its command is in benchmarks/results/quantized/README.md)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if LIB is not None:

@@ -8,7 +8,7 @@
  * super-blocks of 256 (SB and SB1 below: with one plane that is llama.cpp's Q8_K); a call quantizes x once per
  * layout its projections read (Q4_K_M files mix Q4_K, Q6_K and sometimes Q8_0). P is LoadOptions.activations:
  * "int16" 2, "int8" 1 (peers Q4_K_M, resident: 25.3 vs 20.0 ms/token, decode logits 1.05e-2 vs 1.25e-2 relative
- * L2 off the float32 run, greedy tokens 98% its own either way; benchmarks/quantized/decode_arms.py).
+ * L2 off the float32 run, greedy tokens 98% its own either way; `benchmarks/knobs.py arms`).
  * Why 32 values and why two planes: llama.cpp's one plane with one scale per 256 activations for the K-quants (Q8_K)
  * took the tiny Q5_K model of tests/quant/test_gguf_models.py from 3.1e-2 (float kernel) to 5.2e-2 relative L2 of
  * the logits, one plane per 32 to 7.6e-2, past transformers' own bf16 run (4.4e-2: that random model amplifies
@@ -39,7 +39,7 @@ static int has_q8(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }  /* Q4_0 Q4_1 
  * (sub-block scale times codes times codes) and convert to float once per 256 values, as llama.cpp's Q4_K x Q8_K
  * does, where the 32-value layout converts once per 32. A token's 128 experts of the peers shape (Q4_K gate / up,
  * Q4_K or Q6_K down) took ~10% less on one thread, the same on two (memory-bound there), alternated in one process
- * (benchmarks/quantized/kernel_layouts.py). The two planes keep x to ~1/32,000 of the 256-block max (llama.cpp's
+ * (`benchmarks/knobs.py layouts`). The two planes keep x to ~1/32,000 of the 256-block max (llama.cpp's
  * Q8_K: 1/127). */
 #define SB 580
 #define SB_HI 68

@@ -72,7 +72,7 @@ def q8_row_bytes(in_features: int, planes: int = DEFAULT_PLANES, spec: QuantSpec
 
 def set_super_blocks(on: bool) -> None:
     """Benchmark hook: False makes the K-quants read x in 32-value blocks, as before the super-block layout (q8.c),
-    process-wide, until set back (benchmarks/quantized/kernel_layouts.py). Default True."""
+    process-wide, until set back (`benchmarks/knobs.py layouts`). Default True."""
     LIB.sluice_set_super_blocks(int(on))
 
 

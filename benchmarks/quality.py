@@ -1,0 +1,284 @@
+"""Numbers that do not depend on timing: sluice against the reference implementations, on the same weights.
+
+    .venv/bin/python benchmarks/quality.py parity               # logits vs transformers, the tiny test checkpoints
+    PYTHONPATH=. .venv/bin/python benchmarks/quality.py perplexity [--context 256] [--out benchmarks/results/perplexity]
+    benchmarks/peers/.venv/bin/python benchmarks/quality.py quantize IN.gguf OUT.gguf Q4_K_M   # the peers venv
+
+(They were benchmarks/parity.py, benchmarks/perplexity.py and benchmarks/quantized/quantize_llamacpp.py; the
+tokenizer's agreement with llama.cpp is benchmarks/tokenizer_llamacpp.py.)
+
+parity: logit parity with transformers on the tiny test checkpoints, per architecture, dtype and expert layout
+(tests/models/test_parity.py asserts the bounds; this prints the figures the README quotes). fp32: sluice against
+transformers. bf16: the error of sluice's bf16 run and of transformers' own bf16 run against the fp32 model the bf16
+weights were rounded from (the test allows sluice at most twice transformers' error).
+
+perplexity: the demo model at bf16 / Q8_0 / Q4_K_M / Q4_0 on its held-out validation text, by sluice and by llama.cpp
+on the same GGUF files. Once first: `apt-get install python3.11-doc && python scripts/demo_corpus.py`
+(build/demo/corpus/val.jsonl) and `bash benchmarks/peers/setup.sh` (llama-cpp-python in the peers venv). The text: the
+14 validation documents of scripts/demo_corpus.py (crc32(path) % 20 == 0, never trained on), joined by blank lines.
+The files: `sluice quantize` of sluice/assets/demo to bf16, q8_0 and q4_0 (tools/quantize.py), and Q4_K_M by
+llama.cpp's own quantizer (`quantize` below on the bf16 file; the demo's hidden size 256 takes K-quants, its expert
+intermediate 64 does not: llama.cpp falls back per tensor and says so). One definition for both
+(sluice/tools/perplexity.py, llama-perplexity's): non-overlapping windows of --context tokens, BOS first when the
+tokenizer adds one, the second half of each window scored, log-softmax in float64. llama.cpp's side runs in the peers
+venv: `Llama(..., logits_all=True)` evaluates each window from an empty cache and its logits go through the same
+scoring function (no timing is taken, so a loaded machine does not change the numbers). Its token ids are compared
+with sluice's for the same file. `use_extra_bufts=False`: llama.cpp's repacking buffers raise SIGILL on quantized
+files on this CPU family. Default --context 256: the length the demo model was trained on.
+
+quantize: a GGUF quantized by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize), as the K-quant
+files users download are made; runs in the peers venv (benchmarks/quantized/run.sh makes its Q4_K_M files so).
+
+This module imports only the standard library at its top: `quantize` and perplexity's llama.cpp side run in the
+peers venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+FILES = ("bf16", "q8_0", "Q4_K_M", "q4_0")  # perplexity's table order; Q4_K_M is llama.cpp's
+PEER_PYTHON = ROOT / "benchmarks/peers/.venv/bin/python"
+
+
+# -- parity ----------------------------------------------------------------------------------------------------------
+def parity(args) -> None:
+    """The README's parity table (see the module docstring)."""
+    import torch
+
+    import sluice
+    from tests.models.tiny import TINY, hf_model, write_checkpoint
+
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(1))
+    print("| arch | dtype | layout | sluice max abs diff | transformers' bf16 error | max abs logit |\n"
+          "|---|---|---|---|---|---|")
+    for arch in sorted(TINY):
+        with torch.no_grad():
+            exact = hf_model(arch, torch.float32)(ids[None]).logits[0].float()  # the fp32 reference
+        for dt in (torch.float32, torch.bfloat16):
+            model = hf_model(arch, dt)
+            with torch.no_grad():
+                ref = model(ids[None]).logits[0].float()
+            own = "-" if dt == torch.float32 else f"{(ref - exact).abs().max().item():.2g}"
+            for layout in ("per_expert", "fused"):
+                folder = write_checkpoint(model, Path(tempfile.mkdtemp()) / arch, layout)
+                with sluice.load(folder) as m:
+                    diff = (m.logits(ids.tolist()) - exact).abs().max().item()
+                print(f"| {arch} | {str(dt)[6:]} | {layout} | {diff:.2g} | {own} | {exact.abs().max().item():.3g} |")
+
+
+# -- quantize (runs in the peers venv) -------------------------------------------------------------------------------
+def quantize(src: Path, dst: Path, kind: str, threads: int | None = None) -> None:
+    """llama.cpp's own `kind` (Q4_K_M, Q5_K_M, Q8_0, Q4_0, ...) of the GGUF src, written to dst (what
+    `llama-quantize src dst kind` writes); threads: the quantizer's (default: every CPU)."""
+    import ctypes
+
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}", None)
+    if ftype is None:
+        raise SystemExit(f"error: unknown type {kind!r} (e.g. Q4_K_M, Q5_K_M, Q8_0, Q4_0)")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads or os.cpu_count() or 1
+    tmp = Path(dst).with_name(Path(dst).name + ".partial")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        tmp.unlink(missing_ok=True)
+        raise SystemExit(f"error: llama_model_quantize returned {rc}")
+    os.replace(tmp, dst)
+
+
+# -- perplexity ------------------------------------------------------------------------------------------------------
+def val_text(corpus: Path) -> str:
+    docs = [json.loads(line)["text"] for line in (corpus / "val.jsonl").read_text("utf-8").splitlines() if line]
+    return "\n\n".join(docs)
+
+
+def ids_digest(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+# -- llama.cpp (runs in the peers venv) ------------------------------------------------------------------------------
+def _llama(path: Path, context: int, threads: int):
+    import llama_cpp
+
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def no_extra_bufts():  # a field Llama() takes no argument for: set it in the defaults it starts from
+        p = defaults()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = no_extra_bufts
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context,
+                               logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = defaults
+
+
+def llama_cpp_child(work: Path, context: int, threads: int) -> None:
+    """Perplexity by llama.cpp of every GGUF in `work`, written to work/llamacpp.json."""
+    import llama_cpp
+    import numpy as np
+    import torch
+
+    from sluice.tools.perplexity import bos_of, perplexity
+
+    if not (work / "demo-Q4_K_M.gguf").exists():
+        quantize(work / "demo-bf16.gguf", work / "demo-Q4_K_M.gguf", "Q4_K_M", threads=2)
+    text = (work / "val.txt").read_text("utf-8")
+    for name in FILES:
+        done = work / f"llamacpp-{name}.json"
+        if done.exists():
+            continue
+        llm = _llama(work / f"demo-{name}.gguf", context, threads)
+        encode = lambda t, special: llm.tokenize(t.encode("utf-8"), add_bos=special, special=False)  # noqa: E731
+        tokens = encode(text, True)
+
+        def logits(ids):
+            llm.reset()
+            llm.eval(ids)
+            return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))  # [T, V]
+
+        t0 = time.perf_counter()
+        res = perplexity(logits, tokens, context, bos=bos_of(encode))
+        row = {**res.as_dict(), "ids": ids_digest(tokens), "n_ids": len(tokens), "version": llama_cpp.__version__,
+               "seconds": round(time.perf_counter() - t0, 1)}
+        done.write_text(json.dumps(row, indent=2) + "\n")
+        print(f"llama.cpp {name}: {res.perplexity:.4f}", file=sys.stderr)
+        llm.close()
+
+
+# -- sluice ---------------------------------------------------------------------------------------------------------
+def sluice_perplexity(path: Path, text: str, context: int, dtype: str, threads: int) -> dict:
+    import sluice
+    from sluice.tools.perplexity import bos_of, perplexity
+
+    with sluice.load(path, memory="all", dtype=dtype, max_context=context, threads=threads) as m:
+        tokens = m.tokenizer.encode(text, add_special_tokens=True)
+        t0 = time.perf_counter()
+        res = perplexity(m.logits, tokens, context, bos=bos_of(m.tokenizer.encode))
+        formats = m.layout.format_names
+    return {**res.as_dict(), "ids": ids_digest(tokens), "n_ids": len(tokens), "expert_formats": formats,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def make_files(work: Path) -> None:
+    """bf16, q8_0 and q4_0 GGUFs of the demo model by `sluice quantize` (kept if already there)."""
+    from sluice.tools.inflate import demo_model_dir
+    from sluice.tools.quantize import quantize as sluice_quantize
+
+    for to in ("bf16", "q8_0", "q4_0"):
+        path = work / f"demo-{to}.gguf"
+        if not path.exists():
+            sluice_quantize(demo_model_dir(), path, to)
+
+
+def markdown(results: dict) -> str:
+    ctx = results["context"]
+    lines = [
+        "# Perplexity: sluice vs llama.cpp on the same GGUF files",
+        "",
+        f"The demo model (sluice/assets/demo) on its held-out validation text ({results['text_chars']:,} characters, "
+        f"14 Python-documentation files never trained on), llama.cpp's definition: non-overlapping windows of {ctx} "
+        "tokens, the second half of each scored. Command: `PYTHONPATH=. .venv/bin/python benchmarks/quality.py "
+        f"perplexity` (llama-cpp-python {results['llama_cpp']}). bf16, Q8_0, Q4_0 written by `sluice quantize`; "
+        "Q4_K_M by llama.cpp's `llama_model_quantize` from the bf16 file.",
+        "",
+        "| file | size | sluice float32 | sluice bf16 (default) | llama.cpp | sluice f32 / llama.cpp | tokens scored | "
+        "same token ids |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in results["files"].items():
+        s32, s16, ll = r["sluice_float32"], r["sluice_default"], r["llama_cpp"]
+        same = "yes" if s32["ids"] == ll["ids"] else f"no ({s32['n_ids']} vs {ll['n_ids']})"
+        lines.append(f"| {name} | {r['bytes'] / 2**20:.1f} MiB | {s32['perplexity']:.4f} | {s16['perplexity']:.4f} | "
+                     f"{ll['perplexity']:.4f} | {s32['perplexity'] / ll['perplexity'] - 1:+.3%} | "
+                     f"{s32['tokens_scored']:,} | {same} |")
+    lines += ["", "Expert formats as sluice reads them: " + "; ".join(
+        f"{n}: {', '.join(r['sluice_float32']['expert_formats'])}" for n, r in results["files"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def perplexity_table(args) -> None:
+    """The perplexity table (see the module docstring); --llama-cpp-child: llama.cpp's side, in the peers venv."""
+    if args.llama_cpp_child:
+        llama_cpp_child(args.work, args.context, args.threads)
+        return
+    args.work.mkdir(parents=True, exist_ok=True)
+    text = val_text(args.corpus)
+    (args.work / "val.txt").write_text(text, "utf-8")
+    make_files(args.work)
+    # llama.cpp's side runs beside sluice's (neither is timed); it makes the Q4_K_M file first
+    child = subprocess.Popen([str(args.peer_python), __file__, "perplexity", "--llama-cpp-child",
+                              "--work", str(args.work), "--context", str(args.context), "--threads", str(args.threads)],
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    rows: dict[str, dict] = {}
+    for name in FILES:
+        path = args.work / f"demo-{name}.gguf"
+        while not path.exists():  # Q4_K_M: being written by the child
+            if child.poll() is not None:
+                raise SystemExit(f"the llama.cpp child exited ({child.returncode}) before writing {path}")
+            time.sleep(2)
+        row = rows[name] = {"bytes": path.stat().st_size}
+        for key, dtype in (("sluice_float32", "float32"), ("sluice_default", "auto")):
+            done = args.work / f"sluice-{name}-{dtype}.json"
+            if not done.exists():
+                done.write_text(json.dumps(sluice_perplexity(path, text, args.context, dtype, args.threads)))
+            row[key] = json.loads(done.read_text())
+            print(f"sluice {name} {dtype}: {row[key]['perplexity']:.4f}", file=sys.stderr)
+    if child.wait() != 0:
+        raise SystemExit(f"the llama.cpp child failed ({child.returncode})")
+    results = {"context": args.context, "text_chars": len(text), "files": {}}
+    for name in FILES:
+        row = results["files"][name] = {**rows[name],
+                                        "llama_cpp": json.loads((args.work / f"llamacpp-{name}.json").read_text())}
+        results["llama_cpp"] = row["llama_cpp"]["version"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    sub.add_parser("parity", help="logits vs transformers on the tiny test checkpoints")
+    p = sub.add_parser("perplexity", help="the demo model's perplexity, sluice vs llama.cpp on the same GGUFs")
+    p.add_argument("--corpus", type=Path, default=ROOT / "build/demo/corpus")
+    p.add_argument("--work", type=Path, default=ROOT / "build/perplexity", help="where the GGUF files are written")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads of each side (default 1: on a shared machine, llama.cpp's and torch's spinning "
+                        "thread pools ran 10-20x slower with 2)")
+    p.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/perplexity")
+    p.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
+    q = sub.add_parser("quantize", help="llama.cpp's quantizer (run it with the peers venv's python)")
+    q.add_argument("src", type=Path)
+    q.add_argument("dst", type=Path)
+    q.add_argument("kind", help="Q4_K_M, Q5_K_M, Q8_0, Q4_0, ...")
+    a = ap.parse_args()
+    if a.what == "quantize":
+        quantize(a.src, a.dst, a.kind)
+        print(f"{a.dst}: {a.dst.stat().st_size / 1e9:.2f} GB ({a.kind})")
+    else:
+        {"parity": parity, "perplexity": perplexity_table}[a.what](a)
+
+
+if __name__ == "__main__":
+    main()
