@@ -5,7 +5,7 @@ Recording changes no model code path: a `Recorder` takes the Transformer's prero
 layer L's MoE block normalizes and routes next. So the recorder sees both halves of a training pair:
   - the feature of source layer L: x after L's attention;
   - the truth of MoE layer M: top-k of M's router on rms_norm(x after M's attention), recomputed with the same
-    ops as `Transformer.moe`, so the ids are the router's own choice, bit for bit (a test checks them against the
+    ops as the MoE block (models/layers/moe.py), so the ids are the router's own choice, bit for bit (a test checks them against the
     store's routing counts).
 It returns None, so nothing is prefetched and the forward pass is the plain one. Tokens are fed one at a time
 (the slot is consulted only when T == 1), teacher-forced over a corpus.
@@ -132,7 +132,7 @@ class Recorder:
     def predict(self, layer: int, x: torch.Tensor) -> None:
         if layer in self.x:
             self.x[layer][self.at] = x[0]
-        if layer in self.ids:  # the true router of this layer, as Transformer.moe computes it
+        if layer in self.ids:  # the true router of this layer, as the MoE block computes it
             lw = self.w.layers[layer]
             self.ids[layer][self.at] = route(self.spec, lw, rms_norm(x, lw.post_norm, self.spec.rms_norm_eps))[1][0]
         return None

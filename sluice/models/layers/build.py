@@ -141,7 +141,3 @@ class Build:
         return (self.kernels.native_decode and native.available() and self.dtype is torch.bfloat16
                 and s.mla is None and self.integer_decode and bf16(self.cos) and c.k is not None and bf16(c.k)
                 and all(bf16(lw.router) and bf16(lw.q_norm) and bf16(lw.k_norm) for lw in self.w.layers))
-
-    def native_pool_decode(self) -> bool:
-        """Whether a decode step runs its projections and experts natively over the C pool (split_experts)."""
-        return self.kernels.split_experts and self.integer_decode

@@ -108,7 +108,7 @@ static void clip_bf16(uint16_t *x, int64_t n, float c) {  /* torch's x.clamp(-c,
 }
 
 /* Attention of one decode token at position pos over cache positions lo..pos, in the steps of
- * models/blocks.py Transformer.attention. q [nH * D], k and v [nKV * D]: bf16, the projections' outputs (q and k
+ * models/layers/attention.py Attention. q [nH * D], k and v [nKV * D]: bf16, the projections' outputs (q and k
  * are overwritten by their normed values). Steps:
  *   norm_mode 2 ("full"): q and k each over its whole row, weights qn [nH * D] / kn [nKV * D];
  *   clip >= 0: q, k and v clamped to +-clip (-1: none);

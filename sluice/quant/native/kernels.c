@@ -547,7 +547,7 @@ int sluice_rows_pool(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t ro
 }
 
 /* the weights [N, K] as bf16 into out16, rows over the pool: bitwise sluice_dequantize's float32 rounded to bf16 to
- * nearest even (a bf16 GEMM's operand, quant/native/kernel.py). Returns 0, -1 (no memory), -2 (unknown format). */
+ * nearest even (a bf16 GEMM's operand, quant/linear.py). Returns 0, -1 (no memory), -2 (unknown format). */
 int sluice_dequantize_bf16(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row_bytes, const uint8_t *s,
                            const uint8_t *b, int sdt, int gs, uint16_t *out16, int scalar) {
     if (fmt < 0 || fmt >= N_FORMATS) return -2;

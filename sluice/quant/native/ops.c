@@ -26,7 +26,7 @@ void sluice_combine_bf16(int64_t n, const float *ys, int64_t H, const void *w, i
     }
 }
 
-/* A prompt's weighted sum of expert outputs (models/blocks.py Transformer.experts): for each token t, from +0,
+/* A prompt's weighted sum of expert outputs (models/layers/moe.py Experts): for each token t, from +0,
  * out[t] = bf16(out[t] + bf16(ys[a] * w[a])) for a = at[t*K + r], r = 0..K-1 in order; ys bf16 [T*K, H] (the
  * expert-sorted outputs), w bf16 or float32 (w_f32) [T*K] (each row's routing weight), at [T, K]. Bitwise torch's
  * `ys.mul_(w[:, None])` then `out = zeros; for r: out += ys[at[:, r]]`, which it replaces (8 gathers and adds of a
