@@ -5,8 +5,8 @@ Recording changes no model code path: a `Recorder` takes the Transformer's prero
 layer L's MoE block normalizes and routes next. So the recorder sees both halves of a training pair:
   - the feature of source layer L: x after L's attention;
   - the truth of MoE layer M: top-k of M's router on rms_norm(x after M's attention), recomputed with the same
-    ops as the MoE block (models/layers/moe.py), so the ids are the router's own choice, bit for bit (a test checks them against the
-    store's routing counts).
+    ops as the MoE block (models/layers/moe.py), so the ids are the router's own choice, bit for bit (a test checks
+    them against the store's routing counts).
 It returns None, so nothing is prefetched and the forward pass is the plain one. Tokens are fed one at a time
 (the slot is consulted only when T == 1), teacher-forced over a corpus.
 
