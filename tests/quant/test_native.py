@@ -106,16 +106,6 @@ def test_linear_matches_the_exact_weights(spec, T, path):
 
 
 @built
-def test_mlx_three_buffers_equal_the_packed_spec():
-    spec = QuantSpec.mlx(4, 64, 29, 384, torch.bfloat16)
-    raw = random_stored(spec, seed=1)
-    v = {p.name: p.view(raw).clone() for p in spec.parts}  # separate buffers
-    x = torch.randn(5, 384)
-    y = native.linear_mlx(x, v["weight"], v["scales"], v["biases"], bits=4, group_size=64)
-    assert torch.equal(y, native.linear(spec, x, raw))
-
-
-@built
 def test_a_wrong_weight_is_caught():
     spec = SPECS[GGML.index("Q4_K")]
     raw = random_stored(spec, seed=1)
@@ -170,12 +160,6 @@ def test_bad_inputs_raise_value_errors():
         native.linear(QuantSpec.mlx(3, 32, 8, 256), x, random_stored(QuantSpec.mlx(3, 32, 8, 256)))
     with pytest.raises(ValueError, match="do not compute"):
         native.linear(QuantSpec.ggml("BF16", 8, 256), x, torch.zeros(8 * 512, dtype=torch.uint8))
-    w = torch.zeros(8, 32, dtype=torch.int32)
-    s = torch.zeros(8, 4, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="biases"):
-        native.linear_mlx(x, w, s, s.half(), bits=4, group_size=64)
-    with pytest.raises(ValueError, match="bits=3"):
-        native.linear_mlx(x, w, s, s, bits=3, group_size=64)
     with pytest.raises(ValueError, match="threads"):
         pool.set_threads(0)
 

@@ -16,7 +16,7 @@ runs. A bad argument raises ValueError naming it.
 """
 
 from ._lib import AVX2, BEST, FORMATS, PATHS, PORTABLE, available, simd, supports, warn_unbuilt
-from .kernels import dequantize, linear, linear_mlx
+from .kernels import dequantize, linear
 from .ops import combine_bf16, combine_rows_bf16, rms_norm_bf16, rope_bf16
 from .pool import release_scratch, set_threads
 from .q8 import ExpertCall, LinearsQ8, expert_q8, linear_q8, q8_row_bytes, q8_supported, quantize_q8

@@ -145,8 +145,3 @@ def desc(spec: QuantSpec, raw: torch.Tensor) -> tuple:
     base = raw.data_ptr()
     return (fmt, n, k, base + q, row_bytes, None if s is None else base + s, None if b is None else base + b, sdt,
             gs)
-
-
-def mlx_format(bits: int) -> int:
-    """The C format number of MLX affine `bits` (4 or 8)."""
-    return _MLX[bits]

@@ -2,7 +2,6 @@
 bf16 for a bf16 GEMM's operand).
 
     y = kernels.linear(spec, x, raw)          # x float32 [T, in] contiguous, raw uint8 [spec.nbytes] -> y [T, out]
-    y = kernels.linear_mlx(x, weight, scales, biases, bits=4, group_size=64)   # MLX's three separate buffers
     w = kernels.dequantize(spec, raw, out)    # the exact float32 weights [out, in]; into a bf16 out: rounded once
 
 Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (stored blocks exactly as in the file), MLX
@@ -21,7 +20,7 @@ import ctypes
 import torch
 
 from ..spec import QuantSpec
-from ._lib import BEST, LIB, SCALE_DTYPES, buffer, desc, mlx_format, need, supports, x_out
+from ._lib import BEST, LIB, buffer, desc, need, x_out
 
 if LIB is not None:
     _i64, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -61,29 +60,6 @@ def linear(spec: QuantSpec, x: torch.Tensor, raw: torch.Tensor, out: torch.Tenso
     d = desc(spec, raw)
     x, out = x_out(x, out, spec.out_features, spec.in_features)
     return _run(d, x, out, rows, path)
-
-
-def linear_mlx(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, *, bits: int,
-               group_size: int, out: torch.Tensor | None = None, path: int = BEST) -> torch.Tensor:
-    """MLX affine from its three buffers: weight uint32/int32 [out, in * bits / 32], scales and biases
-    [out, in / group_size] (f32 / f16 / bf16, one dtype); y [T, out] = x [T, in] @ W^T, float32."""
-    if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or weight.dim() != 2:
-        raise ValueError("MLX weight, scales and biases must be 2-D tensors")
-    n, groups = scales.shape
-    spec = QuantSpec.mlx(bits, group_size, n, groups * group_size, scales.dtype)
-    if not supports(spec):
-        raise ValueError(f"the native kernels compute MLX 4 and 8 bits with groups of 32/64/128, got bits={bits} "
-                         f"group_size={group_size}")
-    if weight.dtype not in (torch.int32, torch.uint32) or biases.dtype != scales.dtype:
-        raise ValueError(f"MLX weight must be uint32/int32 and biases {scales.dtype}, got {weight.dtype} and "
-                         f"{biases.dtype}")
-    k = spec.in_features
-    q = buffer(weight, "weight", weight.dtype, n * k * bits // 32)
-    s = buffer(scales, "scales", scales.dtype, n * groups)
-    b = buffer(biases, "biases", scales.dtype, n * groups)
-    x, out = x_out(x, out, n, k)
-    d = (mlx_format(bits), n, k, q, k * bits // 8, s, b, SCALE_DTYPES[scales.dtype], group_size)
-    return _run(d, x, out, None, path)
 
 
 def dequantize(spec: QuantSpec, raw: torch.Tensor, out: torch.Tensor | None = None, *,
