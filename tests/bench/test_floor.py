@@ -93,6 +93,23 @@ def test_the_floor_replays_exactly_the_plan_cold(model_dir, capsys):
         assert got["window_disk_read_bytes"] + got["prefill_disk_read_bytes"] > 0
 
 
+def test_the_floor_reads_o_direct_zero_copy_as_the_arm_does(model_dir, capsys):
+    """The streaming store places each slot at its file offset modulo the O_DIRECT block, so O_DIRECT reads its whole
+    pages into it with no copy; the replay's destinations sit the same way, so it copies only the partial pages at
+    the ends of a range (it copied every byte out of staging before: a slower floor than the arm's own reads)."""
+    bf16, _ = budgets(model_dir, capsys)
+    plan, _, arm = record(model_dir, bf16, [5, 17, 42, 7, 99, 3], [11, 12, 13, 14, 15], warmup=1, io="direct",
+                          io_workers=2, odirect=True)
+    prepare(model_files(model_dir), "cold", "the test's floor")
+    got = floormod.measure(json.loads(json.dumps(plan)))
+    read = got["prefill_bytes"] + sum(map(floormod.batch_bytes, plan["steps"]))
+    if got["readers"][0]["odirect_fallback"]:
+        pytest.skip("this filesystem refuses O_DIRECT reads: the replay reads buffered, nothing to compare")
+    ranges = sum(len(r) for part in [plan["prefill"], *plan["steps"]] for _, r in part)
+    assert read > 0 and got["copied_bytes"] <= 2 * 4096 * ranges  # at most a partial page at each end of a range
+    assert got["copied_bytes"] <= max(arm["copied_bytes"], 2 * 4096 * ranges)
+
+
 def test_the_floor_reader_is_the_arms_kind(model_dir, capsys):
     """An mmap arm's floor faults its ranges in through a mapping, as the arm does; nothing read, no floor."""
     bf16, _ = budgets(model_dir, capsys)
