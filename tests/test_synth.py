@@ -52,7 +52,7 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, l
     # The generated numbers reach the right parameters: expert 1 of layer 1, gate rows then up rows.
     gen = dict(tensors(sc))
     experts = model.model.layers[1].mlp.experts
-    if hasattr(get_arch(arch), "synth_experts"):  # gpt_oss: MXFP4, dequantized by transformers to [H, 2I]
+    if get_arch(arch).synth_experts is not None:  # gpt_oss: MXFP4, dequantized by transformers to [H, 2I]
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
         x = "model.layers.1.mlp.experts.gate_up_proj"

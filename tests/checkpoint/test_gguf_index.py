@@ -16,7 +16,7 @@ import sluice
 from sluice.checkpoint.gguf_index import GGUFIndex, gguf_name, hf_name
 from sluice.errors import CheckpointError, ConfigError
 from sluice.quant.tensor import read_tensor
-from sluice.models import archs, get_arch
+from sluice.models import get_arch, gguf_archs
 from sluice.models.rope import inv_freq
 from sluice.store.layout import ExpertLayout
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert, gguf, kv, raw_gguf, s, tinfo
@@ -262,14 +262,16 @@ def test_quantized_file_opens_and_loads(tmp_path):
 
 # -- names -------------------------------------------------------------------------------------------------------------
 def test_names_round_trip():
-    for arch, table in ((a.GGUF.name, a.GGUF.tensors) for a in archs().values() if a.GGUF is not None):
-        for g in table:
+    facts = gguf_archs()
+    for arch in facts.values():
+        for g in arch.tensors:
             h = hf_name(f"blk.3.{g}", arch, 4)
             assert h is not None and gguf_name(h, arch) == f"blk.3.{g}"
         assert hf_name("blk.4.attn_q.weight", arch, 4) is None  # past block_count
         assert hf_name("blk.03.attn_q.weight", arch, 4) is None
-    assert hf_name("blk.0.attn_q_norm.weight", "llama", 4) is None
-    assert hf_name("blk.0.ffn_gate_inp_shexp.weight", "qwen2moe", 4) == "model.layers.0.mlp.shared_expert_gate.weight"
+    assert hf_name("blk.0.attn_q_norm.weight", facts["llama"], 4) is None
+    assert (hf_name("blk.0.ffn_gate_inp_shexp.weight", facts["qwen2moe"], 4)
+            == "model.layers.0.mlp.shared_expert_gate.weight")
 
 
 def test_shared_expert_gate_is_1_by_h(pair):

@@ -48,12 +48,11 @@ def test_each_architecture_provides_the_interface(model_type):
     layer = arch.layer_tensors(spec, L, moe)
     assert all(isinstance(t, TensorName) and t.name.startswith(f"model.layers.{L}.") for t in layer)
     assert len({t.role for t in layer}) == len({t.name for t in layer}) == len(layer)
-    router = getattr(arch, "ROUTER", "gate")
-    assert f"{moe}.{router}.weight" in {t.name for t in layer}  # the router, where store/layout.py looks for it
+    assert f"{moe}.{arch.ROUTER}.weight" in {t.name for t in layer}  # the router, where store/layout.py looks for it
     # the synthetic checkpoint holds exactly the layer's resident tensors plus the experts' projections
     written = {name for name, _ in tensors(sc) if name.startswith(f"model.layers.{L}.")}
     experts = {f"{moe}.experts.{e}.{p}.weight" for e in range(sc.num_experts) for p in arch.EXPERT_PROJ}
-    if hasattr(arch, "synth_experts"):  # the architecture writes its experts itself (gpt_oss: MXFP4 + biases)
+    if arch.synth_experts is not None:  # the architecture writes its experts itself (gpt_oss: MXFP4 + biases)
         draw = lambda shape, kind: torch.zeros(shape)  # noqa: E731
         experts = {n for n, _ in arch.synth_experts(sc, draw, torch.Generator(), f"{moe}.experts")}
         assert experts and all(n.startswith(f"{moe}.experts.") for n in experts)

@@ -190,29 +190,30 @@ def test_make_model_writes_the_shipped_layout(tmp_path):
 
 @pytest.mark.parametrize("pos,T", [(0, 20), (13, 1), (13, 5)])
 def test_sink_attention_is_the_reference_eager_attention(monkeypatch, pos, T):
-    """blocks.sink_attention against transformers' gpt-oss eager attention, with query blocks down to one row and
-    a window that ends before the cache does; the window slice Transformer.attention takes changes nothing."""
+    """sinks.sink_attention against transformers' gpt-oss eager attention, with query blocks down to one row and
+    a window that ends before the cache does; the window slice layers/attention.py takes changes nothing."""
     from types import SimpleNamespace
 
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from sluice.models import blocks
+    from sluice.models.layers import sinks as sink_module
+    from sluice.models.layers.build import causal_mask
 
     g = torch.Generator().manual_seed(pos)
     nH, nKV, D, window = 4, 2, 16, 6
     q = torch.randn(nH, T, D, generator=g)
     k, v = torch.randn(nKV, pos + T, D, generator=g), torch.randn(nKV, pos + T, D, generator=g)
     sinks = torch.randn(nH, generator=g)
-    mask = blocks._mask(pos, T, window)
+    mask = causal_mask(pos, T, window)
     additive = torch.zeros(T, pos + T) if mask is None else torch.where(mask, 0.0, torch.finfo(torch.float32).min)
     module = SimpleNamespace(num_key_value_groups=nH // nKV, sinks=sinks, training=False)
     ref, _ = eager_attention_forward(module, q[None], k[None], v[None], additive[None, None], scaling=D**-0.5)
     ref = ref[0].transpose(0, 1)  # [nH, T, D]
-    monkeypatch.setattr(blocks, "SINK_SCORE_BYTES", 1)  # one query row per block
-    out = blocks.sink_attention(q, k, v, mask, sinks)
+    monkeypatch.setattr(sink_module, "SINK_SCORE_BYTES", 1)  # one query row per block
+    out = sink_module.sink_attention(q, k, v, mask, sinks)
     assert (out - ref).abs().max().item() <= 1e-6
     lo = max(0, pos - window + 1)
-    sliced = blocks.sink_attention(q, k[:, lo:], v[:, lo:], None if mask is None else mask[:, lo:], sinks)
+    sliced = sink_module.sink_attention(q, k[:, lo:], v[:, lo:], None if mask is None else mask[:, lo:], sinks)
     assert (sliced - ref).abs().max().item() <= 1e-6
 
 

@@ -218,7 +218,7 @@ def test_rows_over_the_pool_are_the_one_thread_bits(name):
     native.set_threads(3)
     try:
         assert torch.equal(native.linear(spec, x, raw), one)
-        assert torch.equal(native.dequantize(spec, raw, path=path), spec.dequantize(raw))
+        assert torch.equal(native.dequantize(spec, raw), spec.dequantize(raw))
     finally:
         native.set_threads(1)
     assert torch.equal(native.linear(spec, x, raw, rows=(0, 300)), one)

@@ -14,6 +14,7 @@ import sluice
 from sluice import cli
 from sluice.quant.tensor import read_tensor
 from sluice.quant import linear, native
+from sluice.quant.native import _lib
 from sluice.quant.compute import Compute
 from sluice.quant.linear import NATIVE_MAX_ROWS, Q8_MAX_ROWS, QuantLinear
 from sluice.quant.spec import QuantSpec
@@ -174,7 +175,7 @@ def test_default_dtype_keeps_the_quantized_projections_as_stored(gguf, capsys):
 @built
 def test_without_the_native_kernels_every_weight_is_a_tensor(gguf, monkeypatch):
     index = open_index(gguf)
-    monkeypatch.setattr(native, "_LIB", None)  # as after an install without a C compiler
+    monkeypatch.setattr(_lib, "LIB", None)  # as after an install without a C compiler
     with sluice.load(gguf, memory="all") as m:
         w = _projections(m.model.w)
         assert all(type(v) is torch.Tensor and v.dtype == torch.bfloat16 for v in w.values())

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from .attention import Attention
 from .build import Build, Kernels, Step
-from .dense import DenseMLP, dense
+from .dense import DenseMLP, dense_mlp
 from .mla import LatentAttention
-from .moe import MoE, moe
+from .moe import MoE, moe_block
 from .residual import PreNorm
 
 
 def moe_or_dense(b: Build, L: int):
     """Layer L's feed-forward block: the MoE block on a sparse layer (moe_layers), else its dense MLP."""
-    return moe(b, L) if b.spec.moe_layers[L] else dense(b, L)
+    return moe_block(b, L) if b.spec.moe_layers[L] else dense_mlp(b, L)
 
 
-__all__ = ["Attention", "Build", "DenseMLP", "Kernels", "LatentAttention", "MoE", "PreNorm", "Step", "dense", "moe",
-           "moe_or_dense"]
+__all__ = ["Attention", "Build", "DenseMLP", "Kernels", "LatentAttention", "MoE", "PreNorm", "Step", "dense_mlp",
+           "moe_block", "moe_or_dense"]

@@ -21,6 +21,6 @@ class DenseMLP:
         return linear(self.act(linear(x, m.gate, None, bf16)) * linear(x, m.up, None, bf16), m.down, None, bf16)
 
 
-def dense(b: Build, L: int) -> DenseMLP:
+def dense_mlp(b: Build, L: int) -> DenseMLP:
     """Layer L's dense MLP (a layer moe_layers marks False)."""
     return DenseMLP(b, b.w.layers[L].mlp)

@@ -212,6 +212,6 @@ class Experts:
         return ys
 
 
-def moe(b: Build, L: int) -> MoE:
+def moe_block(b: Build, L: int) -> MoE:
     """Layer L's MoE block."""
     return MoE(b, L)
