@@ -1,6 +1,5 @@
 """The prompt path's settings, each measured against its alternatives (one model, quiet; decode's: benchmarks/knobs.py).
 
-    .venv/bin/python benchmarks/prefill/knobs.py wait    [--model GGUF] [--rounds 6] [--prompts 128 512 2048]
     .venv/bin/python benchmarks/prefill/knobs.py blocks  [--model FOLDER] [--rounds 6] [--prompts 512 2048]
     .venv/bin/python benchmarks/prefill/knobs.py dequant [--rounds 15]
     .venv/bin/python benchmarks/prefill/knobs.py profile [--model GGUF] [--prompts 2048]
@@ -18,9 +17,6 @@ Models: GGUF default the peers model's Q4_K_M file, FOLDER the demo model at 1 G
 GGUF (benchmarks/common.py). In-process arms alternate in rotated order per round (sluice.bench.timing; median ms),
 and the settings they flip go through common.with_kernels.
 
-wait: the native pool's wait between a prompt's jobs (native.PROMPT_WAIT) at 1 ms / 200 us / 50 us of spin + yield,
-alternated in one process on resident prompts (a new seeded prompt each run), medians of prefill ms; then decode
-ms/token with the decode wait against the prompt's.
 blocks: an expert's prompt rows in row blocks (matmul.row_blocks) against one GEMM for all its rows, the first and
 the next two prompts of a fresh process per arm and round (oneDNN builds kernels per new row count in each
 process), arms alternated; medians of prefill ms.
@@ -93,34 +89,6 @@ def prefill_ms(m, n: int) -> float:
     """Prefill ms of a new seeded n-token prompt (one token generated after it)."""
     list(m.generate_tokens(prompt(n, next(SEEDS)), max_tokens=1, stop_at_eos=False))
     return m.stats()["prefill_ms"]
-
-
-def wait(a) -> None:
-    arms = {"1 ms": (50_000, 1_000_000), "200 us": (50_000, 200_000), "50 us": (50_000, 50_000)}
-    with sluice.load(a.model, memory="all") as m:
-        list(m.generate_tokens(prompt(64, 1), max_tokens=1, stop_at_eos=False))
-
-        def arm(k: str, n: int):
-            def one() -> float:
-                with with_kernels(prompt_wait=arms[k]):
-                    return prefill_ms(m, n)
-            return one
-
-        for n in a.prompts:
-            res = alternate({k: arm(k, n) for k in arms}, a.rounds)
-            print(f"{n} tokens, prefill ms (median of {a.rounds}): "
-                  + ", ".join(f"{k} {v:.0f}" for k, v in medians(res).items()))
-
-        def decode(k: str):
-            def one() -> float:
-                with with_kernels(decode_wait=(50_000, 1_000_000) if k == "decode wait" else arms["200 us"]):
-                    list(m.generate_tokens(prompt(16, next(SEEDS)), max_tokens=24, stop_at_eos=False))
-                return 1000 * statistics.median(m.step_times.decode_s[4:])
-            return one
-
-        res = alternate({k: decode(k) for k in ("decode wait", "prompt wait")}, a.rounds)
-        print(f"decode ms/token (median of {a.rounds}): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in medians(res).items()))
 
 
 def blocks_child(model: str, n: int, split: bool) -> list[float]:
@@ -432,7 +400,7 @@ def activation(a) -> None:
     print(f"{n} tokens in one chunk: peak RSS +{grown / 2**20:.1f} MiB = {grown / n / 1024:.1f} KiB a token")
 
 
-PARTS = {"wait": wait, "blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm,
+PARTS = {"blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm,
          "attend": attend, "code": code, "reads": reads, "matmul": matmul, "sdpa": sdpa, "crossover": crossover,
          "packed": packed, "rows": rows, "matmul-prefill": matmul_prefill, "activation": activation}
 MATMUL = ("matmul", "sdpa", "crossover", "packed", "rows", "matmul-prefill")  # resident_matmul.py's: 2 torch threads
@@ -451,9 +419,9 @@ def main() -> None:
         print(json.dumps(fn(a.model, a.prompts[0], a.split)))
         return
     a.model = a.model or str({"blocks": DEMO_1G, "rows": DEMO_1G, "matmul-prefill": PEERS_BF16}.get(a.what, PEERS_Q4))
-    a.rounds = a.rounds or (6 if a.what in ("wait", "blocks", "code", "reads") else
+    a.rounds = a.rounds or (6 if a.what in ("blocks", "code", "reads") else
                             3 if a.what in ("rows", "matmul-prefill") else 15)
-    a.prompts = a.prompts or {"wait": [128, 512, 2048], "blocks": [512, 2048]}.get(a.what, [2048])
+    a.prompts = a.prompts or {"blocks": [512, 2048]}.get(a.what, [2048])
     if a.what in MATMUL:
         from sluice.host.cpus import bf16_dot
 
