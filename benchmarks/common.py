@@ -24,7 +24,9 @@ comparison of them loads one model per setting, or builds a Compute for kernel-l
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -87,6 +89,17 @@ def median_ms(fns: Mapping[K, Callable[[], Any]], rounds: int, reps: int = 1, wa
 def medians(results: Mapping[K, list[float]]) -> dict[K, float]:
     """The median of each arm's results (alternate's output of numbers)."""
     return {k: statistics.median(v) for k, v in results.items()}
+
+
+def child_json(cmd: list[str], env: dict[str, str] | None = None) -> Any:
+    """Run `cmd` (an arm in a fresh process) and return the last line of its stdout as JSON. A child that fails
+    ends this script with the last line of its stderr (a missing model: the child's one-line error), not a
+    CalledProcessError traceback."""
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        raise SystemExit(f"{last} (in its child: {Path(cmd[1]).name} {cmd[2]})")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # -- models and prompts ------------------------------------------------------------------------------------------------

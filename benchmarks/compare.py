@@ -49,7 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import alternate  # noqa: E402
+from benchmarks.common import alternate, child_json  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 RESIDENT_ARMS = ["sluice", "transformers"]
@@ -98,7 +98,7 @@ def run_arms(folder: str, tokens: int, prompt_len: int, rounds: int, label) -> d
         def run() -> dict:
             cmd = [sys.executable, __file__, "resident-child", name, folder, "--tokens", str(tokens),
                    "--prompt-len", str(prompt_len)]
-            return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+            return child_json(cmd)
         return run
 
     return alternate({name: arm(name) for name in RESIDENT_ARMS}, rounds,

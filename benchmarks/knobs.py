@@ -58,7 +58,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,8 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sluice  # noqa: E402  before torch: it sets torch's OpenMP wait policy
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from benchmarks.common import (PEERS_Q4, alternate, decode_logits, default_compute, median_ms,  # noqa: E402
-                               with_kernels)
+from benchmarks.common import (PEERS_Q4, alternate, child_json, decode_logits, default_compute,  # noqa: E402
+                               median_ms, with_kernels)
 
 
 def say(r: int, arm, ms: float) -> None:
@@ -208,9 +207,7 @@ def omp_wait(a) -> None:
     def arm(name: str):
         def one() -> dict:
             cmd = [sys.executable, __file__, "omp-wait", "--model", str(a.model), "--prompt", str(a.prompt), "--child"]
-            out = subprocess.run(cmd, env={**os.environ, **OMP_ARMS[name]}, check=True, capture_output=True,
-                                 text=True).stdout
-            return json.loads(out.strip().splitlines()[-1])
+            return child_json(cmd, env={**os.environ, **OMP_ARMS[name]})
         return one
 
     res = alternate({name: arm(name) for name in OMP_ARMS}, a.rounds, lambda r, name, row: print(

@@ -70,7 +70,6 @@ import functools
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,8 +78,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 import sluice  # noqa: E402  before torch: sluice sets torch's OpenMP wait policy
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from benchmarks.common import (DEMO_1G, PEERS_BF16, PEERS_Q4, alternate, median_ms, medians, prompt,  # noqa: E402
-                               with_kernels)
+from benchmarks.common import (DEMO_1G, PEERS_BF16, PEERS_Q4, alternate, child_json, median_ms,  # noqa: E402
+                               medians, prompt, with_kernels)
 
 SEEDS = itertools.count(7)  # a new seeded prompt per run: no arm reuses another's cache
 
@@ -102,8 +101,7 @@ def blocks_child(model: str, n: int, split: bool) -> list[float]:
 
 def child(*args: str) -> list:
     """The last line of this script's output run as a fresh process with `args`, as JSON."""
-    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True).stdout
-    return json.loads(out.splitlines()[-1])
+    return child_json([sys.executable, __file__, *args])
 
 
 def blocks(a) -> None:
