@@ -24,6 +24,7 @@ comparison of them loads one model per setting, or builds a Compute for kernel-l
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 import subprocess
@@ -155,11 +156,13 @@ _REBUILT: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDict
 def _process_choice(name: str) -> tuple[Any, Any]:
     """(getter, setter) of a process-wide choice."""
     global _GEMM_BLOCKS
-    from sluice.models.layers import experts, moe
     from sluice.quant import matmul
     from sluice.quant.native import pool, q8
     from sluice.store import streaming
 
+    # the modules, by name: sluice.models.layers re-exports a function `moe` that an attribute import would give
+    experts = importlib.import_module("sluice.models.layers.experts")
+    moe = importlib.import_module("sluice.models.layers.moe")
     if _GEMM_BLOCKS is None:  # sluice.quant.matmul's own values, read before any with_kernels changed them
         _GEMM_BLOCKS = (matmul.GEMM_BLOCK_BYTES, matmul.GEMM_MIN_BLOCK)
 
