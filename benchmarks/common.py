@@ -1,9 +1,10 @@
 """What the scripts under benchmarks/ share: the models they default to, a seeded prompt, the in-process timing
-protocol (alternate, median_ms, medians), `with_kernels` and `default_compute`, the one place that knows where each
-kernel / scheduling choice they compare lives, and `decode_logits`.
+protocol (alternate, median_ms, medians), an arm in a fresh process (child_json), `with_kernels` and
+`default_compute`, the one place that knows where each kernel / scheduling choice they compare lives, and
+`decode_logits`.
 
 The scripts import it as `benchmarks.common` after putting the repository root on sys.path (`sys.path.insert(0, ...)`
-at their top); tests/bench/test_timing.py tests the timing protocol. Nothing heavy is imported at this module's top
+at their top); tests/bench/test_timing.py and test_common.py test it. Nothing heavy is imported at this module's top
 (torch and sluice where a function needs them): compare.py's transformers child imports it and must run without
 sluice.
 
