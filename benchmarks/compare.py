@@ -1,5 +1,5 @@
 """The comparisons made before `sluice bench` existed: each arm a fresh child process per round, the arms in
-rotated order (sluice.bench.timing.alternate), medians over rounds, the greedy tokens checked identical across arms;
+rotated order (benchmarks/common.py alternate), medians over rounds, the greedy tokens checked identical across arms;
 each writes benchmarks/results/<name>.{md,json} (contention: a folder, with a plot).
 
     .venv/bin/python benchmarks/compare.py resident-decode --size 1GiB --rounds 3 --tokens 32
@@ -31,7 +31,8 @@ OpenMP waits as libgomp does by default (spins ~300,000 iterations, then sleeps)
 (OMP_WAIT_POLICY=PASSIVE), the other cure considered. Medians of per-run median step times. Target: decode beside one
 busy process <= 2.2x the quiet decode (2 cores: a fair share is 1 of 2), quiet speed unchanged.
 
-Nothing of sluice is imported at this module's top: the transformers child must run without it.
+Nothing of sluice is imported at this module's top (benchmarks/common.py imports it only where used): the
+transformers child must run without it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import alternate, child_json  # noqa: E402
+
 OUT = ROOT / "benchmarks" / "results"
 RESIDENT_ARMS = ["sluice", "transformers"]
 
@@ -90,13 +94,11 @@ def resident_child(arm: str, folder: str, tokens: int, prompt_len: int) -> dict:
 
 def run_arms(folder: str, tokens: int, prompt_len: int, rounds: int, label) -> dict[str, list[dict]]:
     """Both arms, a fresh child each, alternated per round; label(round, arm, result) is printed to stderr."""
-    from sluice.bench.timing import alternate
-
     def arm(name: str):
         def run() -> dict:
             cmd = [sys.executable, __file__, "resident-child", name, folder, "--tokens", str(tokens),
                    "--prompt-len", str(prompt_len)]
-            return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+            return child_json(cmd)
         return run
 
     return alternate({name: arm(name) for name in RESIDENT_ARMS}, rounds,
@@ -203,7 +205,6 @@ def run_once(model: Path, flags: list[str], a) -> dict:
 
 
 def streaming_modes(a) -> None:
-    from sluice.bench.timing import alternate
     from sluice.options import format_bytes, parse_size
     from sluice.tools.synth import config_for_size, make_model
 
@@ -318,8 +319,6 @@ def _plot(result: dict, path: Path) -> None:
 
 
 def contention(a) -> None:
-    from sluice.bench.timing import alternate
-
     for n in a.spin:
         POLICIES[f"spin{n}"] = ({"GOMP_SPINCOUNT": str(n)}, FIXED)
     chosen = a.arms.split(",") + [f"spin{n}" for n in a.spin]
@@ -327,13 +326,13 @@ def contention(a) -> None:
         raise SystemExit(f"unknown arm(s) {', '.join(sorted(unknown))}; known: {', '.join(POLICIES)}")
     for name in [p for p in POLICIES if p not in chosen]:
         del POLICIES[name]
-    from sluice.checkpoint import CheckpointIndex
     from sluice.options import parse_size
+    from sluice.plan import open_index
     from sluice.tools.inflate import demo_model_dir, inflate, scale_for_size
 
     model = Path(a.model) if a.model else ROOT / "benchmarks" / "models" / f"demo-{a.size}"
     if not (model / "config.json").exists():
-        n = scale_for_size(CheckpointIndex.open(demo_model_dir()), parse_size(a.size))
+        n = scale_for_size(open_index(demo_model_dir()), parse_size(a.size))
         inflate("demo", model, n, progress=True)
     scenarios = {"resident": ["--memory", "all"],
                  "streamed": ["--memory", a.stream_memory, "--io", "direct"]}

@@ -11,7 +11,8 @@
     .venv/bin/python benchmarks/knobs.py victim
 
 GGUF: default the peers model's Q4_K_M file (benchmarks/quantized/run.sh makes it). In-process arms alternate in
-rotated order per round (sluice.bench.timing); the switches they flip go through common.with_kernels.
+rotated order per round (benchmarks/common.py alternate, median_ms); the switches they flip go through
+common.with_kernels.
 
 arms: resident decode in three arms: the default (`--activations int16`, native decode attention and router), the
 same model with the torch attention steps, and `--activations int8` (llama.cpp's one-plane activation coding): each
@@ -32,10 +33,11 @@ default` is what importing sluice sets (OMP_WAIT_POLICY=PASSIVE with GOMP_SPINCO
 after each parallel op, then sleeps); `spin 30 us` (GOMP_SPINCOUNT=3000); `passive` sleeps at once (the default
 before); `libgomp default` is the policy of an unset environment (spin 300,000 rounds, ~3 ms). Per run and arm:
 prefill ms (median of 3 replays), decode ms/token mean and median (of the last replay).
-split / head / projections: single QuantLinear calls (quant/resident.py) against their bf16 F.linear, medians, 2
-torch threads. split: Q4_K [N x 1024] at T=1, one thread vs split over native.set_threads(2) (SPLIT_MIN_WEIGHTS).
-head: a Q6_K head of a 151,936-token vocabulary (random valid blocks) at T=1 and T=64. projections: the GGUF's head
-and layer-0 q/k/v at T=1 (one thread, split) and at T=33 (the blocked float32 path).
+split / head / projections: single QuantLinear calls (quant/linear.py, on the Compute a default load has here:
+common.default_compute) against their bf16 F.linear, medians, 2 torch threads. split: Q4_K [N x 1024] at T=1, the
+C pool on one thread vs its rows split over two (native/pool.py set_threads). head: a Q6_K head of a 151,936-token
+vocabulary (random valid blocks) at T=1 and T=64. projections: the GGUF's head and layer-0 q/k/v at T=1 (one thread,
+split) and at T=33 (many rows: the blocked float32 path, or the bf16 GEMM where the CPU has bf16 dot products).
 (arms, layouts, prefetch, omp-wait, split / head / projections were quantized/decode_arms.py, kernel_layouts.py,
 prefetch_arms.py, omp_wait.py, resident_ops.py.)
 workers: read throughput per reader and worker count on a cold file (sluice.io.direct.DEFAULT_WORKERS). Writes a
@@ -56,18 +58,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sluice  # noqa: E402  before torch: it sets torch's OpenMP wait policy
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import PEERS_Q4, decode_logits, with_kernels  # noqa: E402
-
-from sluice.bench.timing import alternate, median_ms  # noqa: E402
+from benchmarks.common import (PEERS_Q4, alternate, child_json, decode_logits, default_compute,  # noqa: E402
+                               median_ms, with_kernels)
 
 
 def say(r: int, arm, ms: float) -> None:
@@ -83,18 +83,18 @@ def arms(a) -> None:
     m8 = sluice.load(a.model, memory="all", threads=2, activations="int8")
     setups = {"int16": (m16, True), "int16, torch attention": (m16, False), "int8": (m8, True)}
     quality = {}
-    for name, (m, native_attention) in setups.items():
-        with with_kernels(m, native_attention=native_attention):
+    for name, (m, native_decode) in setups.items():
+        with with_kernels(m, native_decode=native_decode):
             got = decode_logits(m, prompt, tokens)
             quality[name] = (((got - exact).norm() / exact.norm()).item(),
                              (got.argmax(-1) == exact.argmax(-1)).float().mean().item())
             m.replay(prompt, tokens[:4])  # warm-up
 
     def run(name: str):
-        m, native_attention = setups[name]
+        m, native_decode = setups[name]
 
         def one() -> float:
-            with with_kernels(m, native_attention=native_attention):
+            with with_kernels(m, native_decode=native_decode):
                 m.replay(prompt, tokens)
             return 1000 * statistics.median(m.step_times.decode_s)
         return one
@@ -128,9 +128,9 @@ def threads(a) -> None:
 
 def layouts(a) -> None:
     from sluice.quant import native
-    from sluice.quant.kernels import QuantSpec
-    from sluice.quant.samples import random_expert_slots
+    from sluice.quant.spec import QuantSpec
     from sluice.store.layout import ExpertFormat
+    from tests.quant.samples import random_expert_slots
 
     H, I = 1024, 512
     for down in ("Q4_K", "Q6_K"):
@@ -207,9 +207,7 @@ def omp_wait(a) -> None:
     def arm(name: str):
         def one() -> dict:
             cmd = [sys.executable, __file__, "omp-wait", "--model", str(a.model), "--prompt", str(a.prompt), "--child"]
-            out = subprocess.run(cmd, env={**os.environ, **OMP_ARMS[name]}, check=True, capture_output=True,
-                                 text=True).stdout
-            return json.loads(out.strip().splitlines()[-1])
+            return child_json(cmd, env={**os.environ, **OMP_ARMS[name]})
         return one
 
     res = alternate({name: arm(name) for name in OMP_ARMS}, a.rounds, lambda r, name, row: print(
@@ -233,16 +231,18 @@ def ms_of(f, n: int) -> float:
 
 
 def projections(a) -> None:
-    from sluice.checkpoint import CheckpointIndex
-    from sluice.io.tensor import read_bytes, read_tensor
-    from sluice.quant.resident import QuantLinear, quant_spec
+    from sluice.io.tensor import read_bytes
+    from sluice.plan import open_index
+    from sluice.quant.linear import QuantLinear, quant_spec
+    from sluice.quant.tensor import read_tensor
 
-    index = CheckpointIndex.open(a.model)
+    index = open_index(a.model)
+    compute = default_compute()
     for name in ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.0.self_attn.v_proj.weight"):
         ref = index[name]
         wb = read_tensor(ref, torch.bfloat16)
-        q = QuantLinear(quant_spec(ref, torch.bfloat16), read_bytes(ref), torch.bfloat16)  # rows as stored: timing
+        q = QuantLinear(quant_spec(ref, torch.bfloat16), read_bytes(ref), compute)  # rows as stored: timing
         x, x33 = torch.randn(1, ref.shape[1]).bfloat16(), torch.randn(33, ref.shape[1]).bfloat16()
         one, two = split_ms(q, x, 41)
         print(f"{name} {ref.dtype} {list(ref.shape)}: T=1 bf16 {ms_of(lambda: F.linear(x, wb), 41):.3f} ms, "
@@ -251,24 +251,24 @@ def projections(a) -> None:
 
 
 def split(a) -> None:
-    from sluice.quant.kernels import QuantSpec
-    from sluice.quant.resident import QuantLinear
-    from sluice.quant.samples import random_stored
+    from sluice.quant.linear import QuantLinear
+    from sluice.quant.spec import QuantSpec
+    from tests.quant.samples import random_stored
 
+    compute = default_compute()
     for rows in (1024, 2048, 4096, 8192):
         spec = QuantSpec.ggml("Q4_K", rows, 1024)
-        one, two = split_ms(QuantLinear(spec, random_stored(spec), torch.bfloat16), torch.randn(1, 1024).bfloat16(),
-                            101)
+        one, two = split_ms(QuantLinear(spec, random_stored(spec), compute), torch.randn(1, 1024).bfloat16(), 101)
         print(f"Q4_K [{rows} x 1024] T=1: one thread {one:.3f} ms, split {two:.3f} ms")
 
 
 def head(a) -> None:
-    from sluice.quant.kernels import QuantSpec
-    from sluice.quant.resident import QuantLinear
-    from sluice.quant.samples import random_stored
+    from sluice.quant.linear import QuantLinear
+    from sluice.quant.spec import QuantSpec
+    from tests.quant.samples import random_stored
 
     spec = QuantSpec.ggml("Q6_K", 151936, 1024)
-    q = QuantLinear(spec, random_stored(spec), torch.bfloat16)
+    q = QuantLinear(spec, random_stored(spec), default_compute())
     wb = q.dequantize().bfloat16()
     x, x64 = torch.randn(1, 1024).bfloat16(), torch.randn(64, 1024).bfloat16()
     one, two = split_ms(q, x, 21)

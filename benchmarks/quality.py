@@ -219,6 +219,12 @@ def perplexity_table(args) -> None:
     if args.llama_cpp_child:
         llama_cpp_child(args.work, args.context, args.threads)
         return
+    if not (args.corpus / "val.jsonl").is_file():  # one line, before any file is written
+        raise SystemExit(f"quality.py perplexity: no {args.corpus / 'val.jsonl'}: make it once with `python "
+                         "scripts/demo_corpus.py` (it reads python3.11-doc), or pass --corpus")
+    if not args.peer_python.is_file():
+        raise SystemExit(f"quality.py perplexity: no {args.peer_python}: `bash benchmarks/peers/setup.sh` once "
+                         "(llama-cpp-python in the peers venv), or pass --peer-python")
     args.work.mkdir(parents=True, exist_ok=True)
     text = val_text(args.corpus)
     (args.work / "val.txt").write_text(text, "utf-8")

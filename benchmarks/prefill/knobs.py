@@ -1,6 +1,5 @@
 """The prompt path's settings, each measured against its alternatives (one model, quiet; decode's: benchmarks/knobs.py).
 
-    .venv/bin/python benchmarks/prefill/knobs.py wait    [--model GGUF] [--rounds 6] [--prompts 128 512 2048]
     .venv/bin/python benchmarks/prefill/knobs.py blocks  [--model FOLDER] [--rounds 6] [--prompts 512 2048]
     .venv/bin/python benchmarks/prefill/knobs.py dequant [--rounds 15]
     .venv/bin/python benchmarks/prefill/knobs.py profile [--model GGUF] [--prompts 2048]
@@ -15,12 +14,9 @@
     .venv/bin/python benchmarks/prefill/knobs.py activation [--model GGUF] --prompts 512   (then --prompts 2048)
 
 Models: GGUF default the peers model's Q4_K_M file, FOLDER the demo model at 1 GiB, matmul-prefill's the peers bf16
-GGUF (benchmarks/common.py). In-process arms alternate in rotated order per round (sluice.bench.timing; median ms),
+GGUF (benchmarks/common.py). In-process arms alternate in rotated order per round (common.alternate; median ms),
 and the settings they flip go through common.with_kernels.
 
-wait: the native pool's wait between a prompt's jobs (native.PROMPT_WAIT) at 1 ms / 200 us / 50 us of spin + yield,
-alternated in one process on resident prompts (a new seeded prompt each run), medians of prefill ms; then decode
-ms/token with the decode wait against the prompt's.
 blocks: an expert's prompt rows in row blocks (matmul.row_blocks) against one GEMM for all its rows, the first and
 the next two prompts of a fresh process per arm and round (oneDNN builds kernels per new row count in each
 process), arms alternated; medians of prefill ms.
@@ -32,8 +28,9 @@ expert projection, median ms of rounds of 30.
 gemm: one prompt expert's Q4_K projections (256 rows; the peers model's shapes) on 8-bit activations
 (native/prompt.c, what --activations int8 runs) against dequantizing to bf16 + torch's bf16 GEMM (the default) and
 that GEMM alone, 2 native / torch threads, alternated, median ms of rounds of 30.
-attend: a prompt's causal attention (8 query / 2 kv heads of 128) in native/attend.c against matmul.sdpa, alternated,
-median ms of rounds of 10; and the relative error of each against float64.
+attend: a prompt's causal attention (8 query / 2 kv heads of 128) in native/attend.c against matmul.sdpa (bf16 dot
+products where `--matmul auto` picks bf16 GEMMs), alternated, median ms of rounds of 10; and the relative error of
+each against float64.
 code: at --activations int8, a layer's rows coded once for all its experts (code_rows_once) against each expert coding
 its own, resident, alternated in one process (a new seeded prompt each run), medians of prefill ms.
 reads: a prompt's read-ahead in batches of 4 experts (streaming.PROMPT_READ_GROUP) against one expert a batch,
@@ -50,15 +47,15 @@ against SDPA's is_causal (which skips the blocks above the diagonal); same bits 
 attention on bf16 dot products, the prompt path under --matmul bf16) against bf16 SDPA, both masks, with each one's
 relative error against float64.
 crossover: a GGUF-quantized projection's float row kernel (native.linear) against dequantization straight to bf16 +
-one bf16 GEMM (NativeKernel's many-row route under --matmul bf16) by rows: where BF16_GEMM_MIN_ROWS sits.
+one bf16 GEMM (quant/linear.py's many-row route under --matmul bf16) by rows: where BF16_GEMM_MIN_ROWS sits.
 packed: the demo model's expert shapes at 1 GiB, 192 experts ([7296 x 256] gate_up, [256 x 3648] down, weights cold
 in DRAM as in a prefill), F.linear on plain weights (oneDNN copies each weight into its blocked layout per call)
 against weights packed once (matmul.pack, what the resident store keeps), at 1 / 64 / 256 rows per expert; then the
-cost of a new row count (oneDNN builds kernels per shape; models/blocks.py GEMM_ROW_STEP).
+cost of a new row count (oneDNN builds kernels per shape; models/layers/experts.py GEMM_ROW_STEP).
 rows: resident prefill of three prompts in a fresh process (the first pays for every new GEMM shape), experts' rows
 padded to a multiple of GEMM_ROW_STEP against unpadded (a step of 1), processes alternated; ms of each prompt.
-matmul-prefill: resident prefill of a prompt, `--matmul bf16` against `float32` alternated in one process (the option
-is process-wide and set at each load), median ms; logits compared. --model also takes a quantized GGUF.
+matmul-prefill: resident prefill of a prompt, `--matmul bf16` against `float32` alternated in one process (a model
+loaded per run with its own option), median ms; logits compared. --model also takes a quantized GGUF.
 activation: peak RSS growth per prefill token (the per-token activation figure of store/budget.py): one forward pass
 of --prompts tokens in one chunk, resident, after a warm-up pass; the growth is the peak resident set (VmHWM, reset
 with /proc/self/clear_refs after the warm-up) minus the resident set before the pass. One process per length (freed
@@ -73,18 +70,16 @@ import functools
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 import sluice  # noqa: E402  before torch: sluice sets torch's OpenMP wait policy
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import DEMO_1G, PEERS_BF16, PEERS_Q4, prompt, with_kernels  # noqa: E402
-
-from sluice.bench.timing import alternate, median_ms, medians  # noqa: E402
+from benchmarks.common import (DEMO_1G, PEERS_BF16, PEERS_Q4, alternate, child_json, median_ms,  # noqa: E402
+                               medians, prompt, with_kernels)
 
 SEEDS = itertools.count(7)  # a new seeded prompt per run: no arm reuses another's cache
 
@@ -93,34 +88,6 @@ def prefill_ms(m, n: int) -> float:
     """Prefill ms of a new seeded n-token prompt (one token generated after it)."""
     list(m.generate_tokens(prompt(n, next(SEEDS)), max_tokens=1, stop_at_eos=False))
     return m.stats()["prefill_ms"]
-
-
-def wait(a) -> None:
-    arms = {"1 ms": (50_000, 1_000_000), "200 us": (50_000, 200_000), "50 us": (50_000, 50_000)}
-    with sluice.load(a.model, memory="all") as m:
-        list(m.generate_tokens(prompt(64, 1), max_tokens=1, stop_at_eos=False))
-
-        def arm(k: str, n: int):
-            def one() -> float:
-                with with_kernels(prompt_wait=arms[k]):
-                    return prefill_ms(m, n)
-            return one
-
-        for n in a.prompts:
-            res = alternate({k: arm(k, n) for k in arms}, a.rounds)
-            print(f"{n} tokens, prefill ms (median of {a.rounds}): "
-                  + ", ".join(f"{k} {v:.0f}" for k, v in medians(res).items()))
-
-        def decode(k: str):
-            def one() -> float:
-                with with_kernels(decode_wait=(50_000, 1_000_000) if k == "decode wait" else arms["200 us"]):
-                    list(m.generate_tokens(prompt(16, next(SEEDS)), max_tokens=24, stop_at_eos=False))
-                return 1000 * statistics.median(m.step_times.decode_s[4:])
-            return one
-
-        res = alternate({k: decode(k) for k in ("decode wait", "prompt wait")}, a.rounds)
-        print(f"decode ms/token (median of {a.rounds}): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in medians(res).items()))
 
 
 def blocks_child(model: str, n: int, split: bool) -> list[float]:
@@ -134,8 +101,7 @@ def blocks_child(model: str, n: int, split: bool) -> list[float]:
 
 def child(*args: str) -> list:
     """The last line of this script's output run as a fresh process with `args`, as JSON."""
-    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True).stdout
-    return json.loads(out.splitlines()[-1])
+    return child_json([sys.executable, __file__, *args])
 
 
 def blocks(a) -> None:
@@ -152,8 +118,8 @@ def blocks(a) -> None:
 
 def dequant(a) -> None:
     from sluice.quant import native
-    from sluice.quant.kernels import QuantSpec
-    from sluice.quant.native.kernel import bf16_view
+    from sluice.quant.linear import bf16_view
+    from sluice.quant.spec import QuantSpec
 
     g = torch.Generator().manual_seed(0)
     specs = [QuantSpec.ggml("Q4_K", 1024, 1024), QuantSpec.ggml("Q6_K", 1024, 512)]
@@ -202,9 +168,9 @@ def int8(a) -> None:
 
 def gemm(a) -> None:
     from sluice.quant import native
-    from sluice.quant.kernels import QuantSpec
     from sluice.quant.native import prompt as prompt_kernels
-    from sluice.quant.samples import random_stored
+    from sluice.quant.spec import QuantSpec
+    from tests.quant.samples import random_stored
 
     for fmt, n, k in (("Q4_K", 1024, 1024), ("Q4_K", 1024, 512)):
         spec = QuantSpec.ggml(fmt, n, k)
@@ -219,7 +185,7 @@ def gemm(a) -> None:
 
 
 def attend(a) -> None:
-    from sluice.matmul import sdpa
+    from sluice.quant.matmul import resolve_matmul, sdpa
     from sluice.quant.native import attend as native_attend
 
     if not native_attend.available():
@@ -227,8 +193,9 @@ def attend(a) -> None:
     n = a.prompts[0]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(h, n, 128, generator=g).bfloat16() for h in (8, 2, 2))
+    bf16 = resolve_matmul("auto")  # a default load's Compute.bf16_gemm: the model's prompt attention without attend.c
     outs = {"attend.c": lambda: native_attend.causal(q, k, v, 0),
-            "matmul.sdpa": lambda: sdpa(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
+            "matmul.sdpa": lambda: sdpa(q[None], k[None], v[None], bf16, is_causal=True, enable_gqa=True)[0]
             .transpose(0, 1).reshape(n, -1)}
     ref = F.scaled_dot_product_attention(q[None].double(), k[None].double(), v[None].double(), is_causal=True,
                                          enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
@@ -286,7 +253,7 @@ def matmul(a) -> None:
 
 
 def sdpa(a) -> None:
-    from sluice.matmul import sdpa as matmul_sdpa
+    from sluice.quant.matmul import sdpa as matmul_sdpa
 
     T = 2048
     g = torch.Generator().manual_seed(0)
@@ -300,56 +267,55 @@ def sdpa(a) -> None:
                        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     print(f"sdpa {T} tokens bf16: mask {ms['mask']:.1f} ms, is_causal {ms['is_causal']:.1f} ms "
           f"({'same bits' if same else 'BITS DIFFER'})")
-    with with_kernels(matmul="bf16"):
-        for kw in (dict(is_causal=True), dict(attn_mask=mask)):
-            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True, **kw)
-            err = lambda y: ((y.double() - ref).norm() / ref.norm()).item()  # noqa: E731
-            ms = median_ms({"plain": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw),
-                            "ours": lambda: matmul_sdpa(q, k, v, enable_gqa=True, **kw)}, rounds=5, warmup=2)
-            e1 = err(F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw))
-            e2 = err(matmul_sdpa(q, k, v, enable_gqa=True, **kw))
-            print(f"sdpa {T} tokens {'is_causal' if 'is_causal' in kw else 'mask'}: bf16 SDPA {ms['plain']:.1f} ms "
-                  f"(error {e1:.2e}), float32 scores on bf16 dot products (matmul.sdpa) {ms['ours']:.1f} ms (error "
-                  f"{e2:.2e})")
+    for kw in (dict(is_causal=True), dict(attn_mask=mask)):  # matmul.sdpa as a model on bf16 GEMMs runs it
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True, **kw)
+        err = lambda y: ((y.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+        ms = median_ms({"plain": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw),
+                        "ours": lambda: matmul_sdpa(q, k, v, True, enable_gqa=True, **kw)}, rounds=5, warmup=2)
+        e1 = err(F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw))
+        e2 = err(matmul_sdpa(q, k, v, True, enable_gqa=True, **kw))
+        print(f"sdpa {T} tokens {'is_causal' if 'is_causal' in kw else 'mask'}: bf16 SDPA {ms['plain']:.1f} ms "
+              f"(error {e1:.2e}), float32 scores on bf16 dot products (matmul.sdpa) {ms['ours']:.1f} ms (error "
+              f"{e2:.2e})")
 
 
 def packed(a) -> None:
-    from sluice.matmul import pack, packable, packed_linear
+    from sluice.quant.matmul import pack, packable, packed_linear
 
-    with with_kernels(matmul="bf16"):
-        if not packable(7296, 256):
-            print("packed: torch has no oneDNN bf16 GEMM on this CPU; stores keep plain weights")
-            return
-        E = 192
-        g = torch.Generator().manual_seed(0)
-        gu = [torch.randn(7296, 256, generator=g).bfloat16() for _ in range(E)]
-        dn = [torch.randn(256, 3648, generator=g).bfloat16() for _ in range(E)]
-        pgu, pdn = [pack(w) for w in gu], [pack(w) for w in dn]
-        for M in (1, 64, 256):
-            x, h = torch.randn(M, 256, generator=g).bfloat16(), torch.randn(M, 3648, generator=g).bfloat16()
-            plain = lambda: [(F.linear(x, gu[e]), F.linear(h, dn[e])) for e in range(E)]  # noqa: E731
-            ours = lambda: [(packed_linear(x, pgu[e]), packed_linear(h, pdn[e])) for e in range(E)]  # noqa: E731
-            # alternated; each pass walks 1 GiB of weights, so each expert's are cold
-            ms = median_ms({"F.linear": plain, "packed": ours}, rounds=3, warmup=0)
-            print(f"packed {E} experts x {M} rows: F.linear {ms['F.linear']:.0f} ms, packed {ms['packed']:.0f} ms")
-        first, again = [], []
-        for M in range(40, 104):  # row counts this process has not seen: the first call builds oneDNN's kernels
-            x = torch.randn(M, 256, generator=g).bfloat16()
-            t = time.perf_counter()
-            packed_linear(x, pgu[0])
-            first.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            packed_linear(x, pgu[0])
-            again.append(time.perf_counter() - t)
-        print(f"packed [7296 x 256], a new row count 40-103: first call {1000 * statistics.median(first):.2f} ms, "
-              f"again {1000 * statistics.median(again):.2f} ms (medians)")
+    # what a model on bf16 GEMMs (--matmul bf16) keeps for its resident bf16 experts
+    if not packable(7296, 256):
+        print("packed: torch has no oneDNN bf16 GEMM on this CPU; stores keep plain weights")
+        return
+    E = 192
+    g = torch.Generator().manual_seed(0)
+    gu = [torch.randn(7296, 256, generator=g).bfloat16() for _ in range(E)]
+    dn = [torch.randn(256, 3648, generator=g).bfloat16() for _ in range(E)]
+    pgu, pdn = [pack(w) for w in gu], [pack(w) for w in dn]
+    for M in (1, 64, 256):
+        x, h = torch.randn(M, 256, generator=g).bfloat16(), torch.randn(M, 3648, generator=g).bfloat16()
+        plain = lambda: [(F.linear(x, gu[e]), F.linear(h, dn[e])) for e in range(E)]  # noqa: E731
+        ours = lambda: [(packed_linear(x, pgu[e]), packed_linear(h, pdn[e])) for e in range(E)]  # noqa: E731
+        # alternated; each pass walks 1 GiB of weights, so each expert's are cold
+        ms = median_ms({"F.linear": plain, "packed": ours}, rounds=3, warmup=0)
+        print(f"packed {E} experts x {M} rows: F.linear {ms['F.linear']:.0f} ms, packed {ms['packed']:.0f} ms")
+    first, again = [], []
+    for M in range(40, 104):  # row counts this process has not seen: the first call builds oneDNN's kernels
+        x = torch.randn(M, 256, generator=g).bfloat16()
+        t = time.perf_counter()
+        packed_linear(x, pgu[0])
+        first.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        packed_linear(x, pgu[0])
+        again.append(time.perf_counter() - t)
+    print(f"packed [7296 x 256], a new row count 40-103: first call {1000 * statistics.median(first):.2f} ms, "
+          f"again {1000 * statistics.median(again):.2f} ms (medians)")
 
 
 def crossover(a) -> None:
     from sluice.quant import native
-    from sluice.quant.kernels import QuantSpec
-    from sluice.quant.native.kernel import bf16_view
-    from sluice.quant.samples import random_stored
+    from sluice.quant.linear import bf16_view
+    from sluice.quant.spec import QuantSpec
+    from tests.quant.samples import random_stored
 
     for name, n, k in (("Q4_K", 1024, 1024), ("Q6_K", 1024, 512)):
         spec = QuantSpec.ggml(name, n, k)
@@ -432,7 +398,7 @@ def activation(a) -> None:
     print(f"{n} tokens in one chunk: peak RSS +{grown / 2**20:.1f} MiB = {grown / n / 1024:.1f} KiB a token")
 
 
-PARTS = {"wait": wait, "blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm,
+PARTS = {"blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm,
          "attend": attend, "code": code, "reads": reads, "matmul": matmul, "sdpa": sdpa, "crossover": crossover,
          "packed": packed, "rows": rows, "matmul-prefill": matmul_prefill, "activation": activation}
 MATMUL = ("matmul", "sdpa", "crossover", "packed", "rows", "matmul-prefill")  # resident_matmul.py's: 2 torch threads
@@ -451,9 +417,9 @@ def main() -> None:
         print(json.dumps(fn(a.model, a.prompts[0], a.split)))
         return
     a.model = a.model or str({"blocks": DEMO_1G, "rows": DEMO_1G, "matmul-prefill": PEERS_BF16}.get(a.what, PEERS_Q4))
-    a.rounds = a.rounds or (6 if a.what in ("wait", "blocks", "code", "reads") else
+    a.rounds = a.rounds or (6 if a.what in ("blocks", "code", "reads") else
                             3 if a.what in ("rows", "matmul-prefill") else 15)
-    a.prompts = a.prompts or {"wait": [128, 512, 2048], "blocks": [512, 2048]}.get(a.what, [2048])
+    a.prompts = a.prompts or {"blocks": [512, 2048]}.get(a.what, [2048])
     if a.what in MATMUL:
         from sluice.host.cpus import bf16_dot
 

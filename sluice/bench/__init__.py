@@ -7,7 +7,6 @@
     floor.py     the I/O floor: each arm's own reads, recorded in an untimed replay, replayed cold before and after
     disk.py      `sluice bench --disk`: a disk's bandwidth by access pattern (a separate tool)
     report.py    markdown table, results.json, latency.png
-    timing.py    in-process A/B for the scripts under benchmarks/: rotated arms, median ms of timed calls
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""sluice.bench.timing: the rotated order, warm-up calls and the ms arithmetic, on a fake clock (no real timing)."""
+"""benchmarks/common.py's timing protocol (the benchmark scripts' alternate / median_ms / medians): the rotated order,
+warm-up calls and the ms arithmetic, on a fake clock (no real timing)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sluice.bench.timing import alternate, median_ms, medians
+from benchmarks.common import alternate, median_ms, medians
 
 
 def test_alternate_rotates_the_order_and_keeps_results_per_arm():
