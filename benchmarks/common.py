@@ -235,3 +235,14 @@ def with_kernels(model=None, **choices: Any) -> Iterator[None]:
     finally:
         for u in reversed(undo):
             u()
+
+
+def commit() -> str:
+    """The repository's HEAD, short, with "+dirty" when files differ from it: what a committed result names."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")

@@ -49,7 +49,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import alternate, child_json  # noqa: E402
+from benchmarks.common import alternate, child_json, commit  # noqa: E402
+from sluice.host.cpus import cpu_line, describe_cpu  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 RESIDENT_ARMS = ["sluice", "transformers"]
@@ -124,6 +125,7 @@ def resident_decode(a) -> None:
         "speedup": round(med["transformers"] / med["sluice"], 2),
         "identical_greedy_tokens": identical,
         "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:]),
+        "cpu": describe_cpu(), "commit": commit(),
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "resident_decode.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -136,7 +138,7 @@ def resident_decode(a) -> None:
     for arm in RESIDENT_ARMS:
         md.append(f"| {arm} | {med[arm]:.1f} | {result['per_round_ms'][arm]} | {1000 / med[arm]:.1f} |")
     md += ["", f"sluice is {result['speedup']}x faster; identical greedy tokens: {identical}.", "",
-           f"Command: `{result['command']}`", ""]
+           f"Command: `{result['command']}` at {result['commit']}; CPU {cpu_line(result['cpu'])}", ""]
     (OUT / "resident_decode.md").write_text("\n".join(md))
     print("\n".join(md))
 
@@ -155,11 +157,13 @@ def resident_prefill(a) -> None:
         rows.append(f"| {n} | {1000 * n / med['sluice']:.0f} | {1000 * n / med['transformers']:.0f} | "
                     f"{med['transformers'] / med['sluice']:.2f}x | {same} |")
     result["command"] = "python benchmarks/compare.py " + " ".join(sys.argv[1:])
+    result["cpu"], result["commit"] = describe_cpu(), commit()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "resident_prefill.json").write_text(json.dumps(result, indent=2) + "\n")
     md = [f"# Resident prefill: sluice vs transformers ({result['model']}, bf16, medians of {a.rounds} rounds)", "",
           "| prompt tokens | sluice tok/s | transformers tok/s | sluice vs transformers | same next tokens |",
-          "|---|---|---|---|---|", *rows, "", f"Command: `{result['command']}`", ""]
+          "|---|---|---|---|---|", *rows, "",
+          f"Command: `{result['command']}` at {result['commit']}; CPU {cpu_line(result['cpu'])}", ""]
     (OUT / "resident_prefill.md").write_text("\n".join(md))
     print("\n".join(md))
 
@@ -225,7 +229,7 @@ def streaming_modes(a) -> None:
     cmd = "python benchmarks/compare.py " + " ".join(sys.argv[1:])
     result = {"model": model.name, "model_bytes": size, "ceiling": a.ceiling, "memory": a.memory,
               "rounds": a.rounds, "tokens": a.tokens, "identical_greedy_tokens": identical, "median": med,
-              "runs": runs, "command": cmd}
+              "runs": runs, "command": cmd, "cpu": describe_cpu(), "commit": commit()}
     out = OUT
     out.mkdir(parents=True, exist_ok=True)
     (out / "streaming_modes.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -243,7 +247,8 @@ def streaming_modes(a) -> None:
         lines.append(f"| {m} | {d['decode_ms_per_token']:.0f} | {speed} | {100 * d['hit_rate']:.1f}% | "
                      f"{d['expert_bytes_per_token'] / 1e6:.0f} | {d['disk_bytes_per_token'] / 1e6:.0f} | "
                      f"{d['major_faults_per_token']:.0f} | {format_bytes(d['peak_rss_bytes'])} |")
-    lines += ["", f"Identical greedy tokens across all modes and rounds: {identical}.", "", f"Command: `{cmd}`", ""]
+    lines += ["", f"Identical greedy tokens across all modes and rounds: {identical}.", "",
+              f"Command: `{cmd}` at {result['commit']}; CPU {cpu_line(result['cpu'])}", ""]
     (out / "streaming_modes.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
@@ -354,7 +359,8 @@ def contention(a) -> None:
     result = {"model": model.name, "rounds": a.rounds, "tokens": a.tokens, "cpus": os.cpu_count(),
               "conditions": conds, "median_ms": med, "identical_tokens": identical,
               "per_round_ms": {"/".join(k): [x["ms"] for x in v] for k, v in runs.items()},
-              "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:])}
+              "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:]),
+              "cpu": describe_cpu(), "commit": commit()}
     CONTENTION_OUT.mkdir(parents=True, exist_ok=True)
     (CONTENTION_OUT / "contention.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, CONTENTION_OUT / "contention.png")
@@ -369,7 +375,7 @@ def contention(a) -> None:
             md.append(f"| {sc} | {p} | " + " | ".join(f"{m[c]:.1f}" for c in conds) + " | " + " | ".join(ratios)
                       + " |")
     md += ["", f"Identical greedy tokens in every run: {identical}.", "",
-           f"Command: `{result['command']}`", ""]
+           f"Command: `{result['command']}` at {result['commit']}; CPU {cpu_line(result['cpu'])}", ""]
     (CONTENTION_OUT / "contention.md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -108,6 +108,8 @@ def header(results: dict[str, Any]) -> str:
                      "for every sluice arm that does not set --max-context")
     if m.get("cpu"):
         parts.append(f"CPU {cpu_line(m['cpu'])}")
+    if m.get("commit"):
+        parts.append(f"sluice at {m['commit']}")
     arms = "; ".join(f"**{a['name']}** `{a['flags'] or '(defaults)'}`" for a in results["arms"])
     return ", ".join(parts) + ".\nArms: " + arms + ". Ratios and wins are paired per round against the first arm."
 

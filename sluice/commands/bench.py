@@ -269,7 +269,8 @@ class Bench:
                 "prompt": a.prompt, "prompt_tokens": len(sequence["prompt_ids"]), "temperature": a.temperature,
                 "seed": a.seed, "page_cache": self.page_cache, "ceiling": self.ceiling, "context": self.context,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
-                "cpus": os.cpu_count(), "cpu": describe_cpu(), "python": platform.python_version(),
+                "cpus": os.cpu_count(), "cpu": describe_cpu(), "commit": source_commit(),
+                "python": platform.python_version(),
                 "peer_python": a.peer_python,
             },
             "floor": self.floor if self.with_floor else None,
@@ -280,6 +281,24 @@ class Bench:
             "peers": best_of_peers([arm.to_json() for arm in self.arms], summary),
             "identity": identity(self.runs, ref),
         }
+
+
+def source_commit() -> str | None:
+    """The git commit of the sluice source that runs (short, "+dirty" when tracked files differ), or None outside a
+    git checkout: what a committed result names beside its command."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent.parent
+
+    def git(*a: str) -> str:
+        try:
+            cmd = ["git", "-C", str(root), *a]
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "") if head else None
 
 
 def main(args: argparse.Namespace) -> int:
