@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sluice import cli
+from sluice.checkpoint.multimodal import text_config, text_tensors
 from sluice.errors import ConfigError
 from sluice.models import get_arch, supported
 from sluice.tools.synth import OutputExistsError, SynthConfig, config_for_size, make_model, size_of, tensors
@@ -28,12 +29,21 @@ def tiny(arch: str, **kw) -> SynthConfig:
 
 
 def hf_load(path: Path):
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    """The checkpoint as its config's `architectures` class loads it (a multimodal wrapper: its
+    *ForConditionalGeneration), and the loading info."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Mxfp4Config
 
-    quantized = "quantization_config" in json.loads((path / "config.json").read_text())  # gpt_oss: MXFP4 experts
+    cfg = json.loads((path / "config.json").read_text())
+    quantized = "quantization_config" in cfg  # gpt_oss: MXFP4 experts
     extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quantized else {}
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32, **extra)
+    auto = AutoModelForImageTextToText if "text_config" in cfg else AutoModelForCausalLM
+    model, info = auto.from_pretrained(path, output_loading_info=True, dtype=torch.float32, **extra)
     return model.eval(), info
+
+
+def text_model(model):
+    """The decoder of a transformers model (inside a multimodal wrapper: its language model)."""
+    return getattr(model.model, "language_model", model.model)
 
 
 @pytest.mark.parametrize(
@@ -47,12 +57,12 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, l
     assert not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
     assert type(model).__name__ == get_arch(arch).SYNTH.hf_class
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = text_config(json.loads((out / "config.json").read_text()))
     assert cfg["vocab_size"] >= 300 and cfg["eos_token_id"] == 2
     # The generated numbers reach the right parameters: expert 1 of layer 1, gate rows then up rows.
-    gen = dict(tensors(sc))
-    experts = model.model.layers[1].mlp.experts
-    if hasattr(get_arch(arch), "synth_experts"):  # gpt_oss: MXFP4, dequantized by transformers to [H, 2I]
+    gen = text_tensors(dict(tensors(sc)))  # the text model's under model.* (a wrapper's model.language_model.*)
+    experts = text_model(model).layers[1].mlp.experts
+    if get_arch(arch).synth_experts is not None:  # gpt_oss: MXFP4, dequantized by transformers to [H, 2I]
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
         x = "model.layers.1.mlp.experts.gate_up_proj"
@@ -64,7 +74,7 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, l
         p = f"model.layers.1.{get_arch(arch).MOE_PREFIXES[0]}.experts.1"
         want_gu = torch.cat([gen[f"{p}.{g}.weight"], gen[f"{p}.{u}.weight"]])
     assert torch.equal(experts.gate_up_proj[1], want_gu)
-    assert torch.equal(model.model.embed_tokens.weight, gen["model.embed_tokens.weight"])
+    assert torch.equal(text_model(model).embed_tokens.weight, gen["model.embed_tokens.weight"])
 
 
 def test_layouts_hold_the_same_model():
