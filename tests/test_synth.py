@@ -217,3 +217,28 @@ def test_default_embed_std_spreads_routing(tmp_path):
     narrow = _experts_used(make_model(tmp_path / "narrow", dataclasses.replace(sc, embed_std=0.02), progress=False))
     print(f"experts used per layer over 32 tokens: embed_std 4.0 -> {spread}, 0.02 -> {narrow}")
     assert min(spread) >= 12, spread
+
+
+def test_cli_writes_a_hybrid_in_the_real_models_proportions(tmp_path, capsys):
+    """Qwen3.6-35B-A3B's proportions, scaled down: 3 Gated DeltaNet layers to 1 attention layer, linear attention
+    with as many key heads as attention heads and twice the value heads at half the head size, a shared expert of
+    one routed expert's size, in the hub's multimodal wrapper."""
+    out = tmp_path / "q36"
+    rc = cli.main(["make-model", str(out), "--arch", "qwen3_5_moe", "--size", "8MiB", "--layers", "8", "--hidden", "128",
+                   "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--experts", "32", "--top-k", "8",
+                   "--no-progress"])
+    assert rc == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "vision_config" in cfg
+    text = cfg["text_config"]
+    assert text["model_type"] == "qwen3_5_moe_text" and text["layer_types"] == ["linear_attention"] * 3 + [
+        "full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert (text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (4, 1, 64)
+    assert (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"],
+            text["linear_value_head_dim"]) == (4, 8, 32, 32)
+    assert text["shared_expert_intermediate_size"] == text["moe_intermediate_size"]
+    assert (text["num_experts"], text["num_experts_per_tok"]) == (32, 8)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out), "--usage-tokens", "0", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["model_type"], info["attention"], info["kv_layers"], info["layers"]) == ("qwen3_5_moe", "hybrid", 2, 8)

@@ -51,7 +51,8 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
 
 # -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
 # Qwen3.6-35B-A3B: 40 layers (every 4th full attention), hidden 2048, 16 heads of 256 (2 kv), linear attention 16 key
-# / 32 value heads of 128, 256 experts top-8 of 512 plus a shared expert of 512, rope theta 1e7.
+# / 32 value heads of 128, 256 experts top-8 of 512 plus a shared expert of 512, rope theta 1e7: `make-model --arch
+# qwen3_5_moe --layers 40 --hidden 2048 --heads 16 --kv-heads 2 --head-dim 256` with the experts left to the size.
 SYNTH = SynthDefaults("Qwen3_5MoeForConditionalGeneration", num_experts=256, top_k=8, rope_theta=1e7,
                       rms_norm_eps=1e-6, shared_expert=True)
 
