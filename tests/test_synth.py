@@ -224,8 +224,8 @@ def test_cli_writes_a_hybrid_in_the_real_models_proportions(tmp_path, capsys):
     with as many key heads as attention heads and twice the value heads at half the head size, a shared expert of
     one routed expert's size, in the hub's multimodal wrapper."""
     out = tmp_path / "q36"
-    rc = cli.main(["make-model", str(out), "--arch", "qwen3_5_moe", "--size", "8MiB", "--layers", "8", "--hidden", "128",
-                   "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--experts", "32", "--top-k", "8",
+    rc = cli.main(["make-model", str(out), "--arch", "qwen3_5_moe", "--size", "8MiB", "--layers", "8", "--hidden",
+                   "128", "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--experts", "32", "--top-k", "8",
                    "--no-progress"])
     assert rc == 0
     cfg = json.loads((out / "config.json").read_text())

@@ -1,8 +1,8 @@
-"""Qwen3.5 / Qwen3.6 MoE (`model_type: qwen3_5_moe`: Qwen3.6-35B-A3B, Qwen3.5-122B-A10B, Qwen3.5-397B-A17B): Qwen3-Next's
-hybrid design (models/qwen3_next.py: three Gated DeltaNet layers to one gated full-attention layer, zero-centred
-norms, a quarter of each head rotary) with Qwen3.5's four separate linear-attention input projections (`in_proj_qkv`,
-`in_proj_z`, `in_proj_b`, `in_proj_a`), every layer sparse (a softmax top-k router whose weights are always
-renormalised, a shared expert scaled by sigmoid(shared_expert_gate)).
+"""Qwen3.5 / Qwen3.6 MoE (`model_type: qwen3_5_moe`: Qwen3.6-35B-A3B, Qwen3.5-122B-A10B, Qwen3.5-397B-A17B):
+Qwen3-Next's hybrid design (models/qwen3_next.py: three Gated DeltaNet layers to one gated full-attention layer,
+zero-centred norms, a quarter of each head rotary) with Qwen3.5's four separate linear-attention input projections
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), every layer sparse (a softmax top-k router whose weights are
+always renormalised, a shared expert scaled by sigmoid(shared_expert_gate)).
 
 The hub ships these models as the multimodal wrapper (`Qwen3_5MoeForConditionalGeneration`): config.json nests the
 text model's config under `text_config`, its tensors live under `model.language_model.*` beside a vision tower
