@@ -7,7 +7,9 @@ order written in the comments below. No fused multiply-add anywhere: torch runs 
 `a * b + c` is two roundings, as in numpy. Integers (nibbles, 5/6-bit values, offsets) are exact in float32, so an
 offset subtracted before the float conversion gives the same bits as the reference's int8 arithmetic.
 
-All work is vectorised over blocks: a format is a handful of bitwise ops on the [rows, blocks, bytes] view.
+All work is vectorised over blocks: a format is a handful of bitwise ops on the [rows, blocks, bytes] view. Each
+format is split into integer codes and float32 scales (affine.py); this file holds the legacy types, Q4_K-Q6_K and
+MXFP4, ggml_k.py Q2_K, Q3_K and the ternary TQ types, ggml_iq.py the IQ types and their grids.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 from .affine import Affine
 from ..checkpoint.formats import BY_NAME, BlockFormat, UnsupportedFormat
 from .ggml_bits import bits, crumbs, f16, nibbles, per_byte
+from .ggml_iq import IQ_SPLIT
+from .ggml_k import LOW_SPLIT
 from .mxfp4 import e8m0_half, fp4_doubled
 
 
@@ -178,7 +182,8 @@ def _mxfp4(b):
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _SPLIT = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k,
-    "Q6_K": _q6_k, "MXFP4": _mxfp4,
+    "Q6_K": _q6_k, "MXFP4": _mxfp4, **LOW_SPLIT, **IQ_SPLIT,
 }
-#: the ggml types `dequantize` computes: issue 14's list (formats.SUPPORTED) plus MXFP4 (gpt-oss GGUFs, issue 16)
+#: the ggml types `dequantize` computes: the legacy and K-quants of issue 14, MXFP4 (issue 16), and the 1-3 bit
+#: K, IQ and ternary types of the largest MoE files (issue 32); formats.SUPPORTED names the same set
 DEQUANTIZABLE = frozenset(_PLAIN) | frozenset(_SPLIT)

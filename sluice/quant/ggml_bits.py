@@ -1,4 +1,5 @@
-"""Fields of ggml blocks as torch tensors: what every block format's unpacking shares (ggml.py).
+"""Fields of ggml blocks as torch tensors: what every block format's unpacking shares (ggml.py, ggml_k.py,
+ggml_iq.py).
 
 `blocks` is uint8 [..., block_bytes] and `qs` / `qh` a uint8 slice [..., m] of it; results keep the leading dims.
 Everything here is exact (bit fields, f16 -> f32 widening); the float math of each format stays in its own module.
