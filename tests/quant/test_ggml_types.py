@@ -1,6 +1,6 @@
 """The 1-3 bit types of issue 32 (Q2_K, Q3_K, TQ1_0, TQ2_0 and the IQ types): bitwise gguf.quants.dequantize on
-random blocks of several sizes, their grids and sign tables equal to gguf's, QuantSpec taking them, and the
-dequantize + GEMM path the projections take while they have no native kernel."""
+random blocks of several sizes, their grids and sign tables equal to gguf's, the GGUF reader and QuantSpec taking
+them, and the dequantize + GEMM path the projections take while they have no native kernel."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ import torch.nn.functional as F
 
 gguf = pytest.importorskip("gguf")
 
-from sluice.checkpoint.formats import BY_NAME  # noqa: E402
+from sluice.checkpoint.formats import BY_NAME, SUPPORTED  # noqa: E402
+from sluice.checkpoint.gguf import read_gguf  # noqa: E402
+from sluice.errors import CheckpointError  # noqa: E402
 from sluice.quant import ggml, ggml_grids, native  # noqa: E402
 from sluice.quant.compute import Compute  # noqa: E402
 from sluice.quant.ggml_iq import grid, sign_rows  # noqa: E402
 from sluice.quant.linear import Scratch, StoredLinear  # noqa: E402
 from sluice.quant.spec import QuantSpec  # noqa: E402
+from sluice.quant.tensor import read_tensor  # noqa: E402
+from tests.checkpoint.gguf_files import Q, encode  # noqa: E402
 from tests.quant.samples import F16_FIELDS, random_stored, read_f16, write_f16  # noqa: E402
 from tests.quant.test_dequant import random_blocks, reference, same_bits  # noqa: E402
 
@@ -81,6 +85,11 @@ def test_the_grids_module_is_what_its_script_writes():
     assert script.module() == (ROOT / "sluice" / "quant" / "ggml_grids.py").read_text()
 
 
+def test_supported_is_what_dequantize_computes():
+    assert SUPPORTED == ggml.DEQUANTIZABLE
+    assert set(NEW) | {"MXFP4"} <= SUPPORTED
+
+
 @pytest.mark.parametrize("name", NEW)
 def test_scales_without_codes(name):
     raw = torch.from_numpy(random_blocks(name, rows=3, blocks_per_row=2, seed=4))
@@ -104,3 +113,36 @@ def test_projections_run_dequantize_and_one_gemm(name):
         for rows in (1, 5):
             got = lin(x[:rows].to(dtype), raw, Scratch())
             assert torch.equal(got, F.linear(x[:rows].to(dtype).float(), w).to(dtype))
+
+
+def test_the_gguf_reader_reads_every_new_type(tmp_path):
+    """Tensors of every new type and of GGUF's MXFP4 written by the `gguf` package's writer: read with their
+    shapes and byte counts, and read_tensor gives bitwise gguf's dequantization."""
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen3moe")
+    blocks = {}
+    for i, name in enumerate(NEW + ["MXFP4"]):
+        values = np.random.default_rng(i).standard_normal((3, 512)).astype(np.float32)
+        blocks[name] = encode(values, Q[name], seed=i)  # random valid blocks, or gguf's own quantization
+        w.add_tensor(f"w.{name}", blocks[name], raw_dtype=Q[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    refs = read_gguf(tmp_path / "m.gguf").tensors
+    for name, raw in blocks.items():
+        ref = refs[f"w.{name}"]
+        assert (ref.dtype, ref.shape, ref.nbytes) == (name, (3, 512), raw.nbytes)
+        assert same_bits(read_tensor(ref).numpy(), reference(raw, name))
+
+
+def test_an_unsupported_type_in_a_file_is_one_line_naming_tensor_and_type(tmp_path):
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen3moe")
+    w.add_tensor("blk.0.ffn_down_exps.weight", np.zeros((2, 292), np.uint8), raw_dtype=Q.Q8_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError) as e:
+        read_gguf(tmp_path / "m.gguf")
+    msg = str(e.value)
+    assert "\n" not in msg and "blk.0.ffn_down_exps.weight" in msg and "Q8_K is not supported" in msg
