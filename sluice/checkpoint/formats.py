@@ -49,8 +49,12 @@ BY_NAME: dict[str, BlockFormat] = {f.name: f for f in BY_ID.values()}
 #: the MLX affine bit widths sluice reads (mlx_lm.convert --q-bits; quant/mlx.py unpacks each)
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 
-#: the formats sluice reads and computes with (issue 14's list; Q4_K_M / Q5_K_M files mix K-types, Q6_K, Q8_0)
-SUPPORTED = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+#: the formats sluice reads and computes with (quant/ggml.py DEQUANTIZABLE, the same set): issue 14's list (Q4_K_M /
+#: Q5_K_M files mix K-types, Q6_K, Q8_0), GGUF's MXFP4 (gpt-oss), and the 1-3 bit types of the largest MoE files
+#: (issue 32: Unsloth's UD-IQ1_M, UD-TQ1_0, UD-Q2_K_XL, UD-IQ2_XXS / IQ3_XXS, ... mix them per tensor)
+SUPPORTED = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                       "MXFP4", "Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                       "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"})
 
 
 class UnsupportedFormat(ValueError):

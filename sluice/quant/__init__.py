@@ -13,7 +13,9 @@
     matmul.py    how several bf16 rows multiply plain bf16 weights (rows_linear, packed weights, a prompt's sdpa)
     native/      the C kernels, one thin wrapper per C file
     tensor.py    read_tensor: one whole tensor read and dequantized (resident weights)
-    ggml.py, mlx.py, mxfp4.py, affine.py   the reference dequantizations (bitwise gguf / mx.dequantize)
+    ggml.py, mlx.py, mxfp4.py, affine.py   the reference dequantizations (bitwise gguf / mx.dequantize); ggml.py
+                 dispatches every GGUF type: ggml_k.py (Q2_K, Q3_K, TQ*), ggml_iq.py (IQ*, with ggml_grids.py's
+                 tables), ggml_bits.py (the block fields they share)
 
 Errors: a type sluice cannot compute raises `UnsupportedFormat` (a ValueError whose `.format` is the type name and
 whose message names it and says what to do); byte counts or shapes that do not fit the format raise ValueError.

@@ -11,6 +11,8 @@ float32 bias) per group of `group` consecutive values of a row:
 | Q6_K | q - 32 (int8) | d * sc | - | 16 |
 | MXFP4 (GGUF) | 2 * e2m1 value (int8) | 2^(e-128) | - | 32 |
 | MLX affine | q (0 - 2^bits-1) | scale | bias | 32 / 64 / 128 |
+| Q2_K, Q3_K, TQ1_0, TQ2_0 | ggml_k.py's table | | | 16 / 256 |
+| IQ1_S ... IQ4_XS | ggml_iq.py's table (grid values with their signs, int8) | | - | 16 / 32 |
 
 `scale * code` then `+ bias`, each rounded once in float32, is exactly the reference's operation order for each of
 these (x - y is x + (-y) in IEEE arithmetic, so the K-quants' subtraction is the same addition), so

@@ -7,7 +7,9 @@ order written in the comments below. No fused multiply-add anywhere: torch runs 
 `a * b + c` is two roundings, as in numpy. Integers (nibbles, 5/6-bit values, offsets) are exact in float32, so an
 offset subtracted before the float conversion gives the same bits as the reference's int8 arithmetic.
 
-All work is vectorised over blocks: a format is a handful of bitwise ops on the [rows, blocks, bytes] view.
+All work is vectorised over blocks: a format is a handful of bitwise ops on the [rows, blocks, bytes] view. Each
+format is split into integer codes and float32 scales (affine.py); this file holds the legacy types, Q4_K-Q6_K and
+MXFP4, ggml_k.py Q2_K, Q3_K and the ternary TQ types, ggml_iq.py the IQ types and their grids.
 """
 
 from __future__ import annotations
@@ -16,14 +18,10 @@ import torch
 
 from .affine import Affine
 from ..checkpoint.formats import BY_NAME, BlockFormat, UnsupportedFormat
+from .ggml_bits import bits, crumbs, f16, nibbles, per_byte
+from .ggml_iq import IQ_SPLIT
+from .ggml_k import LOW_SPLIT
 from .mxfp4 import e8m0_half, fp4_doubled
-
-#: the ggml types `dequantize` computes: issue 14's list (formats.SUPPORTED) plus MXFP4 (gpt-oss GGUFs, issue 16)
-DEQUANTIZABLE = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
-                           "MXFP4"})
-
-_SHIFT8 = torch.arange(8, dtype=torch.uint8)  # bit positions, LSB first
-_SHIFT_2BIT = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
 
 
 def block_format(fmt: str | BlockFormat) -> BlockFormat:
@@ -102,50 +100,35 @@ def dequantize(raw: torch.Tensor, fmt: str | BlockFormat, shape: tuple[int, ...]
     return out
 
 
-def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The f16 field at byte `at` of each block, as float32 [..., nb, 1] (exact)."""
-    return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., m] bytes -> [..., 2, m]: the low nibbles, then the high nibbles (ggml's order within a sub-block)."""
-    return torch.stack((qs & 15, qs >> 4), dim=-2)
-
-
-def _bits(qh: torch.Tensor) -> torch.Tensor:
-    """[..., m] bytes -> [..., 8, m]: bit j of every byte in row j (LSB first)."""
-    return (qh.unsqueeze(-2) >> _SHIFT8.view(8, 1)) & 1
-
-
 def _q8_0(b):
     # d(f16) qs[32](int8):  x * d
-    return lambda: b[..., 2:].view(torch.int8), _f16(b, 0), None, 32
+    return lambda: b[..., 2:].view(torch.int8), f16(b, 0), None, 32
 
 
 def _q4_0(b):
     # d(f16) qs[16]: element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of qs[j-16];  d * (q - 8)
-    return lambda: _nibbles(b[..., 2:]).flatten(-2).view(torch.int8).sub_(8), _f16(b, 0), None, 32
+    return lambda: nibbles(b[..., 2:]).flatten(-2).view(torch.int8).sub_(8), f16(b, 0), None, 32
 
 
 def _q4_1(b):
     # d(f16) m(f16) qs[16]:  (d * q) + m
-    return lambda: _nibbles(b[..., 4:]).flatten(-2), _f16(b, 0), _f16(b, 2), 32
+    return lambda: nibbles(b[..., 4:]).flatten(-2), f16(b, 0), f16(b, 2), 32
 
 
 def _q5(b, at_qh):
     # qh: 4 bytes = a little-endian u32 whose bit j is bit 4 of element j; then 16 bytes of nibbles as in Q4_0
-    hi = _bits(b[..., at_qh:at_qh + 4]).transpose(-1, -2).flatten(-2)  # [.., 32]: byte j//8, bit j%8
-    return _nibbles(b[..., at_qh + 4:]).flatten(-2) | (hi << 4)
+    hi = per_byte(bits(b[..., at_qh:at_qh + 4]))  # [.., 32]: byte j//8, bit j%8
+    return nibbles(b[..., at_qh + 4:]).flatten(-2) | (hi << 4)
 
 
 def _q5_0(b):
     # d(f16) qh[4] qs[16]:  d * (q - 16)
-    return lambda: _q5(b, 2).view(torch.int8).sub_(16), _f16(b, 0), None, 32
+    return lambda: _q5(b, 2).view(torch.int8).sub_(16), f16(b, 0), None, 32
 
 
 def _q5_1(b):
     # d(f16) m(f16) qh[4] qs[16]:  (d * q) + m
-    return lambda: _q5(b, 4), _f16(b, 0), _f16(b, 2), 32
+    return lambda: _q5(b, 4), f16(b, 0), f16(b, 2), 32
 
 
 def k_scale_min(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,19 +147,19 @@ def _k_scales(b):
     # Q4_K / Q5_K: per 32-value sub-block s:  (d * sc[s]) * q - (dmin * m[s]), each product rounded to float32;
     # the subtraction is the addition of the negated product, bitwise
     sc, mn = k_scale_min(b[..., 4:16])
-    return _f16(b, 0) * sc, (_f16(b, 2) * mn).neg_()  # [.., nb, 8] each
+    return f16(b, 0) * sc, (f16(b, 2) * mn).neg_()  # [.., nb, 8] each
 
 
 def _q4_k(b):
     # d(f16) dmin(f16) scales[12] qs[128]: sub-block 2i = low nibbles of qs[32i:32i+32], 2i+1 = their high nibbles
-    return (lambda: _nibbles(b[..., 16:].unflatten(-1, (4, 32))).flatten(-3, -2), *_k_scales(b), 32)  # [.., nb, 8, 32]
+    return (lambda: nibbles(b[..., 16:].unflatten(-1, (4, 32))).flatten(-3, -2), *_k_scales(b), 32)  # [.., nb, 8, 32]
 
 
 def _q5_k(b):
     # d dmin scales[12] qh[32] qs[128]: as Q4_K, plus bit s of qh[l] as bit 4 of value l of sub-block s
     def codes():
-        lo = _nibbles(b[..., 48:].unflatten(-1, (4, 32))).flatten(-3, -2)
-        return lo | (_bits(b[..., 16:48]) << 4)  # [.., nb, 8, 32]
+        lo = nibbles(b[..., 48:].unflatten(-1, (4, 32))).flatten(-3, -2)
+        return lo | (bits(b[..., 16:48]) << 4)  # [.., nb, 8, 32]
     return (codes, *_k_scales(b), 32)
 
 
@@ -184,20 +167,23 @@ def _q6_k(b):
     # ql[128] qh[64] scales[16](int8) d(f16): value = (d * sc[s]) * (q - 32) per 16-value sub-block s; per 128-value
     # half h: q = low 4 bits from ql[64h:64h+64] (low nibbles, then high nibbles), top 2 bits from qh[32h:32h+32]
     def codes():
-        ql = _nibbles(b[..., 0:128].unflatten(-1, (2, 64))).unflatten(-1, (2, 32))  # [.., nb, 2(h), 2(shift), 2, 32]
-        qh = (b[..., 128:192].unflatten(-1, (2, 1, 32)) >> _SHIFT_2BIT) & 3  # [.., nb, 2(h), 4(shift), 32]
+        ql = nibbles(b[..., 0:128].unflatten(-1, (2, 64))).unflatten(-1, (2, 32))  # [.., nb, 2(h), 2(shift), 2, 32]
+        qh = crumbs(b[..., 128:192].unflatten(-1, (2, 32)))  # [.., nb, 2(h), 4(shift), 32]
         return (ql.flatten(-4, -2) | (qh.flatten(-3, -2) << 4)).view(torch.int8).sub_(32)  # [.., nb, 8, 32]
-    return codes, _f16(b, 208) * b[..., 192:208].view(torch.int8), None, 16  # scale [.., nb, 16]
+    return codes, f16(b, 208) * b[..., 192:208].view(torch.int8), None, 16  # scale [.., nb, 16]
 
 
 def _mxfp4(b):
     # e(e8m0) qs[16]: element j < 16 = low nibble of qs[j], j >= 16 = high nibble of qs[j-16] (ggml's layout, unlike
     # gpt-oss's interleaved one);  2^(e-128) * (2 * fp4 value), exact. gguf's integer table: code 8 is +0.
-    return lambda: fp4_doubled(_nibbles(b[..., 1:]).flatten(-2), gguf=True), e8m0_half(b[..., 0:1]), None, 32
+    return lambda: fp4_doubled(nibbles(b[..., 1:]).flatten(-2), gguf=True), e8m0_half(b[..., 0:1]), None, 32
 
 
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _SPLIT = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k,
-    "Q6_K": _q6_k, "MXFP4": _mxfp4,
+    "Q6_K": _q6_k, "MXFP4": _mxfp4, **LOW_SPLIT, **IQ_SPLIT,
 }
+#: the ggml types `dequantize` computes: the legacy and K-quants of issue 14, MXFP4 (issue 16), and the 1-3 bit
+#: K, IQ and ternary types of the largest MoE files (issue 32); formats.SUPPORTED names the same set
+DEQUANTIZABLE = frozenset(_PLAIN) | frozenset(_SPLIT)

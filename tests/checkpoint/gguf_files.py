@@ -14,6 +14,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf.quants import quantize  # noqa: E402
 
+from tests.quant.samples import F16_FIELDS, write_f16  # noqa: E402
+
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
 # HF config per arch that llama.cpp's graph can express (no dense layers, no sliding window, no clip_qkv); the
@@ -22,33 +24,46 @@ GGUF_TINY = {"qwen3_moe": dict(mlp_only_layers=[]), "qwen2_moe": dict(mlp_only_l
              "olmoe": dict(clip_qkv=None), "mixtral": dict(sliding_window=None)}
 
 
+#: the largest |value| a block of each type gives at d = 1 (its largest sub-scale times its largest code): random
+#: blocks of these types get d of about 0.3 / SPAN, so that their values are of the tiny models' size (~N(0, 0.1))
+SPAN = {"Q2_K": 45, "Q3_K": 128, "IQ1_S": 17, "IQ1_M": 17, "IQ2_XXS": 166, "IQ2_XS": 166, "IQ2_S": 166,
+        "IQ3_XXS": 480, "IQ3_S": 465, "IQ4_NL": 127, "IQ4_XS": 4064}
+#: the block types the `gguf` package cannot quantize: encode() writes random valid blocks of them
+RANDOM_BLOCKS = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K} | {Q[name] for name in SPAN})
+
+
 def random_blocks(qtype, n_blocks: int, seed: int = 0) -> np.ndarray:
-    """`n_blocks` blocks of a K-quant type with random bytes and finite f16 super-block scales: valid blocks that
-    `gguf.quants.dequantize` turns into finite values (the package cannot quantize K-types)."""
+    """`n_blocks` blocks of a K-quant or IQ type with random bytes and finite f16 super-block scales: valid blocks
+    that `gguf.quants.dequantize` turns into finite values (the package cannot quantize these types)."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
-    scales = rng.uniform(-0.01, 0.01, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)  # [n, 4]
-    if qtype in (Q.Q4_K, Q.Q5_K):
-        raw[:, 0:4] = scales  # d, dmin lead the block
-    elif qtype == Q.Q6_K:
-        raw[:, -2:] = scales[:, :2]  # d closes the block
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        scales = rng.uniform(-0.01, 0.01, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)  # [n, 4]
+        if qtype == Q.Q6_K:
+            raw[:, -2:] = scales[:, :2]  # d closes the block
+        else:
+            raw[:, 0:4] = scales  # d, dmin lead the block
+    elif qtype.name in SPAN:
+        for at in F16_FIELDS[qtype.name]:
+            d = rng.uniform(0.5, 1.5, n_blocks) * rng.choice([-1.0, 1.0], n_blocks) * 0.3 / SPAN[qtype.name]
+            write_f16(raw, qtype.name, at, d.astype(np.float16).view(np.uint16))
     else:
         raise ValueError(f"random blocks of {qtype.name} are not implemented")
     return raw
 
 
 def encode(values: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
-    """float32 `values` [..., n] as GGUF data of type `qtype` (bytes for block formats; K-quants are random blocks
-    seeded by `seed`, not an encoding of `values`)."""
+    """float32 `values` [..., n] as GGUF data of type `qtype` (bytes for block formats; the types of RANDOM_BLOCKS
+    are random blocks seeded by `seed`, not an encoding of `values`)."""
     values = np.ascontiguousarray(values, dtype=np.float32)
     if qtype == Q.F32:
         return values
     if qtype == Q.F16:
         return values.astype(np.float16)
-    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    if qtype in RANDOM_BLOCKS:
         rows = values.reshape(-1, values.shape[-1])
-        per_row = values.shape[-1] // 256
+        per_row = values.shape[-1] // gguf.GGML_QUANT_SIZES[qtype][0]
         blocks = random_blocks(qtype, rows.shape[0] * per_row, seed)
         return blocks.reshape(*values.shape[:-1], per_row * blocks.shape[1])
     return quantize(values, qtype)

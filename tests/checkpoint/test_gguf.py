@@ -19,7 +19,7 @@ from sluice.quant.tensor import read_tensor
 from sluice.checkpoint import formats
 from tests.checkpoint.gguf_files import Q, add, f32_tensor_file, gguf, kv, permute, raw_gguf, s, tinfo
 
-TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q[name] for name in sorted(formats.SUPPORTED)]  # the quantized ones: quantized or random blocks (encode)
 
 
 def write(path: Path, tensors: dict[str, tuple[np.ndarray, object]], alignment: int | None = None,
@@ -273,7 +273,7 @@ def test_tensor_info_rules(tmp_path):
     one(tinfo("t", (4, 0), 0, 0), r"dims \[4, 0\]: every dim must be >= 1")
     one(tinfo("t", (2**32, 2**32), 0, 0), r"product below 2\^63")
     one(tinfo("t", (4,), 99, 0), r"ggml type id 99, which no ggml version defines")
-    one(tinfo("t", (256,), 16, 0), r"IQ2_XXS is not supported: supported BF16, F16, F32, Q4_0")
+    one(tinfo("t", (256,), 15, 0), r"Q8_K is not supported: supported BF16, F16, F32, IQ1_M")
     one(tinfo("t", (40,), 8, 0), r"rows of 40 values are not whole Q8_0 blocks of 32")
     one(tinfo("", (4,), 0, 0), r"tensor 0 has an empty name", None)
     one(tinfo("x" * 64, (4,), 0, 0), r"the name of tensor 0 is 64 bytes long, over the limit of 63", None)

@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")
 
 from sluice.checkpoint.formats import BY_NAME, UnsupportedFormat  # noqa: E402
 from sluice.quant.ggml import DEQUANTIZABLE, dequantize  # noqa: E402
-from tests.quant.samples import F16_FIELDS  # noqa: E402
+from tests.quant.samples import F16_FIELDS, read_f16, write_f16  # noqa: E402
 
 QUANTIZED = sorted(DEQUANTIZABLE - {"F32", "F16", "BF16"})
 # f16 edge values: +-0, smallest subnormal, largest subnormal, smallest normal, 1, -1, largest finite, -largest
@@ -27,11 +27,11 @@ def random_blocks(name: str, rows: int, blocks_per_row: int, seed: int) -> np.nd
     b[0, 0, :] = 0x00
     b[-1, -1, :] = 0xFF
     for at in F16_FIELDS.get(name, ()):
-        v = b[..., at:at + 2].copy().view(np.uint16)[..., 0]  # [rows, blocks]
+        v = read_f16(b, name, at)  # [rows, blocks]
         v[(v & 0x7C00) == 0x7C00] &= 0xBFFF  # no inf / nan scales
         edge = np.resize(EDGE_F16, v.shape[1])
         v[1:, :] = np.where(rng.random(v[1:].shape) < 0.3, np.resize(edge, v[1:].shape), v[1:])
-        b[..., at:at + 2] = v[..., None].view(np.uint8)
+        write_f16(b, name, at, v)
     if name == "MXFP4":
         b[0, :, 0] = np.resize(np.array([0, 1, 2, 127, 254, 255], dtype=np.uint8), blocks_per_row)
     return raw
@@ -88,10 +88,10 @@ def test_flat_bytes_with_a_shape():
 
 
 def test_unknown_and_unsupported_types_are_named():
-    raw = torch.zeros(3, 84, dtype=torch.uint8)
-    with pytest.raises(UnsupportedFormat, match="Q2_K") as err:
-        dequantize(raw, "Q2_K")
-    assert err.value.format == "Q2_K" and isinstance(err.value, ValueError)
+    raw = torch.zeros(3, 292, dtype=torch.uint8)
+    with pytest.raises(UnsupportedFormat, match="Q8_K") as err:  # ggml's activation type: never a weight's
+        dequantize(raw, "Q8_K")
+    assert err.value.format == "Q8_K" and isinstance(err.value, ValueError)
     with pytest.raises(UnsupportedFormat, match="Q9_Z"):
         dequantize(raw, "Q9_Z")
 

@@ -53,10 +53,11 @@ TYPES = {  # name -> (type of each 2-D tensor by GGUF name, tiny-config override
 }
 
 
-def dequantized_reference(model, gguf_path):
-    """`model` (transformers) with every tensor replaced by the GGUF file's exact float32 dequantization."""
+def dequantized_reference(model, gguf_path, read=read_tensor):
+    """`model` (transformers) with every tensor replaced by the GGUF file's exact float32 dequantization (`read`:
+    TensorRef -> its float32 values in HF row order)."""
     index = open_index(gguf_path)
-    sd = {name: read_tensor(ref) for name, ref in index.tensors.items()}  # HF names, HF row order
+    sd = {name: read(ref) for name, ref in index.tensors.items()}  # HF names, HF row order
     for n in range(model.config.num_hidden_layers):
         p = f"model.layers.{n}.mlp.experts"
         if f"{p}.gate_proj" in sd:  # stacked [E, I, H] each -> transformers' fused [E, 2I, H]

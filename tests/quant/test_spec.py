@@ -17,8 +17,8 @@ def test_spec_parts_and_errors():
                                                                ("biases", 1408, 80)]
     assert s.nbytes == 1488
     assert QuantSpec.ggml("Q4_K", 3, 512).nbytes == 3 * 288
-    with pytest.raises(UnsupportedFormat, match="Q2_K"):
-        QuantSpec.ggml("Q2_K", 8, 256)
+    with pytest.raises(UnsupportedFormat, match="Q8_K"):
+        QuantSpec.ggml("Q8_K", 8, 256)
     with pytest.raises(UnsupportedFormat, match="FP8"):
         QuantSpec.ggml("FP8", 8, 256)
     with pytest.raises(ValueError, match="whole blocks"):
