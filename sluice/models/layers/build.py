@@ -18,7 +18,7 @@ from ...quant.compute import Compute
 from ...quant.linear import QuantLinear
 from ...quant.native.decode import DecodeAttention
 from ..rope import rope_table
-from ..spec import KVCache, Spec, Weights
+from ..spec import KVCache, LayerWeights, Spec, Weights
 from .experts import ExpertMath, glu_for
 from .norm import Norm
 
@@ -99,6 +99,14 @@ class Workspace:
         self._block = None
 
 
+def _projections(lw: LayerWeights) -> list:
+    """A layer's mixer projections: q, k, v, o, or a Gated DeltaNet's input projections and o."""
+    if lw.delta is None:
+        return [lw.q, lw.k, lw.v, lw.o]
+    d = lw.delta
+    return [lw.o] + [p for p in (d.qkv, d.z, d.b, d.a, d.qkvz, d.ba) if p is not None]
+
+
 class Build:
     """Everything a layer module is built from: the blueprint, resident weights, expert store, caches, the model's
     Compute and Kernels, and what its layers share (the rope tables, the experts' math, the prompt workspace, the
@@ -130,7 +138,7 @@ class Build:
         natively too (native_decode). A plain model keeps the torch steps, so its decode numerics stay what they
         were (tests/server/test_server.py's seeded repeats run on one)."""
         layout = getattr(self.store, "layout", None)
-        projections = [self.w.lm_head] + [getattr(lw, n) for lw in self.w.layers for n in ("q", "k", "v", "o")]
+        projections = [self.w.lm_head] + [p for lw in self.w.layers for p in _projections(lw)]
         return (layout is not None and all(lw.mla is None for lw in self.w.layers)
                 and all(type(w) is QuantLinear for w in projections)
                 and all(self.expert_math[layout.format(L)].one_call(1) for L in layout.layers))
