@@ -108,6 +108,8 @@ static inline float exp_poly(float z) {
 
 /* 1 when the CPU has AVX512_BF16 with AVX512 F / BW / VL / DQ (kernels.c; computed once) */
 int sluice_cpu_avx512bf16(void);
+/* 1 when the CPU has AVX512F (kernels.c; computed once): deltanet.c's 16-column state blocks */
+int sluice_cpu_avx512f(void);
 /* 1 when the AVX2 + FMA + F16C path runs on this CPU (kernels.c) */
 int sluice_simd(void);
 
