@@ -17,7 +17,7 @@ from sluice.models.layers.build import Kernels
 from sluice.models.layers.norm import gated_rms_norm
 from sluice.quant import native
 from sluice.quant.native.deltanet import KERNELS, DeltaNetDecode
-from tests.models.tiny import hf_model, write_checkpoint
+from tests.models.tiny import TINY, hf_model, write_checkpoint
 from tests.quant.paths import on_each, same_bits
 from tests.quant.streaming import assert_streamed_equals_resident
 
@@ -226,16 +226,28 @@ def test_bad_arguments_are_named():
 IDS = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
+# value heads of 60 columns: a 32-column block, a 16- and an 8-column one and a 4-column tail, so a model runs every
+# block of every kernel (the tiny configs' 8 and 12 reach only AVX2's 8 columns and the tail)
+WIDE_DV = 60
+
+
+def _wide(arch: str) -> dict:
+    """hf_model overrides giving `arch`'s tiny config value heads of WIDE_DV."""
+    if "text_config" in TINY[arch]:
+        return {"text_config": {**TINY[arch]["text_config"], "linear_value_head_dim": WIDE_DV}}
+    return {"linear_value_head_dim": WIDE_DV}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(arch, dtype) -> (folder, transformers model), written once per module."""
+    """(arch, dtype, wide) -> (folder, transformers model), written once per module."""
     cache: dict = {}
 
-    def get(arch: str, dtype: torch.dtype):
-        if (arch, dtype) not in cache:
-            model = hf_model(arch, dtype)
-            cache[arch, dtype] = (write_checkpoint(model, tmp_path_factory.mktemp(arch), "per_expert"), model)
-        return cache[arch, dtype]
+    def get(arch: str, dtype: torch.dtype, wide: bool = False):
+        if (arch, dtype, wide) not in cache:
+            model = hf_model(arch, dtype, **(_wide(arch) if wide else {}))
+            cache[arch, dtype, wide] = (write_checkpoint(model, tmp_path_factory.mktemp(arch), "per_expert"), model)
+        return cache[arch, dtype, wide]
 
     return get
 
@@ -275,10 +287,10 @@ def test_a_models_decode_logits_with_the_native_step_are_the_torch_steps(folders
 @pytest.mark.parametrize("isa", ["auto", "avx2"])
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
 def test_greedy_tokens_equal_transformers_on_each_kernel(models, arch, isa):
-    """float32, a 70-token prompt (past the 64-token block) then 12 greedy tokens, 11 of them decode steps on the
-    native step: transformers' tokens, with the kernel the isa cap allows (auto: AVX-512 where the CPU has it; the
-    same run capped to AVX2, what an AVX2-only CPU runs)."""
-    folder, model = models(arch, torch.float32)
+    """float32, value heads of WIDE_DV columns, a 70-token prompt (past the 64-token block) then 12 greedy tokens, 11
+    of them decode steps on the native step: transformers' tokens, with the kernel the isa cap allows (auto: AVX-512
+    where the CPU has it; the same run capped to AVX2, what an AVX2-only CPU runs)."""
+    folder, model = models(arch, torch.float32, wide=True)
     ids = IDS[:70]
     with torch.no_grad():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
@@ -286,12 +298,13 @@ def test_greedy_tokens_equal_transformers_on_each_kernel(models, arch, isa):
     with sluice.load(folder, isa=isa) as m:
         step, cap = m.model.build.deltanet_decode, {"auto": native.BEST, "avx2": native.AVX2}[isa]
         assert step is not None and step.isa == DeltaNetDecode(1, 1, 1, 1, 1, torch.float32, path=cap).isa
+        assert m.spec.delta.v_head_dim == WIDE_DV
         out = list(m.generate_tokens(ids, max_tokens=12, stop_at_eos=False))
     assert out == ref[0, len(ids):].tolist()
 
 
-def test_streamed_equals_resident_bitwise_with_the_native_step(folders):
-    folder = folders("qwen3_5_moe", torch.bfloat16)
+def test_streamed_equals_resident_bitwise_with_the_native_step(models):
+    folder = models("qwen3_5_moe", torch.bfloat16, wide=True)[0]  # every block of the kernel this CPU runs
     with sluice.load(folder) as m:
         assert m.model.build.native_deltanet
     assert_streamed_equals_resident(folder, IDS[:40], "direct", False, "min")
