@@ -10,7 +10,8 @@ function with target attributes and at run time, so the build needs no -march fl
 from setuptools import Extension, setup
 
 NATIVE = "sluice/quant/native/"
-SOURCES = [NATIVE + name for name in ("kernels.c", "q8.c", "pool.c", "ops.c", "decode.c", "prompt.c", "attend.c")]
+SOURCES = [NATIVE + name for name in ("kernels.c", "q8.c", "pool.c", "ops.c", "decode.c", "prompt.c", "attend.c",
+                                      "deltanet.c")]
 setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES,
                              depends=[NATIVE + "common.h"], libraries=["m", "pthread"],
                              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"],

@@ -9,6 +9,7 @@
     .venv/bin/python benchmarks/knobs.py projections [--model GGUF]
     .venv/bin/python benchmarks/knobs.py workers     [--size-gib 1.5] [--dir /var/tmp] [--rounds 3]
     .venv/bin/python benchmarks/knobs.py victim
+    .venv/bin/python benchmarks/knobs.py deltanet    [--rounds 5] [--threads 1] [--dir /var/tmp] [--isa auto] [--tiny]
 
 GGUF: default the peers model's Q4_K_M file (benchmarks/quantized/run.sh makes it). In-process arms alternate in
 rotated order per round (benchmarks/common.py alternate, median_ms); the switches they flip go through
@@ -50,6 +51,14 @@ victim: cost of one eviction choice of the streaming store's default policy (sto
 with the 6 GiB benchmark model's cache (31 MoE layers, 64 experts, ~600 slots, every layer at its share): the layer
 asking holds its share, and a layer under its share with none above theirs (it takes the globally least recent one,
 which once walked every slot). (Was benchmarks/policy_victim.py.)
+deltanet: a Gated DeltaNet layer's decode token native (native/deltanet.py) against the torch steps, on a synthetic
+qwen3_5_moe written to --dir (deleted after) with Qwen3.6-35B-A3B's layer shapes (hidden 2048, linear attention 16 key
+/ 32 value heads of 128, attention 16 heads of 256 with 2 kv heads) and few of its layers and experts (4 layers, 3
+linear : 1 full; 16 experts top-8 of 512, a shared expert), bf16, resident: one layer's conv-to-norm steps (random
+projections; ms per call, median of 50, per round), then the whole decode step (ms/token, median of a replay of 32
+tokens after a 16-token prompt, per round), and how far the native decode logits are from the torch steps'. --isa
+caps the native kernel as LoadOptions.isa does (auto: AVX-512 where the CPU has it; avx2: what an AVX2-only CPU
+runs); --tiny: a 128-wide model of the same design instead (a check that the script runs, not a measurement).
 """
 
 from __future__ import annotations
@@ -387,6 +396,55 @@ def victim(a) -> None:
           f"{1000 * under:.1f} us")
 
 
+def deltanet(a) -> None:
+    import tempfile
+
+    from sluice.tools.synth import SynthConfig, make_model
+
+    shape = (dict(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64, num_experts=4, top_k=2,
+                  moe_intermediate_size=64, vocab_size=512) if a.tiny else
+             dict(hidden_size=2048, num_heads=16, num_kv_heads=2, head_dim=256, num_experts=16, top_k=8,
+                  moe_intermediate_size=512, vocab_size=8192))
+    sc = SynthConfig(arch="qwen3_5_moe", num_layers=4, **shape)
+    prompt, tokens = list(range(100, 116)), list(range(200, 232))
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp, with_kernels(threads=a.threads):
+        with sluice.load(make_model(Path(tmp) / "m", sc, progress=False), memory="all", threads=a.threads,
+                         isa=a.isa) as m:
+            if m.model.build.deltanet_decode is None:
+                raise SystemExit("deltanet: the native Gated DeltaNet step does not run here (native.available() "
+                                 "False: pip install -e . with a C compiler builds it)")
+            isa = m.model.build.deltanet_decode.isa
+            mixer = next(layer.mixer for layer in m.model.layers if hasattr(layer.mixer, "native"))
+            d, g = mixer.d, torch.Generator().manual_seed(0)
+            proj = [torch.randn(1, n, generator=g).bfloat16() for n in (d.conv_dim, d.value_dim, d.n_v_heads,
+                                                                         d.n_v_heads)]
+            calls = {"native": lambda: mixer.native(*proj), "torch": lambda: mixer._steps(*proj)}
+            layer = alternate({k: (lambda f=f: median_ms({"f": f}, rounds=50)["f"]) for k, f in calls.items()},
+                              a.rounds, lambda r, k, ms: print(f"round {r} one layer, {k}: {ms:.3f} ms", flush=True))
+
+            def step(native: bool):
+                def one() -> float:
+                    with with_kernels(m, native_deltanet=native):
+                        m.replay(prompt, tokens)
+                    return 1000 * statistics.median(m.step_times.decode_s)
+                return one
+
+            whole = alternate({"native": step(True), "torch": step(False)}, a.rounds, say)
+            logits = {}
+            for native in (True, False):
+                with with_kernels(m, native_deltanet=native):
+                    logits[native] = decode_logits(m, prompt, tokens)
+    print(f"{a.threads} thread(s), bf16, resident, native kernel {isa} (--isa {a.isa}), medians over {a.rounds} "
+          f"rounds{' (--tiny: not a measurement)' if a.tiny else ''}")
+    for k in calls:
+        print(f"{k}: one layer's conv-to-norm {statistics.median(layer[k]):.3f} ms; whole decode step "
+              f"{statistics.median(whole[k]):.1f} ms/token")
+    diff = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
+    agree = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()
+    print(f"native vs torch decode logits: relative L2 {diff:.2e}, greedy agreement {agree:.0%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -419,6 +477,11 @@ def main() -> None:
         size_gib=(float, 1.5, "size of the random file, GiB"), dir=(str, "/var/tmp", "where the file is written"),
         expert_batches=(int, 24, "batches of 8 experts' ranges"), row_batches=(int, 8, "batches of 256 rows"))
     add("victim", "us per eviction choice of the store's default policy", model=False)
+    add("deltanet", "a Gated DeltaNet layer's decode token native or in torch, one layer and a whole step", 5,
+        model=False, threads=(int, 1, "threads (torch's and the native pool's)"),
+        dir=(str, "/var/tmp", "where the synthetic model is written"),
+        isa=(str, "auto", "the native kernels' cap: auto, avx2 or portable")).add_argument(
+        "--tiny", action="store_true", help="a 128-wide model of the same design: checks that the script runs")
     a = ap.parse_args()
     if a.what == "omp-wait" and a.child:
         print(json.dumps(omp_child(a.model, a.prompt)))
@@ -426,7 +489,8 @@ def main() -> None:
     if a.what in ("split", "head", "projections"):
         torch.set_num_threads(2)
     {"arms": arms, "threads": threads, "layouts": layouts, "prefetch": prefetch, "omp-wait": omp_wait,
-     "split": split, "head": head, "projections": projections, "workers": workers, "victim": victim}[a.what](a)
+     "split": split, "head": head, "projections": projections, "workers": workers, "victim": victim,
+     "deltanet": deltanet}[a.what](a)
 
 
 if __name__ == "__main__":

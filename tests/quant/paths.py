@@ -1,7 +1,7 @@
 """The C paths of the native kernels, for tests that run each (every wrapper's `path` keyword, common.h's path cap):
 
   "best"      what this CPU runs by default: its AVX-512 code where it has some (kernels.c's AVX512_BF16 rounding to
-              bf16, prompt.c's VNNI tiles), else AVX2, else the portable C
+              bf16, prompt.c's VNNI tiles, deltanet.c's AVX512F state blocks), else AVX2, else the portable C
   "avx2"      the AVX2 code without the AVX-512 code, as an AVX2-only CPU runs it, so that an AVX-512 CPU tests it too
   "portable"  the scalar C every CPU runs
 
@@ -26,7 +26,8 @@ NO_AVX2 = "this CPU has no AVX2 + FMA + F16C: only the portable path runs"
 
 def avx512() -> bool:
     """Whether this CPU runs AVX-512 code of the kernels ("best" differs from "avx2")."""
-    return native.available() and bool(LIB.sluice_cpu_avx512bf16() or prompt.available())
+    return native.available() and bool(LIB.sluice_cpu_avx512f() or LIB.sluice_cpu_avx512bf16()
+                                       or prompt.available())
 
 
 def distinct() -> list[str]:

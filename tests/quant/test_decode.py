@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.models.layers.norm import rms_norm
+from sluice.models.layers.norm import Norm
 from sluice.models.layers.sinks import sink_attention
 from sluice.models.rope import apply_rope
 from sluice.quant import native
 from sluice.quant.native.decode import DecodeAttention, router_probs_bf16
+from tests.quant.paths import on_each, same_bits
 
 pytestmark = pytest.mark.skipif(not native.native_available(),
                                 reason="native kernels not built (pip install -e . with a C compiler builds them)")
@@ -30,17 +31,19 @@ def _case(nH, nKV, D, rot, norm, seed):
     return q, k, v, n, cos, sin, ck, cv
 
 
-def _torch_attention(q, k, v, norm, qn, kn, cos, sin, ck, cv, pos, lo, clip, sinks, nH, nKV, D):
-    """models/blocks.py Transformer.attention's torch steps for one token: (the cache after, the exact float64
-    attention of the bf16 q and keys it computes, SDPA's / sink_attention's bf16 output)."""
+def _torch_attention(q, k, v, norm, qn, kn, cos, sin, ck, cv, pos, lo, clip, sinks, nH, nKV, D, zero_centred=False):
+    """models/layers/attention.py Attention's torch steps for one token: (the cache after, the exact float64
+    attention of the bf16 q and keys it computes, SDPA's / sink_attention's bf16 output). zero_centred: the norms
+    scale by 1 + weight (Norm)."""
     eps = 1e-6
+    qnorm, knorm = (Norm(w, eps, zero_centred=zero_centred) if w is not None else None for w in (qn, kn))
     if norm == "full":
-        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+        q, k = qnorm(q), knorm(k)
     if clip is not None:
         q, k, v = (t.clamp(-clip, clip) for t in (q, k, v))
     q, k = q.view(1, nH, D), k.view(1, nKV, D)
     if norm == "head":
-        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+        q, k = qnorm(q), knorm(k)
     q = apply_rope(q.transpose(0, 1), cos[pos : pos + 1], sin[pos : pos + 1])  # [nH, 1, D]
     k = apply_rope(k.transpose(0, 1), cos[pos : pos + 1], sin[pos : pos + 1])
     ck, cv = ck.clone(), cv.clone()
@@ -90,6 +93,37 @@ def test_decode_attention_is_the_torch_steps(nH, nKV, D, rot, norm, clip, sinks,
     layer2 = DecodeAttention(nH, nKV, D, cos, sin, path=native.PORTABLE).layer(
         ck2, cv2, norm=norm, q_norm=qn, k_norm=kn, eps=1e-6, clip=clip, sinks=sk)
     assert torch.equal(layer2(q.clone(), k.clone(), v.clone(), pos, lo), out)
+
+
+@pytest.mark.parametrize("norm", ["head", "full"])
+def test_zero_centred_norms_and_the_gate_are_the_torch_steps(norm):
+    """Gated attention (Qwen3-Next, Qwen3.5): zero-centred q / k norms (1 + weight in float32, one rounding: the
+    cache is the torch steps' bitwise, the attention within one bf16 step of the exact one) and the heads times
+    sigmoid(gate) after: each element within one bf16 step of torch's `o * torch.sigmoid(gate)` on the same
+    attention (the sigmoid's exp is exp_poly, 2 ulp, against torch's 1: a rounding may land the other way), most of
+    them its bits; every path the same bits."""
+    nH, nKV, D, rot, pos = 8, 2, 64, 16, 40  # a quarter of each head rotary
+    q, k, v, (qn, kn), cos, sin, ck, cv = _case(nH, nKV, D, rot, norm, 11)
+    qn, kn = (qn.float() * 0.05).bfloat16(), (kn.float() * 0.05).bfloat16()  # zero-centred: near 0
+    gate = (torch.randn(1, nH * D, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    want_k, want_v, exact, _ = _torch_attention(q, k, v, norm, qn, kn, cos, sin, ck, cv, pos, 0, None, None, nH,
+                                                nKV, D, zero_centred=True)
+
+    def run(path, g):
+        c = (ck.clone(), cv.clone())
+        layer = DecodeAttention(nH, nKV, D, cos, sin, path=path).layer(*c, norm=norm, q_norm=qn, k_norm=kn, eps=1e-6,
+                                                                       zero_centred=True)
+        return layer(q.clone(), k.clone(), v.clone(), pos, 0, g), c
+
+    plain, (ck1, cv1) = run(native.BEST, None)
+    assert torch.equal(ck1, want_k) and torch.equal(cv1, want_v)
+    ulp = lambda x: torch.pow(2.0, torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)  # noqa: E731
+    assert ((plain.double() - exact).abs() <= ulp(exact)).all()
+    gated, _ = run(native.BEST, gate)
+    ref = plain * torch.sigmoid(gate)
+    assert ((gated.double() - ref.double()).abs() <= ulp(ref.double())).all()
+    assert (gated != ref).float().mean() < 0.02
+    same_bits(on_each(lambda path: run(path, gate)[0]))
 
 
 def test_decode_attention_splits_long_contexts_over_threads_with_the_same_bits():

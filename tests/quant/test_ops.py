@@ -49,6 +49,31 @@ def test_rms_norm_is_the_reference_to_the_last_bit_of_a_rows_scale():
         native.rms_norm_bf16(x, w[:-1], 1e-6)
 
 
+def test_zero_centred_rms_norm_is_the_reference_to_the_last_bit_of_a_rows_scale():
+    """rms_norm_scaled_bf16 (Norm's zero-centred form: a float32 scale, one rounding) against its torch expression;
+    the vectorized rows, the portable loops and any thread count give the same bits."""
+    g = torch.Generator().manual_seed(1)
+    for shape in [(1, 2048), (7, 1024), (3, 16, 256), (5, 100), (600, 60)]:
+        x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+        w = 1 + torch.randn(shape[-1], generator=g) * 0.1  # 1 + a stored weight near 0
+        xf = x.float()
+        want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w).bfloat16()
+        y = native.rms_norm_scaled_bf16(x, w, 1e-6)
+        assert y.shape == x.shape and y.dtype == torch.bfloat16
+        diff = (y.float() - want.float()).abs()
+        assert bool((diff <= want.float().abs() * 2**-7 + 1e-30).all()) and (y != want).float().mean() < 1e-3
+        native.set_threads(2)
+        try:
+            split = native.rms_norm_scaled_bf16(x, w, 1e-6)
+        finally:
+            native.set_threads(1)
+        portable = native.rms_norm_scaled_bf16(x, w, 1e-6, path=native.PORTABLE)
+        assert torch.equal(split.view(torch.int16), y.view(torch.int16))
+        assert torch.equal(portable.view(torch.int16), y.view(torch.int16))
+    with pytest.raises(ValueError, match="rms_norm_scaled_bf16"):
+        native.rms_norm_scaled_bf16(x, w.bfloat16(), 1e-6)
+
+
 def _rms_norm_lanes(x, w, eps):
     """ops.c's RMSNorm step by step in float32: squares summed in 8 lanes (value i into lane i % 8, in order), the
     lanes added ((0+4)+(2+6))+((1+5)+(3+7)), scale = 1 / sqrt(sum / n + eps), then bf16(w * bf16(x * scale))."""

@@ -31,8 +31,7 @@ from .sinks import sink_attention
 class Attention:
     """The GQA attention of layer L: x [T, H] -> [T, H], writing the layer's KV cache in place."""
 
-    def __init__(self, b: Build, L: int, native_decode: bool = True):
-        """`native_decode` False: never the one-call decode core (an attention whose norms or gate it lacks)."""
+    def __init__(self, b: Build, L: int):
         s, lw, c = b.spec, b.w.layers[L], b.compute
         self.lw, self.L = lw, L
         self.nH, self.nKV, self.D = s.n_heads, s.n_kv_heads, s.head_dim
@@ -48,9 +47,10 @@ class Attention:
         # kept-quantized q / k / v at decode: one native call, x quantized once, their rows over the native threads,
         # bitwise what three QuantLinear calls give
         self.qkv_group = QuantLinear.group(list(ws)) if all(type(w) is QuantLinear for w in ws) else None
-        self.decode = None if b.decode_attention is None or not native_decode else b.decode_attention.layer(
+        self.decode = None if b.decode_attention is None else b.decode_attention.layer(
             self.ck, self.cv, norm=s.qk_norm, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=s.rms_norm_eps,
-            clip=s.clip_qkv, sinks=None if lw.sinks is None else lw.sinks.to(c.dtype).float().contiguous())
+            clip=s.clip_qkv, sinks=None if lw.sinks is None else lw.sinks.to(c.dtype).float().contiguous(),
+            zero_centred=s.zero_centred_norms)
         # attend.c: causal, bf16 products; not with sinks (their column), nor keys a sliding window cuts (per call)
         self.prompt_native = (b.kernels.native_prompt_attention and c.attend_prompt and lw.sinks is None
                               and attend.supports(s.n_heads, s.n_kv_heads, s.head_dim))
@@ -70,13 +70,21 @@ class Attention:
         """The output projection: o [T, nH*D] -> [T, H]."""
         return linear(o, self.lw.o, self.lw.o_bias, self.bf16)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
+               gate: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, nH*D], k / v [T, nKV*D] of this pass's tokens -> the attended heads [T, nH*D]: the q / k norms,
-        clipping, rope, the cache writes, then the core chosen at build."""
+        clipping, rope, the cache writes, then the core chosen at build; gate [T, nH*D] (gated attention): the heads
+        times sigmoid(gate)."""
+        if q.shape[0] == 1 and self.decode is not None:
+            win, pos = self.window, step.pos
+            return self.decode(q, k, v, pos, max(0, pos - win + 1) if win is not None else 0, gate)  # [1, nH*D]
+        out = self._attend(q, k, v, step)
+        return out if gate is None else out * torch.sigmoid(gate)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        """attend's torch steps and prompt cores."""
         lw, T, pos, D = self.lw, q.shape[0], step.pos, self.D
         win = self.window
-        if T == 1 and self.decode is not None:
-            return self.decode(q, k, v, pos, max(0, pos - win + 1) if win is not None else 0)  # [1, nH*D]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from ...quant import native
 from ...quant.compute import Compute
 from ...quant.linear import QuantLinear
+from ...quant.native import deltanet
 from ...quant.native.decode import DecodeAttention
 from ..rope import rope_table
-from ..spec import KVCache, Spec, Weights
+from ..spec import KVCache, LayerWeights, Spec, Weights
 from .experts import ExpertMath, glu_for
 from .norm import Norm
 
@@ -38,12 +39,15 @@ class Kernels:
                             False: one call per expert
     code_rows_once          activations int8: a layer's prompt rows coded once and gathered by each expert; False: each
                             expert codes its own rows (the same bits)
+    native_deltanet         a Gated DeltaNet layer's decode token (conv, delta rule, gated norm) in one native call
+                            (native/deltanet.py), where the model computes in float32 or bf16; False: the torch steps
     """
 
     native_decode: bool = True
     native_prompt_attention: bool = True
     split_experts: bool = True
     code_rows_once: bool = True
+    native_deltanet: bool = True
 
 
 class Step:
@@ -99,6 +103,14 @@ class Workspace:
         self._block = None
 
 
+def _projections(lw: LayerWeights) -> list:
+    """A layer's mixer projections: q, k, v, o, or a Gated DeltaNet's input projections and o."""
+    if lw.delta is None:
+        return [lw.q, lw.k, lw.v, lw.o]
+    d = lw.delta
+    return [lw.o] + [p for p in (d.qkv, d.z, d.b, d.a, d.qkvz, d.ba) if p is not None]
+
+
 class Build:
     """Everything a layer module is built from: the blueprint, resident weights, expert store, caches, the model's
     Compute and Kernels, and what its layers share (the rope tables, the experts' math, the prompt workspace, the
@@ -118,6 +130,11 @@ class Build:
         self.native_decode = self._native_decode()
         self.decode_attention = (DecodeAttention(spec.n_heads, spec.n_kv_heads, spec.head_dim, self.cos, self.sin,
                                                  path=compute.path) if self.native_decode else None)
+        self.native_deltanet = self._native_deltanet()
+        d = spec.delta
+        self.deltanet_decode = (deltanet.DeltaNetDecode(d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim,
+                                                        d.conv_kernel, self.dtype, path=compute.path)
+                                if self.native_deltanet else None)
 
     def norm(self, weight: torch.Tensor) -> Norm:
         """The RMSNorm of `weight` as this architecture scales it (plain or zero-centred, Spec.zero_centred_norms)."""
@@ -130,7 +147,7 @@ class Build:
         natively too (native_decode). A plain model keeps the torch steps, so its decode numerics stay what they
         were (tests/server/test_server.py's seeded repeats run on one)."""
         layout = getattr(self.store, "layout", None)
-        projections = [self.w.lm_head] + [getattr(lw, n) for lw in self.w.layers for n in ("q", "k", "v", "o")]
+        projections = [self.w.lm_head] + [p for lw in self.w.layers for p in _projections(lw)]
         return (layout is not None and all(lw.mla is None for lw in self.w.layers)
                 and all(type(w) is QuantLinear for w in projections)
                 and all(self.expert_math[layout.format(L)].one_call(1) for L in layout.layers))
@@ -147,3 +164,18 @@ class Build:
                 and s.mla is None and self.integer_decode and bf16(self.cos) and bool(caches)
                 and all(bf16(k) for k in caches)
                 and all(bf16(lw.router) and bf16(lw.q_norm) and bf16(lw.k_norm) for lw in self.w.layers))
+
+    def _native_deltanet(self) -> bool:
+        """Whether each Gated DeltaNet layer runs a decode token natively (native/deltanet.py: the conv's step, the
+        delta rule on the float32 state and the gated norm in one call instead of ~40 torch ops): the extension, such
+        layers, a dtype it computes in (float32, bf16) and the layers' weights and caches in it. Its output is the
+        torch steps' to float32 rounding (bf16: within a rounding where torch rounds), not bitwise (deltanet.c says
+        how); streamed and resident runs share it."""
+        d, x, f32 = self.spec.delta, self.dtype, torch.float32
+        if not (self.kernels.native_deltanet and native.available() and d is not None and x in deltanet.DTYPES):
+            return False
+        fits = lambda t, dtype: t.dtype is dtype and t.is_contiguous()  # noqa: E731
+        ws = [lw.delta for lw in self.w.layers if lw.delta is not None]
+        caches = [c for c in self.cache.layers if c.recurrent is not None]
+        return (all(fits(w.conv, x) and fits(w.norm, x) and fits(w.A_log, f32) and fits(w.dt_bias, f32) for w in ws)
+                and all(fits(c.conv, x) and fits(c.recurrent, f32) for c in caches))

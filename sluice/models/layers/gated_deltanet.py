@@ -7,8 +7,9 @@ grow with the context (Spec.delta, DeltaNetWeights, LayerCache.conv / .recurrent
     o = the gated delta rule of q, k, v, g, beta                     layers/delta_rule.py, the state carried
     out_proj(rms_norm(o) * norm.weight * silu(z))                    per value head
 
-A prompt runs the chunked form of the rule, a decode token the recurrent one (chosen at build: the decode step is
-one function, where a native call can take its place). The state is zeroed when a pass starts at position 0 and must
+A prompt runs the chunked form of the rule, a decode token the recurrent one: where the model computes in float32 or
+bf16, everything from the conv to the gated norm as one native call per layer (native/deltanet.py, chosen at build:
+Kernels.native_deltanet; the torch steps otherwise). The state is zeroed when a pass starts at position 0 and must
 otherwise continue where the last pass ended: it cannot be rewound (LayerCache.pos; the engine reuses a prompt's
 prefix accordingly).
 """
@@ -34,9 +35,10 @@ class GatedDeltaNet:
         self.eps, self.bf16, self.act = s.rms_norm_eps, b.compute.bf16_gemm, b.act
         self.neg_A = -self.w.A_log.float().exp()  # [Hv] float32, the reference's -exp(A_log) once
         self.project = self._fused if self.w.qkvz is not None else self._separate
-        self.prompt_rule = delta_rule.chunked
-        # the decode step: one call per layer and token, state in place (a native kernel replaces it here)
-        self.decode_rule = delta_rule.recurrent
+        self.prompt_rule, self.decode_rule = delta_rule.chunked, delta_rule.recurrent
+        # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet)
+        self.native = None if b.deltanet_decode is None else b.deltanet_decode.layer(
+            self.w.conv, self.cache.conv, self.cache.recurrent, self.neg_A, self.w.dt_bias, self.w.norm, self.eps)
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         d, c, T = self.d, self.cache, x.shape[0]
@@ -47,16 +49,24 @@ class GatedDeltaNet:
             raise RuntimeError(f"layer {self.L}: its Gated DeltaNet state holds {c.pos} tokens and cannot continue "
                                f"at position {step.pos} (a recurrent state is not rewound; start at 0)")
         qkv, z, b, a = self.project(x)  # [T, conv_dim], [T, value_dim], [T, Hv], [T, Hv]
+        if T == 1 and self.native is not None:
+            o = self.native(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous())  # [1, value_dim]
+        else:
+            o = self._steps(qkv, z, b, a).reshape(T, d.value_dim)
+        c.pos = step.pos + T
+        return linear(o, self.o, None, self.bf16)
+
+    def _steps(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The torch steps from the projections to the gated norm: [T, Hv, Dv] in x's dtype."""
+        d, T = self.d, qkv.shape[0]
         q, k, v = self._conv(qkv).split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
         q, k = q.reshape(T, d.n_k_heads, d.k_head_dim), k.reshape(T, d.n_k_heads, d.k_head_dim)
         v = v.reshape(T, d.n_v_heads, d.v_head_dim)
         beta = b.sigmoid()
         g = self.neg_A * F.softplus(a.float() + self.w.dt_bias)  # [T, Hv] float32
         rule = self.decode_rule if T == 1 else self.prompt_rule
-        o = rule(q, k, v, g, beta, c.recurrent)  # [T, Hv, Dv] in x's dtype
-        o = gated_rms_norm(o, z.view(T, d.n_v_heads, d.v_head_dim), self.w.norm, self.eps)
-        c.pos = step.pos + T
-        return linear(o.reshape(T, d.value_dim), self.o, None, self.bf16)
+        o = rule(q, k, v, g, beta, self.cache.recurrent)  # [T, Hv, Dv] in x's dtype
+        return gated_rms_norm(o, z.view(T, d.n_v_heads, d.v_head_dim), self.w.norm, self.eps)
 
     def _conv(self, qkv: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv of qkv [T, C] after the layer's last K - 1 inputs, silu -> [T, C]; the last

@@ -27,7 +27,8 @@ class Norm:
 
     Plain: `rms_norm` (the normed x rounded to the compute dtype, then times the weight). Zero-centred (Qwen3-Next,
     Qwen3.5): the scale is 1 + weight, computed once here in float32, and the normed x is multiplied by it in
-    float32 before the one rounding to the compute dtype: the reference's order, so bf16 rounds where it does."""
+    float32 before the one rounding to the compute dtype: the reference's order, so bf16 rounds where it does (bf16
+    rows in one native call, ops.rms_norm_scaled_bf16, as rms_norm's)."""
 
     def __init__(self, weight: torch.Tensor, eps: float, path: int = BEST, zero_centred: bool = False):
         self.eps, self.path, self.zero_centred = eps, path, zero_centred
@@ -41,6 +42,8 @@ class Norm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.zero_centred:
             return rms_norm(x, self.weight, self.eps, self.path)
+        if x.dtype is torch.bfloat16 and native.available() and x.is_contiguous():
+            return ops.rms_norm_scaled_bf16(x, self.weight, self.eps, path=self.path)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 

@@ -9,6 +9,7 @@
     decode.py   decode.c: one decode token's attention core and router probabilities in one call each
     prompt.py   prompt.c: a prompt's Q4_K projections on 8-bit codes (AVX512-VNNI), one expert in one call
     attend.py   attend.c: a prompt's causal attention in one call (AVX512_BF16)
+    deltanet.py deltanet.c: one decode token of a Gated DeltaNet layer (conv, delta rule, gated norm) in one call
 
 Without a C compiler at install the library is absent (available() False) and the torch kernels run instead; the
 C code keeps no state but the pool and reads its buffers with unaligned loads, and ctypes releases the GIL while it
@@ -17,7 +18,7 @@ runs. A bad argument raises ValueError naming it.
 
 from ._lib import AVX2, BEST, FORMATS, PATHS, PORTABLE, available, simd, supports, warn_unbuilt
 from .kernels import dequantize, linear
-from .ops import combine_bf16, combine_rows_bf16, rms_norm_bf16, rope_bf16
+from .ops import combine_bf16, combine_rows_bf16, rms_norm_bf16, rms_norm_scaled_bf16, rope_bf16
 from .pool import release_scratch, set_threads
 from .q8 import ExpertCall, LinearsQ8, expert_q8, linear_q8, q8_row_bytes, q8_supported, quantize_q8
 

@@ -87,11 +87,10 @@ static inline void k_scale_min(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
     v = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u); memcpy(mn + 4, &v, 4);
 }
 
-/* e^z from a fixed polynomial (Cephes' expf: z = n ln2 + r, |r| <= ln2 / 2,
- * a degree-6 polynomial in r, times 2^n), written once as plain float operations so that the AVX-512 copy below,
- * doing the same operations in the same order, gives the same bits (libm's expf has no vector twin); within 2 ulp
- * of e^z. z is clamped to [-87, 88] first (e^z stays a normal float; silu of g < -88 is then g * 6e-39 instead of
- * g * e^g, both ~0). */
+/* e^z from a fixed polynomial (Cephes' expf: z = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n),
+ * written once as plain float operations so that the AVX2 and AVX-512 copies below, doing the same operations in the
+ * same order, give the same bits (libm's expf has no vector twin); within 2 ulp of e^z. z is clamped to [-87, 88]
+ * first (e^z stays a normal float; silu of g < -88 is then g * 6e-39 instead of g * e^g, both ~0). */
 static inline float exp_poly(float z) {
     z = z > -87.0f ? z : -87.0f;  /* maxps / minps order: a NaN becomes -87 */
     z = z < 88.0f ? z : 88.0f;
@@ -109,6 +108,8 @@ static inline float exp_poly(float z) {
 
 /* 1 when the CPU has AVX512_BF16 with AVX512 F / BW / VL / DQ (kernels.c; computed once) */
 int sluice_cpu_avx512bf16(void);
+/* 1 when the CPU has AVX512F (kernels.c; computed once): deltanet.c's 16-column state blocks */
+int sluice_cpu_avx512f(void);
 /* 1 when the AVX2 + FMA + F16C path runs on this CPU (kernels.c) */
 int sluice_simd(void);
 
@@ -128,6 +129,8 @@ uint8_t *thread_scratch(size_t n);
 /* ops.c, also called by decode.c */
 void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out,
                           int scalar);
+void sluice_rms_norm_scaled_bf16(int64_t rows, int64_t n, const uint16_t *x, const float *w, float eps, uint16_t *out,
+                                 int scalar);
 void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const uint16_t *x, int64_t sh, int64_t st,
                       const uint16_t *cos, const uint16_t *sin, uint16_t *out, int scalar);
 
@@ -172,6 +175,24 @@ AVX2_INLINE void store_bf16x8(uint16_t *p, __m256 x) {
     __m256i b = bf16_bits8(_mm256_castps_si256(x));  /* low halves: pack them (packus works per 128-bit lane) */
     __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+
+/* exp_poly on 8 lanes: the same operations in the same order, so the same bits */
+AVX2_INLINE __m256 exp_poly8(__m256 z) {
+    z = _mm256_max_ps(z, _mm256_set1_ps(-87.0f));
+    z = _mm256_min_ps(z, _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(z, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(z, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(1.9875691500e-4f), r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 #define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f")))

@@ -107,34 +107,80 @@ static void clip_bf16(uint16_t *x, int64_t n, float c) {  /* torch's x.clamp(-c,
     }
 }
 
+/* RMSNorm of rows of x in place: weights bf16 (ops.c's norm), or float32 scales in one rounding (w_f32: the
+ * zero-centred norm, 1 + the stored weight) */
+static void norm_rows(int64_t rows, int64_t n, uint16_t *x, const void *w, int w_f32, float eps, int scalar) {
+    if (w_f32)
+        sluice_rms_norm_scaled_bf16(rows, n, x, w, eps, x, scalar);
+    else
+        sluice_rms_norm_bf16(rows, n, x, w, eps, x, scalar);
+}
+
+/* out[i] = bf16(out[i] * bf16(sigmoid(gate[i]))) for i in [i, n): gated attention's `o * torch.sigmoid(gate)` on bf16
+ * (sigmoid 1 / (1 + exp_poly(-g)); torch's exp is within 1 ulp of e^x, this within 2, so a rounded sigmoid may land
+ * one bf16 step from torch's) */
+static void gate_tail(uint16_t *out, const uint16_t *gate, int64_t i, int64_t n) {
+    for (; i < n; i++) {
+        float s = bf16_float(bf16_round(1.0f / (1.0f + exp_poly(-bf16_float(gate[i])))));
+        out[i] = bf16_round(bf16_float(out[i]) * s);
+    }
+}
+
+#if SLUICE_X86
+AVX2 static void gate_avx2(uint16_t *out, const uint16_t *gate, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 s = bf16_rounded8(_mm256_div_ps(one, _mm256_add_ps(one, exp_poly8(_mm256_xor_ps(bf16x8(gate + i),
+                                                                                               sign)))));
+        store_bf16x8(out + i, _mm256_mul_ps(bf16x8(out + i), s));
+    }
+    gate_tail(out, gate, i, n);
+}
+#endif
+
+static void gate_bf16(uint16_t *out, const uint16_t *gate, int64_t n, int scalar) {
+#if SLUICE_X86
+    if (sluice_avx2_ok(scalar) && sluice_simd()) {
+        gate_avx2(out, gate, n);
+        return;
+    }
+#else
+    (void)scalar;
+#endif
+    gate_tail(out, gate, 0, n);
+}
+
 /* Attention of one decode token at position pos over cache positions lo..pos, in the steps of
  * models/layers/attention.py Attention. q [nH * D], k and v [nKV * D]: bf16, the projections' outputs (q and k
  * are overwritten by their normed values). Steps:
  *   norm_mode 2 ("full"): q and k each over its whole row, weights qn [nH * D] / kn [nKV * D];
  *   clip >= 0: q, k and v clamped to +-clip (-1: none);
  *   norm_mode 1 ("head"): per head, weights qn / kn [D];
+ *   (the norms' weights bf16, or norm_f32: float32 scales applied in one rounding, the zero-centred norm's form)
  *   rope by the tables cos / sin [P, rot] (row pos) on the first rot dims;
  *   k and v written to the caches ck / cv at (head g, pos), element (g, p, d) at g * sh + p * sp + d;
- *   attention -> out [nH * D] bf16.
+ *   attention -> out [nH * D] bf16;
+ *   gate not NULL (gated attention, bf16 [nH * D]): out times sigmoid(gate), each rounded to bf16 (gate_bf16).
  * sinks: [nH] float32 (the sink logits, already rounded to bf16) or NULL. rq: bf16 scratch [(nH + nKV) * D];
  * scratch: float32 [nH * (n + D)] with n = pos - lo + 1. Heads go over the pool when the scores are worth it.
  * scalar: common.h's path cap (1: the portable loops). */
 void sluice_attend_bf16(int64_t nH, int64_t nKV, int64_t D, int64_t rot, uint16_t *q, uint16_t *k, const uint16_t *v,
-                        int norm_mode, const uint16_t *qn, const uint16_t *kn, float eps, float clip,
+                        int norm_mode, const void *qn, const void *kn, int norm_f32, float eps, float clip,
                         const uint16_t *cos, const uint16_t *sin, uint16_t *ck, uint16_t *cv, int64_t sh, int64_t sp,
-                        int64_t pos, int64_t lo, const float *sinks, uint16_t *rq, float *scratch, uint16_t *out,
-                        int scalar) {
+                        int64_t pos, int64_t lo, const float *sinks, uint16_t *rq, float *scratch,
+                        const uint16_t *gate, uint16_t *out, int scalar) {
     if (norm_mode == 2) {
-        sluice_rms_norm_bf16(1, nH * D, q, qn, eps, q, scalar);
-        sluice_rms_norm_bf16(1, nKV * D, k, kn, eps, k, scalar);
+        norm_rows(1, nH * D, q, qn, norm_f32, eps, scalar);
+        norm_rows(1, nKV * D, k, kn, norm_f32, eps, scalar);
     }
     if (clip >= 0.0f) {
         clip_bf16(q, nH * D, clip);
         clip_bf16(k, nKV * D, clip);
     }
     if (norm_mode == 1) {
-        sluice_rms_norm_bf16(nH, D, q, qn, eps, q, scalar);
-        sluice_rms_norm_bf16(nKV, D, k, kn, eps, k, scalar);
+        norm_rows(nH, D, q, qn, norm_f32, eps, scalar);
+        norm_rows(nKV, D, k, kn, norm_f32, eps, scalar);
     }
     uint16_t *rk = rq + nH * D;
     sluice_rope_bf16(nH, 1, D, rot, q, D, 0, cos + pos * rot, sin + pos * rot, rq, scalar);
@@ -150,6 +196,7 @@ void sluice_attend_bf16(int64_t nH, int64_t nKV, int64_t D, int64_t rot, uint16_
     if (nH * a.n * D >= 65536) pool_run(head_task, &a, nH);
     else
         for (int64_t h = 0; h < nH; h++) head_task(&a, h);
+    if (gate) gate_bf16(out, gate, nH * D, scalar);
 }
 
 /* The softmax router's probabilities for one token (routing.softmax_topk's first two steps): logits = bf16(x . w_e)

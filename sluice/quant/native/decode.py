@@ -3,11 +3,11 @@
     attend = DecodeAttention(n_heads, n_kv_heads, head_dim, cos, sin)  # one per model: scratch and rope tables
     layer = attend.layer(cache_k, cache_v, norm="head", q_norm=..., ...)  # one per layer, checked once
     out = layer(q, k, v, pos, lo)                           # [1, nH * D] bf16; k and v written to the caches
+    out = layer(q, k, v, pos, lo, gate=gate)                # gated attention: times sigmoid(gate)
     probs = router_probs_bf16(x, router)                    # softmax(F.linear(x, router)) in float32, [1, E]
 
 models/layers/attention.py and moe.py call them for a bf16 decode step (T == 1); everything else keeps the torch
-code. What they
-compute, and how it compares with the torch expressions, is in decode.c's header.
+code. What they compute, and how it compares with the torch expressions, is in decode.c's header.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ if _LIB is not None:
     _i64, _ptr, _i32, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     _LIB.sluice_attend_bf16.argtypes = (
         [_i64] * 4 + [_ptr] * 3  # nH, nKV, D, rot, q, k, v
-        + [_i32, _ptr, _ptr, _f32, _f32]  # norm_mode, qn, kn, eps, clip
+        + [_i32, _ptr, _ptr, _i32, _f32, _f32]  # norm_mode, qn, kn, norm_f32, eps, clip
         + [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]  # cos, sin, ck, cv, sh, sp, pos, lo
-        + [_ptr, _ptr, _ptr, _ptr, _i32])  # sinks, rq, scratch, out, scalar
+        + [_ptr, _ptr, _ptr, _ptr, _ptr, _i32])  # sinks, rq, scratch, gate, out, scalar
     _LIB.sluice_router_probs_bf16.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _i32]  # E, H, x, w, probs, scalar
     _LIB.sluice_attend_bf16.restype = _LIB.sluice_router_probs_bf16.restype = None
 
@@ -62,10 +62,11 @@ class DecodeAttention:
 
     def layer(self, ck: torch.Tensor, cv: torch.Tensor, *, norm: str = "none", q_norm: torch.Tensor | None = None,
               k_norm: torch.Tensor | None = None, eps: float = 0.0, clip: float | None = None,
-              sinks: torch.Tensor | None = None) -> "LayerAttention":
+              sinks: torch.Tensor | None = None, zero_centred: bool = False) -> "LayerAttention":
         """The call of one layer whose caches are ck / cv (bf16 [nKV, P >= max_context, D], unit last stride).
-        norm "head": q_norm / k_norm bf16 [D]; "full": [nH * D] / [nKV * D]; clip: clamp q, k and v to +-clip;
-        sinks: float32 [nH], the sink logits already rounded to bf16."""
+        norm "head": q_norm / k_norm bf16 [D]; "full": [nH * D] / [nKV * D]; zero_centred: the norms scale by
+        1 + weight in float32 with one rounding (Qwen3-Next, Qwen3.5: models/layers/norm.py Norm), computed here once;
+        clip: clamp q, k and v to +-clip; sinks: float32 [nH], the sink logits already rounded to bf16."""
         nH, nKV, D = self.nH, self.nKV, self.D
         if norm not in NORM_MODES:
             raise ValueError(f"DecodeAttention: norm must be one of {sorted(NORM_MODES)}, got {norm!r}")
@@ -78,17 +79,21 @@ class DecodeAttention:
         keep = [ck, cv]
         qn = kn = None
         if mode:
-            keep += [q_norm, k_norm]
             qn = _bf16(q_norm, "q_norm", D if mode == 1 else nH * D)
             kn = _bf16(k_norm, "k_norm", D if mode == 1 else nKV * D)
+            if zero_centred:  # the float32 scales the C code applies
+                q_norm, k_norm = 1.0 + q_norm.float(), 1.0 + k_norm.float()
+                qn, kn = q_norm.data_ptr(), k_norm.data_ptr()
+            keep += [q_norm, k_norm]
         if sinks is not None:
             if not (sinks.dtype is torch.float32 and sinks.is_contiguous() and sinks.numel() == nH):
                 raise ValueError(f"DecodeAttention: sinks must be float32 [{nH}], got {sinks.dtype} "
                                  f"{list(sinks.shape)}")
             keep.append(sinks)
         return LayerAttention(self, keep, (
-            mode, qn, kn, eps, -1.0 if clip is None else clip, self.cos.data_ptr(), self.sin.data_ptr(),
-            ck.data_ptr(), cv.data_ptr(), ck.stride(0), ck.stride(1)), None if sinks is None else sinks.data_ptr())
+            mode, qn, kn, int(zero_centred), eps, -1.0 if clip is None else clip, self.cos.data_ptr(),
+            self.sin.data_ptr(), ck.data_ptr(), cv.data_ptr(), ck.stride(0), ck.stride(1)),
+            None if sinks is None else sinks.data_ptr())
 
 
 class LayerAttention:
@@ -97,10 +102,12 @@ class LayerAttention:
     def __init__(self, owner: DecodeAttention, keep: list, args: tuple, sinks: int | None):
         self.owner, self._keep, self._args, self._sinks = owner, keep, args, sinks  # _keep: the tensors args point in
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, lo: int) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, lo: int,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
         """q [1, nH * D], k / v [1, nKV * D] (bf16; q and k are overwritten with their normed values) -> the
         attention output [1, nH * D] bf16 over cache positions lo..pos, after writing k (normed, rotated) and v at
-        pos into the layer's caches."""
+        pos into the layer's caches. gate (bf16 [1, nH * D], gated attention): the output times sigmoid(gate), each
+        rounded to bf16 as torch's `o * torch.sigmoid(gate)` rounds (decode.c gate_bf16)."""
         a = self.owner
         nH, nKV, D = a.nH, a.nKV, a.D
         if not 0 <= lo <= pos < a.max_context:
@@ -108,7 +115,8 @@ class LayerAttention:
         out = torch.empty(1, nH * D, dtype=torch.bfloat16)
         _LIB.sluice_attend_bf16(nH, nKV, D, a.rot, _bf16(q, "q", nH * D), _bf16(k, "k", nKV * D),
                                 _bf16(v, "v", nKV * D), *self._args, pos, lo, self._sinks, a.rq.data_ptr(),
-                                a.scratch.data_ptr(), out.data_ptr(), a.path)
+                                a.scratch.data_ptr(), None if gate is None else _bf16(gate, "gate", nH * D),
+                                out.data_ptr(), a.path)
         return out
 
 

@@ -475,8 +475,18 @@ int sluice_cpu_avx512bf16(void) {
     }
     return known;
 }
+
+int sluice_cpu_avx512f(void) {
+    static int known = -1;  /* as above */
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f");
+    }
+    return known;
+}
 #else
 int sluice_cpu_avx512bf16(void) { return 0; }
+int sluice_cpu_avx512f(void) { return 0; }
 #endif
 
 static void to_bf16_row(const float *x, uint16_t *o, int64_t n, int scalar) {

@@ -111,14 +111,24 @@ static void scale_row(const uint16_t *x, const uint16_t *w, int64_t j, int64_t n
     for (; j < n; j++) out[j] = bf16_round(bf16_float(w[j]) * bf16_float(bf16_round(bf16_float(x[j]) * scale)));
 }
 
-static void rms_norm_row(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+/* out[k] = bf16((x[k] * scale) * w[k]) for k from j to n - 1: a float32 weight, one rounding (the zero-centred norm) */
+static void scale_row_f32(const uint16_t *x, const float *w, int64_t j, int64_t n, float scale, uint16_t *out) {
+    for (; j < n; j++) out[j] = bf16_round(bf16_float(x[j]) * scale * w[j]);
+}
+
+/* w bf16, or float32 when w_f32 */
+static void rms_norm_row(const uint16_t *x, const void *w, int w_f32, int64_t n, float eps, uint16_t *out) {
     float lane[8] = {0};
     square_lanes(x, 0, n, lane);
-    scale_row(x, w, 0, n, rms_scale(lane, n, eps), out);
+    if (w_f32)
+        scale_row_f32(x, w, 0, n, rms_scale(lane, n, eps), out);
+    else
+        scale_row(x, w, 0, n, rms_scale(lane, n, eps), out);
 }
 
 #if SLUICE_X86
-AVX2 static void rms_norm_row_avx2(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+AVX2 static void rms_norm_row_avx2(const uint16_t *x, const void *w, int w_f32, int64_t n, float eps,
+                                   uint16_t *out) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -131,15 +141,25 @@ AVX2 static void rms_norm_row_avx2(const uint16_t *x, const uint16_t *w, int64_t
     float scale = rms_scale(lane, n, eps);
     const __m256 sv = _mm256_set1_ps(scale);
     int64_t j = 0;
+    if (w_f32) {
+        const float *wf = w;
+        for (; j + 8 <= n; j += 8)
+            store_bf16x8(out + j, _mm256_mul_ps(_mm256_mul_ps(bf16x8(x + j), sv), _mm256_loadu_ps(wf + j)));
+        scale_row_f32(x, wf, j, n, scale, out);
+        return;
+    }
+    const uint16_t *wb = w;
     for (; j + 8 <= n; j += 8)
-        store_bf16x8(out + j, _mm256_mul_ps(bf16x8(w + j), bf16_rounded8(_mm256_mul_ps(bf16x8(x + j), sv))));
-    scale_row(x, w, j, n, scale, out);
+        store_bf16x8(out + j, _mm256_mul_ps(bf16x8(wb + j), bf16_rounded8(_mm256_mul_ps(bf16x8(x + j), sv))));
+    scale_row(x, wb, j, n, scale, out);
 }
 #endif
 
 typedef struct {
     int64_t rows, n, per_task;
-    const uint16_t *x, *w;
+    const uint16_t *x;
+    const void *w;
+    int w_f32;
     float eps;
     uint16_t *out;
     int scalar;
@@ -153,19 +173,32 @@ static void rms_task(void *c, int64_t i) {
     for (int64_t r = i * j->per_task; r < r1; r++) {
 #if SLUICE_X86
         if (ops_simd(j->scalar)) {
-            rms_norm_row_avx2(j->x + r * j->n, j->w, j->n, j->eps, j->out + r * j->n);
+            rms_norm_row_avx2(j->x + r * j->n, j->w, j->w_f32, j->n, j->eps, j->out + r * j->n);
             continue;
         }
 #endif
-        rms_norm_row(j->x + r * j->n, j->w, j->n, j->eps, j->out + r * j->n);
+        rms_norm_row(j->x + r * j->n, j->w, j->w_f32, j->n, j->eps, j->out + r * j->n);
     }
+}
+
+static void rms_rows(int64_t rows, int64_t n, const uint16_t *x, const void *w, int w_f32, float eps, uint16_t *out,
+                     int scalar) {
+    int64_t per = n > 0 && OPS_TASK_ELEMS / n > 1 ? OPS_TASK_ELEMS / n : 1;
+    rms_job j = {rows, n, per, x, w, w_f32, eps, out, scalar};
+    pool_run(rms_task, &j, (rows + per - 1) / per);
 }
 
 void sluice_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *out,
                           int scalar) {
-    int64_t per = n > 0 && OPS_TASK_ELEMS / n > 1 ? OPS_TASK_ELEMS / n : 1;
-    rms_job j = {rows, n, per, x, w, eps, out, scalar};
-    pool_run(rms_task, &j, (rows + per - 1) / per);
+    rms_rows(rows, n, x, w, 0, eps, out, scalar);
+}
+
+/* The zero-centred RMSNorm (Qwen3-Next, Qwen3.5; models/layers/norm.py Norm): the same statistics, then
+ * out = bf16((x * scale) * w) with w float32 [n] (1 + the stored weight, computed once by the caller): one rounding,
+ * the reference's order. */
+void sluice_rms_norm_scaled_bf16(int64_t rows, int64_t n, const uint16_t *x, const float *w, float eps, uint16_t *out,
+                                 int scalar) {
+    rms_rows(rows, n, x, w, 1, eps, out, scalar);
 }
 
 /* Rotary embedding of bf16 x [heads, T, D] (element (h, t, d) at x + h * sh + t * st + d) by bf16 cos / sin

@@ -4,6 +4,7 @@ ops (~4-10 us each at one row here). Rows go over the C pool; `path` (native/_li
 loops, the same bits.
 
     out = ops.rms_norm_bf16(x, w, eps); y = ops.rope_bf16(x, cos, sin)
+    out = ops.rms_norm_scaled_bf16(x, 1 + w.float(), eps)   # the zero-centred norm (Qwen3-Next, Qwen3.5)
     ops.combine_bf16(ys, w, at, out)          # decode: a token's expert outputs, weighted, summed in order
     ops.combine_rows_bf16(ys, w, at, out)     # a prompt's weighted sum of its expert outputs
 """
@@ -25,6 +26,8 @@ if LIB is not None:
     LIB.sluice_combine_rows_bf16.restype = None
     LIB.sluice_rms_norm_bf16.argtypes = [i64, i64, ptr, ptr, ctypes.c_float, ptr, i32]  # rows, n, x, w, eps, out, path
     LIB.sluice_rms_norm_bf16.restype = None
+    LIB.sluice_rms_norm_scaled_bf16.argtypes = LIB.sluice_rms_norm_bf16.argtypes  # w float32
+    LIB.sluice_rms_norm_scaled_bf16.restype = None
     # heads, T, D, rot, x, head stride, token stride, cos, sin, out, path
     LIB.sluice_rope_bf16.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32]
     LIB.sluice_rope_bf16.restype = None
@@ -78,6 +81,22 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, *, path: in
     out = torch.empty_like(x)
     LIB.sluice_rms_norm_bf16(x.numel() // n if n else 0, n, x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
                              path)
+    return out
+
+
+def rms_norm_scaled_bf16(x: torch.Tensor, scale: torch.Tensor, eps: float, *, path: int = BEST) -> torch.Tensor:
+    """The zero-centred RMSNorm of bf16 x [..., n] (contiguous) by a float32 scale [n] (1 + the stored weight, as
+    models/layers/norm.py Norm holds it), in one native call (ops.c): `(x.float() * rsqrt(mean(x^2) + eps) *
+    scale).to(bf16)`, one rounding, instead of seven torch ops; the sum of squares as rms_norm_bf16's, so the row's
+    scale may differ from torch's in the last bit."""
+    n = x.shape[-1]
+    if not (x.dtype is torch.bfloat16 and scale.dtype is torch.float32 and x.is_contiguous()
+            and scale.is_contiguous() and scale.numel() == n and x.device.type == "cpu"):
+        raise ValueError(f"rms_norm_scaled_bf16: need contiguous bf16 x [..., n] and float32 scale [n], got {x.dtype} "
+                         f"{list(x.shape)} and {scale.dtype} {list(scale.shape)}")
+    out = torch.empty_like(x)
+    LIB.sluice_rms_norm_scaled_bf16(x.numel() // n if n else 0, n, x.data_ptr(), scale.data_ptr(), eps,
+                                    out.data_ptr(), path)
     return out
 
 
