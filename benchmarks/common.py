@@ -238,11 +238,8 @@ def with_kernels(model=None, **choices: Any) -> Iterator[None]:
 
 
 def commit() -> str:
-    """The repository's HEAD, short, with "+dirty" when files differ from it: what a committed result names."""
-    import subprocess
+    """The repository's HEAD, short, with "+dirty" when source files differ from it (sluice bench's rule: results
+    folders do not count): what a committed result names."""
+    from sluice.commands.bench import source_commit
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return source_commit() or "unknown"

@@ -83,7 +83,7 @@ class Model:
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
         self.step_times = StepTimes()
-        self._kv_tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
+        self._kv_tokens: list[int] = []  # tokens the cache holds (keys / values, recurrent state), in order
         self._memo = PromptMemo()  # the last prefilled prompt's last hidden state (a repeated request starts there)
         self._gen_faults = (0, 0, 0)
         self._prefill_io: tuple | None = None  # (bytes read, disk bytes, expert reads per layer) of the last prefill
@@ -217,13 +217,27 @@ class Model:
             raise RequestError(f"prompt of {len(ids)} tokens leaves no room in the context of {self.cache.max_context}")
         sampler = make_sampler(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         processors = make_logits_processors(repetition_penalty)
-        # Reuse the cached keys/values of the longest common prefix (multi-turn chat re-sends the history).
-        start = 0
-        for a, b in zip(self._kv_tokens, ids[:-1]):
-            if a != b:
-                break
-            start += 1
-        yield from self._run(ids, sampler, processors, max_tokens, start, stop_at_eos)
+        yield from self._run(ids, sampler, processors, max_tokens, self._reused_prefix(ids), stop_at_eos)
+
+    def _reused_prefix(self, ids: list[int]) -> int:
+        """How many leading positions of `ids` the cache already holds and the request may start after (multi-turn
+        chat re-sends the history). Keys and values (and latents) are per position: the longest common prefix with
+        what the cache holds, at most all but the last token. A Gated DeltaNet layer's recurrent state is not: it is
+        the state after everything the cache holds and cannot be cut back, so such a model reuses the cache only
+        when `ids` starts with all of it -- and all of `ids` only when the last prompt's hidden state is kept
+        (generate.PromptMemo) -- else nothing (the prompt runs from position 0, which zeroes the state)."""
+        held = self._kv_tokens
+        if self.cache.rewinds:
+            start = 0
+            for a, b in zip(held, ids[:-1]):
+                if a != b:
+                    break
+                start += 1
+            return start
+        n = len(held)
+        if n and ids[:n] == held and (n < len(ids) or self._memo.ids == ids):
+            return n
+        return 0
 
     def _run(self, ids: list[int], sampler: Sampler, processors: Sequence[LogitsProcessor], max_tokens: int,
              start: int = 0, stop_at_eos: bool = True) -> Iterator[int]:

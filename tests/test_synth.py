@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sluice import cli
+from sluice.checkpoint.multimodal import text_config, text_tensors
 from sluice.errors import ConfigError
 from sluice.models import get_arch, supported
 from sluice.tools.synth import OutputExistsError, SynthConfig, config_for_size, make_model, size_of, tensors
@@ -28,12 +29,21 @@ def tiny(arch: str, **kw) -> SynthConfig:
 
 
 def hf_load(path: Path):
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    """The checkpoint as its config's `architectures` class loads it (a multimodal wrapper: its
+    *ForConditionalGeneration), and the loading info."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Mxfp4Config
 
-    quantized = "quantization_config" in json.loads((path / "config.json").read_text())  # gpt_oss: MXFP4 experts
+    cfg = json.loads((path / "config.json").read_text())
+    quantized = "quantization_config" in cfg  # gpt_oss: MXFP4 experts
     extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quantized else {}
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32, **extra)
+    auto = AutoModelForImageTextToText if "text_config" in cfg else AutoModelForCausalLM
+    model, info = auto.from_pretrained(path, output_loading_info=True, dtype=torch.float32, **extra)
     return model.eval(), info
+
+
+def text_model(model):
+    """The decoder of a transformers model (inside a multimodal wrapper: its language model)."""
+    return getattr(model.model, "language_model", model.model)
 
 
 @pytest.mark.parametrize(
@@ -47,11 +57,11 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, l
     assert not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
     assert type(model).__name__ == get_arch(arch).SYNTH.hf_class
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = text_config(json.loads((out / "config.json").read_text()))
     assert cfg["vocab_size"] >= 300 and cfg["eos_token_id"] == 2
     # The generated numbers reach the right parameters: expert 1 of layer 1, gate rows then up rows.
-    gen = dict(tensors(sc))
-    experts = model.model.layers[1].mlp.experts
+    gen = text_tensors(dict(tensors(sc)))  # the text model's under model.* (a wrapper's model.language_model.*)
+    experts = text_model(model).layers[1].mlp.experts
     if get_arch(arch).synth_experts is not None:  # gpt_oss: MXFP4, dequantized by transformers to [H, 2I]
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -64,7 +74,7 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, l
         p = f"model.layers.1.{get_arch(arch).MOE_PREFIXES[0]}.experts.1"
         want_gu = torch.cat([gen[f"{p}.{g}.weight"], gen[f"{p}.{u}.weight"]])
     assert torch.equal(experts.gate_up_proj[1], want_gu)
-    assert torch.equal(model.model.embed_tokens.weight, gen["model.embed_tokens.weight"])
+    assert torch.equal(text_model(model).embed_tokens.weight, gen["model.embed_tokens.weight"])
 
 
 def test_layouts_hold_the_same_model():
@@ -207,3 +217,28 @@ def test_default_embed_std_spreads_routing(tmp_path):
     narrow = _experts_used(make_model(tmp_path / "narrow", dataclasses.replace(sc, embed_std=0.02), progress=False))
     print(f"experts used per layer over 32 tokens: embed_std 4.0 -> {spread}, 0.02 -> {narrow}")
     assert min(spread) >= 12, spread
+
+
+def test_cli_writes_a_hybrid_in_the_real_models_proportions(tmp_path, capsys):
+    """Qwen3.6-35B-A3B's proportions, scaled down: 3 Gated DeltaNet layers to 1 attention layer, linear attention
+    with as many key heads as attention heads and twice the value heads at half the head size, a shared expert of
+    one routed expert's size, in the hub's multimodal wrapper."""
+    out = tmp_path / "q36"
+    rc = cli.main(["make-model", str(out), "--arch", "qwen3_5_moe", "--size", "8MiB", "--layers", "8", "--hidden",
+                   "128", "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--experts", "32", "--top-k", "8",
+                   "--no-progress"])
+    assert rc == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "vision_config" in cfg
+    text = cfg["text_config"]
+    assert text["model_type"] == "qwen3_5_moe_text" and text["layer_types"] == ["linear_attention"] * 3 + [
+        "full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert (text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (4, 1, 64)
+    assert (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"],
+            text["linear_value_head_dim"]) == (4, 8, 32, 32)
+    assert text["shared_expert_intermediate_size"] == text["moe_intermediate_size"]
+    assert (text["num_experts"], text["num_experts_per_tok"]) == (32, 8)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out), "--usage-tokens", "0", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["model_type"], info["attention"], info["kv_layers"], info["layers"]) == ("qwen3_5_moe", "hybrid", 2, 8)

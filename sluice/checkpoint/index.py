@@ -13,6 +13,7 @@ import torch
 
 from sluice.checkpoint.jsonfile import read_json
 from sluice.checkpoint.mlx_index import is_mlx, mlx_tensors
+from sluice.checkpoint.multimodal import text_config, text_tensors
 from sluice.checkpoint.paths import path_kind
 from sluice.checkpoint.ref import FileStamp, TensorRef
 from sluice.checkpoint.safetensors import read_header, write_safetensors
@@ -52,8 +53,9 @@ class CheckpointIndex:
 
         Weights come from `model.safetensors`, else from the shards named by `model.safetensors.index.json`
         (the order transformers uses). An MLX folder (mlx-lm's `quantization` in config.json, or its stacked
-        `switch_mlp` experts) is presented under sluice's names, quantized modules dequantizable (mlx_index.py). A GGUF file has its own class (gguf_index.py); open.open_index picks
-        between them. Raises
+        `switch_mlp` experts) is presented under sluice's names, quantized modules dequantizable (mlx_index.py); a
+        multimodal checkpoint (the hub's Qwen3.5) as its text model (multimodal.py). A GGUF file has its own class
+        (gguf_index.py); open.open_index picks between them. Raises
         CheckpointError for a missing/invalid config, missing weights, a missing shard, an index entry absent from
         its shard, a tensor stored twice, or any bad header.
         """
@@ -77,6 +79,7 @@ class CheckpointIndex:
             tensors, files = _read_sharded(folder)
         else:
             raise _no_weights(folder)
+        config, tensors = text_config(config), text_tensors(tensors)  # a vision-language wrapper: its text model
         if is_mlx(config, tensors):  # mlx-lm's names and affine-quantized modules, see mlx_index.py
             tensors = mlx_tensors(tensors, config, folder / CONFIG)
         return cls(folder, config, generation_config, tensors, files)

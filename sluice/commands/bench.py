@@ -283,12 +283,13 @@ class Bench:
         }
 
 
-def source_commit() -> str | None:
+def source_commit(root: Path | None = None) -> str | None:
     """The git commit of the sluice source that runs (short, "+dirty" when tracked files differ), or None outside a
-    git checkout: what a committed result names beside its command."""
+    git checkout: what a committed result names beside its command. Files under benchmarks/results do not count:
+    a run that writes several result folders would otherwise name its own earlier output as a change."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent.parent
+    root = root or Path(__file__).resolve().parent.parent.parent
 
     def git(*a: str) -> str:
         try:
@@ -298,7 +299,8 @@ def source_commit() -> str | None:
             return ""
 
     head = git("rev-parse", "--short", "HEAD")
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "") if head else None
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+    return head + ("+dirty" if dirty else "") if head else None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -62,10 +62,12 @@ def describe(p: LoadPlan) -> dict:
         "prefill_bytes": p.prefill_bytes,  # a chunk's activations: the heap keeps this much (host/memory.keep_heap)
         "prefill_matmul": describe_matmul(p.options.matmul, avx2=p.options.isa != "auto"),
         "kv_cache_bytes": p.kv_bytes,
-        # what one position costs in every layer: the latent and rope key under latent attention (MLA), else the
-        # keys and values of the kv heads
-        "kv_bytes_per_position": KVCache.bytes_for(spec, 1, p.dtype.itemsize),
-        "attention": "mla" if spec.mla is not None else "gqa",
+        # what one position costs over the layers that keep one: the latent and rope key under latent attention
+        # (MLA), else the keys and values of the kv heads; Gated DeltaNet layers keep a fixed-size state instead
+        "kv_bytes_per_position": KVCache.position_bytes(spec, p.dtype.itemsize),
+        "kv_layers": sum(spec.attends(L) for L in range(spec.n_layers)),
+        "state_bytes": KVCache.state_bytes(spec, p.dtype.itemsize),
+        "attention": "mla" if spec.mla is not None else "hybrid" if spec.delta is not None else "gqa",
         **({"kv_lora_rank": spec.mla.kv_lora_rank, "qk_rope_head_dim": spec.mla.qk_rope_head_dim}
            if spec.mla is not None else {}),
         "memory_plan": p.describe_memory(),
@@ -82,6 +84,8 @@ def _print(info: dict) -> None:
     fb = format_bytes
     heads = (f"{info['heads']} heads over a latent of {info['kv_lora_rank']} + rope {info['qk_rope_head_dim']} (MLA)"
              if info["attention"] == "mla" else f"{info['heads']} heads / {info['kv_heads']} kv x {info['head_dim']}")
+    if info["attention"] == "hybrid":
+        heads += f" on {info['kv_layers']} layers, Gated DeltaNet on {info['layers'] - info['kv_layers']}"
     print(f"{info['model_type']}: {info['layers']} layers ({info['moe_layers']} MoE), hidden {info['hidden_size']}, "
           f"{heads}, vocab {info['vocab_size']}")
     print(f"experts: {info['experts']} per layer, top-{info['top_k']}, intermediate "
@@ -92,9 +96,12 @@ def _print(info: dict) -> None:
           f"({fb(info['bytes_per_expert'])} each)")
     print(f"expert bytes touched per decoded token: {fb(info['expert_bytes_per_token'])}")
     kind = "latent (MLA)" if info["attention"] == "mla" else "keys + values"
+    kind += f", {fb(info['kv_bytes_per_position'])} per position"
+    if info["attention"] == "hybrid":  # keys and values on the attention layers, a fixed state on the others
+        kind += (f" on {info['kv_layers']} of {info['layers']} layers, and the Gated DeltaNet state of the other "
+                 f"{info['layers'] - info['kv_layers']}: {fb(info['state_bytes'])}")
     print(f"compute {info['compute_dtype']}, KV cache {fb(info['kv_cache_bytes'])} for {info['max_context']} "
-          f"positions ({kind}, {fb(info['kv_bytes_per_position'])} per position), {info['threads']} threads, O_DIRECT "
-          f"{'on' if info['odirect'] else 'off'}")
+          f"positions ({kind}), {info['threads']} threads, O_DIRECT {'on' if info['odirect'] else 'off'}")
     print(f"prefill: {info['prefill_chunk']} tokens per pass ({info['prefill_chunk_why']}); bf16 rows: "
           f"{info['prefill_matmul']}")
     print(f"memory: {info['memory_plan']}")

@@ -24,6 +24,9 @@ _OVERRIDES = {
     "experts": "num_experts",
     "top_k": "top_k",
     "hidden": "hidden_size",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
     "expert_intermediate": "moe_intermediate_size",
     "vocab": "vocab_size",
     "dtype": "dtype",
@@ -51,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--experts", type=int, help=f"experts per MoE layer (default: the family's: {family})")
     g.add_argument("--top-k", type=int, help="experts per token (default: the family's)")
     g.add_argument("--hidden", type=int, help="hidden size")
+    g.add_argument("--heads", type=int, help="attention heads (default: hidden / head dim)")
+    g.add_argument("--kv-heads", type=int, help="key/value heads (default: heads / 4)")
+    g.add_argument("--head-dim", type=int, help="attention head size (default 64 up to hidden 512, else 128; "
+                                                "Qwen3.5 / 3.6 and Qwen3-Next: 256)")
     g.add_argument("--expert-intermediate", type=int, help="one expert's intermediate size")
     g.add_argument("--vocab", type=int, help="config.json vocab size (the tokenizer is trained up to it)")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), help="weight dtype (default bfloat16)")

@@ -35,6 +35,9 @@ reads all it needs from the module. What a module provides (tests/models/test_ar
     expert_layer      None, or (store.layout.ExpertLayout, index, MoE prefix, layer) -> its kind: where the layer's
                       experts are when the architecture stores them its own way (gpt_oss: biased MXFP4 experts);
                       None: the per-expert, fused and stacked layouts store/layout.py knows
+    synth_wrap        None, or (SynthConfig, Spec, the text model's config.json) -> arch.SynthWrap: what a synthetic
+                      checkpoint holds around the text model as the family ships it (qwen3_5_moe: the hub's
+                      multimodal wrapper and vision tower; the hybrids' multi-token-prediction head)
 
 A module outside the package (a plugin, or a test's throwaway architecture) joins with `register(module)`.
 """
@@ -55,7 +58,7 @@ from .schema import show
 #: every name an architecture module must define (documented above; `check_arch` tests them)
 INTERFACE = ("MODEL_TYPE", "ModelArgs", "MOE_PREFIXES", "EXPERT_PROJ", "INTERMEDIATE_KEY", "layer_tensors", "SYNTH",
              "synth_config", "GGUF", "layers", "ROUTER", "MLX_MOE", "synth_experts", "synth_expert_nbytes",
-             "expert_layer")
+             "expert_layer", "synth_wrap")
 
 _registered: dict[str, ModuleType] = {}
 
@@ -119,6 +122,7 @@ def check_arch(module: ModuleType) -> None:
         ("synth_experts", module.synth_experts is None or callable(module.synth_experts)),
         ("synth_expert_nbytes", (module.synth_expert_nbytes is None) == (module.synth_experts is None)),
         ("expert_layer", module.expert_layer is None or callable(module.expert_layer)),
+        ("synth_wrap", module.synth_wrap is None or callable(module.synth_wrap)),
     ) if not ok]
     if wrong:
         raise ConfigError(f"architecture module {module.__name__}: {', '.join(wrong)} not of the documented type "

@@ -8,7 +8,7 @@ which reads files by it). No torch and no math here, so the loaders and tools ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..checkpoint.gguf_arch import GGUFArch  # noqa: F401  (re-exported: the architectures declare their GGUF facts)
@@ -40,6 +40,18 @@ class TensorName(NamedTuple):
     name: str  # the checkpoint's name, e.g. model.layers.3.self_attn.q_proj.weight
     shape: tuple[int, ...]
     init: str  # how a synthetic checkpoint draws it: "norm" (1 + noise), "proj" or "bias" (noise)
+
+
+@dataclass(frozen=True)
+class SynthWrap:
+    """What a synthetic checkpoint holds around the text model when the family ships one (an architecture's
+    `synth_wrap`): tools/synth.py writes `config` as config.json, the text model's `model.*` tensors under `prefix`,
+    then `extra` (drawn like the others; roles starting "experts" count as expert bytes). Reading such a checkpoint
+    needs none of this: checkpoint/multimodal.py presents the text model, and nothing reads the extra tensors."""
+
+    config: dict
+    prefix: str = "model."  # the hub's multimodal wrapper: "model.language_model."
+    extra: list[TensorName] = field(default_factory=list)  # a vision tower, a multi-token-prediction head, ...
 
 
 def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ..checkpoint.multimodal import text_config
 from .rope import RopeConfig
 from .schema import cfg, parse
 
@@ -101,8 +102,10 @@ class BaseArgs:
     @classmethod
     def from_dict(cls, config: dict, source: str | os.PathLike[str] = CONFIG):
         """ModelArgs from a parsed config.json, every field the math reads validated (keys it does not declare are
-        ignored, mlx-lm style). `source`: the file's path, named with the field in every ConfigError."""
+        ignored, mlx-lm style); a multimodal config.json is read as its text model's (checkpoint/multimodal.py).
+        `source`: the file's path, named with the field in every ConfigError."""
         source = str(source)
+        config = text_config(config)
         args = parse(cls, config, source=source, extra={"config": config, "source": source})
         args.rope = RopeConfig.from_config(config, args.head_dim, cls.DEFAULT_THETA, args.max_position_embeddings,
                                            source=source)

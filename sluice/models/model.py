@@ -13,7 +13,6 @@ from types import ModuleType
 import torch
 
 from .layers.build import Build, Kernels, Step
-from .layers.norm import rms_norm
 from .linear import logits
 
 
@@ -27,6 +26,7 @@ class Transformer:
         self.spec, self.w, self.store, self.cache, self.rows = b.spec, b.w, b.store, b.cache, b.rows
         self.dtype, self.compute, self.kernels = b.dtype, b.compute, b.kernels
         self.prerouter, self.prompt_prerouter = b.prerouter, b.prompt_prerouter
+        self.final_norm = b.norm(b.w.norm)
         self.layers = list(arch.layers(b))
         if len(self.layers) != self.spec.n_layers:
             raise ValueError(f"{arch.__name__}.layers built {len(self.layers)} layers for {self.spec.n_layers}")
@@ -53,7 +53,7 @@ class Transformer:
             x = self.embed(tokens)
             for layer in self.layers:
                 x = layer(x, step)
-            return rms_norm(x, self.w.norm, self.spec.rms_norm_eps, self.compute.path)
+            return self.final_norm(x)
         finally:
             self.build.workspace.release()  # a prompt's [T*K, H] rows are not held between passes
 

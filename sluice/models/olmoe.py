@@ -22,6 +22,7 @@ ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_pre
 MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
 synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
 expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
+synth_wrap = None  # make-model writes the text model alone
 INTERMEDIATE_KEY = "intermediate_size"
 
 

@@ -1,6 +1,6 @@
 """The model's structs, as llama2.c has them: `Spec` (the blueprint, from config.json), `Weights` (the resident
-tensors, built by the loader) and `KVCache` (run state, allocated once). No math here, so the store and the loaders
-can depend on these without depending on the model code.
+tensors, built by the loader) and `KVCache` (run state, allocated once: each layer's `LayerCache`). No math here, so
+the store and the loaders can depend on these without depending on the model code.
 """
 
 from __future__ import annotations
@@ -39,6 +39,53 @@ class MLASpec:
     def cache_dim(self) -> int:
         """Cached values per position and layer: the normed latent, then the roped shared key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+DELTA_CHUNK = 64  # tokens per block of the chunked delta rule (models/layers/delta_rule.py; the reference's)
+
+
+@dataclass
+class DeltaNetSpec:
+    """Gated DeltaNet linear attention (qwen3_next, qwen3_5_moe) on the layers `layers` marks; the others attend.
+
+    Per layer a depthwise causal conv of `conv_kernel` taps over q | k | v (conv_dim channels), then the gated delta
+    rule (models/layers/delta_rule.py) with one [k_head_dim, v_head_dim] float32 state per value head. Fewer key
+    heads than value heads: each key head serves n_v_heads / n_k_heads value heads. Its state is the same size
+    whatever the context: nothing per position (LayerCache.conv, .recurrent)."""
+
+    layers: list[bool]  # per layer: Gated DeltaNet (True) or full attention (False)
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes of one layer's state: the conv's last conv_kernel - 1 inputs (compute dtype) and the delta rule's
+        float32 state."""
+        state = self.n_v_heads * self.k_head_dim * self.v_head_dim
+        return self.conv_dim * (self.conv_kernel - 1) * itemsize + 4 * state
+
+    def prompt_bytes_per_token(self, itemsize: int) -> int:
+        """Live bytes one prompt token costs in a layer at its peak: the projections and the conv's input and output
+        (compute dtype), and the chunked rule's float32 blocks per value head: q, k, v, their beta-scaled and
+        decayed copies, the two solves' outputs, the output (6 Dk + 4 Dv) and the token's rows of the [C, C] decay,
+        in-block and score matrices (3 C)."""
+        floats = self.n_v_heads * (6 * self.k_head_dim + 4 * self.v_head_dim + 3 * DELTA_CHUNK)
+        return 4 * floats + 2 * itemsize * (self.conv_dim + self.value_dim)
 
 
 @dataclass
@@ -82,6 +129,17 @@ class Spec:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     mla: MLASpec | None = None  # multi-head latent attention on every layer (deepseek_v3); None: q/k/v heads (GQA)
+    delta: DeltaNetSpec | None = None  # Gated DeltaNet on the layers it marks (qwen3_next, qwen3_5_moe); None: none
+    # q_proj gives each head its queries and as many gate values: attention out * sigmoid(gate) (qwen3_next's
+    # gated attention, models/layers/gated_attention.py)
+    attn_gate: bool = False
+    # RMSNorm weights stored zero-centred: the scale is 1 + weight, applied in float32 before the cast back
+    # (qwen3_next, qwen3_5_moe: input / post-attention / final / q / k norms; not their gated norm)
+    zero_centred_norms: bool = False
+
+    def attends(self, layer: int) -> bool:
+        """Whether `layer` attends over a KV cache (full attention or latent), not Gated DeltaNet."""
+        return self.delta is None or not self.delta.layers[layer]
 
 
 @dataclass
@@ -110,16 +168,35 @@ class MLAWeights:
 
 
 @dataclass
+class DeltaNetWeights:
+    """A Gated DeltaNet layer's weights (DeltaNetSpec; the output projection is LayerWeights.o). The input
+    projections are Qwen3.5's four (qkv, z, b, a) or Qwen3-Next's two fused ones (qkvz, ba), whose rows go key head
+    by key head: per key head its q, k, then its value heads' v and z (qkvz), its value heads' b then a (ba)."""
+
+    conv: torch.Tensor  # [conv_dim, 1, K] the depthwise causal conv over q | k | v, as stored (compute dtype)
+    A_log: torch.Tensor  # [Hv] float32: the decay rate is -exp(A_log)
+    dt_bias: torch.Tensor  # [Hv] float32
+    norm: torch.Tensor  # [Dv] the gated RMSNorm's weight (a plain scale, not zero-centred)
+    qkv: Proj | None = None  # [2 key_dim + value_dim, H]
+    z: Proj | None = None  # [value_dim, H] the output gate
+    b: Proj | None = None  # [Hv, H] beta = sigmoid(b)
+    a: Proj | None = None  # [Hv, H] the decay's input
+    qkvz: Proj | None = None  # [2 key_dim + 2 value_dim, H] (qwen3_next)
+    ba: Proj | None = None  # [2 Hv, H] (qwen3_next)
+
+
+@dataclass
 class LayerWeights:
     """Resident weights of one decoder layer. Expert weights live in the ExpertStore, not here."""
 
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    o: Proj  # [H, nH*D] ([H, nH*V] under latent attention)
-    q: Proj | None = None  # [nH*D, H]; None under latent attention (`mla`)
+    o: Proj  # [H, nH*D] ([H, nH*V] under latent attention, [H, value_dim] the out_proj of a Gated DeltaNet)
+    q: Proj | None = None  # [nH*D, H] ([2*nH*D, H] with attn_gate); None under latent attention and Gated DeltaNet
     k: Proj | None = None  # [nKV*D, H]
     v: Proj | None = None  # [nKV*D, H]
     mla: MLAWeights | None = None
+    delta: DeltaNetWeights | None = None  # a Gated DeltaNet layer (Spec.delta)
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
@@ -146,32 +223,70 @@ class Weights:
     layers: list[LayerWeights] = field(default_factory=list)
 
 
-class KVCache:
-    """Every layer's cached keys and values, allocated once for `max_context` positions and written in place.
+@dataclass
+class LayerCache:
+    """One layer's run state, allocated once and written in place: what its mixer keeps between forward passes."""
 
-    q/k/v heads: `k` and `v` [layers, nKV, P, D]. Latent attention (spec.mla): `latent` [layers, P, r + R], the normed
-    compressed latent then the roped shared key of each position, from which attention expands (or absorbs) the
+    k: torch.Tensor | None = None  # [nKV, P, D] attention's keys
+    v: torch.Tensor | None = None  # [nKV, P, D] and values
+    latent: torch.Tensor | None = None  # [P, r + R] latent attention (MLA): the normed latent, then the roped key
+    conv: torch.Tensor | None = None  # [conv_dim, K - 1] Gated DeltaNet: the conv's last K - 1 inputs
+    recurrent: torch.Tensor | None = None  # [Hv, Dk, Dv] float32: the delta rule's state
+    # Gated DeltaNet: the tokens its conv and recurrent state have absorbed. Unlike keys and values, that state
+    # cannot be cut back to an earlier position: a pass must start at 0 (from zeros) or exactly here
+    pos: int = 0
+
+
+class KVCache:
+    """Every layer's state (`layers[L]`, a LayerCache), allocated once for `max_context` positions.
+
+    Per position: attention layers keep keys and values (nKV x D each); latent attention (spec.mla) the normed
+    compressed latent and the roped shared key of each position, from which attention expands (or absorbs) the
     heads: 576 values per position and layer for DeepSeek-V3 where expanded keys and values would take 40,960.
+    Per layer, whatever the context: a Gated DeltaNet layer (spec.delta) its conv inputs and float32 recurrent
+    state (Qwen3.5-35B-A3B: 2 MiB each on 30 of its 40 layers; keys and values only on the other 10).
     """
 
     def __init__(self, spec: Spec, max_context: int, dtype: torch.dtype):
-        # torch.empty: pages are only committed when a position is written, so an unused context costs nothing.
-        self.k = self.v = self.latent = None
-        if spec.mla is not None:
-            self.latent = torch.empty((spec.n_layers, max_context, spec.mla.cache_dim), dtype=dtype)
-        else:
-            shape = (spec.n_layers, spec.n_kv_heads, max_context, spec.head_dim)
-            self.k = torch.empty(shape, dtype=dtype)
-            self.v = torch.empty(shape, dtype=dtype)
+        # torch.empty: pages are only committed when a position is written, so an unused context costs nothing; a
+        # Gated DeltaNet layer zeroes its state when a pass starts at position 0
+        self.layers: list[LayerCache] = []
+        for L in range(spec.n_layers):
+            c = LayerCache()
+            if spec.mla is not None:
+                c.latent = torch.empty((max_context, spec.mla.cache_dim), dtype=dtype)
+            elif spec.attends(L):
+                c.k = torch.empty((spec.n_kv_heads, max_context, spec.head_dim), dtype=dtype)
+                c.v = torch.empty((spec.n_kv_heads, max_context, spec.head_dim), dtype=dtype)
+            else:
+                d = spec.delta
+                c.conv = torch.empty((d.conv_dim, d.conv_kernel - 1), dtype=dtype)
+                c.recurrent = torch.empty((d.n_v_heads, d.k_head_dim, d.v_head_dim), dtype=torch.float32)
+            self.layers.append(c)
         self.max_context = max_context
         self.nbytes = self.bytes_for(spec, max_context, dtype.itemsize)
 
+    @property
+    def rewinds(self) -> bool:
+        """Whether the state at an earlier position can be recovered by cutting the cache back (keys, values and
+        latents: yes; a Gated DeltaNet state: no): what the engine's prompt reuse may assume."""
+        return all(c.recurrent is None for c in self.layers)
+
     @staticmethod
-    def values_per_position(spec: Spec) -> int:
-        """Cached values of one position in one layer: the latent and rope key (MLA), else keys + values."""
-        return spec.mla.cache_dim if spec.mla is not None else 2 * spec.n_kv_heads * spec.head_dim
+    def position_bytes(spec: Spec, itemsize: int) -> int:
+        """Bytes one position costs over all layers: the latent and rope key (MLA), else keys + values of the
+        layers that attend."""
+        per_layer = spec.mla.cache_dim if spec.mla is not None else 2 * spec.n_kv_heads * spec.head_dim
+        return sum(spec.attends(L) for L in range(spec.n_layers)) * per_layer * itemsize
+
+    @staticmethod
+    def state_bytes(spec: Spec, itemsize: int) -> int:
+        """Bytes of the per-layer state that does not grow with the context (Gated DeltaNet layers)."""
+        if spec.delta is None:
+            return 0
+        return sum(spec.delta.layers) * spec.delta.state_bytes(itemsize)
 
     @staticmethod
     def bytes_for(spec: Spec, max_context: int, itemsize: int) -> int:
         """Bytes of the cache for `max_context` positions, without allocating them (what the budget plans)."""
-        return spec.n_layers * max_context * KVCache.values_per_position(spec) * itemsize
+        return max_context * KVCache.position_bytes(spec, itemsize) + KVCache.state_bytes(spec, itemsize)

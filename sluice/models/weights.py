@@ -16,7 +16,7 @@ from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
 from ..io.tensor import read_bytes
 from ..quant.tensor import read_tensor
-from .spec import LayerWeights, MLAWeights, MLPWeights, Spec, Weights
+from .spec import DeltaNetWeights, LayerWeights, MLAWeights, MLPWeights, Spec, Weights
 from ..quant import QuantSpec
 from ..quant.compute import Compute
 from ..quant.linear import QuantLinear, Scratch, quant_spec
@@ -58,7 +58,11 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
 # the roles the model math runs through models/linear.py (x @ W^T only): these may stay quantized. Not the embedding
 # (rows are gathered), routers (float, small; the prerouter reads their values), nor MLA's kv_b (reshaped per head)
 LINEAR_ROLES = frozenset({"q", "k", "v", "o", "mlp.gate", "mlp.up", "mlp.down", "shared.gate", "shared.up",
-                          "shared.down", "shared_gate", "mla.q", "mla.q_a", "mla.q_b", "mla.kv_a"})
+                          "shared.down", "shared_gate", "mla.q", "mla.q_a", "mla.q_b", "mla.kv_a", "delta.qkv",
+                          "delta.z", "delta.b", "delta.a", "delta.qkvz", "delta.ba"})
+# roles kept in float32 whatever the compute dtype: router biases (e_score_correction_bias) are added to float32
+# scores; a Gated DeltaNet's decay parameters enter its float32 decay (-exp(A_log) * softplus(a + dt_bias))
+FLOAT32_ROLES = ("router_bias", "delta.A_log", "delta.dt_bias")
 
 
 def kept_quantized(refs: dict[str, TensorRef], dtype: torch.dtype) -> dict[str, QuantSpec]:
@@ -78,7 +82,7 @@ def resident_nbytes(refs: dict[str, TensorRef], dtype: torch.dtype, lazy_embed: 
     token embedding excluded when `lazy_embed`)."""
     quant = kept_quantized(refs, dtype)
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    return sum(ref.nbytes if role in quant else itemsize * ref.numel
+    return sum(ref.nbytes if role in quant else (4 if role.split(".", 2)[-1] in FLOAT32_ROLES else itemsize) * ref.numel
                for role, ref in refs.items() if not (lazy_embed and role == "embed"))
 
 
@@ -96,8 +100,8 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, compute: Compute, lazy
     names become QuantLinears sharing one scratch, computing as `compute` says (quant/compute.py)."""
     dtype = compute.dtype
 
-    def as_dtype(role: str) -> torch.dtype:  # router biases (e_score_correction_bias) are added to float32 scores
-        return torch.float32 if role.endswith(".router_bias") else dtype
+    def as_dtype(role: str) -> torch.dtype:
+        return torch.float32 if role.split(".", 2)[-1] in FLOAT32_ROLES else dtype
 
     quant, scratch = kept_quantized(refs, dtype), Scratch()
     t = {role: _quant_linear(ref, quant[role], compute, scratch) if role in quant
@@ -109,11 +113,11 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, compute: Compute, lazy
             return None
         return MLPWeights(t[prefix + "gate"], t[prefix + "up"], t[prefix + "down"])
 
-    def mla(prefix: str) -> MLAWeights | None:  # latent attention (models/layers/mla.py): roles `mla.kv_a`, ...
-        if prefix + "kv_a" not in t:
+    def group(prefix: str, cls, key: str):  # MLAWeights (roles `mla.kv_a`, ...), DeltaNetWeights (`delta.conv`, ...)
+        if prefix + key not in t:
             return None
         n = len(prefix)
-        return MLAWeights(**{role[n:]: w for role, w in t.items() if role.startswith(prefix)})
+        return cls(**{role[n:]: w for role, w in t.items() if role.startswith(prefix)})
 
     layers = []
     for L in range(spec.n_layers):
@@ -126,7 +130,8 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, compute: Compute, lazy
                 k=t.get(r + "k"),
                 v=t.get(r + "v"),
                 o=t[r + "o"],
-                mla=mla(r + "mla."),
+                mla=group(r + "mla.", MLAWeights, "kv_a"),
+                delta=group(r + "delta.", DeltaNetWeights, "conv"),
                 q_bias=t.get(r + "q_bias"),
                 k_bias=t.get(r + "k_bias"),
                 v_bias=t.get(r + "v_bias"),

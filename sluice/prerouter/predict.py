@@ -26,7 +26,7 @@ from ..checkpoint.ref import TensorRef
 from ..checkpoint.safetensors import read_header, write_safetensors
 from ..errors import CheckpointError
 from ..quant.tensor import read_tensor
-from ..models.layers.norm import rms_norm
+from ..models.layers.norm import Norm
 from ..models.routing import selection_scores
 from ..models.spec import Spec, Weights
 
@@ -38,6 +38,7 @@ class RouterPrerouter:
     def __init__(self, spec: Spec, weights: Weights, margin: int = 0):
         self.spec, self.w, self.margin = spec, weights, margin
         self.next_moe = next_moe_layers(spec)  # layer -> the first MoE layer after it
+        self.norms = {M: Norm.of(spec, weights.layers[M].post_norm) for M in set(self.next_moe.values())}
 
     def predict(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
         """(next MoE layer, predicted expert ids) from x [T, H] after `layer`'s attention, or None at the end."""
@@ -46,7 +47,7 @@ class RouterPrerouter:
             return None
         lw = self.w.layers[nxt]
         # ranked as the layer's own router ranks (its bias, groups): models/routing.py
-        scores = selection_scores(self.spec, lw, rms_norm(x, lw.post_norm, self.spec.rms_norm_eps))  # [T, E]
+        scores = selection_scores(self.spec, lw, self.norms[nxt](x))  # [T, E]
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
         ids, counts = torch.topk(scores, k, dim=-1).indices.flatten().unique(return_counts=True)
         # the experts most tokens pick first: a prompt's read-ahead fills the free slots in this order

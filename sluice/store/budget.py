@@ -76,11 +76,16 @@ def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
     H, K = spec.hidden_size, spec.top_k
     I = max(spec.moe_intermediate_size, spec.shared_expert_intermediate_size,
             0 if all(spec.moe_layers) else spec.dense_intermediate_size)
-    qkv = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
+    qkv = ((2 if spec.attn_gate else 1) * spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim  # gate: 2x q_proj
     if spec.mla is not None:  # q, its latent-space copy (absorbed form), the attended output, the latent + rope key
         m = spec.mla
         qkv = spec.n_heads * (m.qk_head_dim + m.kv_lora_rank + m.v_head_dim) + m.cache_dim
-    live = itemsize * (H * (K + 5) + 4 * I + qkv) + 8 * spec.num_experts + 6 * 8 * K + max_context
+    mixer = itemsize * qkv
+    # a Gated DeltaNet layer's chunked rule: float32 blocks (Qwen3.5: ~190 KB a token; counted from its tensors,
+    # not yet measured as the MoE block's was)
+    if spec.delta is not None:
+        mixer = max(mixer, spec.delta.prompt_bytes_per_token(itemsize))
+    live = itemsize * (H * (K + 5) + 4 * I) + mixer + 8 * spec.num_experts + 6 * 8 * K + max_context
     return ALLOCATOR_FACTOR * live
 
 

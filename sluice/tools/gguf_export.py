@@ -311,7 +311,7 @@ def check_output(out: Path, force: bool) -> None:
     loops or leads nowhere is refused even with `force`: rename would put a regular file in its place (as root, over
     /dev/...). OUT.partial, the name written, may only be a regular file left by an earlier run: it is opened for
     writing, which a FIFO would block and a symbolic link would redirect."""
-    from .synth import OutputExistsError
+    from .output import OutputExistsError
 
     kind = output_kind(out)
     if kind == "directory":

@@ -38,7 +38,7 @@ from ..errors import CheckpointError, ConfigError
 from ..models import get_arch
 from ..store.layout import moe_prefix
 from ..units import format_bytes
-from .synth import writing_model
+from .output import writing_model
 from ..plan import open_index
 
 GiB = 2**30

@@ -158,7 +158,7 @@ def export_mlx(model: str | os.PathLike[str], out: str | os.PathLike[str], bits:
     """Write `model` (a supported HF MoE folder) as an MLX affine `bits`-bit folder at `out` (see the module doc).
 
     `progress(nbytes)` after each tensor written. Returns a summary: path, bytes, bits, group_size, tensors."""
-    from .synth import writing_model
+    from .output import writing_model
 
     if bits not in MLX_TYPES.values():
         raise SluiceError(f"MLX bits {bits}: 4 or 8")

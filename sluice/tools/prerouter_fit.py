@@ -37,7 +37,7 @@ from tqdm import tqdm
 from ..engine import Model, load
 from ..errors import ConfigError
 from ..units import format_bytes
-from ..models.layers.norm import rms_norm
+from ..models.layers.norm import Norm
 from ..models.routing import route, selection_scores
 from ..models.spec import Spec, Weights
 from ..prerouter.predict import (HEAD_KINDS, PREROUTER_FILE, Head, model_fingerprint, next_moe_layers, save_heads,
@@ -134,7 +134,7 @@ class Recorder:
             self.x[layer][self.at] = x[0]
         if layer in self.ids:  # the true router of this layer, as the MoE block computes it
             lw = self.w.layers[layer]
-            self.ids[layer][self.at] = route(self.spec, lw, rms_norm(x, lw.post_norm, self.spec.rms_norm_eps))[1][0]
+            self.ids[layer][self.at] = route(self.spec, lw, Norm.of(self.spec, lw.post_norm)(x))[1][0]
         return None
 
 
@@ -305,13 +305,14 @@ def fit_heads(model: Model, rec: Recorder, opts: FitOptions, progress: bool = Tr
     for L, M in tqdm(rec.targets.items(), desc=f"fitting {opts.kind} heads", unit="layer", disable=not progress):
         x, y = rec.x[L], rec.ids[M]  # [N, H] in the compute dtype, [N, k]
         lw = w.layers[M]
-        start = lw.router.float() * lw.post_norm.float()[None, :]  # [E, H]: the router with its norm folded in
+        norm = Norm.of(s, lw.post_norm)
+        start = lw.router.float() * norm.weight.float()[None, :]  # [E, H]: the router with its norm's scale folded in
         xn = unit_rms(x, s.rms_norm_eps)  # [N, H] float32
         head, epoch = train_head(xn[:n_fit], y[:n_fit], start, opts, (xn[n_fit:n_train], y[n_fit:n_train]))
         heads[L] = head
         with torch.no_grad():
             x_ho, y_ho = x[n_train:], y[n_train:]
-            router = selection_scores(s, lw, rms_norm(x_ho, lw.post_norm, s.rms_norm_eps))  # as RouterPrerouter
+            router = selection_scores(s, lw, norm(x_ho))  # as RouterPrerouter
             learned = head(xn[n_train:])
             reports.append(LayerReport(L, M, (recall_at(router, y_ho, k), recall_at(router, y_ho, km)),
                                        (recall_at(learned, y_ho, k), recall_at(learned, y_ho, km)), epoch))

@@ -17,29 +17,22 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..checkpoint.paths import output_kind
-from ..errors import ConfigError, SluiceError
+from ..errors import ConfigError
 from ..models import get_arch, supported
-from ..models.arch import TensorName
+from ..models.arch import SynthWrap, TensorName
 from ..models.args import MAX_LAYERS
 from ..models.spec import Spec
 from ..options import COMPUTE_DTYPES, format_bytes
+from .output import OutputExistsError, writing_model  # noqa: F401  (OutputExistsError: make_model's error)
 
 GiB = 2**30
 LAYOUTS = ("per_expert", "fused")
-_PARTIAL_MARKER = ".sluice-make-model"  # marks OUT.partial as ours, so a rerun may delete it
-
-
-class OutputExistsError(SluiceError):
-    """The output folder exists and is not empty (and --force was not given, or it is not a model folder)."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +132,16 @@ class SynthConfig:
 def _spec(sc: SynthConfig) -> Spec:
     """The Spec sluice reads from the checkpoint's config.json: which layers are sparse, which tensors each has
     (ConfigError naming the field for a shape sluice would refuse to load)."""
-    return get_arch(sc.arch).ModelArgs.from_dict(config_json(sc)).spec()
+    return get_arch(sc.arch).ModelArgs.from_dict(text_config_json(sc)).spec()
+
+
+def _wrap(sc: SynthConfig, spec: Spec | None = None) -> SynthWrap:
+    """What the checkpoint holds around the text model (the architecture's synth_wrap; by default nothing)."""
+    arch = get_arch(sc.arch)
+    cfg = text_config_json(sc)
+    if arch.synth_wrap is None:
+        return SynthWrap(cfg)
+    return arch.synth_wrap(sc, spec or _spec(sc), cfg)
 
 
 def _layer_resident(sc: SynthConfig, spec: Spec, L: int) -> list[TensorName]:
@@ -178,8 +180,12 @@ def size_of(sc: SynthConfig) -> SizeReport:
     resident += sum(layers) + (sc.num_layers - n) * layers[-1]
     sparse = sum(spec.moe_layers) + (sc.num_layers - n) * spec.moe_layers[-1]
     experts = sparse * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
+    extra = _wrap(sc, spec).extra  # a vision tower, an mtp head (whose experts count as experts)
+    resident += sum(math.prod(t.shape) for t in extra if not t.role.startswith("experts"))
+    experts += sum(math.prod(t.shape) for t in extra if t.role.startswith("experts"))
     params = resident + experts
-    expert_bytes = sparse * sc.num_experts * sc.expert_nbytes
+    expert_bytes = experts * sc.itemsize if get_arch(sc.arch).synth_experts is None else (
+        sparse * sc.num_experts * sc.expert_nbytes)
     return SizeReport(params, resident * sc.itemsize + expert_bytes, expert_bytes, sc.expert_nbytes)
 
 
@@ -274,7 +280,19 @@ def _solve(sc: SynthConfig, target: int, field: str) -> int:
 
 # -- config files ----------------------------------------------------------------------------------------------------
 def config_json(sc: SynthConfig, bos_token_id: int = 0, eos_token_id: int = 2) -> dict:
-    """config.json as the architecture's transformers class reads it (hub spellings: rope_theta, torch_dtype).
+    """config.json as written: the text model's (text_config_json) in the wrapper the family ships it in, if any
+    (the architecture's `synth_wrap`: qwen3_5_moe's nests it under text_config)."""
+    arch = get_arch(sc.arch)
+    cfg = text_config_json(sc, bos_token_id, eos_token_id)
+    if arch.synth_wrap is None:
+        return cfg
+    spec = arch.ModelArgs.from_dict(cfg).spec()
+    return arch.synth_wrap(sc, spec, cfg).config
+
+
+def text_config_json(sc: SynthConfig, bos_token_id: int = 0, eos_token_id: int = 2) -> dict:
+    """The text model's config.json as the architecture's transformers class reads it (hub spellings: rope_theta,
+    torch_dtype).
 
     Token ids default to the trained tokenizer's: `<|endoftext|>` = 0 (bos/pad, as Qwen), `<|im_end|>` = 2 (eos).
     The architecture adds its own keys (its module's `synth_config`).
@@ -321,18 +339,40 @@ def tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, generated lazily in file order from one seeded generator.
 
     Order: embeddings, then layer by layer (attention, norms, router, [shared expert], experts expert by expert),
-    final norm, lm_head. At most one layer's experts exist at once (fused layout); per-expert, one projection.
-    Both layouts draw the same numbers in the same order, so they hold the same model.
+    final norm, lm_head, then what the family ships beside the model (synth_wrap: a vision tower, an mtp head). At
+    most one layer's experts exist at once (fused layout); per-expert, one projection. Both layouts draw the same
+    numbers in the same order, so they hold the same model. The text model's `model.*` names are under the
+    wrapper's prefix (qwen3_5_moe: model.language_model.*).
     """
-    g = torch.Generator().manual_seed(sc.seed)
+    wrap = _wrap(sc)
+    for name, t in _text_tensors(sc):
+        yield (wrap.prefix + name[len("model."):] if name.startswith("model.") else name), t
+    g = _generator(sc, 1)
+    yield from ((t.name, _draw(sc, g, t.shape, t.init)) for t in wrap.extra)
+
+
+def _generator(sc: SynthConfig, stream: int = 0) -> torch.Generator:
+    """Stream 0 draws the text model, stream 1 what is written beside it (so the text model's numbers do not
+    depend on whether a wrapper is written)."""
+    return torch.Generator().manual_seed(sc.seed + stream * 0x9E3779B9)
+
+
+def _draw(sc: SynthConfig, g: torch.Generator, shape: tuple[int, ...], kind: str) -> torch.Tensor:
+    dt = sc.torch_dtype
+    if kind == "norm":  # ones plus small noise, so a norm that is skipped or misapplied shows in logits
+        return (1.0 + torch.empty(shape).normal_(0.0, sc.init_std, generator=g)).to(dt)
+    std = sc.embed_std if kind == "embed" else sc.init_std
+    # Drawn directly in the target dtype: ~110M values/s, the dominant cost of make_model.
+    return torch.empty(shape, dtype=dt).normal_(0.0, std, generator=g)
+
+
+def _text_tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors under their text-only names (see `tensors`)."""
+    g = _generator(sc)
     dt = sc.torch_dtype
 
     def draw(shape: tuple[int, ...], kind: str) -> torch.Tensor:
-        if kind == "norm":  # ones plus small noise, so a norm that is skipped or misapplied shows in logits
-            return (1.0 + torch.empty(shape).normal_(0.0, sc.init_std, generator=g)).to(dt)
-        std = sc.embed_std if kind == "embed" else sc.init_std
-        # Drawn directly in the target dtype: ~110M values/s, the dominant cost of make_model.
-        return torch.empty(shape, dtype=dt).normal_(0.0, std, generator=g)
+        return _draw(sc, g, shape, kind)
 
     H, I, E = sc.hidden_size, sc.moe_intermediate_size, sc.num_experts
     spec = _spec(sc)
@@ -395,55 +435,6 @@ def make_model(out: str | os.PathLike[str], sc: SynthConfig, progress: bool = Tr
             stream = _with_progress(stream, size_of(sc).total_bytes, out.name)
         write_sharded(partial, stream, sc.max_shard_bytes)
     return out
-
-
-@contextmanager
-def writing_model(out: Path, force: bool) -> Iterator[Path]:
-    """Check OUT may be written, then yield a fresh OUT.partial (marked as ours) to write the model into; on success
-    it replaces OUT, on any error it is removed. So a crash never leaves a half-valid model at OUT."""
-    _check_output(out, force)
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        if not (partial / _PARTIAL_MARKER).exists():
-            raise OutputExistsError(f"{partial} exists and was not made by sluice make-model; move it away")
-        shutil.rmtree(partial)  # a crashed earlier run
-    partial.mkdir(parents=True)
-    (partial / _PARTIAL_MARKER).touch()
-    try:
-        yield partial
-        (partial / _PARTIAL_MARKER).unlink()
-        _replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-
-
-def _check_output(out: Path, force: bool) -> None:
-    kind = output_kind(out)  # (pathlib's exists() is False for a symbolic link loop, which rename then replaced)
-    if kind == "missing":
-        return
-    if kind != "directory":
-        raise OutputExistsError(f"{out} exists and is {'a file' if kind == 'file' else kind}, not a directory; "
-                                "choose another OUT")
-    if not any(out.iterdir()):
-        return
-    if not force:
-        raise OutputExistsError(f"{out} exists and is not empty; pass --force to replace it")
-    if not (out / "config.json").is_file():
-        raise OutputExistsError(
-            f"{out} is not empty and holds no config.json; --force only replaces a model folder, so move it away"
-        )
-
-
-def _replace(partial: Path, out: Path) -> None:
-    """Rename the finished folder into place, moving an old `out` aside first and deleting it after."""
-    old = None
-    if out.exists():
-        old = out.with_name(out.name + f".old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(partial, out)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -333,3 +333,29 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monke
     assert "I/O floor measured in this run, before the first round and after the last" in captured.out
     assert "| ref | direct, 8 workers, buffered |" in captured.out and "| f32 | mmap |" in captured.out
     assert not (cache_home / "sluice").exists()  # no cached disk figure was read or written
+
+
+def test_source_commit_ignores_result_folders(tmp_path):
+    """A run that writes result folders still names its source commit clean; a changed source file makes it dirty;
+    outside a git checkout there is no commit."""
+    import subprocess
+
+    from sluice.commands.bench import source_commit
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t", *a], check=True,
+                       capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "r.md").write_text("old\n")
+    (tmp_path / "src.py").write_text("x = 1\n")
+    assert source_commit(tmp_path) is None
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "init")
+    clean = source_commit(tmp_path)
+    assert clean and "+dirty" not in clean
+    (tmp_path / "benchmarks" / "results" / "r.md").write_text("new\n")
+    assert source_commit(tmp_path) == clean
+    (tmp_path / "src.py").write_text("x = 2\n")
+    assert source_commit(tmp_path) == clean + "+dirty"

@@ -16,6 +16,7 @@ import torch
 
 import sluice
 from sluice import models
+from sluice.checkpoint.multimodal import text_config, text_tensors
 from sluice.errors import ConfigError
 from sluice.models.arch import TensorName
 from sluice.tools.inflate import inflate
@@ -40,6 +41,7 @@ def test_each_architecture_provides_the_interface(model_type):
     sc = tiny(model_type)
     cfg = config_json(sc)
     assert cfg["model_type"] == model_type
+    cfg = text_config(cfg)  # a multimodal wrapper's text model (qwen3_5_moe), as the checkpoint index reads it
     assert cfg[arch.INTERMEDIATE_KEY] == sc.moe_intermediate_size  # the key inflation scales is the experts' size
     spec = arch.ModelArgs.from_dict(cfg).spec()
     assert spec.moe_intermediate_size == sc.moe_intermediate_size
@@ -50,7 +52,7 @@ def test_each_architecture_provides_the_interface(model_type):
     assert len({t.role for t in layer}) == len({t.name for t in layer}) == len(layer)
     assert f"{moe}.{arch.ROUTER}.weight" in {t.name for t in layer}  # the router, where store/layout.py looks for it
     # the synthetic checkpoint holds exactly the layer's resident tensors plus the experts' projections
-    written = {name for name, _ in tensors(sc) if name.startswith(f"model.layers.{L}.")}
+    written = {name for name in text_tensors(dict(tensors(sc))) if name.startswith(f"model.layers.{L}.")}
     experts = {f"{moe}.experts.{e}.{p}.weight" for e in range(sc.num_experts) for p in arch.EXPERT_PROJ}
     if arch.synth_experts is not None:  # the architecture writes its experts itself (gpt_oss: MXFP4 + biases)
         draw = lambda shape, kind: torch.zeros(shape)  # noqa: E731

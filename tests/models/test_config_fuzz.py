@@ -20,7 +20,7 @@ from sluice.models import model_args, supported
 from sluice.models.args import ACTIVATIONS
 from sluice.models.layers import Build
 from sluice.models.model import Transformer
-from sluice.models.spec import KVCache, LayerWeights, MLAWeights, MLPWeights, Spec, Weights
+from sluice.models.spec import DeltaNetWeights, KVCache, LayerWeights, MLAWeights, MLPWeights, Spec, Weights
 from sluice.models.rope import inv_freq
 from sluice.models.schema import MAX_INT, describe_fields
 from sluice.quant.compute import Compute
@@ -195,14 +195,20 @@ def _run_tiny(arch, s: Spec, seed: int) -> torch.Tensor:
         if s.mla is not None:
             lw = LayerWeights(input_norm=1 + r(H), post_norm=1 + r(H), o=r(H, nH * s.mla.v_head_dim),
                               mla=_mla_weights(s, r))
-        else:
-            lw = LayerWeights(input_norm=1 + r(H), post_norm=1 + r(H), q=r(nH * D, H), k=r(nKV * D, H),
+        elif not s.attends(L):  # a Gated DeltaNet layer (qwen3_next's fused projections)
+            d = s.delta
+            lw = LayerWeights(input_norm=r(H), post_norm=r(H), o=r(H, d.value_dim), delta=DeltaNetWeights(
+                conv=r(d.conv_dim, 1, d.conv_kernel), A_log=r(d.n_v_heads), dt_bias=r(d.n_v_heads),
+                norm=1 + r(d.v_head_dim), qkvz=r(2 * d.key_dim + 2 * d.value_dim, H), ba=r(2 * d.n_v_heads, H)))
+        else:  # gated attention: q_proj gives queries and the gate
+            q_rows = (2 if s.attn_gate else 1) * nH * D
+            lw = LayerWeights(input_norm=1 + r(H), post_norm=1 + r(H), q=r(q_rows, H), k=r(nKV * D, H),
                               v=r(nKV * D, H), o=r(H, nH * D))
-        if s.qkv_bias:
-            lw.q_bias, lw.k_bias, lw.v_bias = r(nH * D), r(nKV * D), r(nKV * D)
+        if s.qkv_bias and lw.q is not None:
+            lw.q_bias, lw.k_bias, lw.v_bias = r(lw.q.shape[0]), r(nKV * D), r(nKV * D)
         if s.o_bias:
             lw.o_bias = r(H)
-        if s.qk_norm == "head":
+        if s.qk_norm == "head" and lw.q is not None:
             lw.q_norm, lw.k_norm = 1 + r(D), 1 + r(D)
         elif s.qk_norm == "full":
             lw.q_norm, lw.k_norm = 1 + r(nH * D), 1 + r(nKV * D)

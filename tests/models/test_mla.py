@@ -42,11 +42,13 @@ def test_kv_cache_holds_the_latent_not_the_heads(folder):
     assert (info["kv_cache_bytes"], info["kv_bytes_per_position"], info["attention"]) == (
         want, cfg["num_hidden_layers"] * per_position * 2, "mla")
     with sluice.load(folder, max_context=100) as m:
-        assert m.cache.k is None and m.cache.latent.shape == (cfg["num_hidden_layers"], 100, per_position)
-        assert m.cache.nbytes == m.cache.latent.nbytes == want == m.stats()["kv_cache_bytes"]
+        layers = m.cache.layers
+        assert len(layers) == cfg["num_hidden_layers"]
+        assert all(c.k is None and c.recurrent is None and c.latent.shape == (100, per_position) for c in layers)
+        assert m.cache.nbytes == sum(c.latent.nbytes for c in layers) == want == m.stats()["kv_cache_bytes"]
         m.logits(IDS)
         # the cached latent is the normed compressed kv of each position (a written cache, not a spare buffer)
-        assert m.cache.latent[:, : len(IDS)].abs().sum(-1).min() > 0
+        assert min(c.latent[: len(IDS)].abs().sum(-1).min() for c in layers) > 0
 
 
 def test_interleaved_rope_is_transformers_own():

@@ -89,6 +89,41 @@ TINY: dict[str, dict] = {
         qk_rope_head_dim=4, v_head_dim=12, rope_interleave=False, attention_bias=True, rms_norm_eps=1e-5,
         rope_theta=50000.0, max_position_embeddings=256,
     ),
+    # Gated DeltaNet hybrids (three linear layers to one gated attention layer): two value heads per key head, key
+    # and value head dims distinct, a dense layer (mlp_only_layers), a shared expert with its sigmoid gate, half of
+    # each head rotary (top-level partial_rotary_factor), top-k weights not renormalised
+    "qwen3_next": dict(
+        model_type="qwen3_next", vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=32, intermediate_size=40, mlp_only_layers=[2],
+        norm_topk_prob=False, partial_rotary_factor=0.5, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=512,
+    ),
+    # the hub's Qwen3.5 / 3.6 layout: the multimodal wrapper (text_config, model.language_model.*, a vision tower);
+    # attention every 2nd layer, the default quarter of each head rotary, the multimodal rope's keys
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe",
+        text_config=dict(
+            vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+            linear_value_head_dim=8, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24, full_attention_interval=2, rms_norm_eps=1e-6,
+            max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [2, 1, 1],
+                             "mrope_interleaved": True},
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           num_position_embeddings=16),
+    ),
+    # the text-only layout (Qwen3_5MoeForCausalLM's save_pretrained: model_type qwen3_5_moe_text, model.layers.*)
+    "qwen3_5_moe_text": dict(
+        model_type="qwen3_5_moe_text", vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                          "linear_attention"],
+        rope_theta=5e6, max_position_embeddings=512,
+    ),
 }
 
 
@@ -97,15 +132,24 @@ def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **ove
     logits spread) and random router selection biases."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from transformers import AutoModelForImageTextToText
+
     cfg = {**TINY[arch], **overrides}
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # a multimodal wrapper (text_config) as the hub ships it: its *ForConditionalGeneration
+    auto = AutoModelForImageTextToText if "text_config" in cfg else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
+    # the hybrids' RMSNorms scale by 1 + weight (zero-centred): their weights are drawn around 0 (all but the Gated
+    # DeltaNet's output norm, linear_attn.norm, and the vision tower's LayerNorms)
+    centred = type(model).__name__.startswith(("Qwen3Next", "Qwen3_5Moe"))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if centred and name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif "embed" in name:
                 p.normal_(0.0, 1.0)

@@ -5,10 +5,13 @@
     attention.py  Attention: grouped-query attention over a KV cache (its decode / prompt cores chosen at build)
     sinks.py      attention sinks (gpt-oss), a core of Attention
     mla.py        LatentAttention: multi-head latent attention over a latent cache (deepseek_v3)
+    gated_attention.py  GatedAttention: Attention with a sigmoid output gate from q_proj (qwen3_next, qwen3_5_moe)
+    gated_deltanet.py   GatedDeltaNet: linear attention over a fixed-size conv + recurrent state (the same)
+    delta_rule.py the gated delta rule, chunked (prompts) and recurrent (decode)
     moe.py        MoE: router, the routed experts from the store, the shared expert
     dense.py      DenseMLP: a dense gated MLP (dense layers, shared experts)
     experts.py    the experts' math per stored format (GluMath, BiasedGluMath)
-    norm.py       rms_norm
+    norm.py       rms_norm, Norm (plain or zero-centred), gated_rms_norm
 
 A new layer kind is a new module here plus the architecture that composes it, and their tests.
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 from .attention import Attention
 from .build import Build, Kernels, Step
 from .dense import DenseMLP, dense_mlp
+from .gated_attention import GatedAttention
+from .gated_deltanet import GatedDeltaNet
 from .mla import LatentAttention
 from .moe import MoE, moe_block
 from .residual import PreNorm
@@ -28,5 +33,5 @@ def moe_or_dense(b: Build, L: int):
     return moe_block(b, L) if b.spec.moe_layers[L] else dense_mlp(b, L)
 
 
-__all__ = ["Attention", "Build", "DenseMLP", "Kernels", "LatentAttention", "MoE", "PreNorm", "Step", "dense_mlp",
-           "moe_block", "moe_or_dense"]
+__all__ = ["Attention", "Build", "DenseMLP", "GatedAttention", "GatedDeltaNet", "Kernels", "LatentAttention", "MoE",
+           "PreNorm", "Step", "dense_mlp", "moe_block", "moe_or_dense"]

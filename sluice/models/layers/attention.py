@@ -10,6 +10,9 @@ attends. The cores are chosen when the layer is built:
     128, bf16: 52 vs 90 ms per layer, the same bits; benchmarks/prefill/knobs.py sdpa), on bf16 dot products with
     float32 sums where the model multiplies on bf16 GEMMs (quant/matmul.py sdpa);
   - later chunks of a prompt and torch decode steps: SDPA with the mask.
+
+`attend` (q / k / v -> the attended heads, before the output projection) and `out` are the pieces another
+attention reuses where its math is the same (gated_attention.py: the gate between them).
 """
 
 from __future__ import annotations
@@ -22,28 +25,30 @@ from ...quant.native import attend
 from ..linear import linear
 from ..rope import apply_rope
 from .build import Build, Step
-from .norm import rms_norm
 from .sinks import sink_attention
 
 
 class Attention:
     """The GQA attention of layer L: x [T, H] -> [T, H], writing the layer's KV cache in place."""
 
-    def __init__(self, b: Build, L: int):
+    def __init__(self, b: Build, L: int, native_decode: bool = True):
+        """`native_decode` False: never the one-call decode core (an attention whose norms or gate it lacks)."""
         s, lw, c = b.spec, b.w.layers[L], b.compute
         self.lw, self.L = lw, L
         self.nH, self.nKV, self.D = s.n_heads, s.n_kv_heads, s.head_dim
-        self.eps, self.qk_norm, self.clip = s.rms_norm_eps, s.qk_norm, s.clip_qkv
+        self.qk_norm, self.clip = s.qk_norm, s.clip_qkv
+        self.q_norm = None if lw.q_norm is None else b.norm(lw.q_norm)
+        self.k_norm = None if lw.k_norm is None else b.norm(lw.k_norm)
         self.window = s.sliding_window[L]
         self.bf16, self.path = c.bf16_gemm, c.path
         self.cos, self.sin = b.cos, b.sin
-        self.ck, self.cv = b.cache.k[L], b.cache.v[L]  # [nKV, P, D]
+        self.ck, self.cv = b.cache.layers[L].k, b.cache.layers[L].v  # [nKV, P, D]
         ws = (lw.q, lw.k, lw.v)
         self.biases = (lw.q_bias, lw.k_bias, lw.v_bias)
         # kept-quantized q / k / v at decode: one native call, x quantized once, their rows over the native threads,
         # bitwise what three QuantLinear calls give
         self.qkv_group = QuantLinear.group(list(ws)) if all(type(w) is QuantLinear for w in ws) else None
-        self.decode = None if b.decode_attention is None else b.decode_attention.layer(
+        self.decode = None if b.decode_attention is None or not native_decode else b.decode_attention.layer(
             self.ck, self.cv, norm=s.qk_norm, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=s.rms_norm_eps,
             clip=s.clip_qkv, sinks=None if lw.sinks is None else lw.sinks.to(c.dtype).float().contiguous())
         # attend.c: causal, bf16 products; not with sinks (their column), nor keys a sliding window cuts (per call)
@@ -58,20 +63,28 @@ class Attention:
         return tuple(self.qkv_group.linear(x, self.biases))
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        lw, T, pos, D = self.lw, x.shape[0], step.pos, self.D
-        win = self.window
         q, k, v = self.qkv(x)
+        return self.out(self.attend(q, k, v, step))
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection: o [T, nH*D] -> [T, H]."""
+        return linear(o, self.lw.o, self.lw.o_bias, self.bf16)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        """q [T, nH*D], k / v [T, nKV*D] of this pass's tokens -> the attended heads [T, nH*D]: the q / k norms,
+        clipping, rope, the cache writes, then the core chosen at build."""
+        lw, T, pos, D = self.lw, q.shape[0], step.pos, self.D
+        win = self.window
         if T == 1 and self.decode is not None:
-            out = self.decode(q, k, v, pos, max(0, pos - win + 1) if win is not None else 0)  # [1, nH*D]
-            return linear(out, lw.o, lw.o_bias, self.bf16)
+            return self.decode(q, k, v, pos, max(0, pos - win + 1) if win is not None else 0)  # [1, nH*D]
         if self.qk_norm == "full":
-            q, k = rms_norm(q, lw.q_norm, self.eps, self.path), rms_norm(k, lw.k_norm, self.eps, self.path)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q = q.view(T, self.nH, D)
         k = k.view(T, self.nKV, D)
         if self.qk_norm == "head":
-            q, k = rms_norm(q, lw.q_norm, self.eps, self.path), rms_norm(k, lw.k_norm, self.eps, self.path)
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]  # [T, rot]
         q = apply_rope(q.transpose(0, 1), cos, sin, self.path)  # [nH, T, D]
         k = apply_rope(k.transpose(0, 1), cos, sin, self.path)  # [nKV, T, D]
@@ -85,7 +98,7 @@ class Attention:
             part = None if mask is None else mask[:, lo:]
             out = sink_attention(q, ck[:, lo : pos + T], cv[:, lo : pos + T], part, lw.sinks)  # [nH, T, D]
         elif T > 1 and self.prompt_native and (win is None or pos + T <= win):
-            return linear(attend.causal(q, ck, cv, pos), lw.o, lw.o_bias, self.bf16)
+            return attend.causal(q, ck, cv, pos)  # [T, nH*D]
         elif pos == 0 and mask is not None and (win is None or T <= win):
             # a prompt's first pass: the mask is the lower triangle, which SDPA's is_causal draws itself
             out = sdpa(q[None], ck[None, :, :T], cv[None, :, :T], self.bf16, is_causal=True,
@@ -93,5 +106,4 @@ class Attention:
         else:  # later chunks of a prompt, decode on the torch path
             out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], self.bf16, attn_mask=mask,
                        enable_gqa=True)[0]  # [nH, T, D]
-        out = out.transpose(0, 1).reshape(T, self.nH * D)
-        return linear(out, lw.o, lw.o_bias, self.bf16)
+        return out.transpose(0, 1).reshape(T, self.nH * D)

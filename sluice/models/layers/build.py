@@ -20,6 +20,7 @@ from ...quant.native.decode import DecodeAttention
 from ..rope import rope_table
 from ..spec import KVCache, Spec, Weights
 from .experts import ExpertMath, glu_for
+from .norm import Norm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -118,6 +119,10 @@ class Build:
         self.decode_attention = (DecodeAttention(spec.n_heads, spec.n_kv_heads, spec.head_dim, self.cos, self.sin,
                                                  path=compute.path) if self.native_decode else None)
 
+    def norm(self, weight: torch.Tensor) -> Norm:
+        """The RMSNorm of `weight` as this architecture scales it (plain or zero-centred, Spec.zero_centred_norms)."""
+        return Norm.of(self.spec, weight, self.compute.path)
+
     def _integer_decode(self) -> bool:
         """Whether a decode step's projections and experts all run natively from their quantized blocks (every
         projection a QuantLinear, every MoE layer's experts one native call): the integer kernels there already
@@ -136,8 +141,9 @@ class Build:
         probabilities go with it): the extension, bf16, no latent attention, an integer decode step, bf16 tables and
         caches. Its output matches SDPA's to within bf16 rounding, not bitwise (decode.c says how); streamed and
         resident runs share it."""
-        s, c = self.spec, self.cache
+        s, caches = self.spec, [lc.k for lc in self.cache.layers if lc.k is not None]
         bf16 = lambda t: t is None or (t.dtype is torch.bfloat16 and t.is_contiguous())  # noqa: E731
         return (self.kernels.native_decode and native.available() and self.dtype is torch.bfloat16
-                and s.mla is None and self.integer_decode and bf16(self.cos) and c.k is not None and bf16(c.k)
+                and s.mla is None and self.integer_decode and bf16(self.cos) and bool(caches)
+                and all(bf16(k) for k in caches)
                 and all(bf16(lw.router) and bf16(lw.q_norm) and bf16(lw.k_norm) for lw in self.w.layers))

@@ -2,7 +2,7 @@
 
 Per position, kv_a_proj_with_mqa gives a latent c [r] (RMS-normed) and one rope key k_R [R] shared by all heads;
 kv_b_proj expands c into each head's key part k_N [N] and value [V]. The cache keeps [c; rope(k_R)] per position
-(`KVCache.latent`, r + R values), as transformers' cache does, never the expanded heads. Two exact forms:
+(`LayerCache.latent`, r + R values), as transformers' cache does, never the expanded heads. Two exact forms:
 
 - absorbed: q_N . k_N = (W_UK^T q_N) . c, so each query moves into latent space and attends over the cached rows
   themselves as one key/value head shared by all heads (keys [c; k_R], values c); the output is W_UV times the
@@ -100,7 +100,7 @@ def latent_attention(m: MLASpec, n_heads: int, lw: LayerWeights, x: torch.Tensor
                      mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                      absorb: bool | None = None, bf16: bool = False, path: int = BEST) -> torch.Tensor:
     """One latent attention layer on x [T, H] at positions pos..pos+T-1 -> [T, H]; writes the latent and rope key
-    of the T positions into `cache` [P, r + R] (this layer's slice of KVCache.latent). `mask` [T, pos+T] (True =
+    of the T positions into `cache` [P, r + R] (this layer's LayerCache.latent). `mask` [T, pos+T] (True =
     attend) or None; cos/sin [T, R] for these positions. `absorb`: the form to use (None: `absorbs` decides).
     bf16 / path: the model's Compute.bf16_gemm / Compute.path."""
     w = lw.mla
@@ -124,12 +124,12 @@ def latent_attention(m: MLASpec, n_heads: int, lw: LayerWeights, x: torch.Tensor
 
 
 class LatentAttention:
-    """The latent attention mixer of layer L (Spec.mla): x [T, H] -> [T, H] over its slice of KVCache.latent."""
+    """The latent attention mixer of layer L (Spec.mla): x [T, H] -> [T, H] over its LayerCache.latent."""
 
     def __init__(self, b: Build, L: int):
         s, c = b.spec, b.compute
         self.m, self.n_heads, self.lw, self.window = s.mla, s.n_heads, b.w.layers[L], s.sliding_window[L]
-        self.cache, self.cos, self.sin = b.cache.latent[L], b.cos, b.sin
+        self.cache, self.cos, self.sin = b.cache.layers[L].latent, b.cos, b.sin
         self.bf16, self.path = c.bf16_gemm, c.path
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:

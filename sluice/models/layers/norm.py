@@ -1,8 +1,10 @@
-"""RMSNorm as the reference computes it (statistics in float32, cast back, then scale)."""
+"""RMSNorm as the references compute it: `rms_norm` (statistics in float32, cast back, then scale), `Norm` (one
+weight, plain or zero-centred, chosen when the layer is built) and `gated_rms_norm` (Gated DeltaNet's output norm)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ...quant import native
 from ...quant.native import BEST, ops
@@ -18,3 +20,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, path: int = BEST
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+class Norm:
+    """The RMSNorm of one weight as the architecture scales it (Spec.zero_centred_norms): x [..., n] -> [..., n].
+
+    Plain: `rms_norm` (the normed x rounded to the compute dtype, then times the weight). Zero-centred (Qwen3-Next,
+    Qwen3.5): the scale is 1 + weight, computed once here in float32, and the normed x is multiplied by it in
+    float32 before the one rounding to the compute dtype: the reference's order, so bf16 rounds where it does."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, path: int = BEST, zero_centred: bool = False):
+        self.eps, self.path, self.zero_centred = eps, path, zero_centred
+        self.weight = 1.0 + weight.float() if zero_centred else weight  # the scale [n]
+
+    @classmethod
+    def of(cls, spec, weight: torch.Tensor, path: int = BEST) -> "Norm":
+        """The norm of `weight` in a model of `spec` (models/spec.py Spec: its eps and zero_centred_norms)."""
+        return cls(weight, spec.rms_norm_eps, path, spec.zero_centred_norms)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centred:
+            return rms_norm(x, self.weight, self.eps, self.path)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm: rms_norm(x) * weight * silu(gate) over the last dim, in the reference's order
+    (the normed x rounded to x's dtype and scaled there, the gate applied in float32, one rounding back)."""
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed * F.silu(gate.float())).to(x.dtype)

@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 
 from .build import Build, Step
-from .norm import rms_norm
 
 Block = Callable[[torch.Tensor, Step], torch.Tensor]  # a mixer or a feed-forward block: (x [T, H], step) -> [T, H]
 
@@ -20,11 +19,10 @@ class PreNorm:
     def __init__(self, b: Build, L: int, mixer: Block, ffn: Block):
         lw = b.w.layers[L]
         self.L, self.mixer, self.ffn = L, mixer, ffn
-        self.input_norm, self.post_norm = lw.input_norm, lw.post_norm
-        self.eps, self.path = b.spec.rms_norm_eps, b.compute.path
+        self.input_norm, self.post_norm = b.norm(lw.input_norm), b.norm(lw.post_norm)
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        x = x + self.mixer(rms_norm(x, self.input_norm, self.eps, self.path), step)
+        x = x + self.mixer(self.input_norm(x), step)
         if step.after_mixer is not None:
             step.after_mixer(self.L, x, step)
-        return x + self.ffn(rms_norm(x, self.post_norm, self.eps, self.path), step)
+        return x + self.ffn(self.post_norm(x), step)

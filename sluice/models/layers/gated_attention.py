@@ -1,0 +1,25 @@
+"""Gated full attention (Qwen3-Next, Qwen3.5 / 3.6: every 4th layer; Spec.attn_gate): q_proj gives each head its
+queries and as many gate values, and the attended heads are scaled by sigmoid(gate) before o_proj. Everything
+between (per-head q / k norms, partial rope, the KV cache, the cores) is Attention's own (attention.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import Attention
+from .build import Build, Step
+
+
+class GatedAttention(Attention):
+    """Layer L's gated attention: x [T, H] -> [T, H]. q_proj's rows go head by head: D query rows, then D gate
+    rows. Not the one-call decode core (it has no gate)."""
+
+    def __init__(self, b: Build, L: int):
+        super().__init__(b, L, native_decode=False)
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        T, nH, D = x.shape[0], self.nH, self.D
+        qg, k, v = self.qkv(x)  # [T, 2*nH*D], [T, nKV*D], [T, nKV*D]
+        q, gate = qg.view(T, nH, 2 * D).split(D, dim=-1)  # [T, nH, D] each
+        o = self.attend(q.reshape(T, nH * D), k, v, step)  # [T, nH*D]
+        return self.out(o * torch.sigmoid(gate.reshape(T, nH * D)))
