@@ -70,12 +70,14 @@ class Attention:
         """The output projection: o [T, nH*D] -> [T, H]."""
         return linear(o, self.lw.o, self.lw.o_bias, self.bf16)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
+               selected: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, nH*D], k / v [T, nKV*D] of this pass's tokens -> the attended heads [T, nH*D]: the q / k norms,
-        clipping, rope, the cache writes, then the core chosen at build."""
+        clipping, rope, the cache writes, then the core chosen at build. `selected`: a boolean mask [T, pos+T] that
+        replaces the causal one (QSA's choice of keys, qsa.py; causal itself): SDPA with it, whatever the pass."""
         lw, T, pos, D = self.lw, q.shape[0], step.pos, self.D
         win = self.window
-        if T == 1 and self.decode is not None:
+        if T == 1 and self.decode is not None and selected is None:
             return self.decode(q, k, v, pos, max(0, pos - win + 1) if win is not None else 0)  # [1, nH*D]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -92,7 +94,10 @@ class Attention:
         ck[:, pos : pos + T] = k
         cv[:, pos : pos + T] = v.view(T, self.nKV, D).transpose(0, 1)
         mask = step.mask(win)
-        if lw.sinks is not None:
+        if selected is not None:
+            out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], self.bf16, attn_mask=selected,
+                       enable_gqa=True)[0]  # [nH, T, D]
+        elif lw.sinks is not None:
             # a sliding layer's queries see nothing before pos - window + 1: those keys are not scored at all
             lo = max(0, pos - win + 1) if win is not None else 0
             part = None if mask is None else mask[:, lo:]

@@ -17,9 +17,10 @@ class GatedAttention(Attention):
     def __init__(self, b: Build, L: int):
         super().__init__(b, L, native_decode=False)
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, step: Step, selected: torch.Tensor | None = None) -> torch.Tensor:
+        """`selected`: the keys each query may see, when not all causal ones (Attention.attend; QSA, qsa.py)."""
         T, nH, D = x.shape[0], self.nH, self.D
         qg, k, v = self.qkv(x)  # [T, 2*nH*D], [T, nKV*D], [T, nKV*D]
         q, gate = qg.view(T, nH, 2 * D).split(D, dim=-1)  # [T, nH, D] each
-        o = self.attend(q.reshape(T, nH * D), k, v, step)  # [T, nH*D]
+        o = self.attend(q.reshape(T, nH * D), k, v, step, selected)  # [T, nH*D]
         return self.out(o * torch.sigmoid(gate.reshape(T, nH * D)))

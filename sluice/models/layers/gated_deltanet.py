@@ -5,7 +5,8 @@ grow with the context (Spec.delta, DeltaNetWeights, LayerCache.conv / .recurrent
     q | k | v = silu(causal depthwise conv over the last K inputs)   the conv carries its last K - 1 inputs
     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)       per value head and token (g in float32)
     o = the gated delta rule of q, k, v, g, beta                     layers/delta_rule.py, the state carried
-    out_proj(rms_norm(o) * norm.weight * silu(z))                    per value head
+    out_proj(rms_norm(o) * norm.weight * act(z))                     per value head; act: silu, or sigmoid
+                                                                     (Qwen4-Exp's output_gate_type)
 
 A prompt runs the chunked form of the rule, a decode token the recurrent one (chosen at build: the decode step is
 one function, where a native call can take its place). The state is zeroed when a pass starts at position 0 and must
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from ..linear import linear
 from . import delta_rule
-from .build import Build, Step
+from .build import ACTIVATIONS, Build, Step
 from .norm import gated_rms_norm
 
 
@@ -33,6 +34,7 @@ class GatedDeltaNet:
         self.cache = b.cache.layers[L]
         self.eps, self.bf16, self.act = s.rms_norm_eps, b.compute.bf16_gemm, b.act
         self.neg_A = -self.w.A_log.float().exp()  # [Hv] float32, the reference's -exp(A_log) once
+        self.gate_act = ACTIVATIONS[self.d.gate_act]
         self.project = self._fused if self.w.qkvz is not None else self._separate
         self.prompt_rule = delta_rule.chunked
         # the decode step: one call per layer and token, state in place (a native kernel replaces it here)
@@ -54,7 +56,7 @@ class GatedDeltaNet:
         g = self.neg_A * F.softplus(a.float() + self.w.dt_bias)  # [T, Hv] float32
         rule = self.decode_rule if T == 1 else self.prompt_rule
         o = rule(q, k, v, g, beta, c.recurrent)  # [T, Hv, Dv] in x's dtype
-        o = gated_rms_norm(o, z.view(T, d.n_v_heads, d.v_head_dim), self.w.norm, self.eps)
+        o = gated_rms_norm(o, z.view(T, d.n_v_heads, d.v_head_dim), self.w.norm, self.eps, self.gate_act)
         c.pos = step.pos + T
         return linear(o.reshape(T, d.value_dim), self.o, None, self.bf16)
 
