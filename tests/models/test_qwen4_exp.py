@@ -304,3 +304,26 @@ def test_make_model_writes_the_tables_at_the_size_asked(tmp_path):
     with pytest.raises(ConfigError, match="qwen3_moe has no n-gram embedding tables"):
         SynthConfig(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                     num_experts=4, top_k=2, moe_intermediate_size=32, vocab_size=300, ple_bytes=2**20)
+
+
+def test_make_model_cli_writes_the_tables_and_inspect_and_run_report_them(tmp_path, capsys):
+    from sluice import cli
+
+    out = tmp_path / "q4"
+    rc = cli.main(["make-model", str(out), "--arch", "qwen4_exp", "--size", "8MiB", "--layers", "4", "--hidden", "64",
+                   "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--experts", "8", "--top-k", "2",
+                   "--ple-size", "6MiB", "--no-progress"])
+    assert rc == 0 and "n-gram tables 6.0" in capsys.readouterr().out
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert (text["model_type"], text["ple_layer_ids"], text["hc_count"]) == ("qwen4_exp_text", [1], 4)
+    assert cli.main(["inspect", str(out), "--usage-tokens", "0", "--json", "--ple", "direct"]) == 0
+    ple = json.loads(capsys.readouterr().out)["ple"]
+    assert (ple["mode"], ple["why"], ple["rows_per_token"], ple["layers"]) == ("direct", "--ple direct", 16, [0])
+    assert abs(ple["bytes"] / (6 * 2**20) - 1) < 0.01 and ple["parts"] == 4
+    assert cli.main(["run", str(out), "--prompt", "hello there", "--max-tokens", "3", "--ple", "mmap", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)["stats"]
+    assert st["ple"] == "mmap" and st["ple_rows"] > 0 and st["ple_bytes_read"] == st["ple_rows"] * 8
+    assert cli.main(["make-model", str(tmp_path / "x"), "--arch", "qwen3_moe", "--size", "8MiB", "--ple-size",
+                     "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "qwen3_moe has no n-gram embedding tables (those that do: qwen4_exp)" in err and len(err.splitlines()) == 1
