@@ -21,6 +21,7 @@ from .io import DEFAULT_WORKERS, make_reader
 from .models.layers import Build
 from .models.model import Transformer
 from .models.spec import KVCache
+from .models.tables import check_hashes
 from .options import ACTIVATION_PLANES, LoadOptions
 from .plan import LoadPlan, plan
 from .quant import native
@@ -65,20 +66,27 @@ class Model:
         # read each weight file only as the version whose header was read: a shard replaced, truncated or rewritten
         # while the model runs is a CheckpointError naming it (io/base.py FileGuard), not a SIGBUS or wrong bytes
         self.reader.expect(self.index.stamps())
+        self._own_readers: list = []  # readers made for the row tables (close() closes them)
         weights = load_resident(p.refs, s, self.compute, lazy_embed=p.lazy_embed)
         self.rows = self._make_rows(p.refs["embed"]) if p.lazy_embed else None
+        check_hashes(self.index, s)
+        self.tables = {L: self._make_table(L, parts) for L, parts in p.ple_tables.items()}  # qwen4_exp: n-gram rows
         self.store = self._make_store(progress)
         prerouter = None
-        if p.options.prefetch == "router" and self.memory is not None:
+        # TODO: the prerouters read a plain residual; under hyper-connections (hc_count > 1) the next MoE layer's
+        # input is a mix of the streams (models/layers/hyper.py), which they do not compute yet: no read-ahead
+        # (plan.py refuses --prefetch there)
+        streams = s.hc_count > 1
+        if p.options.prefetch == "router" and self.memory is not None and not streams:
             prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin)
-        elif p.options.prefetch == "learned" and self.memory is not None:
+        elif p.options.prefetch == "learned" and self.memory is not None and not streams:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
         # not on the mmap reader: its submit copies in the caller, so the read-ahead would stall this layer's math
         prompt_prerouter = (RouterPrerouter(s, weights) if p.options.prompt_prefetch and self.memory is not None
-                            and self.reader.mode != "mmap" else None)
+                            and self.reader.mode != "mmap" and not streams else None)
         build = Build(s, weights, self.store, self.cache, self.compute, rows=self.rows, prerouter=prerouter,
-                      prompt_prerouter=prompt_prerouter)
+                      prompt_prerouter=prompt_prerouter, tables=self.tables)
         self.model = Transformer(self.arch, build)
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
@@ -121,6 +129,20 @@ class Model:
         # share the reader when it is of the kind the table needs; otherwise the table makes its own
         same = (mode == "direct") == (self.options.io == "direct")
         return RowTable(ref, mode, reader=self.reader if same else None, dtype=self.dtype)
+
+    def _make_table(self, L: int, parts) -> RowTable:
+        """Layer L's n-gram table in the plan's mode (resident, or rows read per pass), one logical table over its
+        parts; the model's reader when it is of the kind the mode needs, else the table's own (the same workers
+        and O_DIRECT as the experts' reads)."""
+        mode = self.load_plan.ple
+        if mode == "resident" or (mode == "direct") == (self.options.io == "direct"):
+            reader = self.reader
+        else:
+            reader = make_reader(mode, workers=self.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
+            reader.expect(self.index.stamps())
+            self._own_readers.append(reader)
+        name = self.spec.ple.table.format(layer=L)
+        return RowTable(parts, mode, reader=None if mode == "resident" else reader, dtype=self.dtype, name=name)
 
     def _make_store(self, progress: bool):
         if self.memory is None:
@@ -301,11 +323,11 @@ class Model:
 
     # -- stats ---------------------------------------------------------------------------------------------------
     def bytes_read(self, store_stats: dict | None = None) -> int:
-        """Bytes the expert store and the lazily read embedding rows have read since load (`store_stats`: the
-        store's stats() when the caller already has them)."""
+        """Bytes the expert store, the lazily read embedding rows and the n-gram tables have read since load
+        (`store_stats`: the store's stats() when the caller already has them)."""
         st = self.store.stats() if store_stats is None else store_stats
         rows = self.rows.stats().get("bytes_read", 0) if self.rows is not None else 0
-        return st.get("bytes_read", 0) + rows
+        return st.get("bytes_read", 0) + rows + sum(t.stats()["bytes_read"] for t in self.tables.values())
 
     def _io_counters(self) -> tuple:
         """(bytes_read(), disk read bytes, expert reads per layer): what the prefill's share of stats() is a delta
@@ -367,6 +389,11 @@ class Model:
         if self.rows is not None:
             rs = self.rows.stats()
             out.update(embedding_rows_read=rs["rows_read"], embedding_bytes_read=rs["bytes_read"])
+        if self.tables:
+            ts = [t.stats() for t in self.tables.values()]
+            out.update(ple=self.load_plan.ple, ple_rows=sum(t["rows_distinct"] for t in ts),
+                       ple_bytes_read=sum(t["bytes_read"] for t in ts),
+                       ple_wait_s=round(sum(t["wait_s"] for t in ts), 6))
         out.update(self._prefill_stats())
         out.update({k: v for k, v in st.items() if k not in out})
         return out
@@ -376,6 +403,10 @@ class Model:
         self.store.close()
         if self.rows is not None:
             self.rows.close()
+        for table in self.tables.values():
+            table.close()
+        for reader in self._own_readers:
+            reader.close()
         self.reader.close()
 
     def __enter__(self) -> "Model":
@@ -390,7 +421,7 @@ def load(path: str | os.PathLike, *, progress: bool = False, **options) -> Model
 
     Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" |
     "willneed" | "direct"), io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context,
-    prefill_chunk, threads, embeddings, prefetch, prefetch_margin, prompt_prefetch, overlap.
+    prefill_chunk, threads, embeddings, ple, prefetch, prefetch_margin, prompt_prefetch, overlap.
     `sluice.plan.plan(path, options)` shows what a load would decide without reading weights.
     """
     return Model(path, LoadOptions.make(**options), progress=progress)

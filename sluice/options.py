@@ -25,6 +25,7 @@ from .quant.matmul import MATMUL_MODES
 from .store.rows import MODES as EMBEDDING_MODES
 
 PREFETCH_MODES = ("none", "router", "learned")
+PLE_MODES = ("auto", *EMBEDDING_MODES)
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
 
@@ -234,6 +235,17 @@ class LoadOptions:
     embeddings: str = option(
         "resident", choices=EMBEDDING_MODES, help="token embedding rows: resident, or read per batch from disk",
         doc="token-embedding rows read per batch from disk instead of held")
+    # ple: qwen4_exp's per-layer n-gram tables (models/tables.py, store/rows.py); auto resolved in plan.py _ple
+    ple: str = option(
+        "auto", choices=PLE_MODES,
+        help="per-layer n-gram embedding tables (qwen4_exp): resident, or their rows read per pass from disk through "
+             "a mapping (mmap) or the direct-read pool (direct); auto = resident when they fit beside the budget, "
+             "else direct",
+        doc="qwen4_exp's per-layer n-gram embedding tables (tens of GiB, a few hundred bytes per row read): held "
+            "(`resident`), or each pass's distinct rows read from disk, deduplicated and sorted, through the mapping "
+            "(`mmap`: page faults) or the direct-read pool at `--io-workers` reads in flight (`direct`). `auto`: "
+            "resident when the tables fit in the memory left beside the budget, the KV cache and the runtime "
+            "reserve, else direct; `sluice inspect` prints the decision. Output is the same in every mode")
     # prefetch: streaming stores only; "learned" reads prerouter.safetensors beside the model (a CheckpointError
     # when missing or stale)
     prefetch: str = option(

@@ -4,9 +4,9 @@ The engine (`Model.__init__`) loads what the plan says; `sluice inspect` prints 
 their decisions from here, so they cannot disagree: a budget too small for the model is the same BudgetError from
 either, before any weight loads (instead of an OOM kill halfway through).
 
-Order: index -> architecture -> spec -> resident tensors -> compute dtype -> expert layout -> resident bytes -> KV
-cache bytes -> memory (auto / explicit, checked against the room this process may take) -> slots -> O_DIRECT ->
-threads -> tokenizer and end-of-generation ids.
+Order: index -> architecture -> spec -> resident tensors, row tables -> compute dtype -> expert layout -> resident
+bytes -> KV cache bytes -> memory (auto / explicit, checked against the room this process may take) -> slots -> the
+row tables' mode -> O_DIRECT -> threads -> tokenizer and end-of-generation ids.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .models import gguf_archs, model_args
 from .models.args import GenerationArgs, eos_ids
 from .models.schema import parse
 from .models.spec import KVCache, Spec
+from .models.tables import ple_tables
 from .options import LoadOptions, format_bytes
 from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
                            activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_token_bytes,
@@ -62,6 +63,10 @@ class LoadPlan:
     prefill_bytes: int  # what one chunk's activations may take (prefill_token_bytes x chunk): the heap keeps it
     kv_bytes: int
     room: MemoryRoom  # the memory this process may take, when the plan was made
+    ple_tables: dict[int, list[TensorRef]]  # qwen4_exp: layer -> its n-gram table's parts (models/tables.py)
+    ple: str | None  # how the tables are read: resident | mmap | direct (options.ple, "auto" resolved); None: none
+    ple_bytes: int  # the tables' stored bytes (outside the budget; held only when resident)
+    ple_why: str  # how `ple` was chosen, for inspect
     memory: int | None  # budget for resident weights + expert slots; None = everything resident
     memory_plan: AutoPlan | None  # what `memory="auto"` chose (None when the budget was given)
     budget: BudgetPlan | None  # the expert slots `memory` buys (None when resident)
@@ -102,6 +107,9 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     quantized = any(r.quantized for r in refs.values())
     dtype = options.compute_dtype(torch.bfloat16 if quantized else o.torch_dtype)
     layout = ExpertLayout(index, spec, arch)
+    if spec.hc_count > 1 and options.prefetch != "none":  # the prerouters read a plain residual (engine.py)
+        raise ConfigError(f"prefetch {options.prefetch!r}: the next layer's experts are not predicted from "
+                          f"{spec.hc_count} residual streams (hyper-connections) yet; use --prefetch none")
     lazy_embed = options.embeddings != "resident" and not spec.tie_word_embeddings
     if lazy_embed and refs["embed"].quantized:
         raise ConfigError(f"embeddings: {options.embeddings!r} reads plain rows, and this checkpoint stores the "
@@ -112,21 +120,28 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     kv_bytes = KVCache.bytes_for(spec, max_context, itemsize)
     room = available_memory()
     held = memory_status()["rss_anon_bytes"]  # already out of the room: only the rest of the reserve is to come
-    memory, memory_plan = _memory(options, room, spec, layout, resident_bytes, kv_bytes, held)
+    tables = ple_tables(index, spec)
+    table_bytes = sum(r.nbytes for parts in tables.values() for r in parts)
+    # tables held by request are outside the budget: the model plans in the room they leave
+    memory, memory_plan = _memory(options, _less(room, table_bytes if options.ple == "resident" else 0), spec,
+                                  layout, resident_bytes, kv_bytes, held)
     budget = None
     if memory is not None:  # fewer than top_k slots: BudgetError naming the smallest budget that works
         budget = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, layout.total_experts)
+    ple, ple_why = _ple(options, table_bytes, room, memory, layout, resident_bytes, kv_bytes, held)
+    left = _less(room, table_bytes if ple == "resident" else 0)  # what the rest plans in
     # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
     # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
-    odirect = _odirect(options, memory, room, layout, kv_bytes)
-    chunk, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, room, memory, layout, resident_bytes,
+    odirect = _odirect(options, memory, left, layout, kv_bytes)
+    chunk, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout, resident_bytes,
                                       kv_bytes, odirect, held)
     threads = options.threads or usable_cpus()
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
-        prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, memory=memory,
+        prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, ple_tables=tables, ple=ple,
+        ple_bytes=table_bytes, ple_why=ple_why, memory=memory,
         prefill_bytes=chunk * prefill_token_bytes(spec, itemsize, max_context), memory_plan=memory_plan,
         budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
@@ -145,6 +160,32 @@ def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLa
     check_room(options.memory, room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
                kv_bytes, held=held, top_k=spec.top_k)
     return options.memory, None
+
+
+def _less(room: MemoryRoom, nbytes: int) -> MemoryRoom:
+    """The room left once `nbytes` are held (an unknown room stays unknown)."""
+    if not nbytes or not room.known:
+        return room
+    return MemoryRoom(max(0, room.bytes - nbytes), f"{room.source} less {format_bytes(nbytes)} of row tables")
+
+
+def _ple(options: LoadOptions, table_bytes: int, room: MemoryRoom, memory: int | None, layout: ExpertLayout,
+         resident_bytes: int, kv_bytes: int, held: int) -> tuple[str | None, str]:
+    """(how the n-gram tables are read, why); (None, "") when the model has none. `auto`: resident when they fit in
+    what the room leaves beside the kept weights (the budget's), the KV cache and the runtime reserve, else read by
+    rows through the direct pool (their bytes then never sit in memory: a few hundred bytes a row, scattered)."""
+    if not table_bytes:
+        return None, ""
+    if options.ple != "auto":
+        return options.ple, f"--ple {options.ple}"
+    fb = format_bytes
+    kept = kept_bytes(memory, resident_bytes, layout.expert_nbytes, layout.total_experts)
+    left = room.bytes - kept - kv_bytes - reserve_left(held)
+    beside = (f"the {fb(max(0, left))} that {fb(room.bytes)} available ({room.source}) leaves beside {fb(kept)} of "
+              f"weights, the {fb(kv_bytes)} KV cache and the runtime reserve")
+    if not room.known or table_bytes <= left:
+        return "resident", f"auto: {fb(table_bytes)} fit in {beside}" if room.known else "auto: the room is unknown"
+    return "direct", f"auto: {fb(table_bytes)} do not fit in {beside}"
 
 
 def _odirect(options: LoadOptions, memory: int | None, room: MemoryRoom, layout: ExpertLayout, kv_bytes: int) -> bool:

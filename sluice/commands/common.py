@@ -49,4 +49,7 @@ def stats_line(st: dict) -> str:
         f"memory {st['memory_plan']}",
         f"io {st['io']}{' (O_DIRECT)' if st.get('odirect') else ''}",
     ]
+    if "ple" in st:  # qwen4_exp's n-gram tables: how they are read, the rows and bytes, the time waited on reads
+        parts.append(f"PLE {st['ple']}: {st['ple_rows']:,} rows, read {format_bytes(st['ple_bytes_read'])}, "
+                     f"waited {st['ple_wait_s']:.3f} s")
     return " | ".join(parts)

@@ -77,6 +77,17 @@ def describe(p: LoadPlan) -> dict:
     if p.budget is not None:
         info.update(memory=p.memory, expert_slots=p.budget.slots, expert_cache_bytes=p.budget.cache_bytes,
                     cached_fraction=round(p.budget.cached_fraction, 4))
+    if spec.hc_count > 1:
+        info["residual_streams"] = spec.hc_count
+    if spec.qsa is not None:
+        info["qsa"] = {"heads": spec.qsa.n_heads, "head_dim": spec.qsa.head_dim, "budget": spec.qsa.budget,
+                       "compress_ratio": spec.qsa.compress_ratio}
+    if p.ple is not None:
+        parts = list(p.ple_tables.values())
+        info["ple"] = {"mode": p.ple, "why": p.ple_why, "bytes": p.ple_bytes, "layers": [L for L in p.ple_tables],
+                       "parts": sum(len(ps) for ps in parts), "rows": sum(spec.ple.rows),
+                       "rows_per_token": spec.ple.n_heads * len(parts), "row_bytes": parts[0][0].row_nbytes,
+                       "dtype": parts[0][0].dtype}
     return info
 
 
@@ -104,6 +115,19 @@ def _print(info: dict) -> None:
           f"positions ({kind}), {info['threads']} threads, O_DIRECT {'on' if info['odirect'] else 'off'}")
     print(f"prefill: {info['prefill_chunk']} tokens per pass ({info['prefill_chunk_why']}); bf16 rows: "
           f"{info['prefill_matmul']}")
+    if "residual_streams" in info:
+        print(f"hyper-connections: {info['residual_streams']} residual streams")
+    if "qsa" in info:
+        q = info["qsa"]
+        print(f"QSA: each query attends to its best {q['budget'] // q['compress_ratio']} blocks of "
+              f"{q['compress_ratio']} tokens (budget {q['budget']}) and its tail; indexer {q['heads']} heads x "
+              f"{q['head_dim']}")
+    if "ple" in info:
+        t = info["ple"]
+        print(f"n-gram tables (PLE) on layers {t['layers']}: {fb(t['bytes'])} ({t['rows']:,} rows of "
+              f"{t['row_bytes']} B, {t['dtype']}, in {t['parts']} parts); {t['rows_per_token']} rows per token "
+              f"({fb(t['rows_per_token'] * t['row_bytes'])})")
+        print(f"  read: {t['mode']} ({t['why']})")
     print(f"memory: {info['memory_plan']}")
     if "memory" in info:
         print(f"expert cache: {info['expert_slots']} slots = {fb(info['expert_cache_bytes'])} "

@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help="random seed (default 0); same seed, same bytes")
     g.add_argument("--layout", choices=("per_expert", "fused"),
                    help="per_expert: hub names experts.{e}.gate_proj (default); fused: experts.gate_up_proj")
+    g.add_argument("--ple-size", metavar="SIZE",
+                   help="the per-layer n-gram embedding tables of an architecture that has them (qwen4_exp), e.g. "
+                        "8GiB, on top of --size (default: a small table)")
     parser.add_argument("--shard-size", default="1GiB", help="largest shard file (default 1GiB)")
     parser.add_argument("--tie-word-embeddings", action="store_true", help="no lm_head; reuse the embeddings")
     parser.add_argument("--force", action="store_true", help="replace OUT if it is an existing model folder")
@@ -86,6 +89,8 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--size is required, e.g. --size 2GiB")
     overrides = {field: getattr(args, flag) for flag, field in _OVERRIDES.items() if getattr(args, flag) is not None}
     overrides["max_shard_bytes"] = parse_size(args.shard_size, "--shard-size")
+    if args.ple_size is not None:
+        overrides["ple_bytes"] = parse_size(args.ple_size, "--ple-size")
     overrides["tie_word_embeddings"] = args.tie_word_embeddings
     target = parse_size(args.size, "--size")
     sc = config_for_size(args.arch, target, **overrides)
@@ -103,8 +108,9 @@ def main(args: argparse.Namespace) -> int:
     files = sorted(p.name for p in out.iterdir())
     print(f"wrote {out}")
     print(f"  {describe(written)}")
+    table = f" + n-gram tables {format_bytes(report.table_bytes)}" if report.table_bytes else ""
     print(f"  {report.params / 1e6:,.1f}M params, {format_bytes(index.total_bytes())} of tensors "
-          f"(target {format_bytes(target)}), experts {report.expert_share:.1%} of bytes, "
+          f"(target {format_bytes(target)}{table}), experts {report.expert_share:.1%} of bytes, "
           f"one expert {format_bytes(report.expert_nbytes)}")
     print(f"  files: {', '.join(files)}")
     return 0
@@ -114,7 +120,8 @@ def main(args: argparse.Namespace) -> int:
 def _main_inflate(args: argparse.Namespace) -> int:
     from ..tools.inflate import describe, inflate, plan, resolve_source, scale_for_size
 
-    given = [f"--{flag.replace('_', '-')}" for flag in ("arch", *_OVERRIDES) if getattr(args, flag) is not None]
+    given = [f"--{flag.replace('_', '-')}" for flag in ("arch", "ple_size", *_OVERRIDES)
+             if getattr(args, flag) is not None]
     if args.tie_word_embeddings:
         given.append("--tie-word-embeddings")
     if given:

@@ -39,6 +39,11 @@ reads all it needs from the module. What a module provides (tests/models/test_ar
                       checkpoint holds around the text model as the family ships it (qwen3_5_moe: the hub's
                       multimodal wrapper and vision tower; the hybrids' multi-token-prediction head)
 
+Optional (generic code uses arch.py's default where a module has none; `check_arch` tests it when present):
+
+    final_tensors     (Spec) -> [TensorName]: the resident tensors after the last layer (default: model.norm.weight,
+                      role "norm"; qwen4_exp: its hyper-connections' final mixer, roles "hc_mixer.*")
+
 A module outside the package (a plugin, or a test's throwaway architecture) joins with `register(module)`.
 """
 
@@ -123,6 +128,7 @@ def check_arch(module: ModuleType) -> None:
         ("synth_expert_nbytes", (module.synth_expert_nbytes is None) == (module.synth_experts is None)),
         ("expert_layer", module.expert_layer is None or callable(module.expert_layer)),
         ("synth_wrap", module.synth_wrap is None or callable(module.synth_wrap)),
+        ("final_tensors", callable(getattr(module, "final_tensors", len))),
     ) if not ok]
     if wrong:
         raise ConfigError(f"architecture module {module.__name__}: {', '.join(wrong)} not of the documented type "

@@ -31,6 +31,9 @@ class SynthDefaults:
     shared_expert: bool = False
     # the experts' intermediate size is a multiple of this (gpt_oss: 32, whole MXFP4 groups along down's rows)
     intermediate_multiple: int = 1
+    # writes per-layer n-gram embedding tables whose size SynthConfig.ple_bytes sets (qwen4_exp; make-model
+    # --ple-size)
+    ngram_table: bool = False
 
 
 class TensorName(NamedTuple):
@@ -46,12 +49,15 @@ class TensorName(NamedTuple):
 class SynthWrap:
     """What a synthetic checkpoint holds around the text model when the family ships one (an architecture's
     `synth_wrap`): tools/synth.py writes `config` as config.json, the text model's `model.*` tensors under `prefix`,
-    then `extra` (drawn like the others; roles starting "experts" count as expert bytes). Reading such a checkpoint
-    needs none of this: checkpoint/multimodal.py presents the text model, and nothing reads the extra tensors."""
+    then `extra` (drawn like the others; roles starting "experts" count as expert bytes, roles starting "table" as
+    row-table bytes: qwen4_exp's n-gram tables, which the model reads), then `fixed` as given. Reading such a
+    checkpoint needs none of the rest: checkpoint/multimodal.py presents the text model, and nothing reads the
+    vision tower or an mtp head."""
 
     config: dict
     prefix: str = "model."  # the hub's multimodal wrapper: "model.language_model."
     extra: list[TensorName] = field(default_factory=list)  # a vision tower, a multi-token-prediction head, ...
+    fixed: list = field(default_factory=list)  # (name, tensor): values the checkpoint holds as they are (hashes)
 
 
 def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
@@ -82,6 +88,17 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
     else:
         out += mlp_tensors("mlp.", f"{p}.mlp", s.dense_intermediate_size, H)
     return out
+
+
+def final_tensors(spec: Spec) -> list[TensorName]:
+    """The resident tensors after the last decoder layer, before the head: the final norm (every architecture but
+    qwen4_exp, whose module defines its own `final_tensors`: the hyper-connections' final mixer)."""
+    return [TensorName("norm", "model.norm.weight", (spec.hidden_size,), "norm")]
+
+
+def final_of(module, spec: Spec) -> list[TensorName]:
+    """The final tensors of architecture `module`: its own `final_tensors` when it has one, else the final norm."""
+    return getattr(module, "final_tensors", final_tensors)(spec)
 
 
 def attention_tensors(spec: Spec, layer: int) -> list[TensorName]:

@@ -40,7 +40,7 @@ class ModelArgs(BaseArgs):
     first_k_dense_replace: int = cfg(3, ge=0, lt="num_hidden_layers")  # < layers: at least one MoE layer
     n_group: int = cfg(8, ge=1, divides="num_experts")
     topk_group: int = cfg(4, ge=1, le="n_group")
-    routed_scaling_factor: float = cfg(2.5, gt=0)
+    routed_scaling_factor: float = cfg(2.5, gt=0, le=1e4)  # real models: 1 to ~16; 1e60 gave inf, then NaN logits
     norm_topk_prob: bool = cfg(True)
     q_lora_rank: int | None = cfg(1536, ge=1)  # null: a plain q_proj
     kv_lora_rank: int = cfg(512, ge=1)

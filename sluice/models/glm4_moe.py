@@ -54,7 +54,7 @@ class ModelArgs(BaseArgs):
     n_shared_experts: int = cfg(1, ge=0)  # 0: none
     n_group: int = cfg(1, ge=1)  # divides the expert count (config_problems: named as the file spells it)
     topk_group: int = cfg(1, ge=1, le="n_group")
-    routed_scaling_factor: float = cfg(1.0, gt=0)
+    routed_scaling_factor: float = cfg(1.0, gt=0, le=1e4)  # real models: 1 to ~16; 1e60 gave inf, then NaN logits
     norm_topk_prob: bool = cfg(True)
     use_qk_norm: bool = cfg(False)
     attention_bias: bool = cfg(False)

@@ -1,5 +1,7 @@
 """The decoder-only MoE model: token embeddings, the layers its architecture composes (models/<model_type>.py
-`layers(b)` from the modules of models/layers/), the final norm and the head.
+`layers(b)` from the modules of models/layers/), the final norm and the head. Under hyper-connections (Spec.hc_count
+> 1) the embedding enters as that many copies, one per residual stream, and the streams' final mix replaces the final
+norm (models/layers/hyper.py).
 
 Weights are plain tensors held in dataclasses (llama2.c style, spec.py), or a GGUF file's projections kept in their
 stored blocks (quant/linear.py QuantLinear); expert weights are not held at all: the MoE blocks ask the
@@ -13,6 +15,7 @@ from types import ModuleType
 import torch
 
 from .layers.build import Build, Kernels, Step
+from .layers.hyper import Streams
 from .linear import logits
 
 
@@ -26,7 +29,8 @@ class Transformer:
         self.spec, self.w, self.store, self.cache, self.rows = b.spec, b.w, b.store, b.cache, b.rows
         self.dtype, self.compute, self.kernels = b.dtype, b.compute, b.kernels
         self.prerouter, self.prompt_prerouter = b.prerouter, b.prompt_prerouter
-        self.final_norm = b.norm(b.w.norm)
+        self.streams = Streams(b) if b.spec.hc_count > 1 else None
+        self.final_norm = b.norm(b.w.norm) if b.spec.final_norm else None
         self.layers = list(arch.layers(b))
         if len(self.layers) != self.spec.n_layers:
             raise ValueError(f"{arch.__name__}.layers built {len(self.layers)} layers for {self.spec.n_layers}")
@@ -36,7 +40,7 @@ class Transformer:
         implementations a model chooses between."""
         b = self.build
         return Transformer(self.arch, Build(b.spec, b.w, b.store, b.cache, b.compute, kernels, b.rows, b.prerouter,
-                                            b.prompt_prerouter))
+                                            b.prompt_prerouter, b.tables))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.rows is not None:
@@ -48,12 +52,16 @@ class Transformer:
         T = tokens.shape[0]
         if pos + T > self.cache.max_context:
             raise ValueError(f"context overflow: {pos + T} tokens > max_context {self.cache.max_context}")
-        step = Step(pos, T, self._after_mixer if self._reads_ahead(T) else None)
+        step = Step(pos, T, self._after_mixer if self._reads_ahead(T) else None, tokens)
         try:
             x = self.embed(tokens)
+            if self.streams is not None:
+                x = self.streams.enter(x)  # [T, n*H]
             for layer in self.layers:
                 x = layer(x, step)
-            return self.final_norm(x)
+            if self.streams is not None:
+                x = self.streams.leave(x)  # [T, H]
+            return x if self.final_norm is None else self.final_norm(x)
         finally:
             self.build.workspace.release()  # a prompt's [T*K, H] rows are not held between passes
 

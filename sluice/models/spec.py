@@ -59,6 +59,9 @@ class DeltaNetSpec:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    # the output norm's gate: rms_norm(o) * weight * act(z); "silu" (Qwen3-Next, Qwen3.5) or "sigmoid" (Qwen4-Exp's
+    # output_gate_type)
+    gate_act: str = "silu"
 
     @property
     def key_dim(self) -> int:
@@ -86,6 +89,73 @@ class DeltaNetSpec:
         in-block and score matrices (3 C)."""
         floats = self.n_v_heads * (6 * self.k_head_dim + 4 * self.v_head_dim + 3 * DELTA_CHUNK)
         return 4 * floats + 2 * itemsize * (self.conv_dim + self.value_dim)
+
+
+@dataclass
+class QSASpec:
+    """QSA indexed attention (qwen4_exp's full-attention layers, models/layers/qsa.py): an indexer scores blocks of
+    `compress_ratio` keys for each query (its `n_heads` query heads and one key head of `head_dim` each), and the
+    query attends only to the best `budget / compress_ratio` complete blocks plus the incomplete tail. The cache
+    keeps each position's raw indexer key (`head_dim` values) beside the keys and values."""
+
+    n_heads: int
+    head_dim: int
+    budget: int  # tokens: a query keeps at most this many from complete blocks
+    compress_ratio: int  # tokens pooled into one scored block
+
+    @property
+    def block_topk(self) -> int:
+        return self.budget // self.compress_ratio
+
+
+@dataclass
+class PLESpec:
+    """Per-layer embeddings of hashed n-grams (qwen4_exp, models/layers/ple.py): on each layer of `layers`, every
+    token looks up one row per n-gram head (orders 2..ngram_size, `heads_per_ngram` heads each) in that layer's
+    table, `head_dim` values each, and a gated block adds them to the residual streams. Each head hashes into its own
+    prime-sized part of the table (`head_sizes`, at `offsets`); the hash multiplies the n-gram's token ids by
+    `multipliers`. The numbers come from config.json through models/ngram.py, per PLE layer in `layers` order.
+
+    `table`: the checkpoint name of layer L's table (`{layer}` in it), stored whole (`{table}.weight`) or, as the hub
+    ships it, in parts `{table}.shard_K.weight` that stack along rows (models/tables.py reads either). `hashes`:
+    the names of the hash's buffers transformers saves beside it (role -> name with `{layer}`), checked at load
+    when present."""
+
+    layers: list[int]  # decoder layers (0-based) with a PLE block
+    ngram_size: int
+    heads_per_ngram: int
+    embed_dim: int  # all heads' rows side by side
+    conv_kernel: int  # the depthwise conv's taps, dilated by ngram_size
+    eos_token_id: int  # n-grams do not reach back across it; the context before a prompt is this id
+    head_sizes: list[list[int]]
+    offsets: list[list[int]]
+    multipliers: list[list[int]]
+    rows: list[int]  # the table's rows (the heads' sizes summed, padded)
+    table: str
+    hashes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def n_heads(self) -> int:
+        """Rows each token reads per PLE layer."""
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.n_heads
+
+    @property
+    def context(self) -> int:
+        """Token ids a decode step needs from before it (an n-gram's earlier tokens)."""
+        return self.ngram_size - 1
+
+    @property
+    def conv_state(self) -> int:
+        """Inputs the dilated conv keeps from before a pass."""
+        return (self.conv_kernel - 1) * self.ngram_size
+
+    def index(self, layer: int) -> int:
+        """Layer `layer`'s place among the PLE layers (its hash numbers and table)."""
+        return self.layers.index(layer)
 
 
 @dataclass
@@ -136,6 +206,13 @@ class Spec:
     # RMSNorm weights stored zero-centred: the scale is 1 + weight, applied in float32 before the cast back
     # (qwen3_next, qwen3_5_moe: input / post-attention / final / q / k norms; not their gated norm)
     zero_centred_norms: bool = False
+    # hyper-connections (qwen4_exp, models/layers/hyper.py): the residual is hc_count streams of hidden_size, mixed
+    # into each block's input through a rank-hc_lowrank mixer; 1: the plain residual (PreNorm)
+    hc_count: int = 1
+    hc_lowrank: int = 0
+    final_norm: bool = True  # model.norm before the head (hyper-connections end in their final mixer instead)
+    qsa: QSASpec | None = None  # indexed attention on the attending layers (qwen4_exp); None: plain
+    ple: PLESpec | None = None  # per-layer n-gram embeddings (qwen4_exp); None: none
 
     def attends(self, layer: int) -> bool:
         """Whether `layer` attends over a KV cache (full attention or latent), not Gated DeltaNet."""
@@ -186,12 +263,44 @@ class DeltaNetWeights:
 
 
 @dataclass
+class HyperWeights:
+    """One hyper-connection (Spec.hc_count streams of H): the streams' grouped norm, the low-rank mixer of the block
+    input, and (not on the final mixer) the weights that inject the block's output back into each stream."""
+
+    norm: torch.Tensor  # [n*H], zero-centred, per stream
+    down: Proj  # [r, n*H]
+    up: Proj  # [n*H, r]
+    inject: Proj | None = None  # [n, n*H]
+
+
+@dataclass
+class IndexerWeights:
+    """QSA's indexer (QSASpec): one projection for its query heads and its key head, their RMSNorms."""
+
+    qk: Proj  # [(n_heads + 1) * head_dim, H]: the queries, then the key
+    q_norm: torch.Tensor  # [head_dim]
+    k_norm: torch.Tensor  # [head_dim]
+
+
+@dataclass
+class PLEWeights:
+    """A PLE block's resident weights (PLESpec; its table is read by rows, models/tables.py): E = embed_dim."""
+
+    key: Proj  # [n*H, E]
+    value: Proj  # [H, E]
+    norm_key: torch.Tensor  # [n*H], zero-centred, per stream
+    norm_query: torch.Tensor  # [n*H]
+    norm_conv: torch.Tensor  # [n*H]
+    conv: torch.Tensor  # [n*H, 1, conv_kernel] the dilated depthwise conv
+
+
+@dataclass
 class LayerWeights:
     """Resident weights of one decoder layer. Expert weights live in the ExpertStore, not here."""
 
-    input_norm: torch.Tensor  # [H]
-    post_norm: torch.Tensor  # [H]
     o: Proj  # [H, nH*D] ([H, nH*V] under latent attention, [H, value_dim] the out_proj of a Gated DeltaNet)
+    input_norm: torch.Tensor | None = None  # [H]; None under hyper-connections (their norms instead)
+    post_norm: torch.Tensor | None = None  # [H]
     q: Proj | None = None  # [nH*D, H] ([2*nH*D, H] with attn_gate); None under latent attention and Gated DeltaNet
     k: Proj | None = None  # [nKV*D, H]
     v: Proj | None = None  # [nKV*D, H]
@@ -211,6 +320,10 @@ class LayerWeights:
     mlp: MLPWeights | None = None  # dense layers
     shared: MLPWeights | None = None  # shared expert(s) beside the routed ones, added to every token
     shared_gate: Proj | None = None  # [1, H]: Qwen2-MoE scales the shared expert by sigmoid(gate x); None: 1
+    hc_attn: HyperWeights | None = None  # hyper-connections into the mixer and into the feed-forward block
+    hc_mlp: HyperWeights | None = None
+    indexer: IndexerWeights | None = None  # QSA (Spec.qsa) on an attending layer
+    ple: PLEWeights | None = None  # a PLE block (Spec.ple) before the layer
 
 
 @dataclass
@@ -218,9 +331,10 @@ class Weights:
     """All resident weights: the model's `Weights` struct (llama2.c); built by the loader, never by the math."""
 
     embed: torch.Tensor | None  # [V, H]; None when rows are read from disk per batch (RowTable)
-    norm: torch.Tensor  # [H]
+    norm: torch.Tensor | None  # [H]; None without a final norm (Spec.final_norm)
     lm_head: Proj  # [V, H] (the embedding itself when tied)
     layers: list[LayerWeights] = field(default_factory=list)
+    hc_mixer: HyperWeights | None = None  # hyper-connections: the streams' final mix before the head
 
 
 @dataclass
@@ -232,6 +346,9 @@ class LayerCache:
     latent: torch.Tensor | None = None  # [P, r + R] latent attention (MLA): the normed latent, then the roped key
     conv: torch.Tensor | None = None  # [conv_dim, K - 1] Gated DeltaNet: the conv's last K - 1 inputs
     recurrent: torch.Tensor | None = None  # [Hv, Dk, Dv] float32: the delta rule's state
+    index_keys: torch.Tensor | None = None  # [P, Di] QSA: each position's raw indexer key
+    ple_ids: torch.Tensor | None = None  # [ngram_size - 1] int64 PLE: the last token ids before the next pass
+    ple_conv: torch.Tensor | None = None  # [n*H, (K - 1) * ngram_size] PLE: its dilated conv's last inputs
     # Gated DeltaNet: the tokens its conv and recurrent state have absorbed. Unlike keys and values, that state
     # cannot be cut back to an earlier position: a pass must start at 0 (from zeros) or exactly here
     pos: int = 0
@@ -244,7 +361,8 @@ class KVCache:
     compressed latent and the roped shared key of each position, from which attention expands (or absorbs) the
     heads: 576 values per position and layer for DeepSeek-V3 where expanded keys and values would take 40,960.
     Per layer, whatever the context: a Gated DeltaNet layer (spec.delta) its conv inputs and float32 recurrent
-    state (Qwen3.5-35B-A3B: 2 MiB each on 30 of its 40 layers; keys and values only on the other 10).
+    state (Qwen3.5-35B-A3B: 2 MiB each on 30 of its 40 layers; keys and values only on the other 10). QSA layers
+    (spec.qsa) keep each position's indexer key too; PLE layers (spec.ple) their last token ids and conv inputs.
     """
 
     def __init__(self, spec: Spec, max_context: int, dtype: torch.dtype):
@@ -258,10 +376,15 @@ class KVCache:
             elif spec.attends(L):
                 c.k = torch.empty((spec.n_kv_heads, max_context, spec.head_dim), dtype=dtype)
                 c.v = torch.empty((spec.n_kv_heads, max_context, spec.head_dim), dtype=dtype)
+                if spec.qsa is not None:
+                    c.index_keys = torch.empty((max_context, spec.qsa.head_dim), dtype=dtype)
             else:
                 d = spec.delta
                 c.conv = torch.empty((d.conv_dim, d.conv_kernel - 1), dtype=dtype)
                 c.recurrent = torch.empty((d.n_v_heads, d.k_head_dim, d.v_head_dim), dtype=torch.float32)
+            if spec.ple is not None and L in spec.ple.layers:
+                c.ple_ids = torch.empty(spec.ple.context, dtype=torch.int64)
+                c.ple_conv = torch.empty((spec.hc_count * spec.hidden_size, spec.ple.conv_state), dtype=dtype)
             self.layers.append(c)
         self.max_context = max_context
         self.nbytes = self.bytes_for(spec, max_context, dtype.itemsize)
@@ -277,14 +400,18 @@ class KVCache:
         """Bytes one position costs over all layers: the latent and rope key (MLA), else keys + values of the
         layers that attend."""
         per_layer = spec.mla.cache_dim if spec.mla is not None else 2 * spec.n_kv_heads * spec.head_dim
+        if spec.qsa is not None:
+            per_layer += spec.qsa.head_dim  # the raw indexer key
         return sum(spec.attends(L) for L in range(spec.n_layers)) * per_layer * itemsize
 
     @staticmethod
     def state_bytes(spec: Spec, itemsize: int) -> int:
-        """Bytes of the per-layer state that does not grow with the context (Gated DeltaNet layers)."""
+        """Bytes of the per-layer state that does not grow with the context (Gated DeltaNet layers, PLE blocks)."""
+        ple = 0 if spec.ple is None else len(spec.ple.layers) * (
+            8 * spec.ple.context + spec.hc_count * spec.hidden_size * spec.ple.conv_state * itemsize)
         if spec.delta is None:
-            return 0
-        return sum(spec.delta.layers) * spec.delta.state_bytes(itemsize)
+            return ple
+        return sum(spec.delta.layers) * spec.delta.state_bytes(itemsize) + ple
 
     @staticmethod
     def bytes_for(spec: Spec, max_context: int, itemsize: int) -> int:

@@ -16,7 +16,9 @@ from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
 from ..io.tensor import read_bytes
 from ..quant.tensor import read_tensor
-from .spec import DeltaNetWeights, LayerWeights, MLAWeights, MLPWeights, Spec, Weights
+from .arch import final_of
+from .spec import (DeltaNetWeights, HyperWeights, IndexerWeights, LayerWeights, MLAWeights, MLPWeights, PLEWeights,
+                   Spec, Weights)
 from ..quant import QuantSpec
 from ..quant.compute import Compute
 from ..quant.linear import QuantLinear, Scratch, quant_spec
@@ -36,10 +38,9 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
     """Every resident tensor as role -> TensorRef, roles like `layers.3.q` / `embed`; shapes validated."""
     s = spec
     H, V = s.hidden_size, s.vocab_size
-    refs: dict[str, TensorRef] = {
-        "embed": _expect(index, "model.embed_tokens.weight", (V, H)),
-        "norm": _expect(index, "model.norm.weight", (H,)),
-    }
+    refs: dict[str, TensorRef] = {"embed": _expect(index, "model.embed_tokens.weight", (V, H))}
+    for t in final_of(arch, s):  # the final norm (hyper-connections: their final mixer)
+        refs[t.role] = _expect(index, t.name, t.shape)
     if s.tie_word_embeddings:
         pass  # the reference ties lm_head to the embedding even when a copy is stored
     elif "lm_head.weight" in index:
@@ -59,7 +60,9 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
 # (rows are gathered), routers (float, small; the prerouter reads their values), nor MLA's kv_b (reshaped per head)
 LINEAR_ROLES = frozenset({"q", "k", "v", "o", "mlp.gate", "mlp.up", "mlp.down", "shared.gate", "shared.up",
                           "shared.down", "shared_gate", "mla.q", "mla.q_a", "mla.q_b", "mla.kv_a", "delta.qkv",
-                          "delta.z", "delta.b", "delta.a", "delta.qkvz", "delta.ba"})
+                          "delta.z", "delta.b", "delta.a", "delta.qkvz", "delta.ba", "hc_attn.down", "hc_attn.up",
+                          "hc_attn.inject", "hc_mlp.down", "hc_mlp.up", "hc_mlp.inject", "indexer.qk", "ple.key",
+                          "ple.value"})
 # roles kept in float32 whatever the compute dtype: router biases (e_score_correction_bias) are added to float32
 # scores; a Gated DeltaNet's decay parameters enter its float32 decay (-exp(A_log) * softplus(a + dt_bias))
 FLOAT32_ROLES = ("router_bias", "delta.A_log", "delta.dt_bias")
@@ -108,45 +111,38 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, compute: Compute, lazy
          else read_tensor(ref, as_dtype(role)).to(as_dtype(role))
          for role, ref in refs.items() if not (lazy_embed and role == "embed")}
 
+    layers = [_layer_weights(t, f"layers.{L}.") for L in range(spec.n_layers)]
+    embed = t.get("embed")
+    lm_head = t["lm_head"] if "lm_head" in t else embed
+    assert lm_head is not None, "a tied LM head needs the resident embedding"
+    return Weights(embed=embed, norm=t.get("norm"), lm_head=lm_head, layers=layers,
+                   hc_mixer=_group(t, "hc_mixer.", HyperWeights, "norm"))
+
+
+def _group(t: dict, prefix: str, cls, key: str):
+    """`cls` (MLAWeights: roles `mla.kv_a`, ...; DeltaNetWeights: `delta.conv`, ...) of the roles under `prefix`, or
+    None when `prefix + key` is not among them."""
+    if prefix + key not in t:
+        return None
+    n = len(prefix)
+    return cls(**{role[n:]: w for role, w in t.items() if role.startswith(prefix)})
+
+
+def _layer_weights(t: dict, r: str) -> LayerWeights:
+    """The LayerWeights of the roles under `r` (`layers.L.`)."""
     def mlp(prefix: str) -> MLPWeights | None:
         if prefix + "gate" not in t:
             return None
         return MLPWeights(t[prefix + "gate"], t[prefix + "up"], t[prefix + "down"])
 
-    def group(prefix: str, cls, key: str):  # MLAWeights (roles `mla.kv_a`, ...), DeltaNetWeights (`delta.conv`, ...)
-        if prefix + key not in t:
-            return None
-        n = len(prefix)
-        return cls(**{role[n:]: w for role, w in t.items() if role.startswith(prefix)})
-
-    layers = []
-    for L in range(spec.n_layers):
-        r = f"layers.{L}."
-        layers.append(
-            LayerWeights(
-                input_norm=t[r + "input_norm"],
-                post_norm=t[r + "post_norm"],
-                q=t.get(r + "q"),
-                k=t.get(r + "k"),
-                v=t.get(r + "v"),
-                o=t[r + "o"],
-                mla=group(r + "mla.", MLAWeights, "kv_a"),
-                delta=group(r + "delta.", DeltaNetWeights, "conv"),
-                q_bias=t.get(r + "q_bias"),
-                k_bias=t.get(r + "k_bias"),
-                v_bias=t.get(r + "v_bias"),
-                o_bias=t.get(r + "o_bias"),
-                q_norm=t.get(r + "q_norm"),
-                k_norm=t.get(r + "k_norm"),
-                router=t.get(r + "router"),
-                router_bias=t.get(r + "router_bias"),
-                sinks=t.get(r + "sinks"),
-                mlp=mlp(r + "mlp."),
-                shared=mlp(r + "shared."),
-                shared_gate=t.get(r + "shared_gate"),
-            )
-        )
-    embed = t.get("embed")
-    lm_head = t["lm_head"] if "lm_head" in t else embed
-    assert lm_head is not None, "a tied LM head needs the resident embedding"
-    return Weights(embed=embed, norm=t["norm"], lm_head=lm_head, layers=layers)
+    return LayerWeights(
+        o=t[r + "o"], input_norm=t.get(r + "input_norm"), post_norm=t.get(r + "post_norm"),
+        q=t.get(r + "q"), k=t.get(r + "k"), v=t.get(r + "v"),
+        mla=_group(t, r + "mla.", MLAWeights, "kv_a"), delta=_group(t, r + "delta.", DeltaNetWeights, "conv"),
+        q_bias=t.get(r + "q_bias"), k_bias=t.get(r + "k_bias"), v_bias=t.get(r + "v_bias"), o_bias=t.get(r + "o_bias"),
+        q_norm=t.get(r + "q_norm"), k_norm=t.get(r + "k_norm"),
+        router=t.get(r + "router"), router_bias=t.get(r + "router_bias"), sinks=t.get(r + "sinks"),
+        mlp=mlp(r + "mlp."), shared=mlp(r + "shared."), shared_gate=t.get(r + "shared_gate"),
+        hc_attn=_group(t, r + "hc_attn.", HyperWeights, "norm"), hc_mlp=_group(t, r + "hc_mlp.", HyperWeights, "norm"),
+        indexer=_group(t, r + "indexer.", IndexerWeights, "qk"), ple=_group(t, r + "ple.", PLEWeights, "key"),
+    )

@@ -86,6 +86,15 @@ def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
     if spec.delta is not None:
         mixer = max(mixer, spec.delta.prompt_bytes_per_token(itemsize))
     live = itemsize * (H * (K + 5) + 4 * I) + mixer + 8 * spec.num_experts + 6 * 8 * K + max_context
+    # qwen4_exp (counted from its tensors, not yet measured): the hc_count streams, their norm, the mix weights and
+    # the injected output (models/layers/hyper.py); a PLE pass's rows (staged, gathered, converted) and its gated
+    # values, normed and convolved; QSA's masks beside the causal one (chosen blocks, tail, causal, their union)
+    if spec.hc_count > 1:
+        live += itemsize * 4 * spec.hc_count * H
+    if spec.ple is not None:
+        live += 3 * itemsize * spec.ple.embed_dim + itemsize * 3 * spec.hc_count * H
+    if spec.qsa is not None:
+        live += 4 * max_context
     return ALLOCATOR_FACTOR * live
 
 

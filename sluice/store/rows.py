@@ -3,16 +3,22 @@
     table = RowTable(index["model.embed_tokens.weight"], "direct", reader=pool, dtype=torch.float32)
     x = table.gather(token_ids)   # [n, cols], bitwise equal to full_table[token_ids].to(dtype)
 
+One logical table may be stored in parts (the hub splits qwen4_exp's n-gram tables into hundreds of
+`...shard_K.weight` tensors): given a list of refs, the table is their rows stacked in that order, and a row id is
+read from the part that holds it. Nothing concatenates the parts: streamed modes read each row from its part's bytes,
+"resident" keeps each part as it was read.
+
 Modes:
 - "resident": the whole table is read once (read_tensor) and rows are indexed out of memory.
 - "mmap": rows are copied out of a read-only mapping by a mapping reader (MmapReader, or WillneedReader which hints
   first). Page faults happen during that copy, in the caller's thread, as for any mmap user.
 - "direct": rows are read by the reader's worker pool (DirectReader, buffered or O_DIRECT) with os.preadv.
 
-In "mmap" and "direct" a batch is deduped and sorted, each distinct row becomes one ReadRange into one row of a
-staging buffer (the reader sorts and coalesces adjacent rows into one file read, so neighbouring ids cost one
-syscall, not one per row), and the requested order, duplicates included, is rebuilt from staging with one
-index_select. Both modes share this code path, so "streamed == resident" is one property, tested once.
+In every mode a batch is deduped and sorted first (the counters say how many distinct rows a batch needed). In
+"mmap" and "direct" each distinct row becomes one ReadRange into one row of a staging buffer (the reader sorts and
+coalesces adjacent rows into one file read, so neighbouring ids cost one syscall, not one per row), and the
+requested order, duplicates included, is rebuilt from staging with one index_select. Both modes share this code
+path, so "streamed == resident" is one property, tested once.
 
 Why "mmap" goes through the reader rather than a numpy memmap over the table's region: the reader's mapping is
 the one the expert store already uses (no second mapping of a multi-GiB file), its stats count the faults of the
@@ -29,6 +35,7 @@ TODO: if a profile ever shows it, gather "mmap" rows with np.take over the reade
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,53 +56,58 @@ DEFAULT_STAGING_ROWS = 64
 
 
 class RowTable:
-    """Row gathers from one [rows, cols] tensor of a checkpoint, in any dtype, resident or streamed.
+    """Row gathers from one [rows, cols] tensor of a checkpoint (or several stacked along rows), in any dtype,
+    resident or streamed.
 
-    `ref`: where the table's bytes are (must be 2-D). `mode`: one of MODES. `reader`: the reader that moves the
-    bytes in "mmap" (a mapping reader) and "direct" (a DirectReader) modes; when None, the table makes its own
-    (MmapReader / DirectReader with default workers) and closes it in close(). Ignored by "resident".
-    `dtype`: dtype of gather()'s output (conversion after gathering; None keeps the table's dtype).
-    `staging_rows`: initial staging capacity in rows for the streamed modes (grown on demand).
+    `ref`: where the table's bytes are (must be 2-D), or a list of parts of the same columns and dtype whose rows
+    stack in list order. `mode`: one of MODES. `reader`: the reader that moves the bytes in "mmap" (a mapping
+    reader) and "direct" (a DirectReader) modes; when None, the table makes its own (MmapReader / DirectReader with
+    default workers) and closes it in close(). Ignored by "resident". `dtype`: dtype of gather()'s output
+    (conversion after gathering; None keeps the table's dtype). `staging_rows`: initial staging capacity in rows for
+    the streamed modes (grown on demand). `name`: what errors and stats call the table (default: its first part's).
 
     gather() is serialized by a lock: the staging buffer is shared by all calls.
     """
 
     def __init__(
         self,
-        ref: TensorRef,
+        ref: TensorRef | Sequence[TensorRef],
         mode: str,
         reader: Reader | None = None,
         dtype: torch.dtype | None = None,
         *,
         staging_rows: int = DEFAULT_STAGING_ROWS,
+        name: str | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown RowTable mode {mode!r}; choose one of {', '.join(MODES)}")
-        if len(ref.shape) != 2:
-            raise CheckpointError(
-                f"a row table must be 2-D [rows, cols], got shape {list(ref.shape)}", file=ref.path, tensor=ref.name
-            )
-        if ref.nbytes != ref.numel * ref.itemsize:
-            raise CheckpointError(
-                f"nbytes {ref.nbytes} != {ref.numel * ref.itemsize} for dtype {ref.dtype} shape {list(ref.shape)}",
-                file=ref.path,
-                tensor=ref.name,
-            )
+        parts = [ref] if isinstance(ref, TensorRef) else list(ref)
+        if not parts:
+            raise ValueError(f"RowTable {name!r}: no parts")
+        for part in parts:
+            _check_part(part, parts[0])
         if staging_rows < 1:
             raise ValueError(f"staging_rows must be >= 1, got {staging_rows}")
-        self.ref = ref
+        self.ref, self.parts = parts[0], parts
+        self._name = name or parts[0].name
         self.mode = mode
-        self.rows, self.cols = ref.shape
-        self.row_bytes = self.cols * ref.itemsize
-        self.table_dtype = ref.torch_dtype
+        self.starts = [0]  # each part's first row in the table, then the table's rows
+        for part in parts:
+            self.starts.append(self.starts[-1] + part.shape[0])
+        self._starts = torch.tensor(self.starts)  # [parts + 1] int64
+        self.rows, self.cols = self.starts[-1], self.ref.shape[1]
+        self.row_bytes = self.cols * self.ref.itemsize
+        self.table_dtype = self.ref.torch_dtype
         self.dtype = dtype if dtype is not None else self.table_dtype
         self._lock = threading.Lock()
         self._rows_requested = 0
+        self._rows_distinct = 0
         self._rows_read = 0
         self._bytes_read = 0
+        self._wait_s = 0.0
         self._gathers = 0
 
-        self._table: torch.Tensor | None = None  # [rows, cols] in the table's dtype, "resident" only
+        self._tables: list[torch.Tensor] = []  # each part [rows, cols] in the table's dtype, "resident" only
         self._reader: Reader | None = None
         self._own_reader = False
         self._capacity = 0  # rows staging holds
@@ -106,27 +118,27 @@ class RowTable:
         if mode == "resident":
             # The stored dtype is kept (not `dtype`): converting gathered rows costs little per call, converting
             # the table could double its memory (bf16 -> float32).
-            self._table = read_tensor(ref)  # [rows, cols]
+            self._tables = [read_tensor(part) for part in parts]  # [rows_i, cols] each
             self._rows_read = self.rows
-            self._bytes_read = ref.nbytes
+            self._bytes_read = sum(part.nbytes for part in parts)
             return
         if reader is None:
             reader = MmapReader() if mode == "mmap" else DirectReader()
             self._own_reader = True
         elif getattr(reader, "mode", None) not in _READER_MODES[mode]:
             raise ValueError(
-                f"RowTable {ref.name!r} in mode {mode!r} needs a reader of mode "
+                f"RowTable {self.name!r} in mode {mode!r} needs a reader of mode "
                 f"{' or '.join(map(repr, _READER_MODES[mode]))}, got {getattr(reader, 'mode', type(reader).__name__)!r}"
             )
-        if ref.stamp is not None:  # the table's file is read only as the version its header described
-            reader.expect([ref.stamp])
+        # the table's files are read only as the versions their headers described
+        reader.expect([part.stamp for part in parts if part.stamp is not None])
         self._reader = reader
         self._grow(min(staging_rows, self.rows))
 
     # -- public --------------------------------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        return self.ref.name
+        return self._name
 
     @property
     def reader(self) -> Reader | None:
@@ -136,8 +148,8 @@ class RowTable:
     @property
     def nbytes_resident(self) -> int:
         """Bytes this table holds in memory: the whole table ("resident") or the staging buffer (streamed)."""
-        if self._table is not None:
-            return self.ref.nbytes
+        if self.mode == "resident":
+            return sum(part.nbytes for part in self.parts) if self._tables else 0
         return self._staging.numel()
 
     def gather(self, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -149,20 +161,23 @@ class RowTable:
         """
         flat, shape = self._check_ids(ids)  # [n] int64
         with self._lock:
+            if self.mode != "resident" and self._reader is None or self.mode == "resident" and not self._tables:
+                raise RuntimeError(f"RowTable {self.name!r} is closed")
             self._gathers += 1
             self._rows_requested += flat.numel()
-            if self._table is not None:
-                out = self._table.index_select(0, flat)  # [n, cols]
-            else:
-                out = self._gather_streamed(flat)  # [n, cols]
+            uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # [k] ascending, [n] into uniq
+            self._rows_distinct += uniq.numel()
+            rows = self._resident_rows(uniq) if self.mode == "resident" else self._read_rows(uniq)  # [k, cols]
+            out = rows.index_select(0, inverse)  # [n, cols], new memory: staging is reused by the next call
         return out.to(self.dtype).reshape(*shape, self.cols)
 
     def stats(self) -> dict[str, Any]:
         """Counters since the table was made.
 
-        rows_requested: ids asked for, duplicates included. rows_read / bytes_read: distinct rows (and their bytes)
-        requested from the file; "resident" counts its one load of the whole table. The reader's own stats add
-        gaps read through while coalescing. nbytes_resident: see the property.
+        rows_requested: ids asked for, duplicates included. rows_distinct: the distinct ids of each gather, summed
+        (what the gathers needed, in every mode). rows_read / bytes_read: distinct rows (and their bytes) requested
+        from the file; "resident" counts its one load of the whole table. The reader's own stats add gaps read
+        through while coalescing. wait_s: time gathers spent blocked on reads. nbytes_resident: see the property.
         """
         with self._lock:
             return {
@@ -170,15 +185,17 @@ class RowTable:
                 "mode": self.mode,
                 "gathers": self._gathers,
                 "rows_requested": self._rows_requested,
+                "rows_distinct": self._rows_distinct,
                 "rows_read": self._rows_read,
                 "bytes_read": self._bytes_read,
+                "wait_s": self._wait_s,
                 "nbytes_resident": self.nbytes_resident,
             }
 
     def close(self) -> None:
         """Drop the table / staging; close the reader if this table made it. Idempotent."""
         with self._lock:
-            self._table = None
+            self._tables = []
             self._staging_mv.release()
             self._staging_mv = memoryview(b"")
             self._staging = torch.empty(0, dtype=torch.uint8)
@@ -194,7 +211,8 @@ class RowTable:
         self.close()
 
     def __repr__(self) -> str:
-        return f"RowTable({self.name!r}, [{self.rows}, {self.cols}] {self.ref.dtype}, mode={self.mode!r})"
+        parts = f", {len(self.parts)} parts" if len(self.parts) > 1 else ""
+        return f"RowTable({self.name!r}, [{self.rows}, {self.cols}] {self.ref.dtype}{parts}, mode={self.mode!r})"
 
     # -- internals -----------------------------------------------------------------------------------------------
     def _check_ids(self, ids: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -209,8 +227,9 @@ class RowTable:
             bad = (flat < 0) | (flat >= self.rows)  # [n]
             if bool(bad.any()):
                 first = int(flat[bad.nonzero()[0, 0]])
+                where = self.ref.path if len(self.parts) == 1 else f"{len(self.parts)} parts"
                 raise IndexError(
-                    f"row table {self.name!r} [{self.rows}, {self.cols}] ({self.ref.path}): id {first} is out of "
+                    f"row table {self.name!r} [{self.rows}, {self.cols}] ({where}): id {first} is out of "
                     f"range [0, {self.rows})"
                 )
         return flat, shape
@@ -226,23 +245,59 @@ class RowTable:
         # an empty table or zero-width rows read nothing: numpy cannot cast a view with a zero in its shape
         self._staging_mv = memoryview(self._staging.numpy()).cast("B") if self._staging.numel() else memoryview(b"")
 
-    def _gather_streamed(self, flat: torch.Tensor) -> torch.Tensor:
-        """Read each distinct row of `flat` [n] once into staging, then expand to [n, cols] (a fresh tensor)."""
-        if self._reader is None:
-            raise RuntimeError(f"RowTable {self.name!r} is closed")
-        if not flat.numel() or not self.row_bytes:  # nothing to read (zero-width rows: a [n, 0] result)
-            return torch.empty(flat.numel(), self.cols, dtype=self.table_dtype)
-        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # [k] ascending, [n] into uniq
+    def _resident_rows(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Rows `uniq` [k] (ascending) of the resident parts -> [k, cols]."""
+        if len(self._tables) == 1:
+            return self._tables[0].index_select(0, uniq)
+        out = torch.empty(uniq.numel(), self.cols, dtype=self.table_dtype)
+        cut = torch.searchsorted(uniq, self._starts).tolist()  # uniq[cut[i]:cut[i+1]] in part i
+        for i, table in enumerate(self._tables):
+            a, b = cut[i], cut[i + 1]
+            if b > a:
+                torch.index_select(table, 0, uniq[a:b] - self.starts[i], out=out[a:b])
+        return out
+
+    def _read_rows(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Read each row of `uniq` [k] (ascending, distinct) once into staging -> a view [k, cols] of staging."""
         k = uniq.numel()
+        if not k or not self.row_bytes:  # nothing to read (zero-width rows: a [k, 0] result)
+            return torch.empty(k, self.cols, dtype=self.table_dtype)
         self._grow(k)
-        rb, base, path, mv = self.row_bytes, self.ref.offset, self.ref.path, self._staging_mv
-        # One request per distinct row, in file order; the reader coalesces runs of adjacent rows into single reads
-        # (and, for the direct pool, spreads the resulting reads over its workers by bytes, not one task per row).
-        requests = [
-            (ReadRange(path, base + r * rb, rb), mv[i * rb : (i + 1) * rb]) for i, r in enumerate(uniq.tolist())
-        ]
+        rb, mv, parts = self.row_bytes, self._staging_mv, self.parts
+        # One request per distinct row, in file order (parts in order, rows ascending in each); the reader coalesces
+        # runs of adjacent rows into single reads (and, for the direct pool, spreads the resulting reads over its
+        # workers by bytes, not one task per row).
+        if len(parts) == 1:
+            path, base = parts[0].path, parts[0].offset
+            requests = [(ReadRange(path, base + r * rb, rb), mv[i * rb : (i + 1) * rb])
+                        for i, r in enumerate(uniq.tolist())]
+        else:
+            j = torch.searchsorted(self._starts, uniq, right=True) - 1  # [k] each row's part
+            local = (uniq - self._starts[j]).tolist()
+            requests = [(ReadRange(parts[p].path, parts[p].offset + r * rb, rb), mv[i * rb : (i + 1) * rb])
+                        for i, (p, r) in enumerate(zip(j.tolist(), local))]
+        t0 = time.perf_counter()
         self._reader.read(requests)
+        self._wait_s += time.perf_counter() - t0
         self._rows_read += k
         self._bytes_read += k * rb
-        rows = self._staging[:k].view(self.table_dtype)  # [k, cols], a view of staging
-        return rows.index_select(0, inverse)  # [n, cols], new memory: staging is reused by the next call
+        return self._staging[:k].view(self.table_dtype)  # [k, cols], a view of staging
+
+
+def _check_part(part: TensorRef, first: TensorRef) -> None:
+    """CheckpointError naming the part unless it is a plain 2-D table of `first`'s columns and dtype."""
+    if len(part.shape) != 2:
+        raise CheckpointError(
+            f"a row table must be 2-D [rows, cols], got shape {list(part.shape)}", file=part.path, tensor=part.name
+        )
+    if part.nbytes != part.numel * part.itemsize:
+        raise CheckpointError(
+            f"nbytes {part.nbytes} != {part.numel * part.itemsize} for dtype {part.dtype} shape {list(part.shape)}",
+            file=part.path,
+            tensor=part.name,
+        )
+    if part.shape[1] != first.shape[1] or part.dtype != first.dtype:
+        raise CheckpointError(
+            f"a part of the row table of {first.name!r} must have its {first.shape[1]} columns of {first.dtype}, got "
+            f"{part.shape[1]} of {part.dtype}", file=part.path, tensor=part.name,
+        )

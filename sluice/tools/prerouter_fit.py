@@ -339,6 +339,9 @@ def fit(
         s = model.spec
         if not next_moe_layers(s):
             raise ConfigError(f"{path}: no MoE layer follows another layer; there is nothing to predict")
+        if s.hc_count > 1:  # the heads read a plain residual (engine.py's TODO)
+            raise ConfigError(f"{path}: its {s.hc_count} residual streams (hyper-connections) are not predicted "
+                              "from yet; there is no prerouter to fit for it")
         _check_recording_fits(model, opts.tokens)
         ids = corpus_ids(model, prompts, opts.tokens, opts.seed)
         t0 = time.perf_counter()

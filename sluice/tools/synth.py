@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import get_arch, supported
-from ..models.arch import SynthWrap, TensorName
+from ..models.arch import SynthWrap, TensorName, final_of
 from ..models.args import MAX_LAYERS
 from ..models.spec import Spec
 from ..options import COMPUTE_DTYPES, format_bytes
@@ -56,6 +56,8 @@ class SynthConfig:
     max_shard_bytes:    shard size limit, like save_pretrained's max_shard_size.
     shared_expert_intermediate_size: the shared expert of an architecture that has one (qwen2_moe); None = one
                         routed expert's size (small, resident).
+    ple_bytes:          the size of the per-layer n-gram tables of an architecture that has them (qwen4_exp; its
+                        SYNTH.ngram_table), outside the size rule's target; None = a small table (~1 MiB at hidden 64).
     """
 
     arch: str
@@ -76,6 +78,7 @@ class SynthConfig:
     tie_word_embeddings: bool = False
     max_shard_bytes: int = GiB
     shared_expert_intermediate_size: int | None = None
+    ple_bytes: int | None = None
 
     def __post_init__(self):
         if self.arch not in supported():
@@ -98,6 +101,13 @@ class SynthConfig:
         shared = self.shared_expert_intermediate_size
         if shared is not None and (not isinstance(shared, int) or shared < 1):
             raise ConfigError(f"shared_expert_intermediate_size: must be a positive integer or None, got {shared!r}")
+        if self.ple_bytes is not None:
+            if not isinstance(self.ple_bytes, int) or self.ple_bytes < 1:
+                raise ConfigError(f"ple_bytes: must be a positive integer or None, got {self.ple_bytes!r}")
+            if not get_arch(self.arch).SYNTH.ngram_table:
+                have = [t for t in supported() if get_arch(t).SYNTH.ngram_table]
+                raise ConfigError(f"ple_bytes: {self.arch} has no n-gram embedding tables (those that do: "
+                                  f"{', '.join(have)})")
         get_arch(self.arch).synth_config(self)  # the architecture's own checks (ConfigError)
 
     @property
@@ -162,6 +172,7 @@ class SizeReport:
     total_bytes: int
     expert_bytes: int
     expert_nbytes: int  # one expert of one layer
+    table_bytes: int = 0  # per-layer n-gram tables (qwen4_exp), included in params and total_bytes
 
     @property
     def expert_share(self) -> float:
@@ -171,22 +182,25 @@ class SizeReport:
 def size_of(sc: SynthConfig) -> SizeReport:
     """Exact counts for `sc`, from the same tensor list `tensors` generates."""
     resident = 2 * sc.vocab_size * sc.hidden_size if not sc.tie_word_embeddings else sc.vocab_size * sc.hidden_size
-    resident += sc.hidden_size  # model.norm
     # More layers than sluice reads (MAX_LAYERS) are only ever sized to be refused as oversized (config_for_size's
     # "over twice the target"): size them as copies of the last layer rather than parse a config sluice refuses.
     n = min(sc.num_layers, MAX_LAYERS)
     spec = _spec(dataclasses.replace(sc, num_layers=n))
+    resident += sum(math.prod(t.shape) for t in final_of(get_arch(sc.arch), spec))  # model.norm (or a final mixer)
     layers = [sum(math.prod(t.shape) for t in _layer_resident(sc, spec, L)) for L in range(n)]
     resident += sum(layers) + (sc.num_layers - n) * layers[-1]
     sparse = sum(spec.moe_layers) + (sc.num_layers - n) * spec.moe_layers[-1]
     experts = sparse * sc.num_experts * 3 * sc.hidden_size * sc.moe_intermediate_size
-    extra = _wrap(sc, spec).extra  # a vision tower, an mtp head (whose experts count as experts)
-    resident += sum(math.prod(t.shape) for t in extra if not t.role.startswith("experts"))
-    experts += sum(math.prod(t.shape) for t in extra if t.role.startswith("experts"))
-    params = resident + experts
+    wrap = _wrap(sc, spec)  # a vision tower, an mtp head (whose experts count as experts), n-gram tables
+    resident += sum(math.prod(t.shape) for t in wrap.extra if not t.role.startswith(("experts", "table")))
+    experts += sum(math.prod(t.shape) for t in wrap.extra if t.role.startswith("experts"))
+    table = sum(math.prod(t.shape) for t in wrap.extra if t.role.startswith("table"))
+    fixed = sum(t.numel() * t.element_size() for _, t in wrap.fixed)
+    params = resident + experts + table
     expert_bytes = experts * sc.itemsize if get_arch(sc.arch).synth_experts is None else (
         sparse * sc.num_experts * sc.expert_nbytes)
-    return SizeReport(params, resident * sc.itemsize + expert_bytes, expert_bytes, sc.expert_nbytes)
+    return SizeReport(params, (resident + table) * sc.itemsize + fixed + expert_bytes, expert_bytes,
+                      sc.expert_nbytes, table * sc.itemsize)
 
 
 # -- the size rule ---------------------------------------------------------------------------------------------------
@@ -217,6 +231,7 @@ def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
          multiple of 64, 32, 16 or 8 that moves the total by at most 2%.
     Overrides: any SynthConfig field (e.g. num_layers=48, dtype="float32", layout="fused"); an unknown name is a
     ConfigError. With both num_layers and moe_intermediate_size given, the target cannot be honoured and is not.
+    The n-gram tables (ple_bytes) come on top of the target: it sizes the rest of the model.
     Overrides that leave a checkpoint over twice the target are a ConfigError: without that check, --layers 10^9
     wrote until the disk was full and --hidden 10^9 failed allocating 2 TB.
     """
@@ -244,11 +259,12 @@ def config_for_size(arch: str, target_bytes: int, **overrides) -> SynthConfig:
     )
     base.update(overrides)
     sc = SynthConfig(**base)
+    table = size_of(sc).table_bytes  # the same whatever the solved field
     if "moe_intermediate_size" not in overrides:
-        sc = dataclasses.replace(sc, moe_intermediate_size=_solve(sc, target_bytes, "moe_intermediate_size"))
+        sc = dataclasses.replace(sc, moe_intermediate_size=_solve(sc, target_bytes + table, "moe_intermediate_size"))
     elif "num_layers" not in overrides:
-        sc = dataclasses.replace(sc, num_layers=_solve(sc, target_bytes, "num_layers"))
-    total = size_of(sc).total_bytes
+        sc = dataclasses.replace(sc, num_layers=_solve(sc, target_bytes + table, "num_layers"))
+    total = size_of(sc).total_bytes - table
     if total > 2 * target_bytes:
         given = ", ".join(k for k in overrides if k in _SHAPE_FIELDS) or "none"
         raise ConfigError(f"the checkpoint would be {format_bytes(total)}, over twice the target size "
@@ -349,6 +365,7 @@ def tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
         yield (wrap.prefix + name[len("model."):] if name.startswith("model.") else name), t
     g = _generator(sc, 1)
     yield from ((t.name, _draw(sc, g, t.shape, t.init)) for t in wrap.extra)
+    yield from wrap.fixed
 
 
 def _generator(sc: SynthConfig, stream: int = 0) -> torch.Generator:
@@ -402,7 +419,8 @@ def _text_tensors(sc: SynthConfig) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{m}.gate_up_proj", gate_up
             yield f"{m}.down_proj", down
             del gate_up, down
-    yield "model.norm.weight", draw((H,), "norm")
+    for t in final_of(get_arch(sc.arch), spec):  # model.norm, or a final mixer
+        yield t.name, draw(t.shape, t.init)
     if not sc.tie_word_embeddings:
         yield "lm_head.weight", draw((sc.vocab_size, H), "proj")
 

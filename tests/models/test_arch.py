@@ -53,6 +53,11 @@ def test_each_architecture_provides_the_interface(model_type):
     assert f"{moe}.{arch.ROUTER}.weight" in {t.name for t in layer}  # the router, where store/layout.py looks for it
     # the synthetic checkpoint holds exactly the layer's resident tensors plus the experts' projections
     written = {name for name in text_tensors(dict(tensors(sc))) if name.startswith(f"model.layers.{L}.")}
+    if spec.ple is not None and L in spec.ple.layers:  # its n-gram table (read by rows) and the hash's buffers
+        hashes = {n.format(layer=L) for n in spec.ple.hashes.values()}
+        table = spec.ple.table.format(layer=L) + "."
+        assert any(n.startswith(table) for n in written) and hashes <= written
+        written = {n for n in written if not n.startswith(table) and n not in hashes}
     experts = {f"{moe}.experts.{e}.{p}.weight" for e in range(sc.num_experts) for p in arch.EXPERT_PROJ}
     if arch.synth_experts is not None:  # the architecture writes its experts itself (gpt_oss: MXFP4 + biases)
         draw = lambda shape, kind: torch.zeros(shape)  # noqa: E731

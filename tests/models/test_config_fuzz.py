@@ -20,7 +20,8 @@ from sluice.models import model_args, supported
 from sluice.models.args import ACTIVATIONS
 from sluice.models.layers import Build
 from sluice.models.model import Transformer
-from sluice.models.spec import DeltaNetWeights, KVCache, LayerWeights, MLAWeights, MLPWeights, Spec, Weights
+from sluice.models.spec import (DeltaNetWeights, HyperWeights, IndexerWeights, KVCache, LayerWeights, MLAWeights,
+                                MLPWeights, PLEWeights, Spec, Weights)
 from sluice.models.rope import inv_freq
 from sluice.models.schema import MAX_INT, describe_fields
 from sluice.quant.compute import Compute
@@ -130,6 +131,13 @@ def _check_spec(s: Spec) -> None:
     freq, scale = inv_freq(s.rope)
     assert torch.isfinite(freq).all() and 0 < scale <= 10
     assert 2 * freq.numel() <= s.head_dim
+    if s.qsa is not None:  # the indexer's heads are roped like the attention's
+        assert s.qsa.block_topk >= 1 and 2 * freq.numel() <= s.qsa.head_dim
+    if s.ple is not None:  # every hashed row id lands in its table; token id x multiplier stays in int64
+        p = s.ple
+        assert p.layers and not any(s.attends(L) for L in p.layers) and p.embed_dim % p.n_heads == 0
+        assert all(offs[-1] + sizes[-1] <= rows for sizes, offs, rows in zip(p.head_sizes, p.offsets, p.rows))
+        assert all(0 < m and m * s.vocab_size < 2**63 for ms in p.multipliers for m in ms)
 
 
 def _small(s: Spec) -> bool:
@@ -137,7 +145,10 @@ def _small(s: Spec) -> bool:
             and s.n_heads * s.head_dim <= 256 and s.n_kv_heads * s.head_dim <= 256
             and max(s.moe_intermediate_size, s.dense_intermediate_size, s.shared_expert_intermediate_size) <= 128
             and (s.mla is None or s.n_heads * (s.mla.qk_head_dim + s.mla.v_head_dim) <= 512
-                 and max(s.mla.q_lora_rank, s.mla.kv_lora_rank) <= 128))
+                 and max(s.mla.q_lora_rank, s.mla.kv_lora_rank) <= 128)
+            and s.hc_count * s.hidden_size <= 512 and s.hc_lowrank <= 128
+            and (s.qsa is None or s.qsa.n_heads * s.qsa.head_dim <= 256)
+            and (s.ple is None or max(s.ple.rows) <= 8192 and s.ple.embed_dim <= 256))
 
 
 def _mla_weights(s: Spec, r) -> MLAWeights:
@@ -150,6 +161,39 @@ def _mla_weights(s: Spec, r) -> MLAWeights:
     else:
         w.q = r(nH * m.qk_head_dim, H)
     return w
+
+
+class _Table:
+    """A PLE layer's n-gram table in memory (the RowTable seam: gather(ids) -> rows, no files)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows[ids]
+
+
+def _hyper(s: Spec, r, inject: bool = True) -> HyperWeights:
+    """Random hyper-connection weights of spec `s` (models/layers/hyper.py)."""
+    nH = s.hc_count * s.hidden_size
+    return HyperWeights(norm=r(nH), down=r(s.hc_lowrank, nH), up=r(nH, s.hc_lowrank),
+                        inject=r(s.hc_count, nH) if inject else None)
+
+
+def _qwen4_exp_parts(s: Spec, lw: LayerWeights, L: int, r, tables: dict) -> None:
+    """Hyper-connections, QSA's indexer and a PLE block with its table (models/layers/hyper.py, qsa.py, ple.py) on
+    layer L of a spec that has them."""
+    if s.hc_count > 1:
+        lw.hc_attn, lw.hc_mlp = _hyper(s, r), _hyper(s, r)
+    if s.qsa is not None and s.attends(L):
+        q = s.qsa
+        lw.indexer = IndexerWeights(qk=r((q.n_heads + 1) * q.head_dim, s.hidden_size), q_norm=r(q.head_dim),
+                                    k_norm=r(q.head_dim))
+    if s.ple is not None and L in s.ple.layers:
+        p, nH = s.ple, s.hc_count * s.hidden_size
+        lw.ple = PLEWeights(key=r(nH, p.embed_dim), value=r(s.hidden_size, p.embed_dim), norm_key=r(nH),
+                            norm_query=r(nH), norm_conv=r(nH), conv=r(nH, 1, p.conv_kernel))
+        tables[L] = _Table(r(p.rows[p.index(L)], p.head_dim, std=1.0))
 
 
 class _Store:
@@ -190,7 +234,7 @@ def _run_tiny(arch, s: Spec, seed: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
 
     H, D, nH, nKV, E, Im = s.hidden_size, s.head_dim, s.n_heads, s.n_kv_heads, s.num_experts, s.moe_intermediate_size
-    layers, stacks = [], {}
+    layers, stacks, tables = [], {}, {}
     for L in range(s.n_layers):
         if s.mla is not None:
             lw = LayerWeights(input_norm=1 + r(H), post_norm=1 + r(H), o=r(H, nH * s.mla.v_head_dim),
@@ -221,12 +265,14 @@ def _run_tiny(arch, s: Spec, seed: int) -> torch.Tensor:
         else:
             Id = s.dense_intermediate_size
             lw.mlp = MLPWeights(r(Id, H), r(Id, H), r(H, Id))
+        _qwen4_exp_parts(s, lw, L, r, tables)
         layers.append(lw)
     embed = r(s.vocab_size, H, std=1.0)
     weights = Weights(embed=embed, norm=1 + r(H), lm_head=embed if s.tie_word_embeddings else r(s.vocab_size, H),
-                      layers=layers)
+                      layers=layers, hc_mixer=_hyper(s, r, inject=False) if s.hc_count > 1 else None)
     ctx = min(8, s.rope.max_position_embeddings)
-    b = Build(s, weights, _Store(stacks, E, s), KVCache(s, ctx, torch.float32), Compute(torch.float32))
+    b = Build(s, weights, _Store(stacks, E, s), KVCache(s, ctx, torch.float32), Compute(torch.float32),
+              tables=tables)
     model = Transformer(arch, b)
     T = min(3, ctx)
     tokens = torch.randint(0, s.vocab_size, (T,), generator=g)

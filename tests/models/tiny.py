@@ -124,7 +124,33 @@ TINY: dict[str, dict] = {
                                                           "linear_attention"],
         rope_theta=5e6, max_position_embeddings=512,
     ),
+    # Qwen4-Exp (the hub's multimodal wrapper): 3 residual streams (hyper-connections), PLE on both Gated DeltaNet
+    # layers (2 heads per n-gram order, trigrams: 4 heads of 8; prime parts from 101, tables split in 3 shards),
+    # QSA on the attending ones (blocks of 4, a 16-token budget: prompts past ~20 tokens drop keys), the sigmoid
+    # output gate, half of each head rotary; end-of-sequence 5 (tests put it inside prompts)
+    "qwen4_exp": dict(
+        model_type="qwen4_exp",
+        text_config=dict(
+            vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=12, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+            shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                             "full_attention"],
+            hc_count=3, hc_lowrank=12, output_gate_type="sigmoid", ple_layer_ids=[1, 3], ple_embed_dim=32,
+            ple_conv_kernel_size=3, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=101,
+            make_ngram_vocab_size_divisible_by=16, seed=7, split_ngram_parts=3, indexer_n_heads=4,
+            indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=16, indexer_compress_ratio=4, eos_token_id=5,
+            rms_norm_eps=1e-6, max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           num_position_embeddings=16),
+    ),
 }
+# the zero-centred norms (scale 1 + weight) of the families that have them: drawn around 0
+CENTRED = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight", "hc_norm.weight",
+           "norm_key.weight", "norm_query.weight", "norm_conv.weight")
 
 
 def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
@@ -144,10 +170,10 @@ def hf_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **ove
     model = auto.from_config(config, dtype=torch.float32)
     # the hybrids' RMSNorms scale by 1 + weight (zero-centred): their weights are drawn around 0 (all but the Gated
     # DeltaNet's output norm, linear_attn.norm, and the vision tower's LayerNorms)
-    centred = type(model).__name__.startswith(("Qwen3Next", "Qwen3_5Moe"))
+    centred = type(model).__name__.startswith(("Qwen3Next", "Qwen3_5Moe", "Qwen4Exp"))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if centred and name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
+            if centred and name.endswith(CENTRED):
                 p.normal_(0.0, 0.1)
             elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))

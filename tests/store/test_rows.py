@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sluice.checkpoint import read_header, write_safetensors
+from sluice.errors import CheckpointError
 from sluice.io import DirectReader, MmapReader, WillneedReader, make_reader
 from sluice.store.rows import RowTable
 
@@ -115,7 +116,8 @@ def test_counters_count_distinct_rows(tables, case):
         rt.gather(torch.tensor([7, 7, 3, 7, 3, 999]))
         rt.gather([1])
         s = rt.stats()
-        assert s["rows_requested"] == 7 and s["gathers"] == 2
+        assert s["rows_requested"] == 7 and s["gathers"] == 2 and s["rows_distinct"] == 4
+        assert s["wait_s"] >= 0 and (s["wait_s"] == 0) == (mode == "resident")
         if mode == "resident":
             assert s["rows_read"] == 1000 and s["bytes_read"] == refs["embed"].nbytes
             assert s["nbytes_resident"] == refs["embed"].nbytes
@@ -196,3 +198,60 @@ def test_closed_table_and_own_reader(tables):
         rt.gather([1])
     with pytest.raises(RuntimeError, match="closed"):
         own.read([])  # the table closed the pool it made
+
+
+# -- one logical table in parts (qwen4_exp's n-gram tables: the hub's `...shard_K.weight`) ----------------------------
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """A [200, 6] bf16 table in four uneven parts (one of a single row) over two files, the first part at an
+    unaligned offset; the whole table and the parts' refs in row order."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(200, 6, generator=g).to(torch.bfloat16)
+    d = tmp_path_factory.mktemp("parts")
+    write_safetensors(d / "a.safetensors", {"pad": torch.zeros(3, dtype=torch.uint8), "t.shard_0.weight": full[:70],
+                                            "t.shard_1.weight": full[70:71]})
+    write_safetensors(d / "b.safetensors", {"t.shard_2.weight": full[71:140], "t.shard_3.weight": full[140:]})
+    a, _ = read_header(d / "a.safetensors")
+    b, _ = read_header(d / "b.safetensors")
+    return full, [a["t.shard_0.weight"], a["t.shard_1.weight"], b["t.shard_2.weight"], b["t.shard_3.weight"]]
+
+
+def test_a_table_in_parts_gathers_as_the_whole_table(parts, case):
+    full, refs = parts
+    mode, reader = case
+    with RowTable(refs, mode, reader, staging_rows=2, name="t") as rt:
+        assert (rt.rows, rt.cols, rt.name) == (200, 6, "t")
+        for ids in id_batches(200, seed=9) + [torch.tensor([69, 70, 71, 70, 139, 140, 199, 0])]:  # across the cuts
+            same(rt.gather(ids), full[torch.as_tensor(ids, dtype=torch.long)])
+        with pytest.raises(IndexError, match=r"'t' \[200, 6\] \(4 parts\): id 200"):
+            rt.gather([3, 200])
+
+
+def test_a_table_in_parts_reads_each_distinct_row_once(parts, case):
+    full, refs = parts
+    mode, reader = case
+    with RowTable(refs, mode, reader, name="t") as rt:
+        before = reader.stats()["bytes_requested"] if reader is not None else 0
+        out = rt.gather(torch.tensor([[70, 3, 70], [199, 3, 71]]))
+        same(out, full[torch.tensor([[70, 3, 70], [199, 3, 71]])])
+        s = rt.stats()
+        assert s["rows_distinct"] == 4 and s["rows_requested"] == 6
+        if mode == "resident":
+            assert s["rows_read"] == 200 and s["bytes_read"] == 200 * 12 == rt.nbytes_resident
+        else:
+            assert s["rows_read"] == 4 and s["bytes_read"] == 4 * 12
+            if reader is not None:
+                assert reader.stats()["bytes_requested"] - before == 4 * 12  # one range per distinct row
+
+
+def test_parts_must_be_one_table(parts, tmp_path):
+    _, refs = parts
+    write_safetensors(tmp_path / "c.safetensors", {"wide": torch.zeros(5, 7, dtype=torch.bfloat16),
+                                                   "f32": torch.zeros(5, 6)})
+    c, _ = read_header(tmp_path / "c.safetensors")
+    for bad, what in ((c["wide"], "6 columns of BF16, got 7 of BF16"), (c["f32"], "6 columns of BF16, got 6 of F32")):
+        with pytest.raises(CheckpointError, match=what) as e:
+            RowTable([*refs, bad], "direct")
+        assert bad.name in str(e.value) and "c.safetensors" in str(e.value)
+    with pytest.raises(ValueError, match="no parts"):
+        RowTable([], "resident")

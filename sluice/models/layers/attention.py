@@ -71,17 +71,19 @@ class Attention:
         return linear(o, self.lw.o, self.lw.o_bias, self.bf16)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
-               gate: torch.Tensor | None = None) -> torch.Tensor:
+               gate: torch.Tensor | None = None, selected: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, nH*D], k / v [T, nKV*D] of this pass's tokens -> the attended heads [T, nH*D]: the q / k norms,
         clipping, rope, the cache writes, then the core chosen at build; gate [T, nH*D] (gated attention): the heads
-        times sigmoid(gate)."""
-        if q.shape[0] == 1 and self.decode is not None:
+        times sigmoid(gate). `selected`: a boolean mask [T, pos+T] that replaces the causal one (QSA's choice of
+        keys, qsa.py; causal itself): SDPA with it, whatever the pass."""
+        if q.shape[0] == 1 and self.decode is not None and selected is None:
             win, pos = self.window, step.pos
             return self.decode(q, k, v, pos, max(0, pos - win + 1) if win is not None else 0, gate)  # [1, nH*D]
-        out = self._attend(q, k, v, step)
+        out = self._attend(q, k, v, step, selected)
         return out if gate is None else out * torch.sigmoid(gate)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
+                selected: torch.Tensor | None = None) -> torch.Tensor:
         """attend's torch steps and prompt cores."""
         lw, T, pos, D = self.lw, q.shape[0], step.pos, self.D
         win = self.window
@@ -100,7 +102,10 @@ class Attention:
         ck[:, pos : pos + T] = k
         cv[:, pos : pos + T] = v.view(T, self.nKV, D).transpose(0, 1)
         mask = step.mask(win)
-        if lw.sinks is not None:
+        if selected is not None:
+            out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], self.bf16, attn_mask=selected,
+                       enable_gqa=True)[0]  # [nH, T, D]
+        elif lw.sinks is not None:
             # a sliding layer's queries see nothing before pos - window + 1: those keys are not scored at all
             lo = max(0, pos - win + 1) if win is not None else 0
             part = None if mask is None else mask[:, lo:]

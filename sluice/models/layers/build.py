@@ -23,7 +23,8 @@ from ..spec import KVCache, LayerWeights, Spec, Weights
 from .experts import ExpertMath, glu_for
 from .norm import Norm
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+                                                                  "sigmoid": torch.sigmoid}
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,13 @@ class Kernels:
 
 class Step:
     """One forward pass of T tokens at positions pos..pos+T-1: what every layer reads (the masks, one per sliding
-    window, built on first use) and what the residual rule hands the MoE block (`prompt_guess`, the next MoE
-    layer's likely experts for a prompt's read-ahead, set by `after_mixer`)."""
+    window, built on first use; the token ids, for blocks that look them up: PLE) and what the residual rule hands
+    the MoE block (`prompt_guess`, the next MoE layer's likely experts for a prompt's read-ahead, set by
+    `after_mixer`)."""
 
-    def __init__(self, pos: int, T: int, after_mixer: Callable[[int, torch.Tensor, "Step"], None] | None = None):
-        self.pos, self.T = pos, T
+    def __init__(self, pos: int, T: int, after_mixer: Callable[[int, torch.Tensor, "Step"], None] | None = None,
+                 tokens: torch.Tensor | None = None):
+        self.pos, self.T, self.tokens = pos, T, tokens  # tokens [T] int64
         self.after_mixer = after_mixer
         self.prompt_guess: tuple[int, list[int]] | None = None
         self._masks: dict[int | None, torch.Tensor | None] = {}
@@ -114,13 +117,15 @@ def _projections(lw: LayerWeights) -> list:
 class Build:
     """Everything a layer module is built from: the blueprint, resident weights, expert store, caches, the model's
     Compute and Kernels, and what its layers share (the rope tables, the experts' math, the prompt workspace, the
-    decode attention's scratch). Model-wide choices are made here, once."""
+    decode attention's scratch). Model-wide choices are made here, once. `tables`: layer -> the row table
+    (store/rows.py RowTable) of its PLE block's n-gram embeddings (Spec.ple)."""
 
     def __init__(self, spec: Spec, weights: Weights, store, cache: KVCache, compute: Compute,
-                 kernels: Kernels = Kernels(), rows=None, prerouter=None, prompt_prerouter=None):
+                 kernels: Kernels = Kernels(), rows=None, prerouter=None, prompt_prerouter=None, tables=None):
         self.spec, self.w, self.store, self.cache, self.compute, self.kernels = (
             spec, weights, store, cache, compute, kernels)
         self.rows, self.prerouter, self.prompt_prerouter = rows, prerouter, prompt_prerouter
+        self.tables = tables or {}
         self.dtype = compute.dtype
         self.act = ACTIVATIONS[spec.hidden_act]
         self.expert_math = ExpertMath(compute, self.act, glu_for(spec, self.act))
@@ -136,9 +141,10 @@ class Build:
                                                         d.conv_kernel, self.dtype, path=compute.path)
                                 if self.native_deltanet else None)
 
-    def norm(self, weight: torch.Tensor) -> Norm:
-        """The RMSNorm of `weight` as this architecture scales it (plain or zero-centred, Spec.zero_centred_norms)."""
-        return Norm.of(self.spec, weight, self.compute.path)
+    def norm(self, weight: torch.Tensor, group: int | None = None) -> Norm:
+        """The RMSNorm of `weight` as this architecture scales it (plain or zero-centred, Spec.zero_centred_norms),
+        per `group` values of a row when given (hyper-connections' streams)."""
+        return Norm.of(self.spec, weight, self.compute.path, group)
 
     def _integer_decode(self) -> bool:
         """Whether a decode step's projections and experts all run natively from their quantized blocks (every

@@ -5,7 +5,8 @@ grow with the context (Spec.delta, DeltaNetWeights, LayerCache.conv / .recurrent
     q | k | v = silu(causal depthwise conv over the last K inputs)   the conv carries its last K - 1 inputs
     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)       per value head and token (g in float32)
     o = the gated delta rule of q, k, v, g, beta                     layers/delta_rule.py, the state carried
-    out_proj(rms_norm(o) * norm.weight * silu(z))                    per value head
+    out_proj(rms_norm(o) * norm.weight * act(z))                     per value head; act: silu, or sigmoid
+                                                                     (Qwen4-Exp's output_gate_type)
 
 A prompt runs the chunked form of the rule, a decode token the recurrent one: where the model computes in float32 or
 bf16, everything from the conv to the gated norm as one native call per layer (native/deltanet.py, chosen at build:
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from ..linear import linear
 from . import delta_rule
-from .build import Build, Step
+from .build import ACTIVATIONS, Build, Step
 from .norm import gated_rms_norm
 
 
@@ -34,10 +35,13 @@ class GatedDeltaNet:
         self.cache = b.cache.layers[L]
         self.eps, self.bf16, self.act = s.rms_norm_eps, b.compute.bf16_gemm, b.act
         self.neg_A = -self.w.A_log.float().exp()  # [Hv] float32, the reference's -exp(A_log) once
+        self.gate_act = ACTIVATIONS[self.d.gate_act]
         self.project = self._fused if self.w.qkvz is not None else self._separate
         self.prompt_rule, self.decode_rule = delta_rule.chunked, delta_rule.recurrent
-        # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet)
-        self.native = None if b.deltanet_decode is None else b.deltanet_decode.layer(
+        # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet); the kernel's
+        # output gate is silu: a sigmoid-gated layer (Qwen4-Exp) keeps the torch steps
+        native = b.deltanet_decode is not None and self.d.gate_act == "silu"
+        self.native = None if not native else b.deltanet_decode.layer(
             self.w.conv, self.cache.conv, self.cache.recurrent, self.neg_A, self.w.dt_bias, self.w.norm, self.eps)
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
@@ -66,7 +70,7 @@ class GatedDeltaNet:
         g = self.neg_A * F.softplus(a.float() + self.w.dt_bias)  # [T, Hv] float32
         rule = self.decode_rule if T == 1 else self.prompt_rule
         o = rule(q, k, v, g, beta, self.cache.recurrent)  # [T, Hv, Dv] in x's dtype
-        return gated_rms_norm(o, z.view(T, d.n_v_heads, d.v_head_dim), self.w.norm, self.eps)
+        return gated_rms_norm(o, z.view(T, d.n_v_heads, d.v_head_dim), self.w.norm, self.eps, self.gate_act)
 
     def _conv(self, qkv: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv of qkv [T, C] after the layer's last K - 1 inputs, silu -> [T, C]; the last

@@ -1,5 +1,6 @@
 """RMSNorm as the references compute it: `rms_norm` (statistics in float32, cast back, then scale), `Norm` (one
-weight, plain or zero-centred, chosen when the layer is built) and `gated_rms_norm` (Gated DeltaNet's output norm)."""
+weight, plain or zero-centred, over the whole row or per group of it, chosen when the layer is built) and
+`gated_rms_norm` (Gated DeltaNet's output norm)."""
 
 from __future__ import annotations
 
@@ -28,29 +29,42 @@ class Norm:
     Plain: `rms_norm` (the normed x rounded to the compute dtype, then times the weight). Zero-centred (Qwen3-Next,
     Qwen3.5): the scale is 1 + weight, computed once here in float32, and the normed x is multiplied by it in
     float32 before the one rounding to the compute dtype: the reference's order, so bf16 rounds where it does (bf16
-    rows in one native call, ops.rms_norm_scaled_bf16, as rms_norm's)."""
+    rows of an ungrouped norm in one native call, ops.rms_norm_scaled_bf16, as rms_norm's).
 
-    def __init__(self, weight: torch.Tensor, eps: float, path: int = BEST, zero_centred: bool = False):
-        self.eps, self.path, self.zero_centred = eps, path, zero_centred
+    `group`: each run of `group` values of a row normalised on its own (hyper-connections' streams: n streams of H
+    side by side, one weight [n*H]); zero-centred only (the one family that has it)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, path: int = BEST, zero_centred: bool = False,
+                 group: int | None = None):
+        if group is not None and (not zero_centred or weight.shape[-1] % group):
+            raise ValueError(f"a grouped norm is zero-centred over whole groups: {weight.shape[-1]} by {group}")
+        self.eps, self.path, self.zero_centred, self.group = eps, path, zero_centred, group
         self.weight = 1.0 + weight.float() if zero_centred else weight  # the scale [n]
 
     @classmethod
-    def of(cls, spec, weight: torch.Tensor, path: int = BEST) -> "Norm":
+    def of(cls, spec, weight: torch.Tensor, path: int = BEST, group: int | None = None) -> "Norm":
         """The norm of `weight` in a model of `spec` (models/spec.py Spec: its eps and zero_centred_norms)."""
-        return cls(weight, spec.rms_norm_eps, path, spec.zero_centred_norms)
+        return cls(weight, spec.rms_norm_eps, path, spec.zero_centred_norms, group)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.zero_centred:
             return rms_norm(x, self.weight, self.eps, self.path)
-        if x.dtype is torch.bfloat16 and native.available() and x.is_contiguous():
+        if self.group is None and x.dtype is torch.bfloat16 and native.available() and x.is_contiguous():
             return ops.rms_norm_scaled_bf16(x, self.weight, self.eps, path=self.path)
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        if self.group is not None:
+            g = xf.unflatten(-1, (-1, self.group))  # [..., n, group]
+            xf = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        else:
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gated DeltaNet's output norm: rms_norm(x) * weight * silu(gate) over the last dim, in the reference's order
-    (the normed x rounded to x's dtype and scaled there, the gate applied in float32, one rounding back)."""
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   act=F.silu) -> torch.Tensor:
+    """Gated DeltaNet's output norm: rms_norm(x) * weight * act(gate) over the last dim (act: silu, or Qwen4-Exp's
+    sigmoid), in the reference's order (the normed x rounded to x's dtype and scaled there, the gate applied in
+    float32, one rounding back)."""
     xf = x.float()
     normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (normed * F.silu(gate.float())).to(x.dtype)
+    return (normed * act(gate.float())).to(x.dtype)
