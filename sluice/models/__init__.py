@@ -152,6 +152,12 @@ def gguf_archs() -> dict:
     return out
 
 
+def mlx_values() -> dict:
+    """model_type -> the values mlx-lm's converter changes (MLX_VALUES) of every architecture that has some: the
+    table the checkpoint layer reads MLX folders by (plan.open_index hands it down)."""
+    return {t: module.MLX_VALUES for t, module in archs().items() if module.MLX_VALUES}
+
+
 def get_arch(model_type: Any, source: str | os.PathLike[str] = "config.json") -> ModuleType:
     """The module for `model_type`; ConfigError naming `source` and listing the supported ones otherwise."""
     known = archs()
