@@ -7,8 +7,12 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import sys
+
+# this file's folder holds tests/checkpoint/llama_cpp.py, which would shadow the llama_cpp package
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 def convert(src: str, args: list[str]) -> None:

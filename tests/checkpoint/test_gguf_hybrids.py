@@ -59,7 +59,7 @@ def test_every_tensor_reads_as_transformers_wrote_it_in_the_files_head_order(f32
     nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     tiled = arch == "qwen3_5_moe"
-    assert index.config["linear_value_head_order"] == ("tiled" if tiled else "grouped")
+    assert index.config.get("linear_value_head_order", "grouped") == ("tiled" if tiled else "grouped")
     sd = {k.replace("model.language_model.", "model."): v for k, v in model.state_dict().items()}
     if tiled:
         sd = tiled_state_dict(sd, nk, nk * dk, dv)
