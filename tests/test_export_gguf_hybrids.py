@@ -88,21 +88,34 @@ def test_the_export_holds_what_llama_cpps_converter_writes(exported, tmp_path):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("to", ["f32", "q8_0"])
-def test_llama_cpp_runs_sluices_file_to_transformers_tokens(exported, tmp_path, to):
-    arch, model, folder, path = exported
-    if to != "f32":
-        path = tmp_path / f"m-{to}.gguf"
-        quantize(folder, path, to)
+def test_llama_cpp_runs_sluices_file_to_transformers_tokens(exported):
+    arch, model, _, path = exported
     ids = LONG[:100]
     got = llama_cpp.greedy(path, ids, 12)["tokens"]
     with sluice.load(path, dtype="float32") as m:
-        assert list(m.generate_tokens(ids, max_tokens=12, stop_at_eos=False)) == got, (arch, to)
-    if to == "f32":
-        with torch.no_grad():
-            want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        assert got == want[0, len(ids):].tolist(), arch
+        assert list(m.generate_tokens(ids, max_tokens=12, stop_at_eos=False)) == got, arch
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert got == want[0, len(ids):].tolist(), arch
+
+
+@pytest.mark.llama_cpp
+def test_sluices_q8_0_is_llama_cpps(exported, tmp_path):
+    """`sluice quantize --to q8_0` writes llama.cpp's own Q8_0 file of the checkpoint (its converter's F32 file
+    through its quantizer), tensor for tensor, bit for bit: llama.cpp's logits on the two are the same. (The tiny
+    model's greedy tokens after 100 tokens move with Q8_0's rounding, so they are not compared with transformers'.)"""
+    arch, _, folder, _ = exported
+    ours = tmp_path / "sluice-q8_0.gguf"
+    quantize(folder, ours, "q8_0")
+    theirs = llama_cpp.quantize(llama_cpp.convert(folder, tmp_path / "llama-f32.gguf"), tmp_path / "llama-q8_0.gguf",
+                                "Q8_0")
+    a, b = _tensors(ours), _tensors(theirs)
+    assert set(a) == set(b)
+    for name, (kind, values) in b.items():  # (its quantizer drops a trailing 1 of a shape: the gate [1, H] as [H])
+        assert a[name][0] == kind and np.array_equal(a[name][1].reshape(-1), values.reshape(-1)), name
+    ids = LONG[:100]
+    assert llama_cpp.greedy(ours, ids, 8) == llama_cpp.greedy(theirs, ids, 8), arch
 
 
 @pytest.mark.parametrize("arch,overrides,needle", [
@@ -119,15 +132,29 @@ def test_what_llama_cpps_graphs_cannot_run_is_refused(tmp_path, arch, overrides,
 
 
 def test_quantized_export_reads_back(exported, tmp_path):
-    """`sluice quantize --to q8_0` of a hybrid: the 2-D projections in Q8_0, the conv, norms and decay parameters in
-    F32 (as llama.cpp keeps them), within Q8_0's error of the checkpoint."""
-    _, _, folder, _ = exported
+    """`sluice quantize --to q8_0` of a hybrid: the 2-D projections in Q8_0, each value within Q8_0's rounding of
+    the F32 export's (the same maps and head order), the conv, norms, decay parameters and the shared expert gate in
+    F32 (as llama.cpp keeps them) and equal to it; sluice reads the file as the model, within Q8_0's error."""
+    _, _, folder, f32 = exported
     out = tmp_path / "m-q8_0.gguf"
     quantize(folder, out, "q8_0")
-    types = {n: t for n, (t, _) in _tensors(out).items()}
-    assert types["blk.0.ssm_conv1d.weight"] == "F32" and types["blk.0.ssm_a"] == "F32"
-    assert types["blk.0.ssm_out.weight"] == "Q8_0"
-    with sluice.load(folder, dtype="float32") as m:
+    q8, exact = {t.name: t for t in gguf.GGUFReader(out).tensors}, _tensors(f32)
+    assert {n: q8[n].tensor_type.name for n in ("blk.0.ssm_conv1d.weight", "blk.0.ssm_a", "blk.0.ssm_out.weight",
+                                                "blk.0.ffn_gate_inp_shexp.weight")} == \
+        {"blk.0.ssm_conv1d.weight": "F32", "blk.0.ssm_a": "F32", "blk.0.ssm_out.weight": "Q8_0",
+         "blk.0.ffn_gate_inp_shexp.weight": "F32"}
+    for name, t in q8.items():
+        want = exact[name][1]
+        if t.tensor_type.name != "Q8_0":  # F32, or F16 where rows are no whole number of blocks (llama.cpp's rule)
+            data = np.array(t.data)
+            assert np.array_equal(data, want.astype(data.dtype)), name
+            continue
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1, 32)
+        blocks = want.reshape(-1, 32)
+        step = np.abs(blocks).max(axis=1, keepdims=True) / 127  # its scale; half a step, plus the f16 scale's rounding
+        assert (np.abs(got - blocks) <= 0.6 * step + 1e-12).all(), name
+    with sluice.load(f32, dtype="float32") as m:
         want = m.logits(SHORT)
     with sluice.load(out, dtype="float32") as m:
-        assert rel_err(m.logits(SHORT), want) <= 3e-2
+        got = m.logits(SHORT)
+    assert ((got - want).norm() / want.norm()).item() <= 5e-2  # this tiny model moves ~2% with Q8_0's rounding

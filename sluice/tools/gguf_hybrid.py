@@ -4,8 +4,8 @@ llama.cpp runs the exported file and sluice reads it back through the same GGUF 
 
     each resident tensor of a layer       blk.N.<the GGUF facts' name>    values mapped as the facts say (norms but
                                                                           the gated one stored as 1 + w, A_log as
-                                                                          -exp(A_log)), size-1 dims squeezed (conv
-                                                                          [C, K], shared gate [H]); conv F32
+                                                                          -exp(A_log)), the conv squeezed to
+                                                                          [C, K] and kept F32
     linear_attn.in_proj_qkvz (qwen3_next) blk.N.attn_qkv, blk.N.attn_gate q | k | v and z, each head group's rows
                                                                           ungrouped (its converter's split)
     value-head tensors (qwen3_5_moe)      in tiled order                  v rows of in_proj_qkv and of the conv,
@@ -119,8 +119,10 @@ def hybrid_tensors(index: CheckpointIndex, spec: Spec, facts: GGUFArch, arch: Mo
     tiled = facts.name in TILED
 
     def one(gname: str, hname: str, shape: tuple[int, ...], reorder=None) -> GgufTensor:
-        # read in transformers' shape, reordered, values mapped; written with its size-1 dims squeezed
-        return GgufTensor(gname, tuple(x for x in shape if x != 1) or (1,), (index[hname],),
+        # read in transformers' shape, reordered, values mapped; the conv written squeezed to [C, K] (its converter
+        # squeezes it; the shared expert gate keeps its [1, H])
+        stored = tuple(x for x in shape if x != 1) if gname.endswith("ssm_conv1d.weight") else tuple(shape)
+        return GgufTensor(gname, stored, (index[hname],),
                           transform=_chain(lambda x: x.reshape(shape), reorder, _values(facts, hname)))
 
     out = [one("token_embd.weight", "model.embed_tokens.weight", index["model.embed_tokens.weight"].shape)]

@@ -39,7 +39,8 @@ GGUF_TYPES = {
 }
 _FLOAT = ("F32", "F16", "BF16")
 _LLAMA_QUANTIZE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")  # types only llama-quantize makes: its mix applies
-_ALWAYS_F32 = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d.weight")  # (ggml's ssm_conv reads F32)
+# (ggml's ssm_conv reads F32; the shared expert gate [1, H] is one row, kept F32 by llama.cpp's quantizer too)
+_ALWAYS_F32 = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 @dataclass(frozen=True)
