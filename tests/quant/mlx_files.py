@@ -53,6 +53,11 @@ def mlx_folder(arch: str, out: Path, bits: int | None, group_size: int, dtype: s
     config.setdefault("num_experts", config.get("num_local_experts"))
     if "partial_rotary_factor" in rope:
         config.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+    # mlx-lm places the hybrids' attention layers by full_attention_interval (default 4), which the hub's configs
+    # hold and transformers 5 folds into layer_types
+    text = config.get("text_config", config)
+    if "layer_types" in text and "full_attention_interval" not in text:
+        text["full_attention_interval"] = text["layer_types"].index("full_attention") + 1
     (hf / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / name, hf / name)
