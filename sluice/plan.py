@@ -26,7 +26,7 @@ from .errors import ConfigError, SluiceError
 from .host.cpus import usable_cpus
 from .host.memory import MemoryRoom, available_memory
 from .host.procstat import memory_status
-from .models import gguf_archs, model_args
+from .models import gguf_archs, mlx_values, model_args
 from .models.args import GenerationArgs, eos_ids
 from .models.schema import parse
 from .models.spec import KVCache, Spec
@@ -85,9 +85,9 @@ class LoadPlan:
 
 
 def open_index(path: str | os.PathLike) -> CheckpointIndex:
-    """The checkpoint index of a model folder or .gguf file (checkpoint/open.py), GGUF files read by the
-    architectures' own facts (models.gguf_archs)."""
-    return _opener.open_index(path, gguf_archs())
+    """The checkpoint index of a model folder or .gguf file (checkpoint/open.py), GGUF files and MLX folders read by
+    the architectures' own facts (models.gguf_archs, models.mlx_values)."""
+    return _opener.open_index(path, gguf_archs(), mlx_values())
 
 
 def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:

@@ -35,12 +35,16 @@ def _mlx_logits(folder) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch,bits", [("qwen3_moe", 4), ("qwen3_moe", 8), ("qwen2_moe", 4), ("olmoe", 4),
-                                       ("mixtral", 4), ("glm4_moe", 4)])
+                                       ("mixtral", 4), ("glm4_moe", 4), ("qwen3_next", 4), ("qwen3_5_moe", 4)])
 def test_same_folder_as_mlx_lm_convert(tmp_path, arch, bits):
+    """The hybrids as mlx-lm's sanitize leaves them too: norms as 1 + w, the conv [C, K, 1], 8-bit routers and shared
+    expert gates, Qwen3.5's text model as language_model.model.*, no mtp head nor vision tower. (mlx-lm converts
+    Qwen3.5's fused experts only: that layout.)"""
     from mlx_lm.convert import convert
 
     sc = SynthConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                     num_experts=4, top_k=2, moe_intermediate_size=64, vocab_size=320)
+                     num_experts=4, top_k=2, moe_intermediate_size=64, vocab_size=320,
+                     layout="fused" if arch == "qwen3_5_moe" else "per_expert")
     src = make_model(tmp_path / "src", sc, progress=False)
     convert(str(src), str(tmp_path / "ref"), quantize=True, q_bits=bits)
     summary = quantize(src, tmp_path / "ours", f"mlx-{bits}bit")

@@ -4,6 +4,7 @@
 #   transformers + accelerate, with torch pinned to 2.13.0 from PyTorch's CPU index (PyPI's wheel pulls several GB of
 #   CUDA libraries; TORCH_INDEX overrides the index, TORCH_INDEX= leaves it to pip's configuration, as in the Makefile,
 #   whose comment says why --index-url and the short retries)
+#   llama.cpp/ (gitignored): llama.cpp's converter from the same sdist (the tests run it: tests/checkpoint/llama_cpp.py)
 # `sluice bench --peer-python benchmarks/peers/.venv/bin/python` runs the `peer:` arms with this interpreter.
 #
 #   bash benchmarks/peers/setup.sh          # idempotent: an existing, complete venv is only checked
@@ -40,6 +41,19 @@ if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
   # From source, on purpose: the wheel is built for this CPU. nice: the machine is shared.
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 19 "${PIP[@]}" -c "$CONSTRAINTS" --no-binary llama-cpp-python \
     "llama-cpp-python==$LLAMA_CPP_PYTHON"
+fi
+
+# llama.cpp's converter (convert_hf_to_gguf.py + conversion/ + gguf-py/, as the hub's GGUFs are made) from the same
+# sdist, for the tests that convert checkpoints with it (tests/checkpoint/llama_cpp.py); shared by both venvs
+SRC=llama.cpp
+if [ ! -f "$SRC/convert_hf_to_gguf.py" ]; then
+  SDIST=$(mktemp -d)
+  "$VENV/bin/python" -m pip download --disable-pip-version-check --no-deps --no-binary :all: \
+    "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$SDIST"
+  tar -xzf "$SDIST"/llama_cpp_python-*.tar.gz -C "$SDIST"
+  mkdir -p "$SRC"
+  cp -r "$SDIST"/llama_cpp_python-*/vendor/llama.cpp/{convert_hf_to_gguf.py,conversion,gguf-py} "$SRC"/
+  rm -rf "$SDIST"
 fi
 
 "$VENV/bin/python" - <<'PY'

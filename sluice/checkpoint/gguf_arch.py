@@ -8,8 +8,10 @@ so this layer never imports the model code above it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .ref import stored_as
 
 #: GGUFArch.config's signature: (typed metadata of the file -- gguf_config.GGUFMeta --, the file's tensors by GGUF
 #: name) -> the architecture's config.json keys
@@ -40,6 +42,17 @@ class GGUFArch:
     router_keys: frozenset[str] = frozenset()
     # config.json's model_type of the architecture (models.gguf_archs fills it from the module's MODEL_TYPE)
     model_type: str = ""
+    # values the converter maps on the way to the file: config.json-world name (a whole name, or the suffix after a
+    # dot: "input_layernorm.weight") -> a key of ref.STORED (zero-centred norms stored as 1 + w: "plus_one"); the
+    # index marks those refs (TensorRef.values) and read_tensor gives back the Hugging Face values
+    values: Mapping[str, str] = field(default_factory=dict)
+    # rope.dimension_count may be below the head size (a partial rotary: partial_rotary_factor = dimension_count /
+    # head size); without it the two must be equal
+    partial_rope: bool = False
+
+    def values_of(self, name: str) -> str:
+        """The ref.STORED key of config.json-world tensor `name` in this architecture's files ("" when stored as is)."""
+        return stored_as(name, dict(self.values))
 
 
 #: general.architecture -> its facts: the table a GGUF file is read by (models.gguf_archs() builds it)

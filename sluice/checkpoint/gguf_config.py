@@ -5,12 +5,14 @@ architecture, and fields llama.cpp does not compute (dense layers between MoE la
 router normalisation than its graph hard-codes) are set so that sluice computes what llama.cpp computes on the file.
 
     GGUF (`{arch}.` prefix)               config.json                      notes
-    block_count                           num_hidden_layers                required
+    block_count - nextn_predict_layers    num_hidden_layers                required; the blocks after the model's
+                                                                           (an mtp head) are never read
     embedding_length                      hidden_size                      required
     attention.head_count                  num_attention_heads              required (a per-layer array must be uniform)
     attention.head_count_kv               num_key_value_heads              default head_count
     attention.key_length                  head_dim                         default hidden / heads; value_length and
                                                                            rope.dimension_count must equal it
+    rope.dimension_count / key_length     partial_rotary_factor            where GGUFArch.partial_rope (the hybrids)
     attention.layer_norm_rms_epsilon      rms_norm_eps                     required
     context_length                        max_position_embeddings          required
     rope.freq_base                        rope_theta                       default 10000 (llama.cpp's)
@@ -34,9 +36,11 @@ router normalisation than its graph hard-codes) are set so that sluice computes 
     `blk.0.attn_q.bias` present           qkv_bias (qwen2moe)
 
 Architectures: each models/<model_type>.py names its llama.cpp architecture and adds its own keys (`GGUF`, a
-gguf_arch.GGUFArch; None when llama.cpp has none; the opener hands this module the table of them): qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe,
-llama with expert_count > 0 -> mixtral. Keys whose math sluice does not compute (another gating function, an expert
-weight scale, an attention scale, longrope) are a ConfigError naming the key, never silently dropped.
+gguf_arch.GGUFArch; None when llama.cpp has none; the opener hands this module the table of them): qwen3moe ->
+qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe, llama with expert_count > 0 -> mixtral, qwen3next -> qwen3_next,
+qwen35moe -> qwen3_5_moe (the hybrids' ssm.* keys: models/qwen3_next.py hybrid_gguf_config). Keys whose math sluice
+does not compute (another gating function, an expert weight scale, an attention scale, longrope) are a ConfigError
+naming the key, never silently dropped.
 """
 
 from __future__ import annotations
@@ -173,7 +177,7 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef], facts: GGUFArch) ->
     heads = m.int("attention.head_count")
     hidden = m.int("embedding_length")
     head_dim = m.int("attention.key_length", hidden // heads)
-    for other in ("attention.value_length", "rope.dimension_count"):
+    for other in ("attention.value_length",) + (() if facts.partial_rope else ("rope.dimension_count",)):
         if m.int(other, head_dim) != head_dim:
             raise ConfigError(f"{gf.path}: metadata {m.key(other)} is {m.int(other)} but the head size is {head_dim}; "
                               "llama.cpp's graph for this architecture (and sluice) needs them equal")
@@ -184,7 +188,7 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef], facts: GGUFArch) ->
     theta = m.float("rope.freq_base", 10000.0, positive=True)
     cfg: dict[str, Any] = {
         "model_type": facts.model_type,
-        "num_hidden_layers": m.int("block_count"),
+        "num_hidden_layers": n_layers(m),
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": m.int("attention.head_count_kv", heads),
@@ -199,11 +203,48 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef], facts: GGUFArch) ->
         "hidden_act": "silu",
         "norm_topk_prob": facts.norm_topk_prob,
     }
+    if facts.partial_rope:
+        cfg["partial_rotary_factor"] = _partial_rotary(m, head_dim)
     for name in ("bos", "eos"):
         if m.has(f"tokenizer.ggml.{name}_token_id"):
             cfg[f"{name}_token_id"] = m.int(f"tokenizer.ggml.{name}_token_id", minimum=0)
     cfg.update(facts.config(m, tensors))
     return cfg
+
+
+def n_layers(m: GGUFMeta) -> int:
+    """The model's decoder layers: block_count less the multi-token-prediction layers the converter appends after
+    them (nextn_predict_layers, llama.cpp's rule: they are loaded for speculative decoding, never run by the main
+    pass; sluice does not read them)."""
+    blocks, mtp = m.int("block_count"), m.int("nextn_predict_layers", 0, minimum=0)
+    if mtp >= blocks:
+        raise ConfigError(f"{m.file}: metadata {m.key('nextn_predict_layers')} is {mtp} of {blocks} blocks; the file "
+                          "holds no decoder layer to run (a multi-token-prediction head alone?)")
+    return blocks - mtp
+
+
+def _partial_rotary(m: GGUFMeta, head_dim: int) -> float:
+    """partial_rotary_factor of rope.dimension_count rotary dims per head (llama.cpp's n_rot), checked to give back
+    the same count by transformers' int(head_dim * factor)."""
+    dims = m.int("rope.dimension_count", head_dim)
+    factor = dims / head_dim
+    if dims > head_dim or dims % 2 or int(head_dim * factor) != dims:
+        raise ConfigError(f"{m.file}: metadata {m.key('rope.dimension_count')} is {dims}; with heads of {head_dim} "
+                          "it must be an even count of at most the head size")
+    return factor
+
+
+def bools(m: GGUFMeta, name: str, length: int) -> list[bool] | None:
+    """The first `length` values of a per-block array of bools (or 0 / 1 integers), or None when the key is absent;
+    CheckpointError when it is not such an array or is shorter."""
+    key = m.key(name)
+    if key not in m.gf.metadata:
+        return None
+    v = m.gf.metadata[key]
+    if m.gf.types[key] != 9 or m.gf.array_types.get(key) not in (7, *INTEGER_TYPES) or len(v) < length \
+            or any(x not in (0, 1) for x in v):
+        raise m.wrong(key, f"an array of at least {length} bools")
+    return [bool(x) for x in v[:length]]
 
 
 def _refuse_unsupported(m: GGUFMeta, norm: bool, router_keys: frozenset[str]) -> None:

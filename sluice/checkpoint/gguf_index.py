@@ -19,7 +19,12 @@ by the opener: plan.open_index). The MoE block is always `mlp`
 (Mixtral included: its fused HF layout uses that prefix too). Each mapped TensorRef keeps the GGUF name as
 `ref.name`, so errors name the tensor as it is in the file. A tensor the architecture does not have in llama.cpp is an
 error (llama.cpp refuses such files too). Where the architecture says `rope_permuted` (`llama`: Mixtral) the q/k rows
-are stored permuted for llama.cpp's interleaved rope; their refs carry `rope_heads` (see TensorRef.row_order).
+are stored permuted for llama.cpp's interleaved rope; their refs carry `rope_heads` (see TensorRef.row_order). Where
+its `values` name a tensor, the converter mapped its values (a zero-centred norm stored as 1 + w); its ref carries
+`values` (TensorRef.values) and reads as the Hugging Face values. Tensors of the blocks after the model's layers
+(nextn_predict_layers: a multi-token-prediction head) are listed under their GGUF names and never read. Shapes stay
+the file's: a converter's squeezed size-1 dim (ffn_gate_inp_shexp [H], ssm_conv1d [C, K]) is read as transformers'
+shape by models/weights.py.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from .gguf import INTEGER_TYPES, GGUFFile, read_gguf
 from .gguf_arch import GGUFArch, GGUFArchs
-from .gguf_config import gguf_arch, gguf_config
+from .gguf_config import GGUFMeta, gguf_arch, gguf_config
 from .index import CheckpointIndex
 from .paths import path_kind
 from .ref import TensorRef
@@ -145,8 +150,9 @@ def _no_extra_splits(folder: Path, prefix: str, count: int) -> None:
 class GGUFIndex(CheckpointIndex):
     """A GGUF model (one file or a split set) as config + HF tensor name -> TensorRef; no tensor bytes are read.
 
-    Beyond CheckpointIndex: `arch` (GGUF architecture), `facts` (its GGUFArch), `metadata` (the first file's key -> value, for the tokenizer
-    and chat template: tokenizer.ggml.*), `gguf_files` (each parsed shard), `gguf_names` (HF name -> GGUF name).
+    Beyond CheckpointIndex: `arch` (GGUF architecture), `facts` (its GGUFArch), `metadata` (the first file's key ->
+    value, for the tokenizer and chat template: tokenizer.ggml.*), `gguf_files` (each parsed shard), `gguf_names`
+    (HF name -> GGUF name).
     `folder` is the first .gguf file, so errors that name the checkpoint name the file the user passed.
     """
 
@@ -186,7 +192,8 @@ class GGUFIndex(CheckpointIndex):
                                           "inconsistent: re-download it", file=str(gf.path), tensor=name)
                 raw[name] = ref
         config = gguf_config(first, raw, facts)
-        tensors, names = _map_tensors(raw, facts, config, str(path))
+        blocks = GGUFMeta(first, facts.name).int("block_count")
+        tensors, names = _map_tensors(raw, facts, config, blocks, str(path))
         return cls(path, config, tensors, files, facts, names)
 
     def __getitem__(self, name: str) -> TensorRef:
@@ -204,9 +211,11 @@ class GGUFIndex(CheckpointIndex):
                 f"files={len(self.files)}, bytes={self.total_bytes()})")
 
 
-def _map_tensors(raw: dict[str, TensorRef], facts: GGUFArch, config: dict, file: str
+def _map_tensors(raw: dict[str, TensorRef], facts: GGUFArch, config: dict, blocks: int, file: str
                  ) -> tuple[dict[str, TensorRef], dict[str, str]]:
-    """HF name -> TensorRef (GGUF name kept as ref.name), and HF name -> GGUF name."""
+    """HF name -> TensorRef (GGUF name kept as ref.name; `ref.values` set where the converter mapped the values),
+    and HF name -> GGUF name. The blocks after the model's layers (up to `blocks`, block_count: a multi-token-
+    prediction head) stay listed under their GGUF names, never read."""
     arch, model_type = facts.name, config["model_type"]
     n_layers = config["num_hidden_layers"]
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
@@ -214,19 +223,22 @@ def _map_tensors(raw: dict[str, TensorRef], facts: GGUFArch, config: dict, file:
     names: dict[str, str] = {}
     for gname, ref in raw.items():
         hname = hf_name(gname, facts, n_layers)
+        m = _BLK_RE.fullmatch(gname)
+        if hname is None and m and n_layers <= int(m["layer"]) < blocks and str(int(m["layer"])) == m["layer"]:
+            tensors[gname], names[gname] = ref, gname  # the mtp head: its bytes are the file's, nothing reads them
+            continue
         if hname is None:
-            m = _BLK_RE.fullmatch(gname)
             hint = _ROPE_FREQS_HINT if gname == "rope_freqs.weight" else \
                 _OLD_EXPERTS_HINT if m and _OLD_EXPERTS.fullmatch(m["rest"]) else None
             known = ", ".join(sorted(facts.tensors))
             raise CheckpointError(
                 f"is not part of a {arch} model ({model_type}) with {n_layers} layers as llama.cpp and sluice run it; "
                 + (hint or f"known: {', '.join(_GLOBAL)} and blk.N.{{{known}}}"), file=file, tensor=gname)
-        if hname.endswith("shared_expert_gate.weight") and len(ref.shape) == 1:
-            ref = dataclasses.replace(ref, shape=(1, *ref.shape))  # transformers' [1, H]; the same bytes
         proj = hname.rsplit(".", 2)[-2]
         if facts.rope_permuted and proj in heads and hname.endswith(".weight"):
             ref = _rope_permuted(ref, heads[proj], file)
+        if facts.values_of(hname):
+            ref = dataclasses.replace(ref, values=facts.values_of(hname))
         tensors[hname] = ref
         names[hname] = gname
     return tensors, names

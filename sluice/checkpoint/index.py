@@ -6,7 +6,7 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -48,12 +48,14 @@ class CheckpointIndex:
         self.files = files
 
     @classmethod
-    def open(cls, folder: str | os.PathLike[str]) -> CheckpointIndex:
+    def open(cls, folder: str | os.PathLike[str], mlx_values: Mapping[str, Mapping[str, str]] | None = None
+             ) -> CheckpointIndex:
         """Read config.json, generation_config.json (optional) and every safetensors header in `folder`.
 
         Weights come from `model.safetensors`, else from the shards named by `model.safetensors.index.json`
         (the order transformers uses). An MLX folder (mlx-lm's `quantization` in config.json, or its stacked
-        `switch_mlp` experts) is presented under sluice's names, quantized modules dequantizable (mlx_index.py); a
+        `switch_mlp` experts) is presented under sluice's names, quantized modules dequantizable, values mlx-lm
+        changed marked (`mlx_values`: model_type -> the architecture's MLX_VALUES; mlx_index.py); a
         multimodal checkpoint (the hub's Qwen3.5) as its text model (multimodal.py). A GGUF file has its own class
         (gguf_index.py); open.open_index picks between them. Raises
         CheckpointError for a missing/invalid config, missing weights, a missing shard, an index entry absent from
@@ -81,7 +83,8 @@ class CheckpointIndex:
             raise _no_weights(folder)
         config, tensors = text_config(config), text_tensors(tensors)  # a vision-language wrapper: its text model
         if is_mlx(config, tensors):  # mlx-lm's names and affine-quantized modules, see mlx_index.py
-            tensors = mlx_tensors(tensors, config, folder / CONFIG)
+            values = (mlx_values or {}).get(config.get("model_type"))
+            tensors = mlx_tensors(tensors, config, folder / CONFIG, values)
         return cls(folder, config, generation_config, tensors, files)
 
     def __getitem__(self, name: str) -> TensorRef:

@@ -17,21 +17,28 @@ An MLX folder is a Hugging Face folder (config.json, model.safetensors or shards
 
 Every quantized module is checked against the config: its weight, scales and biases present, floating-point scales
 and biases of one dtype, and packed widths that are exactly the configured bits and group size.
+
+mlx-lm's `sanitize` of some architectures changes values too (the Gated DeltaNet hybrids: zero-centred norms stored
+as their scale 1 + w); the architecture names them (models/<model_type>.py MLX_VALUES, handed down by the opener)
+and their refs carry TensorRef.values. Its vision-language wrappers (Qwen3.5) name the text model
+`language_model.model.*` and its head `language_model.lm_head`: presented as `model.*` and `lm_head`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import CheckpointError
 from .formats import MLX_BITS as BITS
-from .ref import MLXQuant, TensorRef
+from .ref import MLXQuant, TensorRef, stored_as
 
 GROUP_SIZES = (32, 64, 128)  # what mlx.core.quantize accepts for affine quantization (mlx 0.32)
 _SWITCH_RE = re.compile(r"(?P<p>.+)\.switch_mlp\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight|scales|biases)")
 _FLOAT = ("F32", "F16", "BF16")
+_VLM_PREFIX = "language_model."
 _REDO = "re-convert it with mlx_lm.convert (or re-download it)"
 
 
@@ -40,12 +47,15 @@ def is_mlx(config: dict, tensors: dict[str, TensorRef]) -> bool:
     return "quantization" in config or any(".switch_mlp." in name for name in tensors)
 
 
-def mlx_tensors(tensors: dict[str, TensorRef], config: dict, config_path: Path) -> dict[str, TensorRef]:
+def mlx_tensors(tensors: dict[str, TensorRef], config: dict, config_path: Path,
+                values: Mapping[str, str] | None = None) -> dict[str, TensorRef]:
     """The folder's tensors under sluice's names: a quantized module's `weight` ref carries its scales and biases
     (TensorRef.mlx), which stay listed under their own names too (their files and bytes are part of the checkpoint);
-    stacked experts are renamed to `{p}.experts.{proj}`. CheckpointError for a module the config and the tensors
-    disagree on."""
+    stacked experts are renamed to `{p}.experts.{proj}`; the tensors `values` names (sluice name or suffix -> a
+    ref.STORED key: what mlx-lm's sanitize did to them) carry it. CheckpointError for a module the config and the
+    tensors disagree on."""
     quant = _parse_quantization(config.get("quantization"), config_path)
+    table = dict(values or {})
     out: dict[str, TensorRef] = {}
     for name, ref in tensors.items():
         module, _, kind = name.rpartition(".")
@@ -55,11 +65,16 @@ def mlx_tensors(tensors: dict[str, TensorRef], config: dict, config_path: Path) 
                                       file=ref.path, tensor=name)
         elif kind == "weight" and (f"{module}.scales" in tensors or ref.dtype == "U32"):
             ref = _quantized(module, tensors, quant, config_path)
-        out[_sluice_name(name)] = ref
+        new = _sluice_name(name)
+        if stored_as(new, table):
+            ref = dataclasses.replace(ref, values=stored_as(new, table))
+        out[new] = ref
     return out
 
 
 def _sluice_name(name: str) -> str:
+    if name.startswith(_VLM_PREFIX):  # mlx-lm's vision-language wrapper: language_model.model.*, language_model.lm_head
+        name = name[len(_VLM_PREFIX):]
     m = _SWITCH_RE.fullmatch(name)
     if m is None:
         return name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,11 @@ class TensorRef:
     `mlx`: set on the `weight` of an MLX affine-quantized Linear (checkpoint/mlx_index.py). The ref is then its
     packed uint32 codes (`dtype` "mlx4", "mlx8", ...; `shape` the logical [..., out, in]) and `mlx` holds the bits,
     group size and the `scales` / `biases` tensors; `io.read_tensor` dequantizes the three.
+
+    `values`: the name of the elementwise map a converter applied to the values on the way to the file (STORED
+    below: llama.cpp and mlx-lm store a zero-centred norm weight w as its scale 1 + w, llama.cpp a Gated DeltaNet's
+    A_log as -exp(A_log)); `io.read_tensor` undoes it in float32, so the tensor reads as the Hugging Face values.
+    Such a tensor is always dequantized at load, never kept in its blocks (quant/linear.py quant_spec).
     """
 
     name: str
@@ -130,6 +136,7 @@ class TensorRef:
     rope_heads: int = 0
     stamp: FileStamp | None = field(default=None, compare=False, repr=False)
     mlx: MLXQuant | None = None
+    values: str = ""  # a key of STORED: how the converter changed the values ("" none)
 
     @property
     def quantized(self) -> bool:
@@ -202,3 +209,56 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
     if heads <= 0 or rows % (2 * heads):
         raise ValueError(f"{rows} rows are not {heads} heads of an even head size")
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)  # [rows]
+
+
+def _unplus_one(x: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    # w = scale - 1 is exact where the scale is within [0.5, 2] (Sterbenz), so a zero-centred norm's 1 + w gives back
+    # the stored scale bit for bit there
+    return x - 1.0
+
+
+def _unneg_exp(x: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    if not bool((x < 0).all()):
+        raise CheckpointError("holds values >= 0 where the converter stores -exp(A_log) (always negative); the file "
+                              "is malformed: re-convert the model", file=ref.path, tensor=ref.name)
+    return torch.log(-x.double()).float()  # float64 inside: -exp() of it is the stored value to float32 rounding
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One elementwise map a converter applies to a tensor's values on the way to the file, both ways (float32)."""
+
+    what: str  # the stored value as a function of the Hugging Face value w
+    store: Callable[[torch.Tensor], torch.Tensor]  # Hugging Face values -> stored (tools/gguf_export.py writes so)
+    undo: Callable[[torch.Tensor, TensorRef], torch.Tensor]  # stored values of the ref -> Hugging Face values
+
+
+#: TensorRef.values -> the map
+STORED = {
+    # zero-centred RMSNorm weights as their scale (llama.cpp's and mlx-lm's converters of the Gated DeltaNet hybrids)
+    "plus_one": Stored("1 + w", lambda w: w + 1.0, _unplus_one),
+    # Gated DeltaNet's A_log as the decay rate itself (llama.cpp's ssm_a)
+    "neg_exp": Stored("-exp(w)", lambda w: -w.exp(), _unneg_exp),
+}
+
+
+def stored_as(name: str, table: dict[str, str]) -> str:
+    """The STORED key `table` (a converter's facts: a whole tensor name, or the suffix after a dot -> key) gives
+    tensor `name`, "" when it names none."""
+    for key, how in table.items():
+        if name == key or name.endswith("." + key):
+            return how
+    return ""
+
+
+def unstored(x: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    """`ref`'s values `x` as read from the file -> the Hugging Face values, in x's dtype (the inverse of the map
+    `ref.values` names, computed in float32; `x` itself when it names none). CheckpointError naming the tensor for
+    an unknown map or values the map cannot have produced."""
+    if not ref.values:
+        return x
+    entry = STORED.get(ref.values)
+    if entry is None:
+        raise CheckpointError(f"values stored as {ref.values!r}, which sluice does not know how to undo",
+                              file=ref.path, tensor=ref.name)
+    return entry.undo(x.float(), ref).to(x.dtype)

@@ -29,6 +29,8 @@ reads all it needs from the module. What a module provides (tests/models/test_ar
 
     ROUTER            the router's name under the MoE prefix ("gate"; gpt_oss: "router")
     MLX_MOE           mlx-lm's name of the MoE block in its folders ("mlp"; Mixtral: "block_sparse_moe")
+    MLX_VALUES        {tensor name or suffix: ref.STORED key}: the values mlx-lm's converter changes (the hybrids'
+                      zero-centred norms stored as 1 + w, checkpoint/mlx_index.py); {} for most
     synth_experts     None, or (SynthConfig, draw, generator, prefix) -> (name, tensor) of one layer's experts:
                       tools/synth.py writes these instead of its per-expert / fused layouts (gpt_oss: MXFP4 as shipped)
     synth_expert_nbytes  None, or (SynthConfig) -> bytes of one expert as synth_experts writes it
@@ -62,8 +64,8 @@ from .schema import show
 
 #: every name an architecture module must define (documented above; `check_arch` tests them)
 INTERFACE = ("MODEL_TYPE", "ModelArgs", "MOE_PREFIXES", "EXPERT_PROJ", "INTERMEDIATE_KEY", "layer_tensors", "SYNTH",
-             "synth_config", "GGUF", "layers", "ROUTER", "MLX_MOE", "synth_experts", "synth_expert_nbytes",
-             "expert_layer", "synth_wrap")
+             "synth_config", "GGUF", "layers", "ROUTER", "MLX_MOE", "MLX_VALUES", "synth_experts",
+             "synth_expert_nbytes", "expert_layer", "synth_wrap")
 
 _registered: dict[str, ModuleType] = {}
 
@@ -124,6 +126,7 @@ def check_arch(module: ModuleType) -> None:
         ("layers", callable(module.layers)),
         ("ROUTER", isinstance(module.ROUTER, str)),
         ("MLX_MOE", isinstance(module.MLX_MOE, str)),
+        ("MLX_VALUES", isinstance(module.MLX_VALUES, dict)),
         ("synth_experts", module.synth_experts is None or callable(module.synth_experts)),
         ("synth_expert_nbytes", (module.synth_expert_nbytes is None) == (module.synth_experts is None)),
         ("expert_layer", module.expert_layer is None or callable(module.expert_layer)),
@@ -136,7 +139,9 @@ def check_arch(module: ModuleType) -> None:
 
 
 def by_gguf_name(name: str) -> ModuleType | None:
-    """The architecture llama.cpp calls `name` (GGUF general.architecture), or None if sluice has none."""
+    """The architecture llama.cpp calls `name` (GGUF general.architecture), or None if sluice has none. Two modules
+    may share one GGUFArch object (one model in two checkpoint layouts: qwen3_5_moe, qwen3_5_moe_text): the first
+    in model_type order is the one a GGUF file opens as."""
     for module in archs().values():
         if module.GGUF is not None and module.GGUF.name == name:
             return module
@@ -146,8 +151,17 @@ def by_gguf_name(name: str) -> ModuleType | None:
 def gguf_archs() -> dict:
     """general.architecture -> GGUFArch (checkpoint/gguf_arch.py) of every architecture llama.cpp stores, each with
     its model_type: the table the checkpoint layer reads GGUF files by (plan.open_index hands it down)."""
-    return {module.GGUF.name: dataclasses.replace(module.GGUF, model_type=module.MODEL_TYPE)
-            for module in archs().values() if module.GGUF is not None}
+    out: dict = {}
+    for module in archs().values():
+        if module.GGUF is not None and module.GGUF.name not in out:  # the first of a shared GGUFArch (by_gguf_name)
+            out[module.GGUF.name] = dataclasses.replace(module.GGUF, model_type=module.MODEL_TYPE)
+    return out
+
+
+def mlx_values() -> dict:
+    """model_type -> the values mlx-lm's converter changes (MLX_VALUES) of every architecture that has some: the
+    table the checkpoint layer reads MLX folders by (plan.open_index hands it down)."""
+    return {t: module.MLX_VALUES for t, module in archs().items() if module.MLX_VALUES}
 
 
 def get_arch(model_type: Any, source: str | os.PathLike[str] = "config.json") -> ModuleType:

@@ -129,15 +129,21 @@ def mlp_tensors(role: str, prefix: str, inter: int, hidden: int) -> list[TensorN
 # llama.cpp's tensor names (blk.N.<suffix>) shared by the architectures here, -> transformers' names under the layer
 GGUF_ATTN = {f"attn_{g}.weight": f"self_attn.{h}_proj.weight"
              for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))}
-GGUF_COMMON = {
-    **GGUF_ATTN,
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+GGUF_EXPERTS = {  # the router and the stacked experts
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_exps.weight": "mlp.experts.gate_proj",
     "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
     "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
 }
+GGUF_COMMON = {
+    **GGUF_ATTN,
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **GGUF_EXPERTS,
+}
+# a shared expert and its sigmoid gate (stored [H]: read as transformers' [1, H], models/weights.py)
+GGUF_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+               **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}}
 GGUF_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 GGUF_QKV_BIAS = {f"attn_{g}.bias": f"self_attn.{g}_proj.bias" for g in "qkv"}

@@ -35,6 +35,7 @@ ROUTER = "router"  # the router is `mlp.router.weight` / `.bias` (store/layout.p
 # these only for the per-expert layout, which store/layout.py never takes for these checkpoints)
 EXPERT_PROJ = ("gate_up_proj", "gate_up_proj", "down_proj")
 MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+MLX_VALUES: dict[str, str] = {}  # mlx-lm's converter keeps the values
 synth_wrap = None  # make-model writes the text model alone
 INTERMEDIATE_KEY = "intermediate_size"
 LAYER_TYPES = ("full_attention", "sliding_attention")

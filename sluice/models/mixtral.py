@@ -21,6 +21,7 @@ MOE_PREFIXES = ("block_sparse_moe", "mlp")
 EXPERT_PROJ = ("w1", "w3", "w2")
 ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
 MLX_MOE = "block_sparse_moe"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+MLX_VALUES: dict[str, str] = {}  # mlx-lm's converter keeps the values
 synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
 expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 synth_wrap = None  # make-model writes the text model alone

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from typing import Any
 
-from .arch import GGUF_COMMON, GGUF_QKV_BIAS, GGUFArch, SynthDefaults
+from .arch import GGUF_COMMON, GGUF_QKV_BIAS, GGUF_SHARED, GGUFArch, SynthDefaults
 from .arch import layer_tensors as layer_tensors  # the shared layout; the shared expert is spec-driven
 from .args import BaseArgs, moe_layer_flags, sliding_windows
 from .spec import Spec
@@ -22,6 +22,7 @@ MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
 MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+MLX_VALUES: dict[str, str] = {}  # mlx-lm's converter keeps the values
 synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
 expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 synth_wrap = None  # make-model writes the text model alone
@@ -94,9 +95,7 @@ def _gguf_config(m, tensors) -> dict[str, Any]:
             "qkv_bias": "blk.0.attn_q.bias" in tensors}
 
 
-_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-           **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}}
-GGUF = GGUFArch("qwen2moe", tensors={**GGUF_COMMON, **GGUF_QKV_BIAS, **_SHARED}, config=_gguf_config,
+GGUF = GGUFArch("qwen2moe", tensors={**GGUF_COMMON, **GGUF_QKV_BIAS, **GGUF_SHARED}, config=_gguf_config,
                 norm_topk_prob=False)
 
 

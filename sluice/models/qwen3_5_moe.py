@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.multimodal import TEXT_PREFIX
-from .arch import SynthDefaults, SynthWrap, TensorName
-from .qwen3_next import SEPARATE, HybridArgs, hybrid_synth_config, hybrid_tensors, mtp_tensors
+from .arch import GGUFArch, SynthDefaults, SynthWrap, TensorName
+from .qwen3_next import (CENTRED_NORMS, GGUF_HYBRID, GGUF_HYBRID_VALUES, HybridArgs, hybrid_gguf_config,
+                         hybrid_synth_config, mtp_tensors)
 from .qwen3_next import layers as layers  # the same composition: gated attention or Gated DeltaNet, then the MoE
+from .qwen3_next import layer_tensors as layer_tensors  # the projections the Spec says (Qwen3.5's four)
 from .spec import Spec
 
 MODEL_TYPE = "qwen3_5_moe"
@@ -28,6 +30,7 @@ MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
 MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+MLX_VALUES = CENTRED_NORMS  # mlx-lm's sanitize stores the zero-centred norms as 1 + w (qwen3_next.py)
 synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
 expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 INTERMEDIATE_KEY = "moe_intermediate_size"
@@ -43,10 +46,6 @@ class ModelArgs(HybridArgs):
 
     def spec(self) -> Spec:
         return self.hybrid_spec(norm_topk_prob=True)
-
-
-def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
-    return hybrid_tensors(spec, layer, moe, SEPARATE)
 
 
 # -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
@@ -103,7 +102,18 @@ def synth_wrap(sc, spec: Spec, config: dict) -> SynthWrap:
     wrapped = {"architectures": [SYNTH.hf_class], "model_type": MODEL_TYPE, "text_config": text,
                "vision_config": vision, "tie_word_embeddings": config["tie_word_embeddings"], **VISION_TOKENS,
                **{k: config[k] for k in meta[1:]}}
-    return SynthWrap(wrapped, prefix=TEXT_PREFIX, extra=[*visual, *mtp_tensors(sc, spec, SEPARATE)])
+    return SynthWrap(wrapped, prefix=TEXT_PREFIX, extra=[*visual, *mtp_tensors(sc, spec)])
 
 
-GGUF = None  # llama.cpp's `qwen35moe` is read in a later step: until then such a GGUF is refused as unsupported
+# -- GGUF (checkpoint/gguf_config.py) --------------------------------------------------------------------------------
+# llama.cpp's qwen35moe: qwen3_next.py's facts, Qwen3.5's four projections (in_proj_b, in_proj_a as ssm_beta,
+# ssm_alpha), and the value heads stored tiled over the key heads (its converter's reorder, so that ggml broadcasts
+# the key heads: models/layers/gated_deltanet.py runs them so). rope.dimension_sections (the multimodal rope's split)
+# is not read: a text token has one position on all three axes, the plain rope of it.
+def _gguf_config(m, tensors) -> dict[str, Any]:
+    return {**hybrid_gguf_config(m, tensors), "linear_value_head_order": "tiled"}
+
+
+GGUF = GGUFArch("qwen35moe", tensors={**GGUF_HYBRID, "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+                                      "ssm_alpha.weight": "linear_attn.in_proj_a.weight"},
+                config=_gguf_config, norm_topk_prob=True, values=GGUF_HYBRID_VALUES, partial_rope=True)

@@ -22,7 +22,9 @@ from typing import Any
 
 from ..checkpoint.multimodal import text_config
 from ..errors import ConfigError
-from .arch import SynthDefaults, SynthWrap, TensorName, mlp_tensors
+from ..checkpoint.gguf_config import bools, n_layers
+from .arch import (GGUF_ATTN, GGUF_EXPERTS, GGUF_QK_NORM, GGUF_SHARED, GGUFArch, SynthDefaults, SynthWrap, TensorName,
+                   mlp_tensors)
 from .args import CONFIG, MAX_HEAD_DIM, BaseArgs, moe_layer_flags
 from .layers import Build, GatedAttention, GatedDeltaNet, PreNorm, moe_or_dense
 from .schema import cfg, override
@@ -33,10 +35,18 @@ MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
 MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+#: llama.cpp's and mlx-lm's converters store these zero-centred norm weights w as their scale 1 + w
+CENTRED_NORMS = {n: "plus_one" for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                         "model.norm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")}
+MLX_VALUES = CENTRED_NORMS  # mlx-lm's sanitize stores them so
 synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
 expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 INTERMEDIATE_KEY = "moe_intermediate_size"
 LAYER_TYPES = ("linear_attention", "full_attention")
+#: the input projections a checkpoint may store (HybridArgs.linear_in_proj) -> their DeltaNetWeights roles
+IN_PROJ = {"qkv_z_b_a": ("qkv", "z", "b", "a"),  # Qwen3.5 (transformers, llama.cpp's qwen35moe)
+           "qkvz_ba": ("qkvz", "ba"),  # Qwen3-Next (transformers; llama.cpp's first qwen3next files: ssm_in)
+           "qkv_z_ba": ("qkv", "z", "ba")}  # llama.cpp's qwen3next (its converter splits in_proj_qkvz, keeps ba)
 #: transformers' Qwen3NextConfig / Qwen3_5MoeTextConfig set partial_rotary_factor to this when config.json has none
 DEFAULT_PARTIAL_ROTARY = 0.25
 
@@ -58,6 +68,11 @@ class HybridArgs(BaseArgs):
     linear_value_head_dim: int = cfg(128, ge=1, le=MAX_HEAD_DIM)
     linear_num_key_heads: int = cfg(16, ge=1, divides="linear_num_value_heads")
     linear_num_value_heads: int = cfg(32, ge=1)
+    # sluice's own keys, not transformers': how the checkpoint stores the linear attention. A GGUF's config says
+    # what llama.cpp's converter wrote (the GGUF facts below); a Hugging Face or MLX folder keeps the defaults.
+    # The value heads' order (models/layers/gated_deltanet.py): transformers' grouped by key head, or tiled
+    linear_value_head_order: str = cfg("grouped", choices=("grouped", "tiled"))
+    linear_in_proj: str = cfg("qkv_z_b_a", choices=tuple(IN_PROJ))  # the input projections stored (IN_PROJ)
 
     @classmethod
     def from_dict(cls, config: dict, source: str | os.PathLike[str] = CONFIG):
@@ -91,7 +106,9 @@ class HybridArgs(BaseArgs):
             zero_centred_norms=True,
             delta=DeltaNetSpec(layers=self.linear_layers(), n_k_heads=self.linear_num_key_heads,
                                n_v_heads=self.linear_num_value_heads, k_head_dim=self.linear_key_head_dim,
-                               v_head_dim=self.linear_value_head_dim, conv_kernel=self.linear_conv_kernel_dim),
+                               v_head_dim=self.linear_value_head_dim, conv_kernel=self.linear_conv_kernel_dim,
+                               tiled=self.linear_value_head_order == "tiled",
+                               projections=IN_PROJ[self.linear_in_proj]),
             **arch,
         )
 
@@ -100,6 +117,7 @@ class HybridArgs(BaseArgs):
 class ModelArgs(HybridArgs):
     intermediate_size: int = cfg(0, ge=0)  # dense layers only (required then: see config_problems)
     norm_topk_prob: bool = cfg(True)
+    linear_in_proj: str = override(HybridArgs, "linear_in_proj", "qkvz_ba")  # in_proj_qkvz, in_proj_ba
     decoder_sparse_step: int = cfg(1, ge=1)
     mlp_only_layers: list[int] | None = cfg(None, ge=0, lt="num_hidden_layers")
 
@@ -121,17 +139,17 @@ class ModelArgs(HybridArgs):
 
 # -- tensor names ----------------------------------------------------------------------------------------------------
 #: Gated DeltaNet input projections: role -> (checkpoint name under linear_attn, rows as a function of DeltaNetSpec)
-FUSED = {"qkvz": ("in_proj_qkvz", lambda d: 2 * d.key_dim + 2 * d.value_dim),
-         "ba": ("in_proj_ba", lambda d: 2 * d.n_v_heads)}
-SEPARATE = {"qkv": ("in_proj_qkv", lambda d: d.conv_dim), "z": ("in_proj_z", lambda d: d.value_dim),
-            "b": ("in_proj_b", lambda d: d.n_v_heads), "a": ("in_proj_a", lambda d: d.n_v_heads)}
+PROJECTIONS = {"qkvz": ("in_proj_qkvz", lambda d: 2 * d.key_dim + 2 * d.value_dim),
+               "ba": ("in_proj_ba", lambda d: 2 * d.n_v_heads),
+               "qkv": ("in_proj_qkv", lambda d: d.conv_dim), "z": ("in_proj_z", lambda d: d.value_dim),
+               "b": ("in_proj_b", lambda d: d.n_v_heads), "a": ("in_proj_a", lambda d: d.n_v_heads)}
 
 
-def hybrid_tensors(spec: Spec, layer: int, moe: str | None, projections: dict, at: str | None = None
-                   ) -> list[TensorName]:
-    """One hybrid decoder layer's resident tensors (Qwen3-Next's `projections` FUSED, Qwen3.5's SEPARATE), in file
-    order, under `at` (default `model.layers.{layer}`). Zero-centred norms are drawn like biases by synthetic
-    checkpoints (around 0: scale 1 + weight), the Gated DeltaNet's plain output norm like a norm (around 1)."""
+def hybrid_tensors(spec: Spec, layer: int, moe: str | None, at: str | None = None) -> list[TensorName]:
+    """One hybrid decoder layer's resident tensors (the input projections the Spec says the checkpoint stores:
+    DeltaNetSpec.projections), in file order, under `at` (default `model.layers.{layer}`). Zero-centred norms are
+    drawn like biases by synthetic checkpoints (around 0: scale 1 + weight), the Gated DeltaNet's plain output norm
+    like a norm (around 1)."""
     s, d = spec, spec.delta
     H, D = s.hidden_size, s.head_dim
     p = at or f"model.layers.{layer}"
@@ -149,8 +167,8 @@ def hybrid_tensors(spec: Spec, layer: int, moe: str | None, projections: dict, a
                 TensorName("k_norm", f"{a}.k_norm.weight", (D,), "bias")]
     else:
         a = f"{p}.linear_attn"
-        out += [TensorName(f"delta.{role}", f"{a}.{name}.weight", (rows(d), H), "proj")
-                for role, (name, rows) in projections.items()]
+        out += [TensorName(f"delta.{role}", f"{a}.{PROJECTIONS[role][0]}.weight", (PROJECTIONS[role][1](d), H), "proj")
+                for role in d.projections]
         out += [TensorName("delta.conv", f"{a}.conv1d.weight", (d.conv_dim, 1, d.conv_kernel), "proj"),
                 TensorName("delta.dt_bias", f"{a}.dt_bias", (d.n_v_heads,), "bias"),
                 TensorName("delta.A_log", f"{a}.A_log", (d.n_v_heads,), "bias"),
@@ -168,7 +186,7 @@ def hybrid_tensors(spec: Spec, layer: int, moe: str | None, projections: dict, a
 
 
 def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
-    return hybrid_tensors(spec, layer, moe, FUSED)
+    return hybrid_tensors(spec, layer, moe)
 
 
 # -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
@@ -196,7 +214,7 @@ def hybrid_synth_config(sc) -> dict[str, Any]:
                 partial_rotary_factor=DEFAULT_PARTIAL_ROTARY)
 
 
-def mtp_tensors(sc, spec: Spec, projections: dict) -> list[TensorName]:
+def mtp_tensors(sc, spec: Spec) -> list[TensorName]:
     """The multi-token-prediction head the hub's checkpoints carry (`mtp.*`: one full-attention MoE layer behind a
     fusing projection of the embedding and the last hidden state), in the checkpoint's expert layout: written by
     synthetic checkpoints so they hold bytes that neither sluice nor transformers' *ForCausalLM ever reads."""
@@ -206,7 +224,7 @@ def mtp_tensors(sc, spec: Spec, projections: dict) -> list[TensorName]:
     out = [TensorName("mtp.fc", "mtp.fc.weight", (H, 2 * H), "proj"),
            *(TensorName(f"mtp.{n}", f"mtp.{n}.weight", (H,), "bias") for n in ("pre_fc_norm_embedding",
                                                                                  "pre_fc_norm_hidden")),
-           *hybrid_tensors(spec, L, moe, projections, at=p)]
+           *hybrid_tensors(spec, L, moe, at=p)]
     if sc.layout == "fused":
         out += [TensorName("experts", f"{moe}.experts.gate_up_proj", (E, 2 * I, H), "proj"),
                 TensorName("experts", f"{moe}.experts.down_proj", (E, H, I), "proj")]
@@ -218,7 +236,7 @@ def mtp_tensors(sc, spec: Spec, projections: dict) -> list[TensorName]:
 
 def synth_wrap(sc, spec: Spec, config: dict) -> SynthWrap:
     """A synthetic qwen3_next holds the hub's mtp head after the model."""
-    return SynthWrap({**config, "mtp_num_hidden_layers": 1}, extra=mtp_tensors(sc, spec, FUSED))
+    return SynthWrap({**config, "mtp_num_hidden_layers": 1}, extra=mtp_tensors(sc, spec))
 
 
 def synth_config(sc) -> dict[str, Any]:
@@ -227,9 +245,59 @@ def synth_config(sc) -> dict[str, Any]:
             "intermediate_size": 4 * sc.moe_intermediate_size}
 
 
-# llama.cpp's `qwen3next` (convert_hf_to_gguf.py reorders the linear-attention heads and renames the conv / A / dt
-# tensors) is read in a later step: until then a qwen3next GGUF is refused as an unsupported architecture.
-GGUF = None
+# -- GGUF (checkpoint/gguf_config.py) --------------------------------------------------------------------------------
+# What llama.cpp's convert_hf_to_gguf.py does to the hybrids, undone here: the norms transformers scales by 1 + w it
+# stores as that scale (all but the Gated DeltaNet's own), A_log as -exp(A_log) (ssm_a), dt_bias renamed ssm_dt.bias,
+# the conv squeezed to [C, K], the mtp head (without --no-mtp) as blocks after the model's (nextn_predict_layers),
+# the rope's rotary part as rope.dimension_count. Qwen3-Next: in_proj_qkvz split into attn_qkv (q | k | v) and
+# attn_gate (z), in_proj_ba kept (ssm_ba). Qwen3.5: the value heads reordered from grouped to tiled (qwen3_5_moe.py).
+GGUF_HYBRID = {  # blk.N.<suffix> -> model.layers.N.<suffix>, both hybrids
+    **GGUF_ATTN, **GGUF_QK_NORM, **GGUF_EXPERTS, **GGUF_SHARED,
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",  # [C, K]: read as [C, 1, K]
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",  # -exp(A_log)
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+GGUF_HYBRID_VALUES = {**CENTRED_NORMS, "linear_attn.A_log": "neg_exp"}
+
+
+def hybrid_gguf_config(m, tensors) -> dict[str, Any]:
+    """The config keys both hybrids' GGUFs give (llama.cpp's loaders: the ssm.* keys size the linear attention,
+    attention.recurrent_layers or else full_attention_interval place it; every layer sparse, with a shared expert)."""
+    n, top_k = n_layers(m), m.int("expert_used_count")
+    ff = m.int("feed_forward_length", 0, minimum=0)
+    k_heads, v_heads, inner = m.int("ssm.group_count"), m.int("ssm.time_step_rank"), m.int("ssm.inner_size")
+    if inner % v_heads:
+        raise ConfigError(f"{m.file}: metadata {m.key('ssm.inner_size')} {inner} is not a whole number of "
+                          f"{m.key('ssm.time_step_rank')} {v_heads} value heads")
+    linear = bools(m, "attention.recurrent_layers", n)
+    if linear is None:
+        interval = m.int("full_attention_interval", 4)
+        linear = [(i + 1) % interval != 0 for i in range(n)]
+    return dict(num_experts=m.int("expert_count"), moe_intermediate_size=m.int("expert_feed_forward_length",
+                                                                              ff // top_k or m.REQUIRED),
+                shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", ff or m.REQUIRED),
+                layer_types=[LAYER_TYPES[0] if x else LAYER_TYPES[1] for x in linear],
+                linear_conv_kernel_dim=m.int("ssm.conv_kernel"), linear_key_head_dim=m.int("ssm.state_size"),
+                linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, linear_value_head_dim=inner // v_heads,
+                attention_bias=False)  # llama.cpp's graphs have no attention biases
+
+
+def _gguf_config(m, tensors) -> dict[str, Any]:
+    # the first qwen3next files kept in_proj_qkvz whole (ssm_in; llama.cpp still reads them)
+    legacy = any(name.endswith(".ssm_in.weight") for name in tensors)
+    return {**hybrid_gguf_config(m, tensors), "intermediate_size": m.int("feed_forward_length", 0, minimum=0),
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "linear_in_proj": "qkvz_ba" if legacy else "qkv_z_ba"}
+
+
+GGUF = GGUFArch("qwen3next", tensors={**GGUF_HYBRID, "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+                                      "ssm_in.weight": "linear_attn.in_proj_qkvz.weight"},
+                config=_gguf_config, norm_topk_prob=True, values=GGUF_HYBRID_VALUES, partial_rope=True)
 
 
 def layers(b: Build) -> list[PreNorm]:

@@ -62,6 +62,13 @@ class DeltaNetSpec:
     # the output norm's gate: rms_norm(o) * weight * act(z); "silu" (Qwen3-Next, Qwen3.5) or "sigmoid" (Qwen4-Exp's
     # output_gate_type)
     gate_act: str = "silu"
+    # value heads stored tiled over the key heads (value head j reads key head j % n_k_heads: llama.cpp's qwen35
+    # GGUFs) instead of grouped by key head (j // (n_v_heads / n_k_heads): transformers'); models/layers/
+    # gated_deltanet.py runs the heads in the stored order
+    tiled: bool = False
+    # the input projections the checkpoint stores, as DeltaNetWeights roles: ("qkv", "z", "b", "a") (Qwen3.5),
+    # ("qkvz", "ba") (Qwen3-Next), ("qkv", "z", "ba") (llama.cpp's qwen3next)
+    projections: tuple[str, ...] = ("qkv", "z", "b", "a")
 
     @property
     def key_dim(self) -> int:
@@ -247,8 +254,9 @@ class MLAWeights:
 @dataclass
 class DeltaNetWeights:
     """A Gated DeltaNet layer's weights (DeltaNetSpec; the output projection is LayerWeights.o). The input
-    projections are Qwen3.5's four (qkv, z, b, a) or Qwen3-Next's two fused ones (qkvz, ba), whose rows go key head
-    by key head: per key head its q, k, then its value heads' v and z (qkvz), its value heads' b then a (ba)."""
+    projections (DeltaNetSpec.projections) are Qwen3.5's four (qkv, z, b, a), Qwen3-Next's two fused ones (qkvz, ba),
+    whose rows go key head by key head: per key head its q, k, then its value heads' v and z (qkvz), its value
+    heads' b then a (ba), or a mix (llama.cpp's qwen3next: qkv, z, ba)."""
 
     conv: torch.Tensor  # [conv_dim, 1, K] the depthwise causal conv over q | k | v, as stored (compute dtype)
     A_log: torch.Tensor  # [Hv] float32: the decay rate is -exp(A_log)

@@ -7,6 +7,7 @@ names (GGUF blocks with an integer kernel, at bf16 / f16) stay in their stored b
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 import torch
@@ -26,12 +27,19 @@ from ..store.layout import moe_prefix
 
 
 def _expect(index: CheckpointIndex, name: str, shape: tuple[int, ...]) -> TensorRef:
+    """The ref of `name`, of `shape`. A stored shape that differs only in size-1 dims is the same elements in the
+    same order (converters squeeze or move them: llama.cpp's ffn_gate_inp_shexp [H] for [1, H] and ssm_conv1d
+    [C, K] for [C, 1, K], mlx-lm's conv1d [C, K, 1]): the ref is read as `shape` (a block format keeps its rows)."""
     ref = index[name]
-    if tuple(ref.shape) != tuple(shape):
-        raise CheckpointError(
-            f"shape {list(ref.shape)} does not match config.json (expected {list(shape)})", file=ref.path, tensor=name
-        )
-    return ref
+    shape = tuple(shape)
+    if tuple(ref.shape) == shape:
+        return ref
+    same = [d for d in ref.shape if d != 1] == [d for d in shape if d != 1]
+    if same and shape and ref.shape and (not ref.quantized or ref.shape[-1] == shape[-1]):
+        return dataclasses.replace(ref, shape=shape)
+    raise CheckpointError(
+        f"shape {list(ref.shape)} does not match config.json (expected {list(shape)})", file=ref.path, tensor=name
+    )
 
 
 def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[str, TensorRef]:

@@ -274,8 +274,8 @@ def quant_spec(ref: TensorRef, dtype: torch.dtype) -> QuantSpec | None:
     path, or no native extension. The one rule the load (models/weights.py) and the memory plan (plan.py) share."""
     if dtype not in (torch.bfloat16, torch.float16) or not native.available():
         return None
-    if not ref.quantized or ref.mlx is not None or len(ref.shape) != 2:
-        return None
+    if not ref.quantized or ref.mlx is not None or ref.values or len(ref.shape) != 2:
+        return None  # (values a converter mapped are undone on the dequantized tensor: read_tensor)
     try:
         spec = QuantSpec.ggml(ref.dtype, *ref.shape)
     except (UnsupportedFormat, ValueError):

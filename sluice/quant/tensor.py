@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.ref import TensorRef
+from ..checkpoint.ref import TensorRef, unstored
 from ..errors import CheckpointError
 from ..io.tensor import read_bytes
 from . import ggml
@@ -18,14 +18,15 @@ def read_tensor(ref: TensorRef, dtype: torch.dtype = torch.float32) -> torch.Ten
     A tensor in a block format (GGUF Q4_K, ...) or an MLX affine weight (`ref.mlx`: its codes, scales and biases
     are read) comes back dequantized, in `dtype` (bitwise the gguf / mx.dequantize reference in float32; another
     dtype is that value rounded once). Rows a GGUF converter permuted for llama.cpp's rope
-    (`ref.rope_heads`) come back in Hugging Face order. Raises CheckpointError (naming the file and tensor) when the
+    (`ref.rope_heads`) come back in Hugging Face order, values a converter mapped (`ref.values`: a norm stored as
+    1 + w, ...) as the Hugging Face values. Raises CheckpointError (naming the file and tensor) when the
     file is missing, short, not the version its header was read from (`ref.stamp`), or the byte count does not
     match the dtype and shape.
     """
     if ref.mlx is not None:
-        return _read_mlx(ref, dtype)
+        return unstored(_read_mlx(ref, dtype), ref)
     if ref.quantized:
-        return _read_blocks(ref, dtype)
+        return unstored(_read_blocks(ref, dtype), ref)
     expected = ref.numel * ref.itemsize
     if ref.nbytes != expected:
         raise CheckpointError(
@@ -35,7 +36,7 @@ def read_tensor(ref: TensorRef, dtype: torch.dtype = torch.float32) -> torch.Ten
         )
     out = read_bytes(ref).view(ref.torch_dtype).reshape(ref.shape)
     order = ref.row_order()
-    return out if order is None else out[order]
+    return unstored(out if order is None else out[order], ref)
 
 
 def _read_blocks(ref: TensorRef, dtype: torch.dtype) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Benchmarks compare sluice with llama.cpp on one checkpoint, and `sluice quantize` makes GGUF files of any type; this
 writes the checkpoint in llama.cpp's layout, as its `convert_hf_to_gguf.py` lays out each architecture (read to
 learn the mapping; nothing is copied). config.json model_type -> GGUF architecture: qwen3_moe -> qwen3moe,
-qwen2_moe -> qwen2moe, olmoe -> olmoe, mixtral -> llama (with experts).
+qwen2_moe -> qwen2moe, olmoe -> olmoe, mixtral -> llama (with experts), and the Gated DeltaNet hybrids qwen3_next ->
+qwen3next, qwen3_5_moe (either layout) -> qwen35moe, whose tensors and keys tools/gguf_hybrid.py lays out.
 
     model.embed_tokens.weight                     token_embd.weight          [V, H]
     model.layers.N.input_layernorm.weight         blk.N.attn_norm.weight     [H]            always F32
@@ -48,14 +49,14 @@ import torch
 
 from ..checkpoint.index import CONFIG, CheckpointIndex
 from ..checkpoint.paths import output_kind
-from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError, ConfigError, SluiceError
 from ..quant.tensor import read_tensor
 from ..models import archs, model_args
 from ..models.schema import show
 from ..store.layout import moe_prefix
 from ..tokenizer import Tokenizer
-from .gguf_types import GGUF_TYPES, TypeChoice, choose, encode, nbytes
+from .gguf_hybrid import HYBRID_ARCHS, hybrid_hparams, hybrid_problem, hybrid_tensors
+from .gguf_types import GGUF_TYPES, GgufTensor, TypeChoice, choose, encode, nbytes
 from ..plan import open_index
 
 EXPORT_DTYPES = tuple(GGUF_TYPES)  # "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
@@ -74,17 +75,6 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 class ExportError(SluiceError):
     """The model cannot be written as a GGUF that llama.cpp runs identically (unsupported field or layout)."""
-
-
-@dataclass(frozen=True)
-class GgufTensor:
-    """One GGUF tensor: its name, torch-order shape, and how to produce its data from the checkpoint."""
-
-    name: str
-    shape: tuple[int, ...]
-    sources: tuple[TensorRef, ...]  # one tensor, or the E per-expert tensors stacked on dim 0
-    rows: tuple[int, int] | None = None  # fused layout: the slice of dim 1 to keep (gate or up half)
-    rope_heads: int | None = None  # llama q/k: rows permuted for interleaved rope, in this many heads
 
 
 @dataclass(frozen=True)
@@ -123,9 +113,11 @@ def export_args(index: CheckpointIndex):
     if not all(spec.moe_layers):
         raise ExportError("config.json mlp_only_layers / decoder_sparse_step: dense layers are not supported")
     rope = spec.rope
-    if rope.rope_type != "default" or rope.partial_rotary_factor != 1:
+    if rope.rope_type != "default" or (rope.partial_rotary_factor != 1 and not gg.partial_rope):
         raise ExportError(f"config.json rope type {rope.rope_type!r} (partial_rotary_factor "
                           f"{rope.partial_rotary_factor}): only plain full rope is supported")
+    if spec.delta is not None and (why := hybrid_problem(spec)):
+        raise ExportError(why)
     if (spec.qkv_bias and arch != "qwen2moe") or spec.o_bias:
         raise ExportError(f"config.json attention_bias is true: {arch} in llama.cpp has no attention biases")
     if any(w is not None for w in spec.sliding_window):
@@ -139,8 +131,13 @@ def export_args(index: CheckpointIndex):
 def export_plan(index: CheckpointIndex) -> ExportPlan:
     """Every GGUF tensor in file order, mapped from the checkpoint's names (nothing is read)."""
     args = export_args(index)
-    arch = gguf_archs()[index.config["model_type"]].name
+    facts = gguf_archs()[index.config["model_type"]]
+    arch = facts.name
     spec = args.spec()
+    if spec.delta is not None:  # the Gated DeltaNet hybrids: tools/gguf_hybrid.py
+        module = _arch_module(index)
+        stacks = lambda moe, g: _expert_stacks(index, moe, g, args.num_experts, module.EXPERT_PROJ)  # noqa: E731
+        return ExportPlan(arch, args, hybrid_tensors(index, spec, facts, module, stacks))
     out: list[GgufTensor] = []
 
     def one(gguf_name: str, hf_name: str, rope_heads: int | None = None, squeeze: bool = False) -> None:
@@ -282,6 +279,8 @@ def _data(gt: GgufTensor) -> torch.Tensor:
     if gt.rows is not None:
         lo, hi = gt.rows
         return read_tensor(gt.sources[0])[:, lo:hi]
+    if gt.transform is not None:  # it works on the tensor as read, and gives the GGUF tensor's values
+        return gt.transform(read_tensor(gt.sources[0])).reshape(gt.shape)
     if len(gt.sources) == 1:
         t = read_tensor(gt.sources[0]).reshape(gt.shape)
         if gt.rope_heads is not None:  # convert_hf_to_gguf's LlamaModel.permute: [heads, 2, D/2, H] -> [heads, D/2, 2, H]
@@ -405,6 +404,8 @@ def _hparams(w, plan: ExportPlan, config: dict) -> None:
         w.add_expert_feed_forward_length(spec.moe_intermediate_size)
         if spec.shared_expert_intermediate_size:
             w.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
+    elif plan.arch in HYBRID_ARCHS:
+        hybrid_hparams(w, plan.arch, spec, config)
     else:  # olmoe, llama: feed_forward_length is the experts' size
         w.add_feed_forward_length(spec.moe_intermediate_size)
     if plan.arch == "llama":

@@ -18,9 +18,13 @@ file's blocks are exactly what that function gives for the checkpoint's weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from ..checkpoint.ref import TensorRef
 
 # --to name -> (GGML type name, general.file_type name of gguf.LlamaFileType); names as llama.cpp spells them
 GGUF_TYPES = {
@@ -35,7 +39,23 @@ GGUF_TYPES = {
 }
 _FLOAT = ("F32", "F16", "BF16")
 _LLAMA_QUANTIZE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")  # types only llama-quantize makes: its mix applies
-_ALWAYS_F32 = ("_norm.weight", "ffn_gate_inp.weight")
+# (ggml's ssm_conv reads F32; the shared expert gate [1, H] is one row, kept F32 by llama.cpp's quantizer too)
+_ALWAYS_F32 = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One GGUF tensor of an export (tools/gguf_export.py): its name, torch-order shape, and how to produce its data
+    from the checkpoint."""
+
+    name: str
+    shape: tuple[int, ...]
+    sources: tuple[TensorRef, ...]  # one tensor, or the E per-expert tensors stacked on dim 0
+    rows: tuple[int, int] | None = None  # fused layout: the slice of dim 1 to keep (gate or up half)
+    rope_heads: int | None = None  # llama q/k: rows permuted for interleaved rope, in this many heads
+    # the source tensor as read -> the GGUF values (then shaped `shape`): what the converter does to it (the
+    # hybrids' value maps, head reorders and splits: tools/gguf_hybrid.py)
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ The layout is what `mlx_lm convert -q --q-bits B` writes (checked tensor by tens
   glm4_moe's routers unquantized (mlx-lm holds them as plain arrays, not Linear modules);
 - config.json = the source's plus `quantization` (and its copy `quantization_config`): {group_size, bits, mode:
   affine, "<module path>": {group_size, bits} per override}; the tokenizer and generation files copied.
+- the Gated DeltaNet hybrids as mlx-lm's `sanitize` leaves them: the values it maps mapped (the architecture's
+  MLX_VALUES: zero-centred norms stored as 1 + w), the conv as MLX's [C, K, 1], the shared expert gate (and the
+  routers) in 8 bits (its quant_predicate), the mtp head and the vision tower left out (its models hold neither).
 
 The numbers come from MLX's own quantizer (`mx.quantize`, on the checkpoint's own dtype as mlx-lm does), so this needs
 the `mlx` package (`pip install 'mlx[cpu]'` on Linux). Streaming: one tensor or expert stack at a time, written in
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 
 from ..checkpoint.index import CONFIG, CheckpointIndex, write_sharded
+from ..checkpoint.ref import STORED, stored_as
 from ..errors import SluiceError
 from ..quant.tensor import read_tensor
 from ..models import get_arch, model_args
@@ -38,6 +42,10 @@ from ..store.layout import moe_prefix
 from ..plan import open_index
 
 GROUP_SIZE = 64  # mlx-lm's default for affine quantization
+_HYBRIDS = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+_UNREAD = ("mtp.", "model.visual.")  # a hub hybrid's mtp head and vision tower: mlx-lm's sanitize drops them
+# mlx-lm's vision-language wrappers name the text model `language_model.model.*` (and quantization paths so)
+_VLM = {"qwen3_5_moe": "language_model."}
 MLX_TYPES = {"mlx-4bit": 4, "mlx-8bit": 8}
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                "chat_template.json", "generation_config.json")
@@ -88,32 +96,51 @@ def _module_tensors(index: CheckpointIndex) -> Iterator[tuple[str, Callable[[], 
         dst = f"model.layers.{n}.{arch.MLX_MOE}"
         expert_names[src] = dst
     E = spec.num_experts
+    pre = _VLM.get(cfg.get("model_type"), "")
     for name in index.tensors:
         moe = next((p for p in expert_names if name.startswith(p + ".")), None)
         if moe is not None and name.startswith(f"{moe}.experts."):
             continue  # stacked below
-        if (name == "lm_head.weight" and spec.tie_word_embeddings) or "rotary_emb" in name:
+        if (name == "lm_head.weight" and spec.tie_word_embeddings) or "rotary_emb" in name or name.startswith(_UNREAD):
             continue
         mlx_name = f"{expert_names[moe]}.gate.weight" if moe and name == f"{moe}.gate.weight" else name
-        yield mlx_name, lambda name=name: read_tensor(index[name])
+        yield pre + mlx_name, lambda name=name: _sanitized(name, read_tensor(index[name]), arch)
     for src, dst in expert_names.items():
         if f"{src}.experts.gate_up_proj" in index:
             I = spec.moe_intermediate_size
             gu = lambda src=src: read_tensor(index[f"{src}.experts.gate_up_proj"])  # noqa: E731 [E, 2I, H]
-            yield f"{dst}.switch_mlp.gate_proj.weight", lambda gu=gu: gu()[:, :I]
-            yield f"{dst}.switch_mlp.up_proj.weight", lambda gu=gu: gu()[:, I:]
-            yield f"{dst}.switch_mlp.down_proj.weight", lambda src=src: read_tensor(index[f"{src}.experts.down_proj"])
+            yield f"{pre}{dst}.switch_mlp.gate_proj.weight", lambda gu=gu: gu()[:, :I]
+            yield f"{pre}{dst}.switch_mlp.up_proj.weight", lambda gu=gu: gu()[:, I:]
+            yield (f"{pre}{dst}.switch_mlp.down_proj.weight",
+                   lambda src=src: read_tensor(index[f"{src}.experts.down_proj"]))
             continue
         for hf, mlx in zip(arch.EXPERT_PROJ, ("gate_proj", "up_proj", "down_proj")):
-            yield (f"{dst}.switch_mlp.{mlx}.weight",
+            yield (f"{pre}{dst}.switch_mlp.{mlx}.weight",
                    lambda src=src, hf=hf: torch.stack([read_tensor(index[f"{src}.experts.{e}.{hf}.weight"])
                                                        for e in range(E)]))
 
 
+def _sanitized(name: str, t: torch.Tensor, arch) -> torch.Tensor:
+    """`t` as mlx-lm's sanitize leaves it: its value maps applied (MLX_VALUES), a depthwise conv [C, 1, K] as MLX's
+    [C, K, 1] (the same elements in the same order)."""
+    how = stored_as(name, arch.MLX_VALUES)
+    if how:
+        t = STORED[how].store(t.float()).to(t.dtype)
+    if name.endswith("conv1d.weight") and t.dim() == 3 and t.shape[1] == 1:
+        t = t.reshape(t.shape[0], t.shape[2], 1)
+    return t
+
+
 def _override(path: str, model_type: str) -> dict[str, int] | None:
-    """mlx-lm's per-module parameters: qwen3_moe's quant_predicate puts the routers (`*.mlp.gate`) in 8 bits (and
-    the config records them even when the default is 8 bits too)."""
-    return {"group_size": GROUP_SIZE, "bits": 8} if model_type == "qwen3_moe" and path.endswith("mlp.gate") else None
+    """mlx-lm's per-module parameters: the quant_predicate of qwen3_moe puts the routers (`*.mlp.gate`) in 8 bits,
+    the hybrids' the routers and the shared expert gates (the config records them even when the default is 8 bits
+    too)."""
+    eight = {"group_size": GROUP_SIZE, "bits": 8}
+    if model_type == "qwen3_moe" and path.endswith("mlp.gate"):
+        return eight
+    if model_type in _HYBRIDS and path.endswith(("mlp.gate", "shared_expert_gate")):
+        return eight
+    return None
 
 
 def _kept_plain(path: str, spec: Spec) -> bool:

@@ -162,6 +162,39 @@ def test_rope_row_order_is_exact_on_quantized_rows(tmp_path):
     assert np.array_equal(stored[order], gguf.quants.quantize(q, Q.Q8_0))
 
 
+def _stored_ref(tmp_path: Path, values: np.ndarray, how: str, dtype: str = "F32") -> TensorRef:
+    path = tmp_path / "v.bin"
+    data = values.astype(np.float32 if dtype == "F32" else np.float16)
+    path.write_bytes(data.tobytes())
+    return TensorRef("blk.0.t", str(path), 0, data.nbytes, dtype, values.shape, values=how)
+
+
+def test_stored_values_read_back_as_the_hugging_face_values(tmp_path):
+    """What a converter does to values (TensorRef.values: llama.cpp's and mlx-lm's 1 + w norms, llama.cpp's
+    -exp(A_log)) is undone by read_tensor, in float32, for every map STORED knows and both ways round."""
+    from sluice.checkpoint.ref import STORED
+
+    w = torch.tensor([[-0.4, -0.01, 0.0], [0.02, 0.3, 1.7]])
+    for how, m in STORED.items():
+        stored = m.store(w)
+        got = read_tensor(_stored_ref(tmp_path, stored.numpy(), how))
+        torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-7, msg=how)
+        if how == "plus_one":  # 1 + (scale - 1) is the stored scale again, bit for bit: what llama.cpp multiplies by
+            assert torch.equal(m.store(got), stored)
+        torch.testing.assert_close(m.store(got), stored, rtol=3e-7, atol=0, msg=how)
+    half = read_tensor(_stored_ref(tmp_path, (w + 1).numpy(), "plus_one", "F16"))
+    assert half.dtype == torch.float16  # a plain tensor keeps its dtype
+    torch.testing.assert_close(half.float(), w, rtol=0, atol=1e-3)
+
+
+def test_stored_values_the_map_cannot_give_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match=r"values >= 0 where the converter stores -exp\(A_log\)") as e:
+        read_tensor(_stored_ref(tmp_path, np.array([-1.0, 0.5]), "neg_exp"))
+    assert e.value.tensor == "blk.0.t"
+    with pytest.raises(CheckpointError, match="values stored as 'cube'"):
+        read_tensor(_stored_ref(tmp_path, np.array([1.0]), "cube"))
+
+
 # -- malformed headers: one test per rule -----------------------------------------------------------------------------
 def check(tmp_path: Path, raw: bytes, pattern: str, tensor: str | None = None) -> CheckpointError:
     path = tmp_path / "bad.gguf"

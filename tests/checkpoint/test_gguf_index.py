@@ -274,12 +274,21 @@ def test_names_round_trip():
             == "model.layers.0.mlp.shared_expert_gate.weight")
 
 
-def test_shared_expert_gate_is_1_by_h(pair):
+def test_shared_expert_gate_is_read_1_by_h(pair):
+    """llama.cpp stores the gate [H]; the index keeps the file's shape and the model reads it as transformers'
+    [1, H] (a squeezed size-1 dim: models/weights.py), the same bytes."""
+    from sluice.models.weights import resident_refs
+
     arch, model, _, path = pair
     if arch != "qwen2_moe":
         pytest.skip(f"{arch} has no shared expert gate (qwen2_moe's)")
-    ref = open_index(path)["model.layers.0.mlp.shared_expert_gate.weight"]
-    assert ref.shape == (1, model.config.hidden_size)
+    index = open_index(path)
+    H = model.config.hidden_size
+    assert index["model.layers.0.mlp.shared_expert_gate.weight"].shape == (H,)
+    refs = resident_refs(index, spec_of(index.config), get_arch(arch))
+    assert refs["layers.0.shared_gate"].shape == (1, H)
+    assert torch.equal(read_tensor(refs["layers.0.shared_gate"]),
+                       model.state_dict()["model.layers.0.mlp.shared_expert_gate.weight"])
 
 
 # -- errors ------------------------------------------------------------------------------------------------------------
@@ -300,7 +309,8 @@ def test_unsupported_architectures(qwen3, tmp_path):
     path = _with(qwen3, tmp_path, _set("general.architecture", "add_string", "gemma3"))
     with pytest.raises(ConfigError, match=r"architecture 'gemma3' is not supported; supported \(llama.cpp's name and "
                                           r"config.json model_type\): llama \(mixtral\), olmoe \(olmoe\), "
-                                          r"qwen2moe \(qwen2_moe\), qwen3moe \(qwen3_moe\)"):
+                                          r"qwen2moe \(qwen2_moe\), qwen35moe \(qwen3_5_moe\), qwen3moe \(qwen3_moe\), "
+                                          r"qwen3next \(qwen3_next\)"):
         open_index(path)
     dense = _with(qwen3, tmp_path, lambda w: (_set("general.architecture", "add_string", "llama")(w),
                                               w.kv_data[0].pop("qwen3moe.expert_count")))

@@ -67,12 +67,17 @@ def test_each_architecture_provides_the_interface(model_type):
 
 
 def test_gguf_facts_are_unambiguous():
+    """One GGUFArch per llama.cpp name; modules sharing a name share the one object (the same model in another
+    checkpoint layout: qwen3_5_moe_text), and a file of that name opens as the first of them."""
     with_gguf = [a for a in models.archs().values() if a.GGUF is not None]
-    names = [a.GGUF.name for a in with_gguf]
-    assert len(set(names)) == len(names)
+    first = {}
     for a in with_gguf:
-        assert models.by_gguf_name(a.GGUF.name) is a
+        first.setdefault(a.GGUF.name, a)
+        assert a.GGUF is first[a.GGUF.name].GGUF, a.MODEL_TYPE
+        assert models.by_gguf_name(a.GGUF.name) is first[a.GGUF.name]
+        assert models.gguf_archs()[a.GGUF.name].model_type == first[a.GGUF.name].MODEL_TYPE
         assert len(set(a.GGUF.tensors.values())) == len(a.GGUF.tensors)  # the mapping inverts (gguf_name)
+    assert models.by_gguf_name("qwen35moe").MODEL_TYPE == "qwen3_5_moe"
     assert models.by_gguf_name("gemma3") is None
 
 

@@ -167,6 +167,35 @@ def test_prompt_reuse_keeps_only_a_state_that_is_exactly_the_prompts_prefix(chec
             assert m.step_times.prefill_tokens == len(edited)
 
 
+def test_value_heads_stored_tiled_run_in_the_files_order(checkpoints, tmp_path):
+    """A checkpoint whose linear attention holds its value heads tiled over the key heads (llama.cpp's qwen35moe
+    GGUFs; sluice's config key linear_value_head_order) runs them as stored, each paired with key head j % nK: the
+    grouped checkpoint's logits. Read as grouped, the same bytes give another model."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.checkpoint.hybrid_files import tiled_state_dict
+
+    folder, model = checkpoints("qwen3_5_moe")
+    want = reference(model, LONG[:80]).logits[0]
+    out = tmp_path / "tiled"
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text())
+    text = config["text_config"]
+    nk, dk, dv = text["linear_num_key_heads"], text["linear_key_head_dim"], text["linear_value_head_dim"]
+    assert text["linear_num_value_heads"] > nk  # several value heads per key head: the orders differ
+    for f in out.glob("*.safetensors"):
+        save_file(tiled_state_dict(load_file(f), nk, nk * dk, dv), f, metadata={"format": "pt"})
+    for order in ("tiled", "grouped"):
+        text["linear_value_head_order"] = order
+        (out / "config.json").write_text(json.dumps(config))
+        with sluice.load(out, dtype="float32") as m:
+            err = rel_err(m.logits(LONG[:80]), want)
+        assert err <= FP32_REL if order == "tiled" else err > 1e-2, (order, err)
+
+
 def test_a_pass_that_does_not_continue_the_state_is_refused(checkpoints):
     folder, _ = checkpoints("qwen3_5_moe")
     with sluice.load(folder) as m:

@@ -32,7 +32,10 @@ MLX_COMPATIBLE = {
     "olmoe": dict(clip_qkv=None),
     "qwen2_moe": dict(use_sliding_window=False, mlp_only_layers=[], tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen3_next": {},  # its dense layer and unnormalised top-k included
+    "qwen3_5_moe": {},  # the hub's wrapper (mlx-lm keeps the text model); experts fused, as its sanitize reads them
 }
+LAYOUT = {"qwen3_5_moe": "fused"}  # the HF layout mlx-lm converts (per expert otherwise)
 
 
 def mlx_folder(arch: str, out: Path, bits: int | None, group_size: int, dtype: str, **overrides
@@ -41,11 +44,20 @@ def mlx_folder(arch: str, out: Path, bits: int | None, group_size: int, dtype: s
     converted without quantization (mlx-lm's names and stacked experts, plain weights)."""
     convert = pytest.importorskip("mlx_lm.convert", reason="mlx-lm is not installed (pip install mlx-lm)").convert
     model = hf_model(arch, **{**MLX_COMPATIBLE[arch], **overrides})
-    hf = write_checkpoint(model, out / "hf", "per_expert")
+    hf = write_checkpoint(model, out / "hf", LAYOUT.get(arch, "per_expert"))
     config = json.loads((hf / "config.json").read_text())
-    # transformers 5 writes rope_parameters and num_local_experts; mlx-lm reads rope_theta and num_experts
-    config.setdefault("rope_theta", config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    # transformers 5 writes rope_parameters and num_local_experts; mlx-lm reads rope_theta and num_experts (and
+    # qwen3_next's partial_rotary_factor at the top)
+    rope = config.get("rope_parameters") or {}
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
     config.setdefault("num_experts", config.get("num_local_experts"))
+    if "partial_rotary_factor" in rope:
+        config.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+    # mlx-lm places the hybrids' attention layers by full_attention_interval (default 4), which the hub's configs
+    # hold and transformers 5 folds into layer_types
+    text = config.get("text_config", config)
+    if "layer_types" in text and "full_attention_interval" not in text:
+        text["full_attention_interval"] = text["layer_types"].index("full_attention") + 1
     (hf / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / name, hf / name)

@@ -1,12 +1,20 @@
 """Gated DeltaNet (Qwen3-Next, Qwen3.5 / 3.6: 3 of every 4 layers), a linear-attention mixer whose state does not
 grow with the context (Spec.delta, DeltaNetWeights, LayerCache.conv / .recurrent):
 
-    q | k | v, z, b, a = the input projections of x     (Qwen3.5: four; Qwen3-Next: two fused, grouped by key head)
+    q | k | v, z, b, a = the input projections of x     (Qwen3.5: four; Qwen3-Next: two fused, grouped by key head;
+                                                        llama.cpp's qwen3next: q | k | v and z apart, b | a fused)
     q | k | v = silu(causal depthwise conv over the last K inputs)   the conv carries its last K - 1 inputs
     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)       per value head and token (g in float32)
     o = the gated delta rule of q, k, v, g, beta                     layers/delta_rule.py, the state carried
     out_proj(rms_norm(o) * norm.weight * act(z))                     per value head; act: silu, or sigmoid
                                                                      (Qwen4-Exp's output_gate_type)
+
+Value heads run in the checkpoint's order (DeltaNetSpec.tiled). Transformers' order is grouped: value head j reads
+key head j // r (r value heads per key head). llama.cpp's converter stores qwen35 / qwen35moe tiled: value head j
+reads key head j % nK, with every tensor indexed by value head (v's rows, z, b, a, A_log, dt_bias, the conv's v
+channels, out_proj's columns) in that one order. Running the heads in the file's order and pairing q / k to match is
+the same math with no weight permuted (undoing it would permute out_proj's columns, which splits the 256-value
+blocks of a K-quant when a head is 128 wide).
 
 A prompt runs the chunked form of the rule, a decode token the recurrent one: where the model computes in float32 or
 bf16, everything from the conv to the gated norm as one native call per layer (native/deltanet.py, chosen at build:
@@ -36,11 +44,13 @@ class GatedDeltaNet:
         self.eps, self.bf16, self.act = s.rms_norm_eps, b.compute.bf16_gemm, b.act
         self.neg_A = -self.w.A_log.float().exp()  # [Hv] float32, the reference's -exp(A_log) once
         self.gate_act = ACTIVATIONS[self.d.gate_act]
-        self.project = self._fused if self.w.qkvz is not None else self._separate
+        self.r = s.delta.n_v_heads // s.delta.n_k_heads  # value heads per key head
+        self.tiled = s.delta.tiled and self.r > 1
         self.prompt_rule, self.decode_rule = delta_rule.chunked, delta_rule.recurrent
-        # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet); the kernel's
-        # output gate is silu: a sigmoid-gated layer (Qwen4-Exp) keeps the torch steps
-        native = b.deltanet_decode is not None and self.d.gate_act == "silu"
+        # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet); the kernel
+        # pairs value head j with key head j // r and gates with silu: tiled heads (llama.cpp's qwen35 GGUFs) and a
+        # sigmoid gate (Qwen4-Exp) keep the torch steps
+        native = b.deltanet_decode is not None and self.d.gate_act == "silu" and not self.tiled
         self.native = None if not native else b.deltanet_decode.layer(
             self.w.conv, self.cache.conv, self.cache.recurrent, self.neg_A, self.w.dt_bias, self.w.norm, self.eps)
 
@@ -52,7 +62,8 @@ class GatedDeltaNet:
         elif step.pos != c.pos:
             raise RuntimeError(f"layer {self.L}: its Gated DeltaNet state holds {c.pos} tokens and cannot continue "
                                f"at position {step.pos} (a recurrent state is not rewound; start at 0)")
-        qkv, z, b, a = self.project(x)  # [T, conv_dim], [T, value_dim], [T, Hv], [T, Hv]
+        qkv, z = self._qkv_z(x)  # [T, conv_dim], [T, value_dim]
+        b, a = self._b_a(x)  # [T, Hv], [T, Hv]
         if T == 1 and self.native is not None:
             o = self.native(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous())  # [1, value_dim]
         else:
@@ -65,6 +76,8 @@ class GatedDeltaNet:
         d, T = self.d, qkv.shape[0]
         q, k, v = self._conv(qkv).split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
         q, k = q.reshape(T, d.n_k_heads, d.k_head_dim), k.reshape(T, d.n_k_heads, d.k_head_dim)
+        if self.tiled:  # value head j reads key head j % nK: the key heads repeated as a whole (the rule repeats
+            q, k = q.repeat(1, self.r, 1), k.repeat(1, self.r, 1)  # each one r times in place: grouped order)
         v = v.reshape(T, d.n_v_heads, d.v_head_dim)
         beta = b.sigmoid()
         g = self.neg_A * F.softplus(a.float() + self.w.dt_bias)  # [T, Hv] float32
@@ -81,19 +94,24 @@ class GatedDeltaNet:
         out = F.conv1d(seq[None].to(w.dtype), w, groups=w.shape[0])[0]  # [C, T]
         return self.act(out).to(qkv.dtype).transpose(0, 1)
 
-    def _separate(self, x: torch.Tensor):
-        """Qwen3.5's projections: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
-        w, bf16 = self.w, self.bf16
-        return tuple(linear(x, p, None, bf16) for p in (w.qkv, w.z, w.b, w.a))
-
-    def _fused(self, x: torch.Tensor):
-        """Qwen3-Next's in_proj_qkvz / in_proj_ba, whose rows go key head by key head (per key head: q, k, then its
-        r = Hv / nK value heads' v, then their z; its value heads' b, then their a), split into the order of
-        Qwen3.5's four."""
-        d, T = self.d, x.shape[0]
-        r, Dk = d.n_v_heads // d.n_k_heads, d.k_head_dim
-        qkvz = linear(x, self.w.qkvz, None, self.bf16).view(T, d.n_k_heads, 2 * Dk + 2 * r * d.v_head_dim)
+    def _qkv_z(self, x: torch.Tensor):
+        """q | k | v [T, conv_dim] and z [T, value_dim]: Qwen3.5's in_proj_qkv and in_proj_z, or Qwen3-Next's
+        in_proj_qkvz, whose rows go key head by key head (per key head: q, k, then its r value heads' v, then
+        their z), split into the order of the two."""
+        w, d, T = self.w, self.d, x.shape[0]
+        if w.qkvz is None:
+            return linear(x, w.qkv, None, self.bf16), linear(x, w.z, None, self.bf16)
+        r, Dk = self.r, d.k_head_dim
+        qkvz = linear(x, w.qkvz, None, self.bf16).view(T, d.n_k_heads, 2 * Dk + 2 * r * d.v_head_dim)
         q, k, v, z = qkvz.split([Dk, Dk, r * d.v_head_dim, r * d.v_head_dim], dim=-1)
         qkv = torch.cat([q.reshape(T, d.key_dim), k.reshape(T, d.key_dim), v.reshape(T, d.value_dim)], dim=-1)
-        b, a = linear(x, self.w.ba, None, self.bf16).view(T, d.n_k_heads, 2 * r).split([r, r], dim=-1)
-        return qkv, z.reshape(T, d.value_dim), b.reshape(T, d.n_v_heads), a.reshape(T, d.n_v_heads)
+        return qkv, z.reshape(T, d.value_dim)
+
+    def _b_a(self, x: torch.Tensor):
+        """b, a [T, Hv] each: Qwen3.5's in_proj_b and in_proj_a, or Qwen3-Next's in_proj_ba, whose rows go key head
+        by key head (per key head its r value heads' b, then their a)."""
+        w, d, T = self.w, self.d, x.shape[0]
+        if w.ba is None:
+            return linear(x, w.b, None, self.bf16), linear(x, w.a, None, self.bf16)
+        b, a = linear(x, w.ba, None, self.bf16).view(T, d.n_k_heads, 2 * self.r).split([self.r, self.r], dim=-1)
+        return b.reshape(T, d.n_v_heads), a.reshape(T, d.n_v_heads)
