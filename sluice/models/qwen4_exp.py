@@ -35,7 +35,7 @@ from .arch import SynthDefaults, SynthWrap, TensorName
 from .args import CONFIG, MAX_HEAD_DIM
 from .layers import Build, GatedAttention, GatedDeltaNet, HyperLayer, IndexedAttention, PLE, moe_or_dense
 from .qwen3_5_moe import VISION_TOKENS, vision_tower
-from .qwen3_next import SEPARATE, HybridArgs, hybrid_synth_config, hybrid_tensors
+from .qwen3_next import HybridArgs, hybrid_synth_config, hybrid_tensors
 from .schema import cfg
 from .spec import PLESpec, QSASpec, Spec
 
@@ -44,6 +44,7 @@ MOE_PREFIXES = ("mlp",)
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 ROUTER = "gate"  # the router is `{prefix}.gate.weight` (store/layout.py moe_prefix)
 MLX_MOE = "mlp"  # mlx-lm's name of the MoE block (tools/mlx_export.py)
+MLX_VALUES: dict[str, str] = {}  # mlx-lm has no qwen4_exp: no converter values to undo
 synth_experts = synth_expert_nbytes = None  # make-model writes the per-expert / fused layouts
 expert_layer = None  # store/layout.py reads the per-expert, fused or stacked expert layouts
 INTERMEDIATE_KEY = "moe_intermediate_size"
@@ -191,7 +192,7 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
                 *(TensorName(f"ple.{n}", f"{p}.ple.{n}.weight", (nH,), "bias")
                   for n in ("norm_key", "norm_query", "norm_conv")),
                 TensorName("ple.conv", f"{p}.ple.conv1d.weight", (nH, 1, s.ple.conv_kernel), "proj")]
-    out += [t for t in hybrid_tensors(s, layer, moe, SEPARATE) if t.role not in ("input_norm", "post_norm")]
+    out += [t for t in hybrid_tensors(s, layer, moe) if t.role not in ("input_norm", "post_norm")]
     if s.attends(layer) and s.qsa is not None:
         a, q = f"{p}.self_attn.indexer", s.qsa
         out += [TensorName("indexer.qk", f"{a}.index_qk_proj.weight", ((q.n_heads + 1) * q.head_dim, s.hidden_size),
