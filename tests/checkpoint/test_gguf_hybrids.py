@@ -22,6 +22,10 @@ from tests.quant.streaming import assert_streamed_equals_resident
 pytestmark = pytest.mark.llama_cpp
 FP32_REL = 1e-4  # relative to the largest logit, as tests/models/test_hybrid.py
 
+# a bf16 run's greedy tokens may part from llama.cpp's (which computes in float32) at a near tie: the two candidates'
+# logits closer than this fraction of the logits' range, no earlier than the 8th token (ids of a 256-wide random model)
+NEAR_TIE = 0.01
+
 
 @pytest.fixture(scope="module", params=list(GGUF_ARCH))
 def f32(request, tmp_path_factory):
@@ -127,9 +131,15 @@ def test_quantized_files_give_llama_cpps_greedy_tokens(quantized):
     assert (kind == "Q8_0" and "Q8_0" in types) or (kind == "Q4_K_M" and "Q4_K" in types), types
     ids = LONG[:100]
     ref = llama_cpp.greedy(path, ids, 16)["tokens"]
-    for dtype in ("float32", "auto"):  # the file's exact dequantization; bf16 and the integer kernels
-        with sluice.load(path, dtype=dtype) as m:
-            assert list(m.generate_tokens(ids, max_tokens=16, stop_at_eos=False)) == ref, (arch, kind, dtype)
+    with sluice.load(path, dtype="float32") as m:  # the file's exact dequantization: llama.cpp's tokens
+        assert list(m.generate_tokens(ids, max_tokens=16, stop_at_eos=False)) == ref, (arch, kind)
+    with sluice.load(path) as m:  # bf16 and the integer kernels: llama.cpp's tokens up to a near tie
+        got = list(m.generate_tokens(ids, max_tokens=16, stop_at_eos=False))
+        at = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        if at is not None:  # where they part, llama.cpp's token is within bf16's reach of sluice's best
+            logits = m.logits(ids + ref[:at])[-1]
+            gap = float(logits[got[at]] - logits[ref[at]])
+            assert at >= 8 and gap <= NEAR_TIE * float(logits.max() - logits.min()), (arch, kind, at, gap)
 
 
 @pytest.mark.parametrize("io,odirect", IO_MODES)
