@@ -78,3 +78,13 @@ def tiled_state_dict(sd: dict[str, torch.Tensor], k_heads: int, key_dim: int, v_
             t = tiled(t, 1, k_heads, v_head_dim)
         out[name] = t.contiguous()
     return out
+
+
+def assert_native_deltanet(m, tiled: bool) -> None:
+    """Every Gated DeltaNet layer of the loaded model m runs its decode tokens on the native step (native/deltanet.py),
+    pairing q / k with the value heads in `tiled` order (llama.cpp's qwen35moe) or grouped (transformers')."""
+    from sluice.models.layers.gated_deltanet import GatedDeltaNet
+
+    mixers = [layer.mixer for layer in m.model.layers if isinstance(layer.mixer, GatedDeltaNet)]
+    assert mixers and all(x.tiled == tiled for x in mixers), (len(mixers), tiled)
+    assert all(x.native is not None and x.native.owner.tiled == tiled for x in mixers), "the torch steps decode"

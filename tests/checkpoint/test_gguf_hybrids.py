@@ -16,7 +16,8 @@ from sluice.checkpoint.gguf_index import GGUFIndex
 from sluice.plan import open_index
 from sluice.quant.tensor import read_tensor
 from tests.checkpoint import llama_cpp
-from tests.checkpoint.hybrid_files import GGUF_ARCH, K_SHAPES, LLAMA_TINY, LONG, SHORT, hf_folder, tiled_state_dict
+from tests.checkpoint.hybrid_files import (GGUF_ARCH, K_SHAPES, LLAMA_TINY, LONG, SHORT, assert_native_deltanet,
+                                          hf_folder, tiled_state_dict)
 from tests.quant.streaming import assert_streamed_equals_resident
 
 pytestmark = pytest.mark.llama_cpp
@@ -101,7 +102,8 @@ def test_streamed_equals_resident_bitwise(f32, io, odirect):
 
 
 def test_llama_cpp_agrees_with_transformers_on_the_f32_file(f32):
-    """The reference check first (REFERENCES.md): llama.cpp's greedy tokens on the F32 file are transformers'."""
+    """The reference check first (REFERENCES.md): llama.cpp's greedy tokens on the F32 file are transformers'; then
+    sluice's, decoding on the native step in the file's order of the value heads (qwen35moe: tiled)."""
     arch, model, _, path = f32
     ids = LONG[:100]
     ref = llama_cpp.greedy(path, ids, 12)
@@ -110,6 +112,7 @@ def test_llama_cpp_agrees_with_transformers_on_the_f32_file(f32):
                               pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     assert ref["tokens"] == want[0, len(ids):].tolist(), arch
     with sluice.load(path, dtype="float32") as m:
+        assert_native_deltanet(m, tiled=arch == "qwen3_5_moe")
         assert list(m.generate_tokens(ids, max_tokens=12, stop_at_eos=False)) == ref["tokens"]
 
 
@@ -132,8 +135,10 @@ def test_quantized_files_give_llama_cpps_greedy_tokens(quantized):
     ids = LONG[:100]
     ref = llama_cpp.greedy(path, ids, 16)["tokens"]
     with sluice.load(path, dtype="float32") as m:  # the file's exact dequantization: llama.cpp's tokens
+        assert_native_deltanet(m, tiled=arch == "qwen3_5_moe")  # the decode steps below run on it
         assert list(m.generate_tokens(ids, max_tokens=16, stop_at_eos=False)) == ref, (arch, kind)
     with sluice.load(path) as m:  # bf16 and the integer kernels: llama.cpp's tokens up to a near tie
+        assert_native_deltanet(m, tiled=arch == "qwen3_5_moe")
         got = list(m.generate_tokens(ids, max_tokens=16, stop_at_eos=False))
         at = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         if at is not None:  # where they part, llama.cpp's token is within bf16's reach of sluice's best

@@ -170,16 +170,21 @@ def test_prompt_reuse_keeps_only_a_state_that_is_exactly_the_prompts_prefix(chec
 def test_value_heads_stored_tiled_run_in_the_files_order(checkpoints, tmp_path):
     """A checkpoint whose linear attention holds its value heads tiled over the key heads (llama.cpp's qwen35moe
     GGUFs; sluice's config key linear_value_head_order) runs them as stored, each paired with key head j % nK: the
-    grouped checkpoint's logits. Read as grouped, the same bytes give another model."""
+    grouped checkpoint's logits, for the prompt and for 12 decode steps after it on the native step (tiled), whose
+    greedy tokens are transformers'. Read as grouped, the same bytes give another model."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from tests.checkpoint.hybrid_files import tiled_state_dict
+    from tests.checkpoint.hybrid_files import assert_native_deltanet, tiled_state_dict
 
     folder, model = checkpoints("qwen3_5_moe")
     want = reference(model, LONG[:80]).logits[0]
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([LONG[:80]]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                pad_token_id=0, attention_mask=torch.ones(1, 80, dtype=torch.long))[0, 80:].tolist()
+    steps = reference(model, LONG[:92]).logits[0, 80:]  # teacher-forced: the logits after each of LONG[80:92]
     out = tmp_path / "tiled"
     shutil.copytree(folder, out)
     config = json.loads((out / "config.json").read_text())
@@ -193,6 +198,14 @@ def test_value_heads_stored_tiled_run_in_the_files_order(checkpoints, tmp_path):
         (out / "config.json").write_text(json.dumps(config))
         with sluice.load(out, dtype="float32") as m:
             err = rel_err(m.logits(LONG[:80]), want)
+            if order == "tiled":
+                assert_native_deltanet(m, tiled=True)
+                with torch.inference_mode():  # the steps continue the state m.logits left
+                    got = torch.cat([m.model.logits(m.model.forward(torch.tensor([t]), p)).float()
+                                     for p, t in enumerate(LONG[80:92], 80)])
+                m.forget_cache()  # the engine's record of its cache is m.logits' prompt: no longer the state
+                assert rel_err(got, steps) <= FP32_REL, rel_err(got, steps)
+                assert list(m.generate_tokens(LONG[:80], max_tokens=12, stop_at_eos=False)) == greedy
         assert err <= FP32_REL if order == "tiled" else err > 1e-2, (order, err)
 
 

@@ -28,6 +28,9 @@ EPS = 1e-6
 # nK, Hv, Dk, Dv, K: Qwen3.6-35B-A3B's linear attention (the pool's heads), key heads repeated with a column tail
 # (24: three 8-column blocks), one value head per key head with a scalar tail (36) and a 3-tap conv
 SHAPES = [(16, 32, 128, 128, 4), (2, 4, 16, 24, 4), (4, 4, 32, 36, 3)]
+# several value heads per key head, where tiled and grouped differ: Qwen3.6-35B-A3B's, and four per key head with a
+# 32-, an 8-column block and no tail (40)
+TILED_SHAPES = [SHAPES[0], (2, 8, 16, 40, 4)]
 
 
 def _case(nK, Hv, Dk, Dv, K, dtype, seed, steps):
@@ -45,8 +48,10 @@ def _case(nK, Hv, Dk, Dv, K, dtype, seed, steps):
     return w, cast(conv_state), state, [{n: cast(t) for n, t in tok.items()} for tok in tokens]
 
 
-def _torch_step(nK, Hv, Dk, Dv, w, conv_state, state, tok):
-    """gated_deltanet.py's torch steps of one token (T == 1) in the inputs' dtype; the states updated in place."""
+def _torch_step(nK, Hv, Dk, Dv, w, conv_state, state, tok, tiled=False):
+    """gated_deltanet.py's torch steps of one token (T == 1) in the inputs' dtype; the states updated in place.
+    tiled: value head j reads key head j % nK, so q and k are repeated whole before the rule (which repeats each key
+    head in place: grouped)."""
     qkv = tok["qkv"]
     seq = torch.cat([conv_state, qkv.transpose(0, 1)], dim=1)  # [C, K]
     conv_state.copy_(seq[:, 1:])
@@ -54,26 +59,30 @@ def _torch_step(nK, Hv, Dk, Dv, w, conv_state, state, tok):
     q, k, v = y.split([nK * Dk, nK * Dk, Hv * Dv], dim=-1)
     beta = tok["b"].sigmoid()
     g = w["neg_A"].to(state.dtype) * F.softplus(tok["a"].to(state.dtype) + w["dt_bias"].to(state.dtype))
-    o = delta_rule.recurrent(q.reshape(1, nK, Dk), k.reshape(1, nK, Dk), v.reshape(1, Hv, Dv), g, beta, state)
+    q, k = q.reshape(1, nK, Dk), k.reshape(1, nK, Dk)
+    if tiled:
+        q, k = q.repeat(1, Hv // nK, 1), k.repeat(1, Hv // nK, 1)
+    o = delta_rule.recurrent(q, k, v.reshape(1, Hv, Dv), g, beta, state)
     return gated_rms_norm(o, tok["z"].view(1, Hv, Dv), w["norm"], EPS).reshape(1, Hv * Dv)
 
 
-def _run(shape, w, conv_state, state, tokens, dtype, path=native.BEST):
+def _run(shape, w, conv_state, state, tokens, dtype, path=native.BEST, tiled=False):
     """The native step over `tokens`: (outputs [steps, Hv Dv], conv state, state); the given states are kept."""
     nK, Hv, Dk, Dv, K = shape
     conv_state, state = conv_state.clone(), state.clone()
-    layer = DeltaNetDecode(nK, Hv, Dk, Dv, K, dtype, path=path).layer(
+    layer = DeltaNetDecode(nK, Hv, Dk, Dv, K, dtype, tiled=tiled, path=path).layer(
         w["conv"], conv_state, state, w["neg_A"], w["dt_bias"], w["norm"], EPS)
     outs = [layer(t["qkv"], t["z"], t["b"], t["a"]) for t in tokens]
     return torch.cat(outs), conv_state, state
 
 
-def _reference(shape, w, conv_state, state, tokens, exact: bool = False):
+def _reference(shape, w, conv_state, state, tokens, exact: bool = False, tiled: bool = False):
     """The torch steps over `tokens` in the inputs' dtype, or (exact) in float64 from the same values."""
     nK, Hv, Dk, Dv, _ = shape
     to = (lambda t: t.double()) if exact else (lambda t: t.clone())  # noqa: E731
     w, conv_state, state = {n: to(t) for n, t in w.items()}, to(conv_state), to(state)
-    outs = [_torch_step(nK, Hv, Dk, Dv, w, conv_state, state, {n: to(t) for n, t in tok.items()}) for tok in tokens]
+    outs = [_torch_step(nK, Hv, Dk, Dv, w, conv_state, state, {n: to(t) for n, t in tok.items()}, tiled)
+            for tok in tokens]
     return torch.cat(outs), conv_state, state
 
 
@@ -117,6 +126,35 @@ def test_bf16_rounds_where_the_torch_steps_round(shape):
     assert (out != ref).float().mean() < 0.05  # most values are torch's bits
 
 
+@pytest.mark.parametrize("shape", TILED_SHAPES)
+def test_tiled_heads_are_the_torch_steps_with_q_and_k_repeated_whole(shape):
+    """tiled (llama.cpp's qwen35 GGUFs): value head j reads key head j % nK, the torch steps with q and k repeated
+    as a whole; float32 within 1e-5 of them and of the exact steps (as the grouped order above), on every kernel this
+    CPU runs; the grouped step of the same inputs is another layer (far from them)."""
+    w, cs, st, tokens = _case(*shape, torch.float32, seed=13 + sum(shape), steps=6)
+    ref, ref_cs, ref_st = _reference(shape, w, cs, st, tokens, tiled=True)
+    exact, _, exact_st = _reference(shape, w, cs, st, tokens, exact=True, tiled=True)
+    for out, cs1, st1 in on_each(lambda path: _run(shape, w, cs, st, tokens, torch.float32, path, tiled=True)):
+        assert torch.equal(cs1, ref_cs)
+        assert _rel(out, exact) < 1e-5 and _rel(st1, exact_st) < 1e-5
+        assert _rel(out, ref) < 1e-5 and _rel(st1, ref_st) < 1e-5
+    grouped, _, grouped_st = _run(shape, w, cs, st, tokens, torch.float32)
+    assert _rel(grouped, ref) > 1e-2 and _rel(grouped_st, ref_st) > 1e-2
+
+
+@pytest.mark.parametrize("shape", TILED_SHAPES)
+def test_tiled_bf16_rounds_where_the_torch_steps_round(shape):
+    """bf16, tiled: as close to the exact steps as torch's own tiled bf16 steps (the grouped order's bound)."""
+    w, cs, st, tokens = _case(*shape, torch.bfloat16, seed=17, steps=6)
+    out, _, st1 = _run(shape, w, cs, st, tokens, torch.bfloat16, tiled=True)
+    ref, _, ref_st = _reference(shape, w, cs, st, tokens, tiled=True)
+    exact, _, exact_st = _reference(shape, w, cs, st, tokens, exact=True, tiled=True)
+    l2 = lambda x: ((x.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert l2(out) <= 1.5 * l2(ref)
+    assert _rel(st1, exact_st) <= 1.5 * _rel(ref_st, exact_st) + 1e-6
+    assert (out != ref).float().mean() < 0.05
+
+
 def _transformers_steps(shape, w, conv_state, state, tokens):
     """The same tokens through transformers' Qwen3-Next pieces, float32: causal_conv1d_update (silu), the gated delta
     rule token by token with its own l2 norm of q and k, Qwen3NextRMSNormGated; beta and g as its layer makes them.
@@ -156,13 +194,14 @@ def test_float32_is_transformers_reference_to_float32_rounding(shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_every_path_gives_the_same_bits(shape, dtype):
+@pytest.mark.parametrize("shape,tiled", [(s, False) for s in SHAPES] + [(s, True) for s in TILED_SHAPES])
+def test_every_path_gives_the_same_bits(shape, tiled, dtype):
     w, cs, st, tokens = _case(*shape, dtype, seed=5, steps=3)
-    same_bits(on_each(lambda path: list(_run(shape, w, cs, st, tokens, dtype, path))))
+    same_bits(on_each(lambda path: list(_run(shape, w, cs, st, tokens, dtype, path, tiled))))
 
 
-def test_any_thread_count_gives_the_same_bits():
+@pytest.mark.parametrize("tiled", [False, True])
+def test_any_thread_count_gives_the_same_bits(tiled):
     shape = SHAPES[0]
     nK, Hv, Dk, Dv, K = shape
     assert Hv * Dk * Dv >= 65536  # past deltanet.c's threshold for the pool
@@ -171,7 +210,7 @@ def test_any_thread_count_gives_the_same_bits():
     try:
         for threads in (1, 2, 3):
             native.set_threads(threads)
-            outs.append(list(_run(shape, w, cs, st, tokens, torch.bfloat16)))
+            outs.append(list(_run(shape, w, cs, st, tokens, torch.bfloat16, tiled=tiled)))
     finally:
         native.set_threads(1)
     assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))

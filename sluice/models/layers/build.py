@@ -138,7 +138,7 @@ class Build:
         self.native_deltanet = self._native_deltanet()
         d = spec.delta
         self.deltanet_decode = (deltanet.DeltaNetDecode(d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim,
-                                                        d.conv_kernel, self.dtype, path=compute.path)
+                                                        d.conv_kernel, self.dtype, tiled=d.tiled, path=compute.path)
                                 if self.native_deltanet else None)
 
     def norm(self, weight: torch.Tensor, group: int | None = None) -> Norm:

@@ -48,9 +48,9 @@ class GatedDeltaNet:
         self.tiled = s.delta.tiled and self.r > 1
         self.prompt_rule, self.decode_rule = delta_rule.chunked, delta_rule.recurrent
         # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet); the kernel
-        # pairs value head j with key head j // r and gates with silu: tiled heads (llama.cpp's qwen35 GGUFs) and a
-        # sigmoid gate (Qwen4-Exp) keep the torch steps
-        native = b.deltanet_decode is not None and self.d.gate_act == "silu" and not self.tiled
+        # pairs q / k with the value heads in the spec's order (grouped or tiled: Build gives it DeltaNetSpec.tiled)
+        # and gates with silu: a sigmoid gate (Qwen4-Exp) keeps the torch steps
+        native = b.deltanet_decode is not None and self.d.gate_act == "silu"
         self.native = None if not native else b.deltanet_decode.layer(
             self.w.conv, self.cache.conv, self.cache.recurrent, self.neg_A, self.w.dt_bias, self.w.norm, self.eps)
 

@@ -9,7 +9,8 @@
  *   conv    y_c = x(sum_j w_cj s_cj), taps j in order (the last K - 1 inputs, then this one), then x(silu(y_c))
  *   q, k    each key head times 1 / sqrt(sum of squares + 1e-6) (8 lanes, reduce8's order), q then / sqrt(Dk)
  *   beta    x(sigmoid(b)); g = -exp(A_log) * softplus(a + dt_bias) (threshold 20, as F.softplus), decay = exp(g)
- *   rule    per value head h (key head h / (Hv / nK)): S = S * decay; u = (v - sum_i k_i S_i) beta;
+ *   rule    per value head h (key head h / (Hv / nK): grouped; h % nK: tiled, llama.cpp's qwen35 GGUFs):
+ *           S = S * decay; u = (v - sum_i k_i S_i) beta;
  *           S_i = S_i + k_i u; o = sum_i q_i S_i, the sums over i in order, elementwise along Dv
  *   norm    o rounded to x, times 1 / sqrt(mean of squares + eps) (8 lanes), rounded to x, times the weight (rounded
  *           to x), times silu(z) in float32, one rounding to x
@@ -175,8 +176,8 @@ static void silu_all(float *x, int64_t n, int bf16, int simd) {
 }
 
 typedef struct {
-    int64_t Hv, Dk, Dv, group;
-    int bf16, kernel;
+    int64_t nK, Hv, Dk, Dv, group;
+    int tiled, bf16, kernel;
     const float *q, *k, *v;     /* [nK, Dk] normalised, [nK, Dk] normalised, [Hv, Dv] */
     const float *beta, *decay;  /* [Hv] */
     const float *gate;          /* [Hv, Dv] silu(z) */
@@ -186,10 +187,11 @@ typedef struct {
     void *out;                  /* [Hv, Dv] x dtype */
 } head_ctx;
 
-/* value head h: the rule on its state, then the gated RMSNorm of its output into out */
+/* value head h: the rule on its state (with key head h / group, or h % nK when the heads are tiled), then the gated
+ * RMSNorm of its output into out */
 static void head_task(void *c, int64_t h) {
     const head_ctx *a = c;
-    const int64_t Dk = a->Dk, Dv = a->Dv, kh = h / a->group;
+    const int64_t Dk = a->Dk, Dv = a->Dv, kh = a->tiled ? h % a->nK : h / a->group;
     const int bf16 = a->bf16;
     float *S = a->state + h * Dk * Dv, *u = a->work + 2 * h * Dv, *o = u + Dv;
     const float *k = a->k + kh * Dk, *q = a->q + kh * Dk, *v = a->v + h * Dv, *gate = a->gate + h * Dv;
@@ -244,16 +246,18 @@ static void conv_step(int64_t C, int64_t K, const void *x, const void *w, void *
 }
 
 /* One decode token of a Gated DeltaNet layer: nK key heads and Hv value heads (a multiple) of Dk / Dv, a conv of K
- * taps over the C = 2 nK Dk + Hv Dv channels of q | k | v. bf16: 1 when qkv, z, b, a, conv_w, conv_state, norm and
- * out are bf16, 0 when float32. qkv [C], z [Hv Dv], b / a [Hv]: this token's projections; conv_w [C, K]; conv_state
- * [C, K - 1] and state [Hv, Dk, Dv] (float32) updated in place; neg_A (-exp(A_log)) and dt_bias float32 [Hv]; norm
- * [Dv]; scratch float32 [C + 2 Hv + 3 Hv Dv]; out [Hv Dv] the gated norm's output (before out_proj). Value heads go
- * over the pool when the state is worth it. kernel: sluice_deltanet_kernel's choice, made once per model (one above
- * what this CPU runs is taken down to it). */
-void sluice_deltanet_step(int64_t nK, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K, int bf16, const void *qkv,
-                          const void *z, const void *b, const void *a, const void *conv_w, void *conv_state,
-                          const float *neg_A, const float *dt_bias, const void *norm, float eps, float *state,
-                          float *scratch, void *out, int kernel) {
+ * taps over the C = 2 nK Dk + Hv Dv channels of q | k | v. tiled: 1 when value head h reads key head h % nK (the
+ * value heads stored tiled over the key heads: llama.cpp's qwen35 GGUFs), 0 when h / (Hv / nK) (grouped:
+ * transformers' order). bf16: 1 when qkv, z, b, a, conv_w, conv_state, norm and out are bf16, 0 when float32. qkv
+ * [C], z [Hv Dv], b / a [Hv]: this token's projections; conv_w [C, K]; conv_state [C, K - 1] and state [Hv, Dk, Dv]
+ * (float32) updated in place; neg_A (-exp(A_log)) and dt_bias float32 [Hv]; norm [Dv]; scratch float32 [C + 2 Hv +
+ * 3 Hv Dv]; out [Hv Dv] the gated norm's output (before out_proj). Value heads go over the pool when the state is
+ * worth it. kernel: sluice_deltanet_kernel's choice, made once per model (one above what this CPU runs is taken down
+ * to it). */
+void sluice_deltanet_step(int64_t nK, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K, int tiled, int bf16,
+                          const void *qkv, const void *z, const void *b, const void *a, const void *conv_w,
+                          void *conv_state, const float *neg_A, const float *dt_bias, const void *norm, float eps,
+                          float *state, float *scratch, void *out, int kernel) {
     const int best = sluice_deltanet_kernel(0);
     kernel = kernel < best ? kernel : best;
     const int simd = kernel >= DN_AVX2;
@@ -274,8 +278,8 @@ void sluice_deltanet_step(int64_t nK, int64_t Hv, int64_t Dk, int64_t Dv, int64_
     }
     for (int64_t i = 0; i < Hv * Dv; i++) gate[i] = load_x(z, i, bf16);
     silu_all(gate, Hv * Dv, 0, simd);
-    head_ctx c = {Hv, Dk, Dv, Hv / nK, bf16, kernel, y, y + nK * Dk, y + 2 * nK * Dk, beta, decay, gate, norm, eps,
-                  state, work, out};
+    head_ctx c = {nK, Hv, Dk, Dv, Hv / nK, tiled != 0, bf16, kernel, y, y + nK * Dk, y + 2 * nK * Dk, beta, decay,
+                  gate, norm, eps, state, work, out};
     if (Hv * Dk * Dv >= 65536) pool_run(head_task, &c, Hv);
     else
         for (int64_t h = 0; h < Hv; h++) head_task(&c, h);

@@ -2,7 +2,8 @@
 l2-normalised queries and keys, beta and the decay, the gated delta rule on the layer's float32 state, and the gated
 RMSNorm of its output.
 
-    step = DeltaNetDecode(n_k_heads, n_v_heads, k_head_dim, v_head_dim, conv_kernel, dtype, path=path)  # per model
+    step = DeltaNetDecode(n_k_heads, n_v_heads, k_head_dim, v_head_dim, conv_kernel, dtype, tiled=tiled,
+                          path=path)  # per model; tiled: value head j reads key head j % n_k_heads, else j // r
     step.isa                      # the kernel it chose once, by this CPU and the path cap: "avx512", "avx2", "portable"
     layer = step.layer(conv, conv_state, state, neg_A, dt_bias, norm, eps)  # one per layer, checked once
     o = layer(qkv, z, b, a)       # [1, n_v_heads * v_head_dim] in dtype; conv_state and state updated in place
@@ -23,7 +24,7 @@ from ._lib import BEST, LIB as _LIB
 if _LIB is not None:
     _i64, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     _LIB.sluice_deltanet_step.argtypes = (
-        [_i64] * 5 + [_i32]  # nK, Hv, Dk, Dv, K, bf16
+        [_i64] * 5 + [_i32, _i32]  # nK, Hv, Dk, Dv, K, tiled, bf16
         + [_ptr] * 7  # qkv, z, b, a, conv_w, conv_state, neg_A
         + [_ptr, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _i32])  # dt_bias, norm, eps, state, scratch, out, kernel
     _LIB.sluice_deltanet_step.restype = None
@@ -51,10 +52,12 @@ class DeltaNetDecode:
     constant arguments once and returns its call."""
 
     def __init__(self, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int, conv_kernel: int,
-                 dtype: torch.dtype, *, path: int = BEST):
+                 dtype: torch.dtype, *, tiled: bool = False, path: int = BEST):
         """dtype: the model's (qkv, z, b, a, the conv's weight and state, the norm's weight and the output), float32
-        or bf16; path: the model's Compute.path (native/_lib.py), which caps the kernel chosen here once: the best
-        this CPU runs under it (`isa`), never looked up again per call."""
+        or bf16; tiled: the value heads' order (spec.DeltaNetSpec.tiled): value head j reads key head j % n_k_heads
+        (llama.cpp's qwen35 GGUFs), else j // (n_v_heads / n_k_heads) (grouped: transformers'); path: the model's
+        Compute.path (native/_lib.py), which caps the kernel chosen here once: the best this CPU runs under it
+        (`isa`), never looked up again per call."""
         if _LIB is None:
             raise RuntimeError("DeltaNetDecode needs the native extension (sluice.quant.native.available())")
         dims = (n_k_heads, n_v_heads, k_head_dim, v_head_dim, conv_kernel)
@@ -64,7 +67,7 @@ class DeltaNetDecode:
         if dtype not in DTYPES:
             raise ValueError(f"DeltaNetDecode: dtype must be float32 or bfloat16, got {dtype}")
         self.nK, self.Hv, self.Dk, self.Dv, self.K = dims
-        self.dtype, self.path = dtype, path
+        self.dtype, self.path, self.tiled = dtype, path, bool(tiled)
         self.kernel = _LIB.sluice_deltanet_kernel(path)
         self.isa = KERNELS[self.kernel]
         self.C = 2 * n_k_heads * k_head_dim + n_v_heads * v_head_dim
@@ -97,7 +100,7 @@ class DeltaNetLayer:
         x, Hv = s.dtype, s.Hv
         w, st, neg_A, dt_bias, norm, eps, state = self._args
         out = torch.empty(1, Hv * s.Dv, dtype=x)
-        _LIB.sluice_deltanet_step(s.nK, Hv, s.Dk, s.Dv, s.K, int(x is torch.bfloat16),
+        _LIB.sluice_deltanet_step(s.nK, Hv, s.Dk, s.Dv, s.K, int(s.tiled), int(x is torch.bfloat16),
                                   _tensor(qkv, "qkv", x, (1, s.C)), _tensor(z, "z", x, (1, Hv * s.Dv)),
                                   _tensor(b, "b", x, (1, Hv)), _tensor(a, "a", x, (1, Hv)), w, st, neg_A, dt_bias,
                                   norm, eps, state, s.scratch.data_ptr(), out.data_ptr(), s.kernel)
