@@ -80,13 +80,19 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
         out += [TensorName("q_norm", f"{a}.q_norm.weight", (D,) if head else (qd,), "norm"),
                 TensorName("k_norm", f"{a}.k_norm.weight", (D,) if head else (kvd,), "norm")]
     out.append(TensorName("post_norm", f"{p}.post_attention_layernorm.weight", (H,), "norm"))
-    if s.moe_layers[layer]:
-        out.append(TensorName("router", f"{moe}.gate.weight", (s.num_experts, H), "proj"))
-        if s.shared_expert_intermediate_size:
-            out += mlp_tensors("shared.", f"{moe}.shared_expert", s.shared_expert_intermediate_size, H)
-            out.append(TensorName("shared_gate", f"{moe}.shared_expert_gate.weight", (1, H), "proj"))
-    else:
-        out += mlp_tensors("mlp.", f"{p}.mlp", s.dense_intermediate_size, H)
+    return out + ffn_tensors(spec, layer, moe, p)
+
+
+def ffn_tensors(spec: Spec, layer: int, moe: str | None, p: str) -> list[TensorName]:
+    """The feed-forward block's resident tensors of layer `layer` (prefix `p`): a sparse layer's router, shared expert
+    and its sigmoid gate under `moe`; a dense layer's MLP."""
+    s, H = spec, spec.hidden_size
+    if not s.moe_layers[layer]:
+        return mlp_tensors("mlp.", f"{p}.mlp", s.dense_intermediate_size, H)
+    out = [TensorName("router", f"{moe}.gate.weight", (s.num_experts, H), "proj")]
+    if s.shared_expert_intermediate_size:
+        out += mlp_tensors("shared.", f"{moe}.shared_expert", s.shared_expert_intermediate_size, H)
+        out.append(TensorName("shared_gate", f"{moe}.shared_expert_gate.weight", (1, H), "proj"))
     return out
 
 

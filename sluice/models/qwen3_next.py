@@ -24,7 +24,7 @@ from ..checkpoint.multimodal import text_config
 from ..errors import ConfigError
 from ..checkpoint.gguf_config import bools, n_layers
 from .arch import (GGUF_ATTN, GGUF_EXPERTS, GGUF_QK_NORM, GGUF_SHARED, GGUFArch, SynthDefaults, SynthWrap, TensorName,
-                   mlp_tensors)
+                   ffn_tensors)
 from .args import CONFIG, MAX_HEAD_DIM, BaseArgs, moe_layer_flags
 from .layers import Build, GatedAttention, GatedDeltaNet, PreNorm, moe_or_dense
 from .schema import cfg, override
@@ -175,14 +175,7 @@ def hybrid_tensors(spec: Spec, layer: int, moe: str | None, at: str | None = Non
                 TensorName("delta.norm", f"{a}.norm.weight", (d.v_head_dim,), "norm"),
                 TensorName("o", f"{a}.out_proj.weight", (H, d.value_dim), "proj")]
     out.append(TensorName("post_norm", f"{p}.post_attention_layernorm.weight", (H,), "bias"))
-    if s.moe_layers[layer]:
-        out.append(TensorName("router", f"{moe}.gate.weight", (s.num_experts, H), "proj"))
-        if s.shared_expert_intermediate_size:
-            out += mlp_tensors("shared.", f"{moe}.shared_expert", s.shared_expert_intermediate_size, H)
-            out.append(TensorName("shared_gate", f"{moe}.shared_expert_gate.weight", (1, H), "proj"))
-    else:
-        out += mlp_tensors("mlp.", f"{p}.mlp", s.dense_intermediate_size, H)
-    return out
+    return out + ffn_tensors(spec, layer, moe, p)
 
 
 def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:

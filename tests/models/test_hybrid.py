@@ -16,7 +16,6 @@ from sluice.options import LoadOptions
 from sluice.plan import plan
 from tests.quant.streaming import assert_streamed_equals_resident
 
-from .tiny import hf_model, write_checkpoint
 
 HYBRIDS = ["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"]
 LONG = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(21)).tolist()  # > two 64-token blocks
@@ -30,21 +29,6 @@ FP32_REL = 1e-4
 # other token within 1.1x)
 NEAR_TIE = 1e-3
 BF16_VS_TRANSFORMERS = 2.0
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(arch, dtype, layout) -> (folder, transformers model), built once per module."""
-    cache: dict = {}
-
-    def get(arch: str, dtype: torch.dtype = torch.float32, layout: str = "per_expert"):
-        key = (arch, dtype, layout)
-        if key not in cache:
-            model = hf_model(arch, dtype)
-            cache[key] = (write_checkpoint(model, tmp_path_factory.mktemp(f"{arch}-{layout}"), layout), model)
-        return cache[key]
-
-    return get
 
 
 def reference(model, ids: list[int], **kw):

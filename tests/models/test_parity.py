@@ -7,7 +7,7 @@ import torch
 
 import sluice
 
-from .tiny import TINY, hf_model, write_checkpoint
+from .tiny import TINY
 
 ARCHS = sorted(TINY)
 LAYOUTS = ("per_expert", "fused")
@@ -26,22 +26,6 @@ BF16_VS_TRANSFORMERS = 2.0
 def _prompt(n: int = 24, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 300, (n,), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(arch, dtype, layout) -> (folder, transformers model), built lazily and shared by the module."""
-    cache: dict = {}
-
-    def get(arch: str, dtype: torch.dtype = torch.float32, layout: str = "per_expert"):
-        key = (arch, dtype, layout)
-        if key not in cache:
-            model = hf_model(arch, dtype)
-            folder = tmp_path_factory.mktemp(f"{arch}-{str(dtype)[6:]}-{layout}")
-            cache[key] = (write_checkpoint(model, folder, layout), model)
-        return cache[key]
-
-    return get
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -23,7 +23,7 @@ from sluice.plan import open_index, plan
 from sluice.tools.synth import SynthConfig, make_model
 from tests.quant.streaming import assert_streamed_equals_resident
 
-from .tiny import TINY, hf_model, write_checkpoint
+from .tiny import TINY
 
 TEXT = TINY["qwen4_exp"]["text_config"]
 EOS = TEXT["eos_token_id"]
@@ -45,21 +45,6 @@ SHORT = LONG[:24]
 FP32_REL = 1e-4  # relative to the largest logit
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(dtype, layout) -> (folder, transformers model), built once per module."""
-    cache: dict = {}
-
-    def get(dtype: torch.dtype = torch.float32, layout: str = "per_expert"):
-        if (dtype, layout) not in cache:
-            model = hf_model("qwen4_exp", dtype)
-            folder = tmp_path_factory.mktemp(f"qwen4_exp-{str(dtype)[6:]}-{layout}")
-            cache[dtype, layout] = (write_checkpoint(model, folder, layout), model)
-        return cache[dtype, layout]
-
-    return get
-
-
 def reference(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
@@ -71,7 +56,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])  # the table in 3 shards / saved whole
 def test_fp32_logits_match_transformers_past_the_budget_and_across_eos(checkpoints, layout):
-    folder, model = checkpoints(torch.float32, layout)
+    folder, model = checkpoints("qwen4_exp", torch.float32, layout)
     assert len(ple_tables(open_index(folder), plan(folder, LoadOptions()).spec)[0]) == (3 if layout == "per_expert"
                                                                                       else 1)
     for ids in (SHORT, LONG):
@@ -85,7 +70,7 @@ def test_fp32_logits_match_transformers_past_the_budget_and_across_eos(checkpoin
 def test_the_long_prompt_drops_keys_and_its_eos_tokens_matter(checkpoints):
     """The parity above means something: QSA leaves keys out of LONG's attention, and moving an end-of-sequence
     token changes the logits after it (the n-grams restart there) in both sluice and transformers."""
-    folder, model = checkpoints()
+    folder, model = checkpoints("qwen4_exp")
     with sluice.load(folder) as m:
         mixer = m.model.layers[1].mixer
         masks, select = [], mixer.select
@@ -102,7 +87,7 @@ def test_the_long_prompt_drops_keys_and_its_eos_tokens_matter(checkpoints):
 
 
 def test_greedy_tokens_after_a_long_prompt_equal_transformers(checkpoints):
-    folder, model = checkpoints()
+    folder, model = checkpoints("qwen4_exp")
     ids = LONG[:100]
     with torch.no_grad():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
@@ -116,7 +101,7 @@ def test_greedy_tokens_after_a_long_prompt_equal_transformers(checkpoints):
 @pytest.mark.parametrize("chunk", ["auto", 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tables_read_by_rows_give_bitwise_the_resident_logits(checkpoints, dtype, chunk):
-    folder, _ = checkpoints(dtype)
+    folder, _ = checkpoints("qwen4_exp", dtype)
     with sluice.load(folder, ple="resident", prefill_chunk=chunk) as m:
         want = m.logits(LONG)
         tokens = list(m.generate_tokens(LONG[:60], max_tokens=6, stop_at_eos=False))
@@ -147,7 +132,7 @@ def _distinct_rows(model, ids: list[int]) -> int:
 
 @pytest.mark.parametrize("ple", ["resident", "mmap", "direct"])
 def test_ple_rows_are_the_distinct_rows_of_the_prompt(checkpoints, ple):
-    folder, model = checkpoints()
+    folder, model = checkpoints("qwen4_exp")
     want = _distinct_rows(model, LONG)
     heads = 2 * TEXT["heads_per_ngram"]
     assert want < len(LONG) * heads * 2  # repeated n-grams share rows: dedup is measured
@@ -166,12 +151,12 @@ def test_ple_rows_are_the_distinct_rows_of_the_prompt(checkpoints, ple):
 
 @pytest.mark.parametrize("io,odirect", [("mmap", False), ("direct", False), ("direct", True)])
 def test_streamed_experts_equal_resident_bitwise(checkpoints, io, odirect):
-    folder, _ = checkpoints(torch.bfloat16)
+    folder, _ = checkpoints("qwen4_exp", torch.bfloat16)
     assert_streamed_equals_resident(folder, LONG[:80], io, odirect, "min", ple="direct")
 
 
 def test_the_state_holds_keys_indexer_keys_and_the_ple_history(checkpoints, capsys):
-    folder, _ = checkpoints(torch.bfloat16)
+    folder, _ = checkpoints("qwen4_exp", torch.bfloat16)
     p = plan(folder, LoadOptions(max_context=200))
     s, d = p.spec, p.spec.delta
     attends = [s.attends(L) for L in range(s.n_layers)]
@@ -198,7 +183,7 @@ def test_the_state_holds_keys_indexer_keys_and_the_ple_history(checkpoints, caps
 
 
 def test_auto_reads_the_tables_by_rows_when_they_do_not_fit_beside_the_budget(checkpoints, monkeypatch):
-    folder, _ = checkpoints()
+    folder, _ = checkpoints("qwen4_exp")
     p0 = plan(folder, LoadOptions(memory="all", max_context=64))
     kept = p0.resident_bytes + p0.layout.total_experts * p0.layout.expert_nbytes
     monkeypatch.setattr("sluice.plan.memory_status", lambda: {"rss_anon_bytes": 2**40})  # the reserve is held
@@ -220,7 +205,7 @@ def _copy(folder, tmp_path, **text):
 
 
 def test_a_table_or_hash_of_another_config_is_refused(checkpoints, tmp_path):
-    folder, _ = checkpoints()
+    folder, _ = checkpoints("qwen4_exp")
     with pytest.raises(CheckpointError, match=r"n-gram table has 432 rows in 3 part\(s\), but config.json describes "
                                               "512"):
         plan(_copy(folder, tmp_path, make_ngram_vocab_size_divisible_by=128), LoadOptions())
@@ -235,7 +220,7 @@ class _Index(dict):
 
 
 def test_table_parts_must_be_a_whole_sequence(checkpoints):
-    folder, _ = checkpoints()
+    folder, _ = checkpoints("qwen4_exp")
     p = plan(folder, LoadOptions())
     real = open_index(folder)
     name = "model.layers.0.ple.ple_embedding.ngram_embedding"
@@ -252,7 +237,7 @@ def test_table_parts_must_be_a_whole_sequence(checkpoints):
 
 
 def test_a_pass_that_does_not_continue_the_ple_history_is_refused(checkpoints):
-    folder, _ = checkpoints()
+    folder, _ = checkpoints("qwen4_exp")
     with sluice.load(folder) as m:
         m.logits(LONG[:30])
         with pytest.raises(RuntimeError, match="PLE block holds the history of 30 tokens and cannot continue at "
