@@ -73,15 +73,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, *, path: in
     statistics, the row rounded to bf16, times the weight) in one call instead of eight torch ops (~45 us at one
     1024-wide row here); its sum of squares is in a fixed order of its own, so the scale may differ from torch's in
     the last bit."""
-    n = x.shape[-1]
-    if not (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.is_contiguous()
-            and weight.is_contiguous() and weight.numel() == n and x.device.type == "cpu"):
-        raise ValueError(f"rms_norm_bf16: need contiguous bf16 x [..., n] and weight [n], got {x.dtype} "
-                         f"{list(x.shape)} and {weight.dtype} {list(weight.shape)}")
-    out = torch.empty_like(x)
-    LIB.sluice_rms_norm_bf16(x.numel() // n if n else 0, n, x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
-                             path)
-    return out
+    return _row_norm(LIB.sluice_rms_norm_bf16, "rms_norm_bf16", "bf16 weight", x, weight, torch.bfloat16, eps, path)
 
 
 def rms_norm_scaled_bf16(x: torch.Tensor, scale: torch.Tensor, eps: float, *, path: int = BEST) -> torch.Tensor:
@@ -89,14 +81,20 @@ def rms_norm_scaled_bf16(x: torch.Tensor, scale: torch.Tensor, eps: float, *, pa
     models/layers/norm.py Norm holds it), in one native call (ops.c): `(x.float() * rsqrt(mean(x^2) + eps) *
     scale).to(bf16)`, one rounding, instead of seven torch ops; the sum of squares as rms_norm_bf16's, so the row's
     scale may differ from torch's in the last bit."""
+    return _row_norm(LIB.sluice_rms_norm_scaled_bf16, "rms_norm_scaled_bf16", "float32 scale", x, scale,
+                     torch.float32, eps, path)
+
+
+def _row_norm(fn, name: str, what: str, x: torch.Tensor, w: torch.Tensor, w_dtype: torch.dtype, eps: float,
+              path: int) -> torch.Tensor:
+    """The two norms' checks and call: fn(rows, n, x, w, eps, out, path) on contiguous bf16 x [..., n], w [n]."""
     n = x.shape[-1]
-    if not (x.dtype is torch.bfloat16 and scale.dtype is torch.float32 and x.is_contiguous()
-            and scale.is_contiguous() and scale.numel() == n and x.device.type == "cpu"):
-        raise ValueError(f"rms_norm_scaled_bf16: need contiguous bf16 x [..., n] and float32 scale [n], got {x.dtype} "
-                         f"{list(x.shape)} and {scale.dtype} {list(scale.shape)}")
+    if not (x.dtype is torch.bfloat16 and w.dtype is w_dtype and x.is_contiguous() and w.is_contiguous()
+            and w.numel() == n and x.device.type == "cpu"):
+        raise ValueError(f"{name}: need contiguous bf16 x [..., n] and {what} [n], got {x.dtype} {list(x.shape)} and "
+                         f"{w.dtype} {list(w.shape)}")
     out = torch.empty_like(x)
-    LIB.sluice_rms_norm_scaled_bf16(x.numel() // n if n else 0, n, x.data_ptr(), scale.data_ptr(), eps,
-                                    out.data_ptr(), path)
+    fn(x.numel() // n if n else 0, n, x.data_ptr(), w.data_ptr(), eps, out.data_ptr(), path)
     return out
 
 
