@@ -33,8 +33,8 @@ from .models.spec import KVCache, Spec
 from .models.tables import ple_tables
 from .options import LoadOptions, format_bytes
 from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
-                           activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_token_bytes,
-                           prefill_tokens_per_chunk, reserve_left)
+                           activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_fixed_bytes,
+                           prefill_token_bytes, prefill_tokens_per_chunk, reserve_left)
 from .store.layout import ExpertLayout
 from .models.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
@@ -60,7 +60,7 @@ class LoadPlan:
     max_context: int  # KV positions: options.max_context capped by the model's
     prefill_chunk: int  # prompt tokens per forward pass (options.prefill_chunk, "auto" resolved)
     prefill_why: str  # how the chunk was chosen, for inspect
-    prefill_bytes: int  # what one chunk's activations may take (prefill_token_bytes x chunk): the heap keeps it
+    prefill_bytes: int  # what one chunk's activations may take (fixed + prefill_token_bytes x chunk): the heap keeps it
     kv_bytes: int
     room: MemoryRoom  # the memory this process may take, when the plan was made
     ple_tables: dict[int, list[TensorRef]]  # qwen4_exp: layer -> its n-gram table's parts (models/tables.py)
@@ -142,8 +142,8 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
         prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, ple_tables=tables, ple=ple,
         ple_bytes=table_bytes, ple_why=ple_why, memory=memory,
-        prefill_bytes=chunk * prefill_token_bytes(spec, itemsize, max_context), memory_plan=memory_plan,
-        budget=budget, odirect=odirect, threads=threads,
+        prefill_bytes=prefill_fixed_bytes(spec, itemsize) + chunk * prefill_token_bytes(spec, itemsize, max_context),
+        memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
         eos_ids=_eos_ids(args, generation, tokenizer),
     )
@@ -221,8 +221,10 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
     else:
         acts, whence = PREFILL_ROOM, f"the room is unknown: {room.source}"
     chunk = prefill_tokens_per_chunk(spec, itemsize, max_context, acts)
+    fixed = prefill_fixed_bytes(spec, itemsize)
+    fixed = f" beyond {fb(fixed)} for a Gated DeltaNet slice" if fixed else ""
     return chunk, (f"auto, within {PREFILL_MIN}-{PREFILL_MAX}: {fb(acts)} of activations at {fb(per_token)} a "
-                   f"token, {whence}")
+                   f"token{fixed}, {whence}")
 
 
 def _tokenizer(index: CheckpointIndex, path: Path) -> tuple[Tokenizer | None, str]:

@@ -158,3 +158,28 @@ def test_quantized_export_reads_back(exported, tmp_path):
     with sluice.load(out, dtype="float32") as m:
         got = m.logits(SHORT)
     assert ((got - want).norm() / want.norm()).item() <= 5e-2  # this tiny model moves ~2% with Q8_0's rounding
+
+
+def test_grouped_decode_projections_are_the_separate_calls_bitwise(exported, tmp_path):
+    """A decode token's Gated DeltaNet input projections kept in Q8_0 run as one native call (x quantized once:
+    GatedDeltaNet.in_group); its outputs, and so the generated tokens' logits, are bitwise those of one call per
+    projection."""
+    from sluice.models.layers.gated_deltanet import GatedDeltaNet
+
+    _, _, folder, _ = exported
+    out = tmp_path / "m-q8_0.gguf"
+    quantize(folder, out, "q8_0")
+    runs = []
+    for grouped in (True, False):
+        with sluice.load(out) as m:
+            mixers = [layer.mixer for layer in m.model.layers if isinstance(layer.mixer, GatedDeltaNet)]
+            assert mixers and all(x.in_group is not None for x in mixers)
+            if not grouped:
+                for x in mixers:
+                    x.in_group = None
+            tm = m.model  # teacher-forced decode steps, each token alone (the grouped call's case)
+            with torch.inference_mode():
+                tm.forward(torch.tensor(SHORT), 0)
+                runs.append(torch.cat([tm.logits(tm.forward(torch.tensor([t]), p))
+                                       for p, t in enumerate(LONG[:6], len(SHORT))]))
+    assert torch.equal(runs[0], runs[1])

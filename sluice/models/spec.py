@@ -42,6 +42,11 @@ class MLASpec:
 
 
 DELTA_CHUNK = 64  # tokens per block of the chunked delta rule (models/layers/delta_rule.py; the reference's)
+# Prompt tokens a Gated DeltaNet layer takes at once (layers/gated_deltanet.py): a longer pass runs in slices of this
+# many, the states carried, so the rule's float32 blocks (~240 KB a token at Qwen3.5's shapes) are bounded by the
+# slice and not by the prefill chunk, which the MoE's expert reads want long (a streamed layer reads its experts once
+# per chunk). A whole number of DELTA_CHUNK blocks: a slice boundary is a block boundary, the same blocks as one pass.
+DELTA_SLICE = 256
 
 
 @dataclass
@@ -96,6 +101,10 @@ class DeltaNetSpec:
         in-block and score matrices (3 C)."""
         floats = self.n_v_heads * (6 * self.k_head_dim + 4 * self.v_head_dim + 3 * DELTA_CHUNK)
         return 4 * floats + 2 * itemsize * (self.conv_dim + self.value_dim)
+
+    def prompt_slice_bytes(self, itemsize: int) -> int:
+        """Live bytes of a layer's prompt slice at its peak (DELTA_SLICE tokens: a pass of any length)."""
+        return DELTA_SLICE * self.prompt_bytes_per_token(itemsize)
 
 
 @dataclass

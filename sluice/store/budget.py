@@ -80,11 +80,7 @@ def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
     if spec.mla is not None:  # q, its latent-space copy (absorbed form), the attended output, the latent + rope key
         m = spec.mla
         qkv = spec.n_heads * (m.qk_head_dim + m.kv_lora_rank + m.v_head_dim) + m.cache_dim
-    mixer = itemsize * qkv
-    # a Gated DeltaNet layer's chunked rule: float32 blocks (Qwen3.5: ~190 KB a token; counted from its tensors,
-    # not yet measured as the MoE block's was)
-    if spec.delta is not None:
-        mixer = max(mixer, spec.delta.prompt_bytes_per_token(itemsize))
+    mixer = itemsize * qkv  # a Gated DeltaNet layer's rule: prefill_fixed_bytes (bounded by its slice)
     live = itemsize * (H * (K + 5) + 4 * I) + mixer + 8 * spec.num_experts + 6 * 8 * K + max_context
     # qwen4_exp (counted from its tensors, not yet measured): the hc_count streams, their norm, the mix weights and
     # the injected output (models/layers/hyper.py); a PLE pass's rows (staged, gathered, converted) and its gated
@@ -98,11 +94,19 @@ def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
     return ALLOCATOR_FACTOR * live
 
 
+def prefill_fixed_bytes(spec, itemsize: int) -> int:
+    """Peak RSS a prefill pass's activations take whatever its length: a Gated DeltaNet layer runs a long pass in
+    slices of a fixed number of tokens (models/spec.py DELTA_SLICE), the chunked rule's float32 blocks (Qwen3.5: ~240
+    KB a token; counted from its tensors, not yet measured as the MoE block's was) held for one slice at a time."""
+    return 0 if spec.delta is None else ALLOCATOR_FACTOR * spec.delta.prompt_slice_bytes(itemsize)
+
+
 def prefill_tokens_per_chunk(spec, itemsize: int, max_context: int, room: int = PREFILL_ROOM) -> int:
-    """Prompt tokens per forward pass: as many as `room` bytes of activations hold (prefill_token_bytes), within
-    [PREFILL_MIN, PREFILL_MAX]. Larger chunks read each touched expert once for more tokens (a streamed layer reads
-    its experts once per chunk)."""
-    return max(PREFILL_MIN, min(PREFILL_MAX, room // prefill_token_bytes(spec, itemsize, max_context)))
+    """Prompt tokens per forward pass: as many as `room` bytes of activations hold (prefill_fixed_bytes, then
+    prefill_token_bytes a token), within [PREFILL_MIN, PREFILL_MAX]. Larger chunks read each touched expert once for
+    more tokens (a streamed layer reads its experts once per chunk)."""
+    per_token = prefill_token_bytes(spec, itemsize, max_context)
+    return max(PREFILL_MIN, min(PREFILL_MAX, (room - prefill_fixed_bytes(spec, itemsize)) // per_token))
 
 
 def kept_bytes(memory: int | None, resident_bytes: int, expert_bytes: int, total_experts: int) -> int:

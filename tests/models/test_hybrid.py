@@ -52,6 +52,29 @@ def test_fp32_logits_match_transformers_across_blocks_and_prompt_chunks(checkpoi
             assert rel_err(got, want) <= FP32_REL, (len(ids), chunk, rel_err(got, want))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_a_pass_longer_than_a_slice_runs_in_slices_with_the_state_carried(checkpoints, arch, monkeypatch):
+    """A Gated DeltaNet layer takes a long pass DELTA_SLICE tokens at a time (its blocks bounded by the slice): with
+    slices of 64 the 150-token pass runs as 64 + 64 + 22 tokens (the conv and recurrent states carried from slice
+    to slice), transformers' logits as in one slice of 150."""
+    from sluice.models.layers import gated_deltanet
+    from sluice.models.layers.gated_deltanet import GatedDeltaNet
+
+    folder, model = checkpoints(arch, torch.float32, "per_expert")
+    want = reference(model, LONG).logits[0]
+    with sluice.load(folder) as m:
+        whole = m.logits(LONG)
+        calls = []
+        mix = GatedDeltaNet._mix
+        monkeypatch.setattr(GatedDeltaNet, "_mix", lambda self, x: calls.append(x.shape[0]) or mix(self, x))
+        monkeypatch.setattr(gated_deltanet, "DELTA_SLICE", 64)
+        sliced = m.logits(LONG)
+    layers = sum(isinstance(layer.mixer, GatedDeltaNet) for layer in m.model.layers)
+    assert calls == [64, 64, 22] * layers
+    assert rel_err(sliced, want) <= FP32_REL and rel_err(whole, want) <= FP32_REL
+    assert rel_err(sliced, whole) <= FP32_REL
+
+
 def _near_ties(model, ids: list[int]) -> torch.Tensor:
     """[T] bool: tokens whose routing in some layer has the k-th and (k+1)-th experts within NEAR_TIE."""
     out = reference(model, ids, output_router_logits=True)

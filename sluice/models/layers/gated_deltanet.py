@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...quant.linear import Q8_MAX_ROWS, QuantLinear
 from ..linear import linear
+from ..spec import DELTA_SLICE
 from . import delta_rule
 from .build import ACTIVATIONS, Build, Step
 from .norm import gated_rms_norm
@@ -50,25 +52,43 @@ class GatedDeltaNet:
         # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet); the kernel
         # pairs q / k with the value heads in the spec's order (grouped or tiled: Build gives it DeltaNetSpec.tiled)
         # and gates with silu: a sigmoid gate (Qwen4-Exp) keeps the torch steps
+        # kept-quantized input projections at decode: one native call, x quantized once, their rows over the native
+        # threads, bitwise what separate QuantLinear calls give (as Attention's q / k / v); 4 -> 1 call per layer
+        w = self.w
+        ins = ([w.qkv, w.z] if w.qkvz is None else [w.qkvz]) + ([w.b, w.a] if w.ba is None else [w.ba])
+        self.n_qkvz = 2 if w.qkvz is None else 1  # the first outputs of the group are _qkv_z's, the others _b_a's
+        self.in_group = QuantLinear.group(ins) if all(type(w) is QuantLinear for w in ins) else None
+        self.in_biases = (None,) * len(ins)
         native = b.deltanet_decode is not None and self.d.gate_act == "silu"
         self.native = None if not native else b.deltanet_decode.layer(
             self.w.conv, self.cache.conv, self.cache.recurrent, self.neg_A, self.w.dt_bias, self.w.norm, self.eps)
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        d, c, T = self.d, self.cache, x.shape[0]
+        c, T = self.cache, x.shape[0]
         if step.pos == 0:
             c.conv.zero_()
             c.recurrent.zero_()
         elif step.pos != c.pos:
             raise RuntimeError(f"layer {self.L}: its Gated DeltaNet state holds {c.pos} tokens and cannot continue "
                                f"at position {step.pos} (a recurrent state is not rewound; start at 0)")
-        qkv, z = self._qkv_z(x)  # [T, conv_dim], [T, value_dim]
-        b, a = self._b_a(x)  # [T, Hv], [T, Hv]
+        if T <= DELTA_SLICE:
+            out = self._mix(x)
+        else:  # a long prompt in slices: the state carries from one to the next, the rule's live blocks stay bounded
+            out = torch.cat([self._mix(x[i : i + DELTA_SLICE]) for i in range(0, T, DELTA_SLICE)])
+        c.pos = step.pos + T
+        return out
+
+    def _mix(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H] after the tokens the states hold, the states moved past x's tokens."""
+        T = x.shape[0]
+        ys = None if self.in_group is None or T > Q8_MAX_ROWS else self.in_group.linear(x, self.in_biases)
+        n = self.n_qkvz
+        qkv, z = self._qkv_z(x, ys and ys[:n])  # [T, conv_dim], [T, value_dim]
+        b, a = self._b_a(x, ys and ys[n:])  # [T, Hv], [T, Hv]
         if T == 1 and self.native is not None:
             o = self.native(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous())  # [1, value_dim]
         else:
-            o = self._steps(qkv, z, b, a).reshape(T, d.value_dim)
-        c.pos = step.pos + T
+            o = self._steps(qkv, z, b, a).reshape(T, self.d.value_dim)
         return linear(o, self.o, None, self.bf16)
 
     def _steps(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -94,24 +114,26 @@ class GatedDeltaNet:
         out = F.conv1d(seq[None].to(w.dtype), w, groups=w.shape[0])[0]  # [C, T]
         return self.act(out).to(qkv.dtype).transpose(0, 1)
 
-    def _qkv_z(self, x: torch.Tensor):
+    def _qkv_z(self, x: torch.Tensor, ys: list[torch.Tensor] | None):
         """q | k | v [T, conv_dim] and z [T, value_dim]: Qwen3.5's in_proj_qkv and in_proj_z, or Qwen3-Next's
         in_proj_qkvz, whose rows go key head by key head (per key head: q, k, then its r value heads' v, then
-        their z), split into the order of the two."""
+        their z), split into the order of the two. ys: the grouped decode call's outputs for them (in_group's), if any."""
         w, d, T = self.w, self.d, x.shape[0]
         if w.qkvz is None:
-            return linear(x, w.qkv, None, self.bf16), linear(x, w.z, None, self.bf16)
+            return (ys[0], ys[1]) if ys else (linear(x, w.qkv, None, self.bf16), linear(x, w.z, None, self.bf16))
         r, Dk = self.r, d.k_head_dim
-        qkvz = linear(x, w.qkvz, None, self.bf16).view(T, d.n_k_heads, 2 * Dk + 2 * r * d.v_head_dim)
+        qkvz = ys[0] if ys else linear(x, w.qkvz, None, self.bf16)
+        qkvz = qkvz.view(T, d.n_k_heads, 2 * Dk + 2 * r * d.v_head_dim)
         q, k, v, z = qkvz.split([Dk, Dk, r * d.v_head_dim, r * d.v_head_dim], dim=-1)
         qkv = torch.cat([q.reshape(T, d.key_dim), k.reshape(T, d.key_dim), v.reshape(T, d.value_dim)], dim=-1)
         return qkv, z.reshape(T, d.value_dim)
 
-    def _b_a(self, x: torch.Tensor):
+    def _b_a(self, x: torch.Tensor, ys: list[torch.Tensor] | None):
         """b, a [T, Hv] each: Qwen3.5's in_proj_b and in_proj_a, or Qwen3-Next's in_proj_ba, whose rows go key head
         by key head (per key head its r value heads' b, then their a)."""
         w, d, T = self.w, self.d, x.shape[0]
         if w.ba is None:
-            return linear(x, w.b, None, self.bf16), linear(x, w.a, None, self.bf16)
-        b, a = linear(x, w.ba, None, self.bf16).view(T, d.n_k_heads, 2 * self.r).split([self.r, self.r], dim=-1)
+            return (ys[0], ys[1]) if ys else (linear(x, w.b, None, self.bf16), linear(x, w.a, None, self.bf16))
+        ba = ys[0] if ys else linear(x, w.ba, None, self.bf16)
+        b, a = ba.view(T, d.n_k_heads, 2 * self.r).split([self.r, self.r], dim=-1)
         return b.reshape(T, d.n_v_heads), a.reshape(T, d.n_v_heads)
