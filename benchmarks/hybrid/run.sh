@@ -12,17 +12,20 @@
 #   decode    cold (verified), 1 GiB memory cgroup (page cache included), 8 timed steps after 2 untimed, after a
 #             32-token prompt; step time against sluice's own I/O floor measured in the same run (its reads replayed
 #             cold with its reader, at its queue depth, before the first round and after the last)
-#   prefill   the same ceiling, cold, a 2,048-token prompt (prompt tok/s)
+#   prefill   the same ceiling, cold, a 2,048-token prompt (prompt tok/s); sluice with a 384 MiB budget, which leaves
+#             the room for a 2,048-token chunk (the auto chunk: every layer's experts read once; at 640 MiB the chunk
+#             is 256-512 tokens and the prompt reads the experts 4-7 times)
 #   resident  no ceiling, warm, 2 threads each: decode with everything in memory
 #
-#   bash benchmarks/hybrid/run.sh          # ROUNDS=3 STEPS=8 WARMUP=2 CEILING=1GiB MEMORY=640MiB SETS="decode prefill resident"
+#   bash benchmarks/hybrid/run.sh   # ROUNDS=3 STEPS=8 WARMUP=2 CEILING=1GiB MEMORY=640MiB PROMPT_MEMORY=384MiB
+#                                   # SETS="decode prefill resident"
 #   ISA=avx2 bash benchmarks/hybrid/run.sh # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
 #                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama.cpp built for
 #                                          # AVX2 (peers/setup.sh AVX2=1); results in <set>-avx2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-8}; WARMUP=${WARMUP:-2}; PROMPT=${PROMPT:-2048}
-CEILING=${CEILING:-1GiB}; MEMORY=${MEMORY:-640MiB}
+CEILING=${CEILING:-1GiB}; MEMORY=${MEMORY:-640MiB}; PROMPT_MEMORY=${PROMPT_MEMORY:-384MiB}
 SETS=${SETS:-decode prefill resident}
 OUT=${OUT:-benchmarks/results/hybrid}
 PEER_PY=benchmarks/peers/.venv/bin/python
@@ -42,7 +45,7 @@ M=benchmarks/models/qwen3_5_moe-a3b-8GiB
 [ -f "$M/model-Q4_K_M.gguf" ] || nice -n 19 benchmarks/peers/.venv/bin/python benchmarks/quality.py quantize \
   "$M/model.gguf" "$M/model-Q4_K_M.gguf" Q4_K_M
 Q=$M/model-Q4_K_M.gguf
-"${SLUICE[@]}" inspect "$Q" --memory "$MEMORY" > "$OUT-inspect.txt" 2>&1 || true
+mkdir -p "$OUT"; "${SLUICE[@]}" inspect "$Q" --memory "$MEMORY" > "$OUT/inspect$TAG.txt" 2>&1
 
 LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
        --arm llama.cpp+random="peer:llama.cpp --madvise random")
@@ -58,7 +61,7 @@ for set in $SETS; do
         --prompt-tokens 32 --arm sluice="--io direct --memory $MEMORY ${ISA[*]}" "${LLAMA[@]}" ;;
     prefill)
       bench "$OUT/prefill$TAG-$CEILING" --cold --ceiling "$CEILING" --steps 1 --warmup 0 --prompt-tokens "$PROMPT" \
-        --arm sluice="--io direct --memory $MEMORY ${ISA[*]}" "${LLAMA[@]}" ;;
+        --arm sluice="--io direct --memory $PROMPT_MEMORY ${ISA[*]}" "${LLAMA[@]}" ;;
     resident)
       bench "$OUT/resident$TAG" --warm --steps "$STEPS" --warmup "$WARMUP" --prompt-tokens 32 \
         --arm sluice="--memory all --threads 2 ${ISA[*]}" --arm llama.cpp="peer:llama.cpp --threads 2" \
