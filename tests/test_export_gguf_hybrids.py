@@ -123,6 +123,7 @@ def test_sluices_q8_0_is_llama_cpps(exported, tmp_path):
      "linear_key_head_dim 8 differs from linear_value_head_dim 12"),
     ("qwen3_next", dict(linear_value_head_dim=8, norm_topk_prob=True), "dense layers are not supported"),
     ("qwen3_next", dict(linear_value_head_dim=8, mlp_only_layers=[]), "norm_topk_prob is false"),
+    ("qwen4_exp", {}, "writes no hyper-connections, QSA indexer or n-gram tables; convert the folder with llama.cpp"),
 ])
 def test_what_llama_cpps_graphs_cannot_run_is_refused(tmp_path, arch, overrides, needle):
     folder, _ = hf_folder(arch, tmp_path, **overrides)

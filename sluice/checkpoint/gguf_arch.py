@@ -49,6 +49,14 @@ class GGUFArch:
     # rope.dimension_count may be below the head size (a partial rotary: partial_rotary_factor = dimension_count /
     # head size); without it the two must be equal
     partial_rope: bool = False
+    # the architecture's tensors outside the blocks beyond token_embd / output_norm / output, as a function of the
+    # config (`config`'s result): GGUF name -> config.json-world name (qwen4exp's final hyper-connection mixer, and
+    # its n-gram table, which belongs to the layer its metadata names)
+    other_tensors: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = None
+
+    def global_tensors(self, config: Mapping[str, Any]) -> dict[str, str]:
+        """GGUF name -> config.json-world name of its own tensors outside the blocks (`other_tensors`)."""
+        return dict(self.other_tensors(config)) if self.other_tensors is not None else {}
 
     def values_of(self, name: str) -> str:
         """The ref.STORED key of config.json-world tensor `name` in this architecture's files ("" when stored as is)."""

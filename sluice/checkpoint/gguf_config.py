@@ -38,7 +38,8 @@ router normalisation than its graph hard-codes) are set so that sluice computes 
 Architectures: each models/<model_type>.py names its llama.cpp architecture and adds its own keys (`GGUF`, a
 gguf_arch.GGUFArch; None when llama.cpp has none; the opener hands this module the table of them): qwen3moe ->
 qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe, llama with expert_count > 0 -> mixtral, qwen3next -> qwen3_next,
-qwen35moe -> qwen3_5_moe (the hybrids' ssm.* keys: models/qwen3_next.py hybrid_gguf_config). Keys whose math sluice
+qwen35moe -> qwen3_5_moe (the hybrids' ssm.* keys: models/qwen3_next.py hybrid_gguf_config), qwen4exp -> qwen4_exp
+(hyper_connection.*, attention.indexer.*, attention.compress_ratios, ple.*: models/qwen4_exp.py). Keys whose math sluice
 does not compute (another gating function, an expert weight scale, an attention scale, longrope) are a ConfigError
 naming the key, never silently dropped.
 """
@@ -245,6 +246,25 @@ def bools(m: GGUFMeta, name: str, length: int) -> list[bool] | None:
             or any(x not in (0, 1) for x in v):
         raise m.wrong(key, f"an array of at least {length} bools")
     return [bool(x) for x in v[:length]]
+
+
+def ints(m: GGUFMeta, name: str, length: int | None = None, default: Any = _MISSING,
+         per_layer: bool = False) -> list[int]:
+    """An array of integers (`length` of them when given; `per_layer`: a single integer counts for all `length`, as
+    llama.cpp's get_key_or_arr reads per-layer keys); CheckpointError naming the key when it is missing (and no
+    default is given) or is anything else."""
+    key = m.key(name)
+    if key not in m.gf.metadata:
+        if default is _MISSING:
+            raise m.missing(key)
+        return default
+    v, t = m.gf.metadata[key], m.gf.types[key]
+    if t in INTEGER_TYPES and per_layer and length is not None:
+        return [v] * length
+    want = f"an array of {length} integers" if length is not None else "an array of integers"
+    if t != 9 or m.gf.array_types.get(key) not in INTEGER_TYPES or (length is not None and len(v) != length):
+        raise m.wrong(key, want)
+    return list(v)
 
 
 def _refuse_unsupported(m: GGUFMeta, norm: bool, router_keys: frozenset[str]) -> None:

@@ -15,7 +15,8 @@ Tensor names map to the ones sluice's model files read (models/*.py, weights.py,
     blk.N.ffn_gate_inp_shexp          model.layers.N.mlp.shared_expert_gate.weight    [1, H] (stored [H] or [1, H])
 
 Each architecture's table is its `GGUFArch.tensors` (declared by models/<model_type>.py, handed to `GGUFIndex.open`
-by the opener: plan.open_index). The MoE block is always `mlp`
+by the opener: plan.open_index), and `GGUFArch.other_tensors` for its own tensors outside the blocks (qwen4exp's
+output_hc_* and per_layer_token_embd, whose name depends on the config). The MoE block is always `mlp`
 (Mixtral included: its fused HF layout uses that prefix too). Each mapped TensorRef keeps the GGUF name as
 `ref.name`, so errors name the tensor as it is in the file. A tensor the architecture does not have in llama.cpp is an
 error (llama.cpp refuses such files too). Where the architecture says `rope_permuted` (`llama`: Mixtral) the q/k rows
@@ -53,9 +54,10 @@ _OLD_EXPERTS = re.compile(r"ffn_(gate|up|down)\.\d+\.weight")
 _OLD_EXPERTS_HINT = "this is the old per-expert Mixtral layout: re-convert the model with a current llama.cpp"
 
 
-def gguf_name(name: str, facts: GGUFArch) -> str | None:
-    """The GGUF name of config.json-world tensor `name` in architecture `facts` (the inverse of hf_name)."""
-    for g, h in _GLOBAL.items():
+def gguf_name(name: str, facts: GGUFArch, config: dict | None = None) -> str | None:
+    """The GGUF name of config.json-world tensor `name` in architecture `facts` (the inverse of hf_name; `config`:
+    the file's, for the architecture's own global tensors)."""
+    for g, h in {**_GLOBAL, **(facts.global_tensors(config) if config is not None else {})}.items():
         if h == name:
             return g
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
@@ -66,10 +68,12 @@ def gguf_name(name: str, facts: GGUFArch) -> str | None:
     return None
 
 
-def hf_name(gguf_name: str, facts: GGUFArch, n_layers: int) -> str | None:
-    """The config.json-world name of GGUF tensor `gguf_name` in architecture `facts`, or None if it has none."""
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
+def hf_name(gguf_name: str, facts: GGUFArch, n_layers: int, config: dict | None = None) -> str | None:
+    """The config.json-world name of GGUF tensor `gguf_name` in architecture `facts`, or None if it has none
+    (`config`: the file's, for the architecture's own global tensors: GGUFArch.other_tensors)."""
+    glob = {**_GLOBAL, **(facts.global_tensors(config) if config is not None else {})}
+    if gguf_name in glob:
+        return glob[gguf_name]
     m = _BLK_RE.fullmatch(gguf_name)
     if m is None or int(m["layer"]) >= n_layers or str(int(m["layer"])) != m["layer"]:
         return None
@@ -201,7 +205,7 @@ class GGUFIndex(CheckpointIndex):
             return self.tensors[name]
         except KeyError:
             pass
-        g = gguf_name(name, self.facts)
+        g = gguf_name(name, self.facts, self.config)
         what = f"GGUF tensor {g!r}" if g else "a tensor"
         raise CheckpointError(f"{what} is missing (sluice looked for {name!r}); the file is incomplete or not a "
                               f"{self.arch} model as llama.cpp writes it", file=str(self.folder), tensor=g or name)
@@ -221,8 +225,9 @@ def _map_tensors(raw: dict[str, TensorRef], facts: GGUFArch, config: dict, block
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     tensors: dict[str, TensorRef] = {}
     names: dict[str, str] = {}
+    glob = {**_GLOBAL, **facts.global_tensors(config)}
     for gname, ref in raw.items():
-        hname = hf_name(gname, facts, n_layers)
+        hname = hf_name(gname, facts, n_layers, config)
         m = _BLK_RE.fullmatch(gname)
         if hname is None and m and n_layers <= int(m["layer"]) < blocks and str(int(m["layer"])) == m["layer"]:
             tensors[gname], names[gname] = ref, gname  # the mtp head: its bytes are the file's, nothing reads them
@@ -233,7 +238,7 @@ def _map_tensors(raw: dict[str, TensorRef], facts: GGUFArch, config: dict, block
             known = ", ".join(sorted(facts.tensors))
             raise CheckpointError(
                 f"is not part of a {arch} model ({model_type}) with {n_layers} layers as llama.cpp and sluice run it; "
-                + (hint or f"known: {', '.join(_GLOBAL)} and blk.N.{{{known}}}"), file=file, tensor=gname)
+                + (hint or f"known: {', '.join(glob)} and blk.N.{{{known}}}"), file=file, tensor=gname)
         proj = hname.rsplit(".", 2)[-2]
         if facts.rope_permuted and proj in heads and hname.endswith(".weight"):
             ref = _rope_permuted(ref, heads[proj], file)

@@ -11,7 +11,9 @@ sigmoid-gated shared expert, zero-centred norms) with three additions, each a mo
   from a per-layer table of tens of GiB, read by rows (store/rows.py RowTable; the `ple` load option), the hub's
   split into `split_ngram_parts` shards (models/tables.py).
 
-The Gated DeltaNet's output gate is `output_gate_type` (sigmoid or silu; default hidden_act). The hub ships the model
+The Gated DeltaNet's output gate is `output_gate_type` (sigmoid or silu; default hidden_act). A GGUF as llama.cpp's
+converter writes it (`qwen4exp`: the table as per_layer_token_embd, F32 or any type sluice dequantizes, the hash's
+numbers in its metadata) reads through the GGUF facts at the end of this file. The hub ships the model
 as the multimodal wrapper (qwen3_5_moe's: text_config, model.language_model.*, a vision tower). Checkpoint names
 under `model.layers.N.` beyond Qwen3.5's: `{attn,mlp}_hyper_connection.{hc_norm, input_mix_weight_down,
 input_mix_weight_up, block_inject_weight}`, `self_attn.indexer.{index_qk_proj, q_layernorm, k_layernorm}`,
@@ -28,14 +30,16 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.gguf_config import ints
 from ..checkpoint.multimodal import TEXT_PREFIX
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from . import ngram
-from .arch import SynthDefaults, SynthWrap, TensorName
+from .arch import GGUFArch, SynthDefaults, SynthWrap, TensorName
 from .args import CONFIG, MAX_HEAD_DIM
 from .layers import Build, GatedAttention, GatedDeltaNet, HyperLayer, IndexedAttention, PLE, moe_or_dense
 from .qwen3_5_moe import VISION_TOKENS, vision_tower
-from .qwen3_next import HybridArgs, hybrid_synth_config, hybrid_tensors
+from .qwen3_next import (GGUF_HYBRID, GGUF_HYBRID_VALUES, HybridArgs, hybrid_gguf_config, hybrid_synth_config,
+                         hybrid_tensors)
 from .schema import cfg
 from .spec import PLESpec, QSASpec, Spec
 
@@ -50,6 +54,7 @@ expert_layer = None  # store/layout.py reads the per-expert, fused or stacked ex
 INTERMEDIATE_KEY = "moe_intermediate_size"
 LAYER_TYPES = ("linear_attention", "full_attention", "indexed_attention")
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+HASH_FIELDS = ("ple_multipliers", "ple_head_sizes", "ple_head_offsets", "ple_table_rows")  # a GGUF's (ModelArgs)
 #: n-gram heads over all PLE layers: each is a prime to find (~0.4 ms near 2^31), so a hostile config stays cheap;
 #: the real model has 16
 MAX_NGRAM_HEADS = 4096
@@ -82,6 +87,16 @@ class ModelArgs(HybridArgs):
     indexer_head_dim: int | None = cfg(None, ge=1, le=MAX_HEAD_DIM)
     indexer_budget: int | None = cfg(None, ge=1)
     indexer_compress_ratio: int | None = cfg(None, ge=1)
+    # sluice's own keys, not transformers': what a GGUF states (the GGUF facts below; a Hugging Face folder keeps the
+    # defaults). The indexer's projection stored as two (llama.cpp's indexer.q_proj, indexer.k_proj):
+    indexer_qk_split: bool = cfg(False)
+    # the hash of the one PLE layer a GGUF has, as its numbers (llama.cpp's converter writes them, not the seed and
+    # base they come from), and the table's rows as stored; null: computed from the fields above (models/ngram.py)
+    ple_multipliers: list[int] | None = cfg(None, ge=1, le=ngram.MAX_LONG)
+    ple_head_sizes: list[int] | None = cfg(None, ge=1)
+    ple_head_offsets: list[int] | None = cfg(None, ge=0)
+    ple_table_rows: int | None = cfg(None, ge=1)
+    ple_eos_token_id: int | None = cfg(None, ge=0)  # where n-grams restart (null: eos_token_id, its first)
 
     @classmethod
     def from_dict(cls, config: dict, source: str | os.PathLike[str] = CONFIG):
@@ -136,8 +151,36 @@ class ModelArgs(HybridArgs):
         elif not_linear := [i for i in ids if not self.linear_layers()[i - 1]]:
             yield "ple_layer_ids", (f"layers {not_linear} are not linear_attention layers; Qwen4-Exp's PLE runs only "
                                     "on linear_attention layers")
-        elif self.eos_token_id is None or self.eos_token_id == []:
+        elif (self.eos_token_id is None or self.eos_token_id == []) and self.ple_eos_token_id is None:
             yield "eos_token_id", "missing; PLE's n-grams restart after the end-of-sequence token: expected its id"
+        else:
+            yield from self._hash_problems()
+
+    def _hash_problems(self) -> Iterator[tuple[str, str]]:
+        """The numbers a GGUF gives instead of the seed and base: all or none, for one PLE layer, the right counts,
+        products t * m (t < vocab_size) within int64 as the hash computes them, every head inside the table."""
+        given = [f for f in HASH_FIELDS if getattr(self, f) is not None]
+        if not given:
+            return
+        heads = (self.ngram_size - 1) * self.heads_per_ngram
+        sizes, offsets, rows = self.ple_head_sizes, self.ple_head_offsets, self.ple_table_rows
+        if missing := [f for f in HASH_FIELDS if getattr(self, f) is None]:
+            yield missing[0], f"missing: the hash's numbers are all of {', '.join(HASH_FIELDS)} once one is set"
+        elif len(self.ple_layer_ids) != 1:
+            yield "ple_layer_ids", (f"{self.ple_layer_ids}: the hash's numbers ({given[0]}) describe one PLE layer: "
+                                    "expected one")
+        elif len(self.ple_multipliers) != self.ngram_size:
+            yield "ple_multipliers", f"{len(self.ple_multipliers)} of them: expected ngram_size = {self.ngram_size}"
+        elif len(sizes) != heads or len(offsets) != heads:
+            yield "ple_head_sizes", (f"{len(sizes)} sizes and {len(offsets)} offsets: expected one each per n-gram "
+                                     f"head, (ngram_size - 1) x heads_per_ngram = {heads}")
+        elif max(self.ple_multipliers) > ngram.MAX_LONG // self.vocab_size:
+            yield "ple_multipliers", (f"{max(self.ple_multipliers)} times a token id below vocab_size "
+                                      f"{self.vocab_size} leaves int64: expected at most "
+                                      f"{ngram.MAX_LONG // self.vocab_size}")
+        elif bad := [h for h in range(heads) if offsets[h] + sizes[h] > rows]:
+            yield "ple_table_rows", (f"{rows}: head {bad[0]} takes rows {offsets[bad[0]]} .. "
+                                     f"{offsets[bad[0]] + sizes[bad[0]] - 1}: expected the table to hold every head")
 
     def spec(self) -> Spec:
         s = self.hybrid_spec(norm_topk_prob=self.norm_topk_prob, hc_count=self.hc_count, hc_lowrank=self.hc_lowrank,
@@ -149,22 +192,28 @@ class ModelArgs(HybridArgs):
         if self.indexer_n_heads is None:
             return None
         return QSASpec(n_heads=self.indexer_n_heads, head_dim=self.indexer_head_dim, budget=self.indexer_budget,
-                       compress_ratio=self.indexer_compress_ratio)
+                       compress_ratio=self.indexer_compress_ratio, split=self.indexer_qk_split)
 
     def _ple(self) -> PLESpec | None:
         ids = self.ple_layer_ids
         if not ids:
             return None
-        heads = (self.ngram_size - 1) * self.heads_per_ngram
-        sizes = ngram.head_sizes(self.ngram_vocab_size_base, heads, len(ids))
-        eos = self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
+        eos = self.ple_eos_token_id
+        if eos is None:
+            eos = self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
+        if self.ple_multipliers is not None:  # a GGUF's numbers, for its one PLE layer (_hash_problems)
+            sizes, offsets, mult = [self.ple_head_sizes], [self.ple_head_offsets], [self.ple_multipliers]
+            rows = [self.ple_table_rows]
+        else:
+            heads = (self.ngram_size - 1) * self.heads_per_ngram
+            sizes = ngram.head_sizes(self.ngram_vocab_size_base, heads, len(ids))
+            offsets = [ngram.offsets(h) for h in sizes]
+            mult = [ngram.multipliers(self.vocab_size, self.ngram_size, i, self.seed) for i in range(len(ids))]
+            rows = [ngram.padded_rows(h, self.make_ngram_vocab_size_divisible_by) for h in sizes]
         return PLESpec(
             layers=[i - 1 for i in ids], ngram_size=self.ngram_size, heads_per_ngram=self.heads_per_ngram,
             embed_dim=self.ple_embed_dim, conv_kernel=self.ple_conv_kernel_size, eos_token_id=eos, head_sizes=sizes,
-            offsets=[ngram.offsets(h) for h in sizes],
-            multipliers=[ngram.multipliers(self.vocab_size, self.ngram_size, i, self.seed) for i in range(len(ids))],
-            rows=[ngram.padded_rows(h, self.make_ngram_vocab_size_divisible_by) for h in sizes],
-            table=f"{TABLE}.ngram_embedding", hashes=dict(HASHES))
+            offsets=offsets, multipliers=mult, rows=rows, table=f"{TABLE}.ngram_embedding", hashes=dict(HASHES))
 
 
 # -- tensor names ----------------------------------------------------------------------------------------------------
@@ -194,10 +243,14 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
                 TensorName("ple.conv", f"{p}.ple.conv1d.weight", (nH, 1, s.ple.conv_kernel), "proj")]
     out += [t for t in hybrid_tensors(s, layer, moe) if t.role not in ("input_norm", "post_norm")]
     if s.attends(layer) and s.qsa is not None:
-        a, q = f"{p}.self_attn.indexer", s.qsa
-        out += [TensorName("indexer.qk", f"{a}.index_qk_proj.weight", ((q.n_heads + 1) * q.head_dim, s.hidden_size),
-                           "proj"),
-                TensorName("indexer.q_norm", f"{a}.q_layernorm.weight", (q.head_dim,), "bias"),
+        a, q, H = f"{p}.self_attn.indexer", s.qsa, s.hidden_size
+        if q.split:  # a GGUF's (models/qwen4_exp.py GGUF: indexer.q_proj, indexer.k_proj)
+            out += [TensorName("indexer.q", f"{a}.q_proj.weight", (q.n_heads * q.head_dim, H), "proj"),
+                    TensorName("indexer.k", f"{a}.k_proj.weight", (q.head_dim, H), "proj")]
+        else:
+            out.append(TensorName("indexer.qk", f"{a}.index_qk_proj.weight", ((q.n_heads + 1) * q.head_dim, H),
+                                  "proj"))
+        out += [TensorName("indexer.q_norm", f"{a}.q_layernorm.weight", (q.head_dim,), "bias"),
                 TensorName("indexer.k_norm", f"{a}.k_layernorm.weight", (q.head_dim,), "bias")]
     return out + hyper_tensors("hc_mlp", f"{p}.mlp_hyper_connection", s)
 
@@ -305,4 +358,96 @@ def synth_wrap(sc, spec: Spec, config: dict) -> SynthWrap:
                      fixed=hash_tensors(spec))
 
 
-GGUF = None  # llama.cpp's `qwen4exp` (per_layer_token_embd, hash constants in metadata) is read in a later step
+# -- GGUF (checkpoint/gguf_config.py) --------------------------------------------------------------------------------
+# What llama.cpp's converter (conversion/qwen4exp.py, on top of its Qwen3.5 one: tiled value heads, -exp(A_log),
+# squeezed convs, the zero-centred norms stored as 1 + w, qwen3_5_moe.py) does to the model, undone here:
+#   hyper-connections              blk.N.hc_{attn,ffn}_{norm,down,up,inject}, output_hc_{norm,down,up} (norms + 1)
+#   the indexer                    index_qk_proj split into indexer.q_proj | indexer.k_proj (indexer_qk_split), its
+#                                  norms + 1; the compress ratio per layer in attention.compress_ratios, the budget
+#                                  in attention.indexer.top_k
+#   the PLE block                  blk.N.ple_{key,value,norm_key,norm_query,norm_conv,conv1d} (norms + 1, the conv
+#                                  squeezed to [C, K]); its one table, the shards concatenated, as the global
+#                                  per_layer_token_embd (F32 from the converter; llama-quantize may store it in any
+#                                  type), row width embedding_length_per_layer_input; the hash's numbers in metadata
+#                                  (ple.layer_multipliers, ple.head_vocab_sizes, ple.head_offsets, ple.eos_token_id)
+# A converter reading config.json through transformers 5 (which renames the hub's "full_attention" layers
+# "indexed_attention") never matches its own `== "full_attention"` test and writes compress ratio 0 everywhere;
+# llama.cpp then runs those layers as dense gated attention, and so does sluice (no QSA: the indexer stays unread).
+GGUF_TABLE = "per_layer_token_embd.weight"
+_HC = {f"hc_{g}_{part}.weight": f"{h}_hyper_connection.{name}.weight" for g, h in (("attn", "attn"), ("ffn", "mlp"))
+       for part, name in (("norm", "hc_norm"), ("down", "input_mix_weight_down"), ("up", "input_mix_weight_up"),
+                          ("inject", "block_inject_weight"))}
+GGUF_TENSORS = {
+    **{g: h for g, h in GGUF_HYBRID.items() if h not in ("input_layernorm.weight", "post_attention_layernorm.weight")},
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight", **_HC,
+    **{f"indexer.{k}_proj.weight": f"self_attn.indexer.{k}_proj.weight" for k in "qk"},
+    **{f"indexer.{k}_norm.weight": f"self_attn.indexer.{k}_layernorm.weight" for k in "qk"},
+    "ple_key.weight": "ple.key_proj.weight", "ple_value.weight": "ple.value_proj.weight",
+    **{f"ple_{n}.weight": f"ple.{n}.weight" for n in ("norm_key", "norm_query", "norm_conv")},
+    "ple_conv1d.weight": "ple.conv1d.weight",  # [C, K]: read as [C, 1, K]
+}
+GGUF_VALUES = {**GGUF_HYBRID_VALUES, **{n: "plus_one" for n in (
+    "hc_norm.weight", "ple.norm_key.weight", "ple.norm_query.weight", "ple.norm_conv.weight",
+    "indexer.q_layernorm.weight", "indexer.k_layernorm.weight")}}
+
+
+def _gguf_globals(config) -> dict[str, str]:
+    out = {f"output_hc_{g}.weight": f"model.hyper_connection_mixer.{h}.weight"
+           for g, h in (("norm", "hc_norm"), ("down", "input_mix_weight_down"), ("up", "input_mix_weight_up"))}
+    if config.get("ple_layer_ids"):  # the table belongs to the one PLE layer
+        out[GGUF_TABLE] = TABLE.format(layer=config["ple_layer_ids"][0] - 1) + ".ngram_embedding.weight"
+    return out
+
+
+def _gguf_config(m, tensors) -> dict[str, Any]:
+    """llama.cpp's qwen4exp loader's keys: the hybrid's, the hyper-connections', QSA's where its ratio is set, PLE's
+    where ple.layers is; its graph's fixed choices (sigmoid output gate, renormalised top-k)."""
+    out = {**hybrid_gguf_config(m, tensors), "linear_value_head_order": "tiled", "output_gate_type": "sigmoid",
+           "norm_topk_prob": True, "hc_count": m.int("hyper_connection.count", minimum=2),
+           "hc_lowrank": m.int("hyper_connection.low_rank")}
+    return {**out, **_gguf_qsa(m, out["layer_types"]), **_gguf_ple(m, tensors)}
+
+
+def _gguf_qsa(m, types: list[str]) -> dict[str, Any]:
+    ratios = ints(m, "attention.compress_ratios", len(types), default=[0] * len(types), per_layer=True)
+    used = {ratios[i] for i, t in enumerate(types) if t != "linear_attention"}
+    if used <= {0}:  # dense attention, as llama.cpp runs a layer whose ratio is 0
+        return {}
+    if len(used) > 1 or 0 in used:
+        raise ConfigError(f"{m.file}: metadata {m.key('attention.compress_ratios')} is {ratios}: sluice runs one "
+                          "compress ratio on every attention layer (or none: all 0)")
+    return dict(indexer_n_heads=m.int("attention.indexer.head_count"), indexer_kv_heads=1,
+                indexer_head_dim=m.int("attention.indexer.key_length"), indexer_budget=m.int("attention.indexer.top_k"),
+                indexer_compress_ratio=used.pop(), indexer_qk_split=True)
+
+
+def _gguf_ple(m, tensors) -> dict[str, Any]:
+    if not m.has("ple.layers"):
+        return {"ple_layer_ids": []}
+    layers, key = ints(m, "ple.layers"), m.key("ple.layers")
+    if len(layers) != 1:
+        raise ConfigError(f"{m.file}: metadata {key} is {layers[:8]}: a qwen4exp GGUF holds one n-gram table "
+                          f"({GGUF_TABLE}), for one PLE layer (llama.cpp reads no more)")
+    table = tensors.get(GGUF_TABLE)
+    width = m.int("embedding_length_per_layer_input")
+    if table is None or len(table.shape) != 2 or table.shape[1] != width:
+        got = "missing" if table is None else f"of shape {list(table.shape)}"
+        raise CheckpointError(f"{got}; metadata {key} puts the n-gram table (PLE) on layer {layers[0]}: expected "
+                              f"[rows, {m.key('embedding_length_per_layer_input')} = {width}]", file=m.file,
+                              tensor=GGUF_TABLE)
+    n, per = m.int("ple.ngram_size", minimum=2), m.int("ple.heads_per_ngram")
+    heads = (n - 1) * per
+    sizes, offsets = ints(m, "ple.head_vocab_sizes", heads), ints(m, "ple.head_offsets", heads)
+    need = max(o + s for o, s in zip(offsets, sizes))
+    if table.shape[0] < need:  # llama.cpp's loader refuses it too
+        raise CheckpointError(f"has {table.shape[0]} rows, too few for the n-gram heads of metadata "
+                              f"{m.key('ple.head_offsets')} / {m.key('ple.head_vocab_sizes')} ({need})", file=m.file,
+                              tensor=GGUF_TABLE)
+    return dict(ple_layer_ids=[layers[0] + 1], ngram_size=n, heads_per_ngram=per, ple_embed_dim=heads * width,
+                ple_conv_kernel_size=m.int("ple.conv_kernel"), ple_eos_token_id=m.int("ple.eos_token_id", minimum=0),
+                ple_multipliers=ints(m, "ple.layer_multipliers", n), ple_head_sizes=sizes, ple_head_offsets=offsets,
+                ple_table_rows=table.shape[0])
+
+
+GGUF = GGUFArch("qwen4exp", tensors=GGUF_TENSORS, config=_gguf_config, norm_topk_prob=True, values=GGUF_VALUES,
+                partial_rope=True, other_tensors=_gguf_globals)

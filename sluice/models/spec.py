@@ -118,6 +118,9 @@ class QSASpec:
     head_dim: int
     budget: int  # tokens: a query keeps at most this many from complete blocks
     compress_ratio: int  # tokens pooled into one scored block
+    # the checkpoint stores the indexer's projection as two, the queries' and the key's (llama.cpp's indexer.q_proj
+    # and indexer.k_proj), not transformers' one index_qk_proj
+    split: bool = False
 
     @property
     def block_topk(self) -> int:
@@ -292,11 +295,14 @@ class HyperWeights:
 
 @dataclass
 class IndexerWeights:
-    """QSA's indexer (QSASpec): one projection for its query heads and its key head, their RMSNorms."""
+    """QSA's indexer (QSASpec): one projection for its query heads and its key head (or one each: QSASpec.split),
+    their RMSNorms."""
 
-    qk: Proj  # [(n_heads + 1) * head_dim, H]: the queries, then the key
     q_norm: torch.Tensor  # [head_dim]
     k_norm: torch.Tensor  # [head_dim]
+    qk: Proj | None = None  # [(n_heads + 1) * head_dim, H]: the queries, then the key
+    q: Proj | None = None  # [n_heads * head_dim, H] (split)
+    k: Proj | None = None  # [head_dim, H] (split)
 
 
 @dataclass

@@ -4,7 +4,9 @@ row table reads them (store/rows.py RowTable: one logical table over its parts, 
 The hub stores each table in parts, `{table}.shard_0.weight` ... `{table}.shard_{K-1}.weight` (transformers splits
 it with torch.chunk into `split_ngram_parts` pieces and concatenates them in the numeric order of K when loading);
 a table saved whole, `{table}.weight`, reads too. Whatever the split, the parts must stack to the rows config.json
-gives (PLESpec.rows: the heads' prime sizes, padded) with head_dim columns.
+gives (PLESpec.rows: the heads' prime sizes, padded) with head_dim columns. A GGUF holds the table whole
+(`per_layer_token_embd`, mapped to `{table}.weight` by models/qwen4_exp.py), in F32 / F16 / BF16 or any block format
+sluice dequantizes (quant/ggml.py: Q8_0, Q4_K, ... rows of whole blocks, dequantized per read by RowTable).
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ import re
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.ref import DTYPES, TensorRef
 from ..errors import CheckpointError
+from ..quant.ggml import DEQUANTIZABLE
 from ..quant.tensor import read_tensor
 from .spec import Spec
-
-PLAIN = ("F32", "F16", "BF16")  # the table dtypes rows are read in (a quantized table: a later step)
 
 
 def ple_tables(index: CheckpointIndex, spec: Spec) -> dict[int, list[TensorRef]]:
@@ -32,11 +33,13 @@ def ple_tables(index: CheckpointIndex, spec: Spec) -> dict[int, list[TensorRef]]
         parts = _parts(index, name)
         first = parts[0]
         for part in parts:
-            if part.dtype not in PLAIN or len(part.shape) != 2 or part.shape[1] != p.head_dim:
+            if part.mlx is not None or part.dtype not in DEQUANTIZABLE or len(part.shape) != 2 \
+                    or part.shape[1] != p.head_dim:
                 shape = list(part.shape)
                 raise CheckpointError(
                     f"a part of layer {L}'s n-gram table must be [rows, {p.head_dim}] (ple_embed_dim / n-gram heads) "
-                    f"of {' / '.join(PLAIN)}, got {shape} of {part.dtype}", file=part.path, tensor=part.name)
+                    f"of {', '.join(sorted(DEQUANTIZABLE))}, got {shape} of {part.dtype}", file=part.path,
+                    tensor=part.name)
             if part.dtype != first.dtype:
                 raise CheckpointError(f"is {part.dtype} where the table's first part is {first.dtype}",
                                       file=part.path, tensor=part.name)

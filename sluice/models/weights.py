@@ -69,8 +69,8 @@ def resident_refs(index: CheckpointIndex, spec: Spec, arch: ModuleType) -> dict[
 LINEAR_ROLES = frozenset({"q", "k", "v", "o", "mlp.gate", "mlp.up", "mlp.down", "shared.gate", "shared.up",
                           "shared.down", "shared_gate", "mla.q", "mla.q_a", "mla.q_b", "mla.kv_a", "delta.qkv",
                           "delta.z", "delta.b", "delta.a", "delta.qkvz", "delta.ba", "hc_attn.down", "hc_attn.up",
-                          "hc_attn.inject", "hc_mlp.down", "hc_mlp.up", "hc_mlp.inject", "indexer.qk", "ple.key",
-                          "ple.value"})
+                          "hc_attn.inject", "hc_mlp.down", "hc_mlp.up", "hc_mlp.inject", "indexer.qk", "indexer.q",
+                          "indexer.k", "ple.key", "ple.value"})
 # roles kept in float32 whatever the compute dtype: router biases (e_score_correction_bias) are added to float32
 # scores; a Gated DeltaNet's decay parameters enter its float32 decay (-exp(A_log) * softplus(a + dt_bias))
 FLOAT32_ROLES = ("router_bias", "delta.A_log", "delta.dt_bias")
@@ -152,5 +152,5 @@ def _layer_weights(t: dict, r: str) -> LayerWeights:
         router=t.get(r + "router"), router_bias=t.get(r + "router_bias"), sinks=t.get(r + "sinks"),
         mlp=mlp(r + "mlp."), shared=mlp(r + "shared."), shared_gate=t.get(r + "shared_gate"),
         hc_attn=_group(t, r + "hc_attn.", HyperWeights, "norm"), hc_mlp=_group(t, r + "hc_mlp.", HyperWeights, "norm"),
-        indexer=_group(t, r + "indexer.", IndexerWeights, "qk"), ple=_group(t, r + "ple.", PLEWeights, "key"),
+        indexer=_group(t, r + "indexer.", IndexerWeights, "q_norm"), ple=_group(t, r + "ple.", PLEWeights, "key"),
     )

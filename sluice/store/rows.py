@@ -3,6 +3,13 @@
     table = RowTable(index["model.embed_tokens.weight"], "direct", reader=pool, dtype=torch.float32)
     x = table.gather(token_ids)   # [n, cols], bitwise equal to full_table[token_ids].to(dtype)
 
+A table may be stored in a ggml block format (a GGUF's quantized n-gram table: Q8_0, Q4_K, ...; any format
+quant/ggml.py dequantizes): a row is then its whole blocks (TensorRef.row_nbytes bytes), read, deduped and staged as
+raw bytes like a plain row, and the distinct rows of a batch are dequantized together (float32, bitwise the gguf
+reference) before duplicates are copied. "resident" keeps such a table in its blocks, not dequantized (a Q4 table
+would grow 8x), and dequantizes the rows a batch needs from them: every mode dequantizes the same bytes of the same
+distinct rows, so the modes stay bitwise equal.
+
 One logical table may be stored in parts (the hub splits qwen4_exp's n-gram tables into hundreds of
 `...shard_K.weight` tensors): given a list of refs, the table is their rows stacked in that order, and a row id is
 read from the part that holds it. Nothing concatenates the parts: streamed modes read each row from its part's bytes,
@@ -44,6 +51,8 @@ import torch
 from sluice.checkpoint.ref import TensorRef
 from sluice.errors import CheckpointError
 from sluice.io import DirectReader, MmapReader, ReadRange, Reader
+from sluice.io.tensor import read_bytes
+from sluice.quant import ggml
 from sluice.quant.tensor import read_tensor
 
 MODES = ("resident", "mmap", "direct")
@@ -60,8 +69,9 @@ class RowTable:
     resident or streamed.
 
     `ref`: where the table's bytes are (must be 2-D), or a list of parts of the same columns and dtype whose rows
-    stack in list order. `mode`: one of MODES. `reader`: the reader that moves the bytes in "mmap" (a mapping
-    reader) and "direct" (a DirectReader) modes; when None, the table makes its own (MmapReader / DirectReader with
+    stack in list order; a plain dtype or a ggml block format (rows of whole blocks, gathered as float32). `mode`:
+    one of MODES. `reader`: the reader that moves the bytes in "mmap" (a mapping reader) and "direct" (a
+    DirectReader) modes; when None, the table makes its own (MmapReader / DirectReader with
     default workers) and closes it in close(). Ignored by "resident". `dtype`: dtype of gather()'s output
     (conversion after gathering; None keeps the table's dtype). `staging_rows`: initial staging capacity in rows for
     the streamed modes (grown on demand). `name`: what errors and stats call the table (default: its first part's).
@@ -96,8 +106,10 @@ class RowTable:
             self.starts.append(self.starts[-1] + part.shape[0])
         self._starts = torch.tensor(self.starts)  # [parts + 1] int64
         self.rows, self.cols = self.starts[-1], self.ref.shape[1]
-        self.row_bytes = self.cols * self.ref.itemsize
-        self.table_dtype = self.ref.torch_dtype
+        self.row_bytes = self.ref.row_nbytes  # elements x itemsize, or whole blocks
+        # a block format's rows are dequantized to float32 after the read (self.blocks: its name, else None)
+        self.blocks = self.ref.dtype if self.ref.quantized else None
+        self.table_dtype = torch.float32 if self.blocks else self.ref.torch_dtype
         self.dtype = dtype if dtype is not None else self.table_dtype
         self._lock = threading.Lock()
         self._rows_requested = 0
@@ -107,7 +119,8 @@ class RowTable:
         self._wait_s = 0.0
         self._gathers = 0
 
-        self._tables: list[torch.Tensor] = []  # each part [rows, cols] in the table's dtype, "resident" only
+        # each part [rows, cols] in the table's dtype, or its blocks [rows, row_bytes] uint8; "resident" only
+        self._tables: list[torch.Tensor] = []
         self._reader: Reader | None = None
         self._own_reader = False
         self._capacity = 0  # rows staging holds
@@ -116,9 +129,10 @@ class RowTable:
         # ~0.7 us, a uint8 tensor row in ~4.6 us (it has to go through .numpy()), measured on this VM.
         self._staging_mv = memoryview(b"")
         if mode == "resident":
-            # The stored dtype is kept (not `dtype`): converting gathered rows costs little per call, converting
-            # the table could double its memory (bf16 -> float32).
-            self._tables = [read_tensor(part) for part in parts]  # [rows_i, cols] each
+            # The stored dtype (or blocks) is kept (not `dtype`): converting gathered rows costs little per call,
+            # converting the table could double its memory (bf16 -> float32), dequantizing it much more.
+            self._tables = [read_bytes(part).view(part.shape[0], self.row_bytes) if self.blocks else read_tensor(part)
+                            for part in parts]  # [rows_i, cols] or [rows_i, row_bytes] each
             self._rows_read = self.rows
             self._bytes_read = sum(part.nbytes for part in parts)
             return
@@ -155,7 +169,8 @@ class RowTable:
     def gather(self, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Rows `ids` of the table as a new tensor [*ids.shape, cols] (1-D ids: [n, cols]) in `self.dtype`.
 
-        Bitwise equal to `full_table[ids].to(dtype)`. Each distinct id is read once per call; duplicates are
+        Bitwise equal to `full_table[ids].to(dtype)` (a block format: its float32 dequantization's rows, as the
+        gguf package computes them). Each distinct id is read once per call; duplicates are
         copied. IndexError (naming the table and the id) for an id outside [0, rows), negative ids included;
         TypeError for non-integer ids.
         """
@@ -167,7 +182,8 @@ class RowTable:
             self._rows_requested += flat.numel()
             uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # [k] ascending, [n] into uniq
             self._rows_distinct += uniq.numel()
-            rows = self._resident_rows(uniq) if self.mode == "resident" else self._read_rows(uniq)  # [k, cols]
+            stored = self._resident_rows(uniq) if self.mode == "resident" else self._read_rows(uniq)
+            rows = self._values(stored)  # [k, cols]
             out = rows.index_select(0, inverse)  # [n, cols], new memory: staging is reused by the next call
         return out.to(self.dtype).reshape(*shape, self.cols)
 
@@ -245,11 +261,19 @@ class RowTable:
         # an empty table or zero-width rows read nothing: numpy cannot cast a view with a zero in its shape
         self._staging_mv = memoryview(self._staging.numpy()).cast("B") if self._staging.numel() else memoryview(b"")
 
+    def _values(self, stored: torch.Tensor) -> torch.Tensor:
+        """The distinct rows as stored (a plain dtype [k, cols], or blocks [k, row_bytes] uint8) -> their values
+        [k, cols]: blocks dequantized to float32 (a new tensor, so staging is free again)."""
+        if self.blocks is None:
+            return stored
+        return ggml.dequantize(stored, self.blocks, shape=(stored.shape[0], self.cols))  # _check_part: it can
+
     def _resident_rows(self, uniq: torch.Tensor) -> torch.Tensor:
-        """Rows `uniq` [k] (ascending) of the resident parts -> [k, cols]."""
+        """Rows `uniq` [k] (ascending) of the resident parts -> [k, cols] (blocks: [k, row_bytes])."""
         if len(self._tables) == 1:
             return self._tables[0].index_select(0, uniq)
-        out = torch.empty(uniq.numel(), self.cols, dtype=self.table_dtype)
+        first = self._tables[0]
+        out = torch.empty(uniq.numel(), first.shape[1], dtype=first.dtype)
         cut = torch.searchsorted(uniq, self._starts).tolist()  # uniq[cut[i]:cut[i+1]] in part i
         for i, table in enumerate(self._tables):
             a, b = cut[i], cut[i + 1]
@@ -258,10 +282,12 @@ class RowTable:
         return out
 
     def _read_rows(self, uniq: torch.Tensor) -> torch.Tensor:
-        """Read each row of `uniq` [k] (ascending, distinct) once into staging -> a view [k, cols] of staging."""
+        """Read each row of `uniq` [k] (ascending, distinct) once into staging -> a view of staging: [k, cols] of
+        the table's dtype, or the blocks [k, row_bytes] uint8."""
         k = uniq.numel()
         if not k or not self.row_bytes:  # nothing to read (zero-width rows: a [k, 0] result)
-            return torch.empty(k, self.cols, dtype=self.table_dtype)
+            return torch.empty(k, self.cols, dtype=self.table_dtype) if self.blocks is None else \
+                torch.empty(k, self.row_bytes, dtype=torch.uint8)
         self._grow(k)
         rb, mv, parts = self.row_bytes, self._staging_mv, self.parts
         # One request per distinct row, in file order (parts in order, rows ascending in each); the reader coalesces
@@ -281,18 +307,27 @@ class RowTable:
         self._wait_s += time.perf_counter() - t0
         self._rows_read += k
         self._bytes_read += k * rb
-        return self._staging[:k].view(self.table_dtype)  # [k, cols], a view of staging
+        staged = self._staging[:k]  # [k, row_bytes]
+        return staged if self.blocks else staged.view(self.table_dtype)  # [k, cols], a view of staging
 
 
 def _check_part(part: TensorRef, first: TensorRef) -> None:
-    """CheckpointError naming the part unless it is a plain 2-D table of `first`'s columns and dtype."""
+    """CheckpointError naming the part unless it is a 2-D table of `first`'s columns and dtype: a plain dtype, or a
+    ggml block format quant/ggml.py dequantizes with rows of whole blocks."""
     if len(part.shape) != 2:
         raise CheckpointError(
             f"a row table must be 2-D [rows, cols], got shape {list(part.shape)}", file=part.path, tensor=part.name
         )
-    if part.nbytes != part.numel * part.itemsize:
+    if part.quantized and (part.mlx is not None or part.dtype not in ggml.DEQUANTIZABLE):
+        raise CheckpointError(f"a row table stored as {part.dtype} cannot be read by rows: sluice dequantizes "
+                              f"{', '.join(sorted(ggml.DEQUANTIZABLE))}", file=part.path, tensor=part.name)
+    try:
+        want = part.shape[0] * part.row_nbytes
+    except ValueError as e:  # a row that is not whole blocks
+        raise CheckpointError(str(e), file=part.path, tensor=part.name) from None
+    if part.nbytes != want:
         raise CheckpointError(
-            f"nbytes {part.nbytes} != {part.numel * part.itemsize} for dtype {part.dtype} shape {list(part.shape)}",
+            f"nbytes {part.nbytes} != {want} for dtype {part.dtype} shape {list(part.shape)}",
             file=part.path,
             tensor=part.name,
         )

@@ -107,6 +107,10 @@ def export_args(index: CheckpointIndex):
     _, args = model_args(index.config, index.folder / CONFIG)
     spec, gg = args.spec(), known[model_type]
     arch, norm = gg.name, gg.norm_topk_prob
+    if spec.hc_count > 1 or spec.qsa is not None or spec.ple is not None:  # qwen4_exp: llama.cpp's converter does
+        raise ExportError(f"{index.folder / CONFIG}: model_type {model_type}: sluice's GGUF export writes no "
+                          "hyper-connections, QSA indexer or n-gram tables; convert the folder with llama.cpp's "
+                          "convert_hf_to_gguf.py (sluice reads its file)")
     if spec.norm_topk_prob != norm:  # absent means false, in transformers as in sluice
         raise ExportError(f"config.json norm_topk_prob is {str(spec.norm_topk_prob).lower()} (or absent); llama.cpp's "
                           f"{arch} graph always computes it as {str(norm).lower()}")

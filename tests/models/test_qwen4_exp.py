@@ -262,6 +262,32 @@ def test_config_errors_name_the_field(change, field):
         model_args(cfg)
 
 
+# a GGUF's numbers for one PLE layer of TEXT's 4 heads (models/qwen4_exp.py GGUF: llama.cpp's ple.* metadata)
+GGUF_HASH = dict(ple_layer_ids=[1], ple_multipliers=[3, 5, 7], ple_head_sizes=[101, 103, 107, 109],
+                 ple_head_offsets=[0, 101, 204, 311], ple_table_rows=420, ple_eos_token_id=9, eos_token_id=None)
+
+
+def test_a_ggufs_hash_numbers_make_the_spec():
+    _, args = model_args({"model_type": "qwen4_exp", "text_config": {**TEXT, **GGUF_HASH}})
+    p = args.spec().ple
+    assert (p.layers, p.multipliers, p.head_sizes, p.offsets, p.rows, p.eos_token_id) == (
+        [0], [[3, 5, 7]], [[101, 103, 107, 109]], [[0, 101, 204, 311]], [420], 9)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(ple_table_rows=None), "ple_table_rows"),  # all or none
+    (dict(ple_layer_ids=[1, 3]), "ple_layer_ids"),  # the numbers of one layer
+    (dict(ple_multipliers=[3, 5]), "ple_multipliers"),  # one per n-gram position
+    (dict(ple_head_offsets=[0, 101, 204]), "ple_head_sizes"),  # one per head
+    (dict(ple_multipliers=[3, 5, 2**62]), "ple_multipliers"),  # t * m leaves int64
+    (dict(ple_table_rows=419), "ple_table_rows"),  # the last head ends at row 419
+    (dict(ple_eos_token_id=None), "eos_token_id"),
+])
+def test_a_ggufs_hash_numbers_are_checked(change, field):
+    with pytest.raises(ConfigError, match=f"field '{field}'"):
+        model_args({"model_type": "qwen4_exp", "text_config": {**TEXT, **GGUF_HASH, **change}})
+
+
 def test_without_indexer_fields_the_attending_layers_are_plain_gated_attention():
     text = {k: v for k, v in TEXT.items() if not k.startswith("indexer_")}
     _, args = model_args({"model_type": "qwen4_exp", "text_config": text})

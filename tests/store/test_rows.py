@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -255,3 +258,79 @@ def test_parts_must_be_one_table(parts, tmp_path):
         assert bad.name in str(e.value) and "c.safetensors" in str(e.value)
     with pytest.raises(ValueError, match="no parts"):
         RowTable([], "resident")
+
+
+# -- tables in a ggml block format (a GGUF's quantized n-gram table) -------------------------------------------------
+# F16 / BF16 / Q8_0 / Q4_0 / Q5_1 encoded by the gguf package; the K and IQ types (which it cannot encode) as random
+# valid blocks: the reference is the gguf package's dequantization of the stored bytes either way
+BLOCK_TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ4_NL", "IQ2_XS"]
+
+
+@pytest.fixture(scope="module")
+def block_tables(tmp_path_factory):
+    """A GGUF of 90 x 256 tables, one per BLOCK_TYPES (the first after an odd-sized tensor), and a Q8_0 table in two
+    parts; (refs by name, the reference values by name)."""
+    from gguf import GGUFWriter
+    from gguf.quants import dequantize
+
+    from sluice.checkpoint.gguf import read_gguf
+    from tests.checkpoint.gguf_files import Q, encode
+
+    path = tmp_path_factory.mktemp("blocks") / "t.gguf"
+    w = GGUFWriter(path, "test")
+    w.add_tensor("pad", np.arange(3, dtype=np.float32))
+    values = np.random.default_rng(5).standard_normal((90, 256)).astype(np.float32)
+    want = {}
+    for name in BLOCK_TYPES + ["part0", "part1"]:
+        qtype = Q[name] if name in BLOCK_TYPES else Q.Q8_0
+        rows = values[:50] if name == "part0" else values[50:] if name == "part1" else values
+        data = encode(rows, qtype, seed=len(want))
+        w.add_tensor(name, data, raw_dtype=None if qtype == Q.F16 else qtype)
+        want[name] = torch.from_numpy(np.ascontiguousarray(dequantize(data, qtype), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return read_gguf(path).tensors, want
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_a_block_format_table_gathers_its_dequantized_rows(block_tables, case, name):
+    refs, want = block_tables
+    mode, reader = case
+    with RowTable(refs[name], mode, reader, staging_rows=3) as rt:
+        assert (rt.rows, rt.cols, rt.row_bytes) == (90, 256, refs[name].row_nbytes)
+        assert rt.table_dtype == {"F16": torch.float16, "BF16": torch.bfloat16}.get(name, torch.float32)
+        for ids in id_batches(90, seed=4):  # plain types in their own dtype, blocks dequantized to float32
+            ids = torch.as_tensor(ids, dtype=torch.long)
+            same(rt.gather(ids), want[name][ids].to(rt.table_dtype))
+        s = rt.stats()
+        if mode != "resident":  # each batch's distinct rows read once, as whole blocks
+            assert s["bytes_read"] == s["rows_read"] * refs[name].row_nbytes == s["rows_distinct"] * rt.row_bytes
+        else:  # kept in its blocks
+            assert rt.nbytes_resident == refs[name].nbytes == 90 * refs[name].row_nbytes
+    with RowTable(refs[name], mode, reader, dtype=torch.bfloat16) as rt:
+        same(rt.gather([7, 3, 7]), want[name][[7, 3, 7]].to(torch.bfloat16))
+
+
+def test_a_block_format_table_in_parts(block_tables, case):
+    refs, want = block_tables
+    mode, reader = case
+    full = torch.cat([want["part0"], want["part1"]])
+    with RowTable([refs["part0"], refs["part1"]], mode, reader, name="q") as rt:
+        ids = torch.tensor([[49, 50, 3], [89, 50, 0]])
+        same(rt.gather(ids), full[ids])
+        assert rt.stats()["rows_distinct"] == 5
+
+
+def test_a_block_format_must_be_one_sluice_dequantizes(block_tables):
+    refs, _ = block_tables
+    for bad, what in ((dataclasses.replace(refs["Q8_0"], dtype="Q8_1", nbytes=90 * 8 * 40), "stored as Q8_1 cannot "
+                                                                                        "be read by rows"),
+                      (dataclasses.replace(refs["Q8_0"], nbytes=refs["Q8_0"].nbytes - 34), "nbytes"),
+                      (dataclasses.replace(refs["Q4_K"], shape=(90, 128)), "whole blocks of 256"),
+                      (refs["Q4_K"], "must have its 256 columns of Q8_0, got 256 of Q4_K")):
+        parts = [refs["Q8_0"], bad] if bad is refs["Q4_K"] else [bad]
+        with pytest.raises(CheckpointError, match=what) as e:
+            RowTable(parts, "direct")
+        assert bad.name in str(e.value)

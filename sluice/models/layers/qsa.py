@@ -2,6 +2,7 @@
 queries see only the keys an indexer picks for them.
 
     q_i, k = index_qk_proj(x): n_heads query heads and one key head of Di     the key kept raw in the cache
+             (a GGUF: indexer.q_proj(x), indexer.k_proj(x), llama.cpp's converter's split of it)
     q_i    = rope(q_layernorm(q_i)) at the query's position
     block j (positions j*c .. j*c+c-1, c = compress_ratio, complete ones only):
         key_j  = rope(k_layernorm(mean of its raw keys)) at position j*c
@@ -34,19 +35,27 @@ class IndexedAttention(GatedAttention):
     def __init__(self, b: Build, L: int):
         super().__init__(b, L)
         self.qsa, w = b.spec.qsa, self.lw.indexer
-        self.qk = w.qk
+        self.indexer = w
         self.index_q_norm, self.index_k_norm = b.norm(w.q_norm), b.norm(w.k_norm)
         self.keys = b.cache.layers[L].index_keys  # [P, Di] raw keys
 
     def __call__(self, x: torch.Tensor, step: Step, selected: torch.Tensor | None = None) -> torch.Tensor:
         return super().__call__(x, step, self.select(x, step))
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's queries [T, nI*Di] and raw key [T, Di] of x [T, H]."""
+        w = self.indexer
+        if w.qk is None:  # stored as two (QSASpec.split)
+            return linear(x, w.q, None, self.bf16), linear(x, w.k, None, self.bf16)
+        return linear(x, w.qk, None, self.bf16).split([self.qsa.n_heads * self.qsa.head_dim, self.qsa.head_dim],
+                                                      dim=-1)
+
     def select(self, x: torch.Tensor, step: Step) -> torch.Tensor | None:
         """The keys each of this pass's queries sees: a bool mask [T, pos+T], or None when that is every earlier
         one (no query has more than budget / c complete blocks). Writes the pass's raw indexer keys."""
         a, T, pos = self.qsa, x.shape[0], step.pos
         c, Di, nI = a.compress_ratio, a.head_dim, a.n_heads
-        q, k = linear(x, self.qk, None, self.bf16).split([nI * Di, Di], dim=-1)  # [T, nI*Di], [T, Di]
+        q, k = self.project(x)  # [T, nI*Di], [T, Di]
         self.keys[pos : pos + T] = k
         n_blocks = (pos + T) // c  # complete blocks the last query sees
         if n_blocks <= a.block_topk:
