@@ -34,6 +34,9 @@ class SynthDefaults:
     # writes per-layer n-gram embedding tables whose size SynthConfig.ple_bytes sets (qwen4_exp; make-model
     # --ple-size)
     ngram_table: bool = False
+    # added special tokens the family's tokenizer has beyond the trained tokenizer's three, which converters look up
+    # by name (llama.cpp's glm4moe converter reads GLM's [gMASK], <|user|>, <|endoftext|>, <|observation|>)
+    special_tokens: tuple[str, ...] = ()
 
 
 class TensorName(NamedTuple):

@@ -149,12 +149,17 @@ SYNTH = SynthDefaults("DeepseekV3ForCausalLM", num_experts=256, top_k=8, rope_th
                       shared_expert=True)
 
 
+#: how the hub's config.json names the router (transformers' DeepseekV3 hard-codes it, saving neither key; llama.cpp's
+#: converter reads scoring_func, and without it the file routes by softmax in llama.cpp)
+HUB_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
 def synth_config(sc) -> dict[str, Any]:
     """config.json keys of a synthetic deepseek_v3, in DeepSeek-V3's proportions to SynthConfig.head_dim (128 there):
     qk_nope = v = head_dim, qk_rope = head_dim / 2, kv_lora_rank = 4 x, q_lora_rank = 12 x, both at most hidden / 2
     (DeepSeek-V3: 512 and 1536 of 7168; uncapped, a small model's attention would outweigh its experts); 8 expert groups (4
     selectable) when the experts split into groups of >= 2; the dense first layer of Kimi K2 (DeepSeek-V3 has 3)
-    unless the model has <= 2 layers; routed_scaling_factor 2.5; interleaved rope."""
+    unless the model has <= 2 layers; routed_scaling_factor 2.5; interleaved rope; the hub's router keys."""
     E, K, I, hd, H = sc.num_experts, sc.top_k, sc.moe_intermediate_size, sc.head_dim, sc.hidden_size
     if hd % 4:
         raise ConfigError(f"head_dim: deepseek_v3 rotates head_dim / 2 dims in pairs: expected a multiple of 4, "
@@ -170,7 +175,8 @@ def synth_config(sc) -> dict[str, Any]:
                 routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=min(12 * hd, H // 2),
                 kv_lora_rank=min(4 * hd, H // 2),
                 qk_nope_head_dim=hd, qk_rope_head_dim=hd // 2, v_head_dim=hd, head_dim=hd // 2,
-                num_key_value_heads=sc.num_heads, rope_interleave=True, attention_bias=False)
+                num_key_value_heads=sc.num_heads, rope_interleave=True, attention_bias=False,
+                **HUB_ROUTER)
 
 
 GGUF = None  # llama.cpp's deepseek2 stores MLA differently (kv_b split into k_b / v_b): not mapped yet

@@ -112,11 +112,16 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
     return out
 
 
+#: GLM-4.5's added special tokens (its tokenizer_config.json), which llama.cpp's glm4moe converter reads by name
+GLM_SPECIAL_TOKENS = ("[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
+                      "<|observation|>")
+
+
 # -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
 # GLM-4.5-Air: 128 routed experts top-8 (moe_intermediate 1408 / hidden 4096) plus 1 shared, n_group 1, the first
 # layer dense (intermediate 10944, 7.8x an expert's), attention biases, no q/k norm, half the head dims rotary.
 SYNTH = SynthDefaults("Glm4MoeForCausalLM", num_experts=128, top_k=8, rope_theta=1e6, rms_norm_eps=1e-5,
-                      shared_expert=True)
+                      shared_expert=True, special_tokens=GLM_SPECIAL_TOKENS)
 
 
 def synth_config(sc) -> dict[str, Any]:
