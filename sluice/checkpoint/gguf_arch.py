@@ -37,9 +37,10 @@ class GGUFArch:
     # runs first, before any other key is read: raises ConfigError for files of this GGUF architecture that are not
     # this model (a llama file without experts is a dense Llama, not Mixtral)
     accept: Callable[[Any], None] | None = None
-    # router keys the `config` hook reads itself; the others are refused when they ask for math sluice does not do
-    # (expert_gating_func other than softmax, expert_weights_scale, an expert_weights_norm != norm_topk_prob)
-    router_keys: frozenset[str] = frozenset()
+    # keys the `config` hook reads itself; the others are refused when they ask for math sluice does not do
+    # (expert_gating_func other than softmax, expert_weights_scale, an expert_weights_norm != norm_topk_prob,
+    # rope.scaling.yarn_log_multiplier)
+    own_keys: frozenset[str] = frozenset()
     # config.json's model_type of the architecture (models.gguf_archs fills it from the module's MODEL_TYPE)
     model_type: str = ""
     # values the converter maps on the way to the file: config.json-world name (a whole name, or the suffix after a
@@ -49,6 +50,9 @@ class GGUFArch:
     # rope.dimension_count may be below the head size (a partial rotary: partial_rotary_factor = dimension_count /
     # head size); without it the two must be equal
     partial_rope: bool = False
+    # multi-head latent attention (deepseek2): head_count_kv, key_length and value_length describe llama.cpp's
+    # one-head view of the latent (kv_lora_rank + rope dims), not the model's heads; the `config` hook gives those
+    latent_attention: bool = False
 
     def values_of(self, name: str) -> str:
         """The ref.STORED key of config.json-world tensor `name` in this architecture's files ("" when stored as is)."""
