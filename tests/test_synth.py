@@ -109,6 +109,23 @@ def test_tokenizer_and_chat_template_load_in_transformers(tmp_path):
     assert tok.eos_token_id == json.loads((out / "generation_config.json").read_text())["eos_token_id"]
 
 
+def test_a_familys_special_tokens_and_router_keys_are_written_as_the_hub_has_them(tmp_path):
+    """GLM's added tokens ([gMASK], <|user|>, ... which llama.cpp's glm4moe converter looks up by name) after the
+    trained tokenizer's three, and DeepSeek's scoring_func / topk_method (which transformers does not save; without
+    scoring_func llama.cpp's converter writes no gating function and the file routes by softmax there)."""
+    from transformers import AutoTokenizer
+
+    glm = make_model(tmp_path / "glm", tiny("glm4_moe"), progress=False)
+    added = AutoTokenizer.from_pretrained(glm).get_added_vocab()
+    assert [added[t] for t in ("<|endoftext|>", "<|im_end|>", "[MASK]", "[gMASK]", "<|observation|>")] == \
+        [0, 2, 3, 4, 11]
+    qwen = make_model(tmp_path / "qwen", tiny("qwen3_moe"), progress=False)
+    assert set(AutoTokenizer.from_pretrained(qwen).get_added_vocab()) == {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+    ds = make_model(tmp_path / "ds", tiny("deepseek_v3", num_kv_heads=4), progress=False)
+    cfg = json.loads((ds / "config.json").read_text())
+    assert (cfg["scoring_func"], cfg["topk_method"]) == ("sigmoid", "noaux_tc")
+
+
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 @pytest.mark.parametrize("target", [64 * MiB, 512 * MiB, 2 * GiB, 6 * GiB])
 def test_config_for_size_hits_target_with_experts_dominating(arch, target):

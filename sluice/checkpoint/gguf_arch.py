@@ -37,9 +37,10 @@ class GGUFArch:
     # runs first, before any other key is read: raises ConfigError for files of this GGUF architecture that are not
     # this model (a llama file without experts is a dense Llama, not Mixtral)
     accept: Callable[[Any], None] | None = None
-    # router keys the `config` hook reads itself; the others are refused when they ask for math sluice does not do
-    # (expert_gating_func other than softmax, expert_weights_scale, an expert_weights_norm != norm_topk_prob)
-    router_keys: frozenset[str] = frozenset()
+    # keys the `config` hook reads itself; the others are refused when they ask for math sluice does not do
+    # (expert_gating_func other than softmax, expert_weights_scale, an expert_weights_norm != norm_topk_prob,
+    # rope.scaling.yarn_log_multiplier)
+    own_keys: frozenset[str] = frozenset()
     # config.json's model_type of the architecture (models.gguf_archs fills it from the module's MODEL_TYPE)
     model_type: str = ""
     # values the converter maps on the way to the file: config.json-world name (a whole name, or the suffix after a
@@ -53,6 +54,9 @@ class GGUFArch:
     # config (`config`'s result): GGUF name -> config.json-world name (qwen4exp's final hyper-connection mixer, and
     # its n-gram table, which belongs to the layer its metadata names)
     other_tensors: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = None
+    # multi-head latent attention (deepseek2): head_count_kv, key_length and value_length describe llama.cpp's
+    # one-head view of the latent (kv_lora_rank + rope dims), not the model's heads; the `config` hook gives those
+    latent_attention: bool = False
 
     def global_tensors(self, config: Mapping[str, Any]) -> dict[str, str]:
         """GGUF name -> config.json-world name of its own tensors outside the blocks (`other_tensors`)."""

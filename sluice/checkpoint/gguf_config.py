@@ -39,9 +39,12 @@ Architectures: each models/<model_type>.py names its llama.cpp architecture and 
 gguf_arch.GGUFArch; None when llama.cpp has none; the opener hands this module the table of them): qwen3moe ->
 qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe, llama with expert_count > 0 -> mixtral, qwen3next -> qwen3_next,
 qwen35moe -> qwen3_5_moe (the hybrids' ssm.* keys: models/qwen3_next.py hybrid_gguf_config), qwen4exp -> qwen4_exp
-(hyper_connection.*, attention.indexer.*, attention.compress_ratios, ple.*: models/qwen4_exp.py). Keys whose math sluice
-does not compute (another gating function, an expert weight scale, an attention scale, longrope) are a ConfigError
-naming the key, never silently dropped.
+(hyper_connection.*, attention.indexer.*, attention.compress_ratios, ple.*: models/qwen4_exp.py), gpt-oss ->
+gpt_oss (its sliding window and pattern), glm4moe -> glm4_moe and deepseek2 -> deepseek_v3 (the sigmoid router's
+keys, dense leading layers, shared experts: models/arch.py sigmoid_router_gguf_config; deepseek2's latent attention
+sizes and YaRN scales, where head_count_kv / key_length / value_length describe llama.cpp's one-head view of the
+latent: GGUFArch.latent_attention). Keys whose math sluice does not compute (another gating function, an expert
+weight scale, an attention scale, longrope) are a ConfigError naming the key, never silently dropped.
 """
 
 from __future__ import annotations
@@ -174,11 +177,13 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef], facts: GGUFArch) ->
     tensors (GGUF names) are `tensors`: the keys every architecture reads the same, then the architecture's own (its
     GGUFArch.config hook)."""
     m = GGUFMeta(gf, facts.name)
-    _refuse_unsupported(m, facts.norm_topk_prob, facts.router_keys)
+    _refuse_unsupported(m, facts.norm_topk_prob, facts.own_keys)
     heads = m.int("attention.head_count")
     hidden = m.int("embedding_length")
     head_dim = m.int("attention.key_length", hidden // heads)
-    for other in ("attention.value_length",) + (() if facts.partial_rope else ("rope.dimension_count",)):
+    same = () if facts.latent_attention else \
+        ("attention.value_length",) + (() if facts.partial_rope else ("rope.dimension_count",))
+    for other in same:
         if m.int(other, head_dim) != head_dim:
             raise ConfigError(f"{gf.path}: metadata {m.key(other)} is {m.int(other)} but the head size is {head_dim}; "
                               "llama.cpp's graph for this architecture (and sluice) needs them equal")
@@ -197,7 +202,7 @@ def gguf_config(gf: GGUFFile, tensors: dict[str, TensorRef], facts: GGUFArch) ->
         "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon", positive=True),
         "max_position_embeddings": m.int("context_length"),
         "rope_theta": theta,
-        "rope_parameters": {"rope_theta": theta, **_rope_scaling(m)},
+        "rope_parameters": {"rope_theta": theta, **rope_scaling(m, facts.own_keys)},
         "vocab_size": _vocab_size(m, tensors),
         "num_experts_per_tok": top_k,
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -267,20 +272,20 @@ def ints(m: GGUFMeta, name: str, length: int | None = None, default: Any = _MISS
     return list(v)
 
 
-def _refuse_unsupported(m: GGUFMeta, norm: bool, router_keys: frozenset[str]) -> None:
+def _refuse_unsupported(m: GGUFMeta, norm: bool, own_keys: frozenset[str]) -> None:
     """Keys that would change the math in a way sluice's model files do not compute, or that contradict what llama.cpp's
     graph for the architecture hard-codes (`norm`: its top-k renormalisation; its loaders for the softmax-routed
     architectures read none of the expert_* router keys below; neither does transformers' GGUF loader): refuse rather
-    than guess which one the file means. `router_keys`: the ones the architecture's config hook reads itself."""
-    if "expert_weights_norm" not in router_keys and m.bool("expert_weights_norm", norm) != norm:
+    than guess which one the file means. `own_keys`: the ones the architecture's config hook reads itself."""
+    if "expert_weights_norm" not in own_keys and m.bool("expert_weights_norm", norm) != norm:
         raise ConfigError(f"{m.file}: metadata {m.key('expert_weights_norm')} is {not norm}, but llama.cpp's {m.arch} "
                           f"graph always computes it as {norm} (and so do transformers and sluice); not supported")
     # 1: LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-    if "expert_gating_func" not in router_keys and m.int("expert_gating_func", 1, minimum=0) != 1:
+    if "expert_gating_func" not in own_keys and m.int("expert_gating_func", 1, minimum=0) != 1:
         raise ConfigError(f"{m.file}: metadata {m.key('expert_gating_func')} selects a router other than softmax; "
                           "sluice's models route with softmax")
     # 0 is llama.cpp's "unset"
-    if "expert_weights_scale" not in router_keys and m.float("expert_weights_scale", 1.0) not in (0.0, 1.0):
+    if "expert_weights_scale" not in own_keys and m.float("expert_weights_scale", 1.0) not in (0.0, 1.0):
         raise ConfigError(f"{m.file}: metadata {m.key('expert_weights_scale')} scales the expert weights; "
                           "not supported")
     if m.float("attention.scale", 0.0) != 0.0:
@@ -288,7 +293,9 @@ def _refuse_unsupported(m: GGUFMeta, norm: bool, router_keys: frozenset[str]) ->
                           "not supported")
 
 
-def _rope_scaling(m: GGUFMeta) -> dict[str, Any]:
+def rope_scaling(m: GGUFMeta, own_keys: frozenset[str]) -> dict[str, Any]:
+    """rope_parameters' keys beside rope_theta (rope_type, factor, yarn's); the YaRN keys in `own_keys` are left to
+    the architecture's config hook, the others refused."""
     kind = m.str("rope.scaling.type", "none")
     linear = m.float("rope.scale_linear", 1.0, positive=True)  # the older key for linear scaling
     if kind == "none" and linear == 1.0:
@@ -297,7 +304,7 @@ def _rope_scaling(m: GGUFMeta) -> dict[str, Any]:
         return {"rope_type": "linear", "factor": m.float("rope.scaling.factor", linear, positive=True)}
     if kind == "yarn":
         for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor"):
-            if m.has(key):
+            if m.has(key) and key not in own_keys:
                 raise ConfigError(f"{m.file}: metadata {m.key(key)} is not supported with sluice's YaRN rope")
         out = {"rope_type": "yarn", "factor": m.float("rope.scaling.factor", positive=True),
                "original_max_position_embeddings": m.int("rope.scaling.original_context_length")}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..checkpoint.gguf_arch import GGUFArch  # noqa: F401  (re-exported: the architectures declare their GGUF facts)
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from .spec import Spec
@@ -34,6 +35,9 @@ class SynthDefaults:
     # writes per-layer n-gram embedding tables whose size SynthConfig.ple_bytes sets (qwen4_exp; make-model
     # --ple-size)
     ngram_table: bool = False
+    # added special tokens the family's tokenizer has beyond the trained tokenizer's three, which converters look up
+    # by name (llama.cpp's glm4moe converter reads GLM's [gMASK], <|user|>, <|endoftext|>, <|observation|>)
+    special_tokens: tuple[str, ...] = ()
 
 
 class TensorName(NamedTuple):
@@ -133,8 +137,8 @@ def mlp_tensors(role: str, prefix: str, inter: int, hidden: int) -> list[TensorN
 
 # -- GGUF ------------------------------------------------------------------------------------------------------------
 # llama.cpp's tensor names (blk.N.<suffix>) shared by the architectures here, -> transformers' names under the layer
-GGUF_ATTN = {f"attn_{g}.weight": f"self_attn.{h}_proj.weight"
-             for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))}
+GGUF_ATTN_PAIRS = (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))  # attn_{GGUF} -> self_attn.{HF}_proj
+GGUF_ATTN = {f"attn_{g}.weight": f"self_attn.{h}_proj.weight" for g, h in GGUF_ATTN_PAIRS}
 GGUF_EXPERTS = {  # the router and the stacked experts
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_exps.weight": "mlp.experts.gate_proj",
@@ -153,3 +157,37 @@ GGUF_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
                **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}}
 GGUF_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 GGUF_QKV_BIAS = {f"attn_{g}.bias": f"self_attn.{g}_proj.bias" for g in "qkv"}
+# a dense layer's MLP (glm4moe's and deepseek2's first leading_dense_block_count layers)
+GGUF_DENSE = {f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+# the grouped sigmoid router with its selection bias (exp_probs_b), the stacked experts and the ungated shared experts
+# of glm4moe and deepseek2
+GGUF_SIGMOID_MOE = {
+    **GGUF_EXPERTS,
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+#: the router keys sigmoid_router_gguf_config reads (GGUFArch.own_keys)
+SIGMOID_ROUTER_KEYS = frozenset({"expert_gating_func", "expert_weights_scale", "expert_weights_norm"})
+_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def sigmoid_router_gguf_config(m, gating_default: int) -> dict:
+    """config.json keys of a grouped-sigmoid-routed GGUF (glm4moe, deepseek2) as llama.cpp's loaders read them:
+    expert_gating_func (absent: `gating_default`, the loader's) must be sigmoid; expert_weights_scale (0 or absent:
+    none) is routed_scaling_factor, expert_weights_norm (absent: false) norm_topk_prob; expert groups (absent: one);
+    the first leading_dense_block_count layers dense; expert_shared_count shared experts of the experts' size."""
+    if m.int("expert_gating_func", gating_default, minimum=0) != _SIGMOID:
+        raise ConfigError(f"{m.file}: metadata {m.key('expert_gating_func')} is absent or not sigmoid: a "
+                          f"softmax-routed {m.arch} model (DeepSeek-V2), which sluice does not run")
+    scale = m.float("expert_weights_scale", 0.0) or 1.0  # 0: llama.cpp's "unset"
+    if not 0 < scale < float("inf"):
+        raise ConfigError(f"{m.file}: metadata {m.key('expert_weights_scale')} is {scale}; it must be a finite number "
+                          "> 0")
+    groups = m.int("expert_group_count", 1)
+    ff, top_k = m.int("feed_forward_length", 0, minimum=0), m.int("expert_used_count")
+    return dict(num_experts=m.int("expert_count"), intermediate_size=ff,
+                moe_intermediate_size=m.int("expert_feed_forward_length", ff // top_k or m.REQUIRED),
+                n_shared_experts=m.int("expert_shared_count", 0, minimum=0),
+                first_k_dense_replace=m.int("leading_dense_block_count", 0, minimum=0),
+                n_group=groups, topk_group=m.int("expert_group_used_count", groups) if groups > 1 else 1,
+                routed_scaling_factor=scale, norm_topk_prob=m.bool("expert_weights_norm", False))

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .arch import SynthDefaults, TensorName, mlp_tensors
+from ..checkpoint.gguf_config import rope_scaling
+from .arch import (GGUF_DENSE, GGUF_SIGMOID_MOE, SIGMOID_ROUTER_KEYS, GGUFArch, SynthDefaults, TensorName, mlp_tensors,
+                   sigmoid_router_gguf_config)
 from .args import MAX_HEAD_DIM, BaseArgs, dense_and_grouped_router_problems
 from .rope import RopeConfig
 from .schema import cfg
@@ -50,6 +52,9 @@ class ModelArgs(BaseArgs):
     v_head_dim: int = cfg(128, ge=1, le=MAX_HEAD_DIM)
     rope_interleave: bool | None = cfg(True)  # null: halves, as transformers reads it
     attention_bias: bool = cfg(False)  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+    # kv_b_proj stored split per head, as llama.cpp's deepseek2 converter writes it (set by the GGUF reader): k_b_proj
+    # [nH, r, N] (each head's key rows transposed) and v_b_proj [nH, V, r]; models/weights.py joins them back
+    kv_b_split: bool = cfg(False)
     quantization_config: dict | None = cfg(None)  # the hub's FP8 uploads: refused (config_problems)
 
     def __post_init__(self):
@@ -102,7 +107,7 @@ class ModelArgs(BaseArgs):
         spec.mla = MLASpec(q_lora_rank=self.q_lora_rank or 0, kv_lora_rank=self.kv_lora_rank,
                            qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
                            v_head_dim=self.v_head_dim, softmax_scale=self.softmax_scale(spec.rope),
-                           rope_interleave=bool(self.rope_interleave))
+                           rope_interleave=bool(self.rope_interleave), kv_b_split=self.kv_b_split)
         return spec
 
 
@@ -128,8 +133,7 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
     if bias:
         out.append(TensorName("mla.kv_a_bias", f"{a}.kv_a_proj_with_mqa.bias", (m.cache_dim,), "bias"))
     out += [TensorName("mla.kv_a_norm", f"{a}.kv_a_layernorm.weight", (r,), "norm"),
-            TensorName("mla.kv_b", f"{a}.kv_b_proj.weight", (nH * (m.qk_nope_head_dim + m.v_head_dim), r), "proj"),
-            TensorName("o", f"{a}.o_proj.weight", (H, nH * m.v_head_dim), "proj")]
+            *kv_b_tensors(m, nH, a), TensorName("o", f"{a}.o_proj.weight", (H, nH * m.v_head_dim), "proj")]
     if bias:
         out.append(TensorName("o_bias", f"{a}.o_proj.bias", (H,), "bias"))
     out.append(TensorName("post_norm", f"{p}.post_attention_layernorm.weight", (H,), "norm"))
@@ -143,10 +147,25 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
     return out
 
 
+def kv_b_tensors(m: MLASpec, n_heads: int, a: str) -> list[TensorName]:
+    """kv_b_proj [nH*(N+V), r] under attention prefix `a`, or (MLASpec.kv_b_split) its two parts as llama.cpp's
+    converter stores them: k_b [nH, r, N] and v_b [nH, V, r] (roles mla.k_b / mla.v_b)."""
+    N, V, r = m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank
+    if m.kv_b_split:
+        return [TensorName("mla.k_b", f"{a}.k_b_proj.weight", (n_heads, r, N), "proj"),
+                TensorName("mla.v_b", f"{a}.v_b_proj.weight", (n_heads, V, r), "proj")]
+    return [TensorName("mla.kv_b", f"{a}.kv_b_proj.weight", (n_heads * (N + V), r), "proj")]
+
+
 # -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
 # DeepSeek-V3 / Kimi K2: 256 / 384 experts top-8 in 8 groups (4 selectable), one shared expert, rope theta 10000
 SYNTH = SynthDefaults("DeepseekV3ForCausalLM", num_experts=256, top_k=8, rope_theta=10000.0, rms_norm_eps=1e-6,
                       shared_expert=True)
+
+
+#: how the hub's config.json names the router (transformers' DeepseekV3 hard-codes it, saving neither key; llama.cpp's
+#: converter reads scoring_func, and without it the file routes by softmax in llama.cpp)
+HUB_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
 def synth_config(sc) -> dict[str, Any]:
@@ -154,7 +173,7 @@ def synth_config(sc) -> dict[str, Any]:
     qk_nope = v = head_dim, qk_rope = head_dim / 2, kv_lora_rank = 4 x, q_lora_rank = 12 x, both at most hidden / 2
     (DeepSeek-V3: 512 and 1536 of 7168; uncapped, a small model's attention would outweigh its experts); 8 expert groups (4
     selectable) when the experts split into groups of >= 2; the dense first layer of Kimi K2 (DeepSeek-V3 has 3)
-    unless the model has <= 2 layers; routed_scaling_factor 2.5; interleaved rope."""
+    unless the model has <= 2 layers; routed_scaling_factor 2.5; interleaved rope; the hub's router keys."""
     E, K, I, hd, H = sc.num_experts, sc.top_k, sc.moe_intermediate_size, sc.head_dim, sc.hidden_size
     if hd % 4:
         raise ConfigError(f"head_dim: deepseek_v3 rotates head_dim / 2 dims in pairs: expected a multiple of 4, "
@@ -170,10 +189,57 @@ def synth_config(sc) -> dict[str, Any]:
                 routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=min(12 * hd, H // 2),
                 kv_lora_rank=min(4 * hd, H // 2),
                 qk_nope_head_dim=hd, qk_rope_head_dim=hd // 2, v_head_dim=hd, head_dim=hd // 2,
-                num_key_value_heads=sc.num_heads, rope_interleave=True, attention_bias=False)
+                num_key_value_heads=sc.num_heads, rope_interleave=True, attention_bias=False,
+                **HUB_ROUTER)
 
 
-GGUF = None  # llama.cpp's deepseek2 stores MLA differently (kv_b split into k_b / v_b): not mapped yet
+# -- GGUF (checkpoint/gguf_config.py) --------------------------------------------------------------------------------
+def _gguf_config(m, tensors) -> dict[str, Any]:
+    """llama.cpp's deepseek2 keys: the latent attention's sizes (key_length_mla = nope + rope dims, value_length_mla;
+    files from before those keys: key_length / value_length), the sigmoid router (arch.sigmoid_router_gguf_config;
+    a file without expert_gating_func routes by softmax in llama.cpp: DeepSeek-V2, refused), interleaved rope (its
+    graph's NORM rope, whatever the checkpoint's rope_interleave was), biases where the file has them, kv_b as the
+    file stores it (split into attn_k_b / attn_v_b by current converters), and the YaRN scales llama.cpp computes."""
+    heads, R = m.int("attention.head_count"), m.int("rope.dimension_count")
+    k_mla = m.int("attention.key_length_mla", m.int("attention.key_length"))
+    if k_mla <= R:
+        raise ConfigError(f"{m.file}: metadata {m.key('attention.key_length_mla')} {k_mla} leaves no dims beside the "
+                          f"{R} rotary ones ({m.key('rope.dimension_count')})")
+    return {**sigmoid_router_gguf_config(m, gating_default=1), "num_key_value_heads": heads, "head_dim": R,
+            "q_lora_rank": m.int("attention.q_lora_rank", 0, minimum=0) or None,
+            "kv_lora_rank": m.int("attention.kv_lora_rank"), "qk_nope_head_dim": k_mla - R, "qk_rope_head_dim": R,
+            "v_head_dim": m.int("attention.value_length_mla", m.int("attention.value_length")),
+            "rope_interleave": True, "attention_bias": "blk.0.attn_kv_a_mqa.bias" in tensors,
+            "kv_b_split": "blk.0.attn_kv_b.weight" not in tensors, "rope_parameters": _gguf_rope(m)}
+
+
+def _gguf_rope(m) -> dict[str, Any]:
+    """The rope as llama.cpp's deepseek2 graph computes it. YaRN: the converter stores 0.1 * mscale_all_dim as
+    yarn_log_multiplier and not mscale, which llama.cpp takes equal to it: cos/sin unscaled, the softmax scaled by
+    mscale(factor, mscale_all_dim)^2 -- transformers' math where mscale == mscale_all_dim (DeepSeek-V3's 1.0 and
+    1.0). Without the key llama.cpp scales both: cos/sin by mscale(factor, 1), the softmax by its square."""
+    rope = {"rope_theta": m.float("rope.freq_base", 10000.0, positive=True),
+            **rope_scaling(m, GGUF.own_keys)}
+    if rope["rope_type"] != "yarn":
+        return rope
+    if m.has("rope.scaling.yarn_log_multiplier"):
+        mscale = m.float("rope.scaling.yarn_log_multiplier", positive=True) / 0.1
+        return {**rope, "mscale": mscale, "mscale_all_dim": mscale}
+    factor = rope["factor"]
+    return {**rope, "mscale_all_dim": 1.0, "attention_factor": 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0}
+
+
+GGUF = GGUFArch("deepseek2", tensors={
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn_{g}.{k}": f"self_attn.{h}.{k}" for g, h, k in (
+        ("q", "q_proj", "weight"), ("q_a", "q_a_proj", "weight"), ("q_a", "q_a_proj", "bias"),
+        ("q_a_norm", "q_a_layernorm", "weight"), ("q_b", "q_b_proj", "weight"),
+        ("kv_a_mqa", "kv_a_proj_with_mqa", "weight"), ("kv_a_mqa", "kv_a_proj_with_mqa", "bias"),
+        ("kv_a_norm", "kv_a_layernorm", "weight"), ("kv_b", "kv_b_proj", "weight"), ("k_b", "k_b_proj", "weight"),
+        ("v_b", "v_b_proj", "weight"), ("output", "o_proj", "weight"), ("output", "o_proj", "bias"))},
+    **GGUF_DENSE, **GGUF_SIGMOID_MOE,
+}, config=_gguf_config, norm_topk_prob=False, own_keys=SIGMOID_ROUTER_KEYS | {"rope.scaling.yarn_log_multiplier"},
+    latent_attention=True)
 
 
 def layers(b: Build) -> list[PreNorm]:

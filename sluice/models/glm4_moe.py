@@ -112,11 +112,16 @@ def layer_tensors(spec: Spec, layer: int, moe: str | None) -> list[TensorName]:
     return out
 
 
+#: GLM-4.5's added special tokens (its tokenizer_config.json), which llama.cpp's glm4moe converter reads by name
+GLM_SPECIAL_TOKENS = ("[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
+                      "<|observation|>")
+
+
 # -- synthetic checkpoints (tools/synth.py) --------------------------------------------------------------------------
 # GLM-4.5-Air: 128 routed experts top-8 (moe_intermediate 1408 / hidden 4096) plus 1 shared, n_group 1, the first
 # layer dense (intermediate 10944, 7.8x an expert's), attention biases, no q/k norm, half the head dims rotary.
 SYNTH = SynthDefaults("Glm4MoeForCausalLM", num_experts=128, top_k=8, rope_theta=1e6, rms_norm_eps=1e-5,
-                      shared_expert=True)
+                      shared_expert=True, special_tokens=GLM_SPECIAL_TOKENS)
 
 
 def synth_config(sc) -> dict[str, Any]:
@@ -133,10 +138,25 @@ def synth_config(sc) -> dict[str, Any]:
                 rope_scaling=None)  # as the hub's config.json has it (mlx-lm's glm4_moe requires the key)
 
 
-# -- GGUF ------------------------------------------------------------------------------------------------------------
-# llama.cpp's `glm4moe` exists (exp_probs_b for the selection bias, leading_dense_block_count, expert groups, its
-# NextN layer); reading it is not done yet, so a glm4moe GGUF is refused as an unsupported architecture.
-GGUF = None
+# -- GGUF (checkpoint/gguf_config.py) --------------------------------------------------------------------------------
+def _gguf_config(m, tensors) -> dict[str, Any]:
+    """llama.cpp's glm4moe keys: the sigmoid router's (arch.sigmoid_router_gguf_config; its loader defaults the
+    gating to sigmoid), q/k norm and q/k/v biases where the file has them (its graph applies them where present); the
+    rotary part from rope.dimension_count (the generic reader). GLM-4.5V's multimodal rope is refused."""
+    key = m.key("rope.dimension_sections")
+    if any(m.gf.metadata.get(key) or ()):
+        raise ConfigError(f"{m.file}: metadata {key} sets a multimodal rope (GLM-4.5V); sluice runs the text rope only")
+    return {**arch.sigmoid_router_gguf_config(m, gating_default=2),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors, "attention_bias": "blk.0.attn_q.bias" in tensors}
+
+
+# llama.cpp's names: the shared ones, its post-attention norm, a dense first layer, the grouped sigmoid router and
+# shared experts. The blocks after the model's (nextn_predict_layers: GLM's multi-token-prediction layer) are listed
+# by the reader under their GGUF names and never read.
+GGUF = arch.GGUFArch("glm4moe", tensors={
+    **arch.GGUF_ATTN, **arch.GGUF_QKV_BIAS, **arch.GGUF_QK_NORM, **arch.GGUF_DENSE, **arch.GGUF_SIGMOID_MOE,
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+}, config=_gguf_config, norm_topk_prob=False, own_keys=arch.SIGMOID_ROUTER_KEYS, partial_rope=True)
 
 
 def layers(b: Build) -> list[PreNorm]:

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..checkpoint.index import CheckpointIndex
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..io.ranges import ReadRange
 from ..quant import QuantSpec, UnsupportedFormat
 from ..store.layout import PLAIN, BiasedGluFormat, ExpertLayout, ExpertPart, shaped
-from .arch import SynthDefaults, TensorName, attention_tensors
+from ..checkpoint.gguf_config import bools, n_layers
+from .arch import GGUF_ATTN, GGUF_ATTN_PAIRS, GGUFArch, SynthDefaults, TensorName, attention_tensors
 from .args import CONFIG, BaseArgs, sliding_windows
 from .schema import cfg, override
 from .spec import Spec
@@ -113,8 +114,6 @@ def synth_config(sc) -> dict[str, Any]:
     """config.json keys of a synthetic gpt_oss: MXFP4 experts as shipped (`quantization_config`), alternating
     sliding (128) and full attention, yarn rope as gpt-oss-20b's. ConfigError when H or I are not whole MXFP4
     groups of 32."""
-    from ..errors import ConfigError
-
     for name in ("hidden_size", "moe_intermediate_size"):
         if getattr(sc, name) % 32:
             raise ConfigError(f"{name}: {getattr(sc, name)} is not a multiple of 32; gpt_oss experts are MXFP4, "
@@ -149,7 +148,40 @@ def synth_experts(sc, draw: Callable, generator, prefix: str) -> Iterator[tuple[
         yield f"{prefix}.{name}_bias", draw((E, out_f if name == "gate_up_proj" else H), "bias")
 
 
-GGUF = None  # TODO: llama.cpp's gpt-oss GGUFs (MXFP4 blocks, attn sinks) are not mapped yet
+# -- GGUF (checkpoint/gguf_config.py) --------------------------------------------------------------------------------
+#: what llama.cpp's gpt-oss graph hard-codes for the clamped SwiGLU (its LLM_FFN_SWIGLU_OAI_MOE: alpha 1.702, limit 7)
+GGUF_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+
+
+def _gguf_config(m, tensors) -> dict[str, Any]:
+    """llama.cpp's gpt-oss keys: the experts' size, the window and which layers slide (sliding_window_pattern, an
+    array of bools or a period whose last layer attends to everything; absent: 2, even layers slide), biases on q/k/v/o,
+    the SwiGLU constants of its graph; a separate rope base for the sliding layers is refused."""
+    n = n_layers(m)
+    if m.float("rope.freq_base_swa", m.float("rope.freq_base", 10000.0)) != m.float("rope.freq_base", 10000.0):
+        raise ConfigError(f"{m.file}: metadata {m.key('rope.freq_base_swa')} gives the sliding layers another rope "
+                          "base; sluice runs one rope for all layers")
+    slide = bools(m, "attention.sliding_window_pattern", n) if m.gf.types.get(
+        m.key("attention.sliding_window_pattern")) == 9 else None
+    if slide is None:
+        period = m.int("attention.sliding_window_pattern", 2, minimum=0)
+        slide = [period == 0 or i % period < period - 1 for i in range(n)]
+    return dict(num_experts=m.int("expert_count"), intermediate_size=m.int("expert_feed_forward_length"),
+                sliding_window=m.int("attention.sliding_window"), attention_bias=True, **GGUF_SWIGLU,
+                layer_types=[LAYER_TYPES[1] if x else LAYER_TYPES[0] for x in slide])
+
+
+# llama.cpp's names: q/k/v/o with biases, the sinks, its post-attention norm, the router with its bias, and the
+# experts as three stacks (gate and up apart, their rows un-interleaved by the converter; MXFP4 in its GGUF block
+# type as the converter repacks them) with a bias each: expert_layer above reads them
+GGUF = GGUFArch("gpt-oss", tensors={
+    **GGUF_ATTN, **{f"attn_{g}.bias": f"self_attn.{h}_proj.bias" for g, h in GGUF_ATTN_PAIRS},
+    "attn_sinks.weight": "self_attn.sinks", "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+    **{f"ffn_{p}_exps.{k}": f"mlp.experts.{p}_proj{'' if k == 'weight' else '_bias'}"
+       for p in ("gate", "up", "down") for k in ("weight", "bias")},
+}, config=_gguf_config, norm_topk_prob=False)
 
 
 def layers(b: Build) -> list[PreNorm]:
@@ -161,39 +193,59 @@ def layers(b: Build) -> list[PreNorm]:
 # -- experts: how the checkpoint stores them (store/layout.py reads them through this) --------------------------------
 def expert_layer(layout: ExpertLayout, index: CheckpointIndex, p: str, layer: int) -> str:
     """Where layer's experts are (store/layout.py calls this for the architecture): one BiasedGluFormat slot per
-    expert from MXFP4 `*_blocks` / `*_scales` as shipped, or the dequantized [E, in, out] `save_pretrained` writes,
-    plus the biases; expert e is one contiguous slice of each tensor. Returns the layout's kind ("fused")."""
+    expert from MXFP4 `*_blocks` / `*_scales` as shipped, the dequantized [E, in, out] `save_pretrained` writes, or
+    a GGUF's stacked gate / up / down with a bias each (GGUF below), plus the biases; expert e is one contiguous slice
+    of each tensor. Returns the layout's kind ("fused", "stacked" for a GGUF)."""
     s = layout.spec
     E, H, I = s.num_experts, s.hidden_size, s.moe_intermediate_size
     x = f"{p}.experts"
-    biases = [shaped(index[f"{x}.{n}"], shape) for n, shape in
-              (("gate_up_proj_bias", (E, 2 * I)), ("down_proj_bias", (E, H)))]
+    gguf = f"{x}.gate_proj" in index
+    names = (("gate_proj_bias", (E, I)), ("up_proj_bias", (E, I))) if gguf else (("gate_up_proj_bias", (E, 2 * I)),)
+    biases = [shaped(index[f"{x}.{n}"], shape) for n, shape in (*names, ("down_proj_bias", (E, H)))]
     for b in biases:
-        if b.dtype not in PLAIN:
-            raise CheckpointError(f"expert biases stored as {b.dtype}; expected F32, F16 or BF16", file=b.path,
-                                  tensor=b.name)
+        if b.dtype not in PLAIN or (b is not biases[-1] and b.dtype != biases[0].dtype):
+            raise CheckpointError(f"expert biases stored as {b.dtype}; expected F32, F16 or BF16 (gate's and up's "
+                                  "alike: one [2I] bias in the slot)", file=b.path, tensor=b.name)
     try:
-        if f"{x}.gate_up_proj_blocks" in index:  # MXFP4 as shipped: [E, out, in/32, 16] codes, [E, out, in/32]
-            gate_up, down = QuantSpec.mxfp4(2 * I, H), QuantSpec.mxfp4(H, I)
-            tensors = [[shaped(index[f"{x}.{n}_blocks"], (E, o, i // 32, 16), "U8"),
-                        shaped(index[f"{x}.{n}_scales"], (E, o, i // 32), "U8")]
-                       for n, o, i in (("gate_up_proj", 2 * I, H), ("down_proj", H, I))]
-        else:  # dequantized: gate_up [E, H, 2I], down [E, I, H], kept [in, out] (BiasedGluFormat.transposed)
-            gu, dn = shaped(index[f"{x}.gate_up_proj"], (E, H, 2 * I)), shaped(index[f"{x}.down_proj"], (E, I, H))
-            if gu.dtype not in PLAIN or dn.dtype != gu.dtype:
-                raise ValueError(f"expected both in one of F32, F16, BF16, got {gu.dtype} and {dn.dtype}")
-            gate_up, down = QuantSpec.ggml(gu.dtype, H, 2 * I), QuantSpec.ggml(dn.dtype, I, H)
-            tensors = [[gu], [dn]]
+        gate_up, down, tensors = _expert_tensors(index, x, E, H, I, gguf)
     except (UnsupportedFormat, ValueError) as e:
         raise CheckpointError(f"gpt-oss experts: {e}", file=biases[0].path, tensor=f"{x}.gate_up_proj") from None
     fmt = layout.keep_format(layer, biases[0], BiasedGluFormat.of(
-        gate_up, down, PLAIN[biases[0].dtype], PLAIN[biases[1].dtype], H, I))
-    pieces = [(t, part.offset) for t, part in zip(tensors[0], gate_up.parts)]
-    pieces += [(t, fmt.down_offset + part.offset) for t, part in zip(tensors[1], down.parts)]
-    pieces += [(biases[0], fmt.gate_up_bias.offset), (biases[1], fmt.down_bias.offset)]
+        gate_up, down, PLAIN[biases[0].dtype], PLAIN[biases[-1].dtype], H, I, transposed=gate_up.plain and not gguf,
+        halves=gguf))
+    if gguf:  # gate's rows, then up's: one [2I, H] weight of whole rows (and the two biases one [2I])
+        (g, u), b = tensors[0], fmt.gate_up_bias.offset
+        pieces = [("gate", g, 0), ("up", u, g.nbytes // E), ("gate_bias", biases[0], b),
+                  ("up_bias", biases[1], b + biases[0].nbytes // E)]
+    else:
+        pieces = [(t.name.rsplit(".", 1)[-1], t, part.offset) for t, part in zip(tensors[0], gate_up.parts)]
+        pieces.append(("gate_up_proj_bias", biases[0], fmt.gate_up_bias.offset))
+    pieces += [("down" if gguf else t.name.rsplit(".", 1)[-1], t, fmt.down_offset + part.offset)
+               for t, part in zip(tensors[1], down.parts)]
+    pieces.append(("down_bias" if gguf else "down_proj_bias", biases[-1], fmt.down_bias.offset))
     for e in range(E):  # expert e: one contiguous slice of each tensor
-        layout.add_expert(layer, e, [
-            ExpertPart(t.name.rsplit(".", 1)[-1], dest, ReadRange(t.path, t.offset + e * (t.nbytes // E),
-                                                                   t.nbytes // E))
-            for t, dest in pieces])
-    return "fused"
+        layout.add_expert(layer, e, [ExpertPart(name, dest, ReadRange(t.path, t.offset + e * (t.nbytes // E),
+                                                                      t.nbytes // E))
+                                     for name, t, dest in pieces])
+    return "stacked" if gguf else "fused"
+
+
+def _expert_tensors(index: CheckpointIndex, x: str, E: int, H: int, I: int, gguf: bool):
+    """(gate_up QuantSpec, down QuantSpec, [the gate_up tensors, the down tensors]) of the experts under `x`; ValueError
+    or UnsupportedFormat for a layout sluice cannot hold in one slot."""
+    if gguf:  # llama.cpp's: gate [E, I, H] and up [E, I, H] of one ggml type, down [E, H, I]
+        g, u = shaped(index[f"{x}.gate_proj"], (E, I, H)), shaped(index[f"{x}.up_proj"], (E, I, H))
+        dn = shaped(index[f"{x}.down_proj"], (E, H, I))
+        if u.dtype != g.dtype:
+            raise ValueError(f"gate is {g.dtype} and up {u.dtype}; sluice runs them as one weight of one type")
+        return QuantSpec.ggml(g.dtype, 2 * I, H), QuantSpec.ggml(dn.dtype, H, I), [[g, u], [dn]]
+    if f"{x}.gate_up_proj_blocks" in index:  # MXFP4 as shipped: [E, out, in/32, 16] codes, [E, out, in/32]
+        tensors = [[shaped(index[f"{x}.{n}_blocks"], (E, o, i // 32, 16), "U8"),
+                    shaped(index[f"{x}.{n}_scales"], (E, o, i // 32), "U8")]
+                   for n, o, i in (("gate_up_proj", 2 * I, H), ("down_proj", H, I))]
+        return QuantSpec.mxfp4(2 * I, H), QuantSpec.mxfp4(H, I), tensors
+    # dequantized: gate_up [E, H, 2I], down [E, I, H], kept [in, out] (BiasedGluFormat.transposed)
+    gu, dn = shaped(index[f"{x}.gate_up_proj"], (E, H, 2 * I)), shaped(index[f"{x}.down_proj"], (E, I, H))
+    if gu.dtype not in PLAIN or dn.dtype != gu.dtype:
+        raise ValueError(f"expected both in one of F32, F16, BF16, got {gu.dtype} and {dn.dtype}")
+    return QuantSpec.ggml(gu.dtype, H, 2 * I), QuantSpec.ggml(dn.dtype, I, H), [[gu], [dn]]

@@ -30,6 +30,7 @@ class MLASpec:
     v_head_dim: int
     softmax_scale: float  # qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 when the rope sets it
     rope_interleave: bool  # rotary pairs (x0, x1), (x2, x3) ... instead of the two halves
+    kv_b_split: bool = False  # kv_b stored as llama.cpp's k_b [nH, r, N] and v_b [nH, V, r] (joined at load)
 
     @property
     def qk_head_dim(self) -> int:

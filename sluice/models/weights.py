@@ -136,6 +136,18 @@ def _group(t: dict, prefix: str, cls, key: str):
     return cls(**{role[n:]: w for role, w in t.items() if role.startswith(prefix)})
 
 
+def _kv_b_joined(t: dict, prefix: str) -> dict:
+    """`t` with a latent attention's split kv_b (roles `{prefix}k_b` [nH, r, N], `{prefix}v_b` [nH, V, r]: llama.cpp's
+    converter's transposed key part and value part per head) joined back into `{prefix}kv_b` [nH*(N+V), r], the
+    checkpoint's own (each head's N key rows, then its V value rows): the same values, moved."""
+    if prefix + "k_b" not in t:
+        return t
+    t = dict(t)
+    k_b, v_b = t.pop(prefix + "k_b"), t.pop(prefix + "v_b")
+    t[prefix + "kv_b"] = torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])
+    return t
+
+
 def _layer_weights(t: dict, r: str) -> LayerWeights:
     """The LayerWeights of the roles under `r` (`layers.L.`)."""
     def mlp(prefix: str) -> MLPWeights | None:
@@ -146,7 +158,8 @@ def _layer_weights(t: dict, r: str) -> LayerWeights:
     return LayerWeights(
         o=t[r + "o"], input_norm=t.get(r + "input_norm"), post_norm=t.get(r + "post_norm"),
         q=t.get(r + "q"), k=t.get(r + "k"), v=t.get(r + "v"),
-        mla=_group(t, r + "mla.", MLAWeights, "kv_a"), delta=_group(t, r + "delta.", DeltaNetWeights, "conv"),
+        mla=_group(_kv_b_joined(t, r + "mla."), r + "mla.", MLAWeights, "kv_a"),
+        delta=_group(t, r + "delta.", DeltaNetWeights, "conv"),
         q_bias=t.get(r + "q_bias"), k_bias=t.get(r + "k_bias"), v_bias=t.get(r + "v_bias"), o_bias=t.get(r + "o_bias"),
         q_norm=t.get(r + "q_norm"), k_norm=t.get(r + "k_norm"),
         router=t.get(r + "router"), router_bias=t.get(r + "router_bias"), sinks=t.get(r + "sinks"),

@@ -14,9 +14,10 @@ A slot is one uint8 buffer holding the expert's bytes as stored (`ExpertFormat`)
 MLX affine weight / scales / biases, each in its QuantSpec part (typed views need aligned parts: MLX projections
 and slots start at 64-byte offsets).
 gpt-oss (`BiasedGluFormat`, read by models/gpt_oss.py expert_layer): `{p}.experts.gate_up_proj_blocks/_scales`
-[E, 2I, H/32, 16] / [E, 2I, H/32] and `down_proj_blocks/_scales` in MXFP4 as shipped, or the dequantized `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`
-(`save_pretrained`), plus `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`: expert e is one contiguous slice
-of each tensor, four ranges (six in MXFP4) into one slot.
+[E, 2I, H/32, 16] / [E, 2I, H/32] and `down_proj_blocks/_scales` in MXFP4 as shipped, or the dequantized
+`gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]` (`save_pretrained`), plus `gate_up_proj_bias [E, 2I]` and
+`down_proj_bias [E, H]`: expert e is one contiguous slice of each tensor, four ranges (six in MXFP4) into one slot;
+a GGUF's stacked gate / up / down [E, I, H] / [E, H, I] and their three biases: six ranges.
 Nothing converts them between the read and the math: the kernels compute from the stored bytes. Formats may differ
 between layers (a Q4_K_M file stores some layers' down projections as Q6_K); slots are sized for the largest.
 When every layer's experts are one plain dtype (`plain_dtype`), gate and up are back to back, so the store can
@@ -116,34 +117,37 @@ class ExpertFormat:
 
 @dataclass(frozen=True)
 class BiasedGluFormat:
-    """gpt-oss experts in one slot: gate_up (gate and up as one weight whose output rows alternate: 2j is gate j,
-    2j+1 up j), down, then the gate_up bias [2I] and the down bias [H] in the checkpoint's dtype.
+    """gpt-oss experts in one slot: gate_up (gate and up as one weight of 2I output rows), down, then the gate_up
+    bias [2I] and the down bias [H] in the checkpoint's dtype. The rows of gate_up (and of its bias) alternate as
+    the checkpoint has them (2j is gate j, 2j+1 up j), or, where `halves`, hold gate's I rows then up's (llama.cpp's
+    separate ffn_gate_exps / ffn_up_exps, read back to back).
 
     MXFP4 as shipped: gate_up QuantSpec.mxfp4 [2I, H], down [H, I] ([out, in], the parts blocks then scales).
     Plain (the dequantized layout `save_pretrained` writes): stored [in, out] -- gate_up [H, 2I], down [I, H] -- and
-    kept so (`transposed`): the math computes x @ W from the slot, no transpose per read. Never viewed as typed
-    stacks (plain_dtype None): the stores keep raw slots and models/layers/experts.py reads them through this format.
+    kept so (`transposed`): the math computes x @ W from the slot, no transpose per read.
+    GGUF (`halves`): any ggml type llama.cpp stores them in (its MXFP4 blocks, F32, Q8_0, ...), [out, in].
+    Never viewed as typed stacks (plain_dtype None): the stores keep raw slots and models/layers/experts.py reads
+    them through this format.
     """
 
-    gate_up: QuantSpec  # mxfp4 [2I, H] | plain as stored [H, 2I]
-    down: QuantSpec  # mxfp4 [H, I] | plain as stored [I, H]
+    gate_up: QuantSpec  # mxfp4 [2I, H] | plain as stored [H, 2I] (transposed) | ggml [2I, H] (halves)
+    down: QuantSpec  # mxfp4 [H, I] | plain as stored [I, H] (transposed) | ggml [H, I]
     down_offset: int
     gate_up_bias: Part  # [2I]
     down_bias: Part  # [H]
     nbytes: int
+    transposed: bool = False  # plain weights stored [in, out]
+    halves: bool = False  # gate's rows, then up's (else alternating)
     plain_dtype = None
 
     @staticmethod
     def of(gate_up: QuantSpec, down: QuantSpec, gate_up_bias: torch.dtype, down_bias: torch.dtype,
-           hidden: int, inter: int) -> "BiasedGluFormat":
+           hidden: int, inter: int, transposed: bool = False, halves: bool = False) -> "BiasedGluFormat":
         down_offset = _aligned(gate_up.nbytes)
         gb = Part("gate_up_bias", _aligned(down_offset + down.nbytes), gate_up_bias, (2 * inter,))
         db = Part("down_bias", _aligned(gb.offset + gb.nbytes), down_bias, (hidden,))
-        return BiasedGluFormat(gate_up, down, down_offset, gb, db, _aligned(db.offset + db.nbytes))
-
-    @property
-    def transposed(self) -> bool:
-        return self.gate_up.plain
+        return BiasedGluFormat(gate_up, down, down_offset, gb, db, _aligned(db.offset + db.nbytes), transposed,
+                               halves)
 
     @property
     def stored_nbytes(self) -> int:

@@ -3,8 +3,9 @@
 Benchmarks compare sluice with llama.cpp on one checkpoint, and `sluice quantize` makes GGUF files of any type; this
 writes the checkpoint in llama.cpp's layout, as its `convert_hf_to_gguf.py` lays out each architecture (read to
 learn the mapping; nothing is copied). config.json model_type -> GGUF architecture: qwen3_moe -> qwen3moe,
-qwen2_moe -> qwen2moe, olmoe -> olmoe, mixtral -> llama (with experts), and the Gated DeltaNet hybrids qwen3_next ->
-qwen3next, qwen3_5_moe (either layout) -> qwen35moe, whose tensors and keys tools/gguf_hybrid.py lays out.
+qwen2_moe -> qwen2moe, olmoe -> olmoe, mixtral -> llama (with experts), the Gated DeltaNet hybrids qwen3_next ->
+qwen3next, qwen3_5_moe (either layout) -> qwen35moe, whose tensors and keys tools/gguf_hybrid.py lays out, and
+gpt_oss -> gpt-oss, glm4_moe -> glm4moe, deepseek_v3 -> deepseek2, which tools/gguf_layouts.py lays out.
 
     model.embed_tokens.weight                     token_embd.weight          [V, H]
     model.layers.N.input_layernorm.weight         blk.N.attn_norm.weight     [H]            always F32
@@ -56,6 +57,7 @@ from ..models.schema import show
 from ..store.layout import moe_prefix
 from ..tokenizer import Tokenizer
 from .gguf_hybrid import HYBRID_ARCHS, hybrid_hparams, hybrid_problem, hybrid_tensors
+from .gguf_layouts import LAYOUT_ARCHS, layout_hparams, layout_problem, layout_tensors
 from .gguf_types import GGUF_TYPES, GgufTensor, TypeChoice, choose, encode, nbytes
 from ..plan import open_index
 
@@ -90,9 +92,10 @@ class ExportPlan:
         return all(t.name != "output.weight" for t in self.tensors)
 
     def types(self, to: str) -> list[TypeChoice]:
-        """The GGML type of each tensor in a `--to to` file (tools/gguf_types.py)."""
+        """The GGML type of each tensor in a `--to to` file (tools/gguf_types.py; bytes given in a type: that one)."""
         E = self.args.num_experts
-        return [choose(t.name, t.shape, to, E, self.tied) for t in self.tensors]
+        return [TypeChoice(t.raw_type) if t.raw_type else choose(t.name, t.shape, to, E, self.tied)
+                for t in self.tensors]
 
 
 # -- the pure part: names and shapes ---------------------------------------------------------------------------------
@@ -111,6 +114,10 @@ def export_args(index: CheckpointIndex):
         raise ExportError(f"{index.folder / CONFIG}: model_type {model_type}: sluice's GGUF export writes no "
                           "hyper-connections, QSA indexer or n-gram tables; convert the folder with llama.cpp's "
                           "convert_hf_to_gguf.py (sluice reads its file)")
+    if arch in LAYOUT_ARCHS:  # their own rules: tools/gguf_layouts.py
+        if why := layout_problem(arch, spec, args):
+            raise ExportError(why)
+        return args
     if spec.norm_topk_prob != norm:  # absent means false, in transformers as in sluice
         raise ExportError(f"config.json norm_topk_prob is {str(spec.norm_topk_prob).lower()} (or absent); llama.cpp's "
                           f"{arch} graph always computes it as {str(norm).lower()}")
@@ -138,10 +145,12 @@ def export_plan(index: CheckpointIndex) -> ExportPlan:
     facts = gguf_archs()[index.config["model_type"]]
     arch = facts.name
     spec = args.spec()
+    module = _arch_module(index)
+    stacks = lambda moe, g: _expert_stacks(index, moe, g, args.num_experts, module.EXPERT_PROJ)  # noqa: E731
     if spec.delta is not None:  # the Gated DeltaNet hybrids: tools/gguf_hybrid.py
-        module = _arch_module(index)
-        stacks = lambda moe, g: _expert_stacks(index, moe, g, args.num_experts, module.EXPERT_PROJ)  # noqa: E731
         return ExportPlan(arch, args, hybrid_tensors(index, spec, facts, module, stacks))
+    if arch in LAYOUT_ARCHS:  # gpt-oss, glm4moe, deepseek2: tools/gguf_layouts.py
+        return ExportPlan(arch, args, layout_tensors(index, spec, facts, module, stacks))
     out: list[GgufTensor] = []
 
     def one(gguf_name: str, hf_name: str, rope_heads: int | None = None, squeeze: bool = False) -> None:
@@ -283,8 +292,9 @@ def _data(gt: GgufTensor) -> torch.Tensor:
     if gt.rows is not None:
         lo, hi = gt.rows
         return read_tensor(gt.sources[0])[:, lo:hi]
-    if gt.transform is not None:  # it works on the tensor as read, and gives the GGUF tensor's values
-        return gt.transform(read_tensor(gt.sources[0])).reshape(gt.shape)
+    if gt.transform is not None:  # it works on the tensors as read, and gives the GGUF tensor's values (or bytes)
+        t = gt.transform(*(read_tensor(ref) for ref in gt.sources))
+        return t if gt.raw_type else t.reshape(gt.shape)
     if len(gt.sources) == 1:
         t = read_tensor(gt.sources[0]).reshape(gt.shape)
         if gt.rope_heads is not None:  # convert_hf_to_gguf's LlamaModel.permute: [heads, 2, D/2, H] -> [heads, D/2, 2, H]
@@ -301,6 +311,8 @@ def _data(gt: GgufTensor) -> torch.Tensor:
 def _bytes_of(t: torch.Tensor, type_name: str) -> np.ndarray:
     """The GGUF data of `t` stored as `type_name`: bf16 as its raw 16-bit patterns (exact from a bf16 checkpoint, and
     torch's round-to-nearest-even as gguf's BF16 encoder), other types through tools/gguf_types.encode."""
+    if t.dtype == torch.uint8:  # bytes already in their type (GgufTensor.raw_type)
+        return t.contiguous().numpy()
     if type_name == "BF16":
         return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
     if t.dim() == 3:  # an expert stack: one expert in float32 at a time (gguf's encoder makes a few copies of it)
@@ -391,6 +403,9 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
 def _hparams(w, plan: ExportPlan, config: dict) -> None:
     """The `{arch}.*` keys convert_hf_to_gguf.py writes for the architecture (what checkpoint/gguf_config.py reads)."""
     args, spec = plan.args, plan.args.spec()
+    if plan.arch in LAYOUT_ARCHS:
+        layout_hparams(w, plan.arch, spec, config)
+        return
     w.add_block_count(args.num_hidden_layers)
     w.add_context_length(args.max_position_embeddings)
     w.add_embedding_length(args.hidden_size)

@@ -29,11 +29,9 @@ from types import ModuleType
 import torch
 
 from ..checkpoint.gguf_arch import GGUFArch
-from ..checkpoint.gguf_index import gguf_name
 from ..checkpoint.index import CheckpointIndex
-from ..checkpoint.ref import STORED
 from ..models.spec import Spec
-from ..store.layout import moe_prefix
+from .gguf_layouts import table_tensors
 from .gguf_types import GgufTensor
 
 HYBRID_ARCHS = ("qwen3next", "qwen35moe")
@@ -80,24 +78,6 @@ def _reorder(role: str, spec: Spec, layer: int) -> Callable[[torch.Tensor], torc
     return None
 
 
-def _chain(*fns: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    fns = tuple(f for f in fns if f is not None)
-    if not fns:
-        return None
-
-    def run(t: torch.Tensor) -> torch.Tensor:
-        for f in fns:
-            t = f(t)
-        return t
-
-    return run
-
-
-def _values(facts: GGUFArch, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    how = facts.values_of(name)
-    return (lambda t: STORED[how].store(t.float())) if how else None
-
-
 def _split_qkvz(spec: Spec, index: CheckpointIndex, name: str, g: str) -> list[GgufTensor]:
     """Qwen3-Next's in_proj_qkvz (rows per key head: q, k, its value heads' v, their z) as llama.cpp's attn_qkv
     (q | k | v of all heads) and attn_gate (z)."""
@@ -116,29 +96,9 @@ def hybrid_tensors(index: CheckpointIndex, spec: Spec, facts: GGUFArch, arch: Mo
                    experts: Callable[[str, str], list[GgufTensor]]) -> list[GgufTensor]:
     """Every GGUF tensor of a hybrid in file order (nothing is read); `experts(moe prefix, blk.N)` gives a layer's
     expert stacks (tools/gguf_export.py's, the other architectures' own)."""
-    tiled = facts.name in TILED
-
-    def one(gname: str, hname: str, shape: tuple[int, ...], reorder=None) -> GgufTensor:
-        # read in transformers' shape, reordered, values mapped; the conv written squeezed to [C, K] (its converter
-        # squeezes it; the shared expert gate keeps its [1, H])
-        stored = tuple(x for x in shape if x != 1) if gname.endswith("ssm_conv1d.weight") else tuple(shape)
-        return GgufTensor(gname, stored, (index[hname],),
-                          transform=_chain(lambda x: x.reshape(shape), reorder, _values(facts, hname)))
-
-    out = [one("token_embd.weight", "model.embed_tokens.weight", index["model.embed_tokens.weight"].shape)]
-    for L in range(spec.n_layers):
-        g, moe = f"blk.{L}", moe_prefix(index, arch, L)
-        for t in arch.layer_tensors(spec, L, moe):
-            if t.role == "delta.qkvz":
-                out += _split_qkvz(spec, index, t.name, g)
-                continue
-            gname = gguf_name(t.name, facts)
-            out.append(one(gname, t.name, t.shape, _reorder(t.role, spec, L) if tiled else None))
-        out += experts(moe, g)
-    out.append(one("output_norm.weight", "model.norm.weight", (spec.hidden_size,)))
-    if "lm_head.weight" in index and not spec.tie_word_embeddings:
-        out.append(one("output.weight", "lm_head.weight", (spec.vocab_size, spec.hidden_size)))
-    return out
+    reorder = (lambda role, L: _reorder(role, spec, L)) if facts.name in TILED else None
+    split = lambda index, name, g: _split_qkvz(spec, index, name, g)  # noqa: E731
+    return table_tensors(index, spec, facts, arch, experts, {"delta.qkvz": split}, reorder)
 
 
 def hybrid_hparams(w, arch: str, spec: Spec, config: dict) -> None:

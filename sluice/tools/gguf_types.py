@@ -53,9 +53,12 @@ class GgufTensor:
     sources: tuple[TensorRef, ...]  # one tensor, or the E per-expert tensors stacked on dim 0
     rows: tuple[int, int] | None = None  # fused layout: the slice of dim 1 to keep (gate or up half)
     rope_heads: int | None = None  # llama q/k: rows permuted for interleaved rope, in this many heads
-    # the source tensor as read -> the GGUF values (then shaped `shape`): what the converter does to it (the
-    # hybrids' value maps, head reorders and splits: tools/gguf_hybrid.py)
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # the source tensors as read (one argument each) -> the GGUF values (then shaped `shape`): what the converter
+    # does to them (the hybrids' value maps, head reorders and splits: tools/gguf_hybrid.py; tools/gguf_layouts.py)
+    transform: Callable[..., torch.Tensor] | None = None
+    # a GGML type the transform gives the tensor's bytes in (uint8), written as they are whatever the file's type:
+    # gpt-oss's MXFP4 experts, which the converter repacks and never converts
+    raw_type: str | None = None
 
 
 @dataclass(frozen=True)

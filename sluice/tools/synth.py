@@ -441,7 +441,7 @@ def make_model(out: str | os.PathLike[str], sc: SynthConfig, progress: bool = Tr
 
     out = Path(out)
     with writing_model(out, force) as partial:
-        train_tokenizer(partial, vocab_size=sc.vocab_size)
+        train_tokenizer(partial, vocab_size=sc.vocab_size, special_tokens=get_arch(sc.arch).SYNTH.special_tokens)
         tok = Tokenizer.from_file(str(partial / "tokenizer.json"))
         sc = dataclasses.replace(sc, vocab_size=max(sc.vocab_size, tok.get_vocab_size(with_added_tokens=True)))
         ids = {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}

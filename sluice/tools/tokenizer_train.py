@@ -11,7 +11,7 @@ import inspect
 import json
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -87,12 +87,15 @@ def _stdlib_texts(use_source: bool) -> Iterator[str]:
 MAX_VOCAB = 2**20
 
 
-def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024, texts: Iterable[str] | None = None) -> Path:
+def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024, texts: Iterable[str] | None = None,
+                    special_tokens: Sequence[str] = ()) -> Path:
     """Train a byte-level BPE tokenizer and write `tokenizer.json` + `tokenizer_config.json` into `out_dir`.
 
     The folder loads with both `sluice.tokenizer.Tokenizer.from_folder` and transformers' `AutoTokenizer`.
-    Special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` get ids 0, 1, 2; eos is `<|im_end|>` and the chat
-    template is ChatML. The same inputs give byte-identical files. Returns `out_dir` as a Path.
+    Special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` get ids 0, 1, 2, then `special_tokens` (a family's
+    own, which its converters look up by name: GLM's `[gMASK]`, `<|user|>`, ...) the ids after them; eos is
+    `<|im_end|>` and the chat template is ChatML. The same inputs give byte-identical files. Returns `out_dir` as a
+    Path.
     """
     if not 1 <= vocab_size <= MAX_VOCAB:
         raise ConfigError(f"vocab_size: the tokenizer is trained with at most {MAX_VOCAB:,} tokens (4x the largest "
@@ -110,7 +113,7 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024, texts: Iterable
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *(t for t in special_tokens if t not in SPECIAL_TOKENS)],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -308,7 +308,8 @@ def _set(key, adder, *value):
 def test_unsupported_architectures(qwen3, tmp_path):
     path = _with(qwen3, tmp_path, _set("general.architecture", "add_string", "gemma3"))
     with pytest.raises(ConfigError, match=r"architecture 'gemma3' is not supported; supported \(llama.cpp's name and "
-                                          r"config.json model_type\): llama \(mixtral\), olmoe \(olmoe\), "
+                                          r"config.json model_type\): deepseek2 \(deepseek_v3\), glm4moe "
+                                          r"\(glm4_moe\), gpt-oss \(gpt_oss\), llama \(mixtral\), olmoe \(olmoe\), "
                                           r"qwen2moe \(qwen2_moe\), qwen35moe \(qwen3_5_moe\), qwen3moe \(qwen3_moe\), "
                                           r"qwen3next \(qwen3_next\)"):
         open_index(path)

@@ -23,12 +23,13 @@ from .tiny import hf_model
 PROJ = ("gate_up_proj", "down_proj")
 
 
-def mxfp4_checkpoint(folder: Path, dtype: torch.dtype, seed: int = 0):
-    """(folder, transformers model): the TINY gpt_oss with random MXFP4 experts; the checkpoint stores them as
-    `*_blocks` / `*_scales` (uint8), the reference model holds transformers' own dequantization of those bytes."""
+def mxfp4_checkpoint(folder: Path, dtype: torch.dtype, seed: int = 0, **overrides):
+    """(folder, transformers model): the TINY gpt_oss (with config `overrides`) with random MXFP4 experts; the
+    checkpoint stores them as `*_blocks` / `*_scales` (uint8), the reference model holds transformers' own
+    dequantization of those bytes."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    model = hf_model("gpt_oss", torch.float32, seed=seed)
+    model = hf_model("gpt_oss", torch.float32, seed=seed, **overrides)
     g = torch.Generator().manual_seed(seed + 100)
     packed = {}
     with torch.no_grad():

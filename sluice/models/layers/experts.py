@@ -247,8 +247,9 @@ class GluMath:
 
 
 class BiasedGluMath:
-    """gpt-oss's experts (BiasedGluFormat): y = down(glu(gate, up)) + b_down, [gate, up] interleaved in
-    gate_up(x) + b_gate_up; the clamped SwiGLU, projection by projection (no one-call or 8-bit prompt path)."""
+    """gpt-oss's experts (BiasedGluFormat): y = down(glu(gate, up)) + b_down, gate and up the rows of
+    gate_up(x) + b_gate_up (alternating, or its two halves in a GGUF's order); the clamped SwiGLU, projection by
+    projection (no one-call or 8-bit prompt path)."""
 
     int8_rows = int8_whole = False
 
@@ -261,6 +262,12 @@ class BiasedGluMath:
     def one_call(self, rows: int) -> bool:
         return False
 
+    def _glu(self, gu: torch.Tensor) -> torch.Tensor:
+        """glu(gate, up) of gate_up's output gu [n, 2I]: gate 0, up 0, gate 1, ... or (halves) gate rows, up rows."""
+        if self.fmt.halves:
+            return self.glu(*gu.chunk(2, dim=-1))
+        return self.glu(gu[:, 0::2], gu[:, 1::2])
+
     def __call__(self, batch, j: int, x: torch.Tensor) -> torch.Tensor:
         fmt, raw = self.fmt, batch.raw[batch.slots[j]]
         gu_bias = fmt.gate_up_bias.view(raw).to(x.dtype)  # [2I]
@@ -270,6 +277,6 @@ class BiasedGluMath:
             gu_w = fmt.gate_up.parts[0].view(raw).view(DTYPES[fmt.gate_up.name][1])  # [H, 2I]
             dn_w = fmt.down.parts[0].view(dn_raw).view(DTYPES[fmt.down.name][1])  # [I, H]
             gu = self.rows_linear(x, gu_w.to(x.dtype).t()) + gu_bias  # [n, 2I]
-            return self.rows_linear(self.glu(gu[:, 0::2], gu[:, 1::2]), dn_w.to(x.dtype).t()) + dn_bias
-        gu = self.gate_up(x, raw[: fmt.gate_up.nbytes], self.scratch) + gu_bias  # [n, 2I]: gate 0, up 0, gate 1, ...
-        return self.down(self.glu(gu[:, 0::2], gu[:, 1::2]), dn_raw, self.scratch) + dn_bias
+            return self.rows_linear(self._glu(gu), dn_w.to(x.dtype).t()) + dn_bias
+        gu = self.gate_up(x, raw[: fmt.gate_up.nbytes], self.scratch) + gu_bias  # [n, 2I]
+        return self.down(self._glu(gu), dn_raw, self.scratch) + dn_bias
