@@ -236,7 +236,8 @@ def test_unsupported_architecture_or_math(models, tmp_path, capsys):
     (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     (line,) = _error_lines(capsys, ["quantize", str(bad), str(tmp_path / "x.gguf"), "--to", "q4_0"])
     assert line == (f"sluice quantize: error: {bad / 'config.json'}: model_type \"llama\" is not supported; GGUF "
-                    "export supports mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next")
+                    "export supports deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, "
+                    "qwen3_5_moe_text, qwen3_moe, qwen3_next")
     (bad / "config.json").write_text(json.dumps({**cfg, "clip_qkv": 8.0}))
     with pytest.raises(ExportError, match="clip_qkv"):
         quantize(bad, tmp_path / "x.gguf", "q4_0")

@@ -62,6 +62,10 @@ from .gguf_types import GGUF_TYPES, GgufTensor, TypeChoice, choose, encode, nbyt
 from ..plan import open_index
 
 EXPORT_DTYPES = tuple(GGUF_TYPES)  # "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
+#: architectures sluice reads from GGUF and does not write (export_args says to use llama.cpp's converter)
+CONVERTER_ONLY = ("qwen4_exp",)
+
+
 #: config.json model_type -> llama.cpp's GGUF architecture name
 def gguf_archs() -> dict[str, Any]:
     """model_type -> its GGUFArch (models/<model_type>.py GGUF), for the architectures llama.cpp runs."""
@@ -106,7 +110,7 @@ def export_args(index: CheckpointIndex):
     known = gguf_archs()
     if model_type not in known:
         raise ExportError(f"{index.folder / CONFIG}: model_type {show(model_type)} is not supported; GGUF export "
-                          f"supports {', '.join(known)}")
+                          f"supports {', '.join(t for t in known if t not in CONVERTER_ONLY)}")
     _, args = model_args(index.config, index.folder / CONFIG)
     spec, gg = args.spec(), known[model_type]
     arch, norm = gg.name, gg.norm_topk_prob
