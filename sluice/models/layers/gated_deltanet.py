@@ -49,16 +49,16 @@ class GatedDeltaNet:
         self.r = s.delta.n_v_heads // s.delta.n_k_heads  # value heads per key head
         self.tiled = s.delta.tiled and self.r > 1
         self.prompt_rule, self.decode_rule = delta_rule.chunked, delta_rule.recurrent
-        # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet); the kernel
-        # pairs q / k with the value heads in the spec's order (grouped or tiled: Build gives it DeltaNetSpec.tiled)
-        # and gates with silu: a sigmoid gate (Qwen4-Exp) keeps the torch steps
         # kept-quantized input projections at decode: one native call, x quantized once, their rows over the native
         # threads, bitwise what separate QuantLinear calls give (as Attention's q / k / v); 4 -> 1 call per layer
         w = self.w
         ins = ([w.qkv, w.z] if w.qkvz is None else [w.qkvz]) + ([w.b, w.a] if w.ba is None else [w.ba])
         self.n_qkvz = 2 if w.qkvz is None else 1  # the first outputs of the group are _qkv_z's, the others _b_a's
-        self.in_group = QuantLinear.group(ins) if all(type(w) is QuantLinear for w in ins) else None
+        self.in_group = QuantLinear.group(ins) if all(type(p) is QuantLinear for p in ins) else None
         self.in_biases = (None,) * len(ins)
+        # a decode token from the conv to the gated norm, both states in place (Build.native_deltanet); the kernel
+        # pairs q / k with the value heads in the spec's order (grouped or tiled: Build gives it DeltaNetSpec.tiled)
+        # and gates with silu: a sigmoid gate (Qwen4-Exp) keeps the torch steps
         native = b.deltanet_decode is not None and self.d.gate_act == "silu"
         self.native = None if not native else b.deltanet_decode.layer(
             self.w.conv, self.cache.conv, self.cache.recurrent, self.neg_A, self.w.dt_bias, self.w.norm, self.eps)
@@ -117,7 +117,8 @@ class GatedDeltaNet:
     def _qkv_z(self, x: torch.Tensor, ys: list[torch.Tensor] | None):
         """q | k | v [T, conv_dim] and z [T, value_dim]: Qwen3.5's in_proj_qkv and in_proj_z, or Qwen3-Next's
         in_proj_qkvz, whose rows go key head by key head (per key head: q, k, then its r value heads' v, then
-        their z), split into the order of the two. ys: the grouped decode call's outputs for them (in_group's), if any."""
+        their z), split into the order of the two. ys: the grouped decode call's outputs for them (in_group's), if
+        any."""
         w, d, T = self.w, self.d, x.shape[0]
         if w.qkvz is None:
             return (ys[0], ys[1]) if ys else (linear(x, w.qkv, None, self.bf16), linear(x, w.z, None, self.bf16))
