@@ -80,7 +80,10 @@ def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
     if spec.mla is not None:  # q, its latent-space copy (absorbed form), the attended output, the latent + rope key
         m = spec.mla
         qkv = spec.n_heads * (m.qk_head_dim + m.kv_lora_rank + m.v_head_dim) + m.cache_dim
-    mixer = itemsize * qkv  # a Gated DeltaNet layer's rule: prefill_fixed_bytes (bounded by its slice)
+    if spec.delta is not None:  # a Gated DeltaNet layer's projections over the whole pass (q | k | v, z, b, a)
+        d = spec.delta  # and its gated output; its rule's blocks: prefill_fixed_bytes (bounded by its slice)
+        qkv = max(qkv, d.conv_dim + 2 * d.value_dim + 2 * d.n_v_heads)
+    mixer = itemsize * qkv
     live = itemsize * (H * (K + 5) + 4 * I) + mixer + 8 * spec.num_experts + 6 * 8 * K + max_context
     # qwen4_exp (counted from its tensors, not yet measured): the hc_count streams, their norm, the mix weights and
     # the injected output (models/layers/hyper.py); a PLE pass's rows (staged, gathered, converted) and its gated

@@ -54,8 +54,8 @@ def test_fp32_logits_match_transformers_across_blocks_and_prompt_chunks(checkpoi
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
 def test_a_pass_longer_than_a_slice_runs_in_slices_with_the_state_carried(checkpoints, arch, monkeypatch):
-    """A Gated DeltaNet layer takes a long pass DELTA_SLICE tokens at a time (its blocks bounded by the slice): with
-    slices of 64 the 150-token pass runs as 64 + 64 + 22 tokens (the conv and recurrent states carried from slice
+    """A Gated DeltaNet layer runs a long pass's steps DELTA_SLICE tokens at a time (its blocks bounded by the slice;
+    the projections over the whole pass): with slices of 64 the 150-token pass runs as 64 + 64 + 22 tokens (the conv and recurrent states carried from slice
     to slice), transformers' logits as in one slice of 150."""
     from sluice.models.layers import gated_deltanet
     from sluice.models.layers.gated_deltanet import GatedDeltaNet
@@ -65,8 +65,8 @@ def test_a_pass_longer_than_a_slice_runs_in_slices_with_the_state_carried(checkp
     with sluice.load(folder) as m:
         whole = m.logits(LONG)
         calls = []
-        mix = GatedDeltaNet._mix
-        monkeypatch.setattr(GatedDeltaNet, "_mix", lambda self, x: calls.append(x.shape[0]) or mix(self, x))
+        steps = GatedDeltaNet._steps
+        monkeypatch.setattr(GatedDeltaNet, "_steps", lambda self, *xs: calls.append(xs[0].shape[0]) or steps(self, *xs))
         monkeypatch.setattr(gated_deltanet, "DELTA_SLICE", 64)
         sliced = m.logits(LONG)
     layers = sum(isinstance(layer.mixer, GatedDeltaNet) for layer in m.model.layers)

@@ -71,15 +71,16 @@ class GatedDeltaNet:
         elif step.pos != c.pos:
             raise RuntimeError(f"layer {self.L}: its Gated DeltaNet state holds {c.pos} tokens and cannot continue "
                                f"at position {step.pos} (a recurrent state is not rewound; start at 0)")
-        if T <= DELTA_SLICE:
-            out = self._mix(x)
-        else:  # a long prompt in slices: the state carries from one to the next, the rule's live blocks stay bounded
-            out = torch.cat([self._mix(x[i : i + DELTA_SLICE]) for i in range(0, T, DELTA_SLICE)])
+        out = self._mix(x)
         c.pos = step.pos + T
         return out
 
     def _mix(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H] after the tokens the states hold, the states moved past x's tokens."""
+        """x [T, H] -> [T, H] after the tokens the states hold, the states moved past x's tokens. A pass longer than
+        DELTA_SLICE runs its steps (conv to gated norm) a slice at a time, the states carried from one to the next,
+        so the rule's float32 blocks stay bounded; the projections take the whole pass, each weight dequantized
+        once (per slice, a 2,048-token prompt dequantized each projection 8 times: 3.8 of 42.5 s in
+        benchmarks/results/hybrid/step_profile.txt)."""
         T = x.shape[0]
         ys = None if self.in_group is None or T > Q8_MAX_ROWS else self.in_group.linear(x, self.in_biases)
         n = self.n_qkvz
@@ -87,8 +88,12 @@ class GatedDeltaNet:
         b, a = self._b_a(x, ys and ys[n:])  # [T, Hv], [T, Hv]
         if T == 1 and self.native is not None:
             o = self.native(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous())  # [1, value_dim]
-        else:
+        elif T <= DELTA_SLICE:
             o = self._steps(qkv, z, b, a).reshape(T, self.d.value_dim)
+        else:
+            S = DELTA_SLICE
+            o = torch.cat([self._steps(qkv[i : i + S], z[i : i + S], b[i : i + S], a[i : i + S])
+                           .reshape(-1, self.d.value_dim) for i in range(0, T, S)])
         return linear(o, self.o, None, self.bf16)
 
     def _steps(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
