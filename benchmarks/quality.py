@@ -79,9 +79,12 @@ def parity(args) -> None:
 
 
 # -- quantize (runs in the peers venv) -------------------------------------------------------------------------------
-def quantize(src: Path, dst: Path, kind: str, threads: int | None = None) -> None:
+def quantize(src: Path, dst: Path, kind: str, threads: int | None = None, embed_type: str | None = None,
+             requantize: bool = False) -> None:
     """llama.cpp's own `kind` (Q4_K_M, Q5_K_M, Q8_0, Q4_0, ...) of the GGUF src, written to dst (what
-    `llama-quantize src dst kind` writes); threads: the quantizer's (default: every CPU)."""
+    `llama-quantize src dst kind` writes); threads: the quantizer's (default: every CPU); embed_type: the token
+    embeddings' type, qwen4exp's n-gram table (per_layer_token_embd) included (`llama-quantize
+    --token-embedding-type`); requantize: accept an already quantized src (`--allow-requantize`)."""
     import ctypes
 
     import llama_cpp
@@ -92,6 +95,11 @@ def quantize(src: Path, dst: Path, kind: str, threads: int | None = None) -> Non
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = threads or os.cpu_count() or 1
+    params.allow_requantize = requantize
+    if embed_type is not None:
+        params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{embed_type.upper()}", None)
+        if params.token_embedding_type is None:
+            raise SystemExit(f"error: unknown tensor type {embed_type!r} (e.g. Q8_0, F16, BF16)")
     tmp = Path(dst).with_name(Path(dst).name + ".partial")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
@@ -278,9 +286,12 @@ def main() -> None:
     q.add_argument("src", type=Path)
     q.add_argument("dst", type=Path)
     q.add_argument("kind", help="Q4_K_M, Q5_K_M, Q8_0, Q4_0, ...")
+    q.add_argument("--token-embedding-type", metavar="TYPE",
+                   help="the token embeddings' type (and qwen4exp's n-gram table's), e.g. Q8_0 (default: kind's)")
+    q.add_argument("--allow-requantize", action="store_true", help="accept an already quantized input")
     a = ap.parse_args()
     if a.what == "quantize":
-        quantize(a.src, a.dst, a.kind)
+        quantize(a.src, a.dst, a.kind, embed_type=a.token_embedding_type, requantize=a.allow_requantize)
         print(f"{a.dst}: {a.dst.stat().st_size / 1e9:.2f} GB ({a.kind})")
     else:
         {"parity": parity, "perplexity": perplexity_table}[a.what](a)

@@ -65,11 +65,15 @@ class StepProbe:
         self.start: dict[str, float] | None = None
         self.marks: list[tuple[float, ...]] = []  # marks[0]: window opens; marks[i + 1]: after timed step i
         self.recorder = recorder  # cut at the prefill's end and at each step's
+        self.n_prompt = n_prompt
+        self.prefill_end: dict[str, float] | None = None  # process counters when the prefill ends
 
     def __call__(self, end: int) -> None:
         """`end`: tokens in the cache after the step."""
         if self.recorder is not None:
             self.recorder.mark()
+        if end == self.n_prompt:
+            self.prefill_end = process_counters(self._m)
         if end == self.window_end_pos:
             self.start = process_counters(self._m)
         if end >= self.window_end_pos:
@@ -78,6 +82,14 @@ class StepProbe:
 
 def _deltas(marks: list[tuple[float, ...]], i: int) -> list[float]:
     return [round(b[i] - a[i], 6) for a, b in zip(marks, marks[1:])]
+
+
+def _prefill_counters(before: dict[str, float], after: dict[str, float] | None) -> dict[str, float | None]:
+    """The prefill's major page faults (every thread: a mapped table's or expert's cold pages) and CPU seconds."""
+    if after is None:
+        return {"prefill_major_faults": None, "prefill_cpu_s": None}
+    return {"prefill_major_faults": after["major_faults"] - before["major_faults"],
+            "prefill_cpu_s": round(after["cpu_s"] - before["cpu_s"], 4)}
 
 
 def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[int], warmup: int,
@@ -90,6 +102,7 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
     try:
         recorder = Recorder(m) if journal else None  # after load: the plan holds the prompt's and steps' reads
         probe = StepProbe(m, len(prompt), warmup, recorder)
+        before = process_counters(m)
         argmax = m.replay(prompt, tokens, on_step=probe)
         end = process_counters(m)
         if probe.start is None:
@@ -111,6 +124,8 @@ def replay(model: str, options: dict[str, Any], prompt: list[int], tokens: list[
             # what the prefill read: the store's expert bytes + embedding rows, and what the disk delivered
             "prefill_bytes_read": stats.get("prefill_bytes_read"),
             "prefill_disk_read_bytes": stats.get("prefill_disk_read_bytes"),
+            # the prefill's page faults (every thread: a mapped table's or expert's cold pages) and CPU time
+            **_prefill_counters(before, probe.prefill_end),
             "warmup_step_s": times[:warmup],
             "step_s": times[warmup:],
             "step_bytes_read": _deltas(probe.marks, 2),

@@ -92,9 +92,12 @@ class ChildResult:
     cgroup_peak_bytes: int
     wall_s: float
     stderr_tail: str
+    timed_out: float | None = None  # the limit (seconds) the child ran past and was killed at
 
     def error(self) -> str | None:
         """None when the child succeeded; else why not, in one line."""
+        if self.timed_out is not None:
+            return f"killed after {self.timed_out:g} s (--run-timeout): it had not finished"
         if self.oom_killed:
             return "OOM-killed under the memory ceiling"
         if self.record is not None and not self.record.get("ok", False):
@@ -147,22 +150,29 @@ def _last_json(text: str) -> dict[str, Any] | None:
     return None
 
 
+def _wait_child(argv: list[str], ceiling: int | None, timeout: float | None, out, err) -> tuple[int, bool, int]:
+    """(returncode, OOM-killed, cgroup peak bytes) of the child; subprocess.TimeoutExpired past `timeout` (killed)."""
+    if ceiling is None:
+        return subprocess.run(argv, stdout=out, stderr=err, env=child_env(), timeout=timeout).returncode, False, 0
+    try:
+        r = run_in_memory_cgroup(argv, ceiling, timeout=timeout, env=child_env(), stdout=out.fileno(),
+                                 stderr=err.fileno())
+    except ResidencyError as e:
+        raise BenchError(f"--ceiling: {e}") from e
+    return r.returncode, r.oom_killed, r.peak_bytes
+
+
 def run_child(argv: list[str], ceiling: int | None = None, timeout: float | None = None) -> ChildResult:
     """Run a child to completion, under a memory cgroup of `ceiling` bytes if given; never raises for the child's
     own failure (OOM kill, crash): those are results. Output goes through files, not pipes, so a large result
-    line cannot block a child that the harness waits for."""
+    line cannot block a child that the harness waits for. A child still running after `timeout` seconds is killed
+    (its whole cgroup under a ceiling) and reported as timed out."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        if ceiling is not None:
-            try:
-                r = run_in_memory_cgroup(argv, ceiling, timeout=timeout, env=child_env(),
-                                         stdout=out.fileno(), stderr=err.fileno())
-            except ResidencyError as e:
-                raise BenchError(f"--ceiling: {e}") from e
-            rc, oom, peak = r.returncode, r.oom_killed, r.peak_bytes
-        else:
-            rc = subprocess.run(argv, stdout=out, stderr=err, env=child_env(), timeout=timeout).returncode
-            oom, peak = False, 0
+        try:
+            rc, oom, peak = _wait_child(argv, ceiling, timeout, out, err)
+        except subprocess.TimeoutExpired:
+            return ChildResult(None, -9, False, 0, time.perf_counter() - t0, "", timed_out=timeout)
         wall = time.perf_counter() - t0
         out.seek(0)
         err.seek(0)

@@ -172,6 +172,7 @@ def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int],
     prefill_s = time.perf_counter() - t0
     steps.mark()
     prefill_disk = steps.marks[0]["disk_read_bytes"] - before["disk_read_bytes"]
+    prefill_faults = steps.marks[0]["major_faults"] - before["major_faults"]
     for tok in tokens:
         t0 = time.perf_counter()
         llm.eval([tok])
@@ -186,7 +187,8 @@ def replay_llama_cpp(opts: dict[str, Any], prompt: list[int], tokens: list[int],
     if hasattr(llm, "close"):  # frees the model and context now, not at interpreter exit
         llm.close()
     return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, "prefill_tokens": len(prompt),
-            "prefill_disk_read_bytes": prefill_disk, **steps.record(),
+            "prefill_disk_read_bytes": prefill_disk,
+            "prefill_major_faults": prefill_faults, **steps.record(),
             "peer": {"kind": "llama.cpp", "version": llama_cpp.__version__, "settings": settings}}
 
 
@@ -242,6 +244,7 @@ def replay_accelerate(model: str, opts: dict[str, Any], prompt: list[int], token
             prefill_s = time.perf_counter() - t0
             steps.mark()
             prefill_disk = steps.marks[0]["disk_read_bytes"] - before["disk_read_bytes"]
+            prefill_faults = steps.marks[0]["major_faults"] - before["major_faults"]
             for tok in tokens:
                 t0 = time.perf_counter()
                 o = lm(input_ids=torch.tensor([[tok]]), use_cache=True, **{cache_kw: past})
@@ -258,7 +261,8 @@ def replay_accelerate(model: str, opts: dict[str, Any], prompt: list[int], token
                 "offload_bytes_written": offload_bytes, "modules_by_device": placed,
                 "evicted_after_load": True, "threads": torch.get_num_threads()}
     return {"argmax": out, "load_s": load_s, "prefill_s": prefill_s, "prefill_tokens": len(prompt),
-            "prefill_disk_read_bytes": prefill_disk, **steps.record(),
+            "prefill_disk_read_bytes": prefill_disk,
+            "prefill_major_faults": prefill_faults, **steps.record(),
             "peer": {"kind": "accelerate", "version": f"transformers {transformers.__version__}, accelerate "
                      f"{accelerate.__version__}, torch {torch.__version__}", "settings": settings}}
 

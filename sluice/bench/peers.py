@@ -165,6 +165,11 @@ def repacking_note(kind: str | None, options: dict[str, Any], runs: Sequence[Any
     `runs`: protocol.Run objects of the arm; a fallback is recorded in a run's extra["fallback"]."""
     if kind != "llama.cpp":
         return None
+    note = _repacking(options, runs)
+    return note + f", MADV_{options['madvise'].upper()} on the mapping" if options.get("madvise") else note
+
+
+def _repacking(options: dict[str, Any], runs: Sequence[Any]) -> str:
     fell = next((r.extra["fallback"] for r in runs if r.extra.get("fallback")), None)
     if fell is not None:
         return (f"repacking off: llama.cpp's defaults died of {fell['signal']} in round {fell['round']} on this "

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--warm", action="store_true", help="read the model into the page cache before each run")
     p.add_argument("--ceiling", metavar="SIZE",
                    help="run each child in a memory cgroup of SIZE, page cache included (needs root)")
+    p.add_argument("--run-timeout", metavar="SECONDS", type=float,
+                   help="kill a timed run still going after SECONDS and report it as timed out (default: none; a "
+                        "peer thrashing under a ceiling can take hours)")
     p.add_argument("--out", metavar="DIR", help="results.md, results.json, latency.png (./bench-out/<timestamp>)")
     p.add_argument("--require-identical", action="store_true",
                    help="exit 1 if any arm's argmax differs from the reference's at any replayed step")
@@ -100,6 +103,8 @@ def _check(args: argparse.Namespace) -> None:
             raise BenchError(f"--{name} must be >= {low}, got {getattr(args, name)}")
     if args.prompt_tokens is not None and args.prompt_tokens < 1:
         raise BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    if args.run_timeout is not None and not args.run_timeout > 0:  # not > 0: NaN too
+        raise BenchError(f"--run-timeout must be > 0 seconds, got {args.run_timeout}")
     if not SEED_MIN <= args.seed <= SEED_MAX:
         raise BenchError(f"--seed must be in [-2**63, 2**64 - 1] (64 bits), got {args.seed}")
 
@@ -214,7 +219,7 @@ class Bench:
     def _replay(self, arm: Arm, what: str, work: Path):
         res = self._prepare(what)
         argv = arm_argv(arm, "replay", self.args.model, self.args.peer_python, work=work, warmup=self.args.warmup)
-        return res, run_child(argv, self.ceiling)
+        return res, run_child(argv, self.ceiling, self.args.run_timeout)
 
     def replay_round(self, rnd: int, work: Path) -> None:
         """Every arm once, in this round's rotated order, each in a fresh child. A llama.cpp arm on llama.cpp's
@@ -227,7 +232,7 @@ class Bench:
             if fallback is not None:
                 arm = dataclasses.replace(arm, options=fallback["options"])
             res, got = self._replay(arm, what, work)
-            sig = crash_signal(got.returncode, got.oom_killed)
+            sig = crash_signal(got.returncode, got.oom_killed) if got.timed_out is None else None
             off = repacking_off(arm.peer, arm.options) if sig else None
             if off is not None:
                 _log(f"{what}: llama.cpp's defaults died of {sig}; running it again with repacking off "

@@ -9,6 +9,7 @@ import mmap
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,8 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monke
         # the prefill read its touched experts (the disk's share is smaller on a tiny model: the resident weights'
         # reads at load bring neighbouring expert pages in through readahead)
         assert rec["prefill_tokens"] == 6 and rec["prefill_bytes_read"] > 0 and rec["prefill_disk_read_bytes"] >= 0
+        # the prefill's own counters: a cold mmap arm faults its first pages in; CPU time was spent
+        assert rec["prefill_major_faults"] >= 0 and rec["prefill_cpu_s"] > 0
     assert len(results["sequence"]["tokens"]) == warmup + steps and len(results["sequence"]["prompt_ids"]) == 6
 
     # identity gate: the float32 arm compared step by step with the bf16 reference (counts match the arrays)
@@ -359,3 +362,23 @@ def test_source_commit_ignores_result_folders(tmp_path):
     assert source_commit(tmp_path) == clean
     (tmp_path / "src.py").write_text("x = 2\n")
     assert source_commit(tmp_path) == clean + "+dirty"
+
+
+@pytest.mark.parametrize("ceiling", [None, 64 << 20])
+def test_a_run_past_its_timeout_is_killed_and_reported(ceiling):
+    """--run-timeout: a child still going is killed (its cgroup with it under a ceiling) and becomes a row saying
+    so, not a hang of the whole bench (a llama.cpp arm thrashing under a ceiling read 500 GB in 11 minutes)."""
+    if ceiling is not None and cgroup_problem() is not None:
+        pytest.skip(f"no memory cgroup: {cgroup_problem()}")
+    t0 = time.perf_counter()
+    got = run_child([sys.executable, "-c", "import time; time.sleep(60)"], ceiling=ceiling, timeout=0.5)
+    assert time.perf_counter() - t0 < 30
+    assert got.timed_out == 0.5 and got.record is None
+    assert got.error() == "killed after 0.5 s (--run-timeout): it had not finished"
+
+
+def test_run_timeout_must_be_positive(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    for bad in ("0", "-1", "nan"):
+        assert cli.main(["bench", str(tmp_path), "--arm", "a=--io mmap", "--run-timeout", bad]) != 0
+        assert f"--run-timeout must be > 0 seconds, got {float(bad)}" in capsys.readouterr().err

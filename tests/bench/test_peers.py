@@ -254,3 +254,17 @@ def test_llama_cpp_falls_back_to_repacking_off_only_when_its_defaults_crash(mode
     assert "| llama.cpp (defaults crashed: repacking off) |" in captured.out
     assert "Best llama.cpp arm of 3 (llama.cpp, norepack, fine): decode **norepack** 10.00 ms/step" in captured.out
     assert "**fine** llama.cpp's defaults (repacked CPU buffers on)" in captured.out
+
+
+def test_a_madvise_arm_is_named_with_its_madvise():
+    """The note of an arm that madvises the mapping says so beside its repacking (it was labelled plain
+    "llama.cpp's defaults" before)."""
+    from types import SimpleNamespace
+
+    from sluice.bench.peers import repacking_note
+
+    run = SimpleNamespace(extra={}, ok=True, record={"peer": {"settings": {"use_extra_bufts": True}}})
+    assert repacking_note("llama.cpp", {"madvise": "random"}, [run]) == \
+        "llama.cpp's defaults (repacked CPU buffers on), MADV_RANDOM on the mapping"
+    assert repacking_note("llama.cpp", {"extra_bufts": False}, [run]) == "repacking off (--no-extra-bufts)"
+    assert repacking_note("accelerate", {"madvise": "random"}, [run]) is None
