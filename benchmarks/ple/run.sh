@@ -23,13 +23,15 @@
 #   decode   warm, no ceiling, everything else resident: the table's rows read per token from disk (--ple direct)
 #            against the table resident (--ple resident)
 #
-#   bash benchmarks/ple/run.sh    # ROUNDS=3 ROUNDS_LONG=1 CEILING=2GiB MEMORY=1GiB PROMPTS="2048 16384"
+#   bash benchmarks/ple/run.sh    # ROUNDS=3 ROUNDS_LONG=1 CEILING=2GiB MEMORY=1GiB PROMPTS="2048 16384" RUN_TIMEOUT=300
 #                                 # SETS="prompt decode"
 #   PROMPTS=2048 SETS=prompt bash benchmarks/ple/run.sh
 # summary.py turns the results into the README table.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}; ROUNDS_LONG=${ROUNDS_LONG:-1}; CEILING=${CEILING:-2GiB}; MEMORY=${MEMORY:-1GiB}
+RUN_TIMEOUT=${RUN_TIMEOUT:-300}  # seconds a prompt run may take: llama.cpp's defaults thrash at this ceiling (one such
+                                 # run read 500 GB in 11 minutes of a 2,048-token prompt; sluice's took ~11 s)
 PROMPTS=${PROMPTS:-2048 16384}; SETS=${SETS:-prompt decode}
 OUT=${OUT:-benchmarks/results/ple}
 PEER_PY=benchmarks/peers/.venv/bin/python
@@ -62,6 +64,7 @@ for set in $SETS; do
         [ -f "$OUT/prompt-$n.txt" ] || .venv/bin/python benchmarks/ple/prompt_text.py "$M" "$n" "$OUT/prompt-$n.txt"
         rounds=$([ "$n" -le 4096 ] && echo "$ROUNDS" || echo "$ROUNDS_LONG")
         "${SLUICE[@]}" bench "$Q" --cold --ceiling "$CEILING" --steps 1 --warmup 0 --rounds "$rounds" \
+          --run-timeout $((RUN_TIMEOUT * n / 2048)) \
           --prompt "$(cat "$OUT/prompt-$n.txt")" --peer-python "$PEER_PY" --out "$OUT/prompt-$n" \
           --arm direct="--io direct --memory $MEMORY --ple direct" \
           --arm mmap="--io direct --memory $MEMORY --ple mmap" "${LLAMA[@]}"
