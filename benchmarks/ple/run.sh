@@ -24,6 +24,7 @@
 #            against the table resident (--ple resident)
 #
 #   bash benchmarks/ple/run.sh    # ROUNDS=3 ROUNDS_LONG=1 CEILING=2GiB MEMORY=1GiB PROMPTS="2048 16384" RUN_TIMEOUT=300
+#                                 # RUN_TIMEOUT_LONG=900
 #                                 # SETS="prompt decode"
 #   PROMPTS=2048 SETS=prompt bash benchmarks/ple/run.sh
 # summary.py turns the results into the README table.
@@ -32,6 +33,7 @@ cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}; ROUNDS_LONG=${ROUNDS_LONG:-1}; CEILING=${CEILING:-2GiB}; MEMORY=${MEMORY:-1GiB}
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}  # seconds a prompt run may take: llama.cpp's defaults thrash at this ceiling (one such
                                  # run read 500 GB in 11 minutes of a 2,048-token prompt; sluice's took ~11 s)
+RUN_TIMEOUT_LONG=${RUN_TIMEOUT_LONG:-900}  # the same for prompts over 4,096 tokens
 PROMPTS=${PROMPTS:-2048 16384}; SETS=${SETS:-prompt decode}
 OUT=${OUT:-benchmarks/results/ple}
 PEER_PY=benchmarks/peers/.venv/bin/python
@@ -64,7 +66,7 @@ for set in $SETS; do
         [ -f "$OUT/prompt-$n.txt" ] || .venv/bin/python benchmarks/ple/prompt_text.py "$M" "$n" "$OUT/prompt-$n.txt"
         rounds=$([ "$n" -le 4096 ] && echo "$ROUNDS" || echo "$ROUNDS_LONG")
         "${SLUICE[@]}" bench "$Q" --cold --ceiling "$CEILING" --steps 1 --warmup 0 --rounds "$rounds" \
-          --run-timeout $((RUN_TIMEOUT * n / 2048)) \
+          --run-timeout "$([ "$n" -le 4096 ] && echo "$RUN_TIMEOUT" || echo "$RUN_TIMEOUT_LONG")" \
           --prompt "$(cat "$OUT/prompt-$n.txt")" --peer-python "$PEER_PY" --out "$OUT/prompt-$n" \
           --arm direct="--io direct --memory $MEMORY --ple direct" \
           --arm mmap="--io direct --memory $MEMORY --ple mmap" "${LLAMA[@]}"
