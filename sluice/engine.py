@@ -17,7 +17,7 @@ from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step
 from .host.cpus import ThreadGovernor
 from .host.memory import keep_heap
 from .host.procstat import counters, memory_status
-from .io import DEFAULT_WORKERS, make_reader
+from .io import DEFAULT_WORKERS, ROW_WORKERS, make_reader
 from .models.layers import Build
 from .models.model import Transformer
 from .models.spec import KVCache
@@ -67,6 +67,7 @@ class Model:
         # while the model runs is a CheckpointError naming it (io/base.py FileGuard), not a SIGBUS or wrong bytes
         self.reader.expect(self.index.stamps())
         self._own_readers: list = []  # readers made for the row tables (close() closes them)
+        self._row_reader = None  # the n-gram tables' own reader, when their rows are streamed (_make_table)
         weights = load_resident(p.refs, s, self.compute, lazy_embed=p.lazy_embed)
         self.rows = self._make_rows(p.refs["embed"]) if p.lazy_embed else None
         check_hashes(self.index, s)
@@ -132,15 +133,19 @@ class Model:
 
     def _make_table(self, L: int, parts) -> RowTable:
         """Layer L's n-gram table in the plan's mode (resident, or rows read per pass), one logical table over its
-        parts; the model's reader when it is of the kind the mode needs, else the table's own (the same workers
-        and O_DIRECT as the experts' reads)."""
+        parts. Streamed rows go through the tables' own reader (one for every table, made here once): the direct pool
+        of ROW_WORKERS reads in flight (--io-workers sets both pools), so a pass's rows never queue behind expert
+        reads; mmap rows through the model's mapping when it has one."""
         mode = self.load_plan.ple
-        if mode == "resident" or (mode == "direct") == (self.options.io == "direct"):
+        if mode == "resident" or mode == "mmap" and self.options.io == "mmap":
             reader = self.reader
         else:
-            reader = make_reader(mode, workers=self.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
-            reader.expect(self.index.stamps())
-            self._own_readers.append(reader)
+            if self._row_reader is None:
+                workers = self.options.io_workers or (ROW_WORKERS if mode == "direct" else DEFAULT_WORKERS)
+                self._row_reader = make_reader(mode, workers=workers, odirect=self.odirect)
+                self._row_reader.expect(self.index.stamps())
+                self._own_readers.append(self._row_reader)
+            reader = self._row_reader
         name = self.spec.ple.table.format(layer=L)
         return RowTable(parts, mode, reader=None if mode == "resident" else reader, dtype=self.dtype, name=name)
 

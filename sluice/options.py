@@ -19,7 +19,7 @@ import torch
 
 from .errors import ConfigError
 from .units import format_bytes, parse_size  # noqa: F401  (re-exported: the flags' sizes)
-from .io import DEFAULT_WORKERS
+from .io import DEFAULT_WORKERS, ROW_WORKERS
 from .io import MODES as IO_MODES
 from .quant.matmul import MATMUL_MODES
 from .store.rows import MODES as EMBEDDING_MODES
@@ -148,11 +148,12 @@ class LoadOptions:
         "direct", choices=IO_MODES, help="how expert bytes are read",
         doc="how expert bytes are read: demand-faulted mapping, mapping + `MADV_WILLNEED`, or `pread` by a worker "
             "pool into owned slot buffers")
-    # io_workers 0: the reader's measured default (io/direct.py DEFAULT_WORKERS)
+    # io_workers 0: the readers' measured defaults (io/direct.py DEFAULT_WORKERS for experts, ROW_WORKERS for a row
+    # table's own pool)
     io_workers: int = option(
         0, metavar="N", least=0, most=MAX_IO_WORKERS, most_why="the disk saturates at ~8 reads in flight",
-        shown=f"measured, {DEFAULT_WORKERS}", help=f"direct-read threads, at most {MAX_IO_WORKERS}",
-        doc="direct-read threads")
+        shown=f"measured: {DEFAULT_WORKERS} for experts, {ROW_WORKERS} for n-gram table rows",
+        help=f"direct-read threads of each pool, at most {MAX_IO_WORKERS}", doc="direct-read threads (both pools)")
     # odirect None = auto (engine.py): O_DIRECT when streaming and the experts cannot fit in the memory left beside
     # the budget either (then page cache only adds a copy and constant reclaim: buffered reads measured 1.3-1.6x
     # slower in every benchmark under a ceiling), buffered otherwise (a roomy box keeps the model in page cache after
@@ -243,8 +244,8 @@ class LoadOptions:
              "else direct",
         doc="qwen4_exp's per-layer n-gram embedding tables (tens of GiB, a few hundred bytes per row read): held "
             "(`resident`), or each pass's distinct rows read from disk, deduplicated and sorted, through the mapping "
-            "(`mmap`: page faults) or the direct-read pool at `--io-workers` reads in flight (`direct`). `auto`: "
-            "resident when the tables fit in the memory left beside the budget, the KV cache and the runtime "
+            f"(`mmap`: page faults) or the tables' own direct-read pool, {ROW_WORKERS} reads in flight (measured: "
+            "`benchmarks/ple`; `--io-workers` sets it) (`direct`). `auto`: resident when the tables fit in the memory left beside the budget, the KV cache and the runtime "
             "reserve, else direct; `sluice inspect` prints the decision. Output is the same in every mode")
     # prefetch: streaming stores only; "learned" reads prerouter.safetensors beside the model (a CheckpointError
     # when missing or stale)

@@ -51,6 +51,13 @@ from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, Rea
 # run-to-run noise (16 won run B, lost rows in run A) and cost threads on a 2-core host. O_DIRECT plateaus at
 # ~0.75 GB/s from 4 workers (its amp 1.01 vs 0.88 buffered: buffered also hits pages earlier batches cached).
 DEFAULT_WORKERS = 8
+# Reads in flight for a row table's direct reads (qwen4_exp's n-gram table, `--ple direct`: a pass's thousands of
+# distinct ~100-300 byte rows, each its own 4 KiB read, one batch the model waits on): 16. The rows of a 2,140-token
+# prompt of real text (27,248 rows of 136 B, in 2 passes) replayed cold, O_DIRECT: 2.30 s at 8 workers, 2.03 at 16,
+# 1.97 at 32; 27,264 random rows 2.04 / 1.57 / 1.71 s; 20,000: 1.70 / 1.07 / 1.34 s (benchmarks/ple/row_floor.py,
+# 2-core AMD EPYC VM, virtio disk; benchmarks/results/ple). The pass computes nothing while it waits, so the extra
+# threads take no time from the math.
+ROW_WORKERS = 16
 
 # O_DIRECT needs offset, length and buffer address aligned to the logical block size; 4096 covers every disk here.
 ALIGN = 4096

@@ -149,6 +149,23 @@ def test_ple_rows_are_the_distinct_rows_of_the_prompt(checkpoints, ple):
         assert m.stats()["ple_rows"] == _distinct_rows(model, LONG[:60]) + 3 * heads * 2
 
 
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+def test_streamed_rows_have_their_own_pool_of_row_workers(checkpoints, io):
+    """--ple direct reads rows through the tables' own pool of ROW_WORKERS (never queued behind expert reads),
+    whatever the experts' reader; --io-workers sets it; --ple mmap shares the model's mapping when it has one."""
+    from sluice.io import ROW_WORKERS
+
+    folder, _ = checkpoints("qwen4_exp")
+    with sluice.load(folder, ple="direct", io=io) as m:
+        reader = next(iter(m.tables.values())).reader
+        assert reader is not m.reader and reader.mode == "direct" and reader.workers == ROW_WORKERS
+    with sluice.load(folder, ple="direct", io_workers=3) as m:
+        assert next(iter(m.tables.values())).reader.workers == 3 == m.reader.workers
+    with sluice.load(folder, ple="mmap", io=io) as m:
+        reader = next(iter(m.tables.values())).reader
+        assert reader.mode == "mmap" and (reader is m.reader) == (io == "mmap")
+
+
 @pytest.mark.parametrize("io,odirect", [("mmap", False), ("direct", False), ("direct", True)])
 def test_streamed_experts_equal_resident_bitwise(checkpoints, io, odirect):
     folder, _ = checkpoints("qwen4_exp", torch.bfloat16)
