@@ -17,6 +17,7 @@ from sluice.commands.inspect import _print, describe
 from sluice.errors import CheckpointError, ConfigError
 from sluice.host.memory import MemoryRoom
 from sluice.models import model_args, ngram
+from sluice.models.layers import hyper
 from sluice.models.tables import ple_tables
 from sluice.options import LoadOptions
 from sluice.plan import open_index, plan
@@ -65,6 +66,24 @@ def test_fp32_logits_match_transformers_past_the_budget_and_across_eos(checkpoin
             with sluice.load(folder, prefill_chunk=chunk) as m:
                 got = m.logits(ids)
             assert rel_err(got, want) <= FP32_REL, (len(ids), chunk, rel_err(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_hyper_connections_in_row_slices_give_the_same_bits(checkpoints, monkeypatch, dtype):
+    """A prompt longer than HC_SLICE mixes and injects its streams slice by slice (hyper.py; 150 rows in 10 slices of
+    15 here): the logits of the whole prompt at once up to the order a GEMM sums a row in, which may change with the
+    row count (float32: 2.2e-7 of the largest logit on the development VM; bf16: equal there, a rounding flipped
+    elsewhere may carry further)."""
+    folder, _ = checkpoints("qwen4_exp", dtype)
+    with sluice.load(folder) as m:
+        whole = m.logits(LONG)
+        monkeypatch.setattr(hyper, "HC_SLICE", 16)
+        calls = []
+        mix = hyper.HyperConnection._mix
+        monkeypatch.setattr(hyper.HyperConnection, "_mix", lambda self, x: calls.append(len(x)) or mix(self, x))
+        sliced = m.logits(LONG)
+    assert calls and max(calls) == 15 and set(calls) == {15}
+    assert rel_err(sliced, whole) <= (1e-6 if dtype is torch.float32 else 1e-2)
 
 
 def test_the_long_prompt_drops_keys_and_its_eos_tokens_matter(checkpoints):

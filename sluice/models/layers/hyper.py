@@ -11,6 +11,11 @@ A layer does that twice (into the mixer, then into the feed-forward block), afte
 The model enters with n copies of the embedding and leaves through a last mix (no inject), which replaces the final
 norm before the head. Every op runs in the compute dtype, in the reference's order (transformers' Qwen4Exp
 GatedResidual), so bf16 rounds where it does.
+
+A prompt's mix and inject run in slices of HC_SLICE rows (each row's ops are its own: the same math as one call,
+up to the order a GEMM sums a row in, which may change with the row count).
+Over a whole 2,140-token pass each of the ~12 ops makes a [T, n*H] temporary of 35-70 MB: fresh pages from the
+allocator (~137,000 minor faults a mix) streamed through memory; a slice's stay in cache and are reused.
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ from ..spec import HyperWeights
 from .build import Build, Step
 from .residual import Block
 
+# rows of a prompt a mix / inject runs on at once. One mix + inject at qwen4_exp's n = 4, H = 2048, rank 320, bf16,
+# 2,140 rows, 2-core AVX512_BF16 EPYC (the other core busy): whole 269-285 ms, 137,000 minor faults; slices of 32 /
+# 64 / 256 rows 124 / 113 / 102 ms, 8,600-10,800 faults (`benchmarks/ple/hyper_slices.py`)
+HC_SLICE = 256
+
+
+def _slices(T: int) -> list[tuple[int, int]]:
+    """[0, T) in ceil(T / HC_SLICE) near-equal slices (no short last one: every slice runs the many-row GEMM)."""
+    k = -(-T // HC_SLICE)
+    edges = [T * i // k for i in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
 
 class HyperConnection:
     """One mix of the n streams into a block's input (`__call__` -> (input [T, H], inject [T, n] or None))."""
@@ -32,6 +49,19 @@ class HyperConnection:
         self.norm = b.norm(w.norm, group=self.H)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        T = x.shape[0]
+        if T <= HC_SLICE:
+            return self._mix(x)
+        block_in = x.new_empty(T, self.H)  # [T, H]
+        weights = x.new_empty(T, self.n) if self.w.inject is not None else None  # [T, n]
+        for a, b in _slices(T):
+            h, wt = self._mix(x[a:b])
+            block_in[a:b] = h
+            if weights is not None:
+                weights[a:b] = wt
+        return block_in, weights
+
+    def _mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         T, n, H, w = x.shape[0], self.n, self.H, self.w
         xn = self.norm(x)  # [T, n*H]
         mix = F.silu(linear(xn, w.down, None, self.bf16) / n)  # [T, r]
@@ -43,8 +73,15 @@ class HyperConnection:
 
 
 def inject(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The streams x [T, n*H] plus the block's output [T, H] scaled per stream by weights [T, n]."""
-    return x + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+    """The streams x [T, n*H] plus the block's output [T, H] scaled per stream by weights [T, n] (in slices of a
+    prompt's rows: elementwise, the same bits)."""
+    T = x.shape[0]
+    if T <= HC_SLICE:
+        return x + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+    y = torch.empty_like(x)
+    for a, b in _slices(T):
+        torch.add(x[a:b], (out[a:b].unsqueeze(-2) * weights[a:b].unsqueeze(-1)).flatten(-2), out=y[a:b])
+    return y
 
 
 class HyperLayer:
