@@ -82,6 +82,6 @@ class DeltaRulePrompt:
         if _LIB.sluice_delta_prompt(T, self.nK, Hv, Dk, Dv, int(self.tiled), int(x is torch.bfloat16), q.data_ptr(),
                                     q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), g.data_ptr(),
                                     beta.data_ptr(), state.data_ptr(), out.data_ptr(), self.kernel):
-            raise MemoryError("DeltaRulePrompt: no memory for a thread's block scratch (~200 KiB); the layer's state "
+            raise MemoryError("DeltaRulePrompt: no memory for a thread's block scratch (~260 KiB); the layer's state "
                               "is now partly moved on: start the prompt again at position 0")
         return out
