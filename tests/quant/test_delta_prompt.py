@@ -148,6 +148,21 @@ def test_bf16_rounds_the_output_once_as_chunked(shape, tiled):
     assert (out != ref).float().mean() < 0.05
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+def test_a_few_tokens_on_every_path(T):
+    """Calls of 1-5 tokens (a prompt's tail, a slice's remainder; one row tile or part of one): chunked's output and
+    state to float32 rounding on every kernel, the same bits on each, grouped and tiled."""
+    shape, orders = SHAPES[1], (False, True)
+    case = _case(shape, T, seed=20 + T)
+    refs = [_chunked(shape, case, tiled=tiled) for tiled in orders]
+    outs = on_each(lambda path: [list(_native(shape, case, path, tiled)) for tiled in orders])
+    for per_path in outs:
+        for (out, state), (ref, ref_state) in zip(per_path, refs):
+            assert out.shape == (T, shape[1], shape[3])
+            assert _rel(out, ref) < BOUND and _rel(state, ref_state) < BOUND
+    same_bits(outs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,tiled", [(s, False) for s in SHAPES] + [(SHAPES[1], True)])
 def test_every_path_gives_the_same_bits(shape, tiled, dtype):
