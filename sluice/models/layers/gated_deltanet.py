@@ -16,8 +16,9 @@ channels, out_proj's columns) in that one order. Running the heads in the file's
 the same math with no weight permuted (undoing it would permute out_proj's columns, which splits the 256-value
 blocks of a K-quant when a head is 128 wide).
 
-A prompt runs the chunked form of the rule, a decode token the recurrent one: where the model computes in float32 or
-bf16, everything from the conv to the gated norm as one native call per layer (native/deltanet.py, chosen at build:
+A prompt runs the chunked form of the rule, a decode token the recurrent one. Where the model computes in float32 or
+bf16 a prompt's rule is one native call per layer (native/delta_prompt.py, chosen at build: Kernels.native_delta_prompt;
+delta_rule.chunked otherwise), and a decode token everything from the conv to the gated norm (native/deltanet.py,
 Kernels.native_deltanet; the torch steps otherwise). The state is zeroed when a pass starts at position 0 and must
 otherwise continue where the last pass ended: it cannot be rewound (LayerCache.pos; the engine reuses a prompt's
 prefix accordingly).
