@@ -143,12 +143,14 @@ def default_compute():
 # native_prompt_attention (a prompt's causal attention in attend.c, where the model's Compute allows it),
 # split_experts (a decode step's experts as one native call per layer over the threads, False: one expert_q8 call
 # each), code_rows_once (int8 prompt: a layer's rows coded once for all its experts, False: each expert codes its
-# own), native_deltanet (a Gated DeltaNet layer's decode token in one native call, False: the torch steps).
+# own), native_deltanet (a Gated DeltaNet layer's decode token in one native call, False: the torch steps),
+# native_delta_prompt (a Gated DeltaNet layer's delta rule over a prompt in one native call, False: the torch steps).
 # Process-wide: threads (the C pool's, native/pool.py), super_blocks (the K-quants read x in super-blocks of
 # 256, False: 32-value blocks), prefetch (the integer row loop's prefetch distance in bytes, 0 off), read_group
 # (experts per read batch of a prompt's read-ahead), gemm_blocks (an expert's prompt rows in row blocks, False: one
 # GEMM for all), gemm_row_step (a prompt expert's rows padded to a multiple of this).
-MODEL_SWITCHES = ("native_decode", "native_prompt_attention", "split_experts", "code_rows_once", "native_deltanet")
+MODEL_SWITCHES = ("native_decode", "native_prompt_attention", "split_experts", "code_rows_once", "native_deltanet",
+                  "native_delta_prompt")
 _GEMM_BLOCKS: tuple[int, int] | None = None  # sluice.quant.matmul's (GEMM_BLOCK_BYTES, GEMM_MIN_BLOCK), at first use
 # a model's transformer -> {Kernels: that model rebuilt with them}: each arm's model is built once, so what it builds
 # lazily (scratch, workspaces, per-format calls) carries over between its rounds, as it does in the default build

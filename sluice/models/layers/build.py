@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ...quant import native
 from ...quant.compute import Compute
 from ...quant.linear import QuantLinear
-from ...quant.native import deltanet
+from ...quant.native import delta_prompt, deltanet
 from ...quant.native.decode import DecodeAttention
 from ..rope import rope_table
 from ..spec import KVCache, LayerWeights, Spec, Weights
@@ -42,6 +42,9 @@ class Kernels:
                             expert codes its own rows (the same bits)
     native_deltanet         a Gated DeltaNet layer's decode token (conv, delta rule, gated norm) in one native call
                             (native/deltanet.py), where the model computes in float32 or bf16; False: the torch steps
+    native_delta_prompt     a Gated DeltaNet layer's delta rule over a prompt in one native call
+                            (native/delta_prompt.py), where the model computes in float32 or bf16; False: the torch
+                            steps (delta_rule.chunked)
     """
 
     native_decode: bool = True
@@ -49,6 +52,7 @@ class Kernels:
     split_experts: bool = True
     code_rows_once: bool = True
     native_deltanet: bool = True
+    native_delta_prompt: bool = True
 
 
 class Step:
@@ -140,6 +144,9 @@ class Build:
         self.deltanet_decode = (deltanet.DeltaNetDecode(d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim,
                                                         d.conv_kernel, self.dtype, tiled=d.tiled, path=compute.path)
                                 if self.native_deltanet else None)
+        self.delta_prompt = (delta_prompt.DeltaRulePrompt(d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim,
+                                                          self.dtype, tiled=d.tiled, path=compute.path)
+                             if self._native_delta_prompt() else None)
 
     def norm(self, weight: torch.Tensor, group: int | None = None) -> Norm:
         """The RMSNorm of `weight` as this architecture scales it (plain or zero-centred, Spec.zero_centred_norms),
@@ -185,3 +192,16 @@ class Build:
         caches = [c for c in self.cache.layers if c.recurrent is not None]
         return (all(fits(w.conv, x) and fits(w.norm, x) and fits(w.A_log, f32) and fits(w.dt_bias, f32) for w in ws)
                 and all(fits(c.conv, x) and fits(c.recurrent, f32) for c in caches))
+
+    def _native_delta_prompt(self) -> bool:
+        """Whether each Gated DeltaNet layer runs a prompt's delta rule natively (native/delta_prompt.py: the chunked
+        rule in one call): the extension, such layers, a dtype it computes in (float32, bf16) and float32 states.
+        At Qwen3.5's shapes (16 key / 32 value heads of 128, tiled, bf16, 2,048 tokens in slices of 256, 2 threads)
+        37 ms a layer against chunked's 151 (AVX-512; the AVX2 kernel 53), float32 outputs 8.7e-7 from a float64
+        run against chunked's 1.2e-6 (benchmarks/results/hybrid/delta_rule_timing.py, delta_rule_timing_native.txt).
+        Its output is chunked's to float32 rounding, not bitwise (delta_prompt.c says how); streamed and resident
+        runs share it."""
+        d, x = self.spec.delta, self.dtype
+        return (self.kernels.native_delta_prompt and native.available() and d is not None and x in deltanet.DTYPES
+                and all(c.recurrent.dtype is torch.float32 and c.recurrent.is_contiguous()
+                        for c in self.cache.layers if c.recurrent is not None))

@@ -16,8 +16,9 @@ channels, out_proj's columns) in that one order. Running the heads in the file's
 the same math with no weight permuted (undoing it would permute out_proj's columns, which splits the 256-value
 blocks of a K-quant when a head is 128 wide).
 
-A prompt runs the chunked form of the rule, a decode token the recurrent one: where the model computes in float32 or
-bf16, everything from the conv to the gated norm as one native call per layer (native/deltanet.py, chosen at build:
+A prompt runs the chunked form of the rule, a decode token the recurrent one. Where the model computes in float32 or
+bf16 a prompt's rule is one native call per layer (native/delta_prompt.py, chosen at build: Kernels.native_delta_prompt;
+delta_rule.chunked otherwise), and a decode token everything from the conv to the gated norm (native/deltanet.py,
 Kernels.native_deltanet; the torch steps otherwise). The state is zeroed when a pass starts at position 0 and must
 otherwise continue where the last pass ended: it cannot be rewound (LayerCache.pos; the engine reuses a prompt's
 prefix accordingly).
@@ -48,7 +49,10 @@ class GatedDeltaNet:
         self.gate_act = ACTIVATIONS[self.d.gate_act]
         self.r = s.delta.n_v_heads // s.delta.n_k_heads  # value heads per key head
         self.tiled = s.delta.tiled and self.r > 1
-        self.prompt_rule, self.decode_rule = delta_rule.chunked, delta_rule.recurrent
+        # a prompt's rule: one native call where Build chose it (it pairs the unrepeated q / k heads with the value
+        # heads in the spec's order itself), else the torch steps of delta_rule.chunked
+        self.native_prompt = b.delta_prompt
+        self.prompt_rule, self.decode_rule = b.delta_prompt or delta_rule.chunked, delta_rule.recurrent
         # kept-quantized input projections at decode: one native call, x quantized once, their rows over the native
         # threads, bitwise what separate QuantLinear calls give (as Attention's q / k / v); 4 -> 1 call per layer
         w = self.w
@@ -101,12 +105,13 @@ class GatedDeltaNet:
         d, T = self.d, qkv.shape[0]
         q, k, v = self._conv(qkv).split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
         q, k = q.reshape(T, d.n_k_heads, d.k_head_dim), k.reshape(T, d.n_k_heads, d.k_head_dim)
-        if self.tiled:  # value head j reads key head j % nK: the key heads repeated as a whole (the rule repeats
-            q, k = q.repeat(1, self.r, 1), k.repeat(1, self.r, 1)  # each one r times in place: grouped order)
+        rule = self.decode_rule if T == 1 else self.prompt_rule
+        if self.tiled and rule is not self.native_prompt:  # value head j reads key head j % nK: the key heads
+            q, k = q.repeat(1, self.r, 1), k.repeat(1, self.r, 1)  # repeated as a whole (the rule repeats each one r
+            # times in place: grouped order)
         v = v.reshape(T, d.n_v_heads, d.v_head_dim)
         beta = b.sigmoid()
         g = self.neg_A * F.softplus(a.float() + self.w.dt_bias)  # [T, Hv] float32
-        rule = self.decode_rule if T == 1 else self.prompt_rule
         o = rule(q, k, v, g, beta, self.cache.recurrent)  # [T, Hv, Dv] in x's dtype
         return gated_rms_norm(o, z.view(T, d.n_v_heads, d.v_head_dim), self.w.norm, self.eps, self.gate_act)
 

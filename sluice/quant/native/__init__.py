@@ -10,6 +10,7 @@
     prompt.py   prompt.c: a prompt's Q4_K projections on 8-bit codes (AVX512-VNNI), one expert in one call
     attend.py   attend.c: a prompt's causal attention in one call (AVX512_BF16)
     deltanet.py deltanet.c: one decode token of a Gated DeltaNet layer (conv, delta rule, gated norm) in one call
+    delta_prompt.py delta_prompt.c: a prompt's gated delta rule (the chunked form) of one layer in one call
 
 Without a C compiler at install the library is absent (available() False) and the torch kernels run instead; the
 C code keeps no state but the pool and reads its buffers with unaligned loads, and ctypes releases the GIL while it

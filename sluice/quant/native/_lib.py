@@ -1,7 +1,7 @@
 """The built extension (setup.py: the C files of this folder in one library) and what every wrapper shares: the
 argument checks and the descriptor of one projection's stored bytes. Each C file has its thin wrapper beside this one
-(kernels.py, q8.py, ops.py, pool.py, decode.py, prompt.py, attend.py, deltanet.py), which declares its own entry
-points.
+(kernels.py, q8.py, ops.py, pool.py, decode.py, prompt.py, attend.py, deltanet.py, delta_prompt.py), which declares
+its own entry points.
 
 `path` (every wrapper's keyword): common.h's path cap, the model's Compute.path (LoadOptions.isa): BEST the best
 this CPU has, AVX2 at most AVX2 (none of the AVX-512 code: what an AVX2-only CPU runs), PORTABLE the scalar C.

@@ -24,34 +24,19 @@
  * silu's exp_poly has an 8-lane twin), and the heads' work is the same whichever thread runs it. */
 #include <math.h>
 
-#include "common.h"
+#include "deltanet.h"
 
-#define DN_L2_EPS 1e-6f /* delta_rule.L2_EPS */
 #define DN_COLS 32      /* state columns per block: 128 rows of 32 floats (16 KiB) stay in L1 between the passes */
 
-enum { DN_PORTABLE, DN_AVX2, DN_AVX512 };  /* the kernels, as native/deltanet.py KERNELS names them */
-
-/* The kernel a model's decode steps run, chosen once when the model is built (native/deltanet.py DeltaNetDecode):
- * the best this CPU has under the path cap scalar (common.h: 0 any, 2 at most AVX2, 1 the portable C). */
+/* The kernel a model's decode steps (and prompts: delta_prompt.c) run, chosen once when the model is built
+ * (native/deltanet.py DeltaNetDecode): the best this CPU has under the path cap scalar (common.h: 0 any, 2 at most
+ * AVX2, 1 the portable C). */
 int sluice_deltanet_kernel(int scalar) {
     if (!SLUICE_X86 || !sluice_avx2_ok(scalar) || !sluice_simd()) return DN_PORTABLE;
     return sluice_avx512_ok(scalar) && sluice_cpu_avx512f() ? DN_AVX512 : DN_AVX2;
 }
 
-static inline float load_x(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline float round_x(float f, int bf16) { return bf16 ? bf16_float(bf16_round(f)) : f; }
-
 static inline float silu(float x) { return x / (1.0f + exp_poly(-x)); }
-
-/* sum of squares of n floats in 8 lanes (value d into lane d % 8), added by reduce8 */
-static float sum_squares(const float *x, int64_t n) {
-    float lane[8] = {0};
-    for (int64_t d = 0; d < n; d++) lane[d % 8] = lane[d % 8] + x[d] * x[d];
-    return reduce8(lane);
-}
 
 /* x[i] = x(silu(x[i])) for i in [i, n) (rounded to bf16 when bf16, else kept) */
 static void silu_tail(float *x, int64_t i, int64_t n, int bf16) {
