@@ -52,6 +52,8 @@ if [ ! -f "$Q" ]; then
     --allow-requantize
   [ -n "${KEEP_Q8:-}" ] || rm -f "$Q8"
 fi
+# make-model writes a 4096-token context; the long prompt needs more (the same 4 bytes rewritten: set_context.py)
+.venv/bin/python benchmarks/ple/set_context.py "$Q" 32768
 mkdir -p "$OUT"
 "${SLUICE[@]}" inspect "$Q" --memory "$MEMORY" > "$OUT/inspect.txt" 2>&1
 lscpu > "$OUT/lscpu.txt"
@@ -65,11 +67,15 @@ for set in $SETS; do
       for n in $PROMPTS; do
         [ -f "$OUT/prompt-$n.txt" ] || .venv/bin/python benchmarks/ple/prompt_text.py "$M" "$n" "$OUT/prompt-$n.txt"
         rounds=$([ "$n" -le 4096 ] && echo "$ROUNDS" || echo "$ROUNDS_LONG")
+        # a text prompt keeps sluice's default context (4096) in `bench`; a longer one needs its own: the prompt
+        # (the model's tokenizer counts ~5% more tokens than prompt_text.py's cut) plus room
+        ctx=$([ "$n" -le 4096 ] && echo "" || echo "--max-context $((n * 9 / 8 + 512))")
         "${SLUICE[@]}" bench "$Q" --cold --ceiling "$CEILING" --steps 1 --warmup 0 --rounds "$rounds" \
           --run-timeout "$([ "$n" -le 4096 ] && echo "$RUN_TIMEOUT" || echo "$RUN_TIMEOUT_LONG")" \
           --prompt "$(cat "$OUT/prompt-$n.txt")" --peer-python "$PEER_PY" --out "$OUT/prompt-$n" \
-          --arm direct="--io direct --memory $MEMORY --ple direct" \
-          --arm mmap="--io direct --memory $MEMORY --ple mmap" "${LLAMA[@]}"
+          --arm direct="--io direct --memory $MEMORY --ple direct $ctx" \
+          --arm mmap="--io direct --memory $MEMORY --ple mmap $ctx" "${LLAMA[@]}" \
+          || echo "bench exited $?: an arm failed (killed by --run-timeout, or out of memory; its row says which)"
         nice -n 19 .venv/bin/python benchmarks/ple/row_floor.py "$Q" --from "$OUT/prompt-$n/results.json" \
           --gaps 65536 0 \
           --out "$OUT/floor-$n-after.json"

@@ -5,8 +5,7 @@
 Per prompt set and arm, medians over the rounds: distinct table rows read (sluice's ple_rows), the prefill's major page
 faults (every thread), the PLE stage's seconds (sluice: time its gathers spent blocked on the table's reads,
 ple_wait_s), the prompt's tokens/s, and the I/O floor of those rows: distinct rows / the disk's cold random-row
-rate at the reader's queue depth (8 workers, O_DIRECT, row_floor.py; the slower of its before / after
-measurements). Then the verdicts of issue 31: direct's PLE stage against mmap's (>= 5x), direct's against its floor
+rate at the row reader's queue depth (16 workers, O_DIRECT, row_floor.py; the slowest of its measurements). Then the verdicts of issue 31: direct's PLE stage against mmap's (>= 5x), direct's against its floor
 (<= 1.5x), sluice's prompt against the best llama.cpp arm (>= 2x), and warm decode with the table on disk against it
 resident (within 5%).
 """
@@ -18,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-WORKERS = 8  # the direct pool's default (io/direct.py DEFAULT_WORKERS): the queue depth of the PLE reads
+WORKERS = 16  # the row tables' direct pool (io/direct.py ROW_WORKERS): the queue depth of the PLE reads
 
 
 def med(xs: list[float]) -> float | None:
@@ -89,9 +88,9 @@ def main() -> None:
         rate = floor_rate(floors)
         print("\n".join(prompt_table(f"{d.parent.name}: {res['meta']['ceiling'] / 2**30:.0f} GiB ceiling, cold, "
                                      f"{res['meta']['cpu']['model']}", arm_rows(res), rate)))
-        print(f"Floor: {fmt(rate, '.0f')} rows/s: the slower of {len(floors)} cold replays of as many random "
-              f"distinct rows as the direct arm read, {WORKERS} workers, O_DIRECT (row_floor.py, before and after "
-              f"the set).\n")
+        print(f"Floor: {fmt(rate, '.0f')} rows/s: the slowest of {len(floors)} cold replay(s) of the prompt's own "
+              f"distinct rows, each pass's in one batch, {WORKERS} workers, O_DIRECT (row_floor.py, after the set)."
+              f"\n")
     dec = out / "decode/results.json"
     if dec.is_file():
         s = json.loads(dec.read_text())["summary"]
