@@ -60,7 +60,7 @@ static struct {
     int threads;  /* wanted, the caller included */
     int started;  /* workers running */
     pthread_t tid[MAX_THREADS];
-    int quit;
+    atomic_int quit;  /* atomic: a worker late for a job reads it with no lock or job end to order it */
     job_t jobs[2];
     /* (job id << 32) | the next task index: a thread takes task i of job id by moving it to i + 1 (CAS), so a
      * worker that woke up late for a job already over takes nothing */
@@ -125,7 +125,7 @@ static void *worker(void *arg) {
             }
         }
         seen = g;
-        if (S.quit) return NULL;
+        if (atomic_load(&S.quit)) return NULL;
         take_tasks(g);
     }
 }
@@ -147,20 +147,20 @@ static void after_fork_child(void) {
     pthread_cond_init(&S.wake, NULL);
     pthread_cond_init(&S.done, NULL);
     S.started = 0;
-    S.quit = 0;
+    atomic_store(&S.quit, 0);
     S.waiting = 0;
 }
 
 static void stop_workers(void) {  /* with S.run held */
     if (!S.started) return;
     pthread_mutex_lock(&S.mu);
-    S.quit = 1;
+    atomic_store(&S.quit, 1);
     atomic_fetch_add(&S.gen, 1);
     pthread_cond_broadcast(&S.wake);
     pthread_mutex_unlock(&S.mu);
     for (int i = 0; i < S.started; i++) pthread_join(S.tid[i], NULL);
     S.started = 0;
-    S.quit = 0;
+    atomic_store(&S.quit, 0);
 }
 
 /* starts threads - 1 workers; returns how many run (fewer when the system refuses) */
