@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
+import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ if LIB is not None:
     LIB.sluice_pool_check.argtypes = [i64, ptr, i64, ptr, i64, i64]  # jobs, ntasks, nsizes, counts, stride, spin
     LIB.sluice_pool_check.restype = i64  # the jobs that returned before their tasks ended
 
+NATIVE = "sluice/quant/native"
 SIZES = [2, 3, 1, 5, 17, 2, 64, 8, 4]  # tasks per job, in turn (1: the caller runs it alone)
 
 
@@ -129,3 +133,23 @@ def test_kernels_over_many_short_jobs_keep_one_threads_bits(path, c_threads):
         for i in range(600):
             k = i % len(shapes)
             assert torch.equal(ops.rms_norm_bf16(xs[k], ws[k], 1e-6, path=path), want[k]), (threads, i)
+
+
+def test_the_pool_under_thread_sanitizer(tmp_path):
+    """pool.c alone with pool_tsan.c's driver (the check above on 1-8 threads, two callers), built with
+    -fsanitize=thread: no data race reported, every count right. Skips where the compiler cannot build it."""
+    root = Path(__file__).resolve().parents[2]
+    exe = tmp_path / "pool_tsan"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    sources = [str(Path(__file__).with_name("pool_tsan.c")), str(root / NATIVE / "pool.c")]
+    build = subprocess.run([cc, "-O1", "-g", "-fsanitize=thread", "-std=gnu11", "-I", str(root / NATIVE), "-o",
+                            str(exe), *sources, "-lpthread"], capture_output=True, text=True)
+    if build.returncode != 0:
+        pytest.skip(f"cannot build with -fsanitize=thread: {build.stderr.strip().splitlines()[-1:]}")
+    got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    if "FATAL: ThreadSanitizer" in got.stderr:  # e.g. an address-space layout this TSan runtime refuses
+        pytest.skip(f"ThreadSanitizer cannot run here: {got.stderr.strip().splitlines()[0]}")
+    assert "ThreadSanitizer" not in got.stderr, got.stderr[-4000:]
+    assert got.returncode == 0 and "wrong runs: 0" in got.stdout, (got.returncode, got.stdout, got.stderr[-2000:])
