@@ -82,8 +82,9 @@ static int64_t now_ns(void) {
  * was asleep or off its CPU: it runs the tasks itself and goes on. (Before, the caller waited until every worker had
  * come and gone: in a streamed decode step the reader threads hold the 2 CPUs between expert calls, the workers
  * sleep, and each job paid their wake-up and a turn on a CPU. This change alone, a 20-layer qwen3_5_moe q4_0
- * streamed at 256 MiB on the 2-core VM: 216.8 -> 66.9 ms/token, process CPU 216.6 -> 69.3 ms/token, medians of 5
- * paired rounds on a busy machine: benchmarks/results/hybrid/README.md, stream_cpu.py.) */
+ * streamed at 256 MiB on the 2-core VM, medians of 5 paired rounds: with other processes on the CPUs 216.8 -> 66.9
+ * ms/token, process CPU 216.6 -> 69.3; quiet, I/O-bound, 65.7 -> 64.3 and 116.7 -> 111.3, within the rounds'
+ * spread; benchmarks/results/hybrid/README.md, stream_cpu.py.) */
 static void take_tasks(unsigned id) {
     job_t *job = &S.jobs[id & 1];
     task_fn fn = atomic_load(&job->fn);
