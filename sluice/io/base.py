@@ -32,6 +32,11 @@ class Reader(Protocol):
         """Start filling the destinations; `.result()` blocks until they are filled (and raises read errors)."""
         ...
 
+    def submit_each(self, batches: Sequence[Sequence[Request]]) -> list[ReadFuture]:
+        """submit() of each batch, in order, one future each (each done when its own destinations are); a reader
+        may check the files once for the whole call (the direct reader does)."""
+        ...
+
     def expect(self, stamps: Iterable[FileStamp]) -> None:
         """Read each stamped file only as that version (the one whose header was read): CheckpointError naming
         the file if it was replaced before the reader opens it, or changes after (see FileGuard)."""
@@ -60,9 +65,10 @@ class FileGuard:
 
     A stamp comes from `expect` (the header's FileStamp, so a file replaced before its first read is caught) or,
     for a file nobody stamped, from the reader's own first open. `opened` checks a freshly opened descriptor;
-    `check` runs before each batch touches the file: one fstat per file per batch, 2-11 us on the shared 2-core VM
-    (the per-step cost is in io/mapped.py `_copy`). A file that changes DURING a batch is not caught by this: see
-    each reader's docstring.
+    `check` runs before each batch touches the file: one fstat per file per batch (per call for the direct reader's
+    submit_each, whose batches the streaming store sends a layer at a time), 2-11 us on the shared 2-core VM, 66 us
+    in its slow state (benchmarks/results/hybrid/step_profile.txt; the per-step cost is in io/mapped.py `_copy`). A
+    file that changes DURING a batch is not caught by this: see each reader's docstring.
 
     A file replaced by rename, or removed, after it was opened is not an error: the open descriptor keeps the
     version the header described, and every byte read is still right. But the model on disk is no longer the one

@@ -7,11 +7,11 @@ into a scratch buffer); O_DIRECT reads go through a page-aligned per-worker stag
 Changed files: file descriptors are opened once per path (lazily, by the caller) and kept until close(). A file is
 read only as the version its header described (FileGuard: the stamp handed to `expect`, else the one seen at the
 first open): opening a file replaced since is refused, and before each batch one fstat per file (in the caller,
-2-11 us on the shared 2-core VM) refuses a file truncated, extended or rewritten since. A file deleted or replaced
-at the same path AFTER it was opened keeps reading the opened inode (the old bytes, still the ones the header
-described). A truncation during a batch gives a short read, which is a CheckpointError naming the file, the range
-and the file's size (never a signal: preadv cannot fault). Rewriting a file in place during a batch is not caught
-until the next batch.
+2-11 us on the shared 2-core VM; one for all the batches of a submit_each) refuses a file truncated, extended or
+rewritten since. A file deleted or replaced at the same path AFTER it was opened keeps reading the opened inode (the
+old bytes, still the ones the header described). A truncation during a batch gives a short read, which is a
+CheckpointError naming the file, the range and the file's size (never a signal: preadv cannot fault). Rewriting a
+file in place during a batch is not caught until the next call.
 """
 
 from __future__ import annotations
@@ -370,25 +370,34 @@ class DirectReader:
 
     def submit(self, requests: Sequence[Request]) -> ReadFuture:
         """Queue the batch for the workers; the future completes when every destination is filled."""
-        plan = plan_reads(requests, max_gap=self._max_gap, max_read=self._max_read, parts=self.workers)
+        return self.submit_each([requests])[0]
+
+    def submit_each(self, batches: Sequence[Sequence[Request]]) -> list[ReadFuture]:
+        """Queue each batch as submit() does, in order (the workers take them first to last), one future each, so
+        each completes as soon as its own destinations are filled. The files they read are checked once for all of
+        them (FileGuard.check): a streamed decode step queues a layer's missed experts as one call, one fstat per
+        layer where one per expert cost 16 ms of a 599 ms token (66 us each, in the slow state of the shared 2-core
+        VM; benchmarks/results/hybrid/step_profile.txt). A file found changed fails every batch of the call."""
+        plans = [plan_reads(b, max_gap=self._max_gap, max_read=self._max_read, parts=self.workers) for b in batches]
         try:
-            for path in plan.paths():
-                self._pool.guard.check(path, self._pool.fd(path)[0])  # one fstat per file per batch
+            for path in dict.fromkeys(path for plan in plans for path in plan.paths()):
+                self._pool.guard.check(path, self._pool.fd(path)[0])  # one fstat per file per call
         except CheckpointError as e:
-            return done_future(self._counters, e)
-        chunks = split_even(plan.reads, self.workers)
-        fut = ReadFuture(self._counters)
+            return [done_future(self._counters, e) for _ in plans]
+        futures = [ReadFuture(self._counters) for _ in plans]
         with self._pool.lock:  # close() takes this lock too: no batch can be queued behind the stop sentinels
             if self._pool.closed:
                 raise RuntimeError("reader is closed")
-            self._counters.add_plan(plan)
-            if not chunks:
-                fut.set_result(None)
-                return fut
-            batch = _Batch(fut, len(chunks))
-            for chunk in chunks:
-                self._pool.tasks.put((batch, chunk))
-        return fut
+            for plan, fut in zip(plans, futures):
+                self._counters.add_plan(plan)
+                chunks = split_even(plan.reads, self.workers)
+                if not chunks:
+                    fut.set_result(None)
+                    continue
+                batch = _Batch(fut, len(chunks))
+                for chunk in chunks:
+                    self._pool.tasks.put((batch, chunk))
+        return futures
 
     def read(self, requests: Sequence[Request]) -> None:
         """Fill every destination (blocking)."""

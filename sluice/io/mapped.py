@@ -161,6 +161,10 @@ class MmapReader:
             return done_future(self._counters, e)
         return done_future(self._counters)
 
+    def submit_each(self, batches: Sequence[Sequence[Request]]) -> list[ReadFuture]:
+        """submit() of each batch in turn (each copy checks its files: see `_copy`)."""
+        return [self.submit(b) for b in batches]
+
     def stats(self) -> dict[str, Any]:
         """Counters (see Counters.snapshot) plus the number of mapped files."""
         s = self._counters.snapshot()

@@ -194,9 +194,10 @@ class StreamingExpertStore:
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         """Pin `experts` of `layer` in slots and queue the misses' reads; return without waiting for them.
 
-        One read batch per missing expert, queued in the order of `experts`: the reader's FIFO fills them in that
-        order, so the math runs the hits while the first miss loads, then each miss as soon as its bytes land
-        (batch.wait(j)). Results do not depend on that order: the block sums the experts in a fixed order.
+        One read batch per missing expert, queued in the order of `experts` by one reader call (submit_each: the
+        files are checked once per acquire, not once per expert): the reader's FIFO fills them in that order, so the
+        math runs the hits while the first miss loads, then each miss as soon as its bytes land (batch.wait(j)).
+        Results do not depend on that order: the block sums the experts in a fixed order.
         """
         if len(experts) > self.max_batch:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
@@ -221,10 +222,11 @@ class StreamingExpertStore:
                 if fut is not None:  # its prefetch is still in flight: the math waits for it like for a miss
                     inflight[j] = fut
             slots.append(slot)
-        # Pass 2: misses take free or evicted slots; their reads are queued one expert at a time.
+        # Pass 2: misses take free or evicted slots; their reads are queued in one call, one batch per expert.
         self._batch, self._inflight = (layer, list(experts)), inflight
         t0 = time.perf_counter()
         try:
+            missed: list[tuple[int, list]] = []  # (j, its requests)
             for j, e in enumerate(experts):
                 if slots[j] is None:
                     key = (layer, e)
@@ -232,11 +234,13 @@ class StreamingExpertStore:
                     assert slot is not None, "acquire asks for at most max_batch experts"
                     self._insert(key, slot)
                     self._pinned.add(slot)
-                    requests = self._requests(layer, e, slot)
-                    self.misses += 1
-                    self.misses_by_layer[layer] += 1
+                    missed.append((j, self._requests(layer, e, slot)))
                     slots[j] = slot
-                    inflight[j] = self.reader.submit(requests)
+            if missed:
+                self.misses += len(missed)
+                self.misses_by_layer[layer] += len(missed)
+                for (j, requests), fut in zip(missed, self.reader.submit_each([r for _, r in missed])):
+                    inflight[j] = fut
                     self.bytes_read += sum(r.nbytes for r, _ in requests)
         except BaseException:
             self._fail()

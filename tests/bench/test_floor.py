@@ -24,13 +24,19 @@ def record(model: Path, memory: str, prompt: list[int], tokens: list[int], warmu
     with sluice.load(model, memory=memory, **options) as m:
         rec = floormod.Recorder(m)
         asked: list[list[tuple[str, int, int]]] = [[]]
-        submit = m.reader.submit
+        submit, submit_each = m.reader.submit, m.reader.submit_each
 
         def spy(requests):
             asked[-1].extend((r.path, r.offset, r.nbytes) for r, _ in requests)
             return submit(requests)
 
-        m.reader.submit = spy  # the store calls reader.submit (read() goes through it too)
+        def spy_each(batches):
+            for requests in batches:
+                asked[-1].extend((r.path, r.offset, r.nbytes) for r, _ in requests)
+            return submit_each(batches)
+
+        # the store calls reader.submit (read() goes through it too), and submit_each for a decode step's misses
+        m.reader.submit, m.reader.submit_each = spy, spy_each
 
         def on_step(end):
             rec.mark()

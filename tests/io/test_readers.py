@@ -13,6 +13,7 @@ import torch
 
 from sluice.errors import CheckpointError, ModelFileWarning
 from sluice.io import DirectReader, MmapReader, WillneedReader, make_reader
+from sluice.io.base import FileGuard
 from sluice.io.mapped import merged_page_windows
 from sluice.io.ranges import MIN_SPLIT, ReadRange, page_window, plan_reads, split_even
 
@@ -170,6 +171,56 @@ def test_expected_stamp_refuses_a_replaced_file(reader, data_file):
     with pytest.raises(CheckpointError, match="replaced by another file") as e:
         reader.submit([req(path, 0, 100)]).result(timeout=10)
     assert e.value.file == path
+
+
+def test_submit_each_fills_each_batch_on_its_own_future(reader, data_file):
+    """submit_each: one future per batch, in order, each holding its own batch's bytes (the streaming store queues a
+    layer's missed experts this way, one batch each)."""
+    path, data = data_file
+    batches = [awkward_requests(path, seed)[:20] for seed in range(4)] + [[]]
+    futures = reader.submit_each(batches)
+    assert len(futures) == len(batches)
+    for fut, batch in zip(futures, batches):
+        assert fut.result(timeout=30) is None
+        check(batch, data)
+
+
+def test_submit_each_refuses_a_changed_file_in_every_batch(reader, data_file):
+    """A file rewritten in place since it was opened fails every batch of the call, each with the error naming it."""
+    path, _ = data_file
+    reader.read([req(path, 0, 100)])
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    for fut in reader.submit_each([[req(path, 0, 100)], [req(path, 5000, 100)], [req(path, 9000, 10)]]):
+        with pytest.raises(CheckpointError, match="rewritten in place") as e:
+            fut.result(timeout=10)
+        assert e.value.file == path
+
+
+def test_direct_submit_each_checks_each_file_once(data_file, tmp_path, monkeypatch):
+    """The direct reader checks each file once per submit_each call, not once per batch: a streamed decode step
+    then pays one fstat per layer, where it paid one per missed expert."""
+    path, data = data_file
+    other = tmp_path / "other.bin"
+    other.write_bytes(data[:50_000])
+    checked: list[str] = []
+    real = FileGuard.check
+
+    def counting(self, p, fd):
+        checked.append(p)
+        return real(self, p, fd)
+
+    monkeypatch.setattr(FileGuard, "check", counting)
+    with DirectReader(workers=2, odirect=True) as r:
+        batches = [[req(path, 1000 * i, 700), req(str(other), 3000 * i, 900)] for i in range(6)]
+        for fut in r.submit_each(batches):
+            fut.result(timeout=30)
+        assert sorted(checked) == sorted([path, str(other)])
+        for batch in batches:
+            check(batch[:1], data)
+            check(batch[1:], data[:50_000])
+        r.submit(batches[0]).result(timeout=30)  # submit is a call of its own: its files are checked again
+        assert len(checked) == 4
 
 
 def test_missing_file_names_file(reader, tmp_path):

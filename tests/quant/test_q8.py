@@ -377,6 +377,47 @@ def test_experts_in_one_call_are_each_expert_q8(T, threads, c_threads, monkeypat
         paths.same_bits(outs)
 
 
+def test_back_to_back_jobs_from_two_threads_keep_their_bits(c_threads):
+    """pool.c hands a job's tasks out through a claim tagged with the job's id, and the caller waits for the tasks
+    to finish, not for the workers to show up: hundreds of short jobs back to back (ExpertCall.many runs three per
+    call), from two Python threads at once (a call made while the other's job holds the pool runs on its own
+    thread), each give the one-thread bits; a worker that wakes up late for a finished job runs nothing of the next
+    one (it would write another job's rows, or run a task with the wrong job's arguments)."""
+    import threading
+
+    from sluice.store.layout import ExpertFormat
+
+    H, I = 512, 256
+    fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q4_K", I, H), QuantSpec.ggml("Q6_K", H, I))
+    slots = random_expert_slots(fmt, 6)
+    call = native.ExpertCall((fmt.gate, fmt.up, fmt.down), (0, fmt.up_offset, fmt.down_offset))
+    xs = [torch.randn(1, H, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    orders = [[0, 2, 5], [1], [4, 3, 1, 0, 2, 5]]
+    c_threads(1)
+    want = {}
+    for k, x in enumerate(xs):
+        for o, order in enumerate(orders):
+            want[k, o] = torch.empty(len(order), H)
+            call.many(slots, order, x, want[k, o], list(range(len(order))))
+    c_threads(3)
+    wrong: list = []
+
+    def run(k: int) -> None:
+        for i in range(300):
+            o = i % len(orders)
+            ys = torch.empty(len(orders[o]), H)
+            call.many(slots, orders[o], xs[k], ys, list(range(len(orders[o]))))
+            if not torch.equal(ys, want[k, o]):
+                wrong.append((k, i))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_the_largest_min_terms_are_exact_on_both_paths(name, planes, monkeypatch):

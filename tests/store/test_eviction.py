@@ -25,6 +25,9 @@ class _NullReader:
     def submit(self, requests):
         return SimpleNamespace(result=lambda: None)
 
+    def submit_each(self, batches):
+        return [self.submit(b) for b in batches]
+
 
 def fake_layout(spec, layers, parts, gate_up_shape, down_shape, dtype=torch.bfloat16) -> SimpleNamespace:
     """What the streaming store reads of an ExpertLayout, for plain experts: one slot = gate_up bytes then down."""
@@ -113,6 +116,9 @@ class _MarkingReader:
     def submit(self, requests):
         self._fill(requests)
         return SimpleNamespace(result=lambda: None)
+
+    def submit_each(self, batches):
+        return [self.submit(b) for b in batches]
 
 
 def _marked_store(slots: int) -> StreamingExpertStore:
@@ -266,3 +272,33 @@ def test_fair_share_victims_are_the_rule_written_out():
             if want is None:
                 want = next((k for k in order if usable(k, 0)), None)
             assert p.victim(layer, usable) == want
+
+
+class _CountingReader(_MarkingReader):
+    """Records each submit_each call as the first range offsets of its batches."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+
+    def submit_each(self, batches):
+        self.calls.append([b[0][0].offset for b in batches])
+        return super().submit_each(batches)
+
+
+def test_a_layers_misses_go_to_the_reader_in_one_call():
+    """acquire queues its missed experts with one reader call (the direct reader then checks the file once per layer,
+    not once per expert), one batch per miss in the order asked, none for the hits."""
+    store = _marked_store(LAYERS * TOP_K)
+    reader = store.reader = _CountingReader()
+    batch = store.acquire(0, [1, 2, 3, 5])
+    batch.wait_all()
+    store.release(0)
+    assert reader.calls == [[(0 * EXPERTS + e) * 64 for e in (1, 2, 3, 5)]]
+    batch = store.acquire(0, [2, 4, 5, 9])  # 2 and 5 are hits
+    batch.wait_all()
+    for j, e in enumerate([2, 4, 5, 9]):
+        assert bool((batch.gate_up[batch.slots[j]] == e % 251).all()), e
+    store.release(0)
+    assert reader.calls[1:] == [[4 * 64, 9 * 64]]
+    store.acquire(0, [2, 4, 5, 9]).wait_all()  # all hits: no call
+    assert len(reader.calls) == 2

@@ -129,6 +129,9 @@ class _SpyReader:
                     self.violations += 1
         return self.inner.submit(requests)
 
+    def submit_each(self, batches):
+        return [self.submit(b) for b in batches]
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 

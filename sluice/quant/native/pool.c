@@ -4,9 +4,11 @@
  * token of the peers model ran 128 expert calls and ~70 projections through it, and its experts took 25-29 ms
  * split over 2 threads against ~28 ms of pure C work on one (benchmarks/quantized/expert_threads.py, removed: its
  * command is in benchmarks/results/quantized/README.md). Here a job is a list of tasks (rows of one or several
- * projections, experts of a layer) handed out by an atomic counter; the calling thread works too, and the workers
- * spin briefly between jobs (a decode step runs several jobs per layer, and a futex wake-up costs tens of us), then
- * sleep.
+ * projections, experts of a layer) handed out by a claim word (job id, next task: CAS); the calling thread works
+ * too, and the workers spin briefly between jobs (a decode step runs several jobs per layer, and a futex wake-up
+ * costs tens of us), then sleep. A job is over when its tasks are, whichever threads ran them: the caller never
+ * waits for a worker that has not shown up (asleep, or its CPU taken by the reader threads of a streamed step), it
+ * runs the tasks left itself.
  *
  * Every task writes its own outputs and computes them as one thread would (the same kernel call on the same
  * bytes), so a result has the same bits whichever thread ran which task and for any thread count.
@@ -39,19 +41,33 @@ void sluice_set_spin(int64_t spin, int64_t yield) {
     atomic_store(&yield_ns, yield);
 }
 
+/* A job's description. Two, used in turn (job id & 1). A worker that learned id from `gen` reads jobs[id & 1], then
+ * `claim`: the caller wrote that description before it published id, and rewrites it only for job id + 2, after it
+ * stored job id + 1 in `claim`; so when the worker's `claim` still shows id, what it read was job id's own (these
+ * atomics are all seq_cst), and when it does not, the worker runs nothing. With one description a late worker could
+ * read job id + 1's task count while `claim` still showed job id's end, and run a task past it with a mix of both
+ * jobs. The id is 32 bits: mistaking one job for another (ABA) takes a worker stalled between reading `gen` and
+ * `claim` while 2^32 jobs run. */
+typedef struct {
+    _Atomic(task_fn) fn;
+    _Atomic(void *) ctx;
+    _Atomic int64_t ntasks;
+} job_t;
+
 static struct {
     pthread_mutex_t mu, run;
     pthread_cond_t wake, done;
     int threads;  /* wanted, the caller included */
     int started;  /* workers running */
     pthread_t tid[MAX_THREADS];
-    int quit;
-    task_fn fn;
-    void *ctx;
-    int64_t ntasks;
-    atomic_llong next;
-    atomic_int busy;
-    atomic_uint gen;
+    atomic_int quit;  /* atomic: a worker late for a job reads it with no lock or job end to order it */
+    job_t jobs[2];
+    /* (job id << 32) | the next task index: a thread takes task i of job id by moving it to i + 1 (CAS), so a
+     * worker that woke up late for a job already over takes nothing */
+    atomic_ullong claim;
+    atomic_llong finished;  /* tasks of the current job run to their end: the job is over at ntasks */
+    atomic_uint gen;        /* the current job's id (also bumped to stop the workers) */
+    int waiting;            /* the caller sleeps on `done` (under mu) */
     int atfork;
 } S = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 1};
 
@@ -61,11 +77,32 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static void take_tasks(void) {
+/* run the tasks of job `id` nobody has taken yet; returns at once when that job is over or superseded. `finished`
+ * counts the tasks run to their end (not the threads that showed up), so the caller never waits for a worker that
+ * was asleep or off its CPU: it runs the tasks itself and goes on. (Before, the caller waited until every worker had
+ * come and gone: in a streamed decode step the reader threads hold the 2 CPUs between expert calls, the workers
+ * sleep, and each job paid their wake-up and a turn on a CPU. This change alone, a 20-layer qwen3_5_moe q4_0
+ * streamed at 256 MiB on the 2-core VM, medians of 5 paired rounds: with other processes on the CPUs 216.8 -> 66.9
+ * ms/token, process CPU 216.6 -> 69.3; quiet, I/O-bound, 65.7 -> 64.3 and 116.7 -> 111.3, within the rounds'
+ * spread; benchmarks/results/hybrid/README.md, stream_cpu.py.) */
+static void take_tasks(unsigned id) {
+    job_t *job = &S.jobs[id & 1];
+    task_fn fn = atomic_load(&job->fn);
+    void *ctx = atomic_load(&job->ctx);
+    int64_t n = atomic_load(&job->ntasks);
+    unsigned long long v = atomic_load(&S.claim);
     for (;;) {
-        int64_t i = atomic_fetch_add(&S.next, 1);
-        if (i >= S.ntasks) return;
-        S.fn(S.ctx, i);
+        /* another job's id: this one is over, and what was read above may be the next one's (never used) */
+        if ((unsigned)(v >> 32) != id || (int64_t)(uint32_t)v >= n) return;
+        if (!atomic_compare_exchange_weak(&S.claim, &v, v + 1)) continue;  /* v reloaded */
+        /* the claim held job id when it moved, so the job was not over and fn / ctx / n were its own */
+        fn(ctx, (int64_t)(uint32_t)v);
+        if (atomic_fetch_add(&S.finished, 1) + 1 == n) {
+            pthread_mutex_lock(&S.mu);
+            if (S.waiting) pthread_cond_signal(&S.done);
+            pthread_mutex_unlock(&S.mu);
+        }
+        v = atomic_load(&S.claim);
     }
 }
 
@@ -91,13 +128,8 @@ static void *worker(void *arg) {
             }
         }
         seen = g;
-        if (S.quit) return NULL;
-        take_tasks();
-        if (atomic_fetch_sub(&S.busy, 1) == 1) {
-            pthread_mutex_lock(&S.mu);
-            pthread_cond_signal(&S.done);
-            pthread_mutex_unlock(&S.mu);
-        }
+        if (atomic_load(&S.quit)) return NULL;
+        take_tasks(g);
     }
 }
 
@@ -118,19 +150,20 @@ static void after_fork_child(void) {
     pthread_cond_init(&S.wake, NULL);
     pthread_cond_init(&S.done, NULL);
     S.started = 0;
-    S.quit = 0;
+    atomic_store(&S.quit, 0);
+    S.waiting = 0;
 }
 
 static void stop_workers(void) {  /* with S.run held */
     if (!S.started) return;
     pthread_mutex_lock(&S.mu);
-    S.quit = 1;
+    atomic_store(&S.quit, 1);
     atomic_fetch_add(&S.gen, 1);
     pthread_cond_broadcast(&S.wake);
     pthread_mutex_unlock(&S.mu);
     for (int i = 0; i < S.started; i++) pthread_join(S.tid[i], NULL);
     S.started = 0;
-    S.quit = 0;
+    atomic_store(&S.quit, 0);
 }
 
 /* starts threads - 1 workers; returns how many run (fewer when the system refuses) */
@@ -162,7 +195,7 @@ int sluice_threads(void) { return S.threads; }
 
 void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
     if (ntasks <= 0) return;
-    if (ntasks == 1 || S.threads <= 1 || pthread_mutex_trylock(&S.run) != 0) {
+    if (ntasks == 1 || ntasks > INT32_MAX || S.threads <= 1 || pthread_mutex_trylock(&S.run) != 0) {
         for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
         return;
     }
@@ -172,23 +205,66 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
         for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
         return;
     }
-    S.fn = fn;
-    S.ctx = ctx;
-    S.ntasks = ntasks;
-    atomic_store(&S.next, 0);
-    atomic_store(&S.busy, workers);
+    unsigned id = atomic_load(&S.gen) + 1;  /* only a thread holding S.run moves gen */
+    job_t *job = &S.jobs[id & 1];
+    atomic_store(&job->fn, fn);
+    atomic_store(&job->ctx, ctx);
+    atomic_store(&job->ntasks, ntasks);
+    atomic_store(&S.finished, 0);
+    atomic_store(&S.claim, (unsigned long long)id << 32);
     pthread_mutex_lock(&S.mu);
-    atomic_fetch_add(&S.gen, 1);
+    atomic_store(&S.gen, id);
     pthread_cond_broadcast(&S.wake);
     pthread_mutex_unlock(&S.mu);
-    take_tasks();
-    for (int n = 0; atomic_load(&S.busy) > 0 && n < 20000; n++) CPU_RELAX();
-    if (atomic_load(&S.busy) > 0) {
+    take_tasks(id);
+    /* every task is taken: wait for those still running on a worker (each a task's time at most) */
+    for (int n = 0; atomic_load(&S.finished) < ntasks && n < 20000; n++) CPU_RELAX();
+    if (atomic_load(&S.finished) < ntasks) {
         pthread_mutex_lock(&S.mu);
-        while (atomic_load(&S.busy) > 0) pthread_cond_wait(&S.done, &S.mu);
+        S.waiting = 1;
+        while (atomic_load(&S.finished) < ntasks) pthread_cond_wait(&S.done, &S.mu);
+        S.waiting = 0;
         pthread_mutex_unlock(&S.mu);
     }
     pthread_mutex_unlock(&S.run);
+}
+
+/* ---- the pool's own check (tests/quant/test_pool.py) ----
+ * `jobs` jobs back to back, job k of ntasks[k % nsizes] tasks: its context is counter row k % 3 of `counts`
+ * ([3][stride] int64) and its function adds 1 (k even) or 1 << 20 (k odd) to entry i of that row, after spinning
+ * `spin` pauses (so a caller finds a worker mid-task and has to wait for it). Each task run exactly once,
+ * with its own job's function and context, leaves counts the caller can compute; a task run twice or never, or
+ * with another job's function or context, does not. Returns the jobs whose pool_run returned before all their
+ * tasks had ended (0). */
+typedef struct {
+    int64_t *row, n, spin;
+    _Atomic int64_t ended;
+} check_job;
+
+static void check_one(void *c, int64_t i, int64_t add) {
+    check_job *j = (check_job *)c;
+    for (int64_t s = 0; s < j->spin; s++) CPU_RELAX();
+    atomic_fetch_add((_Atomic int64_t *)&j->row[i], add);
+    atomic_fetch_add(&j->ended, 1);
+}
+
+static void check_even(void *c, int64_t i) { check_one(c, i, 1); }
+static void check_odd(void *c, int64_t i) { check_one(c, i, (int64_t)1 << 20); }
+
+int64_t sluice_pool_check(int64_t jobs, const int64_t *ntasks, int64_t nsizes, int64_t *counts, int64_t stride,
+                          int64_t spin) {
+    check_job js[3];  /* one per row: back-to-back jobs have different contexts */
+    int64_t early = 0;
+    for (int64_t k = 0; k < jobs; k++) {
+        check_job *j = &js[k % 3];
+        j->row = counts + (k % 3) * stride;
+        j->n = ntasks[k % nsizes];
+        j->spin = spin;
+        atomic_store(&j->ended, 0);
+        pool_run(k % 2 ? check_odd : check_even, j, j->n);
+        early += atomic_load(&j->ended) != j->n;
+    }
+    return early;
 }
 
 uint8_t *keep_take(size_t n, int *owned) {
