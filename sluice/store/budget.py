@@ -85,11 +85,14 @@ def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
         qkv = max(qkv, d.conv_dim + 2 * d.value_dim + 2 * d.n_v_heads)
     mixer = itemsize * qkv
     live = itemsize * (H * (K + 5) + 4 * I) + mixer + 8 * spec.num_experts + 6 * 8 * K + max_context
-    # qwen4_exp (counted from its tensors, not yet measured): the hc_count streams, their norm, the mix weights and
-    # the injected output (models/layers/hyper.py); a PLE pass's rows (staged, gathered, converted) and its gated
-    # values, normed and convolved; QSA's masks beside the causal one (chosen blocks, tail, causal, their union)
+    # qwen4_exp (counted from its tensors): the hc_count streams and the injected output that replaces them (a
+    # prompt's norm, mix weights and products live one HC_SLICE of rows at a time, models/layers/hyper.py); a PLE
+    # pass's rows (staged, gathered, converted) and its gated values, normed and convolved; QSA's masks beside the
+    # causal one (chosen blocks, tail, causal, their union). Measured on benchmarks/ple's model (hidden 2048, 4
+    # streams, bf16; `benchmarks/prefill/knobs.py activation --model M --prompts 512`, then 2048): +114.1 / +388.8
+    # MiB, a slope of 183 KiB a token, where this estimate says 341 (405 when it counted 4 streams' worth)
     if spec.hc_count > 1:
-        live += itemsize * 4 * spec.hc_count * H
+        live += itemsize * 2 * spec.hc_count * H
     if spec.ple is not None:
         live += 3 * itemsize * spec.ple.embed_dim + itemsize * 3 * spec.hc_count * H
     if spec.qsa is not None:
