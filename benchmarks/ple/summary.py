@@ -5,9 +5,10 @@
 Per prompt set and arm, medians over the rounds: distinct table rows read (sluice's ple_rows), the prefill's major page
 faults (every thread), the PLE stage's seconds (sluice: time its gathers spent blocked on the table's reads,
 ple_wait_s), the prompt's tokens/s, and the I/O floor of those rows: distinct rows / the disk's cold random-row
-rate at the row reader's queue depth (16 workers, O_DIRECT, row_floor.py; the slowest of its measurements). Then the verdicts of issue 31: direct's PLE stage against mmap's (>= 5x), direct's against its floor
-(<= 1.5x), sluice's prompt against the best llama.cpp arm (>= 2x), and warm decode with the table on disk against it
-resident (within 5%).
+rate at the row reader's queue depth (16 workers, O_DIRECT, row_floor.py; the slowest of its measurements). Then
+the verdicts of issue 31: direct's PLE stage against mmap's (>= 5x), direct's against its floor (<= 1.5x),
+sluice's prompt against the best llama.cpp arm (>= 2x), and warm decode with the table on disk against it resident
+(within 5%).
 """
 
 from __future__ import annotations

@@ -77,11 +77,16 @@ def inject(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.T
     prompt's rows: elementwise, the same bits)."""
     T = x.shape[0]
     if T <= HC_SLICE:
-        return x + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+        return x + _per_stream(out, weights)
     y = torch.empty_like(x)
     for a, b in _slices(T):
-        torch.add(x[a:b], (out[a:b].unsqueeze(-2) * weights[a:b].unsqueeze(-1)).flatten(-2), out=y[a:b])
+        torch.add(x[a:b], _per_stream(out[a:b], weights[a:b]), out=y[a:b])
     return y
+
+
+def _per_stream(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out [T, H] scaled by each stream's weight [T, n] -> [T, n*H]."""
+    return (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
 
 
 class HyperLayer:

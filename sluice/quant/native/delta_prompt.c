@@ -117,7 +117,6 @@ AVX2 static void rows_avx2(int64_t rows, int64_t N, int64_t K, const float *A, i
     if (j < N) rows_portable(rows, N - j, K, A, lda, B + j, ldb, C + j, ldc, init);
 }
 
-#define AVX512F __attribute__((target("avx512f,avx2,fma,f16c")))
 DP_TILE(t16x4r4, AVX512F, __m512, _mm512, 16, 4, DP_MR)
 DP_TILE(t16x4r1, AVX512F, __m512, _mm512, 16, 4, 1)
 DP_TILE(t16x1r4, AVX512F, __m512, _mm512, 16, 1, DP_MR)

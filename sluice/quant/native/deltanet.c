@@ -133,7 +133,6 @@ AVX2 static void rule_avx2(float *S, int64_t Dk, int64_t Dv, const float *k, con
 
 /* AVX-512: the same 32-column blocks as two 16-wide vectors (half the instructions of AVX2's four), a 16-column
  * block, then AVX2's 8 and the portable tail */
-#define AVX512F __attribute__((target("avx512f,avx2,fma,f16c")))
 DN_BLOCK(rule_block16x2, AVX512F, __m512, _mm512, 16, 2)
 DN_BLOCK(rule_block16, AVX512F, __m512, _mm512, 16, 1)
 

@@ -13,6 +13,9 @@ enum { DN_PORTABLE, DN_AVX2, DN_AVX512 };  /* the kernels, as native/deltanet.py
  * portable C); both files' vector kernels run on the same CPU features */
 int sluice_deltanet_kernel(int scalar);
 
+/* the AVX-512 kernels' target (their AVX2 twins: common.h AVX2) */
+#define AVX512F __attribute__((target("avx512f,avx2,fma,f16c")))
+
 /* value i of a tensor in the model's dtype (bf16 when bf16, else float32), as float32 */
 static inline float load_x(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
