@@ -20,7 +20,12 @@ def main() -> None:
     ap.add_argument("gguf", type=Path)
     ap.add_argument("context", type=int)
     a = ap.parse_args()
-    reader = gguf.GGUFReader(a.gguf, "r+")
+    if not 0 < a.context < 2**32:
+        ap.error(f"context {a.context}: a GGUF stores it as a uint32 above 0")
+    try:
+        reader = gguf.GGUFReader(a.gguf, "r+")
+    except (OSError, ValueError) as e:  # missing, unwritable, or not a GGUF (the reader's "GGUF magic invalid")
+        raise SystemExit(f"{a.gguf}: cannot open it as a GGUF to rewrite: {e}") from None
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     field = reader.fields.get(f"{arch}.context_length")
     if field is None:
