@@ -32,6 +32,7 @@ from .models.schema import parse
 from .models.spec import KVCache, Spec
 from .models.tables import ple_tables
 from .options import LoadOptions, format_bytes
+from .quant import native
 from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
                            activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_fixed_bytes,
                            prefill_token_bytes, prefill_tokens_per_chunk, reserve_left)
@@ -134,7 +135,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
     odirect = _odirect(options, memory, left, layout, kv_bytes)
     chunk, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout, resident_bytes,
-                                      kv_bytes, odirect, held)
+                                      kv_bytes, odirect, held, _native_delta(dtype))
     threads = options.threads or usable_cpus()
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
@@ -142,7 +143,8 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
         prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, ple_tables=tables, ple=ple,
         ple_bytes=table_bytes, ple_why=ple_why, memory=memory,
-        prefill_bytes=prefill_fixed_bytes(spec, itemsize) + chunk * prefill_token_bytes(spec, itemsize, max_context),
+        prefill_bytes=(prefill_fixed_bytes(spec, itemsize, _native_delta(dtype))
+                       + chunk * prefill_token_bytes(spec, itemsize, max_context)),
         memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
         eos_ids=_eos_ids(args, generation, tokenizer),
@@ -199,13 +201,19 @@ def _odirect(options: LoadOptions, memory: int | None, room: MemoryRoom, layout:
     return layout.total_experts * layout.expert_nbytes > left
 
 
+def _native_delta(dtype) -> bool:
+    """Whether a Gated DeltaNet prompt's conv and rule will run natively (models/layers/build.py
+    Build._native_delta_prompt's test, as far as the plan knows it: the extension and a dtype it computes in)."""
+    return native.available() and dtype in (torch.float32, torch.bfloat16)
+
+
 def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context: int, room: MemoryRoom,
                    memory: int | None, layout: ExpertLayout, resident_bytes: int, kv_bytes: int,
-                   odirect: bool, held: int) -> tuple[int, str]:
+                   odirect: bool, held: int, native_delta: bool = False) -> tuple[int, str]:
     """(prompt tokens per forward pass, why). `auto`: as many as the activation room holds (store/budget.py
     activation_room: what the room leaves beside the kept weights, the KV cache and the runtime reserve this process
     does not hold yet, halved when streamed reads go through the page cache); PREFILL_ROOM when the room is
-    unknown."""
+    unknown. native_delta: a Gated DeltaNet slice runs the native conv and rule (_native_delta)."""
     if options.prefill_chunk != "auto":
         return options.prefill_chunk, "--prefill-chunk"
     per_token = prefill_token_bytes(spec, itemsize, max_context)
@@ -220,8 +228,8 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
                   f"not yet held{'; the other half is page cache for the streamed reads' if page_cache else ''}")
     else:
         acts, whence = PREFILL_ROOM, f"the room is unknown: {room.source}"
-    chunk = prefill_tokens_per_chunk(spec, itemsize, max_context, acts)
-    fixed = prefill_fixed_bytes(spec, itemsize)
+    chunk = prefill_tokens_per_chunk(spec, itemsize, max_context, acts, native_delta)
+    fixed = prefill_fixed_bytes(spec, itemsize, native_delta)
     fixed = f" beyond {fb(fixed)} for a Gated DeltaNet slice" if fixed else ""
     return chunk, (f"auto, within {PREFILL_MIN}-{PREFILL_MAX}: {fb(acts)} of activations at {fb(per_token)} a "
                    f"token{fixed}, {whence}")

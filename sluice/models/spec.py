@@ -95,17 +95,22 @@ class DeltaNetSpec:
         state = self.n_v_heads * self.k_head_dim * self.v_head_dim
         return self.conv_dim * (self.conv_kernel - 1) * itemsize + 4 * state
 
-    def prompt_bytes_per_token(self, itemsize: int) -> int:
-        """Live bytes one prompt token costs in a layer at its peak: the projections and the conv's input and output
-        (compute dtype), and the chunked rule's float32 blocks per value head: q, k, v, their beta-scaled and
-        decayed copies, the two solves' outputs, the output (6 Dk + 4 Dv) and the token's rows of the [C, C] decay,
-        in-block and score matrices (3 C)."""
+    def prompt_bytes_per_token(self, itemsize: int, native: bool = False) -> int:
+        """Live bytes one prompt token costs in a layer at its peak. The torch steps: the projections and the conv's
+        input and output (compute dtype), and the chunked rule's float32 blocks per value head: q, k, v, their
+        beta-scaled and decayed copies, the two solves' outputs, the output (6 Dk + 4 Dv) and the token's rows of the
+        [C, C] decay, in-block and score matrices (3 C). native (the conv and the rule in native calls, whose blocks
+        live in per-thread scratch): the conv's output and the rule's (compute dtype) and the gated norm's float32
+        temporaries (4 Dv a value head). At Qwen3.5's shapes, bf16: 232 / 88 KiB; measured (peak RSS growth over a
+        slice, `benchmarks/results/hybrid/delta_prompt_memory.py`) 265 / 103 KiB."""
+        if native:
+            return itemsize * (self.conv_dim + self.value_dim) + 4 * 4 * self.value_dim
         floats = self.n_v_heads * (6 * self.k_head_dim + 4 * self.v_head_dim + 3 * DELTA_CHUNK)
         return 4 * floats + 2 * itemsize * (self.conv_dim + self.value_dim)
 
-    def prompt_slice_bytes(self, itemsize: int) -> int:
+    def prompt_slice_bytes(self, itemsize: int, native: bool = False) -> int:
         """Live bytes of a layer's prompt slice at its peak (DELTA_SLICE tokens: a pass of any length)."""
-        return DELTA_SLICE * self.prompt_bytes_per_token(itemsize)
+        return DELTA_SLICE * self.prompt_bytes_per_token(itemsize, native)
 
 
 @dataclass

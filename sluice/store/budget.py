@@ -100,19 +100,21 @@ def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
     return ALLOCATOR_FACTOR * live
 
 
-def prefill_fixed_bytes(spec, itemsize: int) -> int:
+def prefill_fixed_bytes(spec, itemsize: int, native: bool = False) -> int:
     """Peak RSS a prefill pass's activations take whatever its length: a Gated DeltaNet layer runs a long pass in
-    slices of a fixed number of tokens (models/spec.py DELTA_SLICE), the chunked rule's float32 blocks (Qwen3.5: ~240
-    KB a token; counted from its tensors, not yet measured as the MoE block's was) held for one slice at a time."""
-    return 0 if spec.delta is None else ALLOCATOR_FACTOR * spec.delta.prompt_slice_bytes(itemsize)
+    slices of a fixed number of tokens (models/spec.py DELTA_SLICE), its steps' live bytes held for one slice at a
+    time (DeltaNetSpec.prompt_bytes_per_token: the torch steps' float32 blocks, ~232 KiB a token at Qwen3.5's shapes,
+    or with `native` the native conv and rule's outputs, ~88; measured 265 / 103)."""
+    return 0 if spec.delta is None else ALLOCATOR_FACTOR * spec.delta.prompt_slice_bytes(itemsize, native)
 
 
-def prefill_tokens_per_chunk(spec, itemsize: int, max_context: int, room: int = PREFILL_ROOM) -> int:
+def prefill_tokens_per_chunk(spec, itemsize: int, max_context: int, room: int = PREFILL_ROOM,
+                             native: bool = False) -> int:
     """Prompt tokens per forward pass: as many as `room` bytes of activations hold (prefill_fixed_bytes, then
     prefill_token_bytes a token), within [PREFILL_MIN, PREFILL_MAX]. Larger chunks read each touched expert once for
     more tokens (a streamed layer reads its experts once per chunk)."""
     per_token = prefill_token_bytes(spec, itemsize, max_context)
-    return max(PREFILL_MIN, min(PREFILL_MAX, (room - prefill_fixed_bytes(spec, itemsize)) // per_token))
+    return max(PREFILL_MIN, min(PREFILL_MAX, (room - prefill_fixed_bytes(spec, itemsize, native)) // per_token))
 
 
 def kept_bytes(memory: int | None, resident_bytes: int, expert_bytes: int, total_experts: int) -> int:

@@ -35,7 +35,7 @@ def _layer(native: bool):
     cache = types.SimpleNamespace(conv=torch.zeros(C, d.conv_kernel - 1, dtype=DTYPE),
                                   recurrent=torch.zeros(d.n_v_heads, d.k_head_dim, d.v_head_dim))
     layer = types.SimpleNamespace(d=d, w=w, cache=cache, act=F.silu, r=d.n_v_heads // d.n_k_heads, tiled=True,
-                                  neg_A=-torch.rand(d.n_v_heads), eps=1e-6, gate_act=F.silu, native_prompt=rule,
+                                  neg_A=-torch.rand(d.n_v_heads), eps=1e-6, gate_act=F.silu, native_prompt=rule, native_conv=native,
                                   prompt_rule=rule or delta_rule.chunked, decode_rule=delta_rule.recurrent)
     layer._conv = types.MethodType(GatedDeltaNet._conv, layer)
     return layer

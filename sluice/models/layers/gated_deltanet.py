@@ -52,6 +52,10 @@ class GatedDeltaNet:
         # a prompt's rule: one native call where Build chose it (it pairs the unrepeated q / k heads with the value
         # heads in the spec's order itself), else the torch steps of delta_rule.chunked
         self.native_prompt = b.delta_prompt
+        # the conv before it natively too (the rule's object runs it: Build chose both), where its weight and state are
+        # in the dtype the rule computes in and the conv's activation is silu (the native conv's)
+        self.native_conv = (b.delta_prompt is not None and b.act is F.silu
+                            and self.w.conv.dtype is self.cache.conv.dtype is b.delta_prompt.dtype)
         self.prompt_rule, self.decode_rule = b.delta_prompt or delta_rule.chunked, delta_rule.recurrent
         # kept-quantized input projections at decode: one native call, x quantized once, their rows over the native
         # threads, bitwise what separate QuantLinear calls give (as Attention's q / k / v); 4 -> 1 call per layer
@@ -119,6 +123,8 @@ class GatedDeltaNet:
         """The causal depthwise conv of qkv [T, C] after the layer's last K - 1 inputs, silu -> [T, C]; the last
         K - 1 inputs are kept for the next pass."""
         state, w = self.cache.conv, self.w.conv  # [C, K - 1], [C, 1, K]
+        if self.native_conv and qkv.dtype is state.dtype:
+            return self.native_prompt.conv(qkv, w, state)
         seq = torch.cat([state, qkv.transpose(0, 1)], dim=1)  # [C, K - 1 + T]
         state.copy_(seq[:, seq.shape[1] - state.shape[1] :])
         out = F.conv1d(seq[None].to(w.dtype), w, groups=w.shape[0])[0]  # [C, T]

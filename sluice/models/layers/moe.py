@@ -35,12 +35,15 @@ class MoE:
             weights, ids = top_of_probs(self.spec, router_probs_bf16(x, lw.router, path=self.path), x.dtype)
         else:
             weights, ids = route(self.spec, lw, x)  # [T, K] each
-        out = self.experts(x, ids, weights, step)
-        if self.shared is not None:
-            shared = self.shared(x)  # [T, H]
-            gate = lw.shared_gate
-            out = out + (shared if gate is None else torch.sigmoid(linear(x, gate, None, self.bf16)) * shared)
-        return out
+        side = None if self.shared is None else lambda: self._shared(x)
+        out, shared = self.experts(x, ids, weights, step, side)
+        return out if shared is None else out + shared
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's term [T, H], its sigmoid gate applied."""
+        shared = self.shared(x)  # [T, H]
+        gate = self.lw.shared_gate
+        return shared if gate is None else torch.sigmoid(linear(x, gate, None, self.bf16)) * shared
 
 
 class Experts:
@@ -52,8 +55,11 @@ class Experts:
         self.compute, self.kernels, self.workspace = b.compute, b.kernels, b.workspace
         self.math = b.expert_math[b.store.layout.format(L)]  # the format's math (layers/experts.py)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, H], ids/weights [T, K] -> [T, H]. Expert-major: the rows routed to each expert are gathered once
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step,
+                 side=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, H], ids/weights [T, K] -> ([T, H], side()). `side` (the shared expert's term, or None) runs
+        once the first pass's misses are queued, so its math overlaps their reads instead of following them (the
+        same ops on the same inputs: the same bits). Expert-major: the rows routed to each expert are gathered once
         into one expert-sorted block of T*K rows (plus zero rows padding GEMMs, GEMM_ROW_STEP), each expert runs
         once on its contiguous slice (its bytes read once for the whole chunk; experts come from the store in passes
         of at most `store.max_batch`, the ones in memory first, the rest as their reads land), each output
@@ -61,8 +67,9 @@ class Experts:
         expert id among the token's k)) are added in ascending id, each from zeros: bitwise what the decode path
         (and an index_add_ per expert) computes, whatever order the experts ran in."""
         T, K = ids.shape
+        side_out: list = [None]
         if T == 1:
-            return self._one_token(x, ids, weights, torch.zeros_like(x))
+            return self._one_token(x, ids, weights, torch.zeros_like(x), side, side_out), side_out[0]
         ranked, rank_of = torch.sort(ids, dim=1, stable=True)  # [T, K]: each token's ids ascending
         flat = ranked.flatten()  # [T*K], row t*K + r = token t's r-th smallest expert id
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens ascending within one
@@ -95,23 +102,24 @@ class Experts:
         else:  # padding rows read the zero row appended to x
             src = torch.full((n_rows,), T, dtype=torch.long).index_copy_(0, rows, order // K)
             torch.index_select(torch.cat([x, x.new_zeros(1, x.shape[1])]), 0, src, out=ys)
-        self._run(eids, starts, padded, x, ys, coded, tok, step)
+        self._run(eids, starts, padded, x, ys, coded, tok, step, side, side_out)
         w = torch.gather(weights, 1, rank_of).flatten()[order]  # [T*K] each sorted row's routing weight
         if n_rows != T * K:  # padding rows weigh nothing and are never summed
             w = torch.zeros(n_rows, dtype=w.dtype).index_copy_(0, rows, w)
         at = torch.empty_like(order).index_copy_(0, order, rows).view(T, K)  # (token, rank) -> row
         if native.available() and x.dtype is torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32):
             # the lines below in one call over the pool, the same bits (tests/quant/test_ops.py)
-            return ops.combine_rows_bf16(ys, w, at, torch.empty_like(x), path=self.compute.path)
+            return ops.combine_rows_bf16(ys, w, at, torch.empty_like(x), path=self.compute.path), side_out[0]
         ys.mul_(w[:, None])  # y * w rounded to x.dtype once per element, as (ys * w).to(x.dtype) and T == 1 do
         out, part = torch.zeros_like(x), torch.empty_like(x)  # [T, H] each
         for r in range(K):
             out += torch.index_select(ys, 0, at[:, r], out=part)
-        return out
+        return out, side_out[0]
 
     def _run(self, eids: list[int], starts: list[int], padded: list[int], x: torch.Tensor, ys: torch.Tensor,
-             coded, tok: torch.Tensor, step: Step) -> None:
-        """Each expert of eids on its rows of the block ys (in place), the store's passes of at most max_batch."""
+             coded, tok: torch.Tensor, step: Step, side, side_out: list) -> None:
+        """Each expert of eids on its rows of the block ys (in place), the store's passes of at most max_batch;
+        side() into side_out[0] once the first pass's reads are queued."""
         L, math, store = self.L, self.math, self.store
         pass_size = max(1, store.max_batch)
         guess, step.prompt_guess = step.prompt_guess, None
@@ -119,6 +127,8 @@ class Experts:
             chunk = eids[c0 : c0 + pass_size]
             batch = store.acquire(L, chunk)
             try:
+                if side is not None and c0 == 0:
+                    side_out[0] = side()
                 if guess is not None and len(eids) <= pass_size:  # one pass: the other slots may take the next layer's
                     store.prefetch(*guess, prompt=True)
                 for j in sorted(range(len(chunk)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
@@ -133,8 +143,8 @@ class Experts:
             finally:
                 store.release(L)
 
-    def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   out: torch.Tensor) -> torch.Tensor:
+    def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                   side=None, side_out: list | None = None) -> torch.Tensor:
         """Decode (T == 1): the same arithmetic as the grouped path (ascending ids, y * w, add into zeros) without
         the grouping ops, which cost ~0.5 ms of Python per layer (profiled on a 16-layer model).
 
@@ -154,6 +164,8 @@ class Experts:
             pos = order[c0 : c0 + pass_size]
             batch = store.acquire(L, [ids_l[k] for k in pos])
             try:
+                if side is not None and c0 == 0:  # the misses' reads are queued: the shared expert meanwhile
+                    side_out[0] = side()
                 todo = sorted(range(len(pos)), key=lambda j: not batch.ready(j))  # stable: ready ones first
                 if batch.gate_up is None and batch.packed is None and math.one_call(1):
                     xf = x.float().contiguous() if xf is None else xf  # [1, H]

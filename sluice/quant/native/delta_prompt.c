@@ -344,3 +344,112 @@ int sluice_delta_prompt(int64_t T, int64_t nK, int64_t Hv, int64_t Dk, int64_t D
     if (T > 0) pool_run(key_task, &c, nK);
     return c.failed ? -1 : 0;
 }
+
+/* ---- the causal conv before the rule, over a prompt ----
+ * The depthwise conv of K taps over C channels with silu, token by token what deltanet.c's conv step does for one:
+ * y[t, c] = x(silu(x(sum_j w[c, j] seq[c, t + j]))), the taps in order from 0 (acc = 0, then acc + w s each), seq =
+ * the channel's last K - 1 inputs (st) followed by the prompt's; st then holds the last K - 1 inputs (as bits). In
+ * place of the torch steps' transposing concatenation, conv1d, silu and the copies back to token rows (~2 s of a
+ * 2,048-token prompt's 14 on the issue-30 model: `benchmarks/results/hybrid/step_profile.py prompt`). Channels go
+ * over the pool in blocks of CONV_BLOCK, each block through every token; AVX2 does 8 channels a vector (the AVX-512
+ * kernel runs it too), the portable code one: the same operations per channel, so the same bits. */
+#define CONV_BLOCK 256
+#define CONV_MAX_K 8  /* taps a kernel may have (Qwen3.5 / Qwen3-Next: 4) */
+
+typedef struct {
+    int64_t T, C, K, ldx;
+    const void *x, *w;
+    void *st, *out;
+    int bf16, simd;
+} conv_ctx;
+
+/* channels [c0, c1) of token row t: taps from hist (float32 [K - 1][CONV_BLOCK], the block's state as rows) while
+ * t + j < K - 1, then from x's rows */
+static void conv_cols(const conv_ctx *a, int64_t t, int64_t c0, int64_t c1, const float *hist, const float *wt,
+                      int64_t cb) {
+    const int64_t K = a->K;
+    for (int64_t c = c0; c < c1; c++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t m = t + j;  /* seq's column: < K - 1 the state */
+            const float s = m < K - 1 ? hist[m * CONV_BLOCK + (c - cb)] : load_x(a->x, (m - (K - 1)) * a->ldx + c, a->bf16);
+            acc = acc + wt[j * CONV_BLOCK + (c - cb)] * s;
+        }
+        const float y = round_x(acc, a->bf16), o = y / (1.0f + exp_poly(-y));
+        if (a->bf16)
+            ((uint16_t *)a->out)[t * a->C + c] = bf16_round(o);
+        else
+            ((float *)a->out)[t * a->C + c] = o;
+    }
+}
+
+#if SLUICE_X86
+/* 8 values of a row in the model's dtype from element i, as float32 */
+AVX2_INLINE __m256 load8_x(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+AVX2 static int64_t conv_avx2(const conv_ctx *a, int64_t t, int64_t c0, int64_t c1, const float *hist,
+                              const float *wt, int64_t cb) {
+    const int64_t K = a->K;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t m = t + j;
+            const __m256 s = m < K - 1 ? _mm256_loadu_ps(hist + m * CONV_BLOCK + (c - cb))
+                                       : load8_x(a->x, (m - (K - 1)) * a->ldx + c, a->bf16);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(wt + j * CONV_BLOCK + (c - cb)), s));
+        }
+        const __m256 y = a->bf16 ? bf16_rounded8(acc) : acc;
+        const __m256 o = _mm256_div_ps(y, _mm256_add_ps(one, exp_poly8(_mm256_xor_ps(y, sign))));
+        if (a->bf16)
+            store_bf16x8((uint16_t *)a->out + t * a->C + c, o);
+        else
+            _mm256_storeu_ps((float *)a->out + t * a->C + c, o);
+    }
+    return c;
+}
+#endif
+
+static void conv_task(void *p, int64_t i) {
+    const conv_ctx *a = (const conv_ctx *)p;
+    const int64_t K = a->K, cb = i * CONV_BLOCK, ce = cb + CONV_BLOCK < a->C ? cb + CONV_BLOCK : a->C;
+    float hist[(CONV_MAX_K - 1) * CONV_BLOCK], wt[CONV_MAX_K * CONV_BLOCK];
+    for (int64_t c = cb; c < ce; c++) {
+        for (int64_t j = 0; j < K; j++) wt[j * CONV_BLOCK + (c - cb)] = load_x(a->w, c * K + j, a->bf16);
+        for (int64_t j = 0; j < K - 1; j++) hist[j * CONV_BLOCK + (c - cb)] = load_x(a->st, c * (K - 1) + j, a->bf16);
+    }
+    for (int64_t t = 0; t < a->T; t++) {
+        int64_t c = cb;
+#if SLUICE_X86
+        if (a->simd) c = conv_avx2(a, t, cb, ce, hist, wt, cb);
+#endif
+        conv_cols(a, t, c, ce, hist, wt, cb);
+    }
+    /* the state: the last K - 1 inputs of seq (the old state's tail when T < K - 1), moved as bits */
+    const int64_t n = K - 1, sz = a->bf16 ? 2 : 4;
+    for (int64_t c = cb; c < ce; c++) {
+        uint8_t *s = (uint8_t *)a->st + c * n * sz;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t m = a->T + j;  /* seq's column m, for the new state's column j */
+            if (m < n)
+                memmove(s + j * sz, s + m * sz, (size_t)sz);
+            else
+                memcpy(s + j * sz, (const uint8_t *)a->x + ((m - n) * a->ldx + c) * sz, (size_t)sz);
+        }
+    }
+}
+
+/* The conv over T tokens: x [T, C] (token stride ldx, in elements), w [C, K], st [C, K - 1] (updated in place), out
+ * [T, C] contiguous, all in the model's dtype (bf16: 1 bf16, 0 float32); kernel as sluice_delta_prompt's. Returns 0,
+ * or -2 when K is not within 1..CONV_MAX_K. */
+int sluice_conv_prompt(int64_t T, int64_t C, int64_t K, const void *x, int64_t ldx, const void *w, void *st,
+                       void *out, int bf16, int kernel) {
+    if (K < 1 || K > CONV_MAX_K) return -2;
+    const int best = sluice_deltanet_kernel(0), k = kernel < best ? kernel : best;
+    conv_ctx c = {T, C, K, ldx, x, w, st, out, bf16 != 0, k != DN_PORTABLE};
+    if (T > 0 && C > 0) pool_run(conv_task, &c, (C + CONV_BLOCK - 1) / CONV_BLOCK);
+    return 0;
+}

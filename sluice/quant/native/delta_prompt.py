@@ -5,6 +5,7 @@ inside, on the layer's float32 state.
     rule = DeltaRulePrompt(n_k_heads, n_v_heads, k_head_dim, v_head_dim, dtype, tiled=tiled, path=path)  # per model
     rule.isa                       # its kernel, chosen once by this CPU and the path cap: "avx512", "avx2", "portable"
     o = rule(q, k, v, g, beta, state)   # chunked's arguments, q and k not repeated; state moved on in place
+    y = rule.conv(qkv, w, conv_state)   # the causal conv with silu before it; conv_state moved on in place
 
 models/layers/gated_deltanet.py calls it for a prompt (T > 1) where the model computes in float32 or bf16
 (Build.delta_prompt, Kernels.native_delta_prompt); delta_rule.chunked stays the reference and runs other dtypes
@@ -27,6 +28,8 @@ if _LIB is not None:
         + [_ptr, _i64, _ptr, _i64, _ptr, _i64]  # q, ldq, k, ldk, v, ldv
         + [_ptr, _ptr, _ptr, _ptr, _i32])  # g, beta, state, out, kernel
     _LIB.sluice_delta_prompt.restype = _i32
+    _LIB.sluice_conv_prompt.argtypes = [_i64] * 3 + [_ptr, _i64, _ptr, _ptr, _ptr, _i32, _i32]
+    _LIB.sluice_conv_prompt.restype = _i32
 
 
 def _checked(t, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -84,4 +87,23 @@ class DeltaRulePrompt:
                                     beta.data_ptr(), state.data_ptr(), out.data_ptr(), self.kernel):
             raise MemoryError("DeltaRulePrompt: no memory for a thread's block scratch (~260 KiB); the layer's state "
                               "is now partly moved on: start the prompt again at position 0")
+        return out
+
+    def conv(self, qkv: torch.Tensor, w: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise conv before the rule, with silu (delta_prompt.c sluice_conv_prompt, the decode
+        step's arithmetic token by token): qkv [T, C] (rows with any stride), w [C, 1, K] and state [C, K - 1] (the
+        layer's last K - 1 inputs, moved past the T tokens in place) in the dtype -> [T, C] in the dtype."""
+        x = self.dtype
+        C, K = (w.shape[0], w.shape[2]) if isinstance(w, torch.Tensor) and w.dim() == 3 else (-1, -1)
+        T = qkv.shape[0] if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else -1
+        w = _checked(w, "conv weight", x, (C, 1, K))
+        qkv = _checked(qkv, "qkv", x, (T, C))
+        if not _checked(state, "conv state", x, (C, K - 1)).is_contiguous() or not w.is_contiguous():
+            raise ValueError("DeltaRulePrompt.conv: the conv's weight and state must be contiguous")
+        if qkv.stride(1) != 1:
+            qkv = qkv.contiguous()
+        out = torch.empty(T, C, dtype=x)
+        if _LIB.sluice_conv_prompt(T, C, K, qkv.data_ptr(), qkv.stride(0), w.data_ptr(), state.data_ptr(),
+                                   out.data_ptr(), int(x is torch.bfloat16), self.kernel):
+            raise ValueError(f"DeltaRulePrompt.conv: a conv of {K} taps; the native conv takes 1 to 8")
         return out
