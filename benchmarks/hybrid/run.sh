@@ -18,7 +18,7 @@
 #   resident  no ceiling, warm, 2 threads each: decode with everything in memory
 #
 #   bash benchmarks/hybrid/run.sh   # ROUNDS=3 STEPS=8 WARMUP=2 CEILING=1GiB MEMORY=640MiB PROMPT_MEMORY=384MiB
-#                                   # SETS="decode prefill resident"
+#                                   # SETS="decode prefill resident" PEERS=all|norepack
 #   ISA=avx2 bash benchmarks/hybrid/run.sh # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
 #                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama.cpp built for
 #                                          # AVX2 (peers/setup.sh AVX2=1); results in <set>-avx2
@@ -49,6 +49,9 @@ mkdir -p "$OUT"; "${SLUICE[@]}" inspect "$Q" --memory "$MEMORY" > "$OUT/inspect$
 
 LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
        --arm llama.cpp+random="peer:llama.cpp --madvise random")
+# PEERS=norepack: the 1 GiB sets with repacking off alone (the defaults and MADV_RANDOM were OOM-killed in every
+# round of every 1 GiB run so far: results/hybrid/README.md); the verdicts then compare with that arm
+[ "${PEERS:-all}" = norepack ] && LLAMA=(--arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts")
 bench() {  # bench OUTDIR bench-args...
   local dir=$1; shift
   echo "== $Q -> $dir ($(date -u +%H:%M:%S))"

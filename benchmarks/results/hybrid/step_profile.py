@@ -49,4 +49,4 @@ else:
     pr.enable()
     list(m.generate_tokens(ids, max_tokens=n, temperature=0.0))
     pr.disable()
-pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+pstats.Stats(pr).sort_stats(sys.argv[2] if len(sys.argv) > 2 else "tottime").print_stats(int(sys.argv[3]) if len(sys.argv) > 3 else 25)
