@@ -102,7 +102,7 @@ class DeltaNetSpec:
         [C, C] decay, in-block and score matrices (3 C). native (the conv and the rule in native calls, whose blocks
         live in per-thread scratch): the conv's output and the rule's (compute dtype) and the gated norm's float32
         temporaries (4 Dv a value head). At Qwen3.5's shapes, bf16: 232 / 88 KiB; measured (peak RSS growth over a
-        slice, `benchmarks/results/hybrid/delta_prompt_memory.py`) 265 / 103 KiB."""
+        slice, `benchmarks/results/hybrid/delta_prompt_memory.py`, 3 processes each, two runs) 207-296 / 79-104 KiB."""
         if native:
             return itemsize * (self.conv_dim + self.value_dim) + 4 * 4 * self.value_dim
         floats = self.n_v_heads * (6 * self.k_head_dim + 4 * self.v_head_dim + 3 * DELTA_CHUNK)

@@ -104,7 +104,7 @@ def prefill_fixed_bytes(spec, itemsize: int, native: bool = False) -> int:
     """Peak RSS a prefill pass's activations take whatever its length: a Gated DeltaNet layer runs a long pass in
     slices of a fixed number of tokens (models/spec.py DELTA_SLICE), its steps' live bytes held for one slice at a
     time (DeltaNetSpec.prompt_bytes_per_token: the torch steps' float32 blocks, ~232 KiB a token at Qwen3.5's shapes,
-    or with `native` the native conv and rule's outputs, ~88; measured 265 / 103)."""
+    or with `native` the native conv and rule's outputs, ~88; measured 207-296 / 79-104: delta_prompt_memory.txt)."""
     return 0 if spec.delta is None else ALLOCATOR_FACTOR * spec.delta.prompt_slice_bytes(itemsize, native)
 
 
