@@ -33,6 +33,7 @@ from .models.spec import KVCache, Spec
 from .models.tables import ple_tables
 from .options import LoadOptions, format_bytes
 from .quant import native
+from .quant.native import deltanet
 from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
                            activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_fixed_bytes,
                            prefill_token_bytes, prefill_tokens_per_chunk, reserve_left)
@@ -134,8 +135,9 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
     # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
     odirect = _odirect(options, memory, left, layout, kv_bytes)
+    native_delta = _native_delta(dtype)
     chunk, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout, resident_bytes,
-                                      kv_bytes, odirect, held, _native_delta(dtype))
+                                      kv_bytes, odirect, held, native_delta)
     threads = options.threads or usable_cpus()
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
@@ -143,7 +145,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
         prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, ple_tables=tables, ple=ple,
         ple_bytes=table_bytes, ple_why=ple_why, memory=memory,
-        prefill_bytes=(prefill_fixed_bytes(spec, itemsize, _native_delta(dtype))
+        prefill_bytes=(prefill_fixed_bytes(spec, itemsize, native_delta)
                        + chunk * prefill_token_bytes(spec, itemsize, max_context)),
         memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
@@ -204,7 +206,7 @@ def _odirect(options: LoadOptions, memory: int | None, room: MemoryRoom, layout:
 def _native_delta(dtype) -> bool:
     """Whether a Gated DeltaNet prompt's conv and rule will run natively (models/layers/build.py
     Build._native_delta_prompt's test, as far as the plan knows it: the extension and a dtype it computes in)."""
-    return native.available() and dtype in (torch.float32, torch.bfloat16)
+    return native.available() and dtype in deltanet.DTYPES
 
 
 def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context: int, room: MemoryRoom,

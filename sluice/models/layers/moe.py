@@ -67,9 +67,8 @@ class Experts:
         expert id among the token's k)) are added in ascending id, each from zeros: bitwise what the decode path
         (and an index_add_ per expert) computes, whatever order the experts ran in."""
         T, K = ids.shape
-        side_out: list = [None]
         if T == 1:
-            return self._one_token(x, ids, weights, torch.zeros_like(x), side, side_out), side_out[0]
+            return self._one_token(x, ids, weights, torch.zeros_like(x), side)
         ranked, rank_of = torch.sort(ids, dim=1, stable=True)  # [T, K]: each token's ids ascending
         flat = ranked.flatten()  # [T*K], row t*K + r = token t's r-th smallest expert id
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens ascending within one
@@ -102,25 +101,26 @@ class Experts:
         else:  # padding rows read the zero row appended to x
             src = torch.full((n_rows,), T, dtype=torch.long).index_copy_(0, rows, order // K)
             torch.index_select(torch.cat([x, x.new_zeros(1, x.shape[1])]), 0, src, out=ys)
-        self._run(eids, starts, padded, x, ys, coded, tok, step, side, side_out)
+        side_term = self._run(eids, starts, padded, x, ys, coded, tok, step, side)
         w = torch.gather(weights, 1, rank_of).flatten()[order]  # [T*K] each sorted row's routing weight
         if n_rows != T * K:  # padding rows weigh nothing and are never summed
             w = torch.zeros(n_rows, dtype=w.dtype).index_copy_(0, rows, w)
         at = torch.empty_like(order).index_copy_(0, order, rows).view(T, K)  # (token, rank) -> row
         if native.available() and x.dtype is torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32):
             # the lines below in one call over the pool, the same bits (tests/quant/test_ops.py)
-            return ops.combine_rows_bf16(ys, w, at, torch.empty_like(x), path=self.compute.path), side_out[0]
+            return ops.combine_rows_bf16(ys, w, at, torch.empty_like(x), path=self.compute.path), side_term
         ys.mul_(w[:, None])  # y * w rounded to x.dtype once per element, as (ys * w).to(x.dtype) and T == 1 do
         out, part = torch.zeros_like(x), torch.empty_like(x)  # [T, H] each
         for r in range(K):
             out += torch.index_select(ys, 0, at[:, r], out=part)
-        return out, side_out[0]
+        return out, side_term
 
     def _run(self, eids: list[int], starts: list[int], padded: list[int], x: torch.Tensor, ys: torch.Tensor,
-             coded, tok: torch.Tensor, step: Step, side, side_out: list) -> None:
+             coded, tok: torch.Tensor, step: Step, side) -> torch.Tensor | None:
         """Each expert of eids on its rows of the block ys (in place), the store's passes of at most max_batch;
-        side() into side_out[0] once the first pass's reads are queued."""
+        returns side(), run once the first pass's reads are queued (None without a side)."""
         L, math, store = self.L, self.math, self.store
+        side_term = None
         pass_size = max(1, store.max_batch)
         guess, step.prompt_guess = step.prompt_guess, None
         for c0 in range(0, len(eids), pass_size):
@@ -128,7 +128,7 @@ class Experts:
             batch = store.acquire(L, chunk)
             try:
                 if side is not None and c0 == 0:
-                    side_out[0] = side()
+                    side_term = side()
                 if guess is not None and len(eids) <= pass_size:  # one pass: the other slots may take the next layer's
                     store.prefetch(*guess, prompt=True)
                 for j in sorted(range(len(chunk)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
@@ -142,9 +142,10 @@ class Experts:
                         ys[a : a + n] = math(batch, j, x[tok[a : a + n]])
             finally:
                 store.release(L)
+        return side_term
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                   side=None, side_out: list | None = None) -> torch.Tensor:
+                   side=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode (T == 1): the same arithmetic as the grouped path (ascending ids, y * w, add into zeros) without
         the grouping ops, which cost ~0.5 ms of Python per layer (profiled on a 16-layer model).
 
@@ -153,19 +154,20 @@ class Experts:
         result is bitwise the same whatever the disk's timing. Experts that run as one native call each
         (GluMath.one_call) go to the native code together: those already in memory in one call, the others one
         call each as they land, the rows of every call split over the native threads (_native); the sum is the
-        same, in the same order.
+        same, in the same order. Returns (out, side()), side run as in __call__.
         """
         L, store, math = self.L, self.store, self.math
         ids_l = ids[0].tolist()
         order = sorted(range(len(ids_l)), key=ids_l.__getitem__)  # top-k positions by ascending expert id
         pass_size = max(1, store.max_batch)
         xf = None  # x in float32, for the one-call native experts
+        side_term = None
         for c0 in range(0, len(order), pass_size):
             pos = order[c0 : c0 + pass_size]
             batch = store.acquire(L, [ids_l[k] for k in pos])
             try:
                 if side is not None and c0 == 0:  # the misses' reads are queued: the shared expert meanwhile
-                    side_out[0] = side()
+                    side_term = side()
                 todo = sorted(range(len(pos)), key=lambda j: not batch.ready(j))  # stable: ready ones first
                 if batch.gate_up is None and batch.packed is None and math.one_call(1):
                     xf = x.float().contiguous() if xf is None else xf  # [1, H]
@@ -186,7 +188,7 @@ class Experts:
                     out += y.to(out.dtype)
             finally:
                 store.release(L)
-        return out
+        return out, side_term
 
     def _native(self, batch, todo: list[int], xf: torch.Tensor) -> torch.Tensor:
         """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32 (row j = expert j).
