@@ -97,3 +97,42 @@ def test_other_tap_counts_and_bad_arguments():
                        ("conv state", (qkv, w, state[:, :2]))):
         with pytest.raises(ValueError, match=f"DeltaRulePrompt: {name} must be"):
             rule.conv(*args)
+
+
+def _mixers(model):
+    """The model's GatedDeltaNet mixers (searched through its layers' attributes)."""
+    from sluice.models.layers.gated_deltanet import GatedDeltaNet
+
+    found, todo, seen = [], list(model.layers), set()
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (torch.Tensor, str, int, float, type(None))):
+            continue
+        seen.add(id(o))
+        if isinstance(o, GatedDeltaNet):
+            found.append(o)
+        elif hasattr(o, "__dict__"):
+            todo += list(vars(o).values())
+    return found
+
+
+@pytest.mark.parametrize("taps", [4, 9])
+def test_a_model_runs_the_native_conv_up_to_its_tap_limit(tmp_path, taps):
+    """A checkpoint whose conv has more taps than the native conv takes keeps the torch steps (a clean run, not the
+    kernel's refusal mid-prompt); either way its float32 prompt logits are the torch conv's to float32 rounding."""
+    import sluice
+    from sluice.models.layers.build import Kernels
+    from sluice.quant.native.delta_prompt import CONV_MAX_TAPS
+    from tests.models.tiny import hf_model, write_checkpoint
+
+    folder = write_checkpoint(hf_model("qwen3_next", linear_conv_kernel_dim=taps), tmp_path, "per_expert")
+    ids = torch.tensor(list(range(3, 83)))
+    with sluice.load(folder) as m:
+        fast = m.model
+        mixers = _mixers(fast)
+        assert mixers and all(mx.native_conv is (taps <= CONV_MAX_TAPS) for mx in mixers)
+        slow = fast.rebuilt(Kernels(native_delta_prompt=False))
+        assert not any(mx.native_conv for mx in _mixers(slow))
+        with torch.inference_mode():
+            a, b = (tm.logits(tm.forward(ids, 0)).float() for tm in (fast, slow))
+    assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ...quant.linear import Q8_MAX_ROWS, QuantLinear
+from ...quant.native import delta_prompt
 from ..linear import linear
 from ..spec import DELTA_SLICE
 from . import delta_rule
@@ -53,9 +54,11 @@ class GatedDeltaNet:
         # heads in the spec's order itself), else the torch steps of delta_rule.chunked
         self.native_prompt = b.delta_prompt
         # the conv before it natively too (the rule's object runs it: Build chose both), where its weight and state are
-        # in the dtype the rule computes in and the conv's activation is silu (the native conv's)
+        # in the dtype the rule computes in, the conv's activation is silu (the native conv's) and its taps at most
+        # CONV_MAX_TAPS (more keep the torch steps)
         self.native_conv = (b.delta_prompt is not None and b.act is F.silu
-                            and self.w.conv.dtype is self.cache.conv.dtype is b.delta_prompt.dtype)
+                            and self.w.conv.dtype is self.cache.conv.dtype is b.delta_prompt.dtype
+                            and self.w.conv.shape[-1] <= delta_prompt.CONV_MAX_TAPS)
         self.prompt_rule, self.decode_rule = b.delta_prompt or delta_rule.chunked, delta_rule.recurrent
         # kept-quantized input projections at decode: one native call, x quantized once, their rows over the native
         # threads, bitwise what separate QuantLinear calls give (as Attention's q / k / v); 4 -> 1 call per layer

@@ -32,6 +32,9 @@ if _LIB is not None:
     _LIB.sluice_conv_prompt.restype = _i32
 
 
+CONV_MAX_TAPS = 8  # delta_prompt.c CONV_MAX_K: the taps the native conv takes (Qwen3.5 / Qwen3-Next: 4)
+
+
 def _checked(t, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """t, after checking it is a CPU tensor of `dtype` and `shape` (ValueError naming it)."""
     if not (isinstance(t, torch.Tensor) and t.dtype is dtype and t.device.type == "cpu" and tuple(t.shape) == shape):
@@ -105,5 +108,5 @@ class DeltaRulePrompt:
         out = torch.empty(T, C, dtype=x)
         if _LIB.sluice_conv_prompt(T, C, K, qkv.data_ptr(), qkv.stride(0), w.data_ptr(), state.data_ptr(),
                                    out.data_ptr(), int(x is torch.bfloat16), self.kernel):
-            raise ValueError(f"DeltaRulePrompt.conv: a conv of {K} taps; the native conv takes 1 to 8")
+            raise ValueError(f"DeltaRulePrompt.conv: a conv of {K} taps; the native conv takes 1 to {CONV_MAX_TAPS}")
         return out
