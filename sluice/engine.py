@@ -62,7 +62,8 @@ class Model:
         keep_heap(p.prefill_bytes)  # process-wide: a prefill's blocks stay in the heap (host/memory.py)
         self.governor = ThreadGovernor(p.threads, set_threads=self._set_threads) if p.governed else None
         self.cache = KVCache(s, p.max_context, self.dtype)  # torch.empty: costs nothing until positions are written
-        self.reader = make_reader(p.options.io, workers=p.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect)
+        self.reader = make_reader(p.options.io, workers=p.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect,
+                                  engine=p.options.io_engine)
         # read each weight file only as the version whose header was read: a shard replaced, truncated or rewritten
         # while the model runs is a CheckpointError naming it (io/base.py FileGuard), not a SIGBUS or wrong bytes
         self.reader.expect(self.index.stamps())
@@ -142,7 +143,8 @@ class Model:
         else:
             if self._row_reader is None:
                 workers = self.options.io_workers or (ROW_WORKERS if mode == "direct" else DEFAULT_WORKERS)
-                self._row_reader = make_reader(mode, workers=workers, odirect=self.odirect)
+                self._row_reader = make_reader(mode, workers=workers, odirect=self.odirect,
+                                               engine=self.options.io_engine)
                 self._row_reader.expect(self.index.stamps())
                 self._own_readers.append(self._row_reader)
             reader = self._row_reader
@@ -425,7 +427,7 @@ def load(path: str | os.PathLike, *, progress: bool = False, **options) -> Model
     """Load an MoE checkpoint: a Hugging Face or MLX folder, or a .gguf file.
 
     Options (see `LoadOptions`): memory ("auto" (default), "all" / None = resident, bytes or "4GiB"), io ("mmap" |
-    "willneed" | "direct"), io_workers, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context,
+    "willneed" | "direct"), io_workers, io_engine, odirect, dtype ("auto" | "float32" | "bfloat16" | "float16"), max_context,
     prefill_chunk, threads, embeddings, ple, prefetch, prefetch_margin, prompt_prefetch, overlap.
     `sluice.plan.plan(path, options)` shows what a load would decide without reading weights.
     """

@@ -154,6 +154,13 @@ class LoadOptions:
         0, metavar="N", least=0, most=MAX_IO_WORKERS, most_why="the disk saturates at ~8 reads in flight",
         shown=f"measured: {DEFAULT_WORKERS} for experts, {ROW_WORKERS} for n-gram table rows",
         help=f"direct-read threads of each pool, at most {MAX_IO_WORKERS}", doc="direct-read threads (both pools)")
+    # io_engine auto: preader.c's threads where the extension is built (io/native_pool.py: no GIL on the read path)
+    io_engine: str = option(
+        "auto", choices=("auto", "native", "python"), shown="auto (native where built)",
+        help="who runs the direct reads: C threads (native) or Python threads; auto = native where it is built",
+        doc="who runs `--io direct`'s reads: C threads that never take the GIL (`native`), or Python threads "
+            "(`python`, the reader before them); `auto`: native where the extension built. The same bytes land "
+            "either way")
     # odirect None = auto (engine.py): O_DIRECT when streaming and the experts cannot fit in the memory left beside
     # the budget either (then page cache only adds a copy and constant reclaim: buffered reads measured 1.3-1.6x
     # slower in every benchmark under a ceiling), buffered otherwise (a roomy box keeps the model in page cache after

@@ -32,7 +32,8 @@ def unbuilt_message(compiler: str | None) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from sluice.io import native_pool
     from sluice.quant import native
 
-    if not native.native_available():
+    if not native.native_available() or not native_pool.available():
         raise pytest.UsageError(unbuilt_message(c_compiler()))

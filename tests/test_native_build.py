@@ -14,14 +14,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHILD = ("import sys; sys.modules['sluice.quant.native._kernels'] = None; import pytest; "
+CHILD = ("import sys; sys.modules[{module!r}] = None; import pytest; "
          "sys.exit(pytest.main(['-p', 'no:cacheprovider', '--collect-only', 'tests/test_options.py']))")
 
 
-def run_without_the_extension(cc: str) -> subprocess.CompletedProcess:
+def run_without_the_extension(cc: str, module: str = "sluice.quant.native._kernels") -> subprocess.CompletedProcess:
     env = {**os.environ, "CC": cc}
-    return subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-c", CHILD.format(module=module)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_without_the_native_reader_fails_too():
+    """The direct reader's C workers (sluice/io/preader.c) are the other half of the build: without them the run
+    stops with the same line."""
+    r = run_without_the_extension("/nonexistent/cc", "sluice.io._preader")
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout + r.stderr
+    assert "sluice's native kernels did not build" in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("cc, says", [

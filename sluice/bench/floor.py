@@ -35,9 +35,10 @@ Batch = list  # [reader index, [[file index, offset, nbytes], ...]]
 
 def reader_spec(reader) -> dict[str, Any]:
     """What io.make_reader needs to make a reader like `reader`: its mode, and for the direct reader its workers
-    and whether it asked for O_DIRECT (a filesystem that refuses O_DIRECT refuses the replay's too)."""
+    and whether it asked for O_DIRECT (a filesystem that refuses O_DIRECT refuses the replay's too), and who ran
+    its reads (C or Python threads)."""
     return {"mode": reader.mode, "workers": getattr(reader, "workers", DEFAULT_WORKERS),
-            "odirect": bool(getattr(reader, "odirect", False))}
+            "odirect": bool(getattr(reader, "odirect", False)), "engine": getattr(reader, "engine", "auto")}
 
 
 def model_readers(m) -> list:
@@ -138,7 +139,8 @@ def measure(plan: dict[str, Any], journal: list | None = None) -> dict[str, Any]
     receives every batch the replay's readers plan (the tests compare it with the plan)."""
     files = plan["files"]
     resident_before = _resident_fraction(files)
-    readers = [make_reader(s["mode"], workers=s["workers"], odirect=s["odirect"]) for s in plan["readers"]]
+    readers = [make_reader(s["mode"], workers=s["workers"], odirect=s["odirect"], engine=s.get("engine", "auto"))
+               for s in plan["readers"]]
     largest = max((n for part in [plan["prefill"], *plan["steps"]] for _, r in part for _, _, n in r), default=0)
     # one destination for every read: the bytes are not kept, and a 1-2 GB prompt would not fit a ceiling twice.
     # Page-aligned (an anonymous mapping), so a read at its offset modulo ALIGN goes to the disk zero-copy

@@ -137,7 +137,8 @@ def _reader_text(spec: dict[str, Any]) -> str:
     """'direct, 8 workers, O_DIRECT' / 'mmap'."""
     if spec["mode"] != "direct":
         return spec["mode"]
-    return f"direct, {spec['workers']} workers, {'O_DIRECT' if spec['odirect'] else 'buffered'}"
+    engine = f", {spec['engine']} threads" if spec.get("engine") in ("native", "python") else ""
+    return f"direct, {spec['workers']} workers{engine}, {'O_DIRECT' if spec['odirect'] else 'buffered'}"
 
 
 def floor_table(results: dict[str, Any]) -> str:

@@ -16,14 +16,15 @@ from sluice.io.tensor import read_bytes
 MODES = ("mmap", "willneed", "direct")
 
 
-def make_reader(mode: str, workers: int = DEFAULT_WORKERS, odirect: bool = False) -> Reader:
-    """A reader for `mode` in MODES. `workers` and `odirect` apply to "direct" only."""
+def make_reader(mode: str, workers: int = DEFAULT_WORKERS, odirect: bool = False, engine: str = "auto") -> Reader:
+    """A reader for `mode` in MODES. `workers`, `odirect` and `engine` (io/direct.py ENGINES) apply to "direct"
+    only."""
     if mode == "mmap":
         return MmapReader()
     if mode == "willneed":
         return WillneedReader()
     if mode == "direct":
-        return DirectReader(workers=workers, odirect=odirect)
+        return DirectReader(workers=workers, odirect=odirect, engine=engine)
     raise ValueError(f"unknown I/O mode {mode!r}; choose one of {', '.join(MODES)}")
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from sluice.checkpoint.ref import FileStamp
 from sluice.errors import CheckpointError
+from sluice.io import native_pool
 from sluice.io.base import Counters, FileGuard, ReadFuture, Request, done_future, thread_faults
 from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, address, copy_bytes,
                                plan_reads, split_even)
@@ -51,6 +52,9 @@ from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, Rea
 # run-to-run noise (16 won run B, lost rows in run A) and cost threads on a 2-core host. O_DIRECT plateaus at
 # ~0.75 GB/s from 4 workers (its amp 1.01 vs 0.88 buffered: buffered also hits pages earlier batches cached).
 DEFAULT_WORKERS = 8
+# Who runs the reads: "native" preader.c's threads (no GIL between submission and the last byte: io/native_pool.py
+# says why), "python" threads of this module, "auto" native where it is built.
+ENGINES = ("auto", "native", "python")
 # Reads in flight for a row table's direct reads (qwen4_exp's n-gram table, `--ple direct`: a pass's thousands of
 # distinct ~100-300 byte rows, each its own 4 KiB read, one batch the model waits on): 16. The rows of a 2,140-token
 # prompt of real text (27,248 rows of 136 B, in 2 passes) replayed cold, O_DIRECT: 2.30 s at 8 workers, 2.03 at 16,
@@ -155,7 +159,9 @@ class _Pool:
     """Threads, file descriptors and counters. Holds no reference to the DirectReader, so an unclosed reader can
     still be collected (a weakref.finalize then closes the pool)."""
 
-    def __init__(self, workers: int, odirect: bool, max_gap: int, counters: Counters):
+    def __init__(self, workers: int, odirect: bool, max_gap: int, counters: Counters, native: bool = False):
+        """native: the reads run on preader.c's threads (self.native), this object only keeps the files; else on
+        `workers` Python threads."""
         self.odirect = odirect
         self.odirect_fallback = False
         self.max_gap = max_gap
@@ -165,8 +171,9 @@ class _Pool:
         self.guard = FileGuard()
         self.lock = threading.Lock()
         self.closed = False
+        self.native = native_pool.NativePool(workers, max_gap, counters) if native else None
         # daemon: a worker blocked in the queue never keeps the interpreter from exiting
-        self.threads = [
+        self.threads = [] if native else [
             threading.Thread(target=self._work, name=f"sluice-io-{i}", daemon=True) for i in range(workers)
         ]
         for t in self.threads:
@@ -291,6 +298,8 @@ class _Pool:
         for t in self.threads:
             if t is not threading.current_thread():
                 t.join()
+        if self.native is not None:  # its queued batches finish before the files close
+            self.native.close()
         for fd, _ in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -356,15 +365,22 @@ class DirectReader:
         *,
         max_gap: int = DEFAULT_MAX_GAP,
         max_read: int = DEFAULT_MAX_READ,
+        engine: str = "auto",
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        if engine == "native" and not native_pool.available():
+            raise RuntimeError("the native reader (sluice/io/preader.c) is not built: reinstall sluice with a C "
+                               "compiler, or use engine='python'")
+        self.engine = "native" if engine == "native" or (engine == "auto" and native_pool.available()) else "python"
         self.workers = workers
         self.odirect = odirect
         self._max_gap = max_gap
         self._max_read = max_read
         self._counters = Counters(self.mode)
-        self._pool = _Pool(workers, odirect, max_gap, self._counters)
+        self._pool = _Pool(workers, odirect, max_gap, self._counters, native=self.engine == "native")
         self._finalizer = weakref.finalize(self, self._pool.close)
         self._finalizer.atexit = False  # at exit the daemon workers are simply abandoned: never wait on a read
 
@@ -388,11 +404,14 @@ class DirectReader:
         with self._pool.lock:  # close() takes this lock too: no batch can be queued behind the stop sentinels
             if self._pool.closed:
                 raise RuntimeError("reader is closed")
-            for plan, fut in zip(plans, futures):
+            for i, (plan, fut) in enumerate(zip(plans, futures)):
                 self._counters.add_plan(plan)
                 chunks = split_even(plan.reads, self.workers)
                 if not chunks:
                     fut.set_result(None)
+                    continue
+                if self._pool.native is not None:
+                    futures[i] = self._pool.native.submit(chunks, self._pool.fds)
                     continue
                 batch = _Batch(fut, len(chunks))
                 for chunk in chunks:
@@ -412,6 +431,7 @@ class DirectReader:
         s = self._counters.snapshot()
         s.update(
             workers=self.workers,
+            engine=self.engine,
             odirect=self.odirect,
             odirect_fallback=self._pool.odirect_fallback,
             open_files=len(self._pool.fds),

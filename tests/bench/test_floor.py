@@ -54,7 +54,7 @@ def test_the_plan_is_what_the_readers_read_step_by_step(model_dir, capsys):
     bf16, _ = budgets(model_dir, capsys)
     prompt, tokens = [5, 17, 42, 7, 99, 3], [11, 12, 13, 14, 15, 16]
     plan, asked, stats = record(model_dir, bf16, prompt, tokens, warmup=2, io="direct", io_workers=3, odirect=True)
-    assert plan["readers"] == [{"mode": "direct", "workers": 3, "odirect": True}]
+    assert plan["readers"] == [{"mode": "direct", "workers": 3, "odirect": True, "engine": "native"}]
     assert plan["warmup"] == 2 and len(plan["steps"]) == len(tokens)
     files = plan["files"]
     assert files and all(Path(f).parent == model_dir for f in files)
@@ -89,7 +89,8 @@ def test_the_floor_replays_exactly_the_plan_cold(model_dir, capsys):
                       for part in [plan["prefill"], *plan["steps"]] for _, ranges in part)
     assert replayed == planned
     assert {p for batch in journal for p, _, _ in batch} == set(plan["files"])
-    assert got["readers"] == [{"mode": "direct", "workers": 2, "odirect": False, "odirect_fallback": False}]
+    assert got["readers"] == [{"mode": "direct", "workers": 2, "odirect": False, "engine": "native",
+                               "odirect_fallback": False}]
     timed = plan["steps"][1:]
     assert len(got["step_s"]) == 5 and got["warmup"] == 1
     assert got["window_bytes"] == sum(map(floormod.batch_bytes, timed)) > 0

@@ -22,11 +22,11 @@ SIZE = 5 * 4096 * 64 + 1234  # ~1.3 MB, deliberately not a page multiple
 READERS = {
     "mmap": lambda: make_reader("mmap"),
     "willneed": lambda: make_reader("willneed"),
-    "direct-w1": lambda: make_reader("direct", workers=1),
-    "direct-w4": lambda: make_reader("direct", workers=4),
-    "direct-w1-odirect": lambda: make_reader("direct", workers=1, odirect=True),
-    "direct-w4-odirect": lambda: make_reader("direct", workers=4, odirect=True),
+    **{f"direct-w{w}{'-odirect' if o else ''}-{e}": (lambda w=w, o=o, e=e: make_reader("direct", workers=w, odirect=o,
+                                                                                          engine=e))
+       for e in ("native", "python") for o in (False, True) for w in (1, 4)},
 }
+ENGINES = ("native", "python")
 
 
 @pytest.fixture(params=list(READERS))
@@ -134,12 +134,13 @@ def test_range_past_eof_names_file(reader, data_file, offset, nbytes):
     check(ok, data)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("odirect", [False, True])
-def test_direct_short_read_reports_range_and_size(data_file, odirect):
+def test_direct_short_read_reports_range_and_size(data_file, odirect, engine):
     """The message names the range being read (offset and length) and the file's size, not the file's end as the
     offset (issue 12, item 9)."""
     path, _ = data_file
-    with DirectReader(1, odirect=odirect) as r:
+    with DirectReader(1, odirect=odirect, engine=engine) as r:
         with pytest.raises(CheckpointError) as e:
             r.read([req(path, 0, 10), req(path, SIZE - 100, 5000)])
     msg = str(e.value)
@@ -266,21 +267,27 @@ def test_replaced_or_removed_file_keeps_old_bytes_and_warns_once(data_file, make
             r.read(reqs)
 
 
-def io_threads() -> list[threading.Thread]:
+def io_threads(engine: str) -> list:
+    """The Python reader's threads, or (native) every OS thread of this process: preader.c's have no Python
+    object."""
+    if engine == "native":
+        return os.listdir("/proc/self/task")
     return [t for t in threading.enumerate() if t.name.startswith("sluice-io-")]
 
 
-def test_pool_threads_stop_on_close(data_file):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_pool_threads_stop_on_close(data_file, engine):
     path, data = data_file
-    before = len(io_threads())
-    r = DirectReader(workers=4)
-    assert len(io_threads()) == before + 4
+    before = len(io_threads(engine))
+    r = DirectReader(workers=4, engine=engine)
+    assert r.stats()["engine"] == engine
+    assert len(io_threads(engine)) == before + 4
     reqs = [req(path, 0, SIZE)]
     fut = r.submit(reqs)
     r.close()  # queued work finishes first
     assert fut.done()
     check(reqs, data)
-    assert len(io_threads()) == before
+    assert len(io_threads(engine)) == before
     with pytest.raises(RuntimeError):
         r.read(reqs)
     r.close()  # idempotent

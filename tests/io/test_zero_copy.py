@@ -30,8 +30,18 @@ def arena():
     view.release()
 
 
+ENGINE = {"name": "auto"}  # set by the `engine` fixture: every test here runs on both readers' threads
+
+
+@pytest.fixture(params=["native", "python"], autouse=True)
+def engine(request):
+    ENGINE["name"] = request.param
+    yield request.param
+    ENGINE["name"] = "auto"
+
+
 def odirect_reader(workers: int = 1) -> DirectReader:
-    return DirectReader(workers, odirect=True)
+    return DirectReader(workers, odirect=True, engine=ENGINE["name"])
 
 
 def staged(offset: int, nbytes: int) -> int:

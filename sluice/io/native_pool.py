@@ -1,0 +1,194 @@
+"""The direct reader's workers in C (preader.c): the same reads as the Python workers of io/direct.py, with no GIL
+between a batch's submission and its last byte. DirectReader uses this pool when the extension is built (setup.py)
+and the Python one otherwise, or when asked (`engine="python"`).
+
+    pool = NativePool(workers, max_gap, counters)
+    fut = pool.submit(plan_chunks, fds)    # a ReadFuture; result() waits with the GIL released
+
+Each batch is flattened to one int64 op list (`_ops`: per read fd, odirect, offset, nbytes, overlapping, nseg; per
+segment rel, nbytes, ndests, the destinations' addresses); the future keeps the plan's buffers alive until the batch
+is over, and builds the Python reader's errors from the C status (the read that failed, errno or end of file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from sluice.errors import CheckpointError
+from sluice.io.base import Counters, ReadFuture
+from sluice.io.ranges import Read, address
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+# one wait call of result() without a timeout: long enough to cost nothing, short enough that a KeyboardInterrupt
+# (delivered between calls) is seen within it
+_WAIT_NS = 200_000_000
+
+
+def _load() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec("sluice.io._preader")
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    lib.sluice_io_open.argtypes = [_int, _i64]
+    lib.sluice_io_open.restype = _ptr
+    lib.sluice_io_threads.argtypes = [_ptr]
+    lib.sluice_io_threads.restype = _int
+    lib.sluice_io_close.argtypes = [_ptr]
+    lib.sluice_io_close.restype = None
+    lib.sluice_io_submit.argtypes = [_ptr, _ptr, _i64, _ptr, _i64]
+    lib.sluice_io_submit.restype = _ptr
+    lib.sluice_io_done.argtypes = [_ptr]
+    lib.sluice_io_done.restype = _int
+    lib.sluice_io_wait.argtypes = [_ptr, _i64]
+    lib.sluice_io_wait.restype = _int
+    lib.sluice_io_status.argtypes = [_ptr, _ptr]
+    lib.sluice_io_status.restype = None
+    lib.sluice_io_release.argtypes = [_ptr]
+    lib.sluice_io_release.restype = None
+    return lib
+
+
+LIB = _load()
+
+ERR_OS, ERR_EOF, ERR_NOMEM, ERR_BAD = 1, 2, 3, 4
+
+
+def available() -> bool:
+    """Whether preader.c is built (setup.py; optional like the kernels)."""
+    return LIB is not None
+
+
+def _ops(chunks: Sequence[Sequence[Read]],
+         fds: dict[str, tuple[int, bool]]) -> tuple[list[int], list[int], dict[int, tuple[Read, int]]]:
+    """(ops, the end of each chunk's ops, op index -> (its Read, its fd)) of a batch's chunks (preader.c's
+    layout)."""
+    ops: list[int] = []
+    ends: list[int] = []
+    at: dict[int, tuple[Read, int]] = {}
+    for chunk in chunks:
+        for r in chunk:
+            fd, direct = fds[r.path]
+            at[len(ops)] = (r, fd)
+            ops += (fd, int(direct), r.offset, r.nbytes, int(r.overlapping), len(r.segments))
+            for seg in r.segments:
+                ops += (seg.rel, seg.nbytes, len(seg.dests))
+                ops += [address(d) for d in seg.dests]
+        ends.append(len(ops))
+    return ops, ends, at
+
+
+class NativeFuture(ReadFuture):
+    """A batch in preader.c's pool: done() asks the C batch, result() waits in C (the GIL released), and the first
+    look that finds it over records its outcome (the error the Python workers would raise, the bytes copied, the
+    workers' page faults) and frees it."""
+
+    def __init__(self, counters: Counters, handle: int, at: dict[int, tuple[Read, int]], keep: object):
+        super().__init__(counters)
+        self._handle, self._at, self._keep = handle, at, keep
+        self._lock = threading.Lock()
+
+    def _finish(self) -> None:
+        """Record the outcome of an over batch (once)."""
+        with self._lock:
+            h = self._handle
+            if h is None:
+                return
+            status = (_i64 * 7)()
+            LIB.sluice_io_status(h, status)
+            LIB.sluice_io_release(h)
+            self._handle = None
+            kind, index, err, pos, copied, majflt, minflt = status
+            self._counters.add_copied(copied)
+            self._counters.add_thread_faults("sluice-io-native", majflt, minflt)
+            if kind:
+                self.set_exception(self._error(kind, index, err, pos))
+            else:
+                self.set_result(None)
+            self._at = self._keep = None  # the destinations are filled: nothing to keep alive
+
+    def _error(self, kind: int, index: int, err: int, pos: int) -> BaseException:
+        """The Python reader's error for the read at op `index`."""
+        from sluice.io.direct import _truncated  # noqa: PLC0415 - direct imports this module
+
+        r, fd = self._at[index]
+        if kind == ERR_OS:
+            return CheckpointError(f"read at offset {pos} failed: {os.strerror(err)}", file=r.path)
+        if kind == ERR_EOF:
+            return _truncated(fd, r.path, r, pos)
+        if kind == ERR_NOMEM:
+            return MemoryError(f"the native reader could not allocate its staging buffer for {r.nbytes} bytes of "
+                               f"{r.path}")
+        return CheckpointError(f"the native reader refused a read plan of {r.nbytes} bytes at offset {r.offset} "
+                               "(more buffers than preadv takes, or a gap larger than max_gap)", file=r.path)
+
+    def done(self) -> bool:
+        if super().done():
+            return True
+        h = self._handle
+        if h is not None and LIB.sluice_io_done(h):
+            self._finish()
+        return super().done()
+
+    def _wait(self, timeout: float | None) -> None:
+        h = self._handle
+        if h is None:
+            return
+        if timeout is None:
+            while not LIB.sluice_io_wait(h, _WAIT_NS):
+                pass
+        elif not LIB.sluice_io_wait(h, max(0, int(timeout * 1e9))):
+            return  # Future.result raises TimeoutError
+        self._finish()
+
+    def result(self, timeout: float | None = None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._wait(timeout)
+            return super(ReadFuture, self).result(0 if timeout is not None else None)
+        finally:
+            self._counters.add_wait(time.perf_counter() - t0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return super(ReadFuture, self).exception(0 if timeout is not None else None)
+
+    def __del__(self) -> None:
+        h = getattr(self, "_handle", None)
+        if h is not None and LIB is not None:  # dropped before anyone looked: its reads still write into the
+            LIB.sluice_io_wait(h, -1)  # destinations this future keeps alive, so they land first (bounded: reads)
+            LIB.sluice_io_release(h)
+            self._handle = None
+
+
+class NativePool:
+    """preader.c's threads for one DirectReader (never shared: two readers, two pools)."""
+
+    def __init__(self, workers: int, max_gap: int, counters: Counters):
+        self.counters = counters
+        self.handle = LIB.sluice_io_open(workers, max_gap)
+        if not self.handle:
+            raise RuntimeError(f"the native reader could not start {workers} threads")
+        self.pid = os.getpid()
+
+    def submit(self, chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, bool]]) -> NativeFuture:
+        """One batch of `chunks` (split_even's), each a task for one worker."""
+        if os.getpid() != self.pid:
+            raise RuntimeError("a reader's native threads do not survive fork(): open a new reader in the child")
+        ops, ends, at = _ops(chunks, fds)
+        arr, e = (_i64 * len(ops))(*ops), (_i64 * len(ends))(*ends)
+        h = LIB.sluice_io_submit(self.handle, arr, len(ops), e, len(ends))
+        if not h:
+            raise MemoryError("the native reader could not allocate a batch")
+        return NativeFuture(self.counters, h, at, chunks)
+
+    def close(self) -> None:
+        """Queued batches finish, then the threads stop (close() of a forked child's copy only forgets them)."""
+        h, self.handle = self.handle, None
+        if h and os.getpid() == self.pid:
+            LIB.sluice_io_close(h)

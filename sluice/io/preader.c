@@ -1,0 +1,411 @@
+/* The direct reader's workers in C: a pool of threads doing preadv straight into the destinations, with no Python
+ * and no GIL between a batch's submission and its last byte (io/native_pool.py wraps it; io/direct.py uses it).
+ *
+ * Why: the Python workers took the GIL for every read (buffers, staging copies, counters) and competed with the
+ * model's thread for it and for the CPUs. A streamed decode step of the issue-30 model (806 reads of 61 MiB per
+ * token) spent 7.5 ms of CPU per token in each of its 8 reader threads (60 ms in all, beside a 70 ms main thread,
+ * on a 2-core AMD EPYC: benchmarks/results/hybrid/stream_threads.txt), and the main thread's torch calls waited
+ * for the GIL the readers held (`.float()` 7x slower than resident: benchmarks/results/hybrid/README.md).
+ *
+ * A batch arrives as one int64 op list (the Python side flattens its read plan: io/native_pool.py `_ops`), cut into
+ * parts (one task each, the Python reader's split_even chunks); workers take tasks first to last; the batch is over
+ * when its last part is. Per read:
+ *   fd, odirect, offset, nbytes, overlapping, nseg, then per segment: rel, nbytes, ndests, dest addresses...
+ * exactly the Python reader's operations (io/direct.py _Pool._execute / _read_direct), so the same bytes land: reads
+ * into the destinations where the window allows it (O_DIRECT: whole pages whose address agrees with the file offset
+ * modulo ALIGN), everything else through a per-worker page-aligned staging buffer, duplicates copied from the first
+ * destination. The first error of a batch is kept (kind, read index, errno, file position); a part stops at it.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define ALIGN 4096
+#define MAX_IOV 1024 /* IOV_MAX on Linux; a read has at most 500 segments (ranges.MAX_SEGMENTS), 2 buffers each */
+
+enum { ERR_NONE = 0, ERR_OS = 1, ERR_EOF = 2, ERR_NOMEM = 3, ERR_BAD = 4 };
+
+typedef struct batch batch_t;
+
+typedef struct task {
+    batch_t *b;
+    const int64_t *ops, *end;
+    struct task *next;
+} task_t;
+
+struct batch {
+    atomic_int remaining; /* parts not yet over */
+    atomic_int refs;      /* the caller's reference + 1 while parts remain: the last one frees */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done;                   /* under mu */
+    atomic_int err_kind;        /* the first error wins (CAS from ERR_NONE) */
+    int64_t err_read, err_errno, err_pos;
+    atomic_llong copied, majflt, minflt;
+    int64_t *ops;
+    task_t *tasks;
+};
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    task_t *head, *tail;
+    int quit, nthreads;
+    pthread_t *tids;
+    int64_t max_gap;
+} pool_t;
+
+typedef struct { /* a worker's buffers, grown on demand */
+    uint8_t *stage;
+    int64_t stage_n;
+    uint8_t *gap;
+} scratch_t;
+
+static void batch_unref(batch_t *b) {
+    if (atomic_fetch_sub(&b->refs, 1) == 1) {
+        pthread_mutex_destroy(&b->mu);
+        pthread_cond_destroy(&b->cv);
+        free(b->ops);
+        free(b->tasks);
+        free(b);
+    }
+}
+
+static void fail(batch_t *b, int kind, int64_t read, int64_t err, int64_t pos) {
+    int none = ERR_NONE;
+    if (atomic_compare_exchange_strong(&b->err_kind, &none, kind)) {
+        b->err_read = read;
+        b->err_errno = err;
+        b->err_pos = pos;
+    }
+}
+
+static uint8_t *staging(scratch_t *s, int64_t n) {
+    if (n > s->stage_n) {
+        int64_t size = (n + ALIGN - 1) / ALIGN * ALIGN;
+        if (size < 2 * s->stage_n) size = 2 * s->stage_n;
+        free(s->stage);
+        s->stage = (uint8_t *)aligned_alloc(ALIGN, (size_t)size);
+        s->stage_n = s->stage ? size : 0;
+    }
+    return s->stage;
+}
+
+/* skip n bytes of iov[i..]: returns the first buffer not yet full, the partly filled one trimmed */
+static int advance(struct iovec *iov, int i, int nbuf, int64_t n) {
+    while (n && i < nbuf) {
+        if ((int64_t)iov[i].iov_len <= n) {
+            n -= (int64_t)iov[i].iov_len;
+            i++;
+        } else {
+            iov[i].iov_base = (uint8_t *)iov[i].iov_base + n;
+            iov[i].iov_len -= (size_t)n;
+            n = 0;
+        }
+    }
+    return i;
+}
+
+/* preadv until every buffer is full: 0, or the error kind (pos: where it happened) */
+static int preadv_full(int fd, struct iovec *iov, int nbuf, int64_t pos, int64_t *err, int64_t *at) {
+    int i = 0;
+    while (i < nbuf) {
+        ssize_t n = preadv(fd, iov + i, nbuf - i, pos);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            *at = pos;
+            return ERR_OS;
+        }
+        if (n == 0) {
+            *at = pos;
+            return ERR_EOF;
+        }
+        pos += n;
+        i = advance(iov, i, nbuf, n);
+    }
+    return 0;
+}
+
+/* one read (its op list at p, advanced past it); returns 0 or an error kind */
+static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *copied, int64_t *err,
+                    int64_t *at) {
+    const int64_t *p = *pp;
+    int fd = (int)p[0], direct = (int)p[1], overlapping = (int)p[4];
+    int64_t offset = p[2], nbytes = p[3], nseg = p[5];
+    const int64_t *seg0 = p + 6, *q = seg0;
+    for (int64_t k = 0; k < nseg; k++) q += 3 + q[2];
+    *pp = q;
+    struct iovec iov[MAX_IOV];
+    int nbuf = 0;
+    if (!direct && !overlapping) { /* zero-copy: the destinations, gaps into the gap buffer */
+        int64_t pos = 0;
+        q = seg0;
+        for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
+            if (nbuf + 2 > MAX_IOV || q[0] - pos > max_gap) return ERR_BAD;
+            if (q[0] > pos) iov[nbuf++] = (struct iovec){s->gap, (size_t)(q[0] - pos)};
+            if (q[1]) iov[nbuf++] = (struct iovec){(void *)(intptr_t)q[3], (size_t)q[1]};
+            pos = q[0] + q[1];
+        }
+        int rc = preadv_full(fd, iov, nbuf, offset, err, at);
+        if (rc) return rc;
+        q = seg0;
+        for (int64_t k = 0; k < nseg; k++, q += 3 + q[2])
+            for (int64_t d = 1; d < q[2]; d++) {
+                memcpy((void *)(intptr_t)q[3 + d], (void *)(intptr_t)q[3], (size_t)q[1]);
+                *copied += q[1];
+            }
+        return 0;
+    }
+    if (!direct) { /* overlapping segments: the window into staging, then scattered */
+        uint8_t *st = staging(s, nbytes);
+        if (!st) return ERR_NOMEM;
+        iov[0] = (struct iovec){st, (size_t)nbytes};
+        int rc = preadv_full(fd, iov, 1, offset, err, at);
+        if (rc) return rc;
+        q = seg0;
+        for (int64_t k = 0; k < nseg; k++, q += 3 + q[2])
+            for (int64_t d = 0; d < q[2]; d++) {
+                memcpy((void *)(intptr_t)q[3 + d], st + q[0], (size_t)q[1]);
+                *copied += q[1];
+            }
+        return 0;
+    }
+    /* O_DIRECT: the aligned window; a segment's whole pages straight into its first destination when that
+     * destination's address agrees with its file offset modulo ALIGN, the rest through staging */
+    int64_t start = offset - offset % ALIGN, end = offset + nbytes, need = end - start;
+    int64_t window = (need + ALIGN - 1) / ALIGN * ALIGN;
+    uint8_t *st = staging(s, window);
+    if (!st) return ERR_NOMEM;
+    int64_t pos = start;
+    q = seg0;
+    for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
+        int64_t o = offset + q[0], a = (o + ALIGN - 1) / ALIGN * ALIGN, b = (o + q[1]) / ALIGN * ALIGN;
+        intptr_t dst = (intptr_t)q[3];
+        if (overlapping || b <= a || a < pos || (((dst - o) % ALIGN) + ALIGN) % ALIGN) continue;
+        if (nbuf + 2 > MAX_IOV) return ERR_BAD;
+        if (a > pos) iov[nbuf++] = (struct iovec){st + (pos - start), (size_t)(a - pos)};
+        iov[nbuf++] = (struct iovec){(void *)(dst + (a - o)), (size_t)(b - a)};
+        pos = b;
+    }
+    if (pos < start + window) iov[nbuf++] = (struct iovec){st + (pos - start), (size_t)(start + window - pos)};
+    int i = 0;
+    pos = start;
+    while (i < nbuf) {
+        ssize_t n = preadv(fd, iov + i, nbuf - i, pos);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            *at = pos;
+            return ERR_OS;
+        }
+        pos += n;
+        if (pos - start >= need) break;
+        /* EOF: 0 bytes, or a short read off the block grid (O_DIRECT returns short only at EOF) */
+        if (n == 0 || n % ALIGN) {
+            *at = pos;
+            return ERR_EOF;
+        }
+        i = advance(iov, i, nbuf, n);
+    }
+    /* the bytes outside each direct run came through staging (the same test as above, segment by segment) */
+    pos = start;
+    q = seg0;
+    for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
+        int64_t o = offset + q[0], a = (o + ALIGN - 1) / ALIGN * ALIGN, b = (o + q[1]) / ALIGN * ALIGN;
+        intptr_t dst = (intptr_t)q[3];
+        int64_t ra = 0, rb = 0;
+        if (!(overlapping || b <= a || a < pos || (((dst - o) % ALIGN) + ALIGN) % ALIGN)) {
+            ra = a - o;
+            rb = b - o;
+            pos = b;
+        }
+        const uint8_t *src = st + (o - start);
+        if (ra > 0) memcpy((void *)dst, src, (size_t)ra);
+        if (q[1] > rb) memcpy((void *)(dst + rb), src + rb, (size_t)(q[1] - rb));
+        *copied += ra + (q[1] - rb);
+        for (int64_t d = 1; d < q[2]; d++) {
+            memcpy((void *)(intptr_t)q[3 + d], (void *)dst, (size_t)q[1]);
+            *copied += q[1];
+        }
+    }
+    return 0;
+}
+
+static void run_task(task_t *t, scratch_t *s, int64_t max_gap) {
+    batch_t *b = t->b;
+    struct rusage r0, r1;
+    getrusage(RUSAGE_THREAD, &r0);
+    int64_t copied = 0;
+    const int64_t *p = t->ops;
+    while (p < t->end && atomic_load(&b->err_kind) == ERR_NONE) {
+        const int64_t *at_read = p;
+        int64_t err = 0, at = 0;
+        int rc = one_read(&p, s, max_gap, &copied, &err, &at);
+        if (rc) fail(b, rc, (int64_t)(at_read - b->ops), err, at);
+    }
+    getrusage(RUSAGE_THREAD, &r1);
+    atomic_fetch_add(&b->copied, copied);
+    atomic_fetch_add(&b->majflt, r1.ru_majflt - r0.ru_majflt);
+    atomic_fetch_add(&b->minflt, r1.ru_minflt - r0.ru_minflt);
+    if (atomic_fetch_sub(&b->remaining, 1) == 1) {
+        pthread_mutex_lock(&b->mu);
+        b->done = 1;
+        pthread_cond_broadcast(&b->cv);
+        pthread_mutex_unlock(&b->mu);
+        batch_unref(b);
+    }
+}
+
+static void *worker(void *arg) {
+    pool_t *P = (pool_t *)arg;
+    scratch_t s = {NULL, 0, (uint8_t *)malloc((size_t)(P->max_gap > 0 ? P->max_gap : 1))};
+    for (;;) {
+        pthread_mutex_lock(&P->mu);
+        while (!P->head && !P->quit) pthread_cond_wait(&P->cv, &P->mu);
+        task_t *t = P->head;
+        if (!t) { /* quit, and nothing queued: batches queued before close() finish first */
+            pthread_mutex_unlock(&P->mu);
+            break;
+        }
+        P->head = t->next;
+        if (!P->head) P->tail = NULL;
+        pthread_mutex_unlock(&P->mu);
+        if (!s.gap) fail(t->b, ERR_NOMEM, 0, 0, 0);
+        run_task(t, &s, P->max_gap);
+    }
+    free(s.stage);
+    free(s.gap);
+    return NULL;
+}
+
+/* a pool of `workers` threads; NULL when none could start */
+void *sluice_io_open(int workers, int64_t max_gap) {
+    pool_t *P = (pool_t *)calloc(1, sizeof(pool_t));
+    if (!P || workers < 1) {
+        free(P);
+        return NULL;
+    }
+    pthread_mutex_init(&P->mu, NULL);
+    pthread_cond_init(&P->cv, NULL);
+    P->max_gap = max_gap;
+    P->tids = (pthread_t *)calloc((size_t)workers, sizeof(pthread_t));
+    for (int i = 0; P->tids && i < workers; i++) {
+        if (pthread_create(&P->tids[i], NULL, worker, P)) break;
+        P->nthreads++;
+    }
+    if (P->nthreads == 0) {
+        free(P->tids);
+        free(P);
+        return NULL;
+    }
+    return P;
+}
+
+int sluice_io_threads(void *pool) { return ((pool_t *)pool)->nthreads; }
+
+/* queued batches finish, the threads stop, the pool is freed */
+void sluice_io_close(void *pool) {
+    pool_t *P = (pool_t *)pool;
+    pthread_mutex_lock(&P->mu);
+    P->quit = 1;
+    pthread_cond_broadcast(&P->cv);
+    pthread_mutex_unlock(&P->mu);
+    for (int i = 0; i < P->nthreads; i++) pthread_join(P->tids[i], NULL);
+    pthread_mutex_destroy(&P->mu);
+    pthread_cond_destroy(&P->cv);
+    free(P->tids);
+    free(P);
+}
+
+/* a batch of `nparts` parts: ops[0 : ends[0]], ops[ends[0] : ends[1]], ... (nops in all), copied here; returns the
+ * batch (the caller's reference: sluice_io_release) or NULL without memory */
+void *sluice_io_submit(void *pool, const int64_t *ops, int64_t nops, const int64_t *ends, int64_t nparts) {
+    pool_t *P = (pool_t *)pool;
+    batch_t *b = (batch_t *)calloc(1, sizeof(batch_t));
+    if (!b) return NULL;
+    b->ops = (int64_t *)malloc((size_t)(nops > 0 ? nops : 1) * sizeof(int64_t));
+    b->tasks = (task_t *)calloc((size_t)(nparts > 0 ? nparts : 1), sizeof(task_t));
+    if (!b->ops || !b->tasks) {
+        free(b->ops);
+        free(b->tasks);
+        free(b);
+        return NULL;
+    }
+    memcpy(b->ops, ops, (size_t)nops * sizeof(int64_t));
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, NULL);
+    atomic_init(&b->err_kind, ERR_NONE);
+    atomic_init(&b->remaining, (int)nparts);
+    atomic_init(&b->refs, nparts > 0 ? 2 : 1);
+    if (nparts <= 0) {
+        b->done = 1;
+        return b;
+    }
+    int64_t a = 0;
+    for (int64_t i = 0; i < nparts; i++) {
+        b->tasks[i] = (task_t){b, b->ops + a, b->ops + ends[i], i + 1 < nparts ? &b->tasks[i + 1] : NULL};
+        a = ends[i];
+    }
+    pthread_mutex_lock(&P->mu);
+    if (P->tail)
+        P->tail->next = &b->tasks[0];
+    else
+        P->head = &b->tasks[0];
+    P->tail = &b->tasks[nparts - 1];
+    pthread_cond_broadcast(&P->cv);
+    pthread_mutex_unlock(&P->mu);
+    return b;
+}
+
+int sluice_io_done(void *batch) {
+    batch_t *b = (batch_t *)batch;
+    return atomic_load(&b->remaining) <= 0;
+}
+
+/* wait until the batch is over, at most timeout_ns (< 0: no limit); 1 when it is over */
+int sluice_io_wait(void *batch, int64_t timeout_ns) {
+    batch_t *b = (batch_t *)batch;
+    if (atomic_load(&b->remaining) <= 0) return 1;
+    pthread_mutex_lock(&b->mu);
+    if (timeout_ns < 0) {
+        while (!b->done) pthread_cond_wait(&b->cv, &b->mu);
+    } else {
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_sec += timeout_ns / 1000000000;
+        t.tv_nsec += timeout_ns % 1000000000;
+        if (t.tv_nsec >= 1000000000) {
+            t.tv_sec++;
+            t.tv_nsec -= 1000000000;
+        }
+        while (!b->done && pthread_cond_timedwait(&b->cv, &b->mu, &t) != ETIMEDOUT) {
+        }
+    }
+    int done = b->done;
+    pthread_mutex_unlock(&b->mu);
+    return done;
+}
+
+/* an over batch's outcome: out[0..5] = error kind, op index of the failed read, errno, file position, bytes copied,
+ * major faults, minor faults */
+void sluice_io_status(void *batch, int64_t *out) {
+    batch_t *b = (batch_t *)batch;
+    out[0] = atomic_load(&b->err_kind);
+    out[1] = b->err_read;
+    out[2] = b->err_errno;
+    out[3] = b->err_pos;
+    out[4] = atomic_load(&b->copied);
+    out[5] = atomic_load(&b->majflt);
+    out[6] = atomic_load(&b->minflt);
+}
+
+/* the caller's reference dropped (its parts still running keep the batch until they are over) */
+void sluice_io_release(void *batch) { batch_unref((batch_t *)batch); }
