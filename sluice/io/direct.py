@@ -404,6 +404,7 @@ class DirectReader:
         with self._pool.lock:  # close() takes this lock too: no batch can be queued behind the stop sentinels
             if self._pool.closed:
                 raise RuntimeError("reader is closed")
+            native: list[tuple[int, list[list[Read]]]] = []  # (future index, chunks): one C call for them all
             for i, (plan, fut) in enumerate(zip(plans, futures)):
                 self._counters.add_plan(plan)
                 chunks = split_even(plan.reads, self.workers)
@@ -411,11 +412,14 @@ class DirectReader:
                     fut.set_result(None)
                     continue
                 if self._pool.native is not None:
-                    futures[i] = self._pool.native.submit(chunks, self._pool.fds)
+                    native.append((i, chunks))
                     continue
                 batch = _Batch(fut, len(chunks))
                 for chunk in chunks:
                     self._pool.tasks.put((batch, chunk))
+            if native:
+                for (i, _), fut in zip(native, self._pool.native.submit([c for _, c in native], self._pool.fds)):
+                    futures[i] = fut
         return futures
 
     def read(self, requests: Sequence[Request]) -> None:

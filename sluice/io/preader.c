@@ -68,14 +68,16 @@ typedef struct { /* a worker's buffers, grown on demand */
     uint8_t *gap;
 } scratch_t;
 
+static void batch_free(batch_t *b) {
+    pthread_mutex_destroy(&b->mu);
+    pthread_cond_destroy(&b->cv);
+    free(b->ops);
+    free(b->tasks);
+    free(b);
+}
+
 static void batch_unref(batch_t *b) {
-    if (atomic_fetch_sub(&b->refs, 1) == 1) {
-        pthread_mutex_destroy(&b->mu);
-        pthread_cond_destroy(&b->cv);
-        free(b->ops);
-        free(b->tasks);
-        free(b);
-    }
+    if (atomic_fetch_sub(&b->refs, 1) == 1) batch_free(b);
 }
 
 static void fail(batch_t *b, int kind, int64_t read, int64_t err, int64_t pos) {
@@ -325,10 +327,10 @@ void sluice_io_close(void *pool) {
     free(P);
 }
 
-/* a batch of `nparts` parts: ops[0 : ends[0]], ops[ends[0] : ends[1]], ... (nops in all), copied here; returns the
- * batch (the caller's reference: sluice_io_release) or NULL without memory */
-void *sluice_io_submit(void *pool, const int64_t *ops, int64_t nops, const int64_t *ends, int64_t nparts) {
-    pool_t *P = (pool_t *)pool;
+/* a batch of `nparts` parts: ops[0 : ends[0]], ops[ends[0] : ends[1]], ... (copied here, the ends relative to
+ * ops); NULL without memory. Not queued yet. */
+static batch_t *batch_new(const int64_t *ops, const int64_t *ends, int64_t nparts) {
+    int64_t nops = nparts > 0 ? ends[nparts - 1] : 0;
     batch_t *b = (batch_t *)calloc(1, sizeof(batch_t));
     if (!b) return NULL;
     b->ops = (int64_t *)malloc((size_t)(nops > 0 ? nops : 1) * sizeof(int64_t));
@@ -345,24 +347,46 @@ void *sluice_io_submit(void *pool, const int64_t *ops, int64_t nops, const int64
     atomic_init(&b->err_kind, ERR_NONE);
     atomic_init(&b->remaining, (int)nparts);
     atomic_init(&b->refs, nparts > 0 ? 2 : 1);
-    if (nparts <= 0) {
-        b->done = 1;
-        return b;
-    }
+    b->done = nparts <= 0;
     int64_t a = 0;
     for (int64_t i = 0; i < nparts; i++) {
         b->tasks[i] = (task_t){b, b->ops + a, b->ops + ends[i], i + 1 < nparts ? &b->tasks[i + 1] : NULL};
         a = ends[i];
     }
+    return b;
+}
+
+/* `nbatches` batches in one call, queued in order behind one lock and one wake-up (a streamed decode step queues a
+ * layer's missed experts, one batch each: ~6 per layer, ~235 a token of the issue-30 model): batch k has parts[k]
+ * parts, its ops and part ends following the previous batch's in `ops` / `ends` (the ends relative to the batch's
+ * own ops). out[k]: batch k (the caller's reference: sluice_io_release). Returns 0, or -1 without memory (nothing
+ * queued, nothing to release). */
+int sluice_io_submit_many(void *pool, const int64_t *ops, const int64_t *ends, const int64_t *parts,
+                          int64_t nbatches, void **out) {
+    pool_t *P = (pool_t *)pool;
+    const int64_t *o = ops, *e = ends;
+    for (int64_t k = 0; k < nbatches; k++) {
+        out[k] = batch_new(o, e, parts[k]);
+        if (!out[k]) {
+            for (int64_t j = 0; j < k; j++) batch_free((batch_t *)out[j]);  /* none queued: nobody else holds one */
+            return -1;
+        }
+        o += parts[k] > 0 ? e[parts[k] - 1] : 0;
+        e += parts[k];
+    }
     pthread_mutex_lock(&P->mu);
-    if (P->tail)
-        P->tail->next = &b->tasks[0];
-    else
-        P->head = &b->tasks[0];
-    P->tail = &b->tasks[nparts - 1];
+    for (int64_t k = 0; k < nbatches; k++) {
+        batch_t *b = (batch_t *)out[k];
+        if (parts[k] <= 0) continue;
+        if (P->tail)
+            P->tail->next = &b->tasks[0];
+        else
+            P->head = &b->tasks[0];
+        P->tail = &b->tasks[parts[k] - 1];
+    }
     pthread_cond_broadcast(&P->cv);
     pthread_mutex_unlock(&P->mu);
-    return b;
+    return 0;
 }
 
 int sluice_io_done(void *batch) {
