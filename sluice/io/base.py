@@ -163,11 +163,7 @@ class Counters:
 
     def add_faults(self, major: int, minor: int) -> None:
         """Charge fault deltas to the calling thread."""
-        self.add_thread_faults(threading.current_thread().name, major, minor)
-
-    def add_thread_faults(self, name: str, major: int, minor: int) -> None:
-        """Charge fault deltas to the thread(s) called `name` (the native reader's workers, which Python never
-        runs)."""
+        name = threading.current_thread().name
         with self._lock:
             f = self.threads.setdefault(name, [0, 0])
             f[0] += major

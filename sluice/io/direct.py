@@ -433,6 +433,12 @@ class DirectReader:
     def stats(self) -> dict[str, Any]:
         """Counters (see Counters.snapshot) plus workers, odirect, odirect_fallback and open_files."""
         s = self._counters.snapshot()
+        if self._pool.native is not None:  # its threads count for themselves (native_pool.NativePool.counts)
+            copied, major, minor = self._pool.native.counts()
+            s["copied_bytes"] += copied
+            s["major_faults"] += major
+            s["minor_faults"] += minor
+            s["threads"]["sluice-io-native"] = {"major_faults": major, "minor_faults": minor}
         s.update(
             workers=self.workers,
             engine=self.engine,

@@ -48,18 +48,19 @@ struct batch {
     int done;                   /* under mu */
     atomic_int err_kind;        /* the first error wins (CAS from ERR_NONE) */
     int64_t err_read, err_errno, err_pos;
-    atomic_llong copied, majflt, minflt;
+    struct pool *pool;
     int64_t *ops;
     task_t *tasks;
 };
 
-typedef struct {
+typedef struct pool {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     task_t *head, *tail;
     int quit, nthreads;
     pthread_t *tids;
     int64_t max_gap;
+    atomic_llong copied, majflt, minflt; /* the reader's stats, all batches together */
 } pool_t;
 
 typedef struct { /* a worker's buffers, grown on demand */
@@ -254,9 +255,9 @@ static void run_task(task_t *t, scratch_t *s, int64_t max_gap) {
         if (rc) fail(b, rc, (int64_t)(at_read - b->ops), err, at);
     }
     getrusage(RUSAGE_THREAD, &r1);
-    atomic_fetch_add(&b->copied, copied);
-    atomic_fetch_add(&b->majflt, r1.ru_majflt - r0.ru_majflt);
-    atomic_fetch_add(&b->minflt, r1.ru_minflt - r0.ru_minflt);
+    atomic_fetch_add(&b->pool->copied, copied);
+    atomic_fetch_add(&b->pool->majflt, r1.ru_majflt - r0.ru_majflt);
+    atomic_fetch_add(&b->pool->minflt, r1.ru_minflt - r0.ru_minflt);
     if (atomic_fetch_sub(&b->remaining, 1) == 1) {
         pthread_mutex_lock(&b->mu);
         b->done = 1;
@@ -313,14 +314,17 @@ void *sluice_io_open(int workers, int64_t max_gap) {
 
 int sluice_io_threads(void *pool) { return ((pool_t *)pool)->nthreads; }
 
-/* queued batches finish, the threads stop, the pool is freed */
-void sluice_io_close(void *pool) {
+void sluice_io_counters(void *pool, int64_t *out);
+
+/* queued batches finish, the threads stop, their counters go to out[0..2] (sluice_io_counters), the pool is freed */
+void sluice_io_close(void *pool, int64_t *out) {
     pool_t *P = (pool_t *)pool;
     pthread_mutex_lock(&P->mu);
     P->quit = 1;
     pthread_cond_broadcast(&P->cv);
     pthread_mutex_unlock(&P->mu);
     for (int i = 0; i < P->nthreads; i++) pthread_join(P->tids[i], NULL);
+    sluice_io_counters(P, out);
     pthread_mutex_destroy(&P->mu);
     pthread_cond_destroy(&P->cv);
     free(P->tids);
@@ -329,7 +333,7 @@ void sluice_io_close(void *pool) {
 
 /* a batch of `nparts` parts: ops[0 : ends[0]], ops[ends[0] : ends[1]], ... (copied here, the ends relative to
  * ops); NULL without memory. Not queued yet. */
-static batch_t *batch_new(const int64_t *ops, const int64_t *ends, int64_t nparts) {
+static batch_t *batch_new(pool_t *P, const int64_t *ops, const int64_t *ends, int64_t nparts) {
     int64_t nops = nparts > 0 ? ends[nparts - 1] : 0;
     batch_t *b = (batch_t *)calloc(1, sizeof(batch_t));
     if (!b) return NULL;
@@ -342,6 +346,7 @@ static batch_t *batch_new(const int64_t *ops, const int64_t *ends, int64_t npart
         return NULL;
     }
     memcpy(b->ops, ops, (size_t)nops * sizeof(int64_t));
+    b->pool = P;
     pthread_mutex_init(&b->mu, NULL);
     pthread_cond_init(&b->cv, NULL);
     atomic_init(&b->err_kind, ERR_NONE);
@@ -366,7 +371,7 @@ int sluice_io_submit_many(void *pool, const int64_t *ops, const int64_t *ends, c
     pool_t *P = (pool_t *)pool;
     const int64_t *o = ops, *e = ends;
     for (int64_t k = 0; k < nbatches; k++) {
-        out[k] = batch_new(o, e, parts[k]);
+        out[k] = batch_new(P, o, e, parts[k]);
         if (!out[k]) {
             for (int64_t j = 0; j < k; j++) batch_free((batch_t *)out[j]);  /* none queued: nobody else holds one */
             return -1;
@@ -389,15 +394,16 @@ int sluice_io_submit_many(void *pool, const int64_t *ops, const int64_t *ends, c
     return 0;
 }
 
+/* -1 while the batch runs; once it is over, its error kind (0: every byte landed) */
 int sluice_io_done(void *batch) {
     batch_t *b = (batch_t *)batch;
-    return atomic_load(&b->remaining) <= 0;
+    return atomic_load(&b->remaining) <= 0 ? atomic_load(&b->err_kind) : -1;
 }
 
-/* wait until the batch is over, at most timeout_ns (< 0: no limit); 1 when it is over */
+/* wait until the batch is over, at most timeout_ns (< 0: no limit); then as sluice_io_done */
 int sluice_io_wait(void *batch, int64_t timeout_ns) {
     batch_t *b = (batch_t *)batch;
-    if (atomic_load(&b->remaining) <= 0) return 1;
+    if (atomic_load(&b->remaining) <= 0) return atomic_load(&b->err_kind);
     pthread_mutex_lock(&b->mu);
     if (timeout_ns < 0) {
         while (!b->done) pthread_cond_wait(&b->cv, &b->mu);
@@ -415,20 +421,25 @@ int sluice_io_wait(void *batch, int64_t timeout_ns) {
     }
     int done = b->done;
     pthread_mutex_unlock(&b->mu);
-    return done;
+    return done ? atomic_load(&b->err_kind) : -1;
 }
 
-/* an over batch's outcome: out[0..5] = error kind, op index of the failed read, errno, file position, bytes copied,
- * major faults, minor faults */
-void sluice_io_status(void *batch, int64_t *out) {
+/* a failed batch's error: out[0..3] = error kind, op index of the failed read, errno, file position */
+void sluice_io_error(void *batch, int64_t *out) {
     batch_t *b = (batch_t *)batch;
     out[0] = atomic_load(&b->err_kind);
     out[1] = b->err_read;
     out[2] = b->err_errno;
     out[3] = b->err_pos;
-    out[4] = atomic_load(&b->copied);
-    out[5] = atomic_load(&b->majflt);
-    out[6] = atomic_load(&b->minflt);
+}
+
+/* the pool's counters so far: out[0..2] = bytes copied out of staging or into duplicates, major and minor faults of
+ * its threads */
+void sluice_io_counters(void *pool, int64_t *out) {
+    pool_t *P = (pool_t *)pool;
+    out[0] = atomic_load(&P->copied);
+    out[1] = atomic_load(&P->majflt);
+    out[2] = atomic_load(&P->minflt);
 }
 
 /* the caller's reference dropped (its parts still running keep the batch until they are over) */
