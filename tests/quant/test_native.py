@@ -14,7 +14,7 @@ from sluice.quant import native
 from sluice.quant.spec import QuantSpec
 from sluice.quant.compute import Compute
 from sluice.quant.linear import BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, QuantLinear, Scratch, StoredLinear
-from sluice.quant.native import _lib, pool
+from sluice.quant.native import PORTABLE, _lib, pool
 from tests.quant.samples import random_stored
 from tests.quant import paths
 
@@ -103,6 +103,9 @@ def test_linear_matches_the_exact_weights(spec, T, path):
     check_close(y, x, spec.dequantize(raw))
     # row t does not depend on T: each output is one dot product whose order depends on in_features only
     assert torch.equal(native.linear(spec, x[T // 2:T // 2 + 1].contiguous(), raw, path=path), y[T // 2:T // 2 + 1])
+    # and every path gives the same bits (the portable dot fuses each multiply-add and reduces as the AVX2 one does:
+    # a prompt through this kernel gave other logits at --isa portable than at --isa avx2 before)
+    assert torch.equal(native.linear(spec, x, raw, path=PORTABLE), y)
 
 
 @built

@@ -126,15 +126,18 @@ static void deq_row_scalar(const wdesc *w, int64_t n, float *o) {
     }
 }
 
-/* one x row against the dequantized row: 32 lanes, reduced in a fixed order (the AVX2 path's structure) */
+/* one x row against the dequantized row: the AVX2 path's arithmetic exactly, so both give the same bits: 32 lanes
+ * (lane 8j + v is accumulator j's value v there), each a fused multiply-add (fmaf: one rounding, as _mm256_fmadd_ps;
+ * a product then a sum, as this loop did before, rounds twice and differed from the AVX2 path in the last bits, which
+ * a prompt through the float row kernel carried to 0.14 of the logits at 40 tokens), reduced as hsum does:
+ * (acc0 + acc1) + (acc2 + acc3), the halves, then (0 + 2) + (1 + 3) */
 static float dot_scalar(const float *w, const float *x, int64_t K) {
-    float a[32] = {0};
+    float a[32] = {0}, s[8];
     for (int64_t k = 0; k < K; k += 32)
-        for (int l = 0; l < 32; l++) a[l] += w[k + l] * x[k + l];
-    for (int l = 0; l < 16; l++) a[l] += a[l + 16];
-    for (int l = 0; l < 8; l++) a[l] += a[l + 8];
-    for (int l = 0; l < 4; l++) a[l] += a[l + 4];
-    return (a[0] + a[2]) + (a[1] + a[3]);
+        for (int l = 0; l < 32; l++) a[l] = fmaf(w[k + l], x[k + l], a[l]);
+    for (int v = 0; v < 8; v++) s[v] = (a[v] + a[8 + v]) + (a[16 + v] + a[24 + v]);
+    for (int v = 0; v < 4; v++) s[v] += s[v + 4];
+    return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
 /* ---- AVX2 + FMA + F16C path ---- */
