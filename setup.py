@@ -11,8 +11,8 @@ from setuptools import Extension, setup
 
 NATIVE = "sluice/quant/native/"
 SOURCES = [NATIVE + name for name in ("kernels.c", "q8.c", "pool.c", "ops.c", "decode.c", "prompt.c", "attend.c",
-                                      "deltanet.c", "delta_prompt.c")]
+                                      "deltanet.c", "delta_prompt.c", "lowbit.c", "q8_low.c")]
 setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES,
-                             depends=[NATIVE + "common.h", NATIVE + "deltanet.h"], libraries=["m", "pthread"],
+                             depends=[NATIVE + h for h in ("common.h", "deltanet.h", "q8.h", "lowbit.h", "iq_grids.h", "q8_iq.h")], libraries=["m", "pthread"],
                              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"],
                              optional=True)])

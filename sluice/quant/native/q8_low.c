@@ -1,0 +1,332 @@
+/* The integer path (q8.c's scheme: x coded once to 8-bit planes, integer dots against the stored codes) for the
+ * low-bit GGUF types: the 2-3 bit K-quants Q2_K, Q3_K, the ternary TQ1_0, TQ2_0, IQ4_XS, and the grid types of
+ * q8_iq.h (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) read x in q8.h's super-blocks of 256 values
+ * (d, the 16 sums of 16 codes, hi[256], lo[256]); IQ4_NL and GGUF's MXFP4, 32-value blocks, read its 32-value
+ * blocks. Every block is, in exact arithmetic (lowbit.h lowblk),
+ *     w[v] = dw * sc[v / 16] * c[v] - dm * mf[v / 16]
+ * with int8 codes c, integer scales sc and min / offset factors mf, so one 256-block against x's super-block is
+ *     A[l] = sum over its 8 chunks of 32 values s, l = 0..7, of sc * (sum of c * code over values 32s + 4l .. + 3)
+ *     lane[b & 1][l] += (dw * d_x) * ((float)A_hi[l] * 256 + (float)A_lo[l])       (one plane: (float)A_hi[l])
+ *     m += (dm * d_x) * (float)M,   M = sum_g mf[g] * (x's sum of codes over values 16g .. 16g + 15)
+ *     y = reduce16(lane) - m
+ * and a 32-value block  lane[b & 1][l] += (dw * d_x) * (float)(sum of c * code over values 4l .. 4l + 3),
+ * y = reduce16(lane) + 0. The integer sums are exact (bounds below), the float operations the same on both paths:
+ * the portable path unpacks a block with lowbit_unpack (the dequantization's own unpacking) and sums plainly, the
+ * AVX2 path builds each chunk's codes in a register (magnitudes for maddubs, their signs put on x with sign_epi8,
+ * scales through madd), so both give the same bits, for any T and any row split (q8.c's pool jobs).
+ *
+ * Exactness: maddubs pairs are |c| * 127 * 2 <= 32,258 (IQ4's |c| <= 127), so no int16 saturates; A per lane and
+ * block < 2^25; M < 2^31 (Q3_K, the largest: 16 groups x |4 * sc| <= 128 x 16 codes x 32,639 = 1.07e9), summed in
+ * int32 lanes (wrapping partial sums cannot change an exact total that fits).
+ * The scales that are half steps in the reference ((d * (0.5 + s)) * 0.25 for IQ2) become the odd integer 2s + 1
+ * with dw = d / 8 (d / 4 for IQ3_XXS): the same real weight, not the same rounding, like every integer kernel.
+ */
+#include "lowbit.h"
+#include "q8.h"
+
+int low_q8_has(int fmt) { return fmt == MXFP4 || is_lowbit(fmt); }
+int low_q8_sb(int fmt) { return lowbit_block_values(fmt) == 256; }
+
+/* the types whose unsigned codes carry a min (Q2_K) or an offset (Q3_K: -4, TQ: -1) into the M term */
+static inline int has_m(int fmt) { return fmt == Q2_K || fmt == Q3_K || fmt == TQ1_0 || fmt == TQ2_0; }
+
+/* ---- portable scalar path ---- */
+
+static float dotsb_scalar(int fmt, const uint8_t *row, const uint8_t *xs, int64_t K, int P) {
+    float lane[2][8] = {{0}}, m = 0.0f;
+    const int bb = lowbit_block_bytes(fmt);
+    lowblk u;
+    for (int64_t b = 0; b < K / 256; b++, xs += SB_BYTES(P)) {
+        lowbit_unpack(fmt, row + b * bb, &u);
+        const int8_t *hi = (const int8_t *)(xs + SB_HI), *lo = (const int8_t *)(xs + SB_LO);
+        int32_t ahi[8] = {0}, alo[8] = {0};
+        for (int s = 0; s < 8; s++)
+            for (int l = 0; l < 8; l++) {
+                int h = 0, o = 0;
+                for (int v = 32 * s + 4 * l; v < 32 * s + 4 * l + 4; v++) {
+                    h += u.c[v] * hi[v];
+                    if (P == 2) o += u.c[v] * lo[v];
+                }
+                ahi[l] += u.sc[2 * s + l / 4] * h;
+                alo[l] += u.sc[2 * s + l / 4] * o;
+            }
+        float dx = rdf32(xs), f = u.dw * dx;
+        for (int l = 0; l < 8; l++)
+            lane[b & 1][l] = lane[b & 1][l] + f * (P == 2 ? (float)ahi[l] * 256.0f + (float)alo[l] : (float)ahi[l]);
+        if (has_m(fmt)) {
+            int64_t M = 0;
+            for (int g = 0; g < 16; g++) M += (int64_t)u.mf[g] * rdi32(xs + 4 + 4 * g);
+            m = m + (u.dm * dx) * (float)M;
+        }
+    }
+    return reduce16(lane[0], lane[1]) - m;
+}
+
+static float dot32_scalar(int fmt, const uint8_t *row, const uint8_t *xq, int64_t K, int P) {
+    float lane[2][8] = {{0}};
+    const int bb = lowbit_block_bytes(fmt);
+    lowblk u;
+    for (int64_t b = 0; b < K / 32; b++, xq += XB(P)) {
+        lowbit_unpack(fmt, row + b * bb, &u);
+        const int8_t *q = (const int8_t *)(xq + 8);
+        float f = u.dw * rdf32(xq);
+        for (int l = 0; l < 8; l++) {
+            int s = 0;
+            for (int j = 4 * l; j < 4 * l + 4; j++) s += u.c[j] * (P == 2 ? 256 * q[j] + q[32 + j] : q[j]);
+            lane[b & 1][l] = lane[b & 1][l] + f * (float)s;
+        }
+    }
+    return reduce16(lane[0], lane[1]) + 0.0f;
+}
+
+float low_q8_dot_scalar(int fmt, const uint8_t *row, const uint8_t *xq, int64_t K, int XF) {
+    return XF >= 3 ? dotsb_scalar(fmt, row, xq, K, sb_planes(XF)) : dot32_scalar(fmt, row, xq, K, XF);
+}
+
+/* ---- AVX2 path ---- */
+#if SLUICE_X86
+
+/* chunk s (values 32s .. 32s + 31) of a block into the integer lanes of R x rows: magnitudes mag (uint8), the
+ * signs put on x (sgned: x's sign flipped where sgn < 0, zeroed where sgn == 0), int16 scales sc (one per 16-value
+ * half: pick16) */
+AVX2_INLINE void acc_chunk(__m256i mag, __m256i sgn, const int sgned, __m256i sc, const uint8_t *xs, int s, int64_t rb,
+                           const int R, const int P, __m256i *ahi, __m256i *alo) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xs + r * rb;
+        __m256i h = _mm256_loadu_si256((const __m256i *)(x + SB_HI + 32 * s));
+        if (sgned) h = _mm256_sign_epi8(h, sgn);
+        ahi[r] = _mm256_add_epi32(ahi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, h), sc));
+        if (P == 2) {
+            __m256i l = _mm256_loadu_si256((const __m256i *)(x + SB_LO + 32 * s));
+            if (sgned) l = _mm256_sign_epi8(l, sgn);
+            alo[r] = _mm256_add_epi32(alo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, l), sc));
+        }
+    }
+}
+
+/* the float factors of a block, and (has_m) the 16 int32 factors of its M term: groups 0-7, 8-15 */
+typedef struct {
+    float dw, dm;
+    __m256i mf0, mf1;
+} lowf;
+
+/* the arguments every block function takes */
+#define BLK_ARGS const uint8_t *b, const uint8_t *xs, int64_t rb, const int R, const int P, __m256i *ahi, __m256i *alo, \
+                 lowf *f
+#define CHUNK(mag, sgn, sgned, sc, s) acc_chunk(mag, sgn, sgned, sc, xs, s, rb, R, P, ahi, alo)
+
+/* 16 int8 per-16-value scales -> the two int16 vectors pick16 takes (groups 0-7 and 8-15, each in both lanes) */
+AVX2_INLINE void scales_16(__m128i s8, int sgned, __m256i *sa, __m256i *sb) {
+    __m128i h = _mm_srli_si128(s8, 8);
+    *sa = _mm256_broadcastsi128_si256(sgned ? _mm_cvtepi8_epi16(s8) : _mm_cvtepu8_epi16(s8));
+    *sb = _mm256_broadcastsi128_si256(sgned ? _mm_cvtepi8_epi16(h) : _mm_cvtepu8_epi16(h));
+}
+
+/* chunks 4h .. 4h + 3 of a 2-bit field layout (Q2_K, Q3_K, TQ2_0): value 128h + 32j + l is bits 2j, 2j+1 of q[l] */
+AVX2_INLINE __m256i crumb(__m256i q, int j) { return _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)); }
+
+AVX2_INLINE void blk_q2_k(BLK_ARGS) {  /* codes 0..3, scale sc & 15, min sc >> 4 per 16 values */
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(15);
+    const __m128i mn = _mm_and_si128(_mm_srli_epi16(s8, 4), m4);
+    __m256i sa, sb;
+    scales_16(_mm_and_si128(s8, m4), 0, &sa, &sb);
+    f->mf0 = _mm256_cvtepu8_epi32(mn);
+    f->mf1 = _mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8));
+    f->dw = f16c(b + 80);
+    f->dm = f16c(b + 82);
+    for (int h = 0; h < 2; h++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
+        for (int j = 0; j < 4; j++) {
+            __m256i c = crumb(q, j);
+            CHUNK(c, c, 0, pick16(h ? sb : sa, 2 * j, 2 * j + 1), 4 * h + j);
+        }
+    }
+}
+
+AVX2_INLINE void blk_q3_k(BLK_ARGS) {  /* codes low | 4 * high (0..7), scales sc6 - 32, M factors 4 * scale */
+    const __m128i m4 = _mm_set1_epi8(15), v = _mm_loadl_epi64((const __m128i *)(b + 96));
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    const int t = (int)rd32(b + 104);  /* byte 4k + j of `top`: bits 2k, 2k+1 of byte 8 + j, scale 4k + j's top */
+    const __m128i top = _mm_and_si128(_mm_setr_epi32(t, t >> 2, t >> 4, t >> 6), _mm_set1_epi8(3));
+    const __m128i s6 = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
+    __m256i sa, sb;
+    scales_16(s6, 1, &sa, &sb);
+    f->mf0 = _mm256_slli_epi32(_mm256_cvtepi8_epi32(s6), 2);
+    f->mf1 = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(s6, 8)), 2);
+    f->dw = f->dm = f16c(b + 108);
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)b), four = _mm256_set1_epi8(4);
+    for (int h = 0; h < 2; h++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
+        for (int j = 0; j < 4; j++) {
+            const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + j)));
+            __m256i c = _mm256_or_si256(crumb(q, j), _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit),
+                                                                       four));
+            CHUNK(c, c, 0, pick16(h ? sb : sa, 2 * j, 2 * j + 1), 4 * h + j);
+        }
+    }
+}
+
+AVX2_INLINE void blk_tq2_0(BLK_ARGS) {  /* codes t (0..3), scale 1, M factor 1 (the -1 offset) */
+    const __m256i one = _mm256_set1_epi16(1);
+    f->mf0 = f->mf1 = _mm256_set1_epi32(1);
+    f->dw = f->dm = f16c(b + 64);
+    for (int h = 0; h < 2; h++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 * h));
+        for (int j = 0; j < 4; j++) {
+            __m256i c = crumb(q, j);
+            CHUNK(c, c, 0, one, 4 * h + j);
+        }
+    }
+}
+
+/* the base-3 digits of 32 bytes: byte x of 16-bit lane i -> ((x * p_i mod 256) * 3) >> 8 (p_i = 3^j: digit j) */
+AVX2_INLINE __m256i tq1_digits(__m256i v, __m256i p) {
+    const __m256i lo8 = _mm256_set1_epi16(0xFF), three = _mm256_set1_epi16(3);
+    __m256i e = _mm256_and_si256(_mm256_mullo_epi16(_mm256_and_si256(v, lo8), p), lo8);
+    __m256i o = _mm256_and_si256(_mm256_mullo_epi16(_mm256_srli_epi16(v, 8), p), lo8);
+    e = _mm256_srli_epi16(_mm256_mullo_epi16(e, three), 8);
+    o = _mm256_srli_epi16(_mm256_mullo_epi16(o, three), 8);
+    return _mm256_or_si256(e, _mm256_slli_epi16(o, 8));
+}
+
+AVX2_INLINE void blk_tq1_0(BLK_ARGS) {  /* codes t (0..2), scale 1, M factor 1; lowbit_unpack's value order */
+    const __m256i one = _mm256_set1_epi16(1);
+    f->mf0 = f->mf1 = _mm256_set1_epi32(1);
+    f->dw = f->dm = f16c(b + 52);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)b);
+    for (int j = 0, p = 1; j < 5; j++, p *= 3) {
+        __m256i c = tq1_digits(q, _mm256_set1_epi16((short)p));
+        CHUNK(c, c, 0, one, j);
+    }
+    const __m128i q2 = _mm_loadu_si128((const __m128i *)(b + 32));  /* values 160 + 16j + l: digit j of q2[l] */
+    const __m256i qq = _mm256_broadcastsi128_si256(q2);
+    __m256i c = tq1_digits(qq, _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(1)));
+    CHUNK(c, c, 0, one, 5);
+    c = tq1_digits(qq, _mm256_set_m128i(_mm_set1_epi16(27), _mm_set1_epi16(9)));
+    CHUNK(c, c, 0, one, 6);
+    /* values 224-239 digit 4 of q2, 240 + 4j + l digit j of qh[l]: byte 4j + l of the high half is qh[l] */
+    const __m128i qh = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)rd32(b + 48)),
+                                        _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3));
+    c = tq1_digits(_mm256_set_m128i(qh, q2), _mm256_set_m128i(_mm_setr_epi16(1, 1, 3, 3, 9, 9, 27, 27),
+                                                               _mm_set1_epi16(81)));
+    CHUNK(c, c, 0, one, 7);
+}
+
+AVX2_INLINE void blk_iq4_xs(BLK_ARGS) {  /* codes kvalues[q] (signed), scale s - 32 per 32 values */
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)LB_IQ4NL));
+    const uint16_t sh = rd16(b + 2);
+    f->dw = f16c(b);
+    for (int ib = 0; ib < 8; ib++) {
+        __m256i w = _mm256_shuffle_epi8(tab, nibbles32(b + 8 + 16 * ib));
+        int s = (((b[4 + ib / 2] >> (4 * (ib & 1))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+        CHUNK(_mm256_abs_epi8(w), w, 1, _mm256_set1_epi16((short)s), ib);
+    }
+}
+
+#include "q8_iq.h"
+
+/* one weight row of a super-block type against R x rows: the header's arithmetic, blocks alternating between two
+ * named accumulator sets (q8.c's dotsb_avx2 structure) */
+AVX2_INLINE void dotsb_low(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
+                           const int R, float *y, int64_t ldy) {
+    __m256 l0[4], l1[4];
+    float m[4];
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
+    const int bb = lowbit_block_bytes(fmt);
+    const __m256 k256 = _mm256_set1_ps(256.0f);
+    for (int64_t b = 0; b < K / 256; b++, xq += SB_BYTES(P)) {
+        const uint8_t *blk = row + b * bb;
+        __m256i ahi[4], alo[4];
+        for (int r = 0; r < R; r++) ahi[r] = alo[r] = _mm256_setzero_si256();
+        lowf f;
+        switch (fmt) {
+        case Q2_K: blk_q2_k(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case Q3_K: blk_q3_k(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case TQ1_0: blk_tq1_0(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case TQ2_0: blk_tq2_0(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case IQ4_XS: blk_iq4_xs(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case IQ2_XXS: blk_iq2_xxs(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case IQ2_XS: blk_iq2_xs(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case IQ2_S: blk_iq2_s(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case IQ3_XXS: blk_iq3_xxs(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case IQ3_S: blk_iq3_s(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case IQ1_S: blk_iq1_s(blk, xq, rb, R, P, ahi, alo, &f); break;
+        case IQ1_M: blk_iq1_m(blk, xq, rb, R, P, ahi, alo, &f); break;
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *x = xq + r * rb;
+            float dx = rdf32(x);
+            __m256 hi = _mm256_cvtepi32_ps(ahi[r]);
+            __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(hi, k256), _mm256_cvtepi32_ps(alo[r])) : hi;
+            v = _mm256_mul_ps(_mm256_set1_ps(f.dw * dx), v);
+            if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
+            else l0[r] = _mm256_add_ps(l0[r], v);
+            if (has_m(fmt)) {
+                __m256i bs0 = _mm256_loadu_si256((const __m256i *)(x + 4)), bs1 = _mm256_loadu_si256((const __m256i *)(x + 36));
+                int32_t M = hsum_i32(_mm256_add_epi32(_mm256_mullo_epi32(f.mf0, bs0), _mm256_mullo_epi32(f.mf1, bs1)));
+                m[r] = m[r] + (f.dm * dx) * (float)M;
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
+}
+
+/* IQ4_NL / MXFP4 (32-value blocks, 32-value x layout): codes looked up from the nibbles, signed */
+AVX2_INLINE void dot32_low(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
+                           const int R, float *y, int64_t ldy) {
+    __m256 l0[4], l1[4];
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps();
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(fmt == IQ4_NL ? LB_IQ4NL
+                                                                                                     : LB_FP4X2)));
+    const __m256i one = _mm256_set1_epi16(1);
+    const int bb = lowbit_block_bytes(fmt), at = fmt == IQ4_NL ? 2 : 1;
+    for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t *blk = row + b * bb, *xb = xq + b * XB(P);
+        const __m256i w = _mm256_shuffle_epi8(tab, nibbles32(blk + at));
+        const float dw = fmt == IQ4_NL ? f16c(blk) : e8m0_half(blk[0]);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *x = xb + r * rb;
+            __m256 v = lanes_avx2(w, x, one, dw * rdf32(x), 1, P);
+            if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
+            else l0[r] = _mm256_add_ps(l0[r], v);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], 0.0f);
+}
+
+/* one function per format, planes and x-row count, every test above folded away */
+#define LOW_PR(F, KIND, P, R)                                                                                          \
+    AVX2 static void low_##F##_##P##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,      \
+                                         int64_t ldy) {                                                              \
+        KIND(F, row, xq, rb, K, P, R, y, ldy);                                                                         \
+    }
+#define LOW_FMT(F, KIND)                                                                                               \
+    LOW_PR(F, KIND, 1, 1) LOW_PR(F, KIND, 1, 2) LOW_PR(F, KIND, 1, 3) LOW_PR(F, KIND, 1, 4)                            \
+    LOW_PR(F, KIND, 2, 1) LOW_PR(F, KIND, 2, 2) LOW_PR(F, KIND, 2, 3) LOW_PR(F, KIND, 2, 4)
+LOW_FMT(MXFP4, dot32_low)
+LOW_FMT(IQ4_NL, dot32_low)
+LOW_FMT(Q2_K, dotsb_low)
+LOW_FMT(Q3_K, dotsb_low)
+LOW_FMT(TQ1_0, dotsb_low)
+LOW_FMT(TQ2_0, dotsb_low)
+LOW_FMT(IQ4_XS, dotsb_low)
+LOW_FMT(IQ2_XXS, dotsb_low)
+LOW_FMT(IQ2_XS, dotsb_low)
+LOW_FMT(IQ2_S, dotsb_low)
+LOW_FMT(IQ3_XXS, dotsb_low)
+LOW_FMT(IQ3_S, dotsb_low)
+LOW_FMT(IQ1_S, dotsb_low)
+LOW_FMT(IQ1_M, dotsb_low)
+
+#define LOW_ROW(F) [F] = {{low_##F##_1_1, low_##F##_1_2, low_##F##_1_3, low_##F##_1_4},                             \
+                          {low_##F##_2_1, low_##F##_2_2, low_##F##_2_3, low_##F##_2_4}}
+
+/* the kernel of fmt for the layout XF its rows read (xf_for in q8.c: its planes in either layout) and R x rows */
+dot_fn low_q8_dot_avx2(int fmt, int XF, int R) {
+    static const dot_fn all[N_FORMATS][2][4] = {
+        LOW_ROW(MXFP4), LOW_ROW(IQ4_NL), LOW_ROW(Q2_K), LOW_ROW(Q3_K), LOW_ROW(TQ1_0), LOW_ROW(TQ2_0),
+        LOW_ROW(IQ4_XS), LOW_ROW(IQ2_XXS), LOW_ROW(IQ2_XS), LOW_ROW(IQ2_S), LOW_ROW(IQ3_XXS), LOW_ROW(IQ3_S),
+        LOW_ROW(IQ1_S), LOW_ROW(IQ1_M)};
+    return all[fmt][(XF >= 3 ? sb_planes(XF) : XF) - 1][R - 1];
+}
+#endif
