@@ -148,8 +148,8 @@ def _extreme(name: str, raw: torch.Tensor, spec: QuantSpec) -> None:
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"])
 def test_the_largest_integer_terms_are_exact_on_every_path(name, planes):
     """Scales, mins and codes at their extremes against x at its largest codes (all +-1: every code 127): the
-    int16 maddubs pairs, the int32 lanes and Q2_K / Q3_K's min / offset term (summed in int32 lanes by AVX2, int64
-    by the portable path) stay exact, so every path gives the same bits and the exact weights' result."""
+    int16 maddubs pairs, the int32 lanes and Q2_K / Q3_K's min / offset products (two per float lane) stay exact,
+    so every path gives the same bits and the exact weights' result."""
     spec = QuantSpec.ggml(name, 8, 1024)
     raw = random_stored(spec, seed=3)
     _extreme(name, raw, spec)

@@ -6,18 +6,20 @@
  *     w[v] = dw * sc[v / 16] * c[v] - dm * mf[v / 16]
  * with int8 codes c, integer scales sc and min / offset factors mf, so one 256-block against x's super-block is
  *     A[l] = sum over its 8 chunks of 32 values s, l = 0..7, of sc * (sum of c * code over values 32s + 4l .. + 3)
- *     lane[b & 1][l] += (dw * d_x) * ((float)A_hi[l] * 256 + (float)A_lo[l])       (one plane: (float)A_hi[l])
- *     m += (dm * d_x) * (float)M,   M = sum_g mf[g] * (x's sum of codes over values 16g .. 16g + 15)
- *     y = reduce16(lane) - m
+ *     M[l] = mf[l] * S[l] + mf[8 + l] * S[8 + l],   S[g] = x's sum of codes over values 16g .. 16g + 15
+ *     lane[b & 1][l] += (dw * d_x) * ((float)A_hi[l] * 256 + (float)A_lo[l]) - (dm * d_x) * (float)M[l]
+ *                                        (one plane: (float)A_hi[l]; no M term for the types without mf)
+ *     y = reduce16(lane) + 0
  * and a 32-value block  lane[b & 1][l] += (dw * d_x) * (float)(sum of c * code over values 4l .. 4l + 3),
- * y = reduce16(lane) + 0. The integer sums are exact (bounds below), the float operations the same on both paths:
+ * y = reduce16(lane) + 0. (The M term rides in the lanes: a min term summed to one float per block, as q8.c's
+ * K-quants do, was a serial scalar chain per row, ~10% of a 512-wide Q2_K row.) The integer sums are exact (bounds
+ * below), the float operations the same on both paths:
  * the portable path unpacks a block with lowbit_unpack (the dequantization's own unpacking) and sums plainly, the
  * AVX2 path builds each chunk's codes in a register (magnitudes for maddubs, their signs put on x with sign_epi8,
  * scales through madd), so both give the same bits, for any T and any row split (q8.c's pool jobs).
  *
  * Exactness: maddubs pairs are |c| * 127 * 2 <= 32,258 (IQ4's |c| <= 127), so no int16 saturates; A per lane and
- * block < 2^25; M < 2^31 (Q3_K, the largest: 16 groups x |4 * sc| <= 128 x 16 codes x 32,639 = 1.07e9), summed in
- * int32 lanes (wrapping partial sums cannot change an exact total that fits).
+ * block < 2^25; M[l] < 2^28 (Q3_K, the largest: 2 groups x |4 * sc| <= 128 x 16 codes x 32,639 = 1.3e8).
  * The scales that are half steps in the reference ((d * (0.5 + s)) * 0.25 for IQ2) become the odd integer 2s + 1
  * with dw = d / 8 (d / 4 for IQ3_XXS): the same real weight, not the same rounding, like every integer kernel.
  */
@@ -33,7 +35,7 @@ static inline int has_m(int fmt) { return fmt == Q2_K || fmt == Q3_K || fmt == T
 /* ---- portable scalar path ---- */
 
 static float dotsb_scalar(int fmt, const uint8_t *row, const uint8_t *xs, int64_t K, int P) {
-    float lane[2][8] = {{0}}, m = 0.0f;
+    float lane[2][8] = {{0}};
     const int bb = lowbit_block_bytes(fmt);
     lowblk u;
     for (int64_t b = 0; b < K / 256; b++, xs += SB_BYTES(P)) {
@@ -50,16 +52,14 @@ static float dotsb_scalar(int fmt, const uint8_t *row, const uint8_t *xs, int64_
                 ahi[l] += u.sc[2 * s + l / 4] * h;
                 alo[l] += u.sc[2 * s + l / 4] * o;
             }
-        float dx = rdf32(xs), f = u.dw * dx;
-        for (int l = 0; l < 8; l++)
-            lane[b & 1][l] = lane[b & 1][l] + f * (P == 2 ? (float)ahi[l] * 256.0f + (float)alo[l] : (float)ahi[l]);
-        if (has_m(fmt)) {
-            int64_t M = 0;
-            for (int g = 0; g < 16; g++) M += (int64_t)u.mf[g] * rdi32(xs + 4 + 4 * g);
-            m = m + (u.dm * dx) * (float)M;
+        float dx = rdf32(xs), f = u.dw * dx, fm = u.dm * dx;
+        for (int l = 0; l < 8; l++) {
+            float v = f * (P == 2 ? (float)ahi[l] * 256.0f + (float)alo[l] : (float)ahi[l]);
+            if (has_m(fmt)) v = v - fm * (float)(u.mf[l] * rdi32(xs + 4 + 4 * l) + u.mf[8 + l] * rdi32(xs + 36 + 4 * l));
+            lane[b & 1][l] = lane[b & 1][l] + v;
         }
     }
-    return reduce16(lane[0], lane[1]) - m;
+    return reduce16(lane[0], lane[1]) + 0.0f;
 }
 
 static float dot32_scalar(int fmt, const uint8_t *row, const uint8_t *xq, int64_t K, int P) {
@@ -179,36 +179,35 @@ AVX2_INLINE void blk_tq2_0(BLK_ARGS) {  /* codes t (0..3), scale 1, M factor 1 (
     }
 }
 
-/* the base-3 digits of 32 bytes: byte x of 16-bit lane i -> ((x * p_i mod 256) * 3) >> 8 (p_i = 3^j: digit j) */
-AVX2_INLINE __m256i tq1_digits(__m256i v, __m256i p) {
-    const __m256i lo8 = _mm256_set1_epi16(0xFF), three = _mm256_set1_epi16(3);
-    __m256i e = _mm256_and_si256(_mm256_mullo_epi16(_mm256_and_si256(v, lo8), p), lo8);
-    __m256i o = _mm256_and_si256(_mm256_mullo_epi16(_mm256_srli_epi16(v, 8), p), lo8);
-    e = _mm256_srli_epi16(_mm256_mullo_epi16(e, three), 8);
-    o = _mm256_srli_epi16(_mm256_mullo_epi16(o, three), 8);
-    return _mm256_or_si256(e, _mm256_slli_epi16(o, 8));
+/* TQ1_0's digits: digit j of byte x is floor(3 m / 256) with m = x * 3^j mod 256 (m tripled by byte adds, which
+ * wrap mod 256), i.e. [m >= 86] + [m >= 171] */
+AVX2_INLINE __m256i triple(__m256i v) { return _mm256_add_epi8(_mm256_add_epi8(v, v), v); }
+AVX2_INLINE __m256i tq1_digit(__m256i m) {
+    const __m256i one = _mm256_set1_epi8(1);
+    return _mm256_add_epi8(_mm256_min_epu8(_mm256_subs_epu8(m, _mm256_set1_epi8(85)), one),
+                           _mm256_min_epu8(_mm256_subs_epu8(m, _mm256_set1_epi8((char)170)), one));
 }
 
 AVX2_INLINE void blk_tq1_0(BLK_ARGS) {  /* codes t (0..2), scale 1, M factor 1; lowbit_unpack's value order */
     const __m256i one = _mm256_set1_epi16(1);
     f->mf0 = f->mf1 = _mm256_set1_epi32(1);
     f->dw = f->dm = f16c(b + 52);
-    const __m256i q = _mm256_loadu_si256((const __m256i *)b);
-    for (int j = 0, p = 1; j < 5; j++, p *= 3) {
-        __m256i c = tq1_digits(q, _mm256_set1_epi16((short)p));
+    __m256i m = _mm256_loadu_si256((const __m256i *)b);  /* values 32j + l: digit j of qs[l] */
+    for (int j = 0; j < 5; j++, m = triple(m)) {
+        __m256i c = tq1_digit(m);
         CHUNK(c, c, 0, one, j);
     }
-    const __m128i q2 = _mm_loadu_si128((const __m128i *)(b + 32));  /* values 160 + 16j + l: digit j of q2[l] */
-    const __m256i qq = _mm256_broadcastsi128_si256(q2);
-    __m256i c = tq1_digits(qq, _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(1)));
+    /* values 160 + 16j + l: digit j of q2[l] (q2 = qs[32..47] in both halves: digits 0 | 1, 2 | 3, 4 | ...); values
+     * 240 + 4j + l: digit j of qh[l], the high half of chunk 7 (its dword j holds qh at power 3^j) */
+    const __m256i q1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 32)));
+    const __m256i q3 = triple(q1), q9 = triple(q3), q27 = triple(q9), q81 = triple(q27);
+    const __m256i h1 = _mm256_set1_epi32((int)rd32(b + 48)), h3 = triple(h1), h9 = triple(h3), h27 = triple(h9);
+    __m256i c = tq1_digit(_mm256_blend_epi32(q1, q3, 0xF0));
     CHUNK(c, c, 0, one, 5);
-    c = tq1_digits(qq, _mm256_set_m128i(_mm_set1_epi16(27), _mm_set1_epi16(9)));
+    c = tq1_digit(_mm256_blend_epi32(q9, q27, 0xF0));
     CHUNK(c, c, 0, one, 6);
-    /* values 224-239 digit 4 of q2, 240 + 4j + l digit j of qh[l]: byte 4j + l of the high half is qh[l] */
-    const __m128i qh = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)rd32(b + 48)),
-                                        _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3));
-    c = tq1_digits(_mm256_set_m128i(qh, q2), _mm256_set_m128i(_mm_setr_epi16(1, 1, 3, 3, 9, 9, 27, 27),
-                                                               _mm_set1_epi16(81)));
+    __m256i m7 = _mm256_blend_epi32(_mm256_blend_epi32(q81, h1, 0x10), _mm256_blend_epi32(h3, h9, 0x40), 0x60);
+    c = tq1_digit(_mm256_blend_epi32(m7, h27, 0x80));
     CHUNK(c, c, 0, one, 7);
 }
 
@@ -225,72 +224,82 @@ AVX2_INLINE void blk_iq4_xs(BLK_ARGS) {  /* codes kvalues[q] (signed), scale s -
 
 #include "q8_iq.h"
 
-/* one weight row of a super-block type against R x rows: the header's arithmetic, blocks alternating between two
- * named accumulator sets (q8.c's dotsb_avx2 structure) */
+/* block b of a super-block type against R x rows (x's super-block at xs + r * rb), its terms into lane[r] */
+AVX2_INLINE void sb_block(const int fmt, const uint8_t *blk, const uint8_t *xs, int64_t rb, const int P, const int R,
+                          __m256 *lane) {
+    __m256i ahi[4], alo[4];
+    for (int r = 0; r < R; r++) ahi[r] = alo[r] = _mm256_setzero_si256();
+    lowf f;
+    switch (fmt) {
+    case Q2_K: blk_q2_k(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case Q3_K: blk_q3_k(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case TQ1_0: blk_tq1_0(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case TQ2_0: blk_tq2_0(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case IQ4_XS: blk_iq4_xs(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case IQ2_XXS: blk_iq2_xxs(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case IQ2_XS: blk_iq2_xs(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case IQ2_S: blk_iq2_s(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case IQ3_XXS: blk_iq3_xxs(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case IQ3_S: blk_iq3_s(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case IQ1_S: blk_iq1_s(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case IQ1_M: blk_iq1_m(blk, xs, rb, R, P, ahi, alo, &f); break;
+    }
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xs + r * rb;
+        float dx = rdf32(x);
+        __m256 hi = _mm256_cvtepi32_ps(ahi[r]);
+        __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(hi, _mm256_set1_ps(256.0f)), _mm256_cvtepi32_ps(alo[r])) : hi;
+        v = _mm256_mul_ps(_mm256_set1_ps(f.dw * dx), v);
+        if (has_m(fmt)) {
+            __m256i bs0 = _mm256_loadu_si256((const __m256i *)(x + 4)), bs1 = _mm256_loadu_si256((const __m256i *)(x + 36));
+            __m256i M = _mm256_add_epi32(_mm256_mullo_epi32(f.mf0, bs0), _mm256_mullo_epi32(f.mf1, bs1));
+            v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_set1_ps(f.dm * dx), _mm256_cvtepi32_ps(M)));
+        }
+        lane[r] = _mm256_add_ps(lane[r], v);
+    }
+}
+
+/* one weight row of a super-block type against R x rows: the header's arithmetic, even blocks into l0 and odd ones
+ * into l1 as two named sets (an indexed pair went through memory: q8.c's dot32_avx2) */
 AVX2_INLINE void dotsb_low(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
                            const int R, float *y, int64_t ldy) {
     __m256 l0[4], l1[4];
-    float m[4];
-    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
-    const int bb = lowbit_block_bytes(fmt);
-    const __m256 k256 = _mm256_set1_ps(256.0f);
-    for (int64_t b = 0; b < K / 256; b++, xq += SB_BYTES(P)) {
-        const uint8_t *blk = row + b * bb;
-        __m256i ahi[4], alo[4];
-        for (int r = 0; r < R; r++) ahi[r] = alo[r] = _mm256_setzero_si256();
-        lowf f;
-        switch (fmt) {
-        case Q2_K: blk_q2_k(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case Q3_K: blk_q3_k(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case TQ1_0: blk_tq1_0(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case TQ2_0: blk_tq2_0(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case IQ4_XS: blk_iq4_xs(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case IQ2_XXS: blk_iq2_xxs(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case IQ2_XS: blk_iq2_xs(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case IQ2_S: blk_iq2_s(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case IQ3_XXS: blk_iq3_xxs(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case IQ3_S: blk_iq3_s(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case IQ1_S: blk_iq1_s(blk, xq, rb, R, P, ahi, alo, &f); break;
-        case IQ1_M: blk_iq1_m(blk, xq, rb, R, P, ahi, alo, &f); break;
-        }
-        for (int r = 0; r < R; r++) {
-            const uint8_t *x = xq + r * rb;
-            float dx = rdf32(x);
-            __m256 hi = _mm256_cvtepi32_ps(ahi[r]);
-            __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(hi, k256), _mm256_cvtepi32_ps(alo[r])) : hi;
-            v = _mm256_mul_ps(_mm256_set1_ps(f.dw * dx), v);
-            if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
-            else l0[r] = _mm256_add_ps(l0[r], v);
-            if (has_m(fmt)) {
-                __m256i bs0 = _mm256_loadu_si256((const __m256i *)(x + 4)), bs1 = _mm256_loadu_si256((const __m256i *)(x + 36));
-                int32_t M = hsum_i32(_mm256_add_epi32(_mm256_mullo_epi32(f.mf0, bs0), _mm256_mullo_epi32(f.mf1, bs1)));
-                m[r] = m[r] + (f.dm * dx) * (float)M;
-            }
-        }
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps();
+    const int bb = lowbit_block_bytes(fmt), xb = SB_BYTES(P);
+    int64_t b = 0, nb = K / 256;
+    for (; b + 2 <= nb; b += 2) {
+        sb_block(fmt, row + b * bb, xq + b * xb, rb, P, R, l0);
+        sb_block(fmt, row + (b + 1) * bb, xq + (b + 1) * xb, rb, P, R, l1);
     }
-    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
+    if (b < nb) sb_block(fmt, row + b * bb, xq + b * xb, rb, P, R, l0);
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], 0.0f);
 }
 
-/* IQ4_NL / MXFP4 (32-value blocks, 32-value x layout): codes looked up from the nibbles, signed */
+/* block b of IQ4_NL / MXFP4 against R x rows (x's 32-value block at xb + r * rb): codes looked up from the nibbles,
+ * signed */
+AVX2_INLINE void b32_block(const int fmt, const uint8_t *blk, const uint8_t *xb, int64_t rb, const int P, const int R,
+                           __m256 *lane) {
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(fmt == IQ4_NL ? LB_IQ4NL
+                                                                                                     : LB_FP4X2)));
+    const __m256i w = _mm256_shuffle_epi8(tab, nibbles32(blk + (fmt == IQ4_NL ? 2 : 1)));
+    const float dw = fmt == IQ4_NL ? f16c(blk) : e8m0_half(blk[0]);
+    for (int r = 0; r < R; r++) {
+        const uint8_t *x = xb + r * rb;
+        lane[r] = _mm256_add_ps(lane[r], lanes_avx2(w, x, _mm256_set1_epi16(1), dw * rdf32(x), 1, P));
+    }
+}
+
 AVX2_INLINE void dot32_low(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
                            const int R, float *y, int64_t ldy) {
     __m256 l0[4], l1[4];
     for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps();
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(fmt == IQ4_NL ? LB_IQ4NL
-                                                                                                     : LB_FP4X2)));
-    const __m256i one = _mm256_set1_epi16(1);
-    const int bb = lowbit_block_bytes(fmt), at = fmt == IQ4_NL ? 2 : 1;
-    for (int64_t b = 0; b < K / 32; b++) {
-        const uint8_t *blk = row + b * bb, *xb = xq + b * XB(P);
-        const __m256i w = _mm256_shuffle_epi8(tab, nibbles32(blk + at));
-        const float dw = fmt == IQ4_NL ? f16c(blk) : e8m0_half(blk[0]);
-        for (int r = 0; r < R; r++) {
-            const uint8_t *x = xb + r * rb;
-            __m256 v = lanes_avx2(w, x, one, dw * rdf32(x), 1, P);
-            if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
-            else l0[r] = _mm256_add_ps(l0[r], v);
-        }
+    const int bb = lowbit_block_bytes(fmt), xb = XB(P);
+    int64_t b = 0, nb = K / 32;
+    for (; b + 2 <= nb; b += 2) {
+        b32_block(fmt, row + b * bb, xq + b * xb, rb, P, R, l0);
+        b32_block(fmt, row + (b + 1) * bb, xq + (b + 1) * xb, rb, P, R, l1);
     }
+    if (b < nb) b32_block(fmt, row + b * bb, xq + b * xb, rb, P, R, l0);
     for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], 0.0f);
 }
 
