@@ -33,8 +33,10 @@ enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_
  * Q2_K ... IQ1_M: the low-bit GGUF types, dequantized by lowbit.c, on the integer path in q8_low.c */
 #define LOW_FIRST Q2_K
 static inline int is_lowbit(int fmt) { return fmt >= LOW_FIRST && fmt < N_FORMATS; }
-/* lowbit.c: row n of a low-bit weight -> its K float32 values, bitwise gguf's dequantization; the decoded grids */
+/* lowbit.c: row n of a low-bit weight -> its K float32 values, bitwise gguf's dequantization (portable C); the same
+ * from the AVX2 unpacking (q8_low.c, x86 only) */
 void lowbit_deq_row(int fmt, const uint8_t *row, int64_t K, float *o);
+void lowbit_deq_row_avx2(int fmt, const uint8_t *row, int64_t K, float *o);
 enum { S_F32, S_F16, S_BF16 };  /* MLX scale / bias dtype */
 
 typedef struct {

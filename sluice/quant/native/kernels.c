@@ -314,8 +314,8 @@ AVX2_INLINE void row_avx2(const wdesc *w, int64_t n, float *o, const float *x, _
         }
         break;
     }
-    default:  /* Q2_K ... IQ1_M: the portable dequantization (the reference's bits); never fused (rows_avx2) */
-        lowbit_deq_row(w->fmt, row, K, o);
+    default:  /* Q2_K ... IQ1_M (q8_low.c: the same bits as the portable lowbit_deq_row); never fused (rows_avx2) */
+        lowbit_deq_row_avx2(w->fmt, row, K, o);
         break;
     }
 }

@@ -31,7 +31,9 @@ typedef struct {
     float d, dw, dm;
 } lowblk;
 
-void lowbit_unpack(int fmt, const uint8_t *blk, lowblk *u);
+void lowbit_unpack(int fmt, const uint8_t *blk, lowblk *u);  /* both of: */
+void lowbit_scales(int fmt, const uint8_t *blk, lowblk *u);  /* sc, mf, d, dw, dm */
+void lowbit_codes(int fmt, const uint8_t *blk, int8_t *c);   /* c (n values) */
 /* bytes of one block (inline: a constant where the kernels are specialized per format) */
 static inline int lowbit_block_bytes(int fmt) {
     switch (fmt) {
@@ -54,5 +56,39 @@ static inline int lowbit_block_bytes(int fmt) {
 /* values of one block: 32 (IQ4_NL, MXFP4) or 256 */
 static inline int lowbit_block_values(int fmt) { return fmt == IQ4_NL || fmt == MXFP4 ? 32 : 256; }
 float lowbit_iq1m_d(const uint8_t *blk);  /* IQ1_M's f16 scale, spread over the top nibbles of its scale words */
+
+/* The dequantization's float scale of 16-value group g of an unpacked block, from the block's own fields in the
+ * reference's order (ggml_k.py / ggml_iq.py); *bias (Q2_K's negated min product, else 0) and *off (code = c - off) */
+static inline __attribute__((always_inline)) float lowbit_group_scale(int fmt, const lowblk *u, int g, float *bias,
+                                                                      int *off) {
+    *bias = 0.0f;
+    *off = 0;
+    switch (fmt) {
+    case Q2_K: *bias = -(u->dm * (float)u->mf[g]); return u->d * (float)u->sc[g];
+    case Q3_K: *off = 4; return u->d * (float)u->sc[g];
+    case TQ1_0: case TQ2_0: *off = 1; return u->d;
+    case IQ4_XS: case IQ3_S: return u->d * (float)u->sc[g];
+    case IQ2_XXS: case IQ2_XS: case IQ2_S: return (u->d * ((float)(u->sc[g] >> 1) + 0.5f)) * 0.25f;
+    case IQ3_XXS: return (u->d * ((float)(u->sc[g] >> 1) + 0.5f)) * 0.5f;
+    case IQ1_S: case IQ1_M: return (u->d * (float)u->sc[g]) * 0.125f;
+    }
+    return u->d;  /* IQ4_NL, MXFP4 */
+}
+
+/* An unpacked block's exact weights into o (the dequantization, bitwise gguf's): per 16 values scale * (c - off),
+ * one rounding, plus Q2_K's bias, a second (lowbit.c's portable rows; q8_low.c's AVX2 rows do the same operations
+ * in vectors, so the same bits: -ffp-contract=off keeps every product and sum apart) */
+static inline void lowbit_apply(int fmt, const lowblk *u, float *o) {
+    const int n = lowbit_block_values(fmt);
+    for (int g = 0; g < n / 16; g++) {
+        float bias;
+        int off;
+        const float scale = lowbit_group_scale(fmt, u, g, &bias, &off);
+        for (int j = 16 * g; j < 16 * g + 16; j++) {
+            float v = scale * (float)(u->c[j] - off);
+            o[j] = fmt == Q2_K ? v + bias : v;
+        }
+    }
+}
 
 #endif

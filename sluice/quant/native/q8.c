@@ -544,7 +544,7 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
     (void)scalar;
 #if SLUICE_X86
     if (sluice_avx2_ok(scalar) && sluice_simd()) {  /* x rows 4 at a time against each weight row */
-        /* the kernels for 4 x rows and the rest, chosen once (per row it was ~5% of a 512-wide Q2_K row's time) */
+        /* the kernels for 4 x rows and the rest, chosen once per call (per row: two calls through the PLT) */
         const dot_fn four = dot_avx2_for(fmt, XF, 4), rest = T % 4 ? dot_avx2_for(fmt, XF, (int)(T % 4)) : four;
         for (int64_t n = n0; n < n1; n++) {
             if (pf_bytes) {  /* the lines of [start + pf_bytes, next start + pf_bytes), within the task's rows */

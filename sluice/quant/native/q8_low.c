@@ -12,8 +12,8 @@
  *     y = reduce16(lane) + 0
  * and a 32-value block  lane[b & 1][l] += (dw * d_x) * (float)(sum of c * code over values 4l .. 4l + 3),
  * y = reduce16(lane) + 0. (The M term rides in the lanes: a min term summed to one float per block, as q8.c's
- * K-quants do, was a serial scalar chain per row, ~10% of a 512-wide Q2_K row.) The integer sums are exact (bounds
- * below), the float operations the same on both paths:
+ * K-quants do, is a serial scalar chain per row, which perf showed hot in a 512-wide Q2_K row.) The integer sums are
+ * exact (bounds below), the float operations the same on both paths:
  * the portable path unpacks a block with lowbit_unpack (the dequantization's own unpacking) and sums plainly, the
  * AVX2 path builds each chunk's codes in a register (magnitudes for maddubs, their signs put on x with sign_epi8,
  * scales through madd), so both give the same bits, for any T and any row split (q8.c's pool jobs).
@@ -90,7 +90,11 @@ float low_q8_dot_scalar(int fmt, const uint8_t *row, const uint8_t *xq, int64_t 
  * signs put on x (sgned: x's sign flipped where sgn < 0, zeroed where sgn == 0), int16 scales sc (one per 16-value
  * half: pick16) */
 AVX2_INLINE void acc_chunk(__m256i mag, __m256i sgn, const int sgned, __m256i sc, const uint8_t *xs, int s, int64_t rb,
-                           const int R, const int P, __m256i *ahi, __m256i *alo) {
+                           const int R, const int P, __m256i *ahi, __m256i *alo, int8_t *codes) {
+    if (codes) {  /* the dequantization's unpacking (lowbit_deq_row_avx2): the chunk's codes, lowbit_codes' bytes */
+        _mm256_storeu_si256((__m256i *)(codes + 32 * s), sgned ? _mm256_sign_epi8(mag, sgn) : mag);
+        return;
+    }
     for (int r = 0; r < R; r++) {
         const uint8_t *x = xs + r * rb;
         __m256i h = _mm256_loadu_si256((const __m256i *)(x + SB_HI + 32 * s));
@@ -110,10 +114,11 @@ typedef struct {
     __m256i mf0, mf1;
 } lowf;
 
-/* the arguments every block function takes */
+/* the arguments every block function takes: the block b, R x rows' super-blocks at xs + r * rb and their integer
+ * lanes; or, codes non-NULL (R = 0), where its codes go instead */
 #define BLK_ARGS const uint8_t *b, const uint8_t *xs, int64_t rb, const int R, const int P, __m256i *ahi, __m256i *alo, \
-                 lowf *f
-#define CHUNK(mag, sgn, sgned, sc, s) acc_chunk(mag, sgn, sgned, sc, xs, s, rb, R, P, ahi, alo)
+                 lowf *f, int8_t *codes
+#define CHUNK(mag, sgn, sgned, sc, s) acc_chunk(mag, sgn, sgned, sc, xs, s, rb, R, P, ahi, alo, codes)
 
 /* 16 int8 per-16-value scales -> the two int16 vectors pick16 takes (groups 0-7 and 8-15, each in both lanes) */
 AVX2_INLINE void scales_16(__m128i s8, int sgned, __m256i *sa, __m256i *sb) {
@@ -231,18 +236,18 @@ AVX2_INLINE void sb_block(const int fmt, const uint8_t *blk, const uint8_t *xs, 
     for (int r = 0; r < R; r++) ahi[r] = alo[r] = _mm256_setzero_si256();
     lowf f;
     switch (fmt) {
-    case Q2_K: blk_q2_k(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case Q3_K: blk_q3_k(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case TQ1_0: blk_tq1_0(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case TQ2_0: blk_tq2_0(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case IQ4_XS: blk_iq4_xs(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case IQ2_XXS: blk_iq2_xxs(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case IQ2_XS: blk_iq2_xs(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case IQ2_S: blk_iq2_s(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case IQ3_XXS: blk_iq3_xxs(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case IQ3_S: blk_iq3_s(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case IQ1_S: blk_iq1_s(blk, xs, rb, R, P, ahi, alo, &f); break;
-    case IQ1_M: blk_iq1_m(blk, xs, rb, R, P, ahi, alo, &f); break;
+    case Q2_K: blk_q2_k(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case Q3_K: blk_q3_k(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case TQ1_0: blk_tq1_0(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case TQ2_0: blk_tq2_0(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case IQ4_XS: blk_iq4_xs(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case IQ2_XXS: blk_iq2_xxs(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case IQ2_XS: blk_iq2_xs(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case IQ2_S: blk_iq2_s(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case IQ3_XXS: blk_iq3_xxs(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case IQ3_S: blk_iq3_s(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case IQ1_S: blk_iq1_s(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
+    case IQ1_M: blk_iq1_m(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
     }
     for (int r = 0; r < R; r++) {
         const uint8_t *x = xs + r * rb;
@@ -301,6 +306,55 @@ AVX2_INLINE void dot32_low(const int fmt, const uint8_t *row, const uint8_t *xq,
     }
     if (b < nb) b32_block(fmt, row + b * bb, xq + b * xb, rb, P, R, l0);
     for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], 0.0f);
+}
+
+/* lowbit_apply's operations, 8 values a vector */
+AVX2_INLINE void apply_avx2(const int fmt, const lowblk *u, float *o) {
+    for (int g = 0; g < lowbit_block_values(fmt) / 16; g++) {
+        float bias;
+        int off;
+        const __m256 s = _mm256_set1_ps(lowbit_group_scale(fmt, u, g, &bias, &off));
+        for (int h = 0; h < 2; h++) {
+            __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(u->c + 16 * g + 8 * h)));
+            __m256 v = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(off))));
+            _mm256_storeu_ps(o + 16 * g + 8 * h, fmt == Q2_K ? _mm256_add_ps(v, _mm256_set1_ps(bias)) : v);
+        }
+    }
+}
+
+/* a row of a low-bit type's exact weights: lowbit_scales' fields, the codes the block functions above unpack
+ * (lowbit_codes' bytes), lowbit_apply's operations: bitwise lowbit_deq_row (kernels.c's AVX2 path: the float row
+ * kernel and a prompt's bf16 GEMM operand; timed in benchmarks/results/lowbit/kernels.txt) */
+AVX2_INLINE void deq_avx2(const int fmt, const uint8_t *row, int64_t K, float *o) {
+    const int bb = lowbit_block_bytes(fmt), n = lowbit_block_values(fmt);
+    lowblk u;
+    lowf f;
+    for (int64_t b = 0; b < K / n; b++, o += n) {
+        const uint8_t *blk = row + b * bb;
+        lowbit_scales(fmt, blk, &u);
+        switch (fmt) {
+#define DEQ(F, fn) case F: fn(blk, NULL, 0, 0, 1, NULL, NULL, &f, u.c); break;
+        DEQ(Q2_K, blk_q2_k) DEQ(Q3_K, blk_q3_k) DEQ(TQ1_0, blk_tq1_0) DEQ(TQ2_0, blk_tq2_0) DEQ(IQ4_XS, blk_iq4_xs)
+        DEQ(IQ2_XXS, blk_iq2_xxs) DEQ(IQ2_XS, blk_iq2_xs) DEQ(IQ2_S, blk_iq2_s) DEQ(IQ3_XXS, blk_iq3_xxs)
+        DEQ(IQ3_S, blk_iq3_s) DEQ(IQ1_S, blk_iq1_s) DEQ(IQ1_M, blk_iq1_m)
+#undef DEQ
+        case IQ4_NL: {
+            const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)LB_IQ4NL));
+            _mm256_storeu_si256((__m256i *)u.c, _mm256_shuffle_epi8(tab, nibbles32(blk + 2)));
+            break;
+        }
+        }
+        apply_avx2(fmt, &u, o);
+    }
+}
+
+AVX2 void lowbit_deq_row_avx2(int fmt, const uint8_t *row, int64_t K, float *o) {
+    switch (fmt) {  /* one body per format */
+#define DEQ_ROW(F) case F: deq_avx2(F, row, K, o); return;
+    DEQ_ROW(Q2_K) DEQ_ROW(Q3_K) DEQ_ROW(TQ1_0) DEQ_ROW(TQ2_0) DEQ_ROW(IQ4_NL) DEQ_ROW(IQ4_XS) DEQ_ROW(IQ2_XXS)
+    DEQ_ROW(IQ2_XS) DEQ_ROW(IQ2_S) DEQ_ROW(IQ3_XXS) DEQ_ROW(IQ3_S) DEQ_ROW(IQ1_S) DEQ_ROW(IQ1_M)
+#undef DEQ_ROW
+    }
 }
 
 /* one function per format, planes and x-row count, every test above folded away */
