@@ -3,12 +3,13 @@ float32 or rounded to bf16 for a prompt's bf16 GEMM) and their integer kernels (
 planes, integer dots), on every C path with the same bits, for any T and any thread count.
 
 Accuracy of the integer path, written down here: relative L2 of y against F.linear on the exactly dequantized
-weights ([37 x 768] / [37 x 224], random blocks, T = 1, 3, 5; every type within the range given):
+weights (SPECS, random blocks; Gaussian x: T = 1, 3, 5; heavy-tailed x: 4 rows, seed 7; every type within the range):
                                    planes=1 (llama.cpp's)   planes=2 (the default)
-  Gaussian x                       5.2e-3 - 1.13e-2         2.2e-5 - 3.9e-5
-  heavy-tailed x                   6.8e-3 - 2.3e-2          2.7e-5 - 4.4e-5
-(Q2_K is the largest with one plane: its mins make a block's weights mostly one sign, so x's coding error adds up.)
-The bounds: planes=1 1.5e-2 / 3e-2, planes=2 1e-4 (tests/quant/test_q8.py's for two planes).
+  Gaussian x                       4.7e-3 - 9.6e-3          1.7e-5 - 3.7e-5
+  heavy-tailed x                   1.1e-2 - 2.4e-2          3.9e-5 - 8.8e-5
+(largest: Q2_K with one plane, IQ3_S with two; the 256-value types read x in super-blocks, one scale per 256 values,
+as q8.c's K-quants do: Q4_K on the same heavy-tailed x is 7.1e-5 with two planes.) The bounds: planes=1 1.5e-2 /
+3e-2, planes=2 1e-4 (tests/quant/test_q8.py's for two planes).
 """
 
 from __future__ import annotations

@@ -103,6 +103,10 @@ AVX2_INLINE void blk_iq1_s(BLK_ARGS) {  /* codes 8 * grid +- 1 (a delta sign per
 
 AVX2_INLINE void blk_iq1_m(BLK_ARGS) {  /* codes 8 * grid +- 1 (a delta sign per 8 values), 2s + 1 per 16 */
     f->dw = lowbit_iq1m_d(b) * 0.125f;
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i bit3 = _mm256_setr_epi8(8, 8, 8, 8, 8, 8, 8, 8, -128, -128, -128, -128, -128, -128, -128, -128,
+                                          8, 8, 8, 8, 8, 8, 8, 8, -128, -128, -128, -128, -128, -128, -128, -128);
     uint16_t sc[4];
     memcpy(sc, b + 48, 8);
     for (int ib = 0; ib < 8; ib++) {
@@ -110,10 +114,10 @@ AVX2_INLINE void blk_iq1_m(BLK_ARGS) {  /* codes 8 * grid +- 1 (a delta sign per
         const int h0 = b[32 + 2 * ib], h1 = b[33 + 2 * ib];  /* nibbles: rows 4ib, 4ib + 1 / 4ib + 2, 4ib + 3 */
         __m256i g = rows8(LB_IQ1S, q[0] | (h0 & 7) << 8, q[1] | (h0 & 0x70) << 4, q[2] | (h1 & 7) << 8,
                           q[3] | (h1 & 0x70) << 4);
-        const long long plus = 0x0101010101010101ll, minus = -1ll;
-        __m256i delta = _mm256_set_epi64x(h1 & 0x80 ? minus : plus, h1 & 8 ? minus : plus, h0 & 0x80 ? minus : plus,
-                                          h0 & 8 ? minus : plus);
-        __m256i c = _mm256_add_epi8(g, delta);
+        /* the delta of row k: -1 where bit 3 (k even) or 7 (k odd) of byte k / 2 is set, else +1, for its 8 bytes */
+        __m256i pick = _mm256_shuffle_epi8(_mm256_set1_epi16((short)(h0 | h1 << 8)), spread);
+        __m256i minus = _mm256_cmpeq_epi8(_mm256_and_si256(pick, bit3), bit3);
+        __m256i c = _mm256_add_epi8(g, _mm256_or_si256(minus, _mm256_set1_epi8(1)));
         const int s0 = (sc[ib / 2] >> (6 * (ib & 1))) & 7, s1 = (sc[ib / 2] >> (6 * (ib & 1) + 3)) & 7;
         __m256i scale = _mm256_set_m128i(_mm_set1_epi16((short)(2 * s1 + 1)), _mm_set1_epi16((short)(2 * s0 + 1)));
         CHUNK(_mm256_abs_epi8(c), c, 1, scale, ib);
