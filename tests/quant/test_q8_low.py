@@ -128,6 +128,21 @@ def test_heavy_tailed_activations_stay_within_the_bound(spec, planes):
     assert rel_l2(y, x, spec.dequantize(raw)) <= (3e-2 if planes == 1 else 1e-4)
 
 
+@pytest.mark.parametrize("name", ["TQ1_0", "TQ2_0", "MXFP4"])
+def test_weights_the_gguf_package_quantized(name):
+    """The types gguf.quants can write, from Gaussian weights (its own encoding instead of random blocks): the
+    integer path within the two-plane bound, every path the same bits, and the native dequantization its bits."""
+    w = np.random.default_rng(5).standard_normal((40, 512)).astype(np.float32) * 0.02
+    raw = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[name]).reshape(-1).copy())
+    spec = QuantSpec.ggml(name, 40, 512)
+    exact = torch.from_numpy(reference(raw.numpy().reshape(40, -1), name))
+    assert torch.equal(native.dequantize(spec, raw), exact)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5))
+    ys = paths.on_each(lambda path: native.linear_q8(spec, x, raw, path=path))
+    assert rel_l2(ys[0], x, exact) <= 1e-4
+    paths.same_bits(ys)
+
+
 def _extreme(name: str, raw: torch.Tensor, spec: QuantSpec) -> None:
     """Every integer scale / min / offset term of the blocks at its largest magnitude (in place)."""
     f = BY_NAME[name]
