@@ -1,5 +1,6 @@
 /* The low-bit GGUF types (Q2_K, Q3_K, TQ1_0, TQ2_0, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
- * IQ1_M): their grids decoded once when the library loads, and the exact dequantization of one weight row, bitwise
+ * IQ1_M): their grids decoded once when the library loads, their blocks unpacked (codes, integer scales), and the
+ * exact dequantization of one weight row, bitwise
  * sluice/quant/ggml_k.py and ggml_iq.py (and so the `gguf` package): per group a float32 scale computed in the
  * reference's order, then value = scale * code (+ bias), each product and sum rounded once (-ffp-contract=off).
  * The block layouts and each format's formula are written next to its case; the tables of ggml_k.py / ggml_iq.py

@@ -1,5 +1,5 @@
 /* The decoded tables of the low-bit GGUF types (lowbit.c fills them when the library loads, from iq_grids.h), shared
- * by their dequantization (lowbit.c) and their integer kernels (q8_low.c, q8_iq.c). Each 8-value grid row is one
+ * by their dequantization (lowbit.c) and their integer kernels (q8_low.c, q8_iq.h). Each 8-value grid row is one
  * uint64 holding its 8 values as bytes (value j in byte j, little-endian), each 4-value row one uint32: a row goes
  * into a vector with one load. */
 #ifndef SLUICE_NATIVE_LOWBIT_H
