@@ -1,6 +1,7 @@
 """The 1-3 bit types of issue 32 (Q2_K, Q3_K, TQ1_0, TQ2_0 and the IQ types): bitwise gguf.quants.dequantize on
 random blocks of several sizes, their grids and sign tables equal to gguf's, the GGUF reader and QuantSpec taking
-them, and the dequantize + GEMM path the projections take while they have no native kernel."""
+them, and the projections' two routes: native kernels (tests/quant/test_q8_low.py), or without the extension the
+torch dequantization and one GEMM."""
 
 from __future__ import annotations
 
@@ -99,17 +100,23 @@ def test_scales_without_codes(name):
 
 
 @pytest.mark.parametrize("name", NEW)
-def test_projections_run_dequantize_and_one_gemm(name):
-    """No native kernel computes these types yet (issue 32 item 2): a projection dequantizes its stored bytes
-    (bitwise gguf) and multiplies them in float32 at every row count and compute dtype, as the torch fallback does."""
+def test_projections_run_native_kernels_or_the_torch_dequantization(name, monkeypatch):
+    """With the extension the native kernels compute these types (issue 32 item 2; their bits in
+    tests/quant/test_q8_low.py); without it a projection dequantizes its stored bytes (bitwise gguf) and multiplies
+    them in float32 at every row count and compute dtype."""
+    from sluice.quant.native import _lib
+
     spec = QuantSpec.ggml(name, 16, 512)
     raw = random_stored(spec, seed=2)
     w = torch.from_numpy(reference(raw.view(16, -1).numpy(), name))  # [16, 512]
     assert torch.equal(spec.dequantize(raw), w)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
+    if native.native_available():
+        assert native.supports(spec) and native.q8_supported(spec) and StoredLinear(spec, Compute()).native
+    monkeypatch.setattr(_lib, "LIB", None)  # as after an install without a C compiler
     for dtype in (torch.float32, torch.bfloat16):
         lin = StoredLinear(spec, Compute(dtype=dtype))
-        assert not lin.native and not native.supports(spec)
+        assert not lin.native
         for rows in (1, 5):
             got = lin(x[:rows].to(dtype), raw, Scratch())
             assert torch.equal(got, F.linear(x[:rows].to(dtype).float(), w).to(dtype))

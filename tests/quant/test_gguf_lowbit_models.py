@@ -1,11 +1,14 @@
 """Tiny GGUF models whose 2-D tensors (experts, attention, embeddings, head; not the norms and routers) are in each
 of issue 32's types (random valid blocks written by the `gguf` package's writer, or its own quantization for TQ1_0 /
 TQ2_0 / MXFP4): sluice loads them, its float32 logits are those of the weights `gguf.quants.dequantize` gives, and a
-streamed run is bitwise the resident one. Until these types have native kernels (issue 32 item 2) every expert
-projection dequantizes its stored bytes (bitwise gguf) and runs one float32 GEMM (quant/linear.py StoredLinear), and
-the resident tensors are dequantized at load; GGUF's MXFP4 experts have the native float kernel."""
+streamed run is bitwise the resident one. Their native kernels (issue 32 item 2: native/lowbit.c, q8_low.c) run every
+expert from its stored bytes, a decode token's experts on the integer path, and keep the resident 2-D tensors in
+their blocks at bf16 / f16 (QuantLinear); without the extension each projection dequantizes in torch (bitwise gguf)
+and runs one float32 GEMM."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ from sluice.quant.tensor import read_tensor
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert, gguf
 from tests.models.tiny import hf_model, write_checkpoint
 from tests.quant.streaming import assert_streamed_equals_resident
-from tests.quant.test_gguf_models import IDS, K_SHAPES, _plain, _rel_l2, dequantized_reference
+from tests.quant.test_gguf_models import IDS, K_SHAPES, _decode_logits, _plain, _rel_l2, dequantized_reference
 
 TYPES = ["Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
          "IQ4_NL", "IQ4_XS", "MXFP4"]
@@ -67,11 +70,12 @@ def test_float32_logits_are_the_gguf_dequantized_weights(lowbit):
 
 @pytest.mark.parametrize("which", ["experts", "all"])
 def test_bf16_runs_streamed_bitwise_resident(lowbit, which, monkeypatch):
-    """At bf16 (the default for a quantized file) the experts of a type without native kernels are dequantized per
-    call, resident and streamed alike (counted). No tolerance against float32 here: these random models turn bf16
-    rounding into other experts (sluice's bf16 run of the IQ4_NL experts file is 0.18 off the float32 logits, and
-    0.14 on a plain folder of the same weights, where transformers' bf16 is 0.02); the projection's math at bf16 is
-    checked bitwise in tests/quant/test_ggml_types.py."""
+    """At bf16 (the default for a quantized file) a streamed run gives the resident run's bits, every projection of
+    the type on native kernels (no torch dequantization of its bytes, counted). No tolerance against float32 here:
+    these random models turn bf16 rounding into other experts (sluice's bf16 run of the IQ4_NL experts file is 0.18
+    off the float32 logits with the native kernels as with the torch dequantization, transformers' bf16 run of the
+    same weights 0.09); the kernels' accuracy is test_float16_runs_the_integer_path_within_the_float32_logits' and
+    tests/quant/test_q8_low.py's."""
     name, files, _ = lowbit
     calls = []
     real = QuantSpec.dequantize
@@ -81,8 +85,42 @@ def test_bf16_runs_streamed_bitwise_resident(lowbit, which, monkeypatch):
         return real(self, *a, **k)
     monkeypatch.setattr(QuantSpec, "dequantize", counted)
     assert_streamed_equals_resident(files[which][0], IDS, "direct", True, "min", dtype="bfloat16")
-    if name == "MXFP4" and native.available():
-        assert name not in calls  # the native float kernel on the stored blocks
+    if native.available():
+        assert name not in calls
     else:
         assert calls.count(name) > 0
 
+
+def test_float16_runs_the_integer_path_within_the_float32_logits(lowbit, monkeypatch):
+    """The experts file at float16 (the integer path runs at bf16 and f16; at f16 the rest of the model rounds 8x
+    finer than at bf16, so the kernels' own error shows instead of these random models' routing flips): every
+    decode step computes each expert as one native call on its one row (the integer path, activations int16), and
+    the prompt's and the decode steps' logits are within test_gguf_models.py's bound of the float32 run on the
+    file's dequantized weights (3e-2) and within 1.5x transformers' own float16 error on those weights (measured:
+    sluice 2.1e-3 - 4.2e-3, 0.95x - 1.07x transformers' for every type)."""
+    name, files, _ = lowbit
+    if not native.available():
+        pytest.skip("native kernels not built: no integer path")
+    path, ref = files["experts"]
+    with torch.no_grad():
+        want = ref(torch.tensor([IDS])).logits[0]
+        own = _rel_l2(copy.deepcopy(ref).to(torch.float16)(torch.tensor([IDS])).logits[0], want)
+    with sluice.load(path, memory="all", dtype="float32") as m:
+        exact = _decode_logits(m, IDS)
+    rows = []  # x's rows, one entry per expert computed by a one-call kernel (one thread: __call__; more: many)
+    call, many = native.ExpertCall.__call__, native.ExpertCall.many
+    monkeypatch.setattr(native.ExpertCall, "__call__", lambda self, slot, x, *a, **k: (
+        rows.append(x.shape[0]), call(self, slot, x, *a, **k))[1])
+    monkeypatch.setattr(native.ExpertCall, "many", lambda self, raw, slots, x, *a, **k: (
+        rows.extend([x.shape[0]] * len(slots)), many(self, raw, slots, x, *a, **k))[1])
+    with sluice.load(path, memory="all", dtype="float16") as m:
+        assert m.model.compute.planes == 2
+        err = _rel_l2(m.logits(IDS), want)
+        with torch.inference_mode():
+            m.model.forward(torch.tensor(IDS[:4]), 0)
+            rows.clear()
+            m.model.forward(torch.tensor([IDS[4]]), 4)
+        assert rows == [1] * (sum(m.spec.moe_layers) * m.spec.top_k)  # one integer-path call per expert
+        dec = _rel_l2(_decode_logits(m, IDS), exact)
+    assert err <= 3e-2 and err <= 1.5 * own, (name, err, own)
+    assert dec <= 3e-2, (name, dec)

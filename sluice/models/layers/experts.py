@@ -17,8 +17,8 @@ still cost ~0.1 ms of Python around the C call and torch's OpenMP workers spun b
 (peers Q4_K_M resident: 118 ms/token with the pool, 69.6 without; benchmarks/quantized/expert_threads.py,
 removed: its command is in benchmarks/results/quantized/README.md).
 
-At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (GGUF block
-formats, quant/native/q8.c) runs as one native call up to EXPERT_Q8_MAX_ROWS rows (q8.expert_q8: x quantized
+At the bf16 / f16 compute dtypes, a SwiGLU expert whose three projections have integer kernels (every GGUF block
+type: quant/native/q8.c, and q8_low.c for MXFP4 and the 1-3 bit types, mixed as a file mixes them) runs as one native call up to EXPERT_Q8_MAX_ROWS rows (q8.expert_q8: x quantized
 once for gate and up, silu(g) * u in float32, down), instead of three kernel calls and the casts between them.
 """
 

@@ -24,7 +24,10 @@ log = logging.getLogger("sluice.quant.native")
 BEST, PORTABLE, AVX2 = 0, 1, 2
 PATHS = {"auto": BEST, "avx2": AVX2, "portable": PORTABLE}  # LoadOptions.isa -> the path cap
 
-_GGML = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "MXFP4": 8}
+_GGML = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "MXFP4": 8,
+         # the low-bit types (lowbit.c, q8_low.c): common.h's enum from Q2_K on
+         **{name: 12 + i for i, name in enumerate(("Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS",
+                                                    "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"))}}
 _MLX = {4: 9, 8: 10}
 _MXFP4_OAI = 11  # gpt-oss's *_blocks / *_scales (QuantSpec.mxfp4)
 SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

@@ -27,8 +27,16 @@
 static inline int sluice_avx2_ok(int scalar) { return scalar != SLUICE_PATH_SCALAR; }
 static inline int sluice_avx512_ok(int scalar) { return scalar == 0; }
 
-enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI, N_FORMATS };
-/* MXFP4_OAI: gpt-oss's *_blocks [N, K/32, 16] (value 2i the low nibble of byte i) and *_scales [N, K/32] (in s) */
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI,
+       Q2_K, Q3_K, TQ1_0, TQ2_0, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, N_FORMATS };
+/* MXFP4_OAI: gpt-oss's *_blocks [N, K/32, 16] (value 2i the low nibble of byte i) and *_scales [N, K/32] (in s).
+ * Q2_K ... IQ1_M: the low-bit GGUF types, dequantized by lowbit.c, on the integer path in q8_low.c */
+#define LOW_FIRST Q2_K
+static inline int is_lowbit(int fmt) { return fmt >= LOW_FIRST && fmt < N_FORMATS; }
+/* lowbit.c: row n of a low-bit weight -> its K float32 values, bitwise gguf's dequantization (portable C); the same
+ * from the AVX2 unpacking (q8_low.c, x86 only) */
+void lowbit_deq_row(int fmt, const uint8_t *row, int64_t K, float *o);
+void lowbit_deq_row_avx2(int fmt, const uint8_t *row, int64_t K, float *o);
 enum { S_F32, S_F16, S_BF16 };  /* MLX scale / bias dtype */
 
 typedef struct {
@@ -55,6 +63,9 @@ static inline float f16_to_f32(uint16_t h) {
 }
 
 static inline float bf16_float(uint16_t h) { return f32_bits((uint32_t)h << 16); }
+
+/* ggml's e8m0_to_fp32_half: 2^(e - 128), e < 2 the subnormals */
+static inline float e8m0_half(uint8_t e) { return f32_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
 
 /* float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's round_to_nearest_even) */
 static inline uint16_t bf16_round(float f) {

@@ -15,6 +15,7 @@
  * and differ in the dot products' rounding only (both within ~1e-6 relative of a float32 matmul).
  */
 #include "common.h"
+#include "lowbit.h"
 
 static inline float mlx_scale(const uint8_t *p, int sdt, int64_t i) {
     if (sdt == S_F32) { float f; memcpy(&f, p + 4 * i, 4); return f; }
@@ -22,10 +23,8 @@ static inline float mlx_scale(const uint8_t *p, int sdt, int64_t i) {
     return sdt == S_F16 ? f16_to_f32(h) : bf16_float(h);
 }
 
-/* ggml's e8m0_to_fp32_half: 2^(e - 128), e < 2 the subnormals */
-static inline float e8m0_half(uint8_t e) { return f32_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
 
-static const int8_t FP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#define FP4_DOUBLED LB_FP4X2  /* lowbit.h: twice each e2m1 code's value */
 
 /* per 32-value sub-block s of a Q4_K / Q5_K block: scale d * sc, bias -(dmin * m) (the reference's subtraction) */
 static inline void k_affine(const uint8_t *blk, float *scale, float *bias) {
@@ -122,6 +121,9 @@ static void deq_row_scalar(const wdesc *w, int64_t n, float *o) {
                 o[j] = v + bi;
             }
         }
+        break;
+    default:  /* Q2_K ... IQ1_M */
+        lowbit_deq_row(w->fmt, row, K, o);
         break;
     }
 }
@@ -315,6 +317,9 @@ AVX2_INLINE void row_avx2(const wdesc *w, int64_t n, float *o, const float *x, _
         }
         break;
     }
+    default:  /* Q2_K ... IQ1_M (q8_low.c: the same bits as the portable lowbit_deq_row); never fused (rows_avx2) */
+        lowbit_deq_row_avx2(w->fmt, row, K, o);
+        break;
     }
 }
 
@@ -354,7 +359,7 @@ DOT_ROWS(2)
 DOT_ROWS(3)
 
 AVX2 static void rows_avx2(const wdesc *w, const float *x, int64_t T, float *y, int64_t n0, int64_t n1, float *buf) {
-    if (T == 1) {
+    if (T == 1 && !is_lowbit(w->fmt)) {
         for (int64_t n = n0; n < n1; n++) y[n] = dot_row_avx2(w, n, buf, x);
         return;
     }

@@ -26,28 +26,11 @@
  */
 #include <math.h>
 
-#include "common.h"
+#include "q8.h"
 
-/* bytes of one quantized 32-value block with P planes of codes (1 or 2) */
-#define XB(P) (8 + 32 * (P))
+/* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K here, the low-bit types in q8_low.c */
+static int has_q8(int fmt) { return (fmt >= Q4_0 && fmt <= Q6_K) || low_q8_has(fmt); }
 
-static int has_q8(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }  /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K */
-
-/* Super-block layout (XF = 3), the K-quants' with two planes: per 256 values float d, int32 bsum[16] (the sum of
- * the combined codes 256 * hi + lo of each 16 values), int8 hi[256], int8 lo[256]; hi and lo as quant_block
- * computes them with one D = amax / 127 for the 256 values. A K-quant block's sub-blocks then sum in integers
- * (sub-block scale times codes times codes) and convert to float once per 256 values, as llama.cpp's Q4_K x Q8_K
- * does, where the 32-value layout converts once per 32. A token's 128 experts of the peers shape (Q4_K gate / up,
- * Q4_K or Q6_K down) took ~10% less on one thread, the same on two (memory-bound there), alternated in one process
- * (`benchmarks/knobs.py layouts`). The two planes keep x to ~1/32,000 of the 256-block max (llama.cpp's
- * Q8_K: 1/127). */
-#define SB 580
-#define SB_HI 68
-#define SB_LO 324
-/* XF = 4, the K-quants' with one plane (llama.cpp's Q8_K: x to 1/127 of the 256-block max): the same without lo,
- * bsum the sums of hi, d = D */
-#define SB1 324
-#define SB_BYTES(P) ((P) == 2 ? SB : SB1)
 
 static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
 
@@ -56,11 +39,10 @@ static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
 static int super_blocks = 1;
 void sluice_set_super_blocks(int on) { super_blocks = on; }
 
-/* the super-block layout for P planes, and the planes of a super-block layout */
-static int sb_xf(int P) { return P == 2 ? 3 : 4; }
-static int sb_planes(int XF) { return XF == 3 ? 2 : 1; }
-
-static int xf_for(int fmt, int P) { return is_k(fmt) && super_blocks ? sb_xf(P) : P; }
+static int xf_for(int fmt, int P) {
+    if (low_q8_has(fmt)) return low_q8_sb(fmt) ? sb_xf(P) : P;  /* (their kernels read one layout each) */
+    return is_k(fmt) && super_blocks ? sb_xf(P) : P;
+}
 
 /* bytes of one quantized x row of K values: XF 1 or 2 (planes of 32-value blocks, K a multiple of 32) or 3 / 4
  * (super-blocks with 2 / 1 planes, K a multiple of 256) */
@@ -131,17 +113,9 @@ static inline __attribute__((always_inline)) void quant_row_sb(const float *x, i
     }
 }
 
-static inline float rdf32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
-static inline int32_t rdi32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 static const int BLOCK_BYTES[] = {[Q4_0] = 18, [Q4_1] = 20, [Q5_0] = 22, [Q5_1] = 24, [Q8_0] = 34,
                                   [Q4_K] = 144, [Q5_K] = 176, [Q6_K] = 210};
-
-static inline float reduce16(const float *a0, const float *a1) {
-    float a[8];
-    for (int l = 0; l < 8; l++) a[l] = a0[l] + a1[l];
-    return reduce8(a);
-}
 
 /* ---- portable scalar path ---- */
 
@@ -265,39 +239,6 @@ static float dot_scalar_sb(int fmt, const uint8_t *row, const uint8_t *xs, int64
 
 /* ---- AVX2 path ---- */
 #if SLUICE_X86
-
-/* f * (float)(w . x per 4 values, times the int16 scales sc), the 8 lane terms; sign: w signed (abs / sign trick) */
-AVX2_INLINE __m256 lanes_avx2(__m256i w, const uint8_t *xb, __m256i sc, float f, int sign, int P) {
-    __m256i x = _mm256_loadu_si256((const __m256i *)(xb + 8)), aw = sign ? _mm256_sign_epi8(w, w) : w;
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sign ? _mm256_sign_epi8(x, w) : x), sc);
-    if (P == 2) {  /* 256 * (w . hi) + w . lo: exact in int32 (|.| < 2^30 for every format) */
-        __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 40));
-        __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sign ? _mm256_sign_epi8(x2, w) : x2), sc);
-        p = _mm256_add_epi32(_mm256_slli_epi32(p, 8), p2);
-    }
-    return _mm256_mul_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(p));
-}
-
-AVX2_INLINE __m256i nibbles32(const uint8_t *p) {  /* 16 bytes -> low nibbles (values 0-15), high (16-31) */
-    __m128i qs = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-}
-
-/* reduce16(l0, l1) + m in registers, reduce8's order: a = l0 + l1, then (a0 + a4, a1 + a5, a2 + a6, a3 + a7) from
- * the two halves, then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) */
-AVX2_INLINE float finish(__m256 l0, __m256 l1, float m) {
-    __m256 a = _mm256_add_ps(l0, l1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1))) + m;
-}
-
-/* the sum of 8 int32 lanes (exact: every caller's true sum fits in int32, so wrapping partial sums cannot change it) */
-AVX2_INLINE int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
 
 /* the 32 integer codes of a 32-block (signed for Q4_0 / Q5_0 / Q8_0, 0..31 for Q4_1 / Q5_1) */
 AVX2_INLINE __m256i codes32_avx2(const int fmt, const uint8_t *blk) {
@@ -434,15 +375,6 @@ AVX2_INLINE void sb_acc(__m256i c, __m256i sc, const uint8_t *xs, int s, int64_t
     }
 }
 
-/* the int16 scale of 16-value group g (0..7) of a 128-bit lane, broadcast: byte shuffle masks (2g, 2g + 1) */
-AVX2_INLINE __m256i pick16(__m256i v, int g0, int g1) {  /* low lane: group g0 of v's low lane; high: g1 of high */
-    const __m256i m = _mm256_setr_epi8(2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1,
-                                       2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1, 2 * g0, 2 * g0 + 1,
-                                       2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1,
-                                       2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1, 2 * g1, 2 * g1 + 1);
-    return _mm256_shuffle_epi8(v, m);
-}
-
 /* dot_scalar_sb's arithmetic: K-quant rows against super-block x rows. The scales are picked from one register by
  * byte shuffles, and the min term's integer M = sum of 16 (scale or min) x (x's 16-value sum) products is two
  * vector multiplies and one lane sum: exact in int32 (|M| < 2^30 with two planes: sums of 16 codes < 2^19.01,
@@ -526,8 +458,6 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
     for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
 }
 
-/* one weight row against R <= 4 x rows: y[r * ldy] */
-typedef void (*dot_fn)(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y, int64_t ldy);
 #define DOT_PR(F, KIND, P, R)                                                                                          \
     AVX2 static void dot_##F##_##P##_##R(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y,      \
                                          int64_t ldy) {                                                              \
@@ -562,6 +492,7 @@ DOT_SB_FMT(Q6_K)
 
 /* the kernel for fmt, x layout XF (1 or 2 planes of 32-blocks, 3 or 4 super-blocks of 2 or 1 planes), R x rows */
 static dot_fn dot_avx2_for(int fmt, int XF, int R) {
+    if (low_q8_has(fmt)) return low_q8_dot_avx2(fmt, XF, R);
     static const dot_fn (*all[])[4] = {[Q4_0] = dots_Q4_0, [Q4_1] = dots_Q4_1, [Q5_0] = dots_Q5_0,
                                        [Q5_1] = dots_Q5_1, [Q8_0] = dots_Q8_0, [Q4_K] = dots_Q4_K,
                                        [Q5_K] = dots_Q5_K, [Q6_K] = dots_Q6_K};
@@ -613,14 +544,15 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
     (void)scalar;
 #if SLUICE_X86
     if (sluice_avx2_ok(scalar) && sluice_simd()) {  /* x rows 4 at a time against each weight row */
+        /* the kernels for 4 x rows and the rest, chosen once per call (per row: two calls through the PLT) */
+        const dot_fn four = dot_avx2_for(fmt, XF, 4), rest = T % 4 ? dot_avx2_for(fmt, XF, (int)(T % 4)) : four;
         for (int64_t n = n0; n < n1; n++) {
             if (pf_bytes) {  /* the lines of [start + pf_bytes, next start + pf_bytes), within the task's rows */
                 const uint8_t *a = q + n * row_bytes + pf_bytes, *e = q + n1 * row_bytes;
                 for (const uint8_t *p = a; p < a + row_bytes && p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
             }
             for (int64_t t = 0; t < T; t += 4) {
-                int R = T - t < 4 ? (int)(T - t) : 4;
-                dot_avx2_for(fmt, XF, R)(q + n * row_bytes, xq + t * rb, rb, K, y + t * N + n, N);
+                (T - t < 4 ? rest : four)(q + n * row_bytes, xq + t * rb, rb, K, y + t * N + n, N);
             }
         }
         return;
@@ -628,8 +560,9 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
 #endif
     for (int64_t n = n0; n < n1; n++)
         for (int64_t t = 0; t < T; t++)
-            y[t * N + n] = XF >= 3 ? dot_scalar_sb(fmt, q + n * row_bytes, xq + t * rb, K, sb_planes(XF))
-                                   : dot_scalar_q8(fmt, q + n * row_bytes, xq + t * rb, K, XF);
+            y[t * N + n] = low_q8_has(fmt) ? low_q8_dot_scalar(fmt, q + n * row_bytes, xq + t * rb, K, XF)
+                           : XF >= 3 ? dot_scalar_sb(fmt, q + n * row_bytes, xq + t * rb, K, sb_planes(XF))
+                                     : dot_scalar_q8(fmt, q + n * row_bytes, xq + t * rb, K, XF);
 }
 
 /* y[t, n] for n in [n0, n1) (y [T, N]) from the quantized x rows xq (in the layout of fmt with P planes:

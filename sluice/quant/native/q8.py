@@ -2,13 +2,15 @@
 ~1/32,000 of a block's max, finer than bf16) and integer dot products (maddubs / madd) against the stored codes of
 the GGUF block formats.
 
-    native.q8.q8_supported(spec)              # GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: the int8 path exists
+    native.q8.q8_supported(spec)              # every GGUF block type sluice reads: the int8 path exists
     xq = q8.quantize_q8(x, spec=spec)         # x float32 [T, in] -> 8-bit codes, uint8 [T, q8_row_bytes(in)]
     y = q8.linear_q8(spec, x, raw)            # y float32 [T, out]
     q, k, v = q8.LinearsQ8([(spec_q, raw_q), ...])(x)   # several projections of one x in one call, rows over the pool
     y = q8.expert_q8(specs, raws, x)          # down(silu(gate x) * up x) in one call, y float32 [T, H]
     call = q8.ExpertCall(specs, offsets); call.many(raw, slots, x, ys, rows)   # a layer's experts, one call
 
+The low-bit types read the same x layouts (super-blocks of 256 values for every 256-value type, 32-value blocks
+for IQ4_NL and MXFP4) and are timed per type in benchmarks/results/lowbit/ (benchmarks/lowbit_kernels.py).
 A [512 x 1024] Q4_K projection at T=1: 75 -> 45 us of C time, relative L2 ~3e-5 against the exact weights (two
 planes); quant/linear.py runs it up to Q8_MAX_ROWS rows and models/layers/experts.py a whole SwiGLU expert as one
 expert_q8 call (a Q4_K expert at T=1: 0.48 -> 0.25 ms at 1024 x 512, benchmarks/results/native_kernels.md). The
@@ -49,8 +51,9 @@ if LIB is not None:
 
 
 def q8_supported(spec: QuantSpec) -> bool:
-    """Whether the int8-activation path (linear_q8) computes this format: the GGUF block types (not MXFP4 / MLX)."""
-    return spec.family == "ggml" and spec.name in _GGML and spec.name != "MXFP4"
+    """Whether the int8-activation path (linear_q8) computes this format: the GGUF block types, Q4_0 - Q6_K in q8.c,
+    MXFP4 and the low-bit types (Q2_K, Q3_K, TQ1_0, TQ2_0, IQ1_S - IQ4_XS) in q8_low.c; not plain or MLX weights."""
+    return spec.family == "ggml" and spec.name in _GGML
 
 
 #: planes of 8-bit activation codes a call uses when it names none (a model names its own: Compute.planes, from
