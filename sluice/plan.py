@@ -159,7 +159,7 @@ def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLa
     BudgetError instead of an OOM kill."""
     if options.memory == "auto":
         auto = auto_memory(room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
-                           spec.top_k, kv_bytes)
+                           spec.top_k, kv_bytes, held)
         return auto.memory, auto
     check_room(options.memory, room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
                kv_bytes, held=held, top_k=spec.top_k)

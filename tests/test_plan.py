@@ -32,7 +32,10 @@ def sizes(model_dir) -> dict:
 
 
 def _room(monkeypatch, nbytes: int) -> None:
+    """The room the plan sees, nothing held yet (the whole RUNTIME_RESERVE still to come)."""
     monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(nbytes, "cgroup /test limit"))
+    real = sluice.plan.memory_status
+    monkeypatch.setattr("sluice.plan.memory_status", lambda: {**real(), "rss_anon_bytes": 0})
 
 
 def _flags(options: dict) -> list[str]:

@@ -138,32 +138,43 @@ def activation_room(room: int, kept: int, kv_bytes: int, page_cache: bool, held:
 
 @dataclass(frozen=True)
 class AutoPlan:
-    """What `--memory auto` chose: memory None = everything resident, else the streaming budget."""
+    """What `--memory auto` chose: memory None = everything resident, else the streaming budget; the footprint it
+    planned beside the weights: the KV cache, and `reserve` more for the runtime beside the `held` bytes the process
+    already held (torch, Python: out of the room already)."""
 
     memory: int | None
     room: int
     source: str
     reserve: int
+    kv_bytes: int = 0
+    held: int = 0
 
     def describe(self) -> str:
         where = f"{format_bytes(self.room)} available ({self.source})"
+        beside = (f"beside a KV cache of {format_bytes(self.kv_bytes)} and {format_bytes(self.reserve)} more for the "
+                  f"runtime ({format_bytes(self.held)} already held)")
         if self.memory is None:
-            return f"auto: everything resident, it fits in {where}"
-        return f"auto: streaming experts with a {format_bytes(self.memory)} budget, of {where}"
+            return f"auto: everything resident, it fits in {where} {beside}"
+        return f"auto: streaming experts with a {format_bytes(self.memory)} budget, of {where} {beside}"
 
 
 def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, total_experts: int, top_k: int,
-                kv_bytes: int) -> AutoPlan:
+                kv_bytes: int, held: int = 0) -> AutoPlan:
     """`--memory auto`: resident when the whole model, the KV cache and a runtime reserve fit in `room` (the bytes
     this process may still take, see sysmem.available_memory); else stream with the rest of the room as budget.
+
+    The reserve is the part of RUNTIME_RESERVE the process does not hold yet (reserve_left(held): `held`, its
+    anonymous memory now, is out of the room already), at least 1/20 of the room (allocator slack on big machines).
+    It was RUNTIME_RESERVE on top of what was held: ~170 MiB of torch and Python counted twice, which at a 1.5 GiB
+    ceiling left a 1.05 GB file streamed (13 MB read a token) where it fits (issue 33).
 
     Raises BudgetError naming the room, where it comes from and the smallest room that works when not even the
     resident weights plus one layer's top_k experts fit.
     """
-    reserve = max(RUNTIME_RESERVE, room // 20)
+    reserve = max(reserve_left(held), room // 20)
     usable = room - kv_bytes - reserve
     if resident_bytes + expert_bytes * total_experts <= usable:
-        return AutoPlan(None, room, source, reserve)
+        return AutoPlan(None, room, source, reserve, kv_bytes, held)
     need = resident_bytes + top_k * expert_bytes
     if usable < need:
         raise BudgetError(
@@ -173,7 +184,7 @@ def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, 
             f"--max-context) + {format_bytes(reserve)} for the runtime. Free memory, lower --max-context, or pass "
             f"--memory SIZE to choose the budget yourself"
         )
-    return AutoPlan(usable, room, source, reserve)
+    return AutoPlan(usable, room, source, reserve, kv_bytes, held)
 
 
 def check_room(memory: int | None, room: int, source: str, resident_bytes: int, expert_bytes: int,

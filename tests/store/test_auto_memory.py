@@ -36,6 +36,22 @@ def test_too_big_streams_with_the_room_less_kv_and_reserve():
     assert "streaming" in plan.describe() and "cgroup /x" in plan.describe()
 
 
+def test_what_the_process_holds_is_not_reserved_twice():
+    """The room is net of what the process holds already (torch, Python): only the rest of the runtime reserve is
+    still to come, and the budget gets the difference; the description says the footprint."""
+    room, held = 1536 * MiB, 200 * MiB
+    plan = auto_memory(room, "cgroup /x limit 1.5 GiB", 100 * MiB, 10 * MiB, 640, 4, 50 * MiB, held=held)
+    reserve = max(RUNTIME_RESERVE - held, room // 20)
+    assert plan.memory == room - 50 * MiB - reserve and plan.reserve == reserve < RUNTIME_RESERVE
+    assert auto_memory(room, "x", 100 * MiB, 10 * MiB, 640, 4, 50 * MiB).memory == room - 50 * MiB - RUNTIME_RESERVE
+    assert f"KV cache of 50.0 MiB and {format_bytes(reserve)} more for the runtime (200.0 MiB already held)" \
+        in plan.describe()
+    # a model that fits only once the double count is gone is resident
+    fits = (room - 50 * MiB - reserve - 100 * MiB) // (10 * MiB)
+    assert auto_memory(room, "x", 100 * MiB, 10 * MiB, fits, 4, 50 * MiB, held=held).memory is None
+    assert auto_memory(room, "x", 100 * MiB, 10 * MiB, fits, 4, 50 * MiB).memory is not None
+
+
 def test_no_room_for_one_layer_says_what_to_do():
     with pytest.raises(BudgetError) as e:
         auto_memory(300 * MiB, "cgroup /bench limit 300.0 MiB", 100 * MiB, 10 * MiB, 640, 8, 20 * MiB)
@@ -70,7 +86,11 @@ def resident(model_dir):
 
 
 def _room(monkeypatch, nbytes: int) -> None:
+    """The room the plan sees; and nothing held yet, so that the whole RUNTIME_RESERVE is still to come (the test
+    process's own memory would otherwise decide how much of it the plan counts)."""
     monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(nbytes, "cgroup /test limit"))
+    real = sluice.plan.memory_status
+    monkeypatch.setattr("sluice.plan.memory_status", lambda: {**real(), "rss_anon_bytes": 0})
 
 
 def test_auto_loads_resident_when_it_fits(model_dir, resident, monkeypatch):
@@ -134,8 +154,8 @@ def test_memory_all_above_a_cgroup_limit_is_refused_before_loading(model_dir, re
     _room(monkeypatch, resident_bytes // 2)
     with pytest.raises(BudgetError, match=r"--memory all .* would be killed .* no budget fits"):
         sluice.load(model_dir, memory="all")
-    monkeypatch.setattr("sluice.plan.memory_status", lambda: {"rss_anon_bytes": RUNTIME_RESERVE})  # all held
     _room(monkeypatch, resident_bytes + 4 * expert + kv)  # a streaming budget fits: it is named
+    monkeypatch.setattr("sluice.plan.memory_status", lambda: {"rss_anon_bytes": RUNTIME_RESERVE})  # all held
     with pytest.raises(BudgetError, match=r"--memory all .* would be killed .* largest budget that fits .* auto"):
         sluice.load(model_dir, memory="all")
 
