@@ -18,6 +18,8 @@
 #   resident  the peers Q4_K_M file with no ceiling, warm: decode speed with everything in memory, same threads;
 #             also sluice with --activations int8 (llama.cpp's own activation coding, Q8_K / Q8_0)
 #   bf16    sluice on the peers model's bf16 folder at 1 GiB: the bytes and time quantization saves
+#   fits    the peers Q4_K_M file at a 1.5 GiB ceiling, where it about fits: sluice's defaults (--memory auto)
+#           and a 1 GiB budget against llama.cpp's three arms
 #
 #   bash benchmarks/quantized/run.sh              # ROUNDS=3 STEPS=8 WARMUP=2; SETS="peers 6GiB resident bf16"
 set -euo pipefail
@@ -69,6 +71,9 @@ for set in $SETS; do
         --arm sluice-int8="--memory all --threads 2 --activations int8" ;;
     bf16)
       bench "$PEERS" "$OUT/bf16-1GiB" --cold --ceiling 1GiB --arm sluice-bf16="--io direct --memory 640MiB" ;;
-    *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16)" >&2; exit 2 ;;
+    fits)  # the file about fits (issue 33): sluice's defaults (--memory auto) against a 1 GiB budget, 1.5 GiB ceiling
+      bench "$PEERS/model-Q4_K_M.gguf" "$OUT/fits-1536MiB" --cold --ceiling 1536MiB --arm sluice="--io direct" \
+        --arm sluice-1GiB="--io direct --memory 1GiB" "${LLAMA[@]}" ;;
+    *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16 fits)" >&2; exit 2 ;;
   esac
 done
