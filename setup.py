@@ -13,6 +13,6 @@ NATIVE = "sluice/quant/native/"
 SOURCES = [NATIVE + name for name in ("kernels.c", "q8.c", "pool.c", "ops.c", "decode.c", "prompt.c", "attend.c",
                                       "deltanet.c", "delta_prompt.c")]
 setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES,
-                             depends=[NATIVE + "common.h", NATIVE + "deltanet.h"], libraries=["m", "pthread"],
+                             depends=[NATIVE + "common.h", NATIVE + "deltanet.h", NATIVE + "fp8.h"], libraries=["m", "pthread"],
                              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"],
                              optional=True)])

@@ -27,7 +27,9 @@
 static inline int sluice_avx2_ok(int scalar) { return scalar != SLUICE_PATH_SCALAR; }
 static inline int sluice_avx512_ok(int scalar) { return scalar == 0; }
 
-enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI, N_FORMATS };
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI,
+       FP8,  /* float8_e4m3fn codes [N, K] with block scales in s (fp8.h says how sdt and gs describe them) */
+       N_FORMATS };
 /* MXFP4_OAI: gpt-oss's *_blocks [N, K/32, 16] (value 2i the low nibble of byte i) and *_scales [N, K/32] (in s) */
 enum { S_F32, S_F16, S_BF16 };  /* MLX scale / bias dtype */
 
