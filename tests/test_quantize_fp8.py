@@ -81,3 +81,15 @@ def test_sources_it_cannot_export(exported, tmp_path, capsys, what, needle):
     assert cli.main(["quantize", str(src), str(tmp_path / "x"), "--to", "fp8", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and not (tmp_path / "x").exists()
+
+
+def test_an_fp8_folder_exports_to_gguf(exported, tmp_path):
+    """`sluice quantize FP8 out.gguf --to f32` writes the dequantized weights (the FP8 experts stacked in float32):
+    the same model."""
+    _, out = exported
+    assert cli.main(["quantize", str(out), str(tmp_path / "m.gguf"), "--to", "f32", "--no-progress"]) == 0
+    ids = [5, 9, 13, 100, 7]
+    with sluice.load(out, memory="all", dtype="float32") as m:
+        want = m.logits(ids)
+    with sluice.load(tmp_path / "m.gguf", memory="all", dtype="float32") as m:
+        assert ((m.logits(ids) - want).norm() / want.norm()).item() < 1e-6
