@@ -78,16 +78,26 @@ def test_quantize_round_trips_within_e4m3_precision():
     assert (codes.float().abs().amax() == 448)  # each block's largest value maps to e4m3's largest
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.0123, 2.0 ** 125, 2.0 ** -140])
 @pytest.mark.parametrize("path", PATHS)
-def test_all_256_codes_are_torchs_floats(path):
-    """Codes 0x00-0xff (subnormals, -0, NaN at 0x7f / 0xff) dequantize to torch's float8_e4m3fn -> float32 bits."""
+def test_all_256_codes_are_torchs_products(path, scale):
+    """Codes 0x00-0xff (subnormals, -0, NaN at 0x7f / 0xff) times a scale: torch's float8_e4m3fn -> float32 times it,
+    bit for bit; a scale whose 256 times overflows (2^125: the AVX2 path's scalar fallback) or is subnormal too."""
     spec = QuantSpec.fp8(8, 32, (128, 128))
     raw = torch.zeros(spec.nbytes, dtype=torch.uint8)
     raw[:256] = torch.arange(256, dtype=torch.uint8)
-    raw[spec.parts[1].offset: spec.parts[1].offset + 4] = torch.tensor([1.0]).view(torch.uint8)
-    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().view(8, 32)
+    raw[spec.parts[1].offset: spec.parts[1].offset + 4] = torch.tensor([scale]).view(torch.uint8)
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().view(8, 32) * torch.tensor(scale)
     assert torch.equal(_bits(kernels.dequantize(spec, raw, path=path)), _bits(want))
     assert torch.equal(_bits(spec.dequantize(raw)), _bits(want))
+    # the T = 1 dot product's own decoding: codes of magnitude below 2 (finite times any scale here), x picking
+    # column 3 of each row (the other products +-0)
+    codes = (torch.arange(256) % 64 | torch.arange(256) & 0x80).to(torch.uint8)
+    raw[:256] = codes
+    x = torch.zeros(1, 32)
+    x[0, 3] = 1.0
+    want = codes.view(torch.float8_e4m3fn).float().view(8, 32)[:, 3] * torch.tensor(scale)
+    assert torch.equal(_bits(kernels.linear(spec, x, raw, path=path)[0]), _bits(want + 0.0))
 
 
 CASES = [  # out, in, block, scale dtype

@@ -302,10 +302,17 @@ AVX2_INLINE void row_avx2(const wdesc *w, int64_t n, float *o, const float *x, _
     case FP8: {
         int64_t i = fp8_row_scales(w, n);
         for (int64_t b = 0; b < K; b += w->gs, i++) {
-            __m256 s = _mm256_set1_ps(fp8_scale(w, i));
-            for (int64_t k = b; k < b + w->gs && k < K; k += 32, o += 32)
-                for (int v = 0; v < 4; v++)
-                    fp8_emit8(_mm256_mul_ps(fp8x8(row + k + 8 * v), s), o + 8 * v, v, x, o0, acc);
+            float s = fp8_scale(w, i), s256 = s * 256.0f;
+            int big = isinf(s256) && !isinf(s);
+            for (int64_t k = b; k < b + w->gs && k < K; k += 32, o += 32) {
+                _mm_prefetch((const char *)(row + k + FP8_PREFETCH), _MM_HINT_T0);  /* never faults */
+                for (int h = 0; h < 2; h++) {
+                    __m256 lo, hi;
+                    fp8x16(row + k + 16 * h, s, _mm256_set1_ps(s256), big, &lo, &hi);
+                    fp8_emit8(lo, o + 16 * h, 2 * h, x, o0, acc);
+                    fp8_emit8(hi, o + 16 * h + 8, 2 * h + 1, x, o0, acc);
+                }
+            }
         }
         break;
     }
