@@ -14,7 +14,6 @@ from sluice.quant.fp8 import dequantize_fp8, quantize_fp8
 from sluice.quant.linear import QuantLinear, Scratch, StoredLinear
 from sluice.quant.native import kernels
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 PATHS = (native.PORTABLE, native.AVX2, native.BEST)
 
 

@@ -125,3 +125,26 @@ def test_inspect_names_the_format_and_real_sizes(converted, capsys):
     H, I = info["hidden_size"], info["expert_intermediate_size"]
     assert 3 * H * I < per_expert < 3 * H * I * 1.1  # one byte a weight, plus a float32 scale per 128 x 128 block
     assert info["expert_bytes_total"] <= index.total_bytes()
+
+
+def test_a_long_prompt_takes_the_many_row_paths(converted):
+    """200 tokens: experts with more than 32 rows (float32: blocks of whole FP8 row blocks dequantized, one GEMM
+    each) and with 16 or more at bf16 (the FP8 weights dequantized to bf16 for a bf16 GEMM), resident projections on
+    the same routes: float32 still transformers' logits; bf16 as close to them as sluice's bf16 run of the same
+    weights stored plain (transformers' dequantized float32 folder). At 200 tokens sluice's bf16 runs are 7.8e-2 /
+    3.0e-2 / 8.4e-2 off (deepseek_v3 / qwen3_moe / ragged) both ways, where transformers' own bf16 run is 7.2e-2 /
+    9.5e-2 / 4.0e-2: the bf16 rounding these tiny random models amplify, whatever the stored format (--matmul float32:
+    7.9e-2 / 3.1e-2 / 4.4e-2)."""
+    name, folder, ref = converted
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    with sluice.load(folder, memory="all", dtype="float32") as m:
+        assert _rel_l2(m.logits(ids), want) <= 1e-4, name
+        # top_k rows a token over E experts in each MoE layer: some expert gets at least the mean, over 32 rows
+        assert m.spec.top_k * len(ids) / m.spec.num_experts > 32
+    errs = []
+    for path in (folder, folder.parent / "dequantized"):
+        with sluice.load(path, memory="all", dtype="bfloat16") as m:
+            errs.append(_rel_l2(m.logits(ids), want))
+    assert errs[0] <= max(3e-2, 1.05 * errs[1]), (name, errs)
