@@ -148,3 +148,19 @@ def test_a_long_prompt_takes_the_many_row_paths(converted):
         with sluice.load(path, memory="all", dtype="bfloat16") as m:
             errs.append(_rel_l2(m.logits(ids), want))
     assert errs[0] <= max(3e-2, 1.05 * errs[1]), (name, errs)
+
+
+def test_kimi_k2_is_read_as_deepseek_v3(tmp_path):
+    """Kimi K2's FP8 upload says model_type "kimi_k2" (architectures DeepseekV3ForCausalLM): the same model."""
+    folder = fp8_folder("deepseek_v3", tmp_path)
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    for f in folder.iterdir():
+        (kimi / f.name).symlink_to(f)
+    (kimi / "config.json").unlink()
+    (kimi / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                  "model_type": "kimi_k2"}))
+    with sluice.load(folder, memory="all") as m:
+        want = m.logits(IDS)
+    with sluice.load(kimi, memory="all") as m:
+        assert m.spec.mla is not None and torch.equal(m.logits(IDS), want)
