@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import sluice
 from sluice import cli
 from sluice.quant.fp8 import dequantize_fp8
+from sluice.tools.fp8_export import planned_bytes
 from sluice.tools.synth import SynthConfig, make_model
 from tests.quant.fp8_files import transformers_fp8
 
@@ -55,6 +56,7 @@ def test_the_hub_layout(exported):
     assert q == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                  "modules_to_not_convert": ["lm_head", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]}
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    assert planned_bytes(src) == sum(t.numel() * t.element_size() for t in ours.values())  # the progress bar's total
 
 
 def test_transformers_loads_it_and_sluice_runs_it(exported, capsys):

@@ -12,8 +12,8 @@ The unit of streaming is one expert of one layer. Three checkpoint layouts are r
 
 A slot is one uint8 buffer holding the expert's bytes as stored (`ExpertFormat`): gate, then up, then down, each a
 `QuantSpec` (quant/spec.py) -- plain BF16/F16/F32 rows, GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row,
-MLX affine weight / scales / biases, or FP8 codes / block scales, each in its QuantSpec part (typed views need aligned parts: MLX projections
-and slots start at 64-byte offsets).
+MLX affine weight / scales / biases, or FP8 codes / block scales, each in its QuantSpec part (typed views need
+aligned parts: quantized projections and slots start at 64-byte offsets).
 gpt-oss (`BiasedGluFormat`, read by models/gpt_oss.py expert_layer): `{p}.experts.gate_up_proj_blocks/_scales`
 [E, 2I, H/32, 16] / [E, 2I, H/32] and `down_proj_blocks/_scales` in MXFP4 as shipped, or the dequantized
 `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]` (`save_pretrained`), plus `gate_up_proj_bias [E, 2I]` and

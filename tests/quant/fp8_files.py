@@ -8,9 +8,9 @@ block scales as DeepSeek-V3 / Qwen3 FP8 uploads are.
 loaded into its model. On a CPU, `from_pretrained` of an FP8 folder dequantizes every weight with its scales
 (FineGrainedFP8HfQuantizer falls back to `dequantize=True`; the op is `Fp8Dequantize`, in the dtype the model
 loads in); it needs the accelerate package, which the test environment lacks, so the same op runs here on the
-folder's tensors and the model loads the float32 result (`from_pretrained` of the FP8 folder with accelerate
-installed gave bitwise these logits on the deepseek_v3 case). `Fp8Dequantize` derives each block from the scale
-grid (rows // scale rows), which is DeepSeek's block only when every dimension is a multiple of 128 or less;
+folder's tensors and the model loads the float32 result (`from_pretrained` of the FP8 folder itself gives bitwise
+its logits where accelerate is installed: tests/quant/test_fp8_models.py). `Fp8Dequantize` derives each block from
+the scale grid (rows // scale rows), which is DeepSeek's block only when every dimension is a multiple of 128 or less;
 `blockwise=True` dequantizes with transformers' `_dequantize_fp8_weight` instead (its FP8 layers' backward: the
 configured block, the last one partial, as DeepSeek's own weight_dequant), for shapes where the two differ.
 """

@@ -164,3 +164,19 @@ def test_kimi_k2_is_read_as_deepseek_v3(tmp_path):
         want = m.logits(IDS)
     with sluice.load(kimi, memory="all") as m:
         assert m.spec.mla is not None and torch.equal(m.logits(IDS), want)
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "qwen3_moe"])
+def test_transformers_own_fp8_load_is_the_reference(case, tmp_path):
+    """from_pretrained of the FP8 folder itself (on a CPU it dequantizes every weight with its scales, Fp8Dequantize,
+    in the dtype the model loads in) gives bitwise the logits of transformers_fp8's model. It needs the accelerate
+    package (not in the test extras: run with it installed, as measured). Not the ragged case: there transformers'
+    load-time dequantization refuses the partial blocks (320 inputs in 3 scale columns) or reads others (fp8_files.py)."""
+    pytest.importorskip("accelerate", reason="transformers loads FP8 folders through accelerate")
+    from transformers import AutoModelForCausalLM
+
+    folder = fp8_folder(case, tmp_path)
+    ref = transformers_fp8(folder, tmp_path)
+    direct = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(direct(torch.tensor([IDS])).logits[0], ref(torch.tensor([IDS])).logits[0])

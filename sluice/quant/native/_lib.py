@@ -129,7 +129,7 @@ def layout(spec: QuantSpec) -> tuple:
                 0, 0)
     if spec.family == "mxfp4":
         return (spec.nbytes, _MXFP4_OAI, n, k, parts["blocks"].offset, k // 2, parts["scales"].offset, None, 0, 32)
-    if spec.family == "fp8":  # sdt: the scales' dtype, the block's rows above it (fp8.h FP8_SDT)
+    if spec.family == "fp8":  # sdt: the scales' dtype, the block's rows above it (fp8.h)
         return (spec.nbytes, _FP8, n, k, parts["weight"].offset, k, parts["scales"].offset, None,
                 SCALE_DTYPES[spec.scale_dtype] | spec.block_rows << 8, spec.group_size)
     if spec.scale_dtype not in SCALE_DTYPES:

@@ -1,7 +1,7 @@
 /* FP8 weights with block scales (quant/fp8.py: DeepSeek-V3 / R1, Kimi K2, the Qwen3 FP8 uploads), for kernels.c's
  * FP8 format: `q` the float8_e4m3fn codes [N, K] (row_bytes K), `s` the `weight_scale_inv` [ceil(N / bn),
  * ceil(K / gs)] (gs = bk, a multiple of 32, so each 32-value step of a row has one scale), `sdt` the scales' dtype
- * (S_F32 / S_F16 / S_BF16) in its low byte and the block's rows bn above it (FP8_SDT).
+ * (S_F32 / S_F16 / S_BF16) in its low byte and the block's rows bn above it (scale dtype | bn << 8: _lib.py layout).
  *
  * A weight is fp8_e4m3_float(code) * scale, one float32 product of two exact values: bitwise transformers' and
  * dequantize_fp8's. e4m3fn has no infinities: code 0x7f / 0xff is NaN (the bits torch's conversion gives, 0x7ff00000
@@ -12,8 +12,6 @@
 #define SLUICE_NATIVE_FP8_H
 
 #include "common.h"
-
-#define FP8_SDT(scale_dtype, block_rows) ((scale_dtype) | ((block_rows) << 8))
 
 /* bytes ahead of the codes being converted that the AVX2 path prefetches (the next row's, past a row's end). Without
  * it a row's dot product over codes out of cache took 0.397 ns a weight against 0.108 in cache (int8 codes: 0.093
