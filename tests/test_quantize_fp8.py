@@ -95,3 +95,19 @@ def test_an_fp8_folder_exports_to_gguf(exported, tmp_path):
         want = m.logits(ids)
     with sluice.load(tmp_path / "m.gguf", memory="all", dtype="float32") as m:
         assert ((m.logits(ids) - want).norm() / want.norm()).item() < 1e-6
+
+
+def test_an_fp8_folder_exports_to_mlx(exported, tmp_path):
+    """`sluice quantize FP8 OUT --to mlx-4bit` quantizes the dequantized weights, its scales left out: tensor for
+    tensor the MLX folder of transformers' dequantization of it."""
+    pytest.importorskip("mlx.core", reason="MLX output needs mlx (pip install 'mlx[cpu]')")
+    from sluice.tools.quantize import quantize
+
+    _, out = exported
+    transformers_fp8(out, tmp_path)  # writes tmp_path / "dequantized": float32, the same names, no scales
+    quantize(out, tmp_path / "a", "mlx-4bit")
+    quantize(tmp_path / "dequantized", tmp_path / "b", "mlx-4bit")
+    a, b = load_file(tmp_path / "a/model.safetensors"), load_file(tmp_path / "b/model.safetensors")
+    assert sorted(a) == sorted(b) and not any(n.endswith("_scale_inv") for n in a)
+    for name in a:
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
