@@ -11,6 +11,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from sluice.checkpoint.fp8_index import fp8_tensors
 from sluice.checkpoint.jsonfile import read_json
 from sluice.checkpoint.mlx_index import is_mlx, mlx_tensors
 from sluice.checkpoint.multimodal import text_config, text_tensors
@@ -55,7 +56,8 @@ class CheckpointIndex:
         Weights come from `model.safetensors`, else from the shards named by `model.safetensors.index.json`
         (the order transformers uses). An MLX folder (mlx-lm's `quantization` in config.json, or its stacked
         `switch_mlp` experts) is presented under sluice's names, quantized modules dequantizable, values mlx-lm
-        changed marked (`mlx_values`: model_type -> the architecture's MLX_VALUES; mlx_index.py); a
+        changed marked (`mlx_values`: model_type -> the architecture's MLX_VALUES; mlx_index.py); an FP8
+        folder's weights carry their block scales (quantization_config quant_method "fp8": fp8_index.py); a
         multimodal checkpoint (the hub's Qwen3.5) as its text model (multimodal.py). A GGUF file has its own class
         (gguf_index.py); open.open_index picks between them. Raises
         CheckpointError for a missing/invalid config, missing weights, a missing shard, an index entry absent from
@@ -82,6 +84,7 @@ class CheckpointIndex:
         else:
             raise _no_weights(folder)
         config, tensors = text_config(config), text_tensors(tensors)  # a vision-language wrapper: its text model
+        tensors = fp8_tensors(tensors, config, folder / CONFIG)  # FP8 weights carry their block scales (fp8_index.py)
         if is_mlx(config, tensors):  # mlx-lm's names and affine-quantized modules, see mlx_index.py
             values = (mlx_values or {}).get(config.get("model_type"))
             tensors = mlx_tensors(tensors, config, folder / CONFIG, values)

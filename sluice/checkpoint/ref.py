@@ -121,6 +121,11 @@ class TensorRef:
     packed uint32 codes (`dtype` "mlx4", "mlx8", ...; `shape` the logical [..., out, in]) and `mlx` holds the bits,
     group size and the `scales` / `biases` tensors; `io.read_tensor` dequantizes the three.
 
+    `fp8`: set on the `weight` of an FP8 block-quantized Linear (checkpoint/fp8_index.py: DeepSeek-V3 / Kimi K2 /
+    Qwen3 FP8 uploads). The ref is then its float8_e4m3fn bytes (`dtype` "fp8_e4m3", one byte a weight; `shape` the
+    [..., out, in] they hold) and `fp8` holds the block size and the `weight_scale_inv` tensor; `io.read_tensor`
+    dequantizes the two.
+
     `values`: the name of the elementwise map a converter applied to the values on the way to the file (STORED
     below: llama.cpp and mlx-lm store a zero-centred norm weight w as its scale 1 + w, llama.cpp a Gated DeltaNet's
     A_log as -exp(A_log)); `io.read_tensor` undoes it in float32, so the tensor reads as the Hugging Face values.
@@ -137,11 +142,12 @@ class TensorRef:
     stamp: FileStamp | None = field(default=None, compare=False, repr=False)
     mlx: MLXQuant | None = None
     values: str = ""  # a key of STORED: how the converter changed the values ("" none)
+    fp8: FP8Quant | None = None
 
     @property
     def quantized(self) -> bool:
-        """A block format (Q4_K, Q8_0, ...) or MLX affine codes: bytes are scales and packed values, not elements."""
-        return self.mlx is not None or (self.dtype not in DTYPES and self.dtype in BY_NAME)
+        """A block format (Q4_K, Q8_0, ...), MLX affine codes or FP8 block-scaled codes: bytes are not the values."""
+        return self.mlx is not None or self.fp8 is not None or (self.dtype not in DTYPES and self.dtype in BY_NAME)
 
     @property
     def format(self) -> BlockFormat:
@@ -167,6 +173,8 @@ class TensorRef:
     def row_nbytes(self) -> int:
         """Bytes of one row (the last dimension) as stored: elements x itemsize, or whole blocks."""
         cols = self.shape[-1] if self.shape else 1
+        if self.fp8 is not None:  # one byte a weight (the scales are their own tensor)
+            return cols
         if self.dtype in DTYPES:
             return cols * DTYPES[self.dtype][0]
         return self.format.row_nbytes(cols)
@@ -196,6 +204,16 @@ class MLXQuant:
     group_size: int
     scales: TensorRef
     biases: TensorRef
+
+
+@dataclass(frozen=True)
+class FP8Quant:
+    """What makes an FP8 weight's e4m3 codes values: value = code * scale of its block of `block` = (rows, inputs)
+    weights (config.json quantization_config.weight_block_size); `scale` is the `weight_scale_inv` tensor
+    [..., ceil(out / rows), ceil(in / inputs)] (F32, BF16 or F16)."""
+
+    block: tuple[int, int]
+    scale: TensorRef
 
 
 def rope_row_order(rows: int, heads: int) -> torch.Tensor:

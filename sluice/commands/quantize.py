@@ -1,6 +1,7 @@
 """`sluice quantize SRC OUT --to TYPE`: a Hugging Face MoE folder (qwen3_moe, qwen2_moe, olmoe, mixtral; glm4_moe to
-MLX only) as a smaller checkpoint: a GGUF file of one type that sluice and llama.cpp run, or an mlx-community-style
-MLX folder (mlx-4bit, mlx-8bit) that mlx-lm runs (see sluice/tools/quantize.py).
+MLX only) as a smaller checkpoint: a GGUF file of one type that sluice and llama.cpp run, an mlx-community-style
+MLX folder (mlx-4bit, mlx-8bit) that mlx-lm runs, or an FP8 folder as the hub's DeepSeek-V3 / Qwen3 FP8 uploads are
+(fp8; any gate / up / down MoE family, deepseek_v3 included) that transformers runs (see sluice/tools/quantize.py).
 
 K-quants (Q4_K_M, ...): `sluice quantize SRC model-bf16.gguf --to bf16`, then llama.cpp's
 `llama-quantize model-bf16.gguf model-Q4_K_M.gguf Q4_K_M`.
@@ -20,13 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..tools.quantize import TYPES
 
     p.add_argument("src", metavar="SRC", help="Hugging Face model folder (config.json + safetensors + tokenizer.json)")
-    p.add_argument("out", metavar="OUT", help="GGUF file, or for mlx-*: a folder, to write (written as OUT.partial, "
-                                              "then renamed)")
+    p.add_argument("out", metavar="OUT", help="GGUF file, or for mlx-* and fp8: a folder, to write (written as "
+                                              "OUT.partial, then renamed)")
     p.add_argument("--to", required=True, metavar="TYPE",
                    help=f"one of {', '.join(TYPES)}: norms and routers stay F32 and rows that are not whole blocks "
                         "fall back to F16, as llama.cpp's tools do; K-quants come from llama.cpp's llama-quantize "
                         "run on a bf16 file; mlx-4bit / mlx-8bit: affine groups of 64 as mlx_lm convert -q writes "
-                        "them (needs the mlx package)")
+                        "them (needs the mlx package); fp8: e4m3 weights with 128 x 128 block scales "
+                        "(weight_scale_inv) as DeepSeek-V3 and the Qwen3 FP8 uploads ship them")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -37,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
 
     to = check_type(args.to)
     try:
-        if not to.startswith("mlx"):
+        if not to.startswith(("mlx", "fp8")):
             import gguf  # noqa: F401
     except ImportError:
         raise SluiceError("quantize to GGUF needs the gguf package: pip install 'sluice[gguf]' (or pip install gguf)")

@@ -164,9 +164,16 @@ def mlx_values() -> dict:
     return {t: module.MLX_VALUES for t, module in archs().items() if module.MLX_VALUES}
 
 
+#: model_types whose config.json names an architecture under another name: Moonshot's Kimi K2 (its architectures
+#: DeepseekV3ForCausalLM; its model card has engines without a kimi_k2 entry rename it deepseek_v3)
+ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
 def get_arch(model_type: Any, source: str | os.PathLike[str] = "config.json") -> ModuleType:
-    """The module for `model_type`; ConfigError naming `source` and listing the supported ones otherwise."""
+    """The module for `model_type` (or the one ALIASES names for it); ConfigError naming `source` and listing the
+    supported ones otherwise."""
     known = archs()
+    model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
     if not isinstance(model_type, str) or model_type not in known:
         raise ConfigError(f"{show(model_type)} is not supported; supported: {', '.join(known)}",
                           file=str(source), field="model_type")

@@ -55,7 +55,7 @@ class ModelArgs(BaseArgs):
     # kv_b_proj stored split per head, as llama.cpp's deepseek2 converter writes it (set by the GGUF reader): k_b_proj
     # [nH, r, N] (each head's key rows transposed) and v_b_proj [nH, V, r]; models/weights.py joins them back
     kv_b_split: bool = cfg(False)
-    quantization_config: dict | None = cfg(None)  # the hub's FP8 uploads: refused (config_problems)
+    quantization_config: dict | None = cfg(None)  # the hub's FP8 uploads: read by checkpoint/fp8_index.py
 
     def __post_init__(self):
         super().__post_init__()
@@ -69,11 +69,11 @@ class ModelArgs(BaseArgs):
         # hidden_size / num_attention_heads sizes nothing here: the head dims are their own keys
         yield from ((f, m) for f, m in super().config_problems() if f != "hidden_size")
         method = (self.quantization_config or {}).get("quant_method")
-        if method is not None:  # e.g. DeepSeek-V3/R1 and Kimi K2 as uploaded: F8_E4M3 blocks + weight_scale_inv
+        if method is not None and str(method).lower() != "fp8":  # fp8: DeepSeek-V3/R1 and Kimi K2 as uploaded
             yield "quantization_config", (
                 f"quant_method {method!r}: weights quantized this way would be read without their scales (a wrong "
-                "answer), and sluice does not compute them yet: use a bf16 conversion of the model (DeepSeek's "
-                "fp8_cast_bf16.py) or a GGUF file")
+                "answer), and sluice does not compute them: use the FP8 upload, a bf16 conversion of the model or a "
+                "GGUF file")
         if self.qk_rope_head_dim % 2:
             yield "qk_rope_head_dim", f"{self.qk_rope_head_dim} is odd; rope rotates pairs: expected an even size"
         yield from dense_and_grouped_router_problems(self)

@@ -2,7 +2,8 @@
 
 `resident_refs` is the pure renaming step (testable without files); `load_resident` reads the bytes through the
 index and converts them to the compute dtype, checking every shape against the Spec. The projections `kept_quantized`
-names (GGUF blocks with an integer kernel, at bf16 / f16) stay in their stored bytes as QuantLinear instead.
+names (GGUF blocks with an integer kernel, FP8 weights with their block scales, at bf16 / f16) stay in their stored
+bytes as QuantLinear instead.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.ref import TensorRef
 from ..errors import CheckpointError
-from ..io.tensor import read_bytes
-from ..quant.tensor import read_tensor
+from ..quant.tensor import read_stored, read_tensor
 from .arch import final_of
 from .spec import (DeltaNetWeights, HyperWeights, IndexerWeights, LayerWeights, MLAWeights, MLPWeights, PLEWeights,
                    Spec, Weights)
@@ -89,20 +89,16 @@ def kept_quantized(refs: dict[str, TensorRef], dtype: torch.dtype) -> dict[str, 
 
 
 def resident_nbytes(refs: dict[str, TensorRef], dtype: torch.dtype, lazy_embed: bool = False) -> int:
-    """Bytes load_resident keeps: stored bytes of the projections kept quantized, itemsize x numel of the rest (the
-    token embedding excluded when `lazy_embed`)."""
+    """Bytes load_resident keeps: stored bytes of the projections kept quantized (an FP8 weight's codes and block
+    scales), itemsize x numel of the rest (the token embedding excluded when `lazy_embed`)."""
     quant = kept_quantized(refs, dtype)
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    return sum(ref.nbytes if role in quant else (4 if role.split(".", 2)[-1] in FLOAT32_ROLES else itemsize) * ref.numel
+    return sum(quant[role].nbytes if role in quant else (4 if role.split(".", 2)[-1] in FLOAT32_ROLES else itemsize) * ref.numel
                for role, ref in refs.items() if not (lazy_embed and role == "embed"))
 
 
 def _quant_linear(ref: TensorRef, spec: QuantSpec, compute: Compute, scratch: Scratch) -> QuantLinear:
-    raw = read_bytes(ref)  # [nbytes]: whole blocks per row
-    order = ref.row_order()  # rows llama.cpp permuted for its rope, back in Hugging Face order
-    if order is not None:
-        raw = raw.view(ref.shape[0], ref.row_nbytes)[order].reshape(-1)
-    return QuantLinear(spec, raw, compute, scratch)
+    return QuantLinear(spec, read_stored(ref, spec), compute, scratch)  # rows in Hugging Face order
 
 
 def load_resident(refs: dict[str, TensorRef], spec: Spec, compute: Compute, lazy_embed: bool = False) -> Weights:

@@ -154,19 +154,42 @@ class StoredLinear:
         """The exact weights (rows n0:n1 of them), float32 or rounded to bf16 by out's dtype, into out."""
         n0, n1 = rows if rows is not None else (0, self.spec.out_features)
         if (n0, n1) != (0, self.spec.out_features):
-            per_row = self.spec.nbytes // self.spec.out_features  # GGUF: whole blocks per row, no padding
-            spec = QuantSpec.ggml(self.spec.name, n1 - n0, self.spec.in_features)
-            kernels.dequantize(spec, raw[n0 * per_row : n1 * per_row], out, path=self.compute.path)
+            spec, raw = self._row_block(raw, n0, n1)
         else:
-            kernels.dequantize(self.spec, raw, out, path=self.compute.path)
+            spec = self.spec
+        kernels.dequantize(spec, raw, out, path=self.compute.path)
+
+    def _row_block(self, raw: torch.Tensor, n0: int, n1: int) -> tuple[QuantSpec, torch.Tensor]:
+        """(spec, stored bytes) of rows n0:n1: a view of a GGUF weight's rows; an FP8 weight's rows and their block
+        scales copied into one buffer (n0 a multiple of the block's rows: ValueError else)."""
+        s, k = self.spec, self.spec.in_features
+        if s.family == "ggml":
+            per_row = s.nbytes // s.out_features  # GGUF: whole blocks per row, no padding
+            return QuantSpec.ggml(s.name, n1 - n0, k), raw[n0 * per_row : n1 * per_row]
+        if s.family != "fp8" or n0 % s.block_rows:
+            raise ValueError(f"rows {n0}:{n1} of {s.family} {s.name}: only GGUF rows and FP8 rows from a block's "
+                             "first are dequantized apart")
+        spec = QuantSpec.fp8(n1 - n0, k, s.block, s.scale_dtype)
+        (w, sc), (w1, sc1) = s.parts, spec.parts
+        per_scale_row = sc.nbytes // sc.shape[0]
+        r0, r1 = n0 // s.block_rows, -(-n1 // s.block_rows)
+        out = torch.empty(spec.nbytes, dtype=torch.uint8)
+        out[: w1.nbytes] = raw[w.offset + n0 * k : w.offset + n1 * k]
+        out[sc1.offset : sc1.offset + sc1.nbytes] = raw[sc.offset + r0 * per_scale_row : sc.offset + r1 * per_scale_row]
+        return spec, out
 
     def _blocked(self, x: torch.Tensor, raw: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """Many rows: blocks of weight rows dequantized into the scratch in x's dtype (float32, or bf16 on the bf16
         GEMM route: twice the rows per block), one F.linear per block: x [T, in] -> y [T, out] in x's dtype."""
         n, k = self.shape
         get = scratch.get if x.dtype is torch.float32 else scratch.get_bf16
-        # blocks of rows of GGUF formats only (whole blocks per row); an MLX / MXFP4 weight is dequantized whole
-        step = max(1, SCRATCH_BYTES // (x.element_size() * k)) if self.spec.family == "ggml" else n
+        # blocks of rows of GGUF formats (whole blocks per row) and of FP8 (whole blocks of rows: a DeepSeek-V3 o_proj
+        # [7168, 16384] would be 470 MB at once in float32); an MLX / MXFP4 weight is dequantized whole
+        step = max(1, SCRATCH_BYTES // (x.element_size() * k))
+        if self.spec.family == "fp8":
+            step = max(1, step // self.spec.block_rows) * self.spec.block_rows
+        elif self.spec.family != "ggml":
+            step = n
         if step >= n:
             w = get(n * k)
             self.dequantize_into(raw, w)
@@ -182,7 +205,9 @@ class StoredLinear:
 
 class QuantLinear(StoredLinear):
     """A resident projection weight [out, in] kept as its stored GGUF blocks (`raw`, uint8 [spec.nbytes], rows in
-    Hugging Face order): lm_head, attention, dense and shared MLPs of a GGUF file.
+    Hugging Face order): lm_head, attention, dense and shared MLPs of a GGUF file; or an FP8 weight with its block
+    scales (quant/fp8.py: half the bytes of bf16, and the exact weights through the float row kernel where bf16 would
+    round them), which has no integer path: its decode rows take the float row kernel.
 
     A Q4_K_M file's `output.weight` is Q6_K: 128 MB for a [151936 x 1024] head, 311 MB once converted to bf16, and a
     bf16 F.linear over it took 22.8 ms per decode token on 2 torch threads (this machine has no native bf16 math);
@@ -194,8 +219,9 @@ class QuantLinear(StoredLinear):
     `benchmarks/knobs.py split / head / projections`."""
 
     def __init__(self, spec: QuantSpec, raw: torch.Tensor, compute: Compute, scratch: Scratch | None = None):
-        if not q8.q8_supported(spec):
-            raise ValueError(f"QuantLinear computes the formats q8.q8_supported takes, not {spec.name}")
+        if not (native.available() and native.supports(spec)) or spec.family not in ("ggml", "fp8"):
+            raise ValueError(f"QuantLinear computes GGUF blocks and FP8 weights the native kernels take, not "
+                             f"{spec.family} {spec.name}")
         if raw.dtype != torch.uint8 or raw.numel() != spec.nbytes:
             raise ValueError(f"raw must be the {spec.nbytes} stored bytes of {spec.name} [{spec.out_features}, "
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
@@ -203,7 +229,8 @@ class QuantLinear(StoredLinear):
         self.raw = raw.contiguous()
         self.scratch = scratch if scratch is not None else Scratch()
         self.planes = compute.planes
-        self._group = QuantGroup([self])  # decode's call, checked once; rows over the C pool
+        # decode's integer call, checked once (rows over the C pool); FP8 weights take the float row kernel instead
+        self._group = QuantGroup([self]) if self.int8 else None
 
     @property
     def nbytes(self) -> int:
@@ -234,8 +261,10 @@ class QuantLinear(StoredLinear):
     @staticmethod
     def group(ws: "list[QuantLinear]") -> "QuantGroup | None":
         """One native call computing several QuantLinears of one x (a layer's q, k and v) on the integer path, x
-        quantized once, or None when they cannot share one (other in_features or computes)."""
-        if len({w.spec.in_features for w in ws}) != 1 or len({w.compute for w in ws}) != 1:
+        quantized once, or None when they cannot share one (other in_features or computes, or a format without an
+        integer path: FP8)."""
+        if (len({w.spec.in_features for w in ws}) != 1 or len({w.compute for w in ws}) != 1
+                or not all(w.int8 for w in ws)):
             return None
         return QuantGroup(ws)
 
@@ -270,10 +299,16 @@ class QuantGroup:
 
 def quant_spec(ref: TensorRef, dtype: torch.dtype) -> QuantSpec | None:
     """The QuantSpec a resident 2-D tensor keeps as a QuantLinear at compute dtype `dtype`, or None when it is
-    converted to `dtype` as before: float32 (the exact reference), plain or MLX tensors, formats without an integer
-    path, or no native extension. The one rule the load (models/weights.py) and the memory plan (plan.py) share."""
+    converted to `dtype` as before: float32 (the exact reference), plain or MLX tensors, GGUF formats without an
+    integer path, or no native extension. An FP8 weight is kept with its block scales. The one rule the load
+    (models/weights.py) and the memory plan (plan.py) share."""
     if dtype not in (torch.bfloat16, torch.float16) or not native.available():
         return None
+    if ref.fp8 is not None and len(ref.shape) == 2 and not ref.values:
+        try:
+            return QuantSpec.fp8(*ref.shape, ref.fp8.block, ref.fp8.scale.torch_dtype)
+        except ValueError:
+            return None  # read_tensor dequantizes it
     if not ref.quantized or ref.mlx is not None or ref.values or len(ref.shape) != 2:
         return None  # (values a converter mapped are undone on the dequantized tensor: read_tensor)
     try:

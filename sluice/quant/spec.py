@@ -1,6 +1,6 @@
 """How one projection's weight is stored (`QuantSpec`) and the parts of its bytes in a slot (`Part`).
 
-    spec = QuantSpec.ggml("Q4_K", out_features=768, in_features=2048)     # or .mlx(...), .mxfp4(...)
+    spec = QuantSpec.ggml("Q4_K", out_features=768, in_features=2048)     # or .mlx(...), .mxfp4(...), .fp8(...)
     spec.parts, spec.nbytes          # the stored byte ranges, laid out in one buffer (64-byte aligned parts)
     spec.dequantize(raw)             # the exact float32 weights (the reference, bitwise gguf / mx.dequantize)
 
@@ -19,6 +19,8 @@ from ..checkpoint.formats import BY_NAME, MLX_BITS, UnsupportedFormat
 from .affine import Affine
 from .ggml import DEQUANTIZABLE
 from .ggml import affine as ggml_affine
+from .fp8 import SCALE_DTYPES as FP8_SCALE_DTYPES
+from .fp8 import block_grid, dequantize_fp8
 from .mlx import mlx_affine
 from .mxfp4 import mxfp4_affine
 
@@ -64,8 +66,11 @@ class QuantSpec:
     """How one projection weight [out_features, in_features] is stored, and the parts of its bytes.
 
     family: "ggml" (name = a GGUF type name: F32, BF16, Q4_K, ...; one part "blocks" [out, row bytes]),
-    "mlx" (affine; parts "weight" uint32, "scales", "biases" [out, in/group_size] in scale_dtype) or
-    "mxfp4" (gpt-oss; parts "blocks" uint8 [out, in/32, 16] and "scales" uint8 [out, in/32]).
+    "mlx" (affine; parts "weight" uint32, "scales", "biases" [out, in/group_size] in scale_dtype),
+    "mxfp4" (gpt-oss; parts "blocks" uint8 [out, in/32, 16] and "scales" uint8 [out, in/32]) or
+    "fp8" (name "fp8_e4m3": parts "weight" float8_e4m3fn [out, in] and "scales" [ceil(out/block_rows),
+    ceil(in/group_size)] in scale_dtype: the `weight_scale_inv` of quant/fp8.py, one per block of block_rows x
+    group_size weights).
     `parts` are laid out one after another in a buffer of `nbytes` bytes, each at a 64-byte aligned offset: the
     store reads each byte range of the checkpoint into its part of the buffer.
     """
@@ -77,6 +82,7 @@ class QuantSpec:
     bits: int = 0
     group_size: int = 0
     scale_dtype: torch.dtype | None = None
+    block_rows: int = 0  # fp8: the rows of one scale's block (weight_block_size[0])
 
     @staticmethod
     def ggml(name: str, out_features: int, in_features: int) -> "QuantSpec":
@@ -104,6 +110,25 @@ class QuantSpec:
             raise ValueError(f"MXFP4 rows are whole groups of 32, got {in_features}")
         return QuantSpec("mxfp4", "mxfp4", out_features, in_features, 4, 32)
 
+    @staticmethod
+    def fp8(out_features: int, in_features: int, block: tuple[int, int] = (128, 128),
+            scale_dtype: torch.dtype = torch.float32) -> "QuantSpec":
+        """An FP8 e4m3 weight with its block scales (`weight` + `weight_scale_inv`, quant/fp8.py), blocks of
+        block = (rows, inputs). ValueError for rows or blocks the kernels cannot take: rows of whole groups of 32
+        inputs, blocks of whole groups of 32 inputs (one scale per group), scales in F32 / BF16 / F16."""
+        bn, bk = block
+        if (type(bn) is not int or type(bk) is not int or bn < 1 or bk < 32 or bk % 32 or bn >= 2**23
+                or in_features % 32 or scale_dtype not in FP8_SCALE_DTYPES):
+            raise ValueError(f"FP8 weights [{out_features}, {in_features}] in blocks {list(block)} with "
+                             f"{scale_dtype} scales: sluice computes rows of whole groups of 32 inputs, blocks of "
+                             "whole groups of 32 inputs and float32 / bfloat16 / float16 scales")
+        return QuantSpec("fp8", "fp8_e4m3", out_features, in_features, 8, bk, scale_dtype, bn)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """fp8: (rows, inputs) of one scale's block."""
+        return self.block_rows, self.group_size
+
     @property
     def parts(self) -> tuple[Part, ...]:
         return self._layout()[0]
@@ -124,14 +149,20 @@ class QuantSpec:
             g = i // self.group_size
             return _layout([("weight", torch.int32, (o, i * self.bits // 32)), ("scales", self.scale_dtype, (o, g)),
                             ("biases", self.scale_dtype, (o, g))])
+        if self.family == "fp8":
+            return _layout([("weight", torch.float8_e4m3fn, (o, i)),
+                            ("scales", self.scale_dtype, block_grid((o, i), self.block))])
         return _layout([("blocks", torch.uint8, (o, i // 32, 16)), ("scales", torch.uint8, (o, i // 32))])
 
     def affine(self, raw: torch.Tensor, codes: bool = True) -> Affine:
-        """The stored bytes (uint8 [nbytes]) unpacked into codes, scales and biases (not for plain ggml types);
+        """The stored bytes (uint8 [nbytes]) unpacked into codes, scales and biases (not for plain ggml types, nor
+        fp8, whose scales cover blocks of rows);
         codes=False leaves the codes packed (Affine.codes None)."""
         v = {p.name: p.view(raw) for p in self.parts}
         if self.family == "ggml":
             return ggml_affine(v["blocks"], self.name, codes=codes)
+        if self.family == "fp8":
+            raise ValueError("FP8 block scales cover blocks of rows and inputs, not an affine group of one row")
         if self.family == "mlx":
             return mlx_affine(v["weight"], v["scales"], v["biases"], bits=self.bits, group_size=self.group_size,
                               codes=codes)
@@ -142,6 +173,9 @@ class QuantSpec:
         if self.plain:
             w = self.parts[0].view(raw).view(_PLAIN[self.name])
             return w.float() if out is None else out.view(w.shape).copy_(w)
+        if self.family == "fp8":
+            w, scales = (p.view(raw) for p in self.parts)
+            return dequantize_fp8(w, scales, self.block, out=out).view(w.shape)
         return self.affine(raw).dequantize(out)
 
     @property

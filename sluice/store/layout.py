@@ -2,7 +2,8 @@
 
 The unit of streaming is one expert of one layer. Three checkpoint layouts are read:
 - per expert (hub, `save_pretrained` default): `{p}.experts.{e}.gate_proj.weight [I, H]`, `up_proj [I, H]`,
-  `down_proj [H, I]` (Mixtral: w1 / w3 / w2) -> three ranges;
+  `down_proj [H, I]` (Mixtral: w1 / w3 / w2) -> three ranges; six for FP8 experts (DeepSeek-V3, Kimi K2, Qwen3 FP8:
+  each projection's e4m3 codes and its `weight_scale_inv`, checkpoint/fp8_index.py);
 - fused (`save_pretrained(save_original_format=False)`, GGUF `ffn_gate_up_exps`): `{p}.experts.gate_up_proj
   [E, 2I, H]` and `{p}.experts.down_proj [E, H, I]` -> expert e is one contiguous slice of each, two ranges;
 - stacked (GGUF `ffn_{gate,up,down}_exps`, see checkpoint/gguf_index.py; MLX `switch_mlp`, mlx_index.py):
@@ -10,9 +11,9 @@ The unit of streaming is one expert of one layer. Three checkpoint layouts are r
   three ranges; nine for MLX affine experts (the slices of each projection's packed weight, scales and biases).
 
 A slot is one uint8 buffer holding the expert's bytes as stored (`ExpertFormat`): gate, then up, then down, each a
-`QuantSpec` (quant/spec.py) -- plain BF16/F16/F32 rows, GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row, or
-MLX affine weight / scales / biases, each in its QuantSpec part (typed views need aligned parts: MLX projections
-and slots start at 64-byte offsets).
+`QuantSpec` (quant/spec.py) -- plain BF16/F16/F32 rows, GGUF blocks (Q4_K, Q6_K, ...), whole blocks per row,
+MLX affine weight / scales / biases, or FP8 codes / block scales, each in its QuantSpec part (typed views need
+aligned parts: quantized projections and slots start at 64-byte offsets).
 gpt-oss (`BiasedGluFormat`, read by models/gpt_oss.py expert_layer): `{p}.experts.gate_up_proj_blocks/_scales`
 [E, 2I, H/32, 16] / [E, 2I, H/32] and `down_proj_blocks/_scales` in MXFP4 as shipped, or the dequantized
 `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]` (`save_pretrained`), plus `gate_up_proj_bias [E, 2I]` and
@@ -240,6 +241,8 @@ class ExpertLayout:
                                      "(switch_mlp); re-convert the model with mlx_lm.convert")
                 q = ref.mlx
                 return QuantSpec.mlx(q.bits, q.group_size, out_features, in_features, q.scales.torch_dtype)
+            if ref.fp8 is not None:  # the codes, then their block scales (both ranges read into the slot)
+                return QuantSpec.fp8(out_features, in_features, ref.fp8.block, ref.fp8.scale.torch_dtype)
             return QuantSpec.ggml(ref.dtype, out_features, in_features)
         except (UnsupportedFormat, ValueError) as e:
             raise CheckpointError(f"experts stored as {ref.dtype}: {e}", file=ref.path, tensor=ref.name) from None
@@ -278,6 +281,10 @@ class ExpertLayout:
         if fused:
             gu = index[f"{p}.experts.gate_up_proj"]
             dn = index[f"{p}.experts.down_proj"]
+            if gu.fp8 is not None or dn.fp8 is not None:  # a scale block may hold gate rows and up rows
+                raise CheckpointError("FP8 experts in transformers' fused layout are not read; the hub's FP8 uploads "
+                                      "store them per expert (experts.{e}.gate_proj.weight + weight_scale_inv): use "
+                                      "such a folder", file=gu.path, tensor=gu.name)
             half = self._spec_of(gu, (E, 2 * I, H))
             gate = up = QuantSpec.ggml(half.name, I, H)  # gate rows, then up rows: one range of whole rows
             down = self._spec_of(dn, (E, H, I))
@@ -296,8 +303,8 @@ class ExpertLayout:
                     "down": index[f"{base}.{d_name}.weight"]}
             specs = {k: self._spec_of(r, (H, I) if k == "down" else (I, H)) for k, r in refs.items()}
             fmt = self._set_format(layer, refs["gate"], specs["gate"], specs["up"], specs["down"])
-            self._parts[(layer, e)] = [ExpertPart(k, fmt.offset(k), ReadRange(r.path, r.offset, r.nbytes))
-                                       for k, r in refs.items()]
+            self._parts[(layer, e)] = [ExpertPart(k, fmt.offset(k) + at, ReadRange(t.path, t.offset, t.nbytes))
+                                       for k, r in refs.items() for t, at in _pieces(r, specs[k])]
 
     def _stacked_layer(self, index: CheckpointIndex, p: str, layer: int) -> None:
         s = self.spec
@@ -323,8 +330,11 @@ def shaped(ref: TensorRef, shape: tuple[int, ...], dtype: str | None = None) -> 
 
 
 def _pieces(ref: TensorRef, spec: QuantSpec) -> list[tuple[TensorRef, int]]:
-    """The tensors that hold a stacked projection and where each expert's slice lands inside the projection's slot
-    bytes: the tensor itself for a ggml type; weight, scales and biases at their QuantSpec parts for MLX."""
-    if ref.mlx is None:
-        return [(ref, 0)]
-    return [(t, part.offset) for t, part in zip((ref, ref.mlx.scales, ref.mlx.biases), spec.parts)]
+    """The tensors that hold a projection (of one expert, or stacked) and where each (expert's slice) lands inside
+    the projection's slot bytes: the tensor itself for a ggml type; weight, scales and biases at their QuantSpec parts
+    for MLX; the FP8 codes and their block scales at theirs."""
+    if ref.mlx is not None:
+        return [(t, part.offset) for t, part in zip((ref, ref.mlx.scales, ref.mlx.biases), spec.parts)]
+    if ref.fp8 is not None:
+        return [(t, part.offset) for t, part in zip((ref, ref.fp8.scale), spec.parts)]
+    return [(ref, 0)]

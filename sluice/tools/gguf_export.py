@@ -306,7 +306,8 @@ def _data(gt: GgufTensor) -> torch.Tensor:
             t = t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         return t
     first = gt.sources[0]
-    out = torch.empty(gt.shape, dtype=first.torch_dtype)  # [E, out, in]
+    # [E, out, in]; quantized experts (an FP8 folder's) in the float32 read_tensor dequantizes them to
+    out = torch.empty(gt.shape, dtype=torch.float32 if first.quantized else first.torch_dtype)
     for e, ref in enumerate(gt.sources):
         out[e] = read_tensor(ref)
     return out

@@ -97,11 +97,14 @@ def _module_tensors(index: CheckpointIndex) -> Iterator[tuple[str, Callable[[], 
         expert_names[src] = dst
     E = spec.num_experts
     pre = _VLM.get(cfg.get("model_type"), "")
+    scales = {f"{n}_scale_inv" for n, ref in index.tensors.items() if ref.fp8 is not None}
     for name in index.tensors:
         moe = next((p for p in expert_names if name.startswith(p + ".")), None)
         if moe is not None and name.startswith(f"{moe}.experts."):
             continue  # stacked below
         if (name == "lm_head.weight" and spec.tie_word_embeddings) or "rotary_emb" in name or name.startswith(_UNREAD):
+            continue
+        if name in scales:  # an FP8 weight's block scales: read_tensor dequantized the weight with them
             continue
         mlx_name = f"{expert_names[moe]}.gate.weight" if moe and name == f"{moe}.gate.weight" else name
         yield pre + mlx_name, lambda name=name: _sanitized(name, read_tensor(index[name]), arch)

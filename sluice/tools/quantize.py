@@ -1,5 +1,6 @@
-"""`quantize(src, out, to)`: a supported Hugging Face MoE folder made small, as a GGUF file of one type or an MLX
-affine folder (mlx-4bit, mlx-8bit: tools/mlx_export.py, the layout `mlx_lm convert -q` writes).
+"""`quantize(src, out, to)`: a supported Hugging Face MoE folder made small, as a GGUF file of one type, an MLX
+affine folder (mlx-4bit, mlx-8bit: tools/mlx_export.py, the layout `mlx_lm convert -q` writes) or an FP8 folder
+(fp8: tools/fp8_export.py, the layout of the hub's DeepSeek-V3 / Kimi K2 / Qwen3 FP8 uploads).
 
 GGUF types (`to`): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, laid out as llama.cpp's convert_hf_to_gguf.py +
 llama-quantize would (tools/gguf_export.py for the names and metadata, tools/gguf_types.py for which tensors keep
@@ -21,8 +22,9 @@ from ..errors import ConfigError
 from .gguf_types import GGUF_TYPES
 from .mlx_export import MLX_TYPES
 
+FP8_TYPES = ("fp8",)  # e4m3 weights with 128 x 128 block scales (tools/fp8_export.py)
 #: every `to` quantize() accepts
-TYPES = (*GGUF_TYPES, *MLX_TYPES)
+TYPES = (*GGUF_TYPES, *MLX_TYPES, *FP8_TYPES)
 
 
 def check_type(to: str) -> str:
@@ -37,6 +39,10 @@ def check_type(to: str) -> str:
 def planned_bytes(src: str | os.PathLike[str], to: str) -> int:
     """Bytes the output of quantize(src, ..., to) will hold (its tensor data: for a progress bar)."""
     to = check_type(to)
+    if to in FP8_TYPES:
+        from .fp8_export import planned_bytes as fp8_bytes
+
+        return fp8_bytes(src)
     if to in MLX_TYPES:
         from .mlx_export import planned_bytes as mlx_bytes
 
@@ -49,7 +55,7 @@ def planned_bytes(src: str | os.PathLike[str], to: str) -> int:
 def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], to: str,
              progress: Callable[[int], None] | None = None, force: bool = False) -> dict[str, Any]:
     """Write the model folder `src` as `out` in type `to` (see TYPES); `force` replaces an existing OUT (a GGUF file,
-    or an MLX model folder).
+    or an MLX / FP8 model folder).
 
     `progress(nbytes)` is called as output bytes are written. Returns a summary dict: path, bytes, type, tensors,
     and `fallbacks` (tensors whose rows are not whole blocks of the type, stored as F16, as llama.cpp does).
@@ -57,6 +63,10 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], to: str,
     OutputExistsError when OUT exists, OSError (disk full, ...) with nothing left behind.
     """
     to = check_type(to)
+    if to in FP8_TYPES:
+        from .fp8_export import export_fp8
+
+        return export_fp8(Path(src), Path(out), force=force, progress=progress)
     if to in MLX_TYPES:
         from .mlx_export import export_mlx
 

@@ -80,13 +80,20 @@ def test_softmax_scale_is_transformers_with_the_yarn_correction():
     (dict(first_k_dense_replace=3), "first_k_dense_replace"),  # no MoE layer left
     (dict(intermediate_size=0), "intermediate_size"),  # the dense first layer has no size
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
-    (dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
-     "quantization_config"),  # the hub uploads' FP8 blocks would be read without their weight_scale_inv
+    # weights quantized another way would be read without their scales (FP8's are read: tests/quant/test_fp8_models.py)
+    (dict(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128}), "quantization_config"),
 ])
 def test_router_and_layer_relations_are_config_errors(changes, field):
     with pytest.raises(ConfigError) as e:
         model_args({**TINY["deepseek_v3"], **changes}, "/m/config.json")[1].spec()
     assert e.value.field == field and "/m/config.json" in str(e.value)
+
+
+def test_an_fp8_quantization_config_is_read():
+    """The hub's FP8 quantization_config (DeepSeek-V3 / R1, Kimi K2) is no config problem: the checkpoint index pairs
+    each FP8 weight with its weight_scale_inv (checkpoint/fp8_index.py)."""
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert model_args({**TINY["deepseek_v3"], "quantization_config": q}, "/m/config.json")[1].spec().mla is not None
 
 
 def test_make_model_writes_a_checkpoint_transformers_loads(tmp_path):

@@ -25,13 +25,14 @@ BEST, PORTABLE, AVX2 = 0, 1, 2
 PATHS = {"auto": BEST, "avx2": AVX2, "portable": PORTABLE}  # LoadOptions.isa -> the path cap
 
 _GGML = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "MXFP4": 8,
-         # the low-bit types (lowbit.c, q8_low.c): common.h's enum from Q2_K on
-         **{name: 12 + i for i, name in enumerate(("Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS",
+         # the low-bit types (lowbit.c, q8_low.c): common.h's enum from Q2_K on (after FP8, 12)
+         **{name: 13 + i for i, name in enumerate(("Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS",
                                                     "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"))}}
 _MLX = {4: 9, 8: 10}
 _MXFP4_OAI = 11  # gpt-oss's *_blocks / *_scales (QuantSpec.mxfp4)
+_FP8 = 12  # float8_e4m3fn codes with block scales (QuantSpec.fp8; fp8.h)
 SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-FORMATS = frozenset(_GGML) | {"mlx4", "mlx8", "mxfp4"}
+FORMATS = frozenset(_GGML) | {"mlx4", "mlx8", "mxfp4", "fp8_e4m3"}
 
 
 def _load() -> ctypes.CDLL | None:
@@ -77,10 +78,11 @@ def warn_unbuilt() -> None:
 
 
 def supports(spec: QuantSpec) -> bool:
-    """Whether the native kernels compute this format (MLX: 4 or 8 bits, groups a multiple of 32)."""
+    """Whether the native kernels compute this format (MLX: 4 or 8 bits, groups a multiple of 32; FP8: any
+    QuantSpec.fp8 makes)."""
     if spec.family == "ggml":
         return spec.name in _GGML
-    if spec.family == "mxfp4":
+    if spec.family in ("mxfp4", "fp8"):
         return True
     return spec.family == "mlx" and spec.bits in _MLX and spec.group_size % 32 == 0
 
@@ -130,6 +132,9 @@ def layout(spec: QuantSpec) -> tuple:
                 0, 0)
     if spec.family == "mxfp4":
         return (spec.nbytes, _MXFP4_OAI, n, k, parts["blocks"].offset, k // 2, parts["scales"].offset, None, 0, 32)
+    if spec.family == "fp8":  # sdt: the scales' dtype, the block's rows above it (fp8.h)
+        return (spec.nbytes, _FP8, n, k, parts["weight"].offset, k, parts["scales"].offset, None,
+                SCALE_DTYPES[spec.scale_dtype] | spec.block_rows << 8, spec.group_size)
     if spec.scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"MLX scales must be float32, float16 or bfloat16, got {spec.scale_dtype}")
     w = parts["weight"]

@@ -28,11 +28,12 @@ static inline int sluice_avx2_ok(int scalar) { return scalar != SLUICE_PATH_SCAL
 static inline int sluice_avx512_ok(int scalar) { return scalar == 0; }
 
 enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, MLX4, MLX8, MXFP4_OAI,
+       FP8,  /* float8_e4m3fn codes [N, K] with block scales in s (fp8.h says how sdt and gs describe them) */
        Q2_K, Q3_K, TQ1_0, TQ2_0, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, N_FORMATS };
 /* MXFP4_OAI: gpt-oss's *_blocks [N, K/32, 16] (value 2i the low nibble of byte i) and *_scales [N, K/32] (in s).
  * Q2_K ... IQ1_M: the low-bit GGUF types, dequantized by lowbit.c, on the integer path in q8_low.c */
 #define LOW_FIRST Q2_K
-static inline int is_lowbit(int fmt) { return fmt >= LOW_FIRST && fmt < N_FORMATS; }
+static inline int is_lowbit(int fmt) { return fmt >= LOW_FIRST && fmt <= IQ1_M; }
 /* lowbit.c: row n of a low-bit weight -> its K float32 values, bitwise gguf's dequantization (portable C); the same
  * from the AVX2 unpacking (q8_low.c, x86 only) */
 void lowbit_deq_row(int fmt, const uint8_t *row, int64_t K, float *o);

@@ -1,4 +1,5 @@
-/* y[T, N] = x[T, K] @ W^T straight from W's stored bytes (GGUF blocks as on disk, or MLX affine 4/8-bit).
+/* y[T, N] = x[T, K] @ W^T straight from W's stored bytes (GGUF blocks as on disk, MLX affine 4/8-bit, or FP8 e4m3
+ * codes with their block scales: fp8.h).
  *
  * Called through ctypes (sluice/quant/native/__init__.py checks every argument first); single-threaded, no
  * globals written after the first call, so several Python threads may run it at once (ctypes releases the GIL).
@@ -12,9 +13,11 @@
  *
  * Two paths with the same structure: AVX2+FMA+F16C (functions marked AVX2, chosen at run time with
  * __builtin_cpu_supports) and portable scalar C (any x86-64 or aarch64). They agree on the weights bit for bit
- * and differ in the dot products' rounding only (both within ~1e-6 relative of a float32 matmul).
+ * and in the dot products too: the portable dots follow the AVX2 order with fused multiply-adds (dot_scalar,
+ * FP8's fp8_dot_scalar), both within ~1e-6 relative of a float32 matmul.
  */
 #include "common.h"
+#include "fp8.h"
 #include "lowbit.h"
 
 static inline float mlx_scale(const uint8_t *p, int sdt, int64_t i) {
@@ -110,6 +113,9 @@ static void deq_row_scalar(const wdesc *w, int64_t n, float *o) {
             float h = e8m0_half(w->s[n * (K / 32) + g]);
             for (int j = 0; j < 32; j++) o[j] = h * (float)FP4_DOUBLED[(row[16 * g + j / 2] >> (4 * (j & 1))) & 15];
         }
+        break;
+    case FP8:
+        fp8_row_scalar(w, n, o);
         break;
     case MLX4: case MLX8:
         for (int64_t g = 0; g < K / w->gs; g++, o += w->gs) {
@@ -298,6 +304,23 @@ AVX2_INLINE void row_avx2(const wdesc *w, int64_t n, float *o, const float *x, _
         }
         break;
     }
+    case FP8: {
+        int64_t i = fp8_row_scales(w, n);
+        for (int64_t b = 0; b < K; b += w->gs, i++) {
+            float s = fp8_scale(w, i), s256 = s * 256.0f;
+            int big = isinf(s256) && !isinf(s);
+            for (int64_t k = b; k < b + w->gs && k < K; k += 32, o += 32) {
+                _mm_prefetch((const char *)(row + k + FP8_PREFETCH), _MM_HINT_T0);  /* never faults */
+                for (int h = 0; h < 2; h++) {
+                    __m256 lo, hi;
+                    fp8x16(row + k + 16 * h, s, _mm256_set1_ps(s256), big, &lo, &hi);
+                    fp8_emit8(lo, o + 16 * h, 2 * h, x, o0, acc);
+                    fp8_emit8(hi, o + 16 * h + 8, 2 * h + 1, x, o0, acc);
+                }
+            }
+        }
+        break;
+    }
     case MLX4: case MLX8: {
         const int64_t G = K / w->gs;
         for (int64_t g = 0; g < G; g++) {
@@ -387,7 +410,8 @@ static int have_avx2(void) { return 0; }
 static void rows_scalar(const wdesc *w, const float *x, int64_t T, float *y, int64_t n0, int64_t n1, float *buf) {
     for (int64_t n = n0; n < n1; n++) {
         deq_row_scalar(w, n, buf);
-        for (int64_t t = 0; t < T; t++) y[t * w->N + n] = dot_scalar(buf, x + t * w->K, w->K);
+        for (int64_t t = 0; t < T; t++)  /* FP8: in the AVX2 path's order, so its bits (fp8.h) */
+            y[t * w->N + n] = (w->fmt == FP8 ? fp8_dot_scalar : dot_scalar)(buf, x + t * w->K, w->K);
     }
 }
 

@@ -6,8 +6,10 @@ bf16 for a bf16 GEMM's operand).
 
 Formats: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 and the low-bit types (Q2_K, Q3_K, TQ1_0,
 TQ2_0, IQ1_S - IQ4_XS: lowbit.c, portable C on every path) (stored blocks exactly as in the file), MLX
-affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales, and gpt-oss MXFP4 (QuantSpec.mxfp4:
-*_blocks and *_scales; code 8 is +0, as spec.dequantize has it). Each output row's weights are dequantized exactly
+affine 4 / 8 bits with groups of 32, 64 or 128 and f32 / f16 / bf16 scales, gpt-oss MXFP4 (QuantSpec.mxfp4:
+*_blocks and *_scales; code 8 is +0, as spec.dequantize has it), and FP8 e4m3 codes with their block scales
+(QuantSpec.fp8: DeepSeek-V3 / Qwen3 FP8 `weight` + `weight_scale_inv`; fp8.h: the same bits on every path, dot
+products included). Each output row's weights are dequantized exactly
 (the value each weight has is sluice.quant.ggml.dequantize's, i.e. gguf's) and dotted with FMA in float32; the dot
 products' order depends on in_features only, so the result is deterministic (whatever T, thread or row range) and
 within ~1e-6 relative of F.linear on the exact weights. All rows go over the C pool (pool.c: output rows split; any
