@@ -13,8 +13,8 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from sluice.checkpoint.ref import FileStamp
-from sluice.errors import ModelFileWarning
-from sluice.io.ranges import Dest, ReadPlan, ReadRange
+from sluice.errors import CheckpointError, ModelFileWarning
+from sluice.io.ranges import Dest, Read, ReadPlan, ReadRange
 
 Request = tuple[ReadRange, Dest]
 
@@ -111,6 +111,22 @@ class FileGuard:
             warnings.warn(f"file {path} {what} after it was opened; this run goes on reading the version it opened "
                           "(the one its header described): reload the model to use the file now at that path",
                           ModelFileWarning, stacklevel=2)
+
+
+def truncated_error(fd: int, path: str, read: Read, pos: int) -> CheckpointError:
+    """The error for a read of `read`'s window that hit EOF at absolute byte `pos` before filling it: names the
+    first requested range the end of the file cuts (its offset and length) and the file's size now."""
+    try:
+        size = os.fstat(fd).st_size
+    except OSError:
+        size = pos
+    seg = next((s for s in read.segments if read.offset + s.rel + s.nbytes > size), read.segments[-1])
+    offset = read.offset + seg.rel
+    return CheckpointError(
+        f"short read: {seg.nbytes} bytes at offset {offset} (to byte {offset + seg.nbytes}) were requested, but the "
+        f"file has {size} bytes: the file is truncated or the index points past its end",
+        file=path,
+    )
 
 
 def thread_faults() -> tuple[int, int]:

@@ -28,7 +28,8 @@ from typing import Any
 from sluice.checkpoint.ref import FileStamp
 from sluice.errors import CheckpointError
 from sluice.io import native_pool
-from sluice.io.base import Counters, FileGuard, ReadFuture, Request, done_future, thread_faults
+from sluice.io.base import (Counters, FileGuard, ReadFuture, Request, done_future, thread_faults,
+                            truncated_error)
 from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, address, copy_bytes,
                                plan_reads, split_even)
 
@@ -67,22 +68,6 @@ ROW_WORKERS = 16
 ALIGN = 4096
 
 
-def _truncated(fd: int, path: str, read: Read, pos: int) -> CheckpointError:
-    """The error for a read of `read`'s window that hit EOF at absolute byte `pos` before filling it: names the
-    first requested range the end of the file cuts (its offset and length) and the file's size now."""
-    try:
-        size = os.fstat(fd).st_size
-    except OSError:
-        size = pos
-    seg = next((s for s in read.segments if read.offset + s.rel + s.nbytes > size), read.segments[-1])
-    offset = read.offset + seg.rel
-    return CheckpointError(
-        f"short read: {seg.nbytes} bytes at offset {offset} (to byte {offset + seg.nbytes}) were requested, but the "
-        f"file has {size} bytes: the file is truncated or the index points past its end",
-        file=path,
-    )
-
-
 def preadv_full(fd: int, bufs: list[memoryview], offset: int, path: str, read: Read) -> None:
     """preadv until every buffer is full (preadv may return short); CheckpointError on EOF or an OS error."""
     bufs = [b for b in bufs if len(b)]
@@ -94,7 +79,7 @@ def preadv_full(fd: int, bufs: list[memoryview], offset: int, path: str, read: R
         except OSError as e:
             raise CheckpointError(f"read at offset {pos} failed: {e.strerror or e}", file=path) from e
         if n == 0:
-            raise _truncated(fd, path, read, pos)
+            raise truncated_error(fd, path, read, pos)
         pos += n
         i = _advance(bufs, i, n)
 
@@ -274,7 +259,7 @@ class _Pool:
             # EOF: 0 bytes, or a short read ending off the block grid (O_DIRECT returns short only at EOF, and the
             # next read would be misaligned)
             if n == 0 or n % ALIGN:
-                raise _truncated(fd, r.path, r, pos)
+                raise truncated_error(fd, r.path, r, pos)
             i = _advance(bufs, i, n)
         copied = 0
         for seg, (a, b) in zip(r.segments, direct):  # the bytes outside each direct run came through staging

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from sluice.errors import CheckpointError
-from sluice.io.base import Counters, ReadFuture
+from sluice.io.base import Counters, ReadFuture, truncated_error
 from sluice.io.ranges import Read, address
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -116,13 +116,11 @@ class NativeFuture(ReadFuture):
 
     def _error(self, kind: int, index: int, err: int, pos: int) -> BaseException:
         """The Python reader's error for the read at op `index`."""
-        from sluice.io.direct import _truncated  # noqa: PLC0415 - direct imports this module
-
         r, fd = self._at[index]
         if kind == ERR_OS:
             return CheckpointError(f"read at offset {pos} failed: {os.strerror(err)}", file=r.path)
         if kind == ERR_EOF:
-            return _truncated(fd, r.path, r, pos)
+            return truncated_error(fd, r.path, r, pos)
         if kind == ERR_NOMEM:
             return MemoryError(f"the native reader could not allocate its staging buffer for {r.nbytes} bytes of "
                                f"{r.path}")
