@@ -301,8 +301,9 @@ def deploy(app, host: str, port: int, stop: threading.Event) -> bool:
     return False
 
 
-def stop_cluster(started: bool) -> None:
-    """Remove the application; stop the cluster when it was started here (its processes end with it)."""
+def stop_cluster(started: bool, deployed: bool) -> None:
+    """Stop the cluster when it was started here (its processes end with it), else remove the application if it was
+    deployed; disconnect."""
     import ray
     from ray import serve
 
@@ -311,7 +312,7 @@ def stop_cluster(started: bool) -> None:
     try:
         if started:
             serve.shutdown()
-        else:
+        elif deployed:
             serve.delete(APP)
     finally:
         ray.shutdown()
@@ -322,12 +323,13 @@ def run(model: str | Path, options: LoadOptions, *, replicas: int | str, address
     """`sluice serve MODEL --ray`: plan the model here (its file and option errors come before any cluster starts),
     start or join the cluster, size the replicas to its nodes, deploy, and serve until SIGINT or SIGTERM; then
     remove the application (and stop the cluster started here)."""
+    model = Path(model).resolve()  # the replicas' working folder may not be this one (other nodes: the same path)
     load_plan = plan(model, options)  # BudgetError, CheckpointError, ConfigError here, as `sluice serve` says them
     prompts = Prompts.of_plan(load_plan)
     if prompts.tokenizer is None:
         raise ConfigError("the server needs a model folder with tokenizer.json (text in, text out)")
     started = start_cluster(address)
-    stop = threading.Event()
+    stop, deployed = threading.Event(), False
     try:
         # ray.init installed its own SIGTERM handler: a stop signal ends the wait below, the cleanup runs after it
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -337,6 +339,7 @@ def run(model: str | Path, options: LoadOptions, *, replicas: int | str, address
         load = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
         app = application(model, load, prompts, sizing, name=name, api_key=api_key, max_queue=max_queue,
                           max_body=max_body)
+        deployed = True  # from here on the cluster may hold some of it
         if not deploy(app, host, port, stop):
             return
         url = f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
@@ -345,4 +348,4 @@ def run(model: str | Path, options: LoadOptions, *, replicas: int | str, address
               f"{format_bytes(max_body)}", file=sys.stderr, flush=True)
         stop.wait()
     finally:
-        stop_cluster(started)
+        stop_cluster(started, deployed)

@@ -3,10 +3,11 @@
 Pure arithmetic over the load plan's figures and the nodes' CPUs and memory, so it is tested without Ray
 (serve_ray.py reads the nodes from the cluster and hands the result to Ray Serve as each replica's resources).
 
-A replica is one process holding one model: `threads` compute threads (its Ray CPUs) and `need` bytes -- the weights
-its budget keeps (everything with `--memory all`; the resident weights and the expert slots the budget buys when
-streaming), its KV cache, the runtime reserve, and n-gram tables it holds. Ray's own processes on a node (GCS,
-raylet, agents, the Serve controller and proxy, the ingress) take RAY_PROCESSES of a node's memory first.
+A replica is one process holding one model: `threads` compute threads (its Ray CPUs) and `need` bytes -- what the
+load plan counts (the weights its budget keeps: everything with `--memory all`, the resident weights and the expert
+slots the budget buys when streaming; its KV cache; the runtime reserve; n-gram tables it holds) and REPLICA_PROCESS
+for the Ray worker process around it. Ray's own processes on a node (GCS, raylet, agents, the Serve controller and
+proxy, the ingress, the `sluice serve` driver) take RAY_PROCESSES of a node's memory first.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from ..errors import BudgetError, ConfigError
 from ..store.budget import RUNTIME_RESERVE, auto_memory, kept_bytes
 from ..units import format_bytes
 
-# Memory of Ray's own processes on a node, before any replica: measured 1.2 GiB of RSS on the head node of a local
-# cluster serving the tiny test model (gcs_server, raylet, dashboard and runtime-env agents, log monitor, autoscaler
-# monitor, ServeController, ProxyActor, and the ingress with sluice and torch imported); shared pages counted once
-# per process, so this is an upper bound.
-RAY_PROCESSES = 1280 * 2**20
+# Memory of Ray's own processes on a node, before any replica: measured 1,554-1,556 MiB of RSS on the local cluster of
+# benchmarks/results/ray (every process below `sluice serve --ray` less its replicas: gcs_server, raylet, dashboard
+# and runtime-env agents, log monitor, autoscaler monitor, ServeController, ProxyActor, the ingress, and the driver
+# itself, 353 MiB); shared pages counted in every process, so an upper bound. A node that joins holds fewer of them.
+RAY_PROCESSES = 1536 * 2**20
+# A replica's process beyond what the load plan counts: the Ray worker's own libraries and the load's transient
+# copies. Measured peak RSS (VmHWM) 101-428 MiB above the plan's figure (benchmarks/results/ray: 1,587 and 1,759 MiB
+# for 1,331 MiB resident, 880 MiB for 779 MiB streamed; a plain `sluice serve` of the same resident model 1,680 MiB).
+REPLICA_PROCESS = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -54,9 +59,10 @@ class ModelNeed:
                    p.ple_bytes if p.ple == "resident" else 0)
 
     def bytes_at(self, memory: int | None) -> int:
-        """What one replica takes with budget `memory` (None: every weight resident)."""
+        """What one replica takes with budget `memory` (None: every weight resident): the plan's figure and the
+        process around it."""
         kept = kept_bytes(memory, self.resident_bytes, self.expert_bytes, self.total_experts)
-        return kept + self.kv_bytes + RUNTIME_RESERVE + self.tables_bytes
+        return kept + self.kv_bytes + RUNTIME_RESERVE + self.tables_bytes + REPLICA_PROCESS
 
 
 @dataclass(frozen=True)
@@ -122,10 +128,11 @@ def size_replicas(need: ModelNeed, nodes: list[Node], replicas: int | str, threa
             memory = None
         else:
             source = (f"the smallest node's {format_bytes(smallest)} left beside Ray's processes"
-                      + (f", shared by {per_node} replicas" if per_node > 1 else ""))
-            try:
-                memory = auto_memory(share, source, need.resident_bytes, need.expert_bytes, need.total_experts,
-                                     need.top_k, need.kv_bytes).memory
+                      + (f", shared by {per_node} replicas" if per_node > 1 else "")
+                      + f", less {format_bytes(REPLICA_PROCESS)} for a replica's process")
+            try:  # the plan's room: the share less the replica's process
+                memory = auto_memory(max(0, share - REPLICA_PROCESS), source, need.resident_bytes, need.expert_bytes,
+                                     need.total_experts, need.top_k, need.kv_bytes).memory
             except BudgetError as e:
                 raise BudgetError(f"{e}{'; or use fewer --replicas' if per_node > 1 else ''}") from None
     each = need.bytes_at(memory)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from sluice import cli
 from sluice.errors import BudgetError, ConfigError
-from sluice.server.replicas import RAY_PROCESSES, ModelNeed, Node, parse_replicas, size_replicas
+from sluice.server.replicas import RAY_PROCESSES, REPLICA_PROCESS, ModelNeed, Node, parse_replicas, size_replicas
 from sluice.store.budget import RUNTIME_RESERVE
 
 MiB, GiB = 2**20, 2**30
-# a model of 100 MiB resident weights and 64 experts of 8 MiB over its layers (top-2), a 16 MiB KV cache: 612 MiB
-# resident in all, 868 MiB with the runtime reserve
+# a model of 100 MiB resident weights and 64 experts of 8 MiB over its layers (top-2), a 16 MiB KV cache: 628 MiB
+# resident in all, 1,380 MiB with the runtime reserve and the replica's process
 NEED = ModelNeed(resident_bytes=100 * MiB, expert_bytes=8 * MiB, total_experts=64, top_k=2, kv_bytes=16 * MiB)
-RESIDENT = 100 * MiB + 64 * 8 * MiB + 16 * MiB + RUNTIME_RESERVE
+RESIDENT = 100 * MiB + 64 * 8 * MiB + 16 * MiB + RUNTIME_RESERVE + REPLICA_PROCESS
+PLAN = RESIDENT - REPLICA_PROCESS  # what the load plan counts
 
 
 def node(cpus: int, room: int) -> Node:
@@ -21,10 +24,10 @@ def node(cpus: int, room: int) -> Node:
     return Node(cpus, room + RAY_PROCESSES)
 
 
-def test_a_replica_takes_its_kept_weights_kv_cache_and_runtime():
+def test_a_replica_takes_its_kept_weights_kv_cache_runtime_and_process():
     assert NEED.bytes_at(None) == RESIDENT
     # a 300 MiB budget keeps the resident weights and (300 - 100) / 8 = 25 expert slots
-    assert NEED.bytes_at(300 * MiB) == 100 * MiB + 25 * 8 * MiB + 16 * MiB + RUNTIME_RESERVE
+    assert NEED.bytes_at(300 * MiB) == 100 * MiB + 25 * 8 * MiB + 16 * MiB + RUNTIME_RESERVE + REPLICA_PROCESS
 
 
 def test_auto_is_what_the_cpus_and_the_memory_of_each_node_hold():
@@ -42,7 +45,7 @@ def test_auto_is_what_the_cpus_and_the_memory_of_each_node_hold():
 
 
 def test_auto_streams_one_replica_a_node_when_the_model_does_not_fit_resident():
-    room = RESIDENT // 2  # half the model: stream with that room as the budget
+    room = REPLICA_PROCESS + PLAN // 2  # half the plan's figure: stream with that room as the budget
     s = size_replicas(NEED, [node(8, room), node(8, room)], "auto", 0, "auto")
     assert s.replicas == 2 and s.memory is not None and s.memory < RESIDENT and s.need <= room
 
@@ -74,7 +77,7 @@ def test_a_count_the_cluster_cannot_hold_says_how_many_fit():
 
 def test_a_share_too_small_for_one_replica_names_the_smallest_room():
     with pytest.raises(BudgetError) as e:
-        size_replicas(NEED, [node(8, 600 * MiB)], 4, 1, "auto")  # 150 MiB each: less than 100 MiB + 2 slots + KV
+        size_replicas(NEED, [node(8, 2 * GiB)], 4, 1, "auto")  # 512 MiB each: the replica's process alone
     assert "shared by 4 replicas" in str(e.value) and "or use fewer --replicas" in str(e.value)
 
 
@@ -102,3 +105,11 @@ def test_serve_ray_flags_are_one_line_before_anything_starts(tmp_path, capsys, a
     assert cli.main(["serve", str(tmp_path), "--port", "0", *args]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("sluice serve: error: ") and needle in line, line
+
+
+def test_serve_ray_without_ray_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    assert cli.main(["serve", str(tmp_path), "--port", "0", "--ray"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == "sluice serve: error: --ray needs Ray Serve, which is not installed: pip install 'sluice[ray]'"
