@@ -166,10 +166,17 @@ def cpu() -> str:
     return f"{model}, {os.cpu_count()} logical CPUs, flags: {' '.join(isa)}"
 
 
+def commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "sluice", "benchmarks/ray"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+
+
 def summary(runs: list[dict], arms: dict, load: dict, argv: list[str]) -> str:
     lines = ["# Replicas behind Ray Serve against one `sluice serve` (issue 34)", "",
              f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/ray/bench.py {' '.join(argv)}`  ",
-             f"CPU: {cpu()}  ",
+             f"CPU: {cpu()}  ", f"Commit: {commit()}  ",
              f"Load: {load['clients']} concurrent clients x {load['requests']} greedy completions of up to "
              f"{load['max_tokens']} tokens each, per arm and round", "",
              "| arm | serve args | tok/s per round | median tok/s | median request s | tokens | peak RSS MiB: server"
