@@ -6,7 +6,9 @@ after another; an arm's figure is the completion tokens of all of them over the 
 the last answer. Every arm gets the same prompts (distinct first words: no cached prefix is reused across them) and
 the same max_tokens; the arms run in rotated order per round (sluice.bench.protocol.rotation) and the summary gives
 per-round figures and medians. Memory: each server process's peak RSS (VmHWM), and for Ray each replica's and the
-sizing line `sluice serve --ray` prints (replicas, threads, budget, bytes each).
+sizing line `sluice serve --ray` prints (replicas, threads, budget, bytes each). CPU: the seconds each process of
+the server spent during the timed load (/proc utime + stime), per completion token: the replicas' (or the plain
+server's) against everything else Ray runs (ingress, proxy, controller, raylet, GCS, agents).
 
     PYTHONPATH=. .venv/bin/python benchmarks/ray/bench.py MODEL --out DIR [--rounds 3 --clients 4 --requests 4
         --max-tokens 64] [--arm NAME="serve args" ...] [--memory SIZE]
@@ -82,6 +84,30 @@ def status_kib(pid: int, field: str) -> int:
     return 0
 
 
+def cpu_ticks(pids) -> dict[int, int]:
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[pid] = int(fields[11]) + int(fields[12])
+        except OSError:
+            continue
+    return out
+
+
+def cpu_split(proc: subprocess.Popen, before: dict[int, int], after: dict[int, int], below: dict[int, bytes],
+              tokens: int) -> dict:
+    """CPU ms per completion token during the load: the engines' (the plain server, or the Ray replicas) and the
+    rest of the server's processes."""
+    hz = os.sysconf("SC_CLK_TCK")
+    engine = [p for p, c in below.items() if c.startswith(REPLICA)] or [proc.pid]
+    spent = {p: after[p] - before.get(p, 0) for p in after}
+    eng = sum(spent.get(p, 0) for p in engine)
+    rest = sum(spent.values()) - eng
+    return {"engine_cpu_ms_per_token": round(1000 * eng / hz / tokens, 2),
+            "other_cpu_ms_per_token": round(1000 * rest / hz / tokens, 2)}
+
+
 def memory(proc: subprocess.Popen) -> dict:
     """Peak RSS (MiB) of the server process and of each Ray replica below it; RSS now of everything below it."""
     below = descendants(proc.pid)
@@ -145,7 +171,11 @@ def run_arm(model: str, name: str, args: str, extra: list[str], out: Path, rnd: 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
         with ThreadPoolExecutor(replicas) as pool:  # warm-up, untimed: one request on every replica
             list(pool.map(lambda i: complete(client, PROMPTS[i], 8), range(replicas)))
+        below = descendants(proc.pid)
+        pids = [proc.pid, *below]
+        before = cpu_ticks(pids)
         result = drive(url, **load)
+        result.update(cpu_split(proc, before, cpu_ticks(pids), below, result["tokens"]))
         result.update(memory(proc))
     finally:
         proc.send_signal(signal.SIGINT)
@@ -179,15 +209,19 @@ def summary(runs: list[dict], arms: dict, load: dict, argv: list[str]) -> str:
              f"CPU: {cpu()}  ", f"Commit: {commit()}  ",
              f"Load: {load['clients']} concurrent clients x {load['requests']} greedy completions of up to "
              f"{load['max_tokens']} tokens each, per arm and round", "",
-             "| arm | serve args | tok/s per round | median tok/s | median request s | tokens | peak RSS MiB: server"
-             " / each replica | all processes RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+             "| arm | serve args | tok/s per round | median tok/s | median request s | tokens | CPU ms/token: engines"
+             " + rest | peak RSS MiB: server / each replica | all processes RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, args in arms.items():
         mine = [r for r in runs if r["arm"] == name]
         rates = [r["tok_s"] for r in mine]
         last = mine[-1]
         lines.append(f"| {name} | `{args}` | {', '.join(f'{x:.1f}' for x in rates)} | "
                      f"{statistics.median(rates):.1f} | {statistics.median(r['request_s_median'] for r in mine):.2f}"
-                     f" | {', '.join(str(r['tokens']) for r in mine)} | {last['server_peak_mib']:.0f} / "
+                     f" | {', '.join(str(r['tokens']) for r in mine)} | "
+                     f"{statistics.median(r['engine_cpu_ms_per_token'] for r in mine):.1f} + "
+                     f"{statistics.median(r['other_cpu_ms_per_token'] for r in mine):.1f} | "
+                     f"{last['server_peak_mib']:.0f} / "
                      f"{', '.join(f'{m:.0f}' for m in last['replica_peak_mib']) or '-'} | "
                      f"{last['all_processes_rss_mib']:.0f} |")
     lines += ["", "Start-up lines (the sizing of each arm):", ""]
