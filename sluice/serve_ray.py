@@ -4,13 +4,13 @@ Ray Serve routes, health-checks and restarts; sluice adds no cluster code of its
 
 - `Replica`, N of them: one model each, loaded with the usual load options on `threads` compute threads (its Ray
   CPUs) within its memory budget (server/replicas.py sizes both). `generate` streams one generation's text pieces.
-  A replica takes one request at a time (max_ongoing_requests=1), so requests wait in the ingress's Ray router, not
-  inside a replica, and each goes to the first free replica: the least loaded. A replica that dies loses only the
-  generation it was running; Ray starts another in its place (a dead engine thread fails `check_health` too).
+  A replica takes one request at a time (max_ongoing_requests=1), so requests wait in the ingress, not inside a
+  replica, and each goes to a free replica: the least loaded. A replica that dies loses only the generation it was
+  running; Ray starts another in its place (a dead engine thread fails `check_health` too).
 - `Ingress`, one, holding no weights: server/app.py's app -- the same routes, validation, errors, limits and
   --api-key as `sluice serve` -- with the replicas as its `Generations` (`RemoteGenerations`). Prompts are encoded
-  and checked here (prompts.Prompts), so a refused request never takes a replica; a generation whose replica died
-  before it produced any text runs again on another.
+  and checked here (prompts.Prompts), so a refused request never takes a replica; generations wait here until a
+  replica is free; one whose replica died before it produced any text runs again on another.
 
 Ray is imported only when used (`pip install 'sluice[ray]'`); `sluice serve` without --ray never needs it.
 """
@@ -18,6 +18,7 @@ Ray is imported only when used (`pip install 'sluice[ray]'`); `sluice serve` wit
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -116,36 +117,55 @@ class Replica:
 
 
 class RemoteGenerations:
-    """The ingress's Generations: each generation is a streamed call to a replica through Ray's handle, whose
-    router holds it until a replica is free. At most `replicas + max_queue` are held; more are QueueFull (503)."""
+    """The ingress's Generations: each generation is a streamed call to a replica through Ray's handle. Calls are
+    made as replicas free up, one per replica, and the others wait here in arrival order: Ray's router then always
+    has a free replica to pick, where a request waiting in it would poll the busy replicas with a back-off of up to
+    0.5 s (ray 2.60 RequestRouterConfig), idling a replica that long after each generation. At most
+    `replicas + max_queue` are held; more are QueueFull (503)."""
 
     def __init__(self, handle: Any, replicas: int, max_queue: int):
         self.handle, self.replicas, self.max_queue = handle, replicas, max_queue
-        self.tasks: dict[Job, asyncio.Task] = {}  # submitted and not finished
-        self.running = 0  # of them, taken by a replica
+        self.tasks: dict[Job, asyncio.Task] = {}  # called, not finished
+        self.queue: collections.deque[tuple[Job, tuple]] = collections.deque()  # not called yet, in arrival order
+        self.running = 0  # calls a replica has taken
         self._ids = itertools.count(1)
 
     def submit(self, ids: list[int], limit: int, stops: list[str], sampling: dict) -> Job:
-        if len(self.tasks) >= self.replicas + self.max_queue:
+        held = len(self.tasks) + len(self.queue)
+        if held >= self.replicas + self.max_queue:
             raise QueueFull(f"the server is busy: {self.running} generations running on {self.replicas} replicas "
-                            f"and {len(self.tasks) - self.running} waiting (--max-queue {self.max_queue}); retry "
-                            "later")
+                            f"and {held - self.running} waiting (--max-queue {self.max_queue}); retry later")
         job = Job(work=None, loop=asyncio.get_running_loop(), id=next(self._ids), _on_cancel=self._cancel)
-        self.tasks[job] = asyncio.ensure_future(self._run(job, (ids, limit, stops, sampling)))
+        self.queue.append((job, (ids, limit, stops, sampling)))
+        self._call_next()
         return job
 
     def health(self) -> dict:
-        return {"busy": self.running > 0, "waiting": len(self.tasks) - self.running, "running": self.running,
-                "replicas": self.replicas}
+        waiting = len(self.tasks) + len(self.queue) - self.running
+        return {"busy": self.running > 0, "waiting": waiting, "running": self.running, "replicas": self.replicas}
 
     def close(self) -> None:
+        for job, _ in self.queue:
+            job.events.put_nowait(Done(Finished("cancelled", 0)))
+        self.queue.clear()
         for task in list(self.tasks.values()):
             task.cancel()
+
+    def _call_next(self) -> None:
+        """Call a replica for the oldest waiting generation while fewer calls than replicas are out."""
+        while self.queue and len(self.tasks) < self.replicas:
+            job, args = self.queue.popleft()
+            if not job.cancelled:
+                self.tasks[job] = asyncio.ensure_future(self._run(job, args))
 
     def _cancel(self, job: Job) -> None:
         task = self.tasks.get(job)
         if task is not None:
-            task.cancel()
+            if job.outcome is None:  # else the reply has its end, and the call is read to its end (see _run)
+                task.cancel()
+        else:  # still waiting here: it leaves the queue now, freeing its place
+            self.queue = collections.deque(entry for entry in self.queue if entry[0] is not job)
+            job.state = "finished"
 
     def _state(self, job: Job, state: str) -> None:
         if job.state == "running":
@@ -158,6 +178,7 @@ class RemoteGenerations:
         from ray.exceptions import RayActorError
 
         produced = 0  # text pieces posted: once there is one, the client may have seen it and nothing is resent
+        ended = False  # the outcome is posted; the stream is read to its end, when Ray counts the replica free
         try:
             for resend in itertools.count():
                 call = self.handle.options(stream=True).generate.remote(*args)
@@ -168,14 +189,16 @@ class RemoteGenerations:
                             job.events.put_nowait(item)
                         elif isinstance(item, Started):
                             self._state(job, "running")
-                        elif isinstance(item, Finished):
-                            job.events.put_nowait(Done(item))
-                            return
-                        elif isinstance(item, Refused):
-                            job.events.put_nowait(Failed(RequestError(item.message)))
-                            return
-                    raise RuntimeError("the replica's stream ended without an outcome")
+                        elif isinstance(item, (Finished, Refused)):
+                            ended = True
+                            job.events.put_nowait(Done(item) if isinstance(item, Finished)
+                                                  else Failed(RequestError(item.message)))
+                    if not ended:
+                        raise RuntimeError("the replica's stream ended without an outcome")
+                    return
                 except RayActorError as e:  # the replica's process died, or cannot be reached
+                    if ended:
+                        return
                     if produced or resend >= RESENDS:
                         job.events.put_nowait(Failed(S.ApiError(
                             503, f"the replica running this generation stopped ({type(e).__name__}) after "
@@ -189,12 +212,15 @@ class RemoteGenerations:
                     call.cancel()  # the client left, or the ingress stops: stop the replica's generation too
                     raise
         except asyncio.CancelledError:
-            job.events.put_nowait(Done(Finished("cancelled", produced)))
+            if not ended:
+                job.events.put_nowait(Done(Finished("cancelled", produced)))
         except Exception as e:  # noqa: BLE001 - the request gets the error (500), the ingress lives on
-            job.events.put_nowait(Failed(e))
+            if not ended:
+                job.events.put_nowait(Failed(e))
         finally:
             self._state(job, "finished")
             self.tasks.pop(job, None)
+            self._call_next()
 
 
 class Ingress:
