@@ -2,7 +2,7 @@
 
 Each arm is a server started fresh per round (`sluice serve MODEL ARGS`), warmed (one untimed request per replica,
 at once), then timed: CLIENTS threads of the official openai client each send REQUESTS greedy completions one
-after another; an arm's figure is the completion tokens of all of them over the wall time from the first request to
+after another (streamed with --stream); an arm's figure is the completion tokens of all of them over the wall time from the first request to
 the last answer. Every arm gets the same prompts (distinct first words: no cached prefix is reused across them) and
 the same max_tokens; the arms run in rotated order per round (sluice.bench.protocol.rotation) and the summary gives
 per-round figures and medians. Memory: each server process's peak RSS (VmHWM), and for Ray each replica's and the
@@ -11,7 +11,7 @@ the server spent during the timed load (/proc utime + stime), per completion tok
 server's) against everything else Ray runs (ingress, proxy, controller, raylet, GCS, agents).
 
     PYTHONPATH=. .venv/bin/python benchmarks/ray/bench.py MODEL --out DIR [--rounds 3 --clients 4 --requests 4
-        --max-tokens 64] [--arm NAME="serve args" ...] [--memory SIZE]
+        --max-tokens 64] [--arm NAME="serve args" ...] [--memory SIZE] [--stream]
 
 Writes DIR/runs.jsonl (one object per arm and round), DIR/logs/ (each server's output) and DIR/summary.md.
 """
@@ -133,20 +133,26 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 9
     raise TimeoutError(f"{url} not healthy after {timeout:g} s:\n{log.read_text()[-3000:]}")
 
 
-def complete(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[int, float]:
+def complete(client: openai.OpenAI, prompt: str, max_tokens: int, stream: bool = False) -> tuple[int, float]:
+    """(completion tokens, seconds) of one greedy completion, streamed (read to its end) or not."""
     t = time.perf_counter()
+    if stream:
+        chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        return chunks[-1].usage.completion_tokens, time.perf_counter() - t
     r = client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0)
     return r.usage.completion_tokens, time.perf_counter() - t
 
 
-def drive(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+def drive(url: str, clients: int, requests: int, max_tokens: int, stream: bool) -> dict:
     """The timed load: `clients` threads, each `requests` completions in a row."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
     start = threading.Barrier(clients)
 
     def one_client(c: int) -> list[tuple[int, float]]:
         start.wait()
-        return [complete(client, PROMPTS[(c * requests + j) % len(PROMPTS)], max_tokens) for j in range(requests)]
+        return [complete(client, PROMPTS[(c * requests + j) % len(PROMPTS)], max_tokens, stream)
+                for j in range(requests)]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -208,7 +214,8 @@ def summary(runs: list[dict], arms: dict, load: dict, argv: list[str]) -> str:
              f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/ray/bench.py {' '.join(argv)}`  ",
              f"CPU: {cpu()}  ", f"Commit: {commit()}  ",
              f"Load: {load['clients']} concurrent clients x {load['requests']} greedy completions of up to "
-             f"{load['max_tokens']} tokens each, per arm and round", "",
+             f"{load['max_tokens']} tokens each, {'streamed' if load['stream'] else 'not streamed'}, per arm and "
+             "round", "",
              "| arm | serve args | tok/s per round | median tok/s | median request s | tokens | CPU ms/token: engines"
              " + rest | peak RSS MiB: server / each replica | all processes RSS MiB |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -240,10 +247,11 @@ def main() -> int:
     p.add_argument("--arm", action="append", default=None, metavar='NAME="ARGS"',
                    help="an arm's `sluice serve` arguments (repeatable; default: the four of ARMS)")
     p.add_argument("--memory", default=None, help="--memory for every arm (default: sluice's auto)")
+    p.add_argument("--stream", action="store_true", help="the clients stream their completions (server-sent events)")
     a = p.parse_args()
     arms = dict(x.split("=", 1) for x in a.arm) if a.arm else dict(ARMS)
     extra = ["--memory", a.memory] if a.memory else []
-    load = {"clients": a.clients, "requests": a.requests, "max_tokens": a.max_tokens}
+    load = {"clients": a.clients, "requests": a.requests, "max_tokens": a.max_tokens, "stream": a.stream}
     (a.out / "logs").mkdir(parents=True, exist_ok=True)
     runs = []
     with open(a.out / "runs.jsonl", "w") as f:

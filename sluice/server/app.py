@@ -81,11 +81,13 @@ def generation_work(engine: Engine, ids: list[int], limit: int, stops: list[str]
 
 class Generations(Protocol):
     """Where the app's generations run: `submit` queues one (QueueFull when no wait slot is left) and returns its
-    Job, whose events are the text pieces and then the outcome (`finish_reason`, `completion_tokens`)."""
+    Job, whose events are the text pieces and then the outcome (`finish_reason`, `completion_tokens`). `streamed`:
+    whether the client reads the pieces as they come (else only their sum is answered, and a runner may send the
+    text in one piece)."""
 
     max_queue: int  # requests that may wait behind the running ones
 
-    def submit(self, ids: list[int], limit: int, stops: list[str], sampling: dict) -> Job: ...
+    def submit(self, ids: list[int], limit: int, stops: list[str], sampling: dict, streamed: bool) -> Job: ...
 
     def health(self) -> dict: ...  # "busy" (a generation runs), "waiting" (jobs queued), and what else it knows
 
@@ -99,7 +101,7 @@ class LocalGenerations:
         self.engine, self.worker = engine, EngineWorker(max_queue)
         self.max_queue = max_queue
 
-    def submit(self, ids: list[int], limit: int, stops: list[str], sampling: dict) -> Job:
+    def submit(self, ids: list[int], limit: int, stops: list[str], sampling: dict, streamed: bool) -> Job:
         return self.worker.submit(generation_work(self.engine, ids, limit, stops, sampling))
 
     def health(self) -> dict:
@@ -252,7 +254,7 @@ class Api:
         sampling = req.sampling()
         validate_sampling(**sampling)  # the engine's own ranges, checked before queueing (RequestError -> 400)
         try:
-            return self.generations.submit(ids, limit, req.stop, sampling)
+            return self.generations.submit(ids, limit, req.stop, sampling, bool(req.stream))
         except QueueFull as e:
             raise S.ApiError(503, str(e), type="server_error", code="queue_full", headers={"Retry-After": "1"}) from e
 
