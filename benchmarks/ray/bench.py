@@ -2,13 +2,15 @@
 
 Each arm is a server started fresh per round (`sluice serve MODEL ARGS`), warmed (one untimed request per replica,
 at once), then timed: CLIENTS threads of the official openai client each send REQUESTS greedy completions one
-after another (streamed with --stream); an arm's figure is the completion tokens of all of them over the wall time from the first request to
-the last answer. Every arm gets the same prompts (distinct first words: no cached prefix is reused across them) and
+after another (streamed with --stream); an arm's figure is the completion tokens of all of them over the wall time
+from the first request to the last answer. Every arm gets the same prompts (distinct first words: no cached prefix is reused across them) and
 the same max_tokens; the arms run in rotated order per round (sluice.bench.protocol.rotation) and the summary gives
 per-round figures and medians. Memory: each server process's peak RSS (VmHWM), and for Ray each replica's and the
 sizing line `sluice serve --ray` prints (replicas, threads, budget, bytes each). CPU: the seconds each process of
 the server spent during the timed load (/proc utime + stime), per completion token: the replicas' (or the plain
-server's) against everything else Ray runs (ingress, proxy, controller, raylet, GCS, agents).
+server's) against everything else Ray runs (ingress, proxy, controller, raylet, GCS, agents); and the CPUs the rest
+of the machine kept busy meanwhile (all busy time in /proc/stat less the server's and this script's): the VM is
+shared, and a round another job slowed shows there.
 
     PYTHONPATH=. .venv/bin/python benchmarks/ray/bench.py MODEL --out DIR [--rounds 3 --clients 4 --requests 4
         --max-tokens 64] [--arm NAME="serve args" ...] [--memory SIZE] [--stream]
@@ -82,6 +84,12 @@ def status_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def machine_ticks() -> int:
+    """CPU time the whole machine has spent busy (/proc/stat: user, nice, system, irq, softirq, steal)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7))
 
 
 def cpu_ticks(pids) -> dict[int, int]:
@@ -179,9 +187,14 @@ def run_arm(model: str, name: str, args: str, extra: list[str], out: Path, rnd: 
             list(pool.map(lambda i: complete(client, PROMPTS[i], 8), range(replicas)))
         below = descendants(proc.pid)
         pids = [proc.pid, *below]
-        before = cpu_ticks(pids)
+        before, machine, me = cpu_ticks(pids), machine_ticks(), cpu_ticks([os.getpid()])[os.getpid()]
         result = drive(url, **load)
-        result.update(cpu_split(proc, before, cpu_ticks(pids), below, result["tokens"]))
+        after = cpu_ticks(pids)
+        result.update(cpu_split(proc, before, after, below, result["tokens"]))
+        server = sum(after[p] - before.get(p, 0) for p in after)
+        mine = cpu_ticks([os.getpid()])[os.getpid()] - me
+        busy = (machine_ticks() - machine - server - mine) / os.sysconf("SC_CLK_TCK")
+        result["elsewhere_cpus"] = round(busy / result["wall_s"], 2)
         result.update(memory(proc))
     finally:
         proc.send_signal(signal.SIGINT)
@@ -217,8 +230,8 @@ def summary(runs: list[dict], arms: dict, load: dict, argv: list[str]) -> str:
              f"{load['max_tokens']} tokens each, {'streamed' if load['stream'] else 'not streamed'}, per arm and "
              "round", "",
              "| arm | serve args | tok/s per round | median tok/s | median request s | tokens | CPU ms/token: engines"
-             " + rest | peak RSS MiB: server / each replica | all processes RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             " + rest | CPUs other jobs took, per round | peak RSS MiB: server / each replica | all processes RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, args in arms.items():
         mine = [r for r in runs if r["arm"] == name]
         rates = [r["tok_s"] for r in mine]
@@ -228,6 +241,7 @@ def summary(runs: list[dict], arms: dict, load: dict, argv: list[str]) -> str:
                      f" | {', '.join(str(r['tokens']) for r in mine)} | "
                      f"{statistics.median(r['engine_cpu_ms_per_token'] for r in mine):.1f} + "
                      f"{statistics.median(r['other_cpu_ms_per_token'] for r in mine):.1f} | "
+                     f"{', '.join(format(r['elsewhere_cpus'], '.2f') for r in mine)} | "
                      f"{last['server_peak_mib']:.0f} / "
                      f"{', '.join(f'{m:.0f}' for m in last['replica_peak_mib']) or '-'} | "
                      f"{last['all_processes_rss_mib']:.0f} |")
