@@ -281,6 +281,10 @@ def start_cluster(address: str | None) -> bool:
         # sent from a cluster sluice started on the user's behalf; a value the user set is kept
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # the raylet's worker_niceness: Ray starts its workers, the replicas here, at nice 15, below every ordinary
+        # process on the machine; on a machine shared with other work a replica then gets a fraction of a CPU that
+        # a plain `sluice serve` (nice 0) keeps whole. The replicas are what this cluster is for: nice 0
+        os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         import ray
         from ray import serve  # noqa: F401  (its extra's packages: fastapi, aiohttp, ...)
