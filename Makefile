@@ -24,7 +24,7 @@ $(BIN)/.installed: pyproject.toml setup.py $(NATIVE)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIP) $(TORCH)
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,ray]'
 	@if $(BIN)/python -c 'from sluice.quant import native; from sluice.io import native_pool; raise SystemExit(not (native.native_available() and native_pool.available()))'; \
 	then touch $@; else echo "sluice: the native kernels did not build (no C compiler?): the torch kernels run instead"; fi
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .errors import ConfigError, ContextLengthError, RequestError
+from .errors import RequestError
 from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step
 from .host.cpus import ThreadGovernor
 from .host.memory import keep_heap
@@ -24,6 +24,7 @@ from .models.spec import KVCache
 from .models.tables import check_hashes
 from .options import ACTIVATION_PLANES, LoadOptions
 from .plan import LoadPlan, plan
+from .prompts import Prompts
 from .quant import native
 from .quant.compute import Compute
 from .quant.matmul import resolve_matmul
@@ -34,7 +35,6 @@ from .store.resident import ResidentExpertStore
 from .store.rows import RowTable
 from .models.weights import load_resident
 from .tokenizer import Tokenizer
-from .tokenizer.limit import PIECE, tokens_at_least
 
 
 class Model:
@@ -52,6 +52,7 @@ class Model:
         self.memory, self.memory_plan, self.odirect = p.memory, p.memory_plan, p.odirect
         self.prefill_chunk = p.prefill_chunk
         self.tokenizer, self.eos_ids = p.tokenizer, p.eos_ids
+        self.prompts = Prompts.of_plan(p)  # prompt -> checked ids (prompts.py)
         s = self.spec
         # every kernel choice the options and this CPU decide, held by this model alone (quant/compute.py)
         self.compute = Compute(dtype=self.dtype, bf16_gemm=resolve_matmul(p.options.matmul, p.options.isa != "auto"),
@@ -99,9 +100,7 @@ class Model:
         self._prefill_io: tuple | None = None  # (bytes read, disk bytes, expert reads per layer) of the last prefill
 
     def _need_tokenizer(self, what: str) -> Tokenizer:
-        if self.tokenizer is None:
-            raise ConfigError(f"{self.load_plan.no_tokenizer}: {what}")
-        return self.tokenizer
+        return self.prompts.need_tokenizer(what)
 
     def _set_threads(self, n: int) -> None:
         """The governor's choice, for torch's threads and the native ones (beside a busy process a second thread
@@ -184,45 +183,21 @@ class Model:
         self._kv_tokens, self._memo = [], PromptMemo()
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
-        if not ids:
-            raise RequestError("empty prompt: need at least one token")
-        bad = [i for i in ids if not 0 <= i < self.spec.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} out of range [0, {self.spec.vocab_size})")
-        if len(ids) > self.cache.max_context:
-            raise ContextLengthError(
-                f"prompt of {len(ids)} tokens exceeds the context of {self.cache.max_context} (max_context option)"
-            )
-        return ids
+        return self.prompts.check_ids(ids)
 
-    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Tokenize `text`, refusing one longer than the context before tokenizing all of it (see prompt_limit)."""
-        ctx = self.cache.max_context
-        if len(text) > PIECE:  # shorter texts cost less to tokenize whole than to bound
-            floor = tokens_at_least(self.tokenizer, text, ctx)
-            if floor.tokens > ctx:
-                raise ContextLengthError(
-                    f"prompt of {len(text):,} characters exceeds the context of {ctx} tokens (max_context option): "
-                    f"its first {floor.chars:,} characters are already at least {floor.tokens:,} tokens"
-                )
-        return self._check_ids(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    @property
+    def max_context(self) -> int:
+        """KV positions: prompt and completion together."""
+        return self.cache.max_context
 
     # -- generation ----------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt: ids pass through; text is tokenized (through the chat template if `chat`)."""
-        if not isinstance(prompt, str):
-            return self._check_ids(prompt)
-        self._need_tokenizer("pass token ids instead of text")
-        if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        return self._encode_text(prompt, add_special_tokens=True)
+        return self.prompts.encode_prompt(prompt, chat)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the assistant's turn."""
-        self._need_tokenizer("chat needs one")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self._encode_text(text, add_special_tokens=False)
+        return self.prompts.encode_chat(messages)
 
     def generate_tokens(
         self,

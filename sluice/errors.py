@@ -50,6 +50,10 @@ class BudgetError(SluiceError):
     """The memory budget cannot hold what one step needs; the message states the smallest budget that works."""
 
 
+class ClusterError(SluiceError):
+    """The Ray cluster of `sluice serve --ray` cannot be reached, or cannot run the model's replicas (Ray's words)."""
+
+
 class RequestError(SluiceError):
     """A malformed generation request (bad sampling parameter, prompt too long, ...)."""
 

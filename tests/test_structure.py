@@ -3,8 +3,8 @@ folders below it in the data flow, files small enough to read (issue 29).
 
 The data flow, bottom to top (DESIGN.md): facts everything may use (errors, units, host), where bytes are
 (checkpoint), how they move (io), the tokenizer, formats -> math (quant), what stays in memory (store), the model
-math (models), next-layer prediction (prerouter), the wiring (options, plan, engine, generate, sampling), then the
-front ends (commands, server, bench, tools, cli). A module may import its own folder and any lower level.
+math (models), next-layer prediction (prerouter), the wiring (options, plan, prompts, engine, generate, sampling), then
+the front ends (commands, server, serve_ray, bench, tools, cli). A module may import its own folder and any lower level.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ LEVELS = [
     {"store"},
     {"models"},
     {"prerouter"},
-    {"options", "plan", "engine", "generate", "sampling"},
+    {"options", "plan", "prompts", "engine", "generate", "sampling"},
     {"tools"},
-    {"bench", "server", "commands", "cli", "__main__", "__init__"},
+    {"bench", "server", "serve_ray", "commands", "cli", "__main__", "__init__"},
 ]
 #: levels whose members may import each other (still without cycles): the shared facts, the wiring, the front ends
 PEER_LEVELS = {0, 8, 10}

@@ -5,8 +5,9 @@ GET /v1/models, GET /v1/models/{id}, GET /health. Every error, including 404/405
 OpenAI's error object with the matching status, so clients report a message instead of a parse failure.
 
 The engine is anything shaped like `sluice.engine.Model` (see `Engine`): tests hand in a small or slowed model.
-Encoding runs in Starlette's thread pool (a long prompt should not stall the event loop), generation on the one
-engine thread of `EngineWorker`.
+Encoding runs in Starlette's thread pool (a long prompt should not stall the event loop); generations run where the
+app's `Generations` runs them: by default on the one engine thread of `EngineWorker` (`LocalGenerations`), under
+`sluice serve --ray` on the model's replicas (serve_ray.py), the engine here then only encoding prompts.
 
 What one request may cost is bounded before it is paid: a body over `max_body` bytes is refused (413) from its
 Content-Length or, when it comes chunked, as soon as the bytes received pass the limit, without being held; a prompt
@@ -47,10 +48,11 @@ DEFAULT_MAX_BODY = 4 * 2**20
 
 
 class Engine(Protocol):
-    """What the server needs from a model (sluice.engine.Model has all of it)."""
+    """What the server needs from a model (sluice.engine.Model has all of it; serve_ray's ingress, which generates
+    elsewhere, hands in a prompts.Prompts, which has all but `generate_tokens`)."""
 
     tokenizer: Any  # .stream_decoder() -> object with add(id) -> str and flush() -> str
-    cache: Any  # .max_context: KV positions, prompt and completion together
+    max_context: int  # KV positions, prompt and completion together
 
     def encode_chat(self, messages: list[dict]) -> list[int]: ...
 
@@ -75,6 +77,38 @@ def generation_work(engine: Engine, ids: list[int], limit: int, stops: list[str]
         return stream
 
     return work
+
+
+class Generations(Protocol):
+    """Where the app's generations run: `submit` queues one (QueueFull when no wait slot is left) and returns its
+    Job, whose events are the text pieces and then the outcome (`finish_reason`, `completion_tokens`). `streamed`:
+    whether the client reads the pieces as they come (else only their sum is answered, and a runner may send the
+    text in one piece)."""
+
+    max_queue: int  # requests that may wait behind the running ones
+
+    def submit(self, ids: list[int], limit: int, stops: list[str], sampling: dict, streamed: bool) -> Job: ...
+
+    def health(self) -> dict: ...  # "busy" (a generation runs), "waiting" (jobs queued), and what else it knows
+
+    def close(self) -> None: ...  # cancel everything queued or running
+
+
+class LocalGenerations:
+    """One generation at a time on this process's engine, `max_queue` waiting behind it (an EngineWorker)."""
+
+    def __init__(self, engine: Engine, max_queue: int):
+        self.engine, self.worker = engine, EngineWorker(max_queue)
+        self.max_queue = max_queue
+
+    def submit(self, ids: list[int], limit: int, stops: list[str], sampling: dict, streamed: bool) -> Job:
+        return self.worker.submit(generation_work(self.engine, ids, limit, stops, sampling))
+
+    def health(self) -> dict:
+        return {"busy": self.worker.busy, "waiting": self.worker.waiting}
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 class _JobStream(StreamingResponse):
@@ -146,14 +180,14 @@ async def read_body(request: Request, max_body: int) -> bytes:
 
 
 class Api:
-    """The routes of one served model and the state they share: the engine's worker (one generation at a time, a
-    bounded queue), the model's name and context, the body limit."""
+    """The routes of one served model and the state they share: where generations run (one at a time on the
+    engine's worker by default, a bounded queue), the model's name and context, the body limit."""
 
-    def __init__(self, engine: Engine, model_name: str, max_queue: int, max_body: int):
+    def __init__(self, engine: Engine, model_name: str, max_body: int, generations: Generations):
         self.engine, self.model_name, self.max_body = engine, model_name, max_body
-        self.worker = EngineWorker(max_queue)
+        self.generations = generations
         self.created = int(time.time())
-        self.ctx = int(engine.cache.max_context)
+        self.ctx = int(engine.max_context)
 
     def routes(self) -> list[Route]:
         return [
@@ -185,9 +219,9 @@ class Api:
         return JSONResponse(self.model_card())
 
     async def health(self, request: Request) -> Response:
-        w = self.worker
-        return JSONResponse({"status": "ok", "model": self.model_name, "busy": w.busy, "waiting": w.waiting,
-                             "max_queue": w.max_queue, "max_context": self.ctx})
+        g = self.generations
+        return JSONResponse({"status": "ok", "model": self.model_name, **g.health(), "max_queue": g.max_queue,
+                             "max_context": self.ctx})
 
     # -- their parts -------------------------------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -220,7 +254,7 @@ class Api:
         sampling = req.sampling()
         validate_sampling(**sampling)  # the engine's own ranges, checked before queueing (RequestError -> 400)
         try:
-            return self.worker.submit(generation_work(self.engine, ids, limit, req.stop, sampling))
+            return self.generations.submit(ids, limit, req.stop, sampling, bool(req.stream))
         except QueueFull as e:
             raise S.ApiError(503, str(e), type="server_error", code="queue_full", headers={"Retry-After": "1"}) from e
 
@@ -300,20 +334,21 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, max_queue: int = 16,
-               max_body: int = DEFAULT_MAX_BODY) -> ASGIApp:
+               max_body: int = DEFAULT_MAX_BODY, generations: Generations | None = None) -> ASGIApp:
     """The ASGI app serving `engine` under `model_name`; `max_queue` requests may wait behind the running one;
-    request bodies over `max_body` bytes are refused (413)."""
+    request bodies over `max_body` bytes are refused (413). `generations`: where they run (default: on `engine`,
+    one at a time, LocalGenerations(engine, max_queue)); the app closes it when it shuts down."""
     if getattr(engine, "tokenizer", None) is None:
         raise ConfigError("the server needs a model folder with tokenizer.json (text in, text out)")
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1:
         raise ConfigError(f"max_body must be a positive number of bytes, got {max_body!r}")
     check_model_name(model_name)
-    api = Api(engine, model_name, max_queue, max_body)
+    api = Api(engine, model_name, max_body, generations or LocalGenerations(engine, max_queue))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
-        await run_in_threadpool(api.worker.close)
+        await run_in_threadpool(api.generations.close)
 
     app = Starlette(
         routes=api.routes(),
@@ -321,7 +356,6 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, m
                             ClientDisconnect: _client_gone, Exception: _internal_error},
         lifespan=lifespan,
     )
-    app.state.worker = api.worker
     return _ApiKey(app, api_key) if api_key else app
 
 
@@ -338,6 +372,9 @@ async def _events(job: Job, reply: S.Reply, include_usage: bool) -> AsyncIterato
             yield S.sse(reply.piece(piece))
     except RequestError as e:
         yield S.sse(S.ApiError(400, str(e)).body())
+        return
+    except S.ApiError as e:  # where the generation ran refused or lost it (serve_ray.py: its replica died)
+        yield S.sse(e.body())
         return
     except Exception as e:  # noqa: BLE001 - the stream must end with a readable error, not a cut connection
         yield S.sse(S.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body())

@@ -42,20 +42,21 @@ class Failed:
 class Job:
     """A submitted generation: its events arrive on `events`; `cancel()` stops it between two tokens."""
 
-    work: Work
+    work: Work | None  # None: the job runs elsewhere and its events are posted by whoever runs it (serve_ray.py)
     loop: asyncio.AbstractEventLoop
     id: int
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: str = "waiting"  # waiting -> running -> finished (or waiting -> finished when cancelled early)
     outcome: Any = None  # the work function's result, once `stream()` or `result()` has seen it
     _cancel: threading.Event = field(default_factory=threading.Event)
-    _worker: EngineWorker | None = None
+    # told of a cancel: the EngineWorker frees a waiting job's slot; a remote job stops its call (serve_ray.py)
+    _on_cancel: Callable[[Job], None] | None = None
 
     def cancel(self) -> None:
         """Stop the job: a waiting job leaves the queue now, a running one stops before its next token."""
         self._cancel.set()
-        if self._worker is not None:
-            self._worker._drop_if_waiting(self)
+        if self._on_cancel is not None:
+            self._on_cancel(self)
 
     @property
     def cancelled(self) -> bool:
@@ -111,12 +112,17 @@ class EngineWorker:
         """Whether a generation is running now."""
         return self._running is not None
 
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread still runs jobs (False after `close()`)."""
+        return self._thread.is_alive()
+
     def submit(self, work: Work) -> Job:
         """Queue `work`; raise QueueFull when the engine is busy and `max_queue` jobs already wait.
 
         Must be called from the event loop that will read the job's events.
         """
-        job = Job(work=work, loop=asyncio.get_running_loop(), id=next(self._ids), _worker=self)
+        job = Job(work=work, loop=asyncio.get_running_loop(), id=next(self._ids), _on_cancel=self._drop_if_waiting)
         with self._lock:
             # Counted against the limit: jobs that wait, plus this one when it could not start right away.
             occupied = self._waiting + (1 if self._running is not None else 0)
