@@ -3,8 +3,9 @@ replica killed mid-run loses no request that had not started on it and comes bac
 
 One local Ray cluster for the module, started by the CLI in a subprocess on loopback ports and stopped by it (SIGINT)
 in the fixture's teardown, whatever the tests did; the teardown then checks that every process of the cluster has
-ended (and kills, by pid, any that has not, failing the test). Bounded: 3 tests, 12 generations of at most
-GEN_TOKENS tokens per round, every wait with a deadline; about a minute on the 2-core development VM.
+ended (and kills, by pid, any that has not, failing the test). Bounded: 4 tests, 12 generations of at most
+GEN_TOKENS tokens per round and two LONG ones left after a few tokens, every wait with a deadline; about a minute
+on the 2-core development VM.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 GEN_TOKENS = 300  # per request: ~0.5 s through Ray on one thread, long enough to be caught running
 MAX_QUEUE = 10  # 2 running + 10 waiting = the 12 requests; a 13th is refused
 REPLICA = b"ray::ServeReplica:sluice:replica"  # the replica processes' title (Ray's `ray::<actor>`)
+LONG = 3500  # tokens of a generation its client leaves after a few: greedy "go on" runs all of them (no EOS)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    # A context of 512: prompts + GEN_TOKENS fit. Seed 5: greedy decoding runs 11 of REQUESTS to GEN_TOKENS here
+    # A context of 4096: prompts + GEN_TOKENS fit, and a generation long enough to leave (LONG). Seed 5: greedy decoding runs 11 of REQUESTS to GEN_TOKENS here
     # (seed 0 ends most at EOS within 10 tokens), long enough to be seen running. float32: in bf16 a replica's answer
     # depends on the requests it served before (the KV cache's reused prefix is not bitwise what a fresh prefill
     # computes: 1-6 of these 12 answers changed with the order, in one process), so replicas and a single server,
     # which see different histories, could not be compared token for token.
-    model = hf_model("qwen3_moe", torch.float32, seed=5, max_position_embeddings=512)
+    model = hf_model("qwen3_moe", torch.float32, seed=5, max_position_embeddings=4096)
     folder = write_checkpoint(model, tmp_path_factory.mktemp("ray-model"), "per_expert")
     train_tokenizer(folder, vocab_size=300)
     return folder
@@ -238,7 +240,7 @@ def test_the_api_answers_and_refuses_as_sluice_serve(cluster, single):
         with pytest.raises(openai.NotFoundError, match="model 'other' does not exist"):
             c.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}], max_tokens=2)
         with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 600}], max_tokens=2)
+            c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 5000}], max_tokens=2)
         assert e.value.body["code"] == "context_length_exceeded"
         with pytest.raises(openai.BadRequestError, match="only n=1 is supported"):
             c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2, n=2)
@@ -273,3 +275,35 @@ def test_a_killed_replica_loses_no_waiting_request_and_comes_back(cluster, refer
     assert ask_all(url, KEY) == reference
     # a generation here is ~0.5 s of CPU; an idle replica spends < 5% of a CPU
     assert cpu_ticks(new) - ticks > os.sysconf("SC_CLK_TCK") // 4, "the new replica took no generation"
+
+
+def test_a_client_that_leaves_stops_its_generation_on_the_replica(cluster):
+    """Streamed (the client closes the stream) or not (the client gives up waiting): the replica stops generating
+    at once. Asserted on the replicas' CPU time, not on wall time: a LONG generation that went on would cost them
+    LONG times what one token costs (measured first, on a request of up to GEN_TOKENS), a stopped one a few
+    tokens' worth."""
+    url, proc = cluster
+    pids = replicas(proc.pid)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    spent = sum(map(cpu_ticks, pids))
+    tokens = ask(client, "completion", False, "how much is a token")[1]
+    per_token = (sum(map(cpu_ticks, pids)) - spent) / tokens
+    for streamed in (True, False):
+        for pid in pids:
+            wait_idle(pid)
+        spent = sum(map(cpu_ticks, pids))
+        if streamed:
+            stream = client.completions.create(model=NAME, prompt="go on", max_tokens=LONG, temperature=0,
+                                               stream=True)
+            assert len([chunk for _, chunk in zip(range(5), stream)]) == 5
+            stream.close()
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=httpx.Timeout(30, read=0.5),
+                           json={"prompt": "go on", "max_tokens": LONG, "temperature": 0})
+        for pid in pids:
+            wait_idle(pid)
+        used = sum(map(cpu_ticks, pids)) - spent
+        assert used < per_token * LONG / 4, f"{streamed=}: {used} ticks, a whole generation ~{per_token * LONG:.0f}"
+    health = httpx.get(f"{url}/health", headers=AUTH, timeout=10).json()
+    assert (health["running"], health["waiting"]) == (0, 0)
