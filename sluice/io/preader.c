@@ -137,6 +137,18 @@ static int preadv_full(int fd, struct iovec *iov, int nbuf, int64_t pos, int64_t
     return 0;
 }
 
+/* O_DIRECT: whether segment q (of a read at `offset`) has whole pages [*a, *b) (file offsets) to read straight into
+ * its first destination, past *pos (the window read so far, advanced to *b when so): its address agrees with the
+ * file offset modulo ALIGN and it shares no bytes with another segment. Both passes of one_read ask it in order. */
+static int direct_run(const int64_t *q, int64_t offset, int overlapping, int64_t *pos, int64_t *a, int64_t *b) {
+    int64_t o = offset + q[0];
+    *a = (o + ALIGN - 1) / ALIGN * ALIGN;
+    *b = (o + q[1]) / ALIGN * ALIGN;
+    if (overlapping || *b <= *a || *a < *pos || ((((intptr_t)q[3] - o) % ALIGN) + ALIGN) % ALIGN) return 0;
+    *pos = *b;
+    return 1;
+}
+
 /* one read (its op list at p, advanced past it); returns 0 or an error kind */
 static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *copied, int64_t *err,
                     int64_t *at) {
@@ -190,13 +202,11 @@ static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *
     int64_t pos = start;
     q = seg0;
     for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
-        int64_t o = offset + q[0], a = (o + ALIGN - 1) / ALIGN * ALIGN, b = (o + q[1]) / ALIGN * ALIGN;
-        intptr_t dst = (intptr_t)q[3];
-        if (overlapping || b <= a || a < pos || (((dst - o) % ALIGN) + ALIGN) % ALIGN) continue;
+        int64_t was = pos, a, b;
+        if (!direct_run(q, offset, overlapping, &pos, &a, &b)) continue;
         if (nbuf + 2 > MAX_IOV) return ERR_BAD;
-        if (a > pos) iov[nbuf++] = (struct iovec){st + (pos - start), (size_t)(a - pos)};
-        iov[nbuf++] = (struct iovec){(void *)(dst + (a - o)), (size_t)(b - a)};
-        pos = b;
+        if (a > was) iov[nbuf++] = (struct iovec){st + (was - start), (size_t)(a - was)};
+        iov[nbuf++] = (struct iovec){(void *)((intptr_t)q[3] + (a - offset - q[0])), (size_t)(b - a)};
     }
     if (pos < start + window) iov[nbuf++] = (struct iovec){st + (pos - start), (size_t)(start + window - pos)};
     int i = 0;
@@ -218,17 +228,15 @@ static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *
         }
         i = advance(iov, i, nbuf, n);
     }
-    /* the bytes outside each direct run came through staging (the same test as above, segment by segment) */
+    /* the bytes outside each direct run came through staging (direct_run again, segment by segment) */
     pos = start;
     q = seg0;
     for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
-        int64_t o = offset + q[0], a = (o + ALIGN - 1) / ALIGN * ALIGN, b = (o + q[1]) / ALIGN * ALIGN;
+        int64_t o = offset + q[0], a, b, ra = 0, rb = 0;
         intptr_t dst = (intptr_t)q[3];
-        int64_t ra = 0, rb = 0;
-        if (!(overlapping || b <= a || a < pos || (((dst - o) % ALIGN) + ALIGN) % ALIGN)) {
+        if (direct_run(q, offset, overlapping, &pos, &a, &b)) {
             ra = a - o;
             rb = b - o;
-            pos = b;
         }
         const uint8_t *src = st + (o - start);
         if (ra > 0) memcpy((void *)dst, src, (size_t)ra);
