@@ -56,7 +56,7 @@ class Model:
         s = self.spec
         # every kernel choice the options and this CPU decide, held by this model alone (quant/compute.py)
         self.compute = Compute(dtype=self.dtype, bf16_gemm=resolve_matmul(p.options.matmul, p.options.isa != "auto"),
-                               planes=ACTIVATION_PLANES[p.options.activations], path=native.PATHS[p.options.isa],
+                               planes=ACTIVATION_PLANES[p.activations], path=native.PATHS[p.options.isa],
                                threads=p.threads)
         self._threads = p.threads  # what this model runs on (the governor may lower it beside a busy process)
         self._apply_threads()

@@ -125,6 +125,8 @@ def _parse_chunk(value: Any) -> int | str:
 
 #: LoadOptions.activations -> planes of 8-bit codes per activation value (native/q8.c)
 ACTIVATION_PLANES = {"int16": 2, "int8": 1}
+#: `activations="auto"` codes with int8 below this many stored bits per expert weight (plan.py _activations)
+LOW_BIT_BPW = 4.0
 
 
 @dataclass
@@ -181,20 +183,25 @@ class LoadOptions:
         doc="compute dtype: the checkpoint's (bf16 stays bf16, quantized experts compute in bf16), or float32 / "
             "bfloat16 / float16")
     # activations: the integer kernels' coding of a quantized projection's input (native/q8.c), planes per value:
-    # ACTIVATION_PLANES. Peers Q4_K_M, resident, alternated in one process: int16 25.3, int8 20.0 ms/token
-    # (`benchmarks/knobs.py arms`); one projection's error: tests/quant/test_q8.py's table
+    # ACTIVATION_PLANES; auto resolved in plan.py (_activations). Peers Q4_K_M, resident, alternated in one process:
+    # int16 25.3, int8 20.0 ms/token (`benchmarks/knobs.py arms`); one projection's error: tests/quant/test_q8.py's
+    # table
     activations: str = option(
-        "int16", choices=tuple(ACTIVATION_PLANES),
+        "auto", choices=("auto", *ACTIVATION_PLANES),
         help="how the integer kernels code a quantized projection's input: int16 (two 8-bit planes, finer than "
              "bf16) or int8 (llama.cpp's Q8_K / Q8_0 coding: faster, also for a prompt's Q4_K projections on "
-             "AVX512-VNNI; 0.5-2.3%% error per projection)",
+             "AVX512-VNNI; 0.5-2.3%% error per projection); auto = int8 when the experts average under 4 bits "
+             "per weight (their own rounding error is 20-40x int8's), else int16",
         doc="how the integer kernels of GGUF block formats code a projection's input at the bf16 / f16 dtypes: "
             "`int16`, two planes of 8-bit codes per 32 values (256 for the K-quants), x to ~1/32,000 of the "
             "block's largest value, finer than bf16 itself; `int8`, one plane, x to 1/127 of it, as llama.cpp's "
             "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, 0.5-2.3% error per projection. With `int8` "
             "a prompt's Q4_K projections (experts and attention) also run on 8-bit codes where the CPU has "
             "AVX512-VNNI, instead of a bf16 GEMM on their weights dequantized (`int16`: ~0.2% error; ~1.5x fewer "
-            "seconds per multiply). float32 keeps the exact float kernels either way")
+            "seconds per multiply). `auto`: `int8` when the experts average under 4 bits per weight (Q2_K, Q3_K, "
+            "IQ1-IQ3, TQ files and mixes of them), whose own rounding moves a projection 15-30% (Q3_K, Q2_K on the "
+            "peers model) against int8's 0.5-0.8%, else `int16`; `sluice inspect` prints the choice. float32 "
+            "keeps the exact float kernels either way")
     # matmul: Compute.bf16_gemm (quant/matmul.py rows_linear, quant/linear.py's many-row path), decided per model at
     # load (engine.py); auto: host/cpus.bf16_dot. Peers bf16 model, resident 2,048-token prefill on a 2-core AVX512_BF16
     # EPYC, the modes alternated in one process: float32 238, bf16 507 tok/s (`benchmarks/prefill/knobs.py

@@ -31,7 +31,7 @@ from .models.args import GenerationArgs, eos_ids
 from .models.schema import parse
 from .models.spec import KVCache, Spec
 from .models.tables import ple_tables
-from .options import LoadOptions, format_bytes
+from .options import LOW_BIT_BPW, LoadOptions, format_bytes
 from .quant import native
 from .quant.native import deltanet
 from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
@@ -69,6 +69,8 @@ class LoadPlan:
     ple: str | None  # how the tables are read: resident | mmap | direct (options.ple, "auto" resolved); None: none
     ple_bytes: int  # the tables' stored bytes (outside the budget; held only when resident)
     ple_why: str  # how `ple` was chosen, for inspect
+    activations: str  # the integer kernels' activation coding (options.activations, "auto" resolved)
+    activations_why: str  # how it was chosen, for inspect
     memory: int | None  # budget for resident weights + expert slots; None = everything resident
     memory_plan: AutoPlan | None  # what `memory="auto"` chose (None when the budget was given)
     budget: BudgetPlan | None  # the expert slots `memory` buys (None when resident)
@@ -139,12 +141,14 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     chunk, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout, resident_bytes,
                                       kv_bytes, odirect, held, native_delta)
     threads = options.threads or usable_cpus()
+    activations, activations_why = _activations(options, layout)
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
         prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, ple_tables=tables, ple=ple,
-        ple_bytes=table_bytes, ple_why=ple_why, memory=memory,
+        ple_bytes=table_bytes, ple_why=ple_why, activations=activations, activations_why=activations_why,
+        memory=memory,
         prefill_bytes=(prefill_fixed_bytes(spec, itemsize, native_delta)
                        + chunk * prefill_token_bytes(spec, itemsize, max_context)),
         memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
@@ -171,6 +175,22 @@ def _less(room: MemoryRoom, nbytes: int) -> MemoryRoom:
     if not nbytes or not room.known:
         return room
     return MemoryRoom(max(0, room.bytes - nbytes), f"{room.source} less {format_bytes(nbytes)} of row tables")
+
+
+def _activations(options: LoadOptions, layout: ExpertLayout) -> tuple[str, str]:
+    """(the integer kernels' activation coding, why). `auto`: int8 when the experts average under LOW_BIT_BPW stored
+    bits per weight. Their own rounding then dwarfs int8's coding error: relative L2 of the weights against the
+    bf16 source on the peers model (benchmarks/results/quantized/lowbit-intel/README.md) Q2_K 0.30, Q3_K 0.15, Q4_K
+    0.071, IQ4_XS 0.077, Q6_K 0.018, against 0.005-0.008 for a projection's int8 coding (int16: 3e-5), and the int8
+    kernels are 10-20% faster a token there (resident Q2_K file: 13.6 vs 15.2 ms on the Intel VM)."""
+    if options.activations != "auto":
+        return options.activations, "as asked"
+    bpw = layout.bits_per_weight
+    if bpw is None:
+        return "int16", "no experts"
+    if bpw < LOW_BIT_BPW:
+        return "int8", f"auto: experts {bpw:.2f} bits per weight, under {LOW_BIT_BPW:g}"
+    return "int16", f"auto: experts {bpw:.2f} bits per weight"
 
 
 def _ple(options: LoadOptions, table_bytes: int, room: MemoryRoom, memory: int | None, layout: ExpertLayout,

@@ -112,3 +112,20 @@ def test_a_budget_that_cannot_work_is_the_same_error_from_both_before_any_weight
     assert str(loaded.value) == str(planned.value)
     assert cli.main(["inspect", str(model_dir), "--json", "--usage-tokens", "0", *_flags(options)]) == 2
     assert str(planned.value) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("qtype,want", [("Q2_K", "int8"), ("IQ2_XXS", "int8"), ("Q4_K", "int16"), ("F32", "int16")])
+def test_auto_activations_code_int8_only_for_experts_under_four_bits(tmp_path, qtype, want):
+    """`--activations auto` (the default): int8 where the experts' own rounding dwarfs int8's coding (< 4 bits per
+    weight), int16 elsewhere; inspect and the loaded model's kernels agree, and an explicit choice is kept."""
+    from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
+    from tests.quant.test_gguf_models import K_SHAPES
+
+    model = hf_model("qwen3_moe", **{**GGUF_TINY["qwen3_moe"], **K_SHAPES})
+    path = convert(model, tmp_path / "m.gguf", qtype=lambda name: Q[qtype] if "_exps." in name else Q.F32)
+    p = plan(path, LoadOptions.make(memory="all"))
+    assert (p.activations, p.activations_why.startswith("auto: experts ")) == (want, True)
+    with sluice.load(path, memory="all") as m:
+        assert m.compute.planes == {"int8": 1, "int16": 2}[want]
+    other = "int16" if want == "int8" else "int8"
+    assert plan(path, LoadOptions.make(memory="all", activations=other)).activations == other

@@ -20,17 +20,32 @@
 #   bf16    sluice on the peers model's bf16 folder at 1 GiB: the bytes and time quantization saves
 #   fits    the peers Q4_K_M file at a 1.5 GiB ceiling, where it about fits: sluice's defaults (--memory auto)
 #           and a 1 GiB budget against llama.cpp's three arms
+#   lowbit  issue 32's resident rows: the peers model quantized by llama.cpp to Q2_K and IQ4_XS (no importance
+#           matrix needed), no ceiling, warm, same threads, sluice (int16 and int8 activations) against the three
+#           llama.cpp arms; one folder per type (resident-Q2_K, resident-IQ4_XS)
+#
+#   prompt  issue 33's prompt row: the peers Q4_K_M file at a 1 GiB ceiling, cold, a 2,048-token prompt, sluice's
+#           default options (--memory auto, --io direct) against llama.cpp's three arms (prompt tok/s)
 #
 #   bash benchmarks/quantized/run.sh              # ROUNDS=3 STEPS=8 WARMUP=2; SETS="peers 6GiB resident bf16"
+#   ISA=avx2 bash benchmarks/quantized/run.sh     # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
+#                                                 # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama.cpp built
+#                                                 # for AVX2 (peers/setup.sh AVX2=1); results in <set>-avx2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-8}; WARMUP=${WARMUP:-2}
 SETS=${SETS:-peers 6GiB resident bf16}
 OUT=${OUT:-benchmarks/results/quantized}
 PEER_PY=benchmarks/peers/.venv/bin/python
-SLUICE=(nice -n 19 .venv/bin/sluice)
 QUANT=(nice -n 19 "$PEER_PY" benchmarks/quality.py quantize)
 [ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || bash benchmarks/peers/setup.sh
+WANT_ISA=${ISA:-auto}; ISA=(); TAG=""
+if [ "$WANT_ISA" = avx2 ]; then  # the quantizer above stays the native build's; the arms take the AVX2 one
+  ISA=(--isa avx2); TAG="-avx2"; PEER_PY=benchmarks/peers/.venv-avx2/bin/python
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+  [ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || AVX2=1 bash benchmarks/peers/setup.sh
+fi
+SLUICE=(nice -n 19 .venv/bin/sluice)
 
 model() {  # model DIR make-model-args...: the bf16 folder, its bf16 GGUF and llama.cpp's Q4_K_M of it
   local dir=$1; shift
@@ -38,18 +53,31 @@ model() {  # model DIR make-model-args...: the bf16 folder, its bf16 GGUF and ll
   [ -f "$dir/model.gguf" ] || "${SLUICE[@]}" export-gguf "$dir" "$dir/model.gguf" --dtype bf16
   [ -f "$dir/model-Q4_K_M.gguf" ] || "${QUANT[@]}" "$dir/model.gguf" "$dir/model-Q4_K_M.gguf" Q4_K_M
 }
+quant() {  # quant DIR TYPE: llama.cpp's TYPE of DIR's bf16 GGUF
+  [ -f "$1/model-$2.gguf" ] || "${QUANT[@]}" "$1/model.gguf" "$1/model-$2.gguf" "$2"
+}
 PEERS=benchmarks/models/qwen3_moe-peers
 SIX=benchmarks/models/qwen3_moe-6GiB-i512
 model "$PEERS" --size 3.4GB --layers 16 --experts 64 --top-k 8 --expert-intermediate 512
-model "$SIX" --size 6GiB --expert-intermediate 512
 
 LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
        --arm llama.cpp+random="peer:llama.cpp --madvise random")
-bench() {  # bench MODEL OUTDIR bench-args...
-  local m=$1 dir=$2; shift 2
-  echo "== $m -> $dir"
+bench() {  # bench MODEL OUTDIR bench-args...: sluice's arms ("--arm name=FLAGS", not peer:) get ISA's flags
+  local m=$1 dir=$2$TAG; shift 2
+  local args=() a
+  for a in "$@"; do
+    case $a in sluice*=*) args+=("$a ${ISA[*]}") ;; *) args+=("$a") ;; esac
+  done
+  echo "== $m -> $dir ($(date -u +%H:%M:%S))"
   "${SLUICE[@]}" bench "$m" --rounds "$ROUNDS" --steps "$STEPS" --warmup "$WARMUP" --prompt-tokens 32 \
-    --peer-python "$PEER_PY" --out "$dir" "$@"
+    --peer-python "$PEER_PY" --out "$dir" "${args[@]}"
+}
+resident() {  # resident GGUF OUTDIR: no ceiling, warm, 2 threads each, sluice's two activation codings vs llama.cpp's arms
+  bench "$1" "$2" --warm \
+    --arm sluice="--memory all --threads 2" --arm llama.cpp="peer:llama.cpp --threads 2" \
+    --arm llama.cpp-norepack="peer:llama.cpp --threads 2 --no-extra-bufts" \
+    --arm llama.cpp+random="peer:llama.cpp --threads 2 --madvise random" \
+    --arm sluice-int8="--memory all --threads 2 --activations int8"
 }
 for set in $SETS; do
   case $set in
@@ -60,20 +88,22 @@ for set in $SETS; do
           --arm sluice="--io direct --memory $M" "${LLAMA[@]}"
       done ;;
     6GiB)
+      model "$SIX" --size 6GiB --expert-intermediate 512
       bench "$SIX/model-Q4_K_M.gguf" "$OUT/6GiB-1GiB" --cold --ceiling 1GiB \
         --arm sluice="--io direct --memory 640MiB" "${LLAMA[@]}" \
         --arm sluice-int8="--io direct --memory 640MiB --activations int8" ;;
     resident)
-      bench "$PEERS/model-Q4_K_M.gguf" "$OUT/resident" --warm \
-        --arm sluice="--memory all --threads 2" --arm llama.cpp="peer:llama.cpp --threads 2" \
-        --arm llama.cpp-norepack="peer:llama.cpp --threads 2 --no-extra-bufts" \
-        --arm llama.cpp+random="peer:llama.cpp --threads 2 --madvise random" \
-        --arm sluice-int8="--memory all --threads 2 --activations int8" ;;
+      resident "$PEERS/model-Q4_K_M.gguf" "$OUT/resident" ;;
+    lowbit)
+      for t in Q2_K IQ4_XS; do quant "$PEERS" "$t"; resident "$PEERS/model-$t.gguf" "$OUT/resident-$t"; done ;;
     bf16)
       bench "$PEERS" "$OUT/bf16-1GiB" --cold --ceiling 1GiB --arm sluice-bf16="--io direct --memory 640MiB" ;;
     fits)  # the file about fits (issue 33): sluice's defaults (--memory auto) against a 1 GiB budget, 1.5 GiB ceiling
       bench "$PEERS/model-Q4_K_M.gguf" "$OUT/fits-1536MiB" --cold --ceiling 1536MiB --arm sluice="--io direct" \
         --arm sluice-1GiB="--io direct --memory 1GiB" "${LLAMA[@]}" ;;
-    *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16 fits)" >&2; exit 2 ;;
+    prompt)
+      bench "$PEERS/model-Q4_K_M.gguf" "$OUT/prompt-1GiB" --cold --ceiling 1GiB --steps 1 --warmup 0 \
+        --prompt-tokens 2048 --arm sluice="--io direct" "${LLAMA[@]}" ;;
+    *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16 fits lowbit prompt)" >&2; exit 2 ;;
   esac
 done

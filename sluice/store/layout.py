@@ -211,6 +211,17 @@ class ExpertLayout:
         return [i for i, s in enumerate(self.spec.moe_layers) if s]
 
     @property
+    def bits_per_weight(self) -> float | None:
+        """The experts' stored bits per weight over every MoE layer (their three projections' bytes, scales
+        included); None without MoE layers."""
+        fmts = [self._formats[L] for L in self.layers if L in self._formats]
+        if not fmts:
+            return None
+        nbytes = sum(s.nbytes for f in fmts for s in f.specs)
+        weights = sum(s.out_features * s.in_features for f in fmts for s in f.specs)
+        return 8 * nbytes / weights
+
+    @property
     def total_experts(self) -> int:
         """Experts over all MoE layers."""
         return len(self.layers) * self.spec.num_experts
