@@ -21,8 +21,8 @@
 #   fits    the peers Q4_K_M file at a 1.5 GiB ceiling, where it about fits: sluice's defaults (--memory auto)
 #           and a 1 GiB budget against llama.cpp's three arms
 #   lowbit  issue 32's resident rows: the peers model quantized by llama.cpp to Q2_K and IQ4_XS (no importance
-#           matrix needed), no ceiling, warm, same threads, sluice (int16 and int8 activations) against the three
-#           llama.cpp arms; one folder per type (resident-Q2_K, resident-IQ4_XS)
+#           matrix needed), no ceiling, warm, same threads, sluice (defaults, and the activation coding auto did not
+#           pick) against the three llama.cpp arms; one folder per type (resident-Q2_K, resident-IQ4_XS)
 #
 #   prompt  issue 33's prompt row: the peers Q4_K_M file at a 1 GiB ceiling, cold, a 2,048-token prompt, sluice's
 #           default options (--memory auto, --io direct) against llama.cpp's three arms (prompt tok/s)
@@ -72,12 +72,13 @@ bench() {  # bench MODEL OUTDIR bench-args...: sluice's arms ("--arm name=FLAGS"
   "${SLUICE[@]}" bench "$m" --rounds "$ROUNDS" --steps "$STEPS" --warmup "$WARMUP" --prompt-tokens 32 \
     --peer-python "$PEER_PY" --out "$dir" "${args[@]}"
 }
-resident() {  # resident GGUF OUTDIR: no ceiling, warm, 2 threads each, sluice's two activation codings vs llama.cpp's arms
+resident() {  # resident GGUF OUTDIR CODING: no ceiling, warm, 2 threads each, sluice's defaults and its activations
+             # coded as CODING (the one auto did not pick) against llama.cpp's arms
   bench "$1" "$2" --warm \
     --arm sluice="--memory all --threads 2" --arm llama.cpp="peer:llama.cpp --threads 2" \
     --arm llama.cpp-norepack="peer:llama.cpp --threads 2 --no-extra-bufts" \
     --arm llama.cpp+random="peer:llama.cpp --threads 2 --madvise random" \
-    --arm sluice-int8="--memory all --threads 2 --activations int8"
+    --arm sluice-$3="--memory all --threads 2 --activations $3"
 }
 for set in $SETS; do
   case $set in
@@ -93,9 +94,12 @@ for set in $SETS; do
         --arm sluice="--io direct --memory 640MiB" "${LLAMA[@]}" \
         --arm sluice-int8="--io direct --memory 640MiB --activations int8" ;;
     resident)
-      resident "$PEERS/model-Q4_K_M.gguf" "$OUT/resident" ;;
+      resident "$PEERS/model-Q4_K_M.gguf" "$OUT/resident" int8 ;;
     lowbit)
-      for t in Q2_K IQ4_XS; do quant "$PEERS" "$t"; resident "$PEERS/model-$t.gguf" "$OUT/resident-$t"; done ;;
+      for t in Q2_K IQ4_XS; do  # --activations auto: int8 for Q2_K (2.9 bits a weight), int16 for IQ4_XS (4.3)
+        quant "$PEERS" "$t"
+        resident "$PEERS/model-$t.gguf" "$OUT/resident-$t" "$([ $t = Q2_K ] && echo int16 || echo int8)"
+      done ;;
     bf16)
       bench "$PEERS" "$OUT/bf16-1GiB" --cold --ceiling 1GiB --arm sluice-bf16="--io direct --memory 640MiB" ;;
     fits)  # the file about fits (issue 33): sluice's defaults (--memory auto) against a 1 GiB budget, 1.5 GiB ceiling
