@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .errors import RequestError
-from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step
+from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step, passes
 from .host.cpus import ThreadGovernor
 from .host.memory import keep_heap
 from .host.procstat import counters, memory_status
@@ -51,6 +51,7 @@ class Model:
         self.spec, self.layout, self.dtype, self.resident_bytes = p.spec, p.layout, p.dtype, p.resident_bytes
         self.memory, self.memory_plan, self.odirect = p.memory, p.memory_plan, p.odirect
         self.prefill_chunk = p.prefill_chunk
+        self.prefill_span = p.prefill_span  # streamed: prompt tokens run layer by layer over their chunks
         self.tokenizer, self.eos_ids = p.tokenizer, p.eos_ids
         self.prompts = Prompts.of_plan(p)  # prompt -> checked ids (prompts.py)
         s = self.spec
@@ -164,16 +165,11 @@ class Model:
         """Full-sequence prefill logits [T, vocab] in float32, from an empty cache."""
         ids = self._check_ids(ids)
         self.forget_cache()
-        chunk = self.prefill_chunk
         out = []
         self._apply_threads()
-        with torch.inference_mode():
-            try:
-                for start in range(0, len(ids), chunk):
-                    part = torch.tensor(ids[start : start + chunk], dtype=torch.long)
-                    out.append(self.model.logits(self.model.forward(part, start)))
-            finally:
-                pool.release_scratch()  # the native prompt calls' kept scratch
+        with torch.inference_mode():  # passes release the native prompt calls' kept scratch
+            for hidden in passes(self.model, ids, 0, self.prefill_chunk, span=self.prefill_span):
+                out += [self.model.logits(h) for h in hidden]
         self._kv_tokens = list(ids)
         return torch.cat(out)
 
@@ -255,7 +251,7 @@ class Model:
         io0 = self._io_counters()
         with torch.inference_mode():
             gen = generate_step(self.model, ids, sampler, processors, max_tokens, start, self.prefill_chunk,
-                                self.step_times, between=self._tick, memo=self._memo)
+                                self.prefill_span, self.step_times, between=self._tick, memo=self._memo)
             try:
                 for token in gen:
                     if self._prefill_io is None:  # the prefill just ended (the first token comes with it)
@@ -357,6 +353,7 @@ class Model:
             "expert_bytes": getattr(self.store, "nbytes", 0),
             "kv_cache_bytes": self.cache.nbytes,
             "prefill_chunk": self.prefill_chunk,
+            "prefill_span": self.prefill_span,
             "load_s": round(self.load_s, 3),
             "io": self.options.io,
             "odirect": self.odirect,

@@ -42,21 +42,35 @@ class PromptMemo:
 
 
 def prefill(model: Transformer, tokens: Sequence[int], pos: int, chunk: int,
-            between: Callable[[], object] | None = None) -> torch.Tensor:
+            between: Callable[[], object] | None = None, span: int = 0) -> torch.Tensor:
     """Run `tokens` from position `pos` in chunks of `chunk`; return the last position's hidden state [1, H].
-    `between` is called before each chunk (the thread governor's tick). The native prompt calls' kept scratch (up to
-    ~10 MB at 2,048 tokens) goes back after the prompt."""
-    ids = torch.tensor(list(tokens), dtype=torch.long)
+    span > chunk: up to `span` tokens at a time go layer by layer over their chunks (Transformer.forward_layers: a
+    streamed layer's experts read once for them, not once a chunk; the same bits). `between` is called before each
+    chunk, or each layer (the thread governor's tick). The native prompt calls' kept scratch (up to ~10 MB at 2,048
+    tokens) goes back after the prompt."""
     hidden = None
-    try:
-        for start in range(0, len(ids), chunk):
-            if between is not None:
-                between()
-            hidden = model.forward(ids[start : start + chunk], pos + start)
-    finally:
-        pool.release_scratch()
+    for part in passes(model, tokens, pos, chunk, between, span):
+        hidden = part[-1]
     assert hidden is not None, "prefill needs at least one token"
     return hidden[-1:]
+
+
+def passes(model: Transformer, tokens: Sequence[int], pos: int, chunk: int,
+           between: Callable[[], object] | None = None, span: int = 0) -> Iterator[list[torch.Tensor]]:
+    """prefill's work, one span (or chunk) at a time: the final-norm hidden states of its chunks ([t, H] each)."""
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    span = max(span, chunk)
+    try:
+        for s0 in range(0, len(ids), span):
+            part = ids[s0 : s0 + span]
+            if len(part) > chunk:
+                yield model.forward_layers(part, pos + s0, chunk, between)
+                continue
+            if between is not None:
+                between()
+            yield [model.forward(part, pos + s0)]
+    finally:
+        pool.release_scratch()
 
 
 def decode_one(model: Transformer, token: int, pos: int) -> torch.Tensor:
@@ -72,6 +86,7 @@ def generate_step(
     max_tokens: int = 256,
     start_pos: int = 0,
     prefill_chunk: int = 256,
+    prefill_span: int = 0,
     times: StepTimes | None = None,
     between: Callable[[], object] | None = None,
     memo: PromptMemo | None = None,
@@ -90,7 +105,7 @@ def generate_step(
     else:
         if memo is not None:
             memo.ids, memo.hidden = [], None
-        hidden = prefill(model, prompt[start_pos:], start_pos, prefill_chunk, between)
+        hidden = prefill(model, prompt[start_pos:], start_pos, prefill_chunk, between, prefill_span)
         if memo is not None:
             memo.ids, memo.hidden = history.copy(), hidden
     pos = len(prompt)

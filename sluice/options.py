@@ -233,10 +233,13 @@ class LoadOptions:
     prefill_chunk: int | str = option(
         "auto", metavar="N|auto", parse=_parse_chunk, help="prompt tokens per pass; auto: as many as the memory "
         "left beside the weights, KV cache and runtime holds in activations (256-4096)",
-        doc="prompt tokens per forward pass during prefill; each streamed layer reads its touched experts once per "
-            "pass. `auto`: as many as the memory this process may still take holds in activations, beside the kept "
-            "weights, the KV cache and a runtime reserve (half of it when streamed reads go through the page "
-            "cache; 64 MiB when the memory is unknown), within 256-4096; `sluice inspect` prints the figures")
+        doc="prompt tokens per forward pass during prefill. Streamed, a longer prompt runs layer by layer: each "
+            "layer takes every pass of up to a span of tokens (as many as an eighth of the activation room holds "
+            "in hidden states, at most --max-context) before the next layer starts, so it reads its touched experts "
+            "once for the span, not once per pass (same output). `auto`: as many as the memory this process may "
+            "still take holds in activations, beside the kept weights, the KV cache and a runtime reserve (half of "
+            "it when streamed reads go through the page cache; 64 MiB when the memory is unknown), within "
+            "256-4096; `sluice inspect` prints the figures")
     # threads 0: the CPUs this process may use (affinity mask, capped by a cgroup CPU quota: host/cpus.usable_cpus),
     # fewer while other processes keep CPUs busy (host/cpus.ThreadGovernor)
     threads: int = option(

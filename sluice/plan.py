@@ -36,7 +36,8 @@ from .quant import native
 from .quant.native import deltanet
 from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
                            activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_fixed_bytes,
-                           prefill_token_bytes, prefill_tokens_per_chunk, reserve_left)
+                           hidden_token_bytes, prefill_span_tokens, prefill_token_bytes, prefill_tokens_per_chunk,
+                           reserve_left)
 from .store.layout import ExpertLayout
 from .models.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
@@ -61,6 +62,7 @@ class LoadPlan:
     resident_bytes: int  # resident weights as held: in `dtype`, or stored bytes when kept quantized (models/weights.py)
     max_context: int  # KV positions: options.max_context capped by the model's
     prefill_chunk: int  # prompt tokens per forward pass (options.prefill_chunk, "auto" resolved)
+    prefill_span: int  # streamed: prompt tokens run layer by layer over their passes (0: pass after pass)
     prefill_why: str  # how the chunk was chosen, for inspect
     prefill_bytes: int  # what one chunk's activations may take (fixed + prefill_token_bytes x chunk): the heap keeps it
     kv_bytes: int
@@ -138,19 +140,20 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
     odirect = _odirect(options, memory, left, layout, kv_bytes)
     native_delta = _native_delta(dtype)
-    chunk, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout, resident_bytes,
-                                      kv_bytes, odirect, held, native_delta)
+    chunk, span, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout,
+                                            resident_bytes, kv_bytes, odirect, held, native_delta)
     threads = options.threads or usable_cpus()
     activations, activations_why = _activations(options, layout)
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
-        prefill_chunk=chunk, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, ple_tables=tables, ple=ple,
+        prefill_chunk=chunk, prefill_span=span, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, ple_tables=tables, ple=ple,
         ple_bytes=table_bytes, ple_why=ple_why, activations=activations, activations_why=activations_why,
         memory=memory,
         prefill_bytes=(prefill_fixed_bytes(spec, itemsize, native_delta)
-                       + chunk * prefill_token_bytes(spec, itemsize, max_context)),
+                       + chunk * prefill_token_bytes(spec, itemsize, max_context)
+                       + span * hidden_token_bytes(spec, itemsize)),
         memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
         eos_ids=_eos_ids(args, generation, tokenizer),
@@ -231,13 +234,18 @@ def _native_delta(dtype) -> bool:
 
 def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context: int, room: MemoryRoom,
                    memory: int | None, layout: ExpertLayout, resident_bytes: int, kv_bytes: int,
-                   odirect: bool, held: int, native_delta: bool = False) -> tuple[int, str]:
-    """(prompt tokens per forward pass, why). `auto`: as many as the activation room holds (store/budget.py
-    activation_room: what the room leaves beside the kept weights, the KV cache and the runtime reserve this process
-    does not hold yet, halved when streamed reads go through the page cache); PREFILL_ROOM when the room is
-    unknown. native_delta: a Gated DeltaNet slice runs the native conv and rule (_native_delta)."""
-    if options.prefill_chunk != "auto":
-        return options.prefill_chunk, "--prefill-chunk"
+                   odirect: bool, held: int, native_delta: bool = False) -> tuple[int, int, str]:
+    """(prompt tokens per forward pass, the span a streamed prompt runs layer by layer, why). `auto`: as many as the
+    activation room holds (store/budget.py activation_room: what the room leaves beside the kept weights, the KV
+    cache and the runtime reserve this process does not hold yet, halved when streamed reads go through the page
+    cache); PREFILL_ROOM when the room is unknown. native_delta: a Gated DeltaNet slice runs the native conv and
+    rule (_native_delta).
+
+    Streamed (a budget), a prompt longer than a chunk runs layer by layer over up to `span` tokens
+    (Transformer.forward_layers): each layer's experts are read once for the span instead of once a chunk. The span's
+    hidden states take at most SPAN_SHARE of the activation room, the chunk the rest. Measured on the peers Q4_K_M
+    file at a 1 GiB ceiling, a 2,048-token prompt at --memory auto: 7.1 GiB read pass after pass, 930 MiB in one pass
+    (benchmarks/results/prefill/q4km-avx2-default-1GiB)."""
     per_token = prefill_token_bytes(spec, itemsize, max_context)
     fb = format_bytes
     if room.known:
@@ -250,11 +258,17 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
                   f"not yet held{'; the other half is page cache for the streamed reads' if page_cache else ''}")
     else:
         acts, whence = PREFILL_ROOM, f"the room is unknown: {room.source}"
+    span = prefill_span_tokens(spec, itemsize, max_context, acts) if memory is not None else 0
+    acts -= span * hidden_token_bytes(spec, itemsize)
+    spans = (f"; streamed: up to {span} tokens layer by layer, each layer's experts read once for them "
+             f"({fb(span * hidden_token_bytes(spec, itemsize))} of hidden states)") if span else ""
+    if options.prefill_chunk != "auto":
+        return options.prefill_chunk, span, "--prefill-chunk" + spans
     chunk = prefill_tokens_per_chunk(spec, itemsize, max_context, acts, native_delta)
     fixed = prefill_fixed_bytes(spec, itemsize, native_delta)
     fixed = f" beyond {fb(fixed)} for a Gated DeltaNet slice" if fixed else ""
-    return chunk, (f"auto, within {PREFILL_MIN}-{PREFILL_MAX}: {fb(acts)} of activations at {fb(per_token)} a "
-                   f"token{fixed}, {whence}")
+    return chunk, span, (f"auto, within {PREFILL_MIN}-{PREFILL_MAX}: {fb(acts)} of activations at {fb(per_token)} "
+                         f"a token{fixed}, {whence}{spans}")
 
 
 def _tokenizer(index: CheckpointIndex, path: Path) -> tuple[Tokenizer | None, str]:

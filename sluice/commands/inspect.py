@@ -59,6 +59,7 @@ def describe(p: LoadPlan) -> dict:
         "max_context": p.max_context,
         "prefill_chunk": p.prefill_chunk,
         "prefill_chunk_why": p.prefill_why,
+        "prefill_span": p.prefill_span,
         "prefill_bytes": p.prefill_bytes,  # a chunk's activations: the heap keeps this much (host/memory.keep_heap)
         "prefill_matmul": describe_matmul(p.options.matmul, avx2=p.options.isa != "auto"),
         "activations": p.activations,  # the integer kernels' coding of a projection's input

@@ -68,6 +68,9 @@ def reserve_left(held: int) -> int:
 # 2,048, a slope of 75 KiB a token; the estimate below says 72 KiB (the code before the one-block MoE: 115 KiB).
 ALLOCATOR_FACTOR = 2
 PREFILL_ROOM = 64 * 2**20  # activation bytes a chunk may take when the room is unknown
+#: a streamed prefill's layer-by-layer span keeps its tokens' hidden states in at most this share of the activation
+#: room (the peers model: 2 KiB a token against 75.8 KiB a chunk's token costs; 4,096 tokens take 8 MiB)
+SPAN_SHARE = 1 / 8
 PREFILL_MIN, PREFILL_MAX = 256, 4096  # 256: the old fixed chunk; 4096: its mask stays <= 16 MiB per 4K context
 
 
@@ -106,6 +109,17 @@ def prefill_fixed_bytes(spec, itemsize: int, native: bool = False) -> int:
     time (DeltaNetSpec.prompt_bytes_per_token: the torch steps' float32 blocks, ~232 KiB a token at Qwen3.5's shapes,
     or with `native` the native conv and rule's outputs, ~88; measured 207-296 / 79-104: delta_prompt_memory.txt)."""
     return 0 if spec.delta is None else ALLOCATOR_FACTOR * spec.delta.prompt_slice_bytes(itemsize, native)
+
+
+def hidden_token_bytes(spec, itemsize: int) -> int:
+    """What one prompt token's hidden state takes between layers (the residual streams' under hyper-connections)."""
+    return itemsize * spec.hidden_size * max(1, spec.hc_count)
+
+
+def prefill_span_tokens(spec, itemsize: int, max_context: int, room: int) -> int:
+    """Prompt tokens a streamed prefill runs layer by layer (Transformer.forward_layers): their hidden states stay
+    between layers, so they take at most SPAN_SHARE of the activation room; at most max_context."""
+    return min(max_context, int(room * SPAN_SHARE) // hidden_token_bytes(spec, itemsize))
 
 
 def prefill_tokens_per_chunk(spec, itemsize: int, max_context: int, room: int = PREFILL_ROOM,

@@ -21,8 +21,8 @@ from sluice.models.layers import experts, moe
 from sluice.host.memory import MemoryRoom
 from sluice.options import LoadOptions
 from sluice.plan import plan
-from sluice.store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, activation_room,
-                                 kept_bytes, prefill_token_bytes, prefill_tokens_per_chunk)
+from sluice.store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, SPAN_SHARE, activation_room,
+                                 hidden_token_bytes, kept_bytes, prefill_token_bytes, prefill_tokens_per_chunk)
 
 from ..models.tiny import hf_model, write_checkpoint
 
@@ -116,13 +116,14 @@ def test_auto_chunk_follows_the_room_and_the_budget(model_dir, resident, monkeyp
     assert p.prefill_chunk == PREFILL_MAX  # a room of 1 TiB: the mask's cap
     room = fixed + 2 * 1000 * per_token  # half of what is left (mmap reads use the page cache): 1,000 tokens
     at = _plan(model_dir, monkeypatch, room, memory=small, io="mmap")
-    assert at.prefill_chunk == 1000
+    _fills(at, 1000 * per_token)  # streamed: the chunk and the layer-by-layer span's hidden states share the room
     assert PREFILL_MIN < _plan(model_dir, monkeypatch, room - 2**20, memory=small, io="mmap").prefill_chunk < 1000
     assert PREFILL_MIN < _plan(model_dir, monkeypatch, room, memory=big, io="mmap").prefill_chunk < 1000
     assert _plan(model_dir, monkeypatch, fixed, memory=small, io="mmap").prefill_chunk == PREFILL_MIN  # no room
     # O_DIRECT reads keep no expert bytes in the page cache: the activations may take all that is left
     direct = _plan(model_dir, monkeypatch, room, memory=small, io="direct", odirect=True)
-    assert direct.prefill_chunk == 2000 and "all of what" in direct.prefill_why
+    _fills(direct, 2000 * per_token)
+    assert "all of what" in direct.prefill_why
     whole = kept_bytes(None, resident_bytes, expert, p.layout.total_experts)
     resident_run = _plan(model_dir, monkeypatch, whole + p.kv_bytes + RUNTIME_RESERVE + 1500 * per_token,
                          memory="all")
@@ -134,7 +135,15 @@ def test_auto_chunk_follows_the_room_and_the_budget(model_dir, resident, monkeyp
     assert _plan(model_dir, monkeypatch, fixed, memory=small, prefill_chunk=3000).prefill_chunk == 3000  # as given
     monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, "cgroup /test limit"))
     _held(monkeypatch, 2 * per_token * 500)  # the runtime already holds part of its reserve: 500 more tokens
-    assert plan(model_dir, LoadOptions.make(memory=small, io="mmap")).prefill_chunk == 1500
+    _fills(plan(model_dir, LoadOptions.make(memory=small, io="mmap")), 1500 * per_token)
+
+
+def _fills(p, acts: int) -> None:
+    """A streamed plan's chunk and span fill an activation room of `acts` bytes: the span's hidden states take
+    SPAN_SHARE of it (at most max_context tokens), the chunk as many tokens as the rest holds."""
+    per_token, h = prefill_token_bytes(p.spec, 2, p.max_context), hidden_token_bytes(p.spec, 2)
+    assert p.prefill_span == min(p.max_context, int(acts * SPAN_SHARE) // h) > p.prefill_chunk
+    assert p.prefill_chunk == (acts - p.prefill_span * h) // per_token, (p.prefill_chunk, p.prefill_span)
 
 
 def test_inspect_prints_the_auto_chunk_and_its_room(model_dir, resident, monkeypatch, capsys):
@@ -146,7 +155,9 @@ def test_inspect_prints_the_auto_chunk_and_its_room(model_dir, resident, monkeyp
     _held(monkeypatch)
     assert cli.main(["inspect", str(model_dir), "--memory", str(small), "--io", "mmap", "--usage-tokens", "0"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prefill:"))
-    assert line.startswith("prefill: 1000 tokens per pass (auto") and "available (cgroup /test limit)" in line, line
+    chunk = plan(model_dir, LoadOptions.make(memory=small, io="mmap")).prefill_chunk
+    assert line.startswith(f"prefill: {chunk} tokens per pass (auto") and "available (cgroup /test limit)" in line
+    assert "streamed: up to 4096 tokens layer by layer" in line, line
 
 
 def test_stats_report_the_prefill_reads(model_dir, resident):
@@ -227,3 +238,31 @@ def test_padding_the_gemm_rows_changes_no_bits(model_dir, resident, memory, monk
         assert torch.equal(out[0], out[1])
     else:
         torch.testing.assert_close(out[0], out[1], rtol=0.02, atol=0.02 * out[1].abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen4_exp"])
+def test_a_span_runs_layer_by_layer_with_the_same_bits_and_one_read(tmp_path, arch):
+    """A streamed prompt longer than a chunk runs layer by layer over its span (Transformer.forward_layers): every
+    chunk's operations as pass after pass (KV positions, Gated DeltaNet states, PLE history carried chunk to chunk
+    within each layer), so the same bits; and with slots for one layer's experts each touched expert is read once,
+    where pass after pass reads it again for every chunk."""
+    model = hf_model(arch, torch.bfloat16, max_position_embeddings=4096)
+    path = write_checkpoint(model, tmp_path, "per_expert" if arch == "qwen3_moe" else None)
+    ids = LONG[:400]  # within the tiny hybrids' 512 positions
+    with sluice.load(path, memory="all") as m:
+        memory = m.resident_bytes + m.spec.num_experts * m.layout.expert_nbytes  # one layer's experts
+    got = {}
+    for span in (0, len(ids)):
+        with sluice.load(path, memory=memory, io="direct", prefill_chunk=96) as m:
+            assert m.prefill_span > m.prefill_chunk  # streamed: the plan gives a span
+            m.prefill_span = span
+            touched: set[tuple[int, int]] = set()
+            acquire = m.store.acquire
+            m.store.acquire = lambda L, e: (touched.update((L, x) for x in e), acquire(L, e))[1]
+            logits = m.logits(ids)
+            misses = m.stats()["misses"]
+            tokens = list(m.generate_tokens(ids, max_tokens=4))
+            got[span] = logits, tokens, misses, len(touched)
+    (a, ta, miss_a, _), (b, tb, miss_b, touched) = got[0], got[len(ids)]
+    assert torch.equal(a, b) and ta == tb
+    assert miss_b == touched < miss_a  # layer by layer each touched expert once; pass after pass, again
