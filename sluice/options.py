@@ -234,8 +234,8 @@ class LoadOptions:
         "auto", metavar="N|auto", parse=_parse_chunk, help="prompt tokens per pass; auto: as many as the memory "
         "left beside the weights, KV cache and runtime holds in activations (256-4096)",
         doc="prompt tokens per forward pass during prefill. Streamed, a longer prompt runs layer by layer: each "
-            "layer takes every pass of up to a span of tokens (as many as an eighth of the activation room holds "
-            "in hidden states, at most --max-context) before the next layer starts, so it reads its touched experts "
+            "layer takes every pass of up to a span of tokens (as many as a quarter of the activation room, or of "
+            "the smallest pass's, holds in hidden states; at most --max-context) before the next layer starts, so it reads its touched experts "
             "once for the span, not once per pass (same output). `auto`: as many as the memory this process may "
             "still take holds in activations, beside the kept weights, the KV cache and a runtime reserve (half of "
             "it when streamed reads go through the page cache; 64 MiB when the memory is unknown), within "

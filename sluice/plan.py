@@ -243,7 +243,8 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
 
     Streamed (a budget), a prompt longer than a chunk runs layer by layer over up to `span` tokens
     (Transformer.forward_layers): each layer's experts are read once for the span instead of once a chunk. The span's
-    hidden states take at most SPAN_SHARE of the activation room, the chunk the rest. Measured on the peers Q4_K_M
+    hidden states take at most SPAN_SHARE of the activation room (store/budget.py prefill_span_tokens), the chunk
+    the rest. Measured on the peers Q4_K_M
     file at a 1 GiB ceiling, a 2,048-token prompt at --memory auto: 7.1 GiB read pass after pass, 930 MiB in one pass
     (benchmarks/results/prefill/q4km-avx2-default-1GiB)."""
     per_token = prefill_token_bytes(spec, itemsize, max_context)
@@ -259,7 +260,7 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
     else:
         acts, whence = PREFILL_ROOM, f"the room is unknown: {room.source}"
     span = prefill_span_tokens(spec, itemsize, max_context, acts) if memory is not None else 0
-    acts -= span * hidden_token_bytes(spec, itemsize)
+    acts = max(0, acts - span * hidden_token_bytes(spec, itemsize))
     spans = (f"; streamed: up to {span} tokens layer by layer, each layer's experts read once for them "
              f"({fb(span * hidden_token_bytes(spec, itemsize))} of hidden states)") if span else ""
     if options.prefill_chunk != "auto":

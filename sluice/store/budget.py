@@ -69,8 +69,10 @@ def reserve_left(held: int) -> int:
 ALLOCATOR_FACTOR = 2
 PREFILL_ROOM = 64 * 2**20  # activation bytes a chunk may take when the room is unknown
 #: a streamed prefill's layer-by-layer span keeps its tokens' hidden states in at most this share of the activation
-#: room (the peers model: 2 KiB a token against 75.8 KiB a chunk's token costs; 4,096 tokens take 8 MiB)
-SPAN_SHARE = 1 / 8
+#: room, or of the smallest chunk's activations where the room holds less (the peers model: 2 KiB a token against
+#: the 75.8 KiB a chunk's token costs; at a 1 GiB ceiling --memory auto leaves the floor's 256 tokens, 19 MiB, and
+#: a quarter of that holds 2,426 tokens' hidden states)
+SPAN_SHARE = 1 / 4
 PREFILL_MIN, PREFILL_MAX = 256, 4096  # 256: the old fixed chunk; 4096: its mask stays <= 16 MiB per 4K context
 
 
@@ -118,7 +120,9 @@ def hidden_token_bytes(spec, itemsize: int) -> int:
 
 def prefill_span_tokens(spec, itemsize: int, max_context: int, room: int) -> int:
     """Prompt tokens a streamed prefill runs layer by layer (Transformer.forward_layers): their hidden states stay
-    between layers, so they take at most SPAN_SHARE of the activation room; at most max_context."""
+    between layers, so they take at most SPAN_SHARE of the activation room (of a PREFILL_MIN chunk's activations
+    where the room is smaller: the chunk never gets fewer tokens); at most max_context."""
+    room = max(room, PREFILL_MIN * prefill_token_bytes(spec, itemsize, max_context))
     return min(max_context, int(room * SPAN_SHARE) // hidden_token_bytes(spec, itemsize))
 
 

@@ -142,7 +142,8 @@ def _fills(p, acts: int) -> None:
     """A streamed plan's chunk and span fill an activation room of `acts` bytes: the span's hidden states take
     SPAN_SHARE of it (at most max_context tokens), the chunk as many tokens as the rest holds."""
     per_token, h = prefill_token_bytes(p.spec, 2, p.max_context), hidden_token_bytes(p.spec, 2)
-    assert p.prefill_span == min(p.max_context, int(acts * SPAN_SHARE) // h) > p.prefill_chunk
+    assert p.prefill_span == min(p.max_context, int(max(acts, PREFILL_MIN * per_token) * SPAN_SHARE) // h)
+    assert p.prefill_span > p.prefill_chunk
     assert p.prefill_chunk == (acts - p.prefill_span * h) // per_token, (p.prefill_chunk, p.prefill_span)
 
 
