@@ -19,22 +19,23 @@
  * the 8. */
 #include <math.h>
 
-#include "common.h"
+#include "prompt.h"
 
 void sluice_to_bf16(int64_t n, const float *x, uint16_t *out, int scalar);  /* kernels.c */
 int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
                                int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
-                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int scalar);
+                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int P, int scalar);
 
-#define TILE_ROWS 16
-#define SB_CODES 2048                          /* 8 sub-blocks x 4 vectors x 64 bytes */
-#define SB_TILE (SB_CODES + 512 + 256 + 128)   /* + sc int32 [8][16], m int16 pairs [4][16][2], d, dmin [16] */
 #define MR 8                                   /* tokens per kernel pass */
 
 /* ---- activations ---- */
 
-/* one row of K values (float32, or bf16 when bf16) -> K codes, K / 256 scales, K / 32 code sums (int16) */
-static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s) {
+/* one row of K values (float32, or bf16 when bf16) -> K codes, K / 256 scales, K / 32 code sums (int16); lo not
+ * NULL: also the second plane lo = rint((x / D - hi) * 256) (clamped to +-127, as q8.c codes it) and its sums sl.
+ * Inlined into a portable and an AVX2-target copy (the compiler vectorizes the latter): the same IEEE operations,
+ * the same bytes */
+static inline __attribute__((always_inline)) void quant_row_body(const void *x, int bf16, int64_t K, int8_t *c,
+                                                                 float *d, int16_t *s, int8_t *lo, int16_t *sl) {
     for (int64_t b = 0; b < K; b += 256) {
         float v[256], amax = 0.0f;
         int nan = 0;
@@ -48,18 +49,30 @@ static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, floa
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b / 256] = nan ? NAN : amax / 127.0f;
         for (int j = 0; j < 8; j++) {
-            int sum = 0;
+            int sum = 0, suml = 0;
             for (int i = 32 * j; i < 32 * j + 32; i++) {
                 float r = v[i] * inv;  /* clamped as maxps / minps clamp (a NaN becomes -127), then rounded */
                 r = r > -127.0f ? r : -127.0f;
                 r = r < 127.0f ? r : 127.0f;
-                int q = (int)rintf(r);
-                c[b + i] = (int8_t)q;
-                sum += q;
+                float q = rintf(r);
+                c[b + i] = (int8_t)(int)q;
+                sum += (int)q;
+                if (lo) {  /* r - q is exact; |.| * 256 <= 128 */
+                    float l = rintf((r - q) * 256.0f);
+                    l = l < 127.0f ? l : 127.0f;
+                    lo[b + i] = (int8_t)(int)l;
+                    suml += (int)l;
+                }
             }
             s[b / 32 + j] = (int16_t)sum;
+            if (lo) sl[b / 32 + j] = (int16_t)suml;
         }
     }
+}
+
+static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int8_t *lo,
+                             int16_t *sl) {
+    quant_row_body(x, bf16, K, c, d, s, lo, sl);
 }
 
 /* silu(g) * u = g / (1 + e^-g) * u with common.h's exp_poly, whose AVX-512 twin gives the same bits */
@@ -107,13 +120,6 @@ static void pack_tile_scalar(const uint8_t *w, int64_t row_bytes, int64_t N, int
 
 /* ---- the portable kernel: tokens t0 .. t1 of one tile ---- */
 
-typedef struct {
-    const int8_t *c;   /* codes [T, K] */
-    const float *d;    /* scales [T, K / 256] */
-    const int16_t *s;  /* code sums [T, K / 32] */
-    int64_t K, T;
-} xq_t;
-
 static void tile_scalar(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t t0, int64_t t1, int rows,
                         float *y, int64_t ldy) {
     for (int64_t t = t0; t < t1; t++)
@@ -125,20 +131,33 @@ static void tile_scalar(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t
                 const int32_t *sc32 = (const int32_t *)(tb + SB_CODES);
                 const int16_t *m16 = (const int16_t *)(tb + SB_CODES + 512);
                 const float *df = (const float *)(tb + SB_CODES + 768);
-                int32_t isum = 0, msum = 0;
+                const int8_t *xl = x->lo ? x->lo + t * x->K + 256 * b : NULL;
+                int32_t isum = 0, msum = 0, isl = 0, msl = 0;
                 for (int j = 0; j < 8; j++) {
-                    int32_t s1 = 0;
+                    int32_t s1 = 0, l1 = 0;
                     for (int v = 0; v < 4; v++)
                         for (int i = 0; i < 4; i++) {
                             uint8_t u = tb[256 * j + 64 * v + 4 * r + i];
-                            s1 += (u & 15) * xc[32 * j + 4 * v + i] + (u >> 4) * xc[32 * j + 16 + 4 * v + i];
+                            int a = 32 * j + 4 * v + i;
+                            s1 += (u & 15) * xc[a] + (u >> 4) * xc[a + 16];
+                            if (xl) l1 += (u & 15) * xl[a] + (u >> 4) * xl[a + 16];
                         }
+                    int32_t m = m16[32 * (j / 2) + 2 * r + (j & 1)];
                     isum += sc32[16 * j + r] * s1;
-                    msum += m16[32 * (j / 2) + 2 * r + (j & 1)] * x->s[t * (x->K / 32) + 8 * b + j];
+                    msum += m * x->s[t * (x->K / 32) + 8 * b + j];
+                    if (xl) {
+                        isl += sc32[16 * j + r] * l1;
+                        msl += m * x->sl[t * (x->K / 32) + 8 * b + j];
+                    }
                 }
                 float dx = x->d[t * (x->K / 256) + b];
                 acc = fmaf((float)isum, df[r] * dx, acc);
                 acc = fmaf(-(float)msum, df[16 + r] * dx, acc);
+                if (xl) {  /* the lo plane in 1/256ths of D (prompt_avx2.c: the same operations) */
+                    float dxl = dx * (1.0f / 256.0f);
+                    acc = fmaf((float)isl, df[r] * dxl, acc);
+                    acc = fmaf(-(float)msl, df[16 + r] * dxl, acc);
+                }
             }
             y[(t - t0) * ldy + r] = acc;
         }
@@ -317,14 +336,30 @@ typedef struct {
     xq_t xq;
 } quant_job;
 
-static void quant_row(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int scalar) {
 #if SLUICE_X86
-    if (sluice_avx512_ok(scalar) && sluice_prompt_vnni()) {
+AVX2 static void quant_row_avx2(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int8_t *lo,
+                                int16_t *sl) {
+    quant_row_body(x, bf16, K, c, d, s, lo, sl);
+}
+#endif
+
+/* row t of x into row t of xq (its second plane too when xq has one) */
+static void quant_row(const void *x, int bf16, const xq_t *xq, int64_t t, int scalar) {
+    int64_t K = xq->K;
+    int8_t *c = (int8_t *)xq->c + t * K, *lo = xq->lo ? (int8_t *)xq->lo + t * K : NULL;
+    float *d = (float *)xq->d + t * (K / 256);
+    int16_t *s = (int16_t *)xq->s + t * (K / 32), *sl = xq->lo ? (int16_t *)xq->sl + t * (K / 32) : NULL;
+#if SLUICE_X86
+    if (!lo && sluice_avx512_ok(scalar) && sluice_prompt_vnni()) {
         quant_row_vnni(x, bf16, K, c, d, s);
         return;
     }
+    if (sluice_avx2_ok(scalar) && sluice_simd()) {
+        quant_row_avx2(x, bf16, K, c, d, s, lo, sl);
+        return;
+    }
 #endif
-    quant_row_scalar(x, bf16, K, c, d, s);
+    quant_row_scalar(x, bf16, K, c, d, s, lo, sl);
 }
 
 static void quant_task(void *c, int64_t t) {
@@ -332,17 +367,19 @@ static void quant_task(void *c, int64_t t) {
     int64_t K = j->xq.K;
     const void *row = j->bf16 ? (const void *)((const uint16_t *)j->x + t * K)
                               : (const void *)((const float *)j->x + t * K);
-    quant_row(row, j->bf16, K, (int8_t *)j->xq.c + t * K, (float *)j->xq.d + t * (K / 256),
-              (int16_t *)j->xq.s + t * (K / 32), j->scalar);
+    quant_row(row, j->bf16, &j->xq, t, j->scalar);
 }
 
-/* bytes of T coded rows of K values, and the coded rows' layout at p */
-static size_t xq_bytes(int64_t T, int64_t K) {
-    return (size_t)(T * K + T * (K / 256) * 4 + T * (K / 32) * 2 + 63) / 64 * 64;
+/* bytes of T coded rows of K values at P planes, and the coded rows' layout at p: codes, scales, sums, then with
+ * two planes the lo codes and their sums */
+static size_t xq_bytes(int64_t T, int64_t K, int P) {
+    return (size_t)(P * (T * K + T * (K / 32) * 2) + T * (K / 256) * 4 + 63) / 64 * 64;
 }
-static xq_t xq_at(uint8_t *p, int64_t T, int64_t K) {
+static xq_t xq_at(uint8_t *p, int64_t T, int64_t K, int P) {
+    uint8_t *lo = p + T * K + T * (K / 256) * 4 + T * (K / 32) * 2;
     return (xq_t){.c = (const int8_t *)p, .d = (const float *)(p + T * K),
                   .s = (const int16_t *)(p + T * K + T * (K / 256) * 4),
+                  .lo = P == 2 ? (const int8_t *)lo : NULL, .sl = P == 2 ? (const int16_t *)(lo + T * K) : NULL,
                   .K = K, .T = T};
 }
 
@@ -352,15 +389,15 @@ static void quantize(const void *x, int bf16, xq_t xq, int scalar) {
     pool_run(quant_task, &j, xq.T);
 }
 
-/* x [T, K] bf16 coded into out (xq_bytes(T, K) bytes, the layout xq_at reads): a layer's rows coded once, each
- * expert then gathering its own (sluice_prompt_expert with xc). Returns 0, -2 for bad arguments. */
-int sluice_prompt_code(const uint16_t *x, int64_t T, int64_t K, uint8_t *out, int scalar) {
-    if (T < 0 || K <= 0 || K % 256) return -2;
-    if (T) quantize(x, 1, xq_at(out, T, K), scalar);
+/* x [T, K] bf16 coded at P planes into out (xq_bytes(T, K, P) bytes, the layout xq_at reads): a layer's rows coded
+ * once, each expert then gathering its own (sluice_prompt_expert with xc). Returns 0, -2 for bad arguments. */
+int sluice_prompt_code(const uint16_t *x, int64_t T, int64_t K, uint8_t *out, int P, int scalar) {
+    if (T < 0 || K <= 0 || K % 256 || (P != 1 && P != 2)) return -2;
+    if (T) quantize(x, 1, xq_at(out, T, K, P), scalar);
     return 0;
 }
 
-int64_t sluice_prompt_code_bytes(int64_t T, int64_t K) { return (int64_t)xq_bytes(T, K); }
+int64_t sluice_prompt_code_bytes(int64_t T, int64_t K, int P) { return (int64_t)xq_bytes(T, K, P); }
 
 typedef struct {
     xq_t from, to;
@@ -372,6 +409,10 @@ static void gather_task(void *c, int64_t t) {  /* row idx[t] of `from` into row 
     int64_t K = j->to.K, r = j->idx[t];
     memcpy((int8_t *)j->to.c + t * K, j->from.c + r * K, (size_t)K);
     memcpy((float *)j->to.d + t * (K / 256), j->from.d + r * (K / 256), (size_t)(K / 256) * 4);
+    if (j->to.lo) {
+        memcpy((int8_t *)j->to.lo + t * K, j->from.lo + r * K, (size_t)K);
+        memcpy((int16_t *)j->to.sl + t * (K / 32), j->from.sl + r * (K / 32), (size_t)(K / 32) * 2);
+    }
     memcpy((int16_t *)j->to.s + t * (K / 32), j->from.s + r * (K / 32), (size_t)(K / 32) * 2);
 }
 
@@ -399,9 +440,14 @@ static void tile_task(void *c, int64_t i) {
         return;
     }
 #if SLUICE_X86
-    if (sluice_avx512_ok(j->scalar) && sluice_prompt_vnni()) {
+    if (!j->xq->lo && sluice_avx512_ok(j->scalar) && sluice_prompt_vnni()) {  /* one plane: the VNNI tiles */
         pack_tile_vnni(w, d[2], N, j->nsb, n0, tile);
         tile_vnni(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
+        return;
+    }
+    if (sluice_avx2_ok(j->scalar) && sluice_simd()) {
+        pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
+        sluice_prompt_tile_avx2(tile, j->nsb, j->xq, rows, y, ldy);
         return;
     }
 #endif
@@ -427,15 +473,16 @@ static int tile_setup(tile_job *j, int64_t m, const int64_t *descs, int64_t K) {
  * all projections split over the pool. descs: m x (N, codes address, bytes per row, y address, ldy). Each y element
  * is the same bits whichever thread ran it and whatever T. Returns 0, -1 when the scratch cannot be allocated, -2
  * for bad arguments. */
-int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x, int bf16, int64_t T, int scalar) {
-    if (m < 1 || m > MAX_PROJ || K <= 0 || K % 256 || T < 0) return -2;
+int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x, int bf16, int64_t T, int P,
+                      int scalar) {
+    if (m < 1 || m > MAX_PROJ || K <= 0 || K % 256 || T < 0 || (P != 1 && P != 2)) return -2;
     if (T == 0) return 0;
     tile_job j = {.scalar = scalar};
     if (tile_setup(&j, m, descs, K) < 0) return -2;
     int owned;
-    uint8_t *buf = keep_take(xq_bytes(T, K), &owned);
+    uint8_t *buf = keep_take(xq_bytes(T, K, P), &owned);
     if (!buf) return -1;
-    xq_t xq = xq_at(buf, T, K);
+    xq_t xq = xq_at(buf, T, K, P);
     j.xq = &xq;
     quantize(x, bf16, xq, scalar);
     pool_run(tile_task, &j, j.tiles[m]);
@@ -459,12 +506,13 @@ static void glu_task(void *c, int64_t t) {
 #if SLUICE_X86
     if (sluice_avx512_ok(j->scalar) && sluice_prompt_vnni())
         silu_mul_vnni(g, u, j->I);
+    else if (sluice_avx2_ok(j->scalar) && sluice_simd())
+        sluice_prompt_silu_mul_avx2(g, u, j->I);
     else
 #endif
         silu_mul_scalar(g, u, j->I);
     if (j->xq.c)
-        quant_row(g, 0, j->I, (int8_t *)j->xq.c + t * j->I, (float *)j->xq.d + t * (j->I / 256),
-                  (int16_t *)j->xq.s + t * (j->I / 32), j->scalar);
+        quant_row(g, 0, &j->xq, t, j->scalar);
     else
         sluice_to_bf16(j->I, g, j->h + t * j->I, j->scalar);
 }
@@ -489,15 +537,16 @@ static void bf16_task(void *c, int64_t t) {
  * arguments. */
 int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
                          int64_t drb, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y, uint16_t *h,
-                         int scalar) {
-    return sluice_prompt_expert_coded(gq, grb, uq, urb, dq, drb, H, I, x, NULL, 0, NULL, T, y, h, scalar);
+                         int P, int scalar) {
+    return sluice_prompt_expert_coded(gq, grb, uq, urb, dq, drb, H, I, x, NULL, 0, NULL, T, y, h, P, scalar);
 }
 
 /* sluice_prompt_expert on rows idx[0 .. T) of a layer's coded rows xc (sluice_prompt_code of Tc rows) when xc is
  * not NULL (x unused): each row's codes are the bytes coding it alone gives, so the result is the same bits */
 int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
                                int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
-                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int scalar) {
+                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int P, int scalar) {
+    if (P != 1 && P != 2) return -2;
     if (H <= 0 || H % 256 || I <= 0 || (dq && I % 256) || T < 0 || (!dq && !h) || (dq && !y)) return -2;
     if (xc && !idx) return -2;
     for (int64_t t = 0; xc && t < T; t++)
@@ -509,25 +558,25 @@ int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq
     if (!uq) du[0] = 2 * I;
     int64_t dd[5] = {H, (intptr_t)dq, drb, 0, H};
     if (tile_setup(&up, uq ? 2 : 1, du, H) < 0 || (dq && tile_setup(&dn, 1, dd, I) < 0)) return -2;
-    size_t xb = xq_bytes(T, H), gb = (size_t)(T * 2 * I) * 4;
-    size_t hb = dq ? xq_bytes(T, I) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
+    size_t xb = xq_bytes(T, H, P), gb = (size_t)(T * 2 * I) * 4;
+    size_t hb = dq ? xq_bytes(T, I, P) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
     int owned;
     uint8_t *buf = keep_take(xb + gb + hb + yb, &owned);
     if (!buf) return -1;
-    xq_t xq = xq_at(buf, T, H);
+    xq_t xq = xq_at(buf, T, H, P);
     gu_base = (float *)(buf + xb);
     up.d[3] = (intptr_t)gu_base;
     up.d[8] = (intptr_t)(gu_base + I);
     up.xq = &xq;
     if (xc) {
-        gather_job gj = {.from = xq_at((uint8_t *)xc, Tc, H), .to = xq, .idx = idx};
+        gather_job gj = {.from = xq_at((uint8_t *)xc, Tc, H, P), .to = xq, .idx = idx};
         pool_run(gather_task, &gj, T);
     } else {
         quantize(x, 1, xq, scalar);
     }
     pool_run(tile_task, &up, up.tiles[up.m]);
     glu_job g = {.gu = gu_base, .I = I, .h = h, .scalar = scalar};
-    if (dq) g.xq = xq_at(buf + xb + gb, T, I);
+    if (dq) g.xq = xq_at(buf + xb + gb, T, I, P);
     pool_run(glu_task, &g, T);
     if (dq) {
         float *yf = (float *)(buf + xb + gb + hb);

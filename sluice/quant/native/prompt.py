@@ -32,19 +32,20 @@ from ._lib import BEST, LIB as _LIB, desc as _desc, need
 if _LIB is not None:
     _LIB.sluice_prompt_vnni.restype = ctypes.c_int
     _LIB.sluice_prompt_q4k.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.c_int64, ctypes.c_int]  # m, descs, K, x, bf16, T, scalar
+                                       ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # m, descs, K, x, bf16, T, P, path
     _LIB.sluice_prompt_q4k.restype = ctypes.c_int
     _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-    # gate (codes, bytes per row), up, down, H, I, x, T, y, h, scalar
-    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 3 + [_i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
+    # gate (codes, bytes per row), up, down, H, I, x, T, y, h, planes, path
+    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 3 + [_i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int,
+                                                             ctypes.c_int]
     _LIB.sluice_prompt_expert.restype = ctypes.c_int
-    # the same with a layer's coded rows: ..., x, coded rows, their count, row indices, T, y, h, scalar
+    # the same with a layer's coded rows: ..., x, coded rows, their count, row indices, T, y, h, planes, path
     _LIB.sluice_prompt_expert_coded.argtypes = ([_ptr, _i64] * 3 + [_i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
-                                                                    _ptr, ctypes.c_int])
+                                                                    _ptr, ctypes.c_int, ctypes.c_int])
     _LIB.sluice_prompt_expert_coded.restype = ctypes.c_int
-    _LIB.sluice_prompt_code.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]  # x, T, K, out, scalar
+    _LIB.sluice_prompt_code.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, ctypes.c_int]  # x, T, K, out, P, path
     _LIB.sluice_prompt_code.restype = ctypes.c_int
-    _LIB.sluice_prompt_code_bytes.argtypes = [_i64, _i64]
+    _LIB.sluice_prompt_code_bytes.argtypes = [_i64, _i64, ctypes.c_int]
     _LIB.sluice_prompt_code_bytes.restype = _i64
 
 
@@ -60,11 +61,13 @@ def supported(spec: QuantSpec) -> bool:
 
 
 def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: torch.Tensor, *,
-            path: int = BEST) -> None:
+            planes: int = 1, path: int = BEST) -> None:
     """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K projections sharing x [T, K] (float32 or bf16,
     contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
-    output is fine). x is coded once; the tiles of all projections run over the native pool."""
+    output is fine). x is coded once, at `planes` (1 or 2) planes of 8-bit codes; the tiles of all projections run
+    over the native pool."""
     need()
+    _check_planes(planes)
     if not 1 <= len(projections) <= 4:
         raise ValueError(f"prompt.linears takes 1 to 4 projections, got {len(projections)}")
     if not (isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
@@ -88,7 +91,7 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
         _, n, _, q, row_bytes, *_ = _desc(spec, raw)
         vals += (n, q, row_bytes, out.data_ptr(), out.stride(0))
     rc = _LIB.sluice_prompt_q4k(len(projections), (ctypes.c_int64 * len(vals))(*vals), k, x.data_ptr(),
-                                int(x.dtype is torch.bfloat16), t, path)
+                                int(x.dtype is torch.bfloat16), t, planes, path)
     if rc == -1:
         raise MemoryError(f"prompt.linears: no memory for the packed weights and the [{t} x {k}] codes")
     if rc:
@@ -104,39 +107,49 @@ def _codes(spec: QuantSpec, raw: torch.Tensor, n: int, k: int, what: str) -> tup
     return q, row_bytes
 
 
+def _check_planes(planes: int) -> None:
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 (int8 activations) or 2 (int16), got {planes}")
+
+
 class Coded:
-    """A [T, K] bf16 x coded once (code()): the bytes prompt.c reads, for experts that each take some of its rows."""
+    """A [T, K] bf16 x coded once (code()) at `planes` planes: the bytes prompt.c reads, for experts that each take
+    some of its rows (at the same planes)."""
 
-    def __init__(self, data: torch.Tensor, rows: int, cols: int):
-        self.data, self.rows, self.cols = data, rows, cols
+    def __init__(self, data: torch.Tensor, rows: int, cols: int, planes: int):
+        self.data, self.rows, self.cols, self.planes = data, rows, cols, planes
 
 
-def code(x: torch.Tensor, *, path: int = BEST) -> Coded:
+def code(x: torch.Tensor, *, planes: int = 1, path: int = BEST) -> Coded:
     """x bf16 [T, K] (contiguous, K a multiple of 256) coded as every call here codes its x, once: each row's bytes
     are those coding the row alone gives, so an expert on some of these rows (expert(..., rows=)) computes the same
     bits as on those rows of x."""
     need()
+    _check_planes(planes)
     if not (isinstance(x, torch.Tensor) and x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_cpu
             and x.is_contiguous() and x.shape[1] % 256 == 0):
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"prompt.code: x must be a contiguous CPU bf16 [T, K] tensor, K a multiple of 256, got {got}")
     t, k = x.shape
-    data = torch.empty(_LIB.sluice_prompt_code_bytes(t, k), dtype=torch.uint8)
-    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), path):
+    data = torch.empty(_LIB.sluice_prompt_code_bytes(t, k, planes), dtype=torch.uint8)
+    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), planes, path):
         raise ValueError(f"prompt.code: the kernel refused x [{t}, {k}]")
-    return Coded(data, t, k)
+    return Coded(data, t, k, planes)
 
 
 def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tensor] | None,
            down: tuple[QuantSpec, torch.Tensor] | None, x: "torch.Tensor | Coded", out: torch.Tensor,
-           rows: torch.Tensor | None = None, *, path: int = BEST) -> None:
+           rows: torch.Tensor | None = None, *, planes: int = 1, path: int = BEST) -> None:
     """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K; up None
     when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K down on it coded again, its
     rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I] instead (for
     a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
-    it), the expert runs on those rows of the coded x, the same bits as on those rows of x itself."""
+    it), the expert runs on those rows of the coded x, the same bits as on those rows of x itself. `planes`: the
+    activations' coding (a Coded x carries its own)."""
     need()
+    _check_planes(planes)
     if isinstance(x, Coded):
+        planes = x.planes
         if not (isinstance(rows, torch.Tensor) and rows.dtype is torch.int64 and rows.dim() == 1
                 and rows.is_contiguous() and rows.is_cpu):
             raise ValueError(f"prompt.expert: rows must be a contiguous CPU int64 [T] tensor with a Coded x, got "
@@ -160,9 +173,9 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
     y, hh = (out.data_ptr(), None) if down is not None else (None, out.data_ptr())
     if isinstance(x, Coded):
         rc = _LIB.sluice_prompt_expert_coded(*g, *u, *d, h, i, None, x.data.data_ptr(), x.rows, rows.data_ptr(), t,
-                                             y, hh, path)
+                                             y, hh, planes, path)
     else:
-        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, path)
+        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, planes, path)
     if rc == -1:
         raise MemoryError(f"prompt.expert: no memory for a [{t} x {h}] expert's scratch")
     if rc:

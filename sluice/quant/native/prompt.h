@@ -1,0 +1,31 @@
+/* What prompt.c (the Q4_K prompt tiles, their activation coding, the pool jobs) shares with prompt_avx2.c (the AVX2
+ * tile kernel): the packed tile's layout and the coded activations. */
+#ifndef SLUICE_NATIVE_PROMPT_H
+#define SLUICE_NATIVE_PROMPT_H
+
+#include "common.h"
+
+#define TILE_ROWS 16
+#define SB_CODES 2048                          /* 8 sub-blocks x 4 vectors x 64 bytes */
+#define SB_TILE (SB_CODES + 512 + 256 + 128)   /* + sc int32 [8][16], m int16 pairs [4][16][2], d, dmin [16] */
+
+/* x [T, K] coded: per 256 values D (d), codes hi = rint(x / D) (c) and their sums per 32 values (s); with two
+ * planes (lo not NULL) also lo = rint((x / D - hi) * 256) (|lo| <= 127) and its sums (sl): x ~ D * (hi + lo / 256) */
+typedef struct {
+    const int8_t *c;   /* codes [T, K] */
+    const float *d;    /* scales [T, K / 256] */
+    const int16_t *s;  /* code sums [T, K / 32] */
+    const int8_t *lo;  /* the second plane [T, K], or NULL */
+    const int16_t *sl; /* its sums [T, K / 32] */
+    int64_t K, T;
+} xq_t;
+
+#if SLUICE_X86
+/* prompt_avx2.c: y [T, rows] (rows <= 16 of a packed tile, ldy apart) for every token of x, on AVX2; the portable
+ * tile_scalar's bits */
+void sluice_prompt_tile_avx2(const uint8_t *tile, int64_t nsb, const xq_t *x, int rows, float *y, int64_t ldy);
+/* g[i] = silu(g[i]) * u[i] on AVX2, exp_poly8: the scalar silu_mul's bits */
+void sluice_prompt_silu_mul_avx2(float *g, const float *u, int64_t n);
+#endif
+
+#endif
