@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .native import attend, prompt
-from .native._lib import BEST
+from .native._lib import BEST, PORTABLE
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,19 @@ class Compute:
     threads: int = 1
 
     @property
-    def int8_prompt(self) -> bool:
-        """Whether a prompt's Q4_K rows run prompt.c's 8-bit kernels: activations int8 at bf16, on a CPU with
-        AVX512-VNNI whose kernels are not capped below it (elsewhere the bf16 GEMM on dequantized weights is faster
-        than the portable tiles)."""
-        return self.planes == 1 and self.dtype is torch.bfloat16 and self.path == BEST and prompt.available()
+    def prompt_planes(self) -> int:
+        """Planes of 8-bit activation codes at which a prompt's Q4_K rows run prompt.c's integer tiles, 0 where they
+        take the GEMM route (bf16 compute dtype only):
+          1  activations int8 on a CPU with AVX512-VNNI whose kernels are not capped below it (its VNNI tiles beat
+             dequantizing to bf16 for the bf16 GEMM);
+          Compute.planes  where several bf16 rows multiply on float32 GEMMs (no bf16 dot products, or --isa avx2)
+             and the AVX2 path runs: prompt_avx2.c's tiles beat dequantizing to float32 for the float32 GEMM
+             (numbers in native/prompt.py); the portable tiles are slower than that GEMM, so --isa portable keeps it."""
+        if self.dtype is not torch.bfloat16:
+            return 0
+        if self.planes == 1 and self.path == BEST and prompt.available():
+            return 1
+        return self.planes if not self.bf16_gemm and self.path != PORTABLE and prompt.avx2() else 0
 
     @property
     def attend_prompt(self) -> bool:

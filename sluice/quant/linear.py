@@ -6,10 +6,12 @@
     y = w.linear(x, bias)                    # the same ladder on its own bytes; w.dequantize() the exact weights
 
 The ladder, by the number of rows T (each threshold measured, below):
+  - T >= BF16_GEMM_MIN_ROWS of bf16 rows of a resident Q4_K weight where Compute.prompt_planes allows it (int8
+    activations on an AVX512-VNNI CPU; any activations where the prompt's GEMMs are float32 and the CPU has AVX2):
+    prompt.c's integer tiles;
   - T >= BF16_GEMM_MIN_ROWS of bf16 rows where the model multiplies on bf16 GEMMs (Compute.bf16_gemm): the weights
     dequantized to bf16 (the exact weights rounded once) into the scratch, in blocks of SCRATCH_BYTES, one bf16 GEMM
-    per block; a resident Q4_K weight at activations int8 on an AVX512-VNNI CPU runs prompt.c's 8-bit kernel instead
-    (Compute.int8_prompt);
+    per block;
   - T <= Q8_MAX_ROWS at the bf16 / f16 compute dtypes, a GGUF block format: the integer path (native/q8.py: x coded
     to Compute.planes planes of 8-bit codes, integer dots; relative L2 ~3e-5 against the exact weights at two
     planes), its output rows over the C pool;
@@ -91,18 +93,18 @@ class Scratch:
 
 class StoredLinear:
     """One projection [out, in] stored as `spec`, computing at `compute` (the model's Compute): __call__(x, raw,
-    scratch) runs the ladder on bytes handed in per call (an expert's slot). `int8_prompt`: a prompt's many bf16 rows
-    run prompt.c's 8-bit kernel where Compute.int8_prompt allows it (resident Q4_K weights; an expert's rows take
+    scratch) runs the ladder on bytes handed in per call (an expert's slot). `int_prompt`: a prompt's many bf16 rows
+    run prompt.c's integer tiles where Compute.prompt_planes allows it (resident Q4_K weights; an expert's rows take
     prompt.c per expert instead, models/layers/experts.py)."""
 
-    def __init__(self, spec: QuantSpec, compute: Compute, int8_prompt: bool = False):
+    def __init__(self, spec: QuantSpec, compute: Compute, int_prompt: bool = False):
         self.spec, self.compute, self.dtype = spec, compute, compute.dtype
         # the choice is fixed per format, so a streamed and a resident run compute the same way
         self.native = native.available() and native.supports(spec)
         if not self.native and spec.name in native.FORMATS:
             native.warn_unbuilt()
         self.int8 = self.native and compute.dtype is not torch.float32 and q8.q8_supported(spec)
-        self.int8_prompt = int8_prompt and compute.int8_prompt and prompt.supported(spec)
+        self.prompt_planes = compute.prompt_planes if int_prompt and prompt.supported(spec) else 0
 
     @property
     def shape(self) -> torch.Size:
@@ -118,12 +120,14 @@ class StoredLinear:
             w = self.spec.dequantize(raw, out=scratch.get(self.spec.out_features * self.spec.in_features))
             y = F.linear(x.float(), w.view(self.shape), None if bias is None else bias.float())
             return y.to(out_dtype or self.dtype)
+        if (self.prompt_planes and out_dtype in (None, torch.bfloat16) and x.dtype is torch.bfloat16
+                and x.shape[0] >= BF16_GEMM_MIN_ROWS):  # 8-bit codes of x, integer dots (native/prompt.c)
+            x = x if x.is_contiguous() else x.contiguous()
+            y = torch.empty(x.shape[0], self.spec.out_features)  # [T, out] float32
+            prompt.linears([(self.spec, raw, y)], x, planes=self.prompt_planes, path=self.compute.path)
+            return (y if bias is None else y.add_(bias)).to(torch.bfloat16)
         if out_dtype in (None, torch.bfloat16) and self.compute.gemm_rows(x, BF16_GEMM_MIN_ROWS):
             x = x if x.is_contiguous() else x.contiguous()
-            if self.int8_prompt:  # activations int8: 8-bit codes of x, integer dots (native/prompt.c)
-                y = torch.empty(x.shape[0], self.spec.out_features)  # [T, out] float32
-                prompt.linears([(self.spec, raw, y)], x, path=self.compute.path)
-                return (y if bias is None else y.add_(bias)).to(torch.bfloat16)
             y = self._blocked(x, raw, scratch)
             return y if bias is None else y + bias.to(torch.bfloat16)
         if x.dtype is not torch.float32:
@@ -225,7 +229,7 @@ class QuantLinear(StoredLinear):
         if raw.dtype != torch.uint8 or raw.numel() != spec.nbytes:
             raise ValueError(f"raw must be the {spec.nbytes} stored bytes of {spec.name} [{spec.out_features}, "
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
-        super().__init__(spec, compute, int8_prompt=True)
+        super().__init__(spec, compute, int_prompt=True)
         self.raw = raw.contiguous()
         self.scratch = scratch if scratch is not None else Scratch()
         self.planes = compute.planes

@@ -434,7 +434,8 @@ static void tile_task(void *c, int64_t i) {
     const uint8_t *w = (const uint8_t *)(intptr_t)d[1];
     float *y = (float *)(intptr_t)d[3] + n0;
     int rows = N - n0 < TILE_ROWS ? (int)(N - n0) : TILE_ROWS;
-    uint8_t *tile = thread_scratch((size_t)(j->nsb * SB_TILE));  /* packed here, used by this task only */
+    /* packed here, used by this task only (the AVX2 tiles' wide codes after it) */
+    uint8_t *tile = thread_scratch((size_t)(j->nsb * SB_TILE + (SLUICE_X86 ? sluice_prompt_wide_bytes(j->nsb) : 0)));
     if (!tile) {
         ((tile_job *)j)->failed = 1;
         return;
@@ -446,8 +447,11 @@ static void tile_task(void *c, int64_t i) {
         return;
     }
     if (sluice_avx2_ok(j->scalar) && sluice_simd()) {
-        pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
-        sluice_prompt_tile_avx2(tile, j->nsb, j->xq, rows, y, ldy);
+        if (rows == TILE_ROWS && d[2] * (TILE_ROWS - 1) <= INT32_MAX)
+            sluice_prompt_pack_avx2(w + n0 * d[2], d[2], j->nsb, tile);
+        else
+            pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
+        sluice_prompt_tile_avx2(tile, tile + j->nsb * SB_TILE, j->nsb, j->xq, rows, y, ldy);
         return;
     }
 #endif

@@ -22,8 +22,13 @@ typedef struct {
 
 #if SLUICE_X86
 /* prompt_avx2.c: y [T, rows] (rows <= 16 of a packed tile, ldy apart) for every token of x, on AVX2; the portable
- * tile_scalar's bits */
-void sluice_prompt_tile_avx2(const uint8_t *tile, int64_t nsb, const xq_t *x, int rows, float *y, int64_t ldy);
+ * tile_scalar's bits. wide: sluice_prompt_wide_bytes(nsb) bytes of scratch (the codes one a byte) */
+void sluice_prompt_tile_avx2(const uint8_t *tile, uint8_t *wide, int64_t nsb, const xq_t *x, int rows, float *y,
+                             int64_t ldy);
+int64_t sluice_prompt_wide_bytes(int64_t nsb);
+/* prompt_avx2.c: a whole 16-row tile from rows w .. w + 15 * row_bytes (all 16 present, 15 * row_bytes < 2^31), in
+ * the layout pack_tile_scalar writes, the same bytes */
+void sluice_prompt_pack_avx2(const uint8_t *w, int64_t row_bytes, int64_t nsb, uint8_t *tile);
 /* g[i] = silu(g[i]) * u[i] on AVX2, exp_poly8: the scalar silu_mul's bits */
 void sluice_prompt_silu_mul_avx2(float *g, const float *u, int64_t n);
 #endif

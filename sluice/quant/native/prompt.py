@@ -2,8 +2,9 @@
 "int8" where the CPU has AVX512-VNNI.
 
     from sluice.quant.native import prompt
-    prompt.available()                         # the extension is built and this CPU has AVX512-VNNI (Compute.int8_prompt
-                                               # decides whether a model takes these kernels)
+    prompt.available()                         # the extension is built and this CPU has AVX512-VNNI
+    prompt.avx2()                              # ... and AVX2 (prompt_avx2.c; Compute.prompt_planes decides whether a
+                                               # model takes these kernels, and at how many planes)
     prompt.supported(spec)                     # a Q4_K projection whose in_features is a multiple of 256
     prompt.linears([(spec, raw, out), ...], x) # out_a float32 [T, N_a] (views with a row stride allowed) = x @ W_a^T
     prompt.expert((gate, raw), (up, raw), (down, raw), x, out)   # out bf16 [T, H] = down(silu(gate x) * up x)
@@ -27,7 +28,7 @@ import ctypes
 import torch
 
 from ..spec import QuantSpec
-from ._lib import BEST, LIB as _LIB, desc as _desc, need
+from ._lib import BEST, LIB as _LIB, desc as _desc, need, simd
 
 if _LIB is not None:
     _LIB.sluice_prompt_vnni.restype = ctypes.c_int
@@ -53,6 +54,12 @@ def available() -> bool:
     """Whether the int8 prompt kernel runs at speed here: the extension is built and the CPU has AVX512-VNNI (else
     only its portable path exists, for tests: far slower than the bf16 GEMM it would replace)."""
     return _LIB is not None and bool(_LIB.sluice_prompt_vnni())
+
+
+def avx2() -> bool:
+    """Whether prompt.c's AVX2 tiles (prompt_avx2.c) run here: the extension is built and the CPU has AVX2 + FMA +
+    F16C."""
+    return _LIB is not None and simd()
 
 
 def supported(spec: QuantSpec) -> bool:

@@ -11,13 +11,43 @@
 
 #if SLUICE_X86
 
-#define NT_MAX 4  /* tokens per pass: 4 x (int16 sums of 1-2 planes) + the weights fit the 16 ymm registers */
+#define NT_MAX 8  /* tokens per pass, each weight vector loaded once per pass (the sums stay in registers) */
+#define SB_WIDE (8 * 2 * 256)  /* a super-block's codes one per byte: 8 sub-blocks x 2 halves x 8 vectors of 32 */
+
+/* the tile's packed codes (two 4-bit codes a byte) -> one code a byte at wide: per super-block, sub-block j and half
+ * h, 8 vectors (value group v: codes 4v .. +3, then 16 + 4v .. +3 of each of the 8 rows), so the kernel's inner loop
+ * multiplies straight from memory */
+AVX2_INLINE void widen(const uint8_t *tile, int64_t nsb, uint8_t *wide) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nsb; b++)
+        for (int j = 0; j < 8; j++)
+            for (int h = 0; h < 2; h++)
+                for (int v = 0; v < 4; v++) {
+                    __m256i u = _mm256_loadu_si256((const __m256i *)(tile + b * SB_TILE + 256 * j + 64 * v + 32 * h));
+                    uint8_t *o = wide + b * SB_WIDE + 512 * j + 256 * h + 64 * v;
+                    _mm256_storeu_si256((__m256i *)o, _mm256_and_si256(u, m4));
+                    _mm256_storeu_si256((__m256i *)(o + 32), _mm256_and_si256(_mm256_srli_epi16(u, 4), m4));
+                }
+}
+
+/* the 8 rows' int16 sums of one sub-block for one token's 32 codes p (weights w: 8 vectors) */
+AVX2_INLINE __m256i sub16(const uint8_t *w, const int8_t *p) {
+    __m256i s = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)w), _mm256_set1_epi32((int)rd32(p)));
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 32)),
+                                                 _mm256_set1_epi32((int)rd32(p + 16))));
+    for (int v = 1; v < 4; v++) {
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 64 * v)),
+                                                     _mm256_set1_epi32((int)rd32(p + 4 * v))));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 64 * v + 32)),
+                                                     _mm256_set1_epi32((int)rd32(p + 16 + 4 * v))));
+    }
+    return s;
+}
 
 /* y for tokens t0 .. t0 + NT of rows 8h .. 8h + 7 of the tile (nrows of them valid); P planes; NT, P constants at
  * each call */
-AVX2_INLINE void half_n(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t t0, const int NT, const int P,
-                        int h, int nrows, float *y, int64_t ldy) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+AVX2_INLINE void half_n(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, int64_t t0,
+                        const int NT, const int P, int h, int nrows, float *y, int64_t ldy) {
     const int64_t K = x->K;
     __m256 acc[NT_MAX];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
@@ -27,28 +57,12 @@ AVX2_INLINE void half_n(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t
         __m256i is[NT_MAX], il[NT_MAX];
         for (int t = 0; t < NT; t++) is[t] = il[t] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            __m256i s16[NT_MAX], l16[NT_MAX];
-            for (int t = 0; t < NT; t++) s16[t] = l16[t] = _mm256_setzero_si256();
-            for (int v = 0; v < 4; v++) {
-                __m256i u = _mm256_loadu_si256((const __m256i *)(tb + 256 * j + 64 * v));
-                __m256i lo = _mm256_and_si256(u, m4), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), m4);
-                for (int t = 0; t < NT; t++) {
-                    const int8_t *p = xc + t * K + 32 * j + 4 * v;
-                    s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32((int)rd32(p))));
-                    s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32((int)rd32(p + 16))));
-                    if (P == 2) {
-                        const int8_t *q = xl + t * K + 32 * j + 4 * v;
-                        l16[t] = _mm256_add_epi16(l16[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32((int)rd32(q))));
-                        l16[t] = _mm256_add_epi16(l16[t],
-                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32((int)rd32(q + 16))));
-                    }
-                }
-            }
+            const uint8_t *w = wide + b * SB_WIDE + 512 * j + 256 * h;
             __m256i sc = _mm256_loadu_si256((const __m256i *)(tb + SB_CODES + 64 * j));  /* int32, < 64 */
             sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));                         /* in both int16 halves */
             for (int t = 0; t < NT; t++) {
-                is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(s16[t], sc));
-                if (P == 2) il[t] = _mm256_add_epi32(il[t], _mm256_madd_epi16(l16[t], sc));
+                is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(sub16(w, xc + t * K + 32 * j), sc));
+                if (P == 2) il[t] = _mm256_add_epi32(il[t], _mm256_madd_epi16(sub16(w, xl + t * K + 32 * j), sc));
             }
         }
         const float *df = (const float *)(tile + b * SB_TILE + SB_CODES + 768);
@@ -59,9 +73,10 @@ AVX2_INLINE void half_n(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t
             for (int p = 0; p < 4; p++) {  /* m_2p * S2_2p + m_2p+1 * S2_2p+1 per row, exact in int32 */
                 __m256i m16 = _mm256_loadu_si256((const __m256i *)(tb + SB_CODES + 512 + 64 * p));
                 ms = _mm256_add_epi32(ms, _mm256_madd_epi16(m16, _mm256_set1_epi32((int)rd32(s2 + 2 * p))));
-                if (P == 2)
-                    ml = _mm256_add_epi32(ml, _mm256_madd_epi16(m16, _mm256_set1_epi32(
-                                                                     (int)rd32(x->sl + (t0 + t) * (K / 32) + 8 * b + 2 * p))));
+                if (P == 2) {
+                    const int16_t *l2 = x->sl + (t0 + t) * (K / 32) + 8 * b;
+                    ml = _mm256_add_epi32(ml, _mm256_madd_epi16(m16, _mm256_set1_epi32((int)rd32(l2 + 2 * p))));
+                }
             }
             float dxs = x->d[(t0 + t) * (K / 256) + b];
             __m256 dx = _mm256_set1_ps(dxs);
@@ -83,23 +98,69 @@ AVX2_INLINE void half_n(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t
 }
 
 /* every token of x, NT_MAX at a time, for one half of the tile at P planes */
-AVX2_INLINE void half_all(const uint8_t *tile, int64_t nsb, const xq_t *x, const int P, int h, int nrows, float *y,
-                          int64_t ldy) {
+AVX2_INLINE void half_all(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, const int P, int h,
+                          int nrows, float *y, int64_t ldy) {
     int64_t t = 0, T = x->T;
-    for (; t + NT_MAX <= T; t += NT_MAX) half_n(tile, nsb, x, t, NT_MAX, P, h, nrows, y + t * ldy, ldy);
+    for (; t + NT_MAX <= T; t += NT_MAX) half_n(tile, wide, nsb, x, t, NT_MAX, P, h, nrows, y + t * ldy, ldy);
+    float *yt = y + t * ldy;
     switch (T - t) {
-        case 3: half_n(tile, nsb, x, t, 3, P, h, nrows, y + t * ldy, ldy); break;
-        case 2: half_n(tile, nsb, x, t, 2, P, h, nrows, y + t * ldy, ldy); break;
-        case 1: half_n(tile, nsb, x, t, 1, P, h, nrows, y + t * ldy, ldy); break;
+        case 7: half_n(tile, wide, nsb, x, t, 7, P, h, nrows, yt, ldy); break;
+        case 6: half_n(tile, wide, nsb, x, t, 6, P, h, nrows, yt, ldy); break;
+        case 5: half_n(tile, wide, nsb, x, t, 5, P, h, nrows, yt, ldy); break;
+        case 4: half_n(tile, wide, nsb, x, t, 4, P, h, nrows, yt, ldy); break;
+        case 3: half_n(tile, wide, nsb, x, t, 3, P, h, nrows, yt, ldy); break;
+        case 2: half_n(tile, wide, nsb, x, t, 2, P, h, nrows, yt, ldy); break;
+        case 1: half_n(tile, wide, nsb, x, t, 1, P, h, nrows, yt, ldy); break;
         default: break;
     }
 }
 
-AVX2 void sluice_prompt_tile_avx2(const uint8_t *tile, int64_t nsb, const xq_t *x, int rows, float *y, int64_t ldy) {
+int64_t sluice_prompt_wide_bytes(int64_t nsb) { return nsb * SB_WIDE; }
+
+AVX2 void sluice_prompt_tile_avx2(const uint8_t *tile, uint8_t *wide, int64_t nsb, const xq_t *x, int rows, float *y,
+                                  int64_t ldy) {
+    widen(tile, nsb, wide);
     for (int h = 0; h < 2 && 8 * h < rows; h++) {
         int nrows = rows - 8 * h;
-        if (x->lo) half_all(tile, nsb, x, 2, h, nrows, y, ldy);
-        else half_all(tile, nsb, x, 1, h, nrows, y, ldy);
+        if (x->lo) half_all(tile, wide, nsb, x, 2, h, nrows, y, ldy);
+        else half_all(tile, wide, nsb, x, 1, h, nrows, y, ldy);
+    }
+}
+
+AVX2 void sluice_prompt_pack_avx2(const uint8_t *w, int64_t row_bytes, int64_t nsb, uint8_t *tile) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i offs = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32((int)row_bytes));
+    for (int64_t b = 0; b < nsb; b++) {
+        uint8_t *t = tile + b * SB_TILE;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *base = w + 8 * h * row_bytes + 144 * b;
+            for (int p = 0; p < 4; p++)      /* 64 values: sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+                for (int v = 0; v < 4; v++) {  /* 8 rows' values 4v .. +3 and 16 + 4v .. +3 of both sub-blocks */
+                    __m256i a = _mm256_i32gather_epi32((const int *)(base + 16 + 32 * p + 4 * v), offs, 1);
+                    __m256i c = _mm256_i32gather_epi32((const int *)(base + 16 + 32 * p + 16 + 4 * v), offs, 1);
+                    __m256i e = _mm256_or_si256(_mm256_and_si256(a, m4),
+                                                _mm256_slli_epi16(_mm256_and_si256(c, m4), 4));
+                    __m256i o = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                                _mm256_andnot_si256(m4, c));
+                    _mm256_storeu_si256((__m256i *)(t + 256 * (2 * p) + 64 * v + 32 * h), e);
+                    _mm256_storeu_si256((__m256i *)(t + 256 * (2 * p + 1) + 64 * v + 32 * h), o);
+                }
+        }
+        int32_t *sc32 = (int32_t *)(t + SB_CODES);
+        int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
+        float *df = (float *)(t + SB_CODES + 768);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const uint8_t *blk = w + r * row_bytes + 144 * b;
+            uint8_t sc[8], mn[8];
+            k_scale_min(blk + 4, sc, mn);
+            for (int j = 0; j < 8; j++) {
+                sc32[16 * j + r] = sc[j];
+                m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
+            }
+            df[r] = rdf16(blk);
+            df[16 + r] = rdf16(blk + 2);
+        }
     }
 }
 
