@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .native import attend, prompt
-from .native._lib import BEST, PORTABLE
+from .native._lib import BEST
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,14 @@ class Compute:
           1  activations int8 on a CPU with AVX512-VNNI whose kernels are not capped below it (its VNNI tiles beat
              dequantizing to bf16 for the bf16 GEMM);
           Compute.planes  where several bf16 rows multiply on float32 GEMMs (no bf16 dot products, or --isa avx2)
-             and the AVX2 path runs: prompt_avx2.c's tiles beat dequantizing to float32 for the float32 GEMM
-             (numbers in native/prompt.py); the portable tiles are slower than that GEMM, so --isa portable keeps it."""
+             on a CPU with AVX2: prompt_avx2.c's tiles beat dequantizing to float32 for the float32 GEMM (numbers
+             in native/prompt.py). --isa portable runs the same tiles in plain C (slower than the GEMM, the same
+             bits: a capped model computes what the uncapped one does)."""
         if self.dtype is not torch.bfloat16:
             return 0
         if self.planes == 1 and self.path == BEST and prompt.available():
             return 1
-        return self.planes if not self.bf16_gemm and self.path != PORTABLE and prompt.avx2() else 0
+        return self.planes if not self.bf16_gemm and prompt.avx2() else 0
 
     @property
     def attend_prompt(self) -> bool:
