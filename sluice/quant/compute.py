@@ -49,6 +49,16 @@ class Compute:
         return self.planes if not self.bf16_gemm and prompt.avx2() else 0
 
     @property
+    def prompt_formats(self) -> frozenset:
+        """The GGUF types whose prompt rows take the integer tiles (at prompt_planes): Q4_K on the VNNI tiles,
+        Q4_K and Q6_K on the AVX2 ones; none where prompt_planes is 0."""
+        planes = self.prompt_planes
+        if planes == 0:
+            return frozenset()
+        vnni = planes == 1 and self.path == BEST and prompt.available()
+        return prompt.VNNI_FORMATS if vnni else prompt.AVX2_FORMATS
+
+    @property
     def attend_prompt(self) -> bool:
         """Whether a prompt's causal attention may run attend.c (bf16 products, AVX512_BF16): bf16 on bf16 GEMMs,
         the kernels not capped below AVX-512."""

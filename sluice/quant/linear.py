@@ -104,7 +104,8 @@ class StoredLinear:
         if not self.native and spec.name in native.FORMATS:
             native.warn_unbuilt()
         self.int8 = self.native and compute.dtype is not torch.float32 and q8.q8_supported(spec)
-        self.prompt_planes = compute.prompt_planes if int_prompt and prompt.supported(spec) else 0
+        self.prompt_planes = (compute.prompt_planes if int_prompt and prompt.supported(spec, compute.prompt_formats)
+                              else 0)
 
     @property
     def shape(self) -> torch.Size:

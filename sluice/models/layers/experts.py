@@ -116,6 +116,7 @@ class GluMath:
         # a GEMM (layers/moe.py)
         ok = all(prompt.supported(s) for s in (fmt.gate_up or fmt.gate, fmt.up))
         self.prompt_planes = c.prompt_planes if ok else 0
+        self.down_tiles = ok and prompt.supported(fmt.down, c.prompt_formats)  # Q4_K; Q6_K on the AVX2 tiles
         self.int8_rows = self.prompt_planes > 0
         # ... and as one native call each (prompt.expert), so a layer codes its rows once for all experts (coded())
         self.int8_whole = self.int8_rows and owner.act is F.silu and owner.plain_glu
@@ -189,7 +190,7 @@ class GluMath:
                             (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], gu[:, i:])], x, planes=p,
                            path=path)
         h = self.glu(*gu.chunk(2, dim=-1)).contiguous()  # [n, I] float32
-        if prompt.supported(fmt.down):
+        if self.down_tiles:
             y = torch.empty(n, fmt.down.out_features)  # [n, H]
             prompt.linears([(fmt.down, dn, y)], h, planes=p, path=path)
             return y.to(self.compute.dtype)
@@ -203,7 +204,7 @@ class GluMath:
         gate = (fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes]) if fmt.gate_up is not None else \
             (fmt.gate, raw[: fmt.gate.nbytes])
         up = None if fmt.gate_up is not None else (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes])
-        if prompt.supported(fmt.down):
+        if self.down_tiles:
             y = torch.empty(n, fmt.down.out_features, dtype=torch.bfloat16)  # [n, H]
             prompt.expert(gate, up, (fmt.down, dn), x, y, rows=rows, planes=self.prompt_planes, path=path)
             return y
@@ -255,7 +256,7 @@ class BiasedGluMath:
     projection (no one-call or 8-bit prompt path)."""
 
     int8_rows = int8_whole = False
-    prompt_planes = 0
+    prompt_planes, down_tiles = 0, False
 
     def __init__(self, fmt: BiasedGluFormat, owner: ExpertMath):
         c = owner.compute

@@ -1,6 +1,12 @@
 /* A prompt's Q4_K projections on 8-bit activations: y[T, N] = x[T, K] @ W^T with integer dot products (AVX512-VNNI
  * vpdpbusd: 64 products of a 4-bit code and an 8-bit code an instruction, twice the multiplies of a bf16 dot
- * product), for the many rows of a prompt's expert at LoadOptions.activations "int8" (decode's int8 path is q8.c).
+ * product), for the many rows of a prompt's expert at LoadOptions.activations "int8" (decode's int8 path is q8.c);
+ * where a prompt's GEMMs are float32 (no bf16 dot products, or --isa avx2) at either coding, on AVX2
+ * (prompt_avx2.c, and prompt_q6k.c for Q6_K).
+ *
+ * Two planes (activations int16): lo = rint((x / D - code) * 256) (clamped to +-127, as q8.c codes it) and its sums
+ * per 32 values too, and per super-block the same two fma with the lo plane's integer sums and D / 256 after the
+ * first two. The VNNI tiles take one plane only; the AVX2 and portable tiles both.
  *
  * Activations: each x row in super-blocks of 256 values, llama.cpp's Q8_K coding as q8.c's one-plane layout has
  * it: D = amax / 127, code = rint(x * (127 / amax)) (half to even, |code| <= 127), plus the sum of the codes of each
@@ -23,7 +29,7 @@
 
 void sluice_to_bf16(int64_t n, const float *x, uint16_t *out, int scalar);  /* kernels.c */
 int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                               int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
+                               int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
                                const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int P, int scalar);
 
 #define MR 8                                   /* tokens per kernel pass */
@@ -421,6 +427,7 @@ typedef struct {
     int scalar, m;
     int64_t nsb, tiles[MAX_PROJ + 1];  /* tiles[a]: the first task of projection a; tiles[m]: all */
     int64_t d[5 * MAX_PROJ];            /* m x (N, codes address, bytes per row, y address, ldy) */
+    int fmt[MAX_PROJ];                  /* Q4_K or Q6_K (prompt_q6k.c) */
     const xq_t *xq;
     volatile int failed;                /* a task found no memory for its tile */
 } tile_job;
@@ -435,9 +442,16 @@ static void tile_task(void *c, int64_t i) {
     float *y = (float *)(intptr_t)d[3] + n0;
     int rows = N - n0 < TILE_ROWS ? (int)(N - n0) : TILE_ROWS;
     /* packed here, used by this task only (the AVX2 tiles' wide codes after it) */
-    uint8_t *tile = thread_scratch((size_t)(j->nsb * SB_TILE + (SLUICE_X86 ? sluice_prompt_wide_bytes(j->nsb) : 0)));
+    size_t bytes = j->fmt[a] == Q6_K ? (size_t)sluice_prompt_q6k_tile_bytes(j->nsb)
+                                     : (size_t)(j->nsb * SB_TILE + (SLUICE_X86 ? sluice_prompt_wide_bytes(j->nsb) : 0));
+    uint8_t *tile = thread_scratch(bytes);
     if (!tile) {
         ((tile_job *)j)->failed = 1;
+        return;
+    }
+    if (j->fmt[a] == Q6_K) {
+        sluice_prompt_q6k_tile(w, d[2], N, j->nsb, n0, tile, j->xq, rows, y, ldy,
+                               SLUICE_X86 && sluice_avx2_ok(j->scalar) && sluice_simd());
         return;
     }
 #if SLUICE_X86
@@ -459,25 +473,28 @@ static void tile_task(void *c, int64_t i) {
     tile_scalar(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
 }
 
-/* 0, or -1 for a bad descriptor */
+/* descs: m x (format, N, codes address, bytes per row, y address, ldy); 0, or -1 for a bad descriptor (a format
+ * other than Q4_K / Q6_K, or rows shorter than K's blocks) */
 static int tile_setup(tile_job *j, int64_t m, const int64_t *descs, int64_t K) {
     j->m = (int)m;
     j->nsb = K / 256;
     j->tiles[0] = 0;
     for (int64_t a = 0; a < m; a++) {
-        if (descs[5 * a] < 1 || descs[5 * a + 2] < 144 * j->nsb) return -1;
-        j->tiles[a + 1] = j->tiles[a] + (descs[5 * a] + TILE_ROWS - 1) / TILE_ROWS;
-        for (int k = 0; k < 5; k++) j->d[5 * a + k] = descs[5 * a + k];
+        const int64_t *e = descs + 6 * a;
+        if ((e[0] != Q4_K && e[0] != Q6_K) || e[1] < 1 || e[3] < (e[0] == Q4_K ? 144 : 210) * j->nsb) return -1;
+        j->fmt[a] = (int)e[0];
+        j->tiles[a + 1] = j->tiles[a] + (e[1] + TILE_ROWS - 1) / TILE_ROWS;
+        for (int k = 0; k < 5; k++) j->d[5 * a + k] = e[1 + k];
     }
     return 0;
 }
 
-/* y_a [T, N_a] (float32, rows ldy_a apart) = x [T, K] @ W_a^T for m <= 4 Q4_K projections of one x (an expert's
- * gate and up; its down), x float32 or bf16 (bf16 = 1), K a multiple of 256: x coded once, the 16-row tiles of
- * all projections split over the pool. descs: m x (N, codes address, bytes per row, y address, ldy). Each y element
- * is the same bits whichever thread ran it and whatever T. Returns 0, -1 when the scratch cannot be allocated, -2
- * for bad arguments. */
-int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x, int bf16, int64_t T, int P,
+/* y_a [T, N_a] (float32, rows ldy_a apart) = x [T, K] @ W_a^T for m <= 4 Q4_K / Q6_K projections of one x (an
+ * expert's gate and up; its down), x float32 or bf16 (bf16 = 1), K a multiple of 256: x coded once at P planes,
+ * the 16-row tiles of all projections split over the pool. descs: m x (format, N, codes address, bytes per row,
+ * y address, ldy). Each y element is the same bits whichever thread ran it and whatever T. Returns 0, -1 when the
+ * scratch cannot be allocated, -2 for bad arguments. */
+int sluice_prompt_linears(int64_t m, const int64_t *descs, int64_t K, const void *x, int bf16, int64_t T, int P,
                       int scalar) {
     if (m < 1 || m > MAX_PROJ || K <= 0 || K % 256 || T < 0 || (P != 1 && P != 2)) return -2;
     if (T == 0) return 0;
@@ -499,7 +516,7 @@ int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x,
 typedef struct {
     float *gu;         /* [T, 2I]: gate | up, then silu(gate) * up over the gate half */
     int64_t I;
-    xq_t xq;           /* the product coded for a Q4_K down (xq.c NULL: written as bf16 to h) */
+    xq_t xq;           /* the product coded for the down (xq.c NULL: written as bf16 to h) */
     uint16_t *h;
     int scalar;
 } glu_job;
@@ -535,20 +552,20 @@ static void bf16_task(void *c, int64_t t) {
 
 /* y [T, H] bf16 = down(silu(gate x) * up x) for x [T, H] bf16, gate and up Q4_K [I, H] (gq / uq and their bytes
  * per row; uq NULL: gq holds [gate; up] as one [2I, H] matrix), in one call: x coded once, gate and up tiles over
- * the pool, silu(g) * u in float32 (exp_poly) per row, then a Q4_K down (dq not NULL; I a multiple of 256)
- * on the product coded again, its float32 rows rounded to bf16 into y; with dq NULL the product is written rounded
- * to bf16 into h [T, I] for the caller's down. Returns 0, -1 when the scratch cannot be allocated, -2 for bad
+ * the pool, silu(g) * u in float32 (exp_poly) per row, then a Q4_K or Q6_K down (dfmt; dq not NULL; I a multiple
+ * of 256) on the product coded again, its float32 rows rounded to bf16 into y; with dq NULL the product is written
+ * rounded to bf16 into h [T, I] for the caller's down. Returns 0, -1 when the scratch cannot be allocated, -2 for bad
  * arguments. */
 int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                         int64_t drb, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y, uint16_t *h,
-                         int P, int scalar) {
-    return sluice_prompt_expert_coded(gq, grb, uq, urb, dq, drb, H, I, x, NULL, 0, NULL, T, y, h, P, scalar);
+                         int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y,
+                         uint16_t *h, int P, int scalar) {
+    return sluice_prompt_expert_coded(gq, grb, uq, urb, dq, drb, dfmt, H, I, x, NULL, 0, NULL, T, y, h, P, scalar);
 }
 
 /* sluice_prompt_expert on rows idx[0 .. T) of a layer's coded rows xc (sluice_prompt_code of Tc rows) when xc is
  * not NULL (x unused): each row's codes are the bytes coding it alone gives, so the result is the same bits */
 int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                               int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
+                               int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
                                const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int P, int scalar) {
     if (P != 1 && P != 2) return -2;
     if (H <= 0 || H % 256 || I <= 0 || (dq && I % 256) || T < 0 || (!dq && !h) || (dq && !y)) return -2;
@@ -558,9 +575,9 @@ int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq
     if (T == 0) return 0;
     tile_job up = {.scalar = scalar}, dn = {.scalar = scalar};
     float *gu_base = NULL;
-    int64_t du[10] = {I, (intptr_t)gq, grb, 0, 2 * I, I, (intptr_t)uq, urb, 0, 2 * I};
-    if (!uq) du[0] = 2 * I;
-    int64_t dd[5] = {H, (intptr_t)dq, drb, 0, H};
+    int64_t du[12] = {Q4_K, I, (intptr_t)gq, grb, 0, 2 * I, Q4_K, I, (intptr_t)uq, urb, 0, 2 * I};
+    if (!uq) du[1] = 2 * I;
+    int64_t dd[6] = {dfmt, H, (intptr_t)dq, drb, 0, H};
     if (tile_setup(&up, uq ? 2 : 1, du, H) < 0 || (dq && tile_setup(&dn, 1, dd, I) < 0)) return -2;
     size_t xb = xq_bytes(T, H, P), gb = (size_t)(T * 2 * I) * 4;
     size_t hb = dq ? xq_bytes(T, I, P) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;

@@ -20,6 +20,13 @@ typedef struct {
     int64_t K, T;
 } xq_t;
 
+/* prompt_q6k.c: rows n0 .. n0 + rows of a Q6_K matrix (K / 256 = nsb super-blocks a row) packed into tile
+ * (sluice_prompt_q6k_tile_bytes(nsb) bytes), then y [T, rows] for every token of x: AVX2 tiles (avx2 1) or their
+ * portable twin, the same bits */
+void sluice_prompt_q6k_tile(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nsb, int64_t n0, uint8_t *tile,
+                            const xq_t *x, int rows, float *y, int64_t ldy, int avx2);
+int64_t sluice_prompt_q6k_tile_bytes(int64_t nsb);
+
 #if SLUICE_X86
 /* prompt_avx2.c: y [T, rows] (rows <= 16 of a packed tile, ldy apart) for every token of x, on AVX2; the portable
  * tile_scalar's bits. wide: sluice_prompt_wide_bytes(nsb) bytes of scratch (the codes one a byte) */

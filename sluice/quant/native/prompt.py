@@ -32,17 +32,17 @@ from ._lib import BEST, LIB as _LIB, desc as _desc, need, simd
 
 if _LIB is not None:
     _LIB.sluice_prompt_vnni.restype = ctypes.c_int
-    _LIB.sluice_prompt_q4k.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # m, descs, K, x, bf16, T, P, path
-    _LIB.sluice_prompt_q4k.restype = ctypes.c_int
+    _LIB.sluice_prompt_linears.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    _LIB.sluice_prompt_linears.restype = ctypes.c_int  # m, descs, K, x, bf16, T, planes, path
     _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-    # gate (codes, bytes per row), up, down, H, I, x, T, y, h, planes, path
-    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 3 + [_i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int,
-                                                             ctypes.c_int]
+    # gate (codes, bytes per row), up, down, down's format, H, I, x, T, y, h, planes, path
+    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 3 + [ctypes.c_int, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+                                                             ctypes.c_int, ctypes.c_int]
     _LIB.sluice_prompt_expert.restype = ctypes.c_int
     # the same with a layer's coded rows: ..., x, coded rows, their count, row indices, T, y, h, planes, path
-    _LIB.sluice_prompt_expert_coded.argtypes = ([_ptr, _i64] * 3 + [_i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
-                                                                    _ptr, ctypes.c_int, ctypes.c_int])
+    _LIB.sluice_prompt_expert_coded.argtypes = ([_ptr, _i64] * 3 + [ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr,
+                                                                    _i64, _ptr, _ptr, ctypes.c_int, ctypes.c_int])
     _LIB.sluice_prompt_expert_coded.restype = ctypes.c_int
     _LIB.sluice_prompt_code.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, ctypes.c_int]  # x, T, K, out, P, path
     _LIB.sluice_prompt_code.restype = ctypes.c_int
@@ -62,15 +62,21 @@ def avx2() -> bool:
     return _LIB is not None and simd()
 
 
-def supported(spec: QuantSpec) -> bool:
-    """Whether prompt.c computes this projection: GGUF Q4_K with in_features a multiple of 256."""
-    return spec.family == "ggml" and spec.name == "Q4_K" and spec.in_features % 256 == 0
+#: the formats each kind of tiles computes: the VNNI tiles Q4_K (Q6_K was tried and dropped there: below), the AVX2
+#: and portable tiles Q4_K and Q6_K (Compute.prompt_formats says which a model's prompt takes)
+VNNI_FORMATS, AVX2_FORMATS = frozenset({"Q4_K"}), frozenset({"Q4_K", "Q6_K"})
+
+
+def supported(spec: QuantSpec, formats: frozenset = VNNI_FORMATS) -> bool:
+    """Whether prompt.c computes this projection among `formats`: a GGUF type of them with in_features a multiple of
+    256."""
+    return spec.family == "ggml" and spec.name in formats and spec.in_features % 256 == 0
 
 
 def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: torch.Tensor, *,
             planes: int = 1, path: int = BEST) -> None:
-    """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K projections sharing x [T, K] (float32 or bf16,
-    contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
+    """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K or Q6_K projections (Q6_K always on the AVX2 or
+    portable tiles) sharing x [T, K] (float32 or bf16, contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
     output is fine). x is coded once, at `planes` (1 or 2) planes of 8-bit codes; the tiles of all projections run
     over the native pool."""
     need()
@@ -84,9 +90,9 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
     t, k = x.shape
     vals: list[int] = []
     for spec, raw, out in projections:
-        if not supported(spec):
-            raise ValueError(f"prompt.linears computes Q4_K with in_features a multiple of 256, got {spec.name} "
-                             f"[{spec.out_features}, {spec.in_features}]")
+        if not supported(spec, AVX2_FORMATS):
+            raise ValueError(f"prompt.linears computes Q4_K and Q6_K with in_features a multiple of 256, got "
+                             f"{spec.name} [{spec.out_features}, {spec.in_features}]")
         if spec.in_features != k:
             raise ValueError(f"x has {k} columns, {spec.name} [{spec.out_features}, {spec.in_features}] needs "
                              f"{spec.in_features}")
@@ -95,9 +101,9 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
                 and out.stride(0) >= spec.out_features):
             got = f"{out.dtype} {list(out.shape)} strides {out.stride()}" if isinstance(out, torch.Tensor) else out
             raise ValueError(f"out must be float32 [{t}, {spec.out_features}] with unit column stride, got {got}")
-        _, n, _, q, row_bytes, *_ = _desc(spec, raw)
-        vals += (n, q, row_bytes, out.data_ptr(), out.stride(0))
-    rc = _LIB.sluice_prompt_q4k(len(projections), (ctypes.c_int64 * len(vals))(*vals), k, x.data_ptr(),
+        fmt, n, _, q, row_bytes, *_ = _desc(spec, raw)
+        vals += (fmt, n, q, row_bytes, out.data_ptr(), out.stride(0))
+    rc = _LIB.sluice_prompt_linears(len(projections), (ctypes.c_int64 * len(vals))(*vals), k, x.data_ptr(),
                                 int(x.dtype is torch.bfloat16), t, planes, path)
     if rc == -1:
         raise MemoryError(f"prompt.linears: no memory for the packed weights and the [{t} x {k}] codes")
@@ -105,13 +111,14 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
         raise ValueError(f"prompt.linears: the kernel refused its arguments (code {rc})")
 
 
-def _codes(spec: QuantSpec, raw: torch.Tensor, n: int, k: int, what: str) -> tuple[int, int]:
-    """(codes address, bytes per row) of a Q4_K projection [n, k], checked."""
-    if not supported(spec) or (spec.out_features, spec.in_features) != (n, k):
-        raise ValueError(f"prompt.expert: {what} must be Q4_K [{n}, {k}], got {spec.name} "
+def _codes(spec: QuantSpec, raw: torch.Tensor, n: int, k: int, what: str,
+           formats: frozenset = VNNI_FORMATS) -> tuple[int, int, int]:
+    """(codes address, bytes per row, C format) of a projection [n, k] of `formats`, checked."""
+    if not supported(spec, formats) or (spec.out_features, spec.in_features) != (n, k):
+        raise ValueError(f"prompt.expert: {what} must be {' or '.join(sorted(formats))} [{n}, {k}], got {spec.name} "
                          f"[{spec.out_features}, {spec.in_features}]")
-    _, _, _, q, row_bytes, *_ = _desc(spec, raw)
-    return q, row_bytes
+    fmt, _, _, q, row_bytes, *_ = _desc(spec, raw)
+    return q, row_bytes, fmt
 
 
 def _check_planes(planes: int) -> None:
@@ -148,9 +155,9 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
            down: tuple[QuantSpec, torch.Tensor] | None, x: "torch.Tensor | Coded", out: torch.Tensor,
            rows: torch.Tensor | None = None, *, planes: int = 1, path: int = BEST) -> None:
     """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K; up None
-    when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K down on it coded again, its
-    rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I] instead (for
-    a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
+    when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K or Q6_K down on it coded
+    again, its rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I]
+    instead (for a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
     it), the expert runs on those rows of the coded x, the same bits as on those rows of x itself. `planes`: the
     activations' coding (a Coded x carries its own)."""
     need()
@@ -169,9 +176,9 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
     else:
         t, h = x.shape
     i = gate[0].out_features // (1 if up is not None else 2)
-    g = _codes(*gate, i if up is not None else 2 * i, h, "gate")
-    u = _codes(*up, i, h, "up") if up is not None else (None, 0)
-    d = _codes(*down, h, i, "down") if down is not None else (None, 0)
+    g = _codes(*gate, i if up is not None else 2 * i, h, "gate")[:2]
+    u = _codes(*up, i, h, "up")[:2] if up is not None else (None, 0)
+    d = _codes(*down, h, i, "down", AVX2_FORMATS) if down is not None else (None, 0, 0)
     n = h if down is not None else i
     if not (isinstance(out, torch.Tensor) and out.dtype is torch.bfloat16 and out.is_cpu and out.is_contiguous()
             and tuple(out.shape) == (t, n)):
