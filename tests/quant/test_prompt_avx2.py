@@ -1,4 +1,5 @@
-"""A prompt's Q4_K projections on AVX2 integer tiles (sluice/quant/native/prompt_avx2.c) at both activation codings:
+"""A prompt's Q4_K and Q6_K projections on AVX2 integer tiles (sluice/quant/native/prompt_avx2.c, prompt_q6k.c) at
+both activation codings:
 int16 (two planes of 8-bit codes, x ~ D * (hi + lo / 256), the default) and int8 (one plane, llama.cpp's Q8_K).
 
 The kernel against its definition (the coded x times the exact Q4_K weights, float64); the AVX2 tiles give the
@@ -63,17 +64,18 @@ def run(spec, raw, x, path: str, planes: int, threads: int = 2) -> torch.Tensor:
 SHAPES = [(37, 768, 17), (64, 1024, 8), (48, 512, 3), (16, 256, 1), (300, 512, 9), (40, 256, 33)]
 
 
-def _case(shape):
+def _case(shape, fmt: str = "Q4_K"):
     n, k, t = shape
-    spec = QuantSpec.ggml("Q4_K", n, k)
+    spec = QuantSpec.ggml(fmt, n, k)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(k + t)) * torch.rand(k) * 4  # uneven channels
     return spec, random_stored(spec, seed=n), x
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_tiles_are_their_definition_and_give_the_portable_bits(shape, planes):
-    spec, raw, x = _case(shape)
+def test_the_tiles_are_their_definition_and_give_the_portable_bits(shape, planes, fmt):
+    spec, raw, x = _case(shape, fmt)
     w = spec.dequantize(raw).double()
     outs = []
     for xx in (x, x.bfloat16()):
@@ -88,8 +90,9 @@ def test_the_tiles_are_their_definition_and_give_the_portable_bits(shape, planes
     paths.same_bits([list(c) for c in zip(*outs)])  # [[avx2 float32 x, avx2 bf16 x], [portable ...]]
 
 
-def test_rows_do_not_depend_on_t_threads_or_the_output_stride():
-    spec = QuantSpec.ggml("Q4_K", 40, 512)
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_rows_do_not_depend_on_t_threads_or_the_output_stride(fmt):
+    spec = QuantSpec.ggml(fmt, 40, 512)
     raw = random_stored(spec, seed=3)
     x = torch.randn(21, 512, generator=torch.Generator().manual_seed(4))
     for path in TILES:
@@ -118,14 +121,16 @@ def test_a_nan_in_x_gives_nan_rows():
             assert y[1].isnan().all() and torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
 
 
+@pytest.mark.parametrize("down_fmt", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("t", [1, 9, 40])
-def test_one_expert_call_is_the_projections_in_turn(fused, t):
-    """prompt.expert at two planes = gate / up, silu(g) * u (exp_poly), down on the product coded again: near the
-    step-by-step result (a code of the product may flip with exp's last bits), the same bits on both tile paths;
-    a layer's rows coded once (prompt.code) give each expert the bits of its own rows."""
+def test_one_expert_call_is_the_projections_in_turn(fused, t, down_fmt):
+    """prompt.expert at two planes = gate / up, silu(g) * u (exp_poly), down (Q4_K or Q6_K, as a Q4_K_M file's
+    layers alternate) on the product coded again: near the step-by-step result (a code of the product may flip with
+    exp's last bits), the same bits on both tile paths; a layer's rows coded once (prompt.code) give each expert the
+    bits of its own rows."""
     h, i = 512, 256
-    gate, up, down = QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", h, i)
+    gate, up, down = QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml(down_fmt, h, i)
     raws = [random_stored(s, seed=n) for n, s in enumerate((gate, up, down))]
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).bfloat16()
     gu = torch.empty(t, 2 * i)
@@ -154,8 +159,15 @@ def test_one_expert_call_is_the_projections_in_turn(fused, t):
     paths.same_bits(outs)
 
 
-def test_the_planes_are_checked():
+def test_bad_arguments_are_named():
     spec = QuantSpec.ggml("Q4_K", 16, 256)
+    with pytest.raises(ValueError, match="computes Q4_K and Q6_K"):
+        prompt.linears([(QuantSpec.ggml("Q5_K", 16, 256), random_stored(QuantSpec.ggml("Q5_K", 16, 256)),
+                         torch.empty(2, 16))], torch.randn(2, 256), planes=2)
+    q6 = QuantSpec.ggml("Q6_K", 16, 256)
+    with pytest.raises(ValueError, match="gate must be Q4_K"):  # a Q6_K gate: not in one expert call
+        prompt.expert((q6, random_stored(q6)), (q6, random_stored(q6)), None, torch.randn(2, 256).bfloat16(),
+                      torch.empty(2, 16, dtype=torch.bfloat16), planes=2)
     with pytest.raises(ValueError, match="planes must be 1"):
         prompt.linears([(spec, random_stored(spec), torch.empty(2, 16))], torch.randn(2, 256), planes=3)
     with pytest.raises(ValueError, match="planes must be 1"):
