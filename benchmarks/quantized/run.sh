@@ -20,29 +20,17 @@
 #   bf16    sluice on the peers model's bf16 folder at 1 GiB: the bytes and time quantization saves
 #   fits    the peers Q4_K_M file at a 1.5 GiB ceiling, where it about fits: sluice's defaults (--memory auto)
 #           and a 1 GiB budget against llama.cpp's three arms
-#   prompt  a 2,048-token prompt of the peers Q4_K_M file at a 1 GiB ceiling, cold, sluice's default options
-#           (issue 33's prompt row): prompt tok/s against llama.cpp's three arms
 #
 #   bash benchmarks/quantized/run.sh              # ROUNDS=3 STEPS=8 WARMUP=2; SETS="peers 6GiB resident bf16"
-#   ISA=avx2 SETS=prompt bash benchmarks/quantized/run.sh   # the AVX2 path on an AVX-512 machine: sluice --isa
-#       avx2, torch with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL
-#       ignores the other two: its float32 GEMM would run AVX-512 code an AVX2 CPU lacks), llama.cpp built for AVX2
-#       (peers/setup.sh AVX2=1); results in <set>-avx2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-8}; WARMUP=${WARMUP:-2}
 SETS=${SETS:-peers 6GiB resident bf16}
 OUT=${OUT:-benchmarks/results/quantized}
 PEER_PY=benchmarks/peers/.venv/bin/python
-WANT_ISA=${ISA:-auto}; ISA=(); TAG=""
-if [ "$WANT_ISA" = avx2 ]; then
-  ISA=(--isa avx2); TAG="-avx2"; PEER_PY=benchmarks/peers/.venv-avx2/bin/python
-  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-fi
 SLUICE=(nice -n 19 .venv/bin/sluice)
 QUANT=(nice -n 19 "$PEER_PY" benchmarks/quality.py quantize)
-[ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || \
-  AVX2=$([ -n "$TAG" ] && echo 1) bash benchmarks/peers/setup.sh
+[ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || bash benchmarks/peers/setup.sh
 
 model() {  # model DIR make-model-args...: the bf16 folder, its bf16 GGUF and llama.cpp's Q4_K_M of it
   local dir=$1; shift
@@ -53,6 +41,7 @@ model() {  # model DIR make-model-args...: the bf16 folder, its bf16 GGUF and ll
 PEERS=benchmarks/models/qwen3_moe-peers
 SIX=benchmarks/models/qwen3_moe-6GiB-i512
 model "$PEERS" --size 3.4GB --layers 16 --experts 64 --top-k 8 --expert-intermediate 512
+model "$SIX" --size 6GiB --expert-intermediate 512
 
 LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
        --arm llama.cpp+random="peer:llama.cpp --madvise random")
@@ -70,8 +59,7 @@ for set in $SETS; do
         bench "$PEERS/model-Q4_K_M.gguf" "$OUT/peers-$C" --cold --ceiling "$C" \
           --arm sluice="--io direct --memory $M" "${LLAMA[@]}"
       done ;;
-    6GiB)  # made here, on first use (a ~6 GiB bf16 folder and its GGUFs)
-      model "$SIX" --size 6GiB --expert-intermediate 512
+    6GiB)
       bench "$SIX/model-Q4_K_M.gguf" "$OUT/6GiB-1GiB" --cold --ceiling 1GiB \
         --arm sluice="--io direct --memory 640MiB" "${LLAMA[@]}" \
         --arm sluice-int8="--io direct --memory 640MiB --activations int8" ;;
@@ -86,9 +74,6 @@ for set in $SETS; do
     fits)  # the file about fits (issue 33): sluice's defaults (--memory auto) against a 1 GiB budget, 1.5 GiB ceiling
       bench "$PEERS/model-Q4_K_M.gguf" "$OUT/fits-1536MiB" --cold --ceiling 1536MiB --arm sluice="--io direct" \
         --arm sluice-1GiB="--io direct --memory 1GiB" "${LLAMA[@]}" ;;
-    prompt)  # issue 33's prompt row: default options (--memory auto), cold, 1 GiB, one 2,048-token prompt a run
-      bench "$PEERS/model-Q4_K_M.gguf" "$OUT/prompt$TAG-1GiB" --cold --ceiling 1GiB --steps 1 --warmup 0 \
-        --prompt-tokens 2048 --arm sluice="--isa $WANT_ISA" "${LLAMA[@]}" ;;
-    *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16 fits prompt)" >&2; exit 2 ;;
+    *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16 fits)" >&2; exit 2 ;;
   esac
 done
