@@ -11,7 +11,10 @@
 
 #if SLUICE_X86
 
-#define NT_MAX 8  /* tokens per pass, each weight vector loaded once per pass (the sums stay in registers) */
+/* tokens per pass: each weight vector loaded once per pass. 4 against 2, 6 and 8, ms of a [256 x 1024] @ [1024 x
+ * 512] / [256 x 512] @ [512 x 1024] Q4_K projection at int16 (`knobs.py tiles`, below): 4 1.57 / 1.39, 2 1.71 /
+ * 1.56, 6 1.69 / 1.49, 8 1.66 / 1.51 (int8: 0.91 / 0.78 at 4, 1.02 / 0.89 at 8) */
+#define NT_MAX 4
 #define SB_WIDE (8 * 2 * 256)  /* a super-block's codes one per byte: 8 sub-blocks x 2 halves x 8 vectors of 32 */
 
 /* the tile's packed codes (two 4-bit codes a byte) -> one code a byte at wide: per super-block, sub-block j and half
@@ -104,10 +107,6 @@ AVX2_INLINE void half_all(const uint8_t *tile, const uint8_t *wide, int64_t nsb,
     for (; t + NT_MAX <= T; t += NT_MAX) half_n(tile, wide, nsb, x, t, NT_MAX, P, h, nrows, y + t * ldy, ldy);
     float *yt = y + t * ldy;
     switch (T - t) {
-        case 7: half_n(tile, wide, nsb, x, t, 7, P, h, nrows, yt, ldy); break;
-        case 6: half_n(tile, wide, nsb, x, t, 6, P, h, nrows, yt, ldy); break;
-        case 5: half_n(tile, wide, nsb, x, t, 5, P, h, nrows, yt, ldy); break;
-        case 4: half_n(tile, wide, nsb, x, t, 4, P, h, nrows, yt, ldy); break;
         case 3: half_n(tile, wide, nsb, x, t, 3, P, h, nrows, yt, ldy); break;
         case 2: half_n(tile, wide, nsb, x, t, 2, P, h, nrows, yt, ldy); break;
         case 1: half_n(tile, wide, nsb, x, t, 1, P, h, nrows, yt, ldy); break;

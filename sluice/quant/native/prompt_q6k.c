@@ -10,12 +10,12 @@
  *
  * Tile of 16 rows, per super-block: codes w as int8 [16 groups][4 value quads v][2 halves][8 rows][4], the scales
  * as int16 pairs (sc_g, sc_g) [16][16 rows], B int32 [16 rows], d float [16 rows]. Packed once per call and task,
- * used for every token, 8 tokens a pass. */
+ * used for every token, 4 tokens a pass (as prompt_avx2.c). */
 #include "prompt.h"
 
 #define Q6_CODES 4096
 #define Q6_TILE (Q6_CODES + 1024 + 64 + 64)
-#define NT_MAX 8
+#define NT_MAX 4
 
 int64_t sluice_prompt_q6k_tile_bytes(int64_t nsb) { return nsb * Q6_TILE; }
 
@@ -152,10 +152,6 @@ AVX2_INLINE void q6_half_all(const uint8_t *tile, int64_t nsb, const xq_t *x, co
     for (; t + NT_MAX <= T; t += NT_MAX) q6_half_n(tile, nsb, x, t, NT_MAX, P, h, nrows, y + t * ldy, ldy);
     float *yt = y + t * ldy;
     switch (T - t) {
-        case 7: q6_half_n(tile, nsb, x, t, 7, P, h, nrows, yt, ldy); break;
-        case 6: q6_half_n(tile, nsb, x, t, 6, P, h, nrows, yt, ldy); break;
-        case 5: q6_half_n(tile, nsb, x, t, 5, P, h, nrows, yt, ldy); break;
-        case 4: q6_half_n(tile, nsb, x, t, 4, P, h, nrows, yt, ldy); break;
         case 3: q6_half_n(tile, nsb, x, t, 3, P, h, nrows, yt, ldy); break;
         case 2: q6_half_n(tile, nsb, x, t, 2, P, h, nrows, yt, ldy); break;
         case 1: q6_half_n(tile, nsb, x, t, 1, P, h, nrows, yt, ldy); break;
