@@ -284,6 +284,21 @@ class QuantGroup:
         self.compute = ws[0].compute
         self.dtype = self.compute.dtype
         self._q8 = q8.LinearsQ8([(w.spec, w.raw) for w in ws])
+        # a prompt's rows of all of them in one prompt.linears call (x coded once) where each takes the tiles
+        self._ws = ws if len(ws) <= 4 and all(w.prompt_planes for w in ws) else None
+
+    def prompt_rows(self, x: torch.Tensor, biases) -> list[torch.Tensor] | None:
+        """[y_a [T, out_a]] (the compute dtype) for a prompt's rows x [T, in] in one prompt.linears call, bitwise
+        what each QuantLinear.linear gives on them (the same codes of x, the same tiles); None where the rows do not
+        take the tiles (too few, not bf16, or a member's format)."""
+        if self._ws is None or x.dtype is not torch.bfloat16 or x.shape[0] < BF16_GEMM_MIN_ROWS:
+            return None
+        x = x if x.is_contiguous() else x.contiguous()
+        outs = torch.empty(x.shape[0], sum(w.spec.out_features for w in self._ws))  # [T, sum out] float32
+        ys = list(outs.split([w.spec.out_features for w in self._ws], dim=1))
+        prompt.linears([(w.spec, w.raw, y) for w, y in zip(self._ws, ys)], x, planes=self._ws[0].prompt_planes,
+                       path=self.compute.path)
+        return [(y if b is None else y.add_(b)).to(torch.bfloat16) for y, b in zip(ys, biases)]
 
     def linear(self, x: torch.Tensor, biases, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """[y_a [T, out_a]] for x [T, in] (T <= Q8_MAX_ROWS) and one bias (or None) per projection."""

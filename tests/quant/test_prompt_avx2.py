@@ -189,6 +189,28 @@ def test_which_computes_take_the_tiles():
     assert Compute(bf16_gemm=True, planes=1).prompt_planes == (1 if prompt.available() else 0)
 
 
+def test_a_layers_q_k_v_in_one_call_are_each_ones_bits():
+    """QuantGroup.prompt_rows (attention's q / k / v of a prompt: x coded once, one pool run) gives each
+    QuantLinear.linear's bits, biases added as it adds them; too few rows or a format off the tiles: None."""
+    if not prompt.avx2():
+        pytest.skip(paths.NO_AVX2)
+    from sluice.quant.linear import QuantLinear
+
+    c = Compute(bf16_gemm=False, planes=2, path=paths.AVX2)
+    ws = [QuantLinear(s, random_stored(s, seed=n), c)
+          for n, s in enumerate((QuantSpec.ggml("Q4_K", 512, 512), QuantSpec.ggml("Q4_K", 128, 512),
+                                 QuantSpec.ggml("Q6_K", 128, 512)))]
+    group = QuantLinear.group(ws)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
+    biases = (None, torch.randn(128).bfloat16(), None)
+    got = group.prompt_rows(x, biases)
+    for w, b, y in zip(ws, biases, got):
+        assert torch.equal(y, w.linear(x, b))
+    assert group.prompt_rows(x[:8], biases) is None
+    q5 = QuantSpec.ggml("Q5_K", 128, 512)
+    assert QuantLinear.group([*ws[:2], QuantLinear(q5, random_stored(q5), c)]).prompt_rows(x, biases) is None
+
+
 # ---- in a model ----
 
 LONG = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(12)).tolist()
