@@ -196,10 +196,11 @@ def test_a_layers_q_k_v_in_one_call_are_each_ones_bits():
         pytest.skip(paths.NO_AVX2)
     from sluice.quant.linear import QuantLinear
 
-    c = Compute(bf16_gemm=False, planes=2, path=paths.AVX2)
+    c = Compute(bf16_gemm=False, planes=1, path=paths.AVX2)  # int8: a lone Q6_K takes the tiles too (int16: not)
     ws = [QuantLinear(s, random_stored(s, seed=n), c)
           for n, s in enumerate((QuantSpec.ggml("Q4_K", 512, 512), QuantSpec.ggml("Q4_K", 128, 512),
                                  QuantSpec.ggml("Q6_K", 128, 512)))]
+    assert QuantLinear(ws[2].spec, ws[2].raw, Compute(bf16_gemm=False, planes=2)).prompt_planes == 0
     group = QuantLinear.group(ws)
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
     biases = (None, torch.randn(128).bfloat16(), None)
