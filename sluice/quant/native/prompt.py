@@ -19,6 +19,18 @@ and on the portable path too. Against a bf16 GEMM on the dequantized weights it 
 gate / up 0.450 ms against 0.718 to dequantize and multiply in bf16 (0.612 for the GEMM alone), its [256 x 512] @
 [512 x 1024] down 0.230 against 0.379 (`.venv/bin/python benchmarks/prefill/knobs.py gemm`, 2 threads). Q6_K (a
 Q4_K_M file's other format) was tried the same way and dropped: no faster than its bf16 GEMM inside the model.
+
+Where a prompt's GEMMs are float32 (no bf16 dot products: AVX2 CPUs, or --isa avx2; Compute.prompt_planes) the AVX2
+tiles (prompt_avx2.c; Q6_K in prompt_q6k.c) run at either coding: planes=2 (activations int16) adds a second plane,
+lo = rint((x / D - code) * 256), whose integer sums are scaled by D / 256 (x to ~1/32,000 of each block's max,
+relative error ~3e-5 a projection). Against what such a CPU ran before, dequantizing to float32 for torch's float32
+GEMM, 256 rows, 2 threads, Intel Xeon (Sapphire Rapids VM) with sluice, torch and MKL capped at AVX2
+(`MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python
+benchmarks/prefill/knobs.py tiles`), ms int16 / int8 / float32: Q4_K [256 x 1024] @ [1024 x 512] 1.71 / 1.00 / 1.79,
+[256 x 512] @ [512 x 1024] 1.62 / 0.89 / 2.59; Q6_K [256 x 512] @ [512 x 1024] 1.94 / 1.01 / 1.80; one peers expert
+(expert(), Q4_K down) 4.91 / 2.78 against 6.37 for its three projections in turn. int16 takes two maddubs per weight
+and 8-bit code where the float32 GEMM takes one FMA lane: ~1.3x is its ceiling on AVX2; int8 (llama.cpp's coding)
+~2.3x.
 """
 
 from __future__ import annotations
