@@ -104,23 +104,14 @@ static void pack_tile_scalar(const uint8_t *w, int64_t row_bytes, int64_t N, int
     for (int r = 0; r < TILE_ROWS && n0 + r < N; r++)
         for (int64_t b = 0; b < nsb; b++) {
             const uint8_t *blk = w + (n0 + r) * row_bytes + 144 * b;
-            uint8_t *t = tile + b * SB_TILE, q[256], sc[8], mn[8];
+            uint8_t *t = tile + b * SB_TILE, q[256];
             q4k_codes(blk, q);
-            k_scale_min(blk + 4, sc, mn);
             for (int j = 0; j < 8; j++)
                 for (int v = 0; v < 4; v++)
                     for (int i = 0; i < 4; i++)
                         t[256 * j + 64 * v + 4 * r + i] =
                             (uint8_t)(q[32 * j + 4 * v + i] | q[32 * j + 16 + 4 * v + i] << 4);
-            int32_t *sc32 = (int32_t *)(t + SB_CODES);
-            int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
-            float *df = (float *)(t + SB_CODES + 768);
-            for (int j = 0; j < 8; j++) {
-                sc32[16 * j + r] = sc[j];
-                m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
-            }
-            df[r] = rdf16(blk);
-            df[16 + r] = rdf16(blk + 2);
+            tile_scales(t, r, blk);
         }
 }
 
@@ -247,20 +238,7 @@ VNNI static void pack_tile_vnni(const uint8_t *w, int64_t row_bytes, int64_t N, 
                 _mm512_storeu_si512(t + 256 * (2 * p) + 64 * v, e);
                 _mm512_storeu_si512(t + 256 * (2 * p + 1) + 64 * v, o);
             }
-        int32_t *sc32 = (int32_t *)(t + SB_CODES);
-        int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
-        float *df = (float *)(t + SB_CODES + 768);
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const uint8_t *blk = base + r * row_bytes;
-            uint8_t sc[8], mn[8];
-            k_scale_min(blk + 4, sc, mn);
-            for (int j = 0; j < 8; j++) {
-                sc32[16 * j + r] = sc[j];
-                m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
-            }
-            df[r] = rdf16(blk);
-            df[16 + r] = rdf16(blk + 2);
-        }
+        for (int r = 0; r < TILE_ROWS; r++) tile_scales(t, r, base + r * row_bytes);
     }
 }
 

@@ -27,6 +27,22 @@ void sluice_prompt_q6k_tile(const uint8_t *w, int64_t row_bytes, int64_t N, int6
                             const xq_t *x, int rows, float *y, int64_t ldy, int avx2);
 int64_t sluice_prompt_q6k_tile_bytes(int64_t nsb);
 
+/* row r's scales of Q4_K super-block blk into the tile's super-block t: sc_j (int32), the mins as int16 pairs, d
+ * and dmin */
+static inline void tile_scales(uint8_t *t, int r, const uint8_t *blk) {
+    int32_t *sc32 = (int32_t *)(t + SB_CODES);
+    int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
+    float *df = (float *)(t + SB_CODES + 768);
+    uint8_t sc[8], mn[8];
+    k_scale_min(blk + 4, sc, mn);
+    for (int j = 0; j < 8; j++) {
+        sc32[16 * j + r] = sc[j];
+        m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
+    }
+    df[r] = rdf16(blk);
+    df[16 + r] = rdf16(blk + 2);
+}
+
 #if SLUICE_X86
 /* prompt_avx2.c: y [T, rows] (rows <= 16 of a packed tile, ldy apart) for every token of x, on AVX2; the portable
  * tile_scalar's bits. wide: sluice_prompt_wide_bytes(nsb) bytes of scratch (the codes one a byte) */

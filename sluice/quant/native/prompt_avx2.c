@@ -146,20 +146,7 @@ AVX2 void sluice_prompt_pack_avx2(const uint8_t *w, int64_t row_bytes, int64_t n
                     _mm256_storeu_si256((__m256i *)(t + 256 * (2 * p + 1) + 64 * v + 32 * h), o);
                 }
         }
-        int32_t *sc32 = (int32_t *)(t + SB_CODES);
-        int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
-        float *df = (float *)(t + SB_CODES + 768);
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const uint8_t *blk = w + r * row_bytes + 144 * b;
-            uint8_t sc[8], mn[8];
-            k_scale_min(blk + 4, sc, mn);
-            for (int j = 0; j < 8; j++) {
-                sc32[16 * j + r] = sc[j];
-                m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
-            }
-            df[r] = rdf16(blk);
-            df[16 + r] = rdf16(blk + 2);
-        }
+        for (int r = 0; r < TILE_ROWS; r++) tile_scales(t, r, w + r * row_bytes + 144 * b);
     }
 }
 
