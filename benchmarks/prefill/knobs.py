@@ -209,7 +209,7 @@ def tiles(a) -> None:
           f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}")
     c, scratch, t = Compute(bf16_gemm=False, path=AVX2), Scratch(), 256
     x = {k: torch.randn(t, k, generator=torch.Generator().manual_seed(k)).bfloat16() for k in (512, 1024)}
-    for fmt, n, k in (("Q4_K", 512, 1024), ("Q4_K", 1024, 512), ("Q6_K", 1024, 512)):
+    for fmt, n, k in (("Q4_K", 512, 1024), ("Q4_K", 1024, 512), ("Q5_K", 1024, 512), ("Q6_K", 1024, 512)):
         spec = QuantSpec.ggml(fmt, n, k)
         raw, y, before = random_stored(spec, seed=1), torch.empty(t, n), StoredLinear(spec, c)
         with with_kernels(threads=2):

@@ -71,7 +71,7 @@ def _case(shape, fmt: str = "Q4_K"):
     return spec, random_stored(spec, seed=n), x
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_tiles_are_their_definition_and_give_the_portable_bits(shape, planes, fmt):
@@ -90,7 +90,7 @@ def test_the_tiles_are_their_definition_and_give_the_portable_bits(shape, planes
     paths.same_bits([list(c) for c in zip(*outs)])  # [[avx2 float32 x, avx2 bf16 x], [portable ...]]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_rows_do_not_depend_on_t_threads_or_the_output_stride(fmt):
     spec = QuantSpec.ggml(fmt, 40, 512)
     raw = random_stored(spec, seed=3)
@@ -121,16 +121,16 @@ def test_a_nan_in_x_gives_nan_rows():
             assert y[1].isnan().all() and torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
 
 
-@pytest.mark.parametrize("down_fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q5_K", "Q6_K")])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("t", [1, 9, 40])
-def test_one_expert_call_is_the_projections_in_turn(fused, t, down_fmt):
-    """prompt.expert at two planes = gate / up, silu(g) * u (exp_poly), down (Q4_K or Q6_K, as a Q4_K_M file's
-    layers alternate) on the product coded again: near the step-by-step result (a code of the product may flip with
+def test_one_expert_call_is_the_projections_in_turn(fused, t, fmts):
+    """prompt.expert at two planes = gate / up (Q4_K or Q5_K), silu(g) * u (exp_poly), down (Q4_K or Q6_K, as a
+    Q4_K_M file's layers alternate) on the product coded again: near the step-by-step result (a code of the product may flip with
     exp's last bits), the same bits on both tile paths; a layer's rows coded once (prompt.code) give each expert the
     bits of its own rows."""
     h, i = 512, 256
-    gate, up, down = QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml(down_fmt, h, i)
+    gate, up, down = QuantSpec.ggml(fmts[0], i, h), QuantSpec.ggml(fmts[0], i, h), QuantSpec.ggml(fmts[1], h, i)
     raws = [random_stored(s, seed=n) for n, s in enumerate((gate, up, down))]
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).bfloat16()
     gu = torch.empty(t, 2 * i)
@@ -138,7 +138,7 @@ def test_one_expert_call_is_the_projections_in_turn(fused, t, down_fmt):
     prod = F.silu(gu[:, :i]) * gu[:, i:]
     want = torch.empty(t, h)
     prompt.linears([(down, raws[2], want)], prod, planes=2)
-    args = (((QuantSpec.ggml("Q4_K", 2 * i, h), torch.cat(raws[:2])), None) if fused
+    args = (((QuantSpec.ggml(fmts[0], 2 * i, h), torch.cat(raws[:2])), None) if fused
             else ((gate, raws[0]), (up, raws[1])))
 
     def both(path):
@@ -161,13 +161,14 @@ def test_one_expert_call_is_the_projections_in_turn(fused, t, down_fmt):
 
 def test_bad_arguments_are_named():
     spec = QuantSpec.ggml("Q4_K", 16, 256)
-    with pytest.raises(ValueError, match="computes Q4_K and Q6_K"):
-        prompt.linears([(QuantSpec.ggml("Q5_K", 16, 256), random_stored(QuantSpec.ggml("Q5_K", 16, 256)),
-                         torch.empty(2, 16))], torch.randn(2, 256), planes=2)
-    q6 = QuantSpec.ggml("Q6_K", 16, 256)
-    with pytest.raises(ValueError, match="gate must be Q4_K"):  # a Q6_K gate: not in one expert call
-        prompt.expert((q6, random_stored(q6)), (q6, random_stored(q6)), None, torch.randn(2, 256).bfloat16(),
-                      torch.empty(2, 16, dtype=torch.bfloat16), planes=2)
+    q8, q6 = QuantSpec.ggml("Q8_0", 16, 256), QuantSpec.ggml("Q6_K", 16, 256)
+    with pytest.raises(ValueError, match="computes Q4_K, Q5_K and Q6_K"):
+        prompt.linears([(q8, random_stored(q8), torch.empty(2, 16))], torch.randn(2, 256), planes=2)
+    x, h = torch.randn(2, 256).bfloat16(), torch.empty(2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gate must be Q4_K or Q5_K or Q6_K"):
+        prompt.expert((q8, random_stored(q8)), (q8, random_stored(q8)), None, x, h, planes=2)
+    with pytest.raises(ValueError, match="share a format"):
+        prompt.expert((spec, random_stored(spec)), (q6, random_stored(q6)), None, x, h, planes=2)
     with pytest.raises(ValueError, match="planes must be 1"):
         prompt.linears([(spec, random_stored(spec), torch.empty(2, 16))], torch.randn(2, 256), planes=3)
     with pytest.raises(ValueError, match="planes must be 1"):
@@ -208,8 +209,8 @@ def test_a_layers_q_k_v_in_one_call_are_each_ones_bits():
     for w, b, y in zip(ws, biases, got):
         assert torch.equal(y, w.linear(x, b))
     assert group.prompt_rows(x[:8], biases) is None
-    q5 = QuantSpec.ggml("Q5_K", 128, 512)
-    assert QuantLinear.group([*ws[:2], QuantLinear(q5, random_stored(q5), c)]).prompt_rows(x, biases) is None
+    q8 = QuantSpec.ggml("Q8_0", 128, 512)
+    assert QuantLinear.group([*ws[:2], QuantLinear(q8, random_stored(q8), c)]).prompt_rows(x, biases) is None
 
 
 # ---- in a model ----

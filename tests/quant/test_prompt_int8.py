@@ -109,8 +109,8 @@ def test_bad_arguments_are_named():
     spec = QuantSpec.ggml("Q4_K", 16, 256)
     raw = random_stored(spec, seed=1)
     x = torch.randn(4, 256)
-    with pytest.raises(ValueError, match="Q4_K and Q6_K with in_features a multiple of 256"):
-        prompt.linears([(QuantSpec.ggml("Q5_K", 16, 256), raw, torch.empty(4, 16))], x)
+    with pytest.raises(ValueError, match="Q5_K and Q6_K with in_features a multiple of 256"):
+        prompt.linears([(QuantSpec.ggml("Q8_0", 16, 256), raw, torch.empty(4, 16))], x)
     with pytest.raises(ValueError, match="x has 256 columns"):
         prompt.linears([(QuantSpec.ggml("Q4_K", 16, 512), random_stored(QuantSpec.ggml("Q4_K", 16, 512)),
                          torch.empty(4, 16))], x)

@@ -112,9 +112,9 @@ class GluMath:
         self.call = q8.ExpertCall(fmt.specs, (0, fmt.up_offset, fmt.down_offset)) if one else None
         # the planes of 8-bit activation codes at which a prompt's rows (more than EXPERT_Q8_MAX_ROWS) run prompt.c's
         # integer tiles, 0 for none: Compute.prompt_planes (activations "int8" on a CPU with AVX512-VNNI; any
-        # activations on AVX2 where the prompt's GEMMs are float32), Q4_K gate and up. Such rows need no padding for
-        # a GEMM (layers/moe.py)
-        ok = all(prompt.supported(s) for s in (fmt.gate_up or fmt.gate, fmt.up))
+        # activations on AVX2 where the prompt's GEMMs are float32), gate and up of a format the tiles take there
+        # (Compute.prompt_formats). Such rows need no padding for a GEMM (layers/moe.py)
+        ok = all(prompt.supported(s, c.prompt_formats) for s in (fmt.gate_up or fmt.gate, fmt.up))
         self.prompt_planes = c.prompt_planes if ok else 0
         self.down_tiles = ok and prompt.supported(fmt.down, c.prompt_formats)  # Q4_K; Q6_K on the AVX2 tiles
         self.int8_rows = self.prompt_planes > 0

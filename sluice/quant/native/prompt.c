@@ -28,8 +28,8 @@
 #include "prompt.h"
 
 void sluice_to_bf16(int64_t n, const float *x, uint16_t *out, int scalar);  /* kernels.c */
-int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                               int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
+int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, int gfmt,
+                               const uint8_t *dq, int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
                                const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int P, int scalar);
 
 #define MR 8                                   /* tokens per kernel pass */
@@ -117,8 +117,9 @@ static void pack_tile_scalar(const uint8_t *w, int64_t row_bytes, int64_t N, int
 
 /* ---- the portable kernel: tokens t0 .. t1 of one tile ---- */
 
-static void tile_scalar(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t t0, int64_t t1, int rows,
-                        float *y, int64_t ldy) {
+/* wide not NULL: the codes one a byte there (Q5_K, prompt_q5k.c), not the tile's nibbles */
+void sluice_prompt_tile_scalar(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, int64_t t0,
+                               int64_t t1, int rows, float *y, int64_t ldy) {
     for (int64_t t = t0; t < t1; t++)
         for (int r = 0; r < rows; r++) {
             float acc = 0.0f;
@@ -134,10 +135,16 @@ static void tile_scalar(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t
                     int32_t s1 = 0, l1 = 0;
                     for (int v = 0; v < 4; v++)
                         for (int i = 0; i < 4; i++) {
-                            uint8_t u = tb[256 * j + 64 * v + 4 * r + i];
-                            int a = 32 * j + 4 * v + i;
-                            s1 += (u & 15) * xc[a] + (u >> 4) * xc[a + 16];
-                            if (xl) l1 += (u & 15) * xl[a] + (u >> 4) * xl[a + 16];
+                            int a = 32 * j + 4 * v + i, qa, qb;  /* the codes of values a and a + 16 */
+                            if (wide) {
+                                const uint8_t *o = wide + b * SB_WIDE + 512 * j + 256 * (r / 8) + 64 * v + 4 * (r % 8);
+                                qa = o[i], qb = o[32 + i];
+                            } else {
+                                uint8_t u = tb[256 * j + 64 * v + 4 * r + i];
+                                qa = u & 15, qb = u >> 4;
+                            }
+                            s1 += qa * xc[a] + qb * xc[a + 16];
+                            if (xl) l1 += qa * xl[a] + qb * xl[a + 16];
                         }
                     int32_t m = m16[32 * (j / 2) + 2 * r + (j & 1)];
                     isum += sc32[16 * j + r] * s1;
@@ -421,15 +428,16 @@ static void tile_task(void *c, int64_t i) {
     int rows = N - n0 < TILE_ROWS ? (int)(N - n0) : TILE_ROWS;
     /* packed here, used by this task only (the AVX2 tiles' wide codes after it) */
     size_t bytes = j->fmt[a] == Q6_K ? (size_t)sluice_prompt_q6k_tile_bytes(j->nsb)
-                                     : (size_t)(j->nsb * SB_TILE + (SLUICE_X86 ? sluice_prompt_wide_bytes(j->nsb) : 0));
+                                     : (size_t)(j->nsb * (SB_TILE + SB_WIDE));
     uint8_t *tile = thread_scratch(bytes);
     if (!tile) {
         ((tile_job *)j)->failed = 1;
         return;
     }
-    if (j->fmt[a] == Q6_K) {
-        sluice_prompt_q6k_tile(w, d[2], N, j->nsb, n0, tile, j->xq, rows, y, ldy,
-                               SLUICE_X86 && sluice_avx2_ok(j->scalar) && sluice_simd());
+    if (j->fmt[a] != Q4_K) {
+        int avx2 = SLUICE_X86 && sluice_avx2_ok(j->scalar) && sluice_simd();
+        if (j->fmt[a] == Q6_K) sluice_prompt_q6k_tile(w, d[2], N, j->nsb, n0, tile, j->xq, rows, y, ldy, avx2);
+        else sluice_prompt_q5k_tile(w, d[2], N, j->nsb, n0, tile, j->xq, rows, y, ldy, avx2);
         return;
     }
 #if SLUICE_X86
@@ -443,12 +451,12 @@ static void tile_task(void *c, int64_t i) {
             sluice_prompt_pack_avx2(w + n0 * d[2], d[2], j->nsb, tile);
         else
             pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
-        sluice_prompt_tile_avx2(tile, tile + j->nsb * SB_TILE, j->nsb, j->xq, rows, y, ldy);
+        sluice_prompt_tile_avx2(tile, tile + j->nsb * SB_TILE, 0, j->nsb, j->xq, rows, y, ldy);
         return;
     }
 #endif
     pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
-    tile_scalar(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
+    sluice_prompt_tile_scalar(tile, NULL, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
 }
 
 /* descs: m x (format, N, codes address, bytes per row, y address, ldy); 0, or -1 for a bad descriptor (a format
@@ -459,7 +467,9 @@ static int tile_setup(tile_job *j, int64_t m, const int64_t *descs, int64_t K) {
     j->tiles[0] = 0;
     for (int64_t a = 0; a < m; a++) {
         const int64_t *e = descs + 6 * a;
-        if ((e[0] != Q4_K && e[0] != Q6_K) || e[1] < 1 || e[3] < (e[0] == Q4_K ? 144 : 210) * j->nsb) return -1;
+        if ((e[0] != Q4_K && e[0] != Q5_K && e[0] != Q6_K) || e[1] < 1
+            || e[3] < (e[0] == Q4_K ? 144 : e[0] == Q5_K ? 176 : 210) * j->nsb)
+            return -1;
         j->fmt[a] = (int)e[0];
         j->tiles[a + 1] = j->tiles[a] + (e[1] + TILE_ROWS - 1) / TILE_ROWS;
         for (int k = 0; k < 5; k++) j->d[5 * a + k] = e[1 + k];
@@ -528,22 +538,23 @@ static void bf16_task(void *c, int64_t t) {
     sluice_to_bf16(j->H, j->y + t * j->H, j->out + t * j->H, j->scalar);
 }
 
-/* y [T, H] bf16 = down(silu(gate x) * up x) for x [T, H] bf16, gate and up Q4_K [I, H] (gq / uq and their bytes
+/* y [T, H] bf16 = down(silu(gate x) * up x) for x [T, H] bf16, gate and up [I, H] of format gfmt (Q4_K, or Q5_K
+ * / Q6_K on the AVX2 and portable tiles; gq / uq and their bytes
  * per row; uq NULL: gq holds [gate; up] as one [2I, H] matrix), in one call: x coded once, gate and up tiles over
  * the pool, silu(g) * u in float32 (exp_poly) per row, then a Q4_K or Q6_K down (dfmt; dq not NULL; I a multiple
  * of 256) on the product coded again, its float32 rows rounded to bf16 into y; with dq NULL the product is written
  * rounded to bf16 into h [T, I] for the caller's down. Returns 0, -1 when the scratch cannot be allocated, -2 for bad
  * arguments. */
-int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                         int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y,
+int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, int gfmt,
+                         const uint8_t *dq, int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y,
                          uint16_t *h, int P, int scalar) {
-    return sluice_prompt_expert_coded(gq, grb, uq, urb, dq, drb, dfmt, H, I, x, NULL, 0, NULL, T, y, h, P, scalar);
+    return sluice_prompt_expert_coded(gq, grb, uq, urb, gfmt, dq, drb, dfmt, H, I, x, NULL, 0, NULL, T, y, h, P, scalar);
 }
 
 /* sluice_prompt_expert on rows idx[0 .. T) of a layer's coded rows xc (sluice_prompt_code of Tc rows) when xc is
  * not NULL (x unused): each row's codes are the bytes coding it alone gives, so the result is the same bits */
-int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                               int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
+int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, int gfmt,
+                               const uint8_t *dq, int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
                                const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int P, int scalar) {
     if (P != 1 && P != 2) return -2;
     if (H <= 0 || H % 256 || I <= 0 || (dq && I % 256) || T < 0 || (!dq && !h) || (dq && !y)) return -2;
@@ -553,7 +564,7 @@ int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq
     if (T == 0) return 0;
     tile_job up = {.scalar = scalar}, dn = {.scalar = scalar};
     float *gu_base = NULL;
-    int64_t du[12] = {Q4_K, I, (intptr_t)gq, grb, 0, 2 * I, Q4_K, I, (intptr_t)uq, urb, 0, 2 * I};
+    int64_t du[12] = {gfmt, I, (intptr_t)gq, grb, 0, 2 * I, gfmt, I, (intptr_t)uq, urb, 0, 2 * I};
     if (!uq) du[1] = 2 * I;
     int64_t dd[6] = {dfmt, H, (intptr_t)dq, drb, 0, H};
     if (tile_setup(&up, uq ? 2 : 1, du, H) < 0 || (dq && tile_setup(&dn, 1, dd, I) < 0)) return -2;

@@ -8,6 +8,9 @@
 #define TILE_ROWS 16
 #define SB_CODES 2048                          /* 8 sub-blocks x 4 vectors x 64 bytes */
 #define SB_TILE (SB_CODES + 512 + 256 + 128)   /* + sc int32 [8][16], m int16 pairs [4][16][2], d, dmin [16] */
+/* a super-block's codes one a byte (the AVX2 tiles' "wide" codes, Q5_K's own): per sub-block j and half h (8 rows),
+ * 8 vectors of 32 bytes: value group v's codes 4v .. +3, then 16 + 4v .. +3, of each of the 8 rows */
+#define SB_WIDE (8 * 2 * 256)
 
 /* x [T, K] coded: per 256 values D (d), codes hi = rint(x / D) (c) and their sums per 32 values (s); with two
  * planes (lo not NULL) also lo = rint((x / D - hi) * 256) (|lo| <= 127) and its sums (sl): x ~ D * (hi + lo / 256) */
@@ -20,6 +23,13 @@ typedef struct {
     int64_t K, T;
 } xq_t;
 
+/* prompt.c: the portable tile for tokens t0 .. t1 (wide not NULL: the codes one a byte there, Q5_K's) */
+void sluice_prompt_tile_scalar(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, int64_t t0,
+                               int64_t t1, int rows, float *y, int64_t ldy);
+/* prompt_q5k.c: rows n0 .. n0 + rows of a Q5_K matrix packed into tile (nsb * (SB_TILE + SB_WIDE) bytes: the
+ * scales as a Q4_K tile has them, the 5-bit codes wide), then y [T, rows]: AVX2 (avx2 1) or portable, the same bits */
+void sluice_prompt_q5k_tile(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nsb, int64_t n0, uint8_t *tile,
+                            const xq_t *x, int rows, float *y, int64_t ldy, int avx2);
 /* prompt_q6k.c: rows n0 .. n0 + rows of a Q6_K matrix (K / 256 = nsb super-blocks a row) packed into tile
  * (sluice_prompt_q6k_tile_bytes(nsb) bytes), then y [T, rows] for every token of x: AVX2 tiles (avx2 1) or their
  * portable twin, the same bits */
@@ -45,10 +55,10 @@ static inline void tile_scales(uint8_t *t, int r, const uint8_t *blk) {
 
 #if SLUICE_X86
 /* prompt_avx2.c: y [T, rows] (rows <= 16 of a packed tile, ldy apart) for every token of x, on AVX2; the portable
- * tile_scalar's bits. wide: sluice_prompt_wide_bytes(nsb) bytes of scratch (the codes one a byte) */
-void sluice_prompt_tile_avx2(const uint8_t *tile, uint8_t *wide, int64_t nsb, const xq_t *x, int rows, float *y,
-                             int64_t ldy);
-int64_t sluice_prompt_wide_bytes(int64_t nsb);
+ * tile's bits. wide: nsb * SB_WIDE bytes, the codes one a byte: written here from the tile's nibbles (five 0), or
+ * Q5_K's 5-bit codes already there (five 1) */
+void sluice_prompt_tile_avx2(const uint8_t *tile, uint8_t *wide, int five, int64_t nsb, const xq_t *x, int rows,
+                             float *y, int64_t ldy);
 /* prompt_avx2.c: a whole 16-row tile from rows w .. w + 15 * row_bytes (all 16 present, 15 * row_bytes < 2^31), in
  * the layout pack_tile_scalar writes, the same bytes */
 void sluice_prompt_pack_avx2(const uint8_t *w, int64_t row_bytes, int64_t nsb, uint8_t *tile);

@@ -48,13 +48,14 @@ if _LIB is not None:
                                            ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     _LIB.sluice_prompt_linears.restype = ctypes.c_int  # m, descs, K, x, bf16, T, planes, path
     _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-    # gate (codes, bytes per row), up, down, down's format, H, I, x, T, y, h, planes, path
-    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 3 + [ctypes.c_int, _i64, _i64, _ptr, _i64, _ptr, _ptr,
-                                                             ctypes.c_int, ctypes.c_int]
+    # gate (codes, bytes per row), up, their format, down, its format, H, I, x, T, y, h, planes, path
+    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 2 + [ctypes.c_int, _ptr, _i64, ctypes.c_int, _i64, _i64, _ptr,
+                                                             _i64, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
     _LIB.sluice_prompt_expert.restype = ctypes.c_int
     # the same with a layer's coded rows: ..., x, coded rows, their count, row indices, T, y, h, planes, path
-    _LIB.sluice_prompt_expert_coded.argtypes = ([_ptr, _i64] * 3 + [ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr,
-                                                                    _i64, _ptr, _ptr, ctypes.c_int, ctypes.c_int])
+    _LIB.sluice_prompt_expert_coded.argtypes = ([_ptr, _i64] * 2 + [ctypes.c_int, _ptr, _i64, ctypes.c_int, _i64, _i64,
+                                                                    _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
+                                                                    ctypes.c_int, ctypes.c_int])
     _LIB.sluice_prompt_expert_coded.restype = ctypes.c_int
     _LIB.sluice_prompt_code.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, ctypes.c_int]  # x, T, K, out, P, path
     _LIB.sluice_prompt_code.restype = ctypes.c_int
@@ -75,8 +76,8 @@ def avx2() -> bool:
 
 
 #: the formats each kind of tiles computes: the VNNI tiles Q4_K (Q6_K was tried and dropped there: below), the AVX2
-#: and portable tiles Q4_K and Q6_K (Compute.prompt_formats says which a model's prompt takes)
-VNNI_FORMATS, AVX2_FORMATS = frozenset({"Q4_K"}), frozenset({"Q4_K", "Q6_K"})
+#: and portable tiles Q4_K, Q5_K and Q6_K (Compute.prompt_formats says which a model's prompt takes)
+VNNI_FORMATS, AVX2_FORMATS = frozenset({"Q4_K"}), frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 
 def supported(spec: QuantSpec, formats: frozenset = VNNI_FORMATS) -> bool:
@@ -87,8 +88,8 @@ def supported(spec: QuantSpec, formats: frozenset = VNNI_FORMATS) -> bool:
 
 def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: torch.Tensor, *,
             planes: int = 1, path: int = BEST) -> None:
-    """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K or Q6_K projections (Q6_K always on the AVX2 or
-    portable tiles) sharing x [T, K] (float32 or bf16, contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
+    """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K, Q5_K or Q6_K projections (Q5_K / Q6_K always on the
+    AVX2 or portable tiles) sharing x [T, K] (float32 or bf16, contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
     output is fine). x is coded once, at `planes` (1 or 2) planes of 8-bit codes; the tiles of all projections run
     over the native pool."""
     need()
@@ -103,7 +104,7 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
     vals: list[int] = []
     for spec, raw, out in projections:
         if not supported(spec, AVX2_FORMATS):
-            raise ValueError(f"prompt.linears computes Q4_K and Q6_K with in_features a multiple of 256, got "
+            raise ValueError(f"prompt.linears computes Q4_K, Q5_K and Q6_K with in_features a multiple of 256, got "
                              f"{spec.name} [{spec.out_features}, {spec.in_features}]")
         if spec.in_features != k:
             raise ValueError(f"x has {k} columns, {spec.name} [{spec.out_features}, {spec.in_features}] needs "
@@ -166,7 +167,7 @@ def code(x: torch.Tensor, *, planes: int = 1, path: int = BEST) -> Coded:
 def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tensor] | None,
            down: tuple[QuantSpec, torch.Tensor] | None, x: "torch.Tensor | Coded", out: torch.Tensor,
            rows: torch.Tensor | None = None, *, planes: int = 1, path: int = BEST) -> None:
-    """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K; up None
+    """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K, Q5_K or Q6_K, one format; up None
     when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K or Q6_K down on it coded
     again, its rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I]
     instead (for a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
@@ -188,8 +189,10 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
     else:
         t, h = x.shape
     i = gate[0].out_features // (1 if up is not None else 2)
-    g = _codes(*gate, i if up is not None else 2 * i, h, "gate")[:2]
-    u = _codes(*up, i, h, "up")[:2] if up is not None else (None, 0)
+    g = _codes(*gate, i if up is not None else 2 * i, h, "gate", AVX2_FORMATS)
+    u = _codes(*up, i, h, "up", AVX2_FORMATS) if up is not None else (None, 0, g[2])
+    if u[2] != g[2]:
+        raise ValueError(f"prompt.expert: gate and up must share a format, got {gate[0].name} and {up[0].name}")
     d = _codes(*down, h, i, "down", AVX2_FORMATS) if down is not None else (None, 0, 0)
     n = h if down is not None else i
     if not (isinstance(out, torch.Tensor) and out.dtype is torch.bfloat16 and out.is_cpu and out.is_contiguous()
@@ -198,10 +201,10 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
         raise ValueError(f"out must be a contiguous bf16 [{t}, {n}] tensor, got {got}")
     y, hh = (out.data_ptr(), None) if down is not None else (None, out.data_ptr())
     if isinstance(x, Coded):
-        rc = _LIB.sluice_prompt_expert_coded(*g, *u, *d, h, i, None, x.data.data_ptr(), x.rows, rows.data_ptr(), t,
+        rc = _LIB.sluice_prompt_expert_coded(*g[:2], *u, *d, h, i, None, x.data.data_ptr(), x.rows, rows.data_ptr(), t,
                                              y, hh, planes, path)
     else:
-        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, planes, path)
+        rc = _LIB.sluice_prompt_expert(*g[:2], *u, *d, h, i, x.data_ptr(), t, y, hh, planes, path)
     if rc == -1:
         raise MemoryError(f"prompt.expert: no memory for a [{t} x {h}] expert's scratch")
     if rc:

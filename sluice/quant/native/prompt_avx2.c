@@ -15,7 +15,6 @@
  * 512] / [256 x 512] @ [512 x 1024] Q4_K projection at int16 (`knobs.py tiles`, below): 4 1.57 / 1.39, 2 1.71 /
  * 1.56, 6 1.69 / 1.49, 8 1.66 / 1.51 (int8: 0.91 / 0.78 at 4, 1.02 / 0.89 at 8) */
 #define NT_MAX 4
-#define SB_WIDE (8 * 2 * 256)  /* a super-block's codes one per byte: 8 sub-blocks x 2 halves x 8 vectors of 32 */
 
 /* the tile's packed codes (two 4-bit codes a byte) -> one code a byte at wide: per super-block, sub-block j and half
  * h, 8 vectors (value group v: codes 4v .. +3, then 16 + 4v .. +3 of each of the 8 rows), so the kernel's inner loop
@@ -33,24 +32,28 @@ AVX2_INLINE void widen(const uint8_t *tile, int64_t nsb, uint8_t *wide) {
                 }
 }
 
-/* the 8 rows' int16 sums of one sub-block for one token's 32 codes p (weights w: 8 vectors) */
-AVX2_INLINE __m256i sub16(const uint8_t *w, const int8_t *p) {
-    __m256i s = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)w), _mm256_set1_epi32((int)rd32(p)));
-    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 32)),
-                                                 _mm256_set1_epi32((int)rd32(p + 16))));
-    for (int v = 1; v < 4; v++) {
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 64 * v)),
-                                                     _mm256_set1_epi32((int)rd32(p + 4 * v))));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 64 * v + 32)),
-                                                     _mm256_set1_epi32((int)rd32(p + 16 + 4 * v))));
-    }
-    return s;
+/* value group v of one sub-block: the 8 rows' int16 sums of codes 4v .. +3 and 16 + 4v .. +3 times the token's */
+AVX2_INLINE __m256i group2(const uint8_t *w, const int8_t *p, int v) {
+    return _mm256_add_epi16(
+        _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 64 * v)), _mm256_set1_epi32((int)rd32(p + 4 * v))),
+        _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 64 * v + 32)),
+                             _mm256_set1_epi32((int)rd32(p + 16 + 4 * v))));
+}
+
+/* sc_j * S1_j of one sub-block for the 8 rows (int32) and one token's 32 codes p (weights w: 8 vectors). 4-bit
+ * codes: the 16 products a lane sums are at most 30480, one int16 sum; 5-bit (Q5_K): a pair is at most 2 * 31 * 127
+ * = 7874, so two int16 sums of 8 products (31496 at most), each multiplied by the scale */
+AVX2_INLINE __m256i sub32(const uint8_t *w, const int8_t *p, __m256i sc, const int five) {
+    __m256i a = _mm256_add_epi16(group2(w, p, 0), group2(w, p, 1)), c = _mm256_add_epi16(group2(w, p, 2),
+                                                                                          group2(w, p, 3));
+    if (!five) return _mm256_madd_epi16(_mm256_add_epi16(a, c), sc);
+    return _mm256_add_epi32(_mm256_madd_epi16(a, sc), _mm256_madd_epi16(c, sc));
 }
 
 /* y for tokens t0 .. t0 + NT of rows 8h .. 8h + 7 of the tile (nrows of them valid); P planes; NT, P constants at
  * each call */
 AVX2_INLINE void half_n(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, int64_t t0,
-                        const int NT, const int P, int h, int nrows, float *y, int64_t ldy) {
+                        const int NT, const int P, const int five, int h, int nrows, float *y, int64_t ldy) {
     const int64_t K = x->K;
     __m256 acc[NT_MAX];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
@@ -64,8 +67,8 @@ AVX2_INLINE void half_n(const uint8_t *tile, const uint8_t *wide, int64_t nsb, c
             __m256i sc = _mm256_loadu_si256((const __m256i *)(tb + SB_CODES + 64 * j));  /* int32, < 64 */
             sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));                         /* in both int16 halves */
             for (int t = 0; t < NT; t++) {
-                is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(sub16(w, xc + t * K + 32 * j), sc));
-                if (P == 2) il[t] = _mm256_add_epi32(il[t], _mm256_madd_epi16(sub16(w, xl + t * K + 32 * j), sc));
+                is[t] = _mm256_add_epi32(is[t], sub32(w, xc + t * K + 32 * j, sc, five));
+                if (P == 2) il[t] = _mm256_add_epi32(il[t], sub32(w, xl + t * K + 32 * j, sc, five));
             }
         }
         const float *df = (const float *)(tile + b * SB_TILE + SB_CODES + 768);
@@ -101,28 +104,28 @@ AVX2_INLINE void half_n(const uint8_t *tile, const uint8_t *wide, int64_t nsb, c
 }
 
 /* every token of x, NT_MAX at a time, for one half of the tile at P planes */
-AVX2_INLINE void half_all(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, const int P, int h,
-                          int nrows, float *y, int64_t ldy) {
+AVX2_INLINE void half_all(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, const int P,
+                          const int five, int h, int nrows, float *y, int64_t ldy) {
     int64_t t = 0, T = x->T;
-    for (; t + NT_MAX <= T; t += NT_MAX) half_n(tile, wide, nsb, x, t, NT_MAX, P, h, nrows, y + t * ldy, ldy);
+    for (; t + NT_MAX <= T; t += NT_MAX) half_n(tile, wide, nsb, x, t, NT_MAX, P, five, h, nrows, y + t * ldy, ldy);
     float *yt = y + t * ldy;
     switch (T - t) {
-        case 3: half_n(tile, wide, nsb, x, t, 3, P, h, nrows, yt, ldy); break;
-        case 2: half_n(tile, wide, nsb, x, t, 2, P, h, nrows, yt, ldy); break;
-        case 1: half_n(tile, wide, nsb, x, t, 1, P, h, nrows, yt, ldy); break;
+        case 3: half_n(tile, wide, nsb, x, t, 3, P, five, h, nrows, yt, ldy); break;
+        case 2: half_n(tile, wide, nsb, x, t, 2, P, five, h, nrows, yt, ldy); break;
+        case 1: half_n(tile, wide, nsb, x, t, 1, P, five, h, nrows, yt, ldy); break;
         default: break;
     }
 }
 
-int64_t sluice_prompt_wide_bytes(int64_t nsb) { return nsb * SB_WIDE; }
-
-AVX2 void sluice_prompt_tile_avx2(const uint8_t *tile, uint8_t *wide, int64_t nsb, const xq_t *x, int rows, float *y,
-                                  int64_t ldy) {
-    widen(tile, nsb, wide);
+AVX2 void sluice_prompt_tile_avx2(const uint8_t *tile, uint8_t *wide, int five, int64_t nsb, const xq_t *x, int rows,
+                                  float *y, int64_t ldy) {
+    if (!five) widen(tile, nsb, wide);
     for (int h = 0; h < 2 && 8 * h < rows; h++) {
-        int nrows = rows - 8 * h;
-        if (x->lo) half_all(tile, wide, nsb, x, 2, h, nrows, y, ldy);
-        else half_all(tile, wide, nsb, x, 1, h, nrows, y, ldy);
+        int nrows = rows - 8 * h, P = x->lo ? 2 : 1;
+        if (P == 2 && five) half_all(tile, wide, nsb, x, 2, 1, h, nrows, y, ldy);
+        else if (P == 2) half_all(tile, wide, nsb, x, 2, 0, h, nrows, y, ldy);
+        else if (five) half_all(tile, wide, nsb, x, 1, 1, h, nrows, y, ldy);
+        else half_all(tile, wide, nsb, x, 1, 0, h, nrows, y, ldy);
     }
 }
 
