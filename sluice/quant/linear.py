@@ -106,9 +106,10 @@ class StoredLinear:
         self.int8 = self.native and compute.dtype is not torch.float32 and q8.q8_supported(spec)
         # a lone Q6_K projection at int16 is no faster on the tiles than on the float32 GEMM ([256 x 512] @ [512 x
         # 1024]: 1.94 vs 1.80 ms; an expert's Q6_K down inside its one call is: 5.20 vs 6.37 ms the expert), Q4_K is
-        # (1.71 vs 1.79 at [256 x 1024] @ [1024 x 512], 1.62 vs 2.59 at [256 x 512] @ [512 x 1024]); Intel Xeon
-        # (Sapphire Rapids VM) capped at AVX2, `knobs.py tiles` (benchmarks/results/prefill/q4km-avx2-default-1GiB)
-        formats = compute.prompt_formats if compute.prompt_planes == 1 else compute.prompt_formats & {"Q4_K"}
+        # (1.71 vs 1.79 at [256 x 1024] @ [1024 x 512], 1.62 vs 2.59 at [256 x 512] @ [512 x 1024]), Q5_K too (1.67
+        # vs 1.83); Intel Xeon (Sapphire Rapids VM) capped at AVX2, `knobs.py tiles`
+        # (benchmarks/results/prefill/q4km-avx2-default-1GiB: tiles.txt, tiles-q5k.txt)
+        formats = compute.prompt_formats if compute.prompt_planes == 1 else compute.prompt_formats & {"Q4_K", "Q5_K"}
         self.prompt_planes = compute.prompt_planes if int_prompt and prompt.supported(spec, formats) else 0
 
     @property
