@@ -198,10 +198,13 @@ class LoadOptions:
             "CPU kernels do (Q8_K / Q8_0): fewer multiplies per weight, 0.5-2.3% error per projection. With `int8` "
             "a prompt's Q4_K projections (experts and attention) also run on 8-bit codes where the CPU has "
             "AVX512-VNNI, instead of a bf16 GEMM on their weights dequantized (`int16`: ~0.2% error; ~1.5x fewer "
-            "seconds per multiply). `auto`: `int8` when the experts average under 4 bits per weight (Q2_K, Q3_K, "
-            "IQ1-IQ3, TQ files and mixes of them), whose own rounding moves a projection 15-30% (Q3_K, Q2_K on the "
-            "peers model) against int8's 0.5-0.8%, else `int16`; `sluice inspect` prints the choice. float32 "
-            "keeps the exact float kernels either way")
+            "seconds per multiply). Where a prompt's GEMMs are float32 (no bf16 dot products: AVX2 CPUs, or "
+            "`--isa avx2`) its Q4_K, Q5_K and Q6_K projections run on AVX2 integer tiles at either coding (`int16` "
+            "two multiplies per weight, `int8` one) instead of dequantizing to float32: a peers expert on 256 rows "
+            "4.9 / 2.8 ms against 6.4. `auto`: `int8` when the experts average under 4 bits per weight (Q2_K, "
+            "Q3_K, IQ1-IQ3, TQ files and mixes of them), whose own rounding moves a projection 15-30% (Q3_K, Q2_K "
+            "on the peers model) against int8's 0.5-0.8%, else `int16`; `sluice inspect` prints the choice. "
+            "float32 keeps the exact float kernels either way")
     # matmul: Compute.bf16_gemm (quant/matmul.py rows_linear, quant/linear.py's many-row path), decided per model at
     # load (engine.py); auto: host/cpus.bf16_dot. Peers bf16 model, resident 2,048-token prefill on a 2-core AVX512_BF16
     # EPYC, the modes alternated in one process: float32 238, bf16 507 tok/s (`benchmarks/prefill/knobs.py
@@ -224,7 +227,8 @@ class LoadOptions:
         doc="the instruction sets sluice's native kernels use: `auto`, the best this CPU has; `avx2`, none of the "
             "AVX-512 paths (VNNI prompt tiles, AVX512_BF16 attention and rounding) and `--matmul auto` as on a CPU "
             "without bf16 dot products, so an AVX-512 machine measures what an AVX2-only one runs (torch's own "
-            "kernels take the environment: `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`); `portable`, the "
+            "kernels take the environment: `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`, and its MKL float32 "
+            "GEMM `MKL_ENABLE_INSTRUCTIONS=AVX2`); `portable`, the "
             "plain C loops. The same bits on every path where the kernels claim them")
     # max_context: capped by the model's max_position_embeddings
     max_context: int = option(4096, metavar="N", least=1, help="KV cache positions",

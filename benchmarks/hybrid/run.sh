@@ -22,7 +22,8 @@
 #   bash benchmarks/hybrid/run.sh   # ROUNDS=3 STEPS=8 WARMUP=2 CEILING=1GiB MEMORY=640MiB PROMPT_MEMORY=384MiB
 #                                   # SETS="decode prefill resident" PEERS=all|norepack
 #   ISA=avx2 bash benchmarks/hybrid/run.sh # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
-#                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama.cpp built for
+#                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (and MKL's float32
+#                                          # GEMM: MKL_ENABLE_INSTRUCTIONS=AVX2, since 2026-12-03), llama.cpp built for
 #                                          # AVX2 (peers/setup.sh AVX2=1); results in <set>-avx2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,7 +35,7 @@ PEER_PY=benchmarks/peers/.venv/bin/python
 WANT_ISA=${ISA:-auto}; ISA=(); TAG=""
 if [ "$WANT_ISA" = avx2 ]; then
   ISA=(--isa avx2); TAG="-avx2"; PEER_PY=benchmarks/peers/.venv-avx2/bin/python
-  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 fi
 SLUICE=(nice -n 19 .venv/bin/sluice)
 [ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || \

@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/prefill/knobs.py profile [--model GGUF] [--prompts 2048]
     .venv/bin/python benchmarks/prefill/knobs.py int8    [--rounds 15]
     .venv/bin/python benchmarks/prefill/knobs.py gemm    [--rounds 15]
+    .venv/bin/python benchmarks/prefill/knobs.py tiles   [--rounds 15]   (AVX2: the env below)
     .venv/bin/python benchmarks/prefill/knobs.py attend  [--rounds 15] [--prompts 2048]
     .venv/bin/python benchmarks/prefill/knobs.py code    [--model GGUF] [--rounds 6] [--prompts 2048]
     .venv/bin/python benchmarks/prefill/knobs.py reads   [--model GGUF] [--rounds 6] [--prompts 2048]
@@ -28,6 +29,13 @@ expert projection, median ms of rounds of 30.
 gemm: one prompt expert's Q4_K projections (256 rows; the peers model's shapes) on 8-bit activations
 (native/prompt.c, what --activations int8 runs) against dequantizing to bf16 + torch's bf16 GEMM (the default) and
 that GEMM alone, 2 native / torch threads, alternated, median ms of rounds of 30.
+tiles: what a prompt's Q4_K / Q6_K rows cost where its GEMMs are float32 (an AVX2 CPU; on an AVX-512 one run it as
+`MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python ...`: MKL's float32
+GEMM ignores torch's cap), 256 rows, the peers model's shapes, 2 native / torch threads, alternated, median ms of
+rounds of 10: each projection on the AVX2 integer tiles (native/prompt_avx2.c, prompt_q6k.c) at activations int16
+and int8 against StoredLinear's float32 route (dequantize to float32 + torch's float32 GEMM: what the model ran
+before the tiles); then a whole expert (Q4_K gate / up, a Q4_K or Q6_K down) as one prompt.expert call against the
+three projections in turn with silu(g) * u in torch between (GluMath before the tiles).
 attend: a prompt's causal attention (8 query / 2 kv heads of 128) in native/attend.c against matmul.sdpa (bf16 dot
 products where `--matmul auto` picks bf16 GEMMs), alternated, median ms of rounds of 10; and the relative error of
 each against float64.
@@ -182,6 +190,51 @@ def gemm(a) -> None:
                             "dequantize + bf16 GEMM": lambda: F.linear(x, native.dequantize(spec, raw, w)),
                             "bf16 GEMM alone": lambda: F.linear(x, w)}, a.rounds, 30, warmup=3)
         print(f"{fmt} [256 x {k}] @ [{k} x {n}]: " + ", ".join(f"{name} {v:.3f} ms" for name, v in ms.items()))
+
+
+def tiles(a) -> None:
+    import os
+    import platform
+
+    from sluice.quant.compute import Compute
+    from sluice.quant.linear import Scratch, StoredLinear
+    from sluice.quant.native import AVX2
+    from sluice.quant.native import prompt as prompt_kernels
+    from sluice.quant.spec import QuantSpec
+    from tests.quant.samples import random_stored
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    print(f"{cpu}; MKL_ENABLE_INSTRUCTIONS={os.environ.get('MKL_ENABLE_INSTRUCTIONS', '(unset)')} "
+          f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}")
+    c, scratch, t = Compute(bf16_gemm=False, path=AVX2), Scratch(), 256
+    x = {k: torch.randn(t, k, generator=torch.Generator().manual_seed(k)).bfloat16() for k in (512, 1024)}
+    for fmt, n, k in (("Q4_K", 512, 1024), ("Q4_K", 1024, 512), ("Q5_K", 1024, 512), ("Q6_K", 1024, 512)):
+        spec = QuantSpec.ggml(fmt, n, k)
+        raw, y, before = random_stored(spec, seed=1), torch.empty(t, n), StoredLinear(spec, c)
+        with with_kernels(threads=2):
+            ms = median_ms({"tiles int16": lambda: prompt_kernels.linears([(spec, raw, y)], x[k], planes=2, path=AVX2),
+                            "tiles int8": lambda: prompt_kernels.linears([(spec, raw, y)], x[k], planes=1, path=AVX2),
+                            "dequantize + float32 GEMM": lambda: before(x[k], raw, scratch)}, a.rounds, 10, warmup=2)
+        print(f"{fmt} [{t} x {k}] @ [{k} x {n}]: " + ", ".join(f"{name} {v:.3f} ms" for name, v in ms.items()))
+    h, i = 1024, 512
+    for dfmt in ("Q4_K", "Q6_K"):
+        specs = (QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml(dfmt, h, i))
+        raws = [random_stored(s, seed=n) for n, s in enumerate(specs)]
+        lins, out = [StoredLinear(s, c) for s in specs], torch.empty(t, h, dtype=torch.bfloat16)
+
+        def three() -> torch.Tensor:
+            g, u = (lin(x[h], r, scratch) for lin, r in zip(lins[:2], raws[:2]))
+            return lins[2](F.silu(g) * u, raws[2], scratch)
+
+        def one(planes: int):
+            return lambda: prompt_kernels.expert(*zip(specs, raws), x[h], out, planes=planes, path=AVX2)
+
+        with with_kernels(threads=2):
+            ms = median_ms({"prompt.expert int16": one(2), "prompt.expert int8": one(1),
+                            "three projections, float32 GEMMs": three}, a.rounds, 10, warmup=2)
+        print(f"expert [{t} x {h}], I {i}, Q4_K gate / up, {dfmt} down: "
+              + ", ".join(f"{name} {v:.3f} ms" for name, v in ms.items()))
 
 
 def attend(a) -> None:
@@ -398,7 +451,7 @@ def activation(a) -> None:
     print(f"{n} tokens in one chunk: peak RSS +{grown / 2**20:.1f} MiB = {grown / n / 1024:.1f} KiB a token")
 
 
-PARTS = {"blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm,
+PARTS = {"blocks": blocks, "dequant": dequant, "profile": profile, "int8": int8, "gemm": gemm, "tiles": tiles,
          "attend": attend, "code": code, "reads": reads, "matmul": matmul, "sdpa": sdpa, "crossover": crossover,
          "packed": packed, "rows": rows, "matmul-prefill": matmul_prefill, "activation": activation}
 MATMUL = ("matmul", "sdpa", "crossover", "packed", "rows", "matmul-prefill")  # resident_matmul.py's: 2 torch threads

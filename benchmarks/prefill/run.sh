@@ -10,8 +10,10 @@
 #
 #   bash benchmarks/prefill/run.sh        # ROUNDS=3 PROMPT=2048 CEILING=1GiB MEMORY=640MiB SETS="q4km bf16"
 #   ISA=avx2 bash benchmarks/prefill/run.sh        # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
-#                                                  # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama.cpp built
-#                                                  # for AVX2 (peers/setup.sh AVX2=1); results in <set>[-act]-avx2*
+#                                                  # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and its MKL with
+#                                                  # MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL's float32 GEMM ignores the
+#                                                  # other two and ran AVX-512 code before), llama.cpp built for AVX2
+#                                                  # (peers/setup.sh AVX2=1); results in <set>[-act]-avx2*
 #   ACTIVATIONS=int8 bash benchmarks/prefill/run.sh   # sluice's arms with --activations int8 (llama.cpp's coding of
 #                                                     # x: the int8 prompt kernels); results in <set>-int8*
 #
@@ -29,7 +31,7 @@ OUT=${OUT:-benchmarks/results/prefill}
 PEER_PY=benchmarks/peers/.venv/bin/python
 if [ "${ISA:-auto}" = avx2 ]; then  # the AVX2 path on any x86 machine: sluice, torch and llama.cpp all capped
   ACT+=(--isa avx2); TAG="$TAG-avx2"; PEER_PY=benchmarks/peers/.venv-avx2/bin/python
-  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 fi
 SLUICE=(nice -n 19 .venv/bin/sluice)
 PEERS=benchmarks/models/qwen3_moe-peers

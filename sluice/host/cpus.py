@@ -70,7 +70,7 @@ def bf16_dot(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 #: kernels dispatch on
 SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 #: environment variables that cap torch's kernels below the CPU's best (an AVX2 run on an AVX-512 machine)
-CAP_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+CAP_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # MKL: torch's float32 GEMM
 
 
 def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:

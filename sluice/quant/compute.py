@@ -33,11 +33,30 @@ class Compute:
     threads: int = 1
 
     @property
-    def int8_prompt(self) -> bool:
-        """Whether a prompt's Q4_K rows run prompt.c's 8-bit kernels: activations int8 at bf16, on a CPU with
-        AVX512-VNNI whose kernels are not capped below it (elsewhere the bf16 GEMM on dequantized weights is faster
-        than the portable tiles)."""
-        return self.planes == 1 and self.dtype is torch.bfloat16 and self.path == BEST and prompt.available()
+    def prompt_planes(self) -> int:
+        """Planes of 8-bit activation codes at which a prompt's Q4_K rows run prompt.c's integer tiles, 0 where they
+        take the GEMM route (bf16 compute dtype only):
+          1  activations int8 on a CPU with AVX512-VNNI whose kernels are not capped below it (its VNNI tiles beat
+             dequantizing to bf16 for the bf16 GEMM);
+          Compute.planes  where several bf16 rows multiply on float32 GEMMs (no bf16 dot products, or --isa avx2)
+             on a CPU with AVX2: prompt_avx2.c's tiles beat dequantizing to float32 for the float32 GEMM (numbers
+             in native/prompt.py). --isa portable runs the same tiles in plain C (slower than the GEMM, the same
+             bits: a capped model computes what the uncapped one does)."""
+        if self.dtype is not torch.bfloat16:
+            return 0
+        if self.planes == 1 and self.path == BEST and prompt.available():
+            return 1
+        return self.planes if not self.bf16_gemm and prompt.avx2() else 0
+
+    @property
+    def prompt_formats(self) -> frozenset:
+        """The GGUF types whose prompt rows take the integer tiles (at prompt_planes): Q4_K on the VNNI tiles,
+        Q4_K and Q6_K on the AVX2 ones; none where prompt_planes is 0."""
+        planes = self.prompt_planes
+        if planes == 0:
+            return frozenset()
+        vnni = planes == 1 and self.path == BEST and prompt.available()
+        return prompt.VNNI_FORMATS if vnni else prompt.AVX2_FORMATS
 
     @property
     def attend_prompt(self) -> bool:

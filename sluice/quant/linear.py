@@ -6,10 +6,12 @@
     y = w.linear(x, bias)                    # the same ladder on its own bytes; w.dequantize() the exact weights
 
 The ladder, by the number of rows T (each threshold measured, below):
+  - T >= BF16_GEMM_MIN_ROWS of bf16 rows of a resident Q4_K weight where Compute.prompt_planes allows it (int8
+    activations on an AVX512-VNNI CPU; any activations where the prompt's GEMMs are float32 and the CPU has AVX2):
+    prompt.c's integer tiles;
   - T >= BF16_GEMM_MIN_ROWS of bf16 rows where the model multiplies on bf16 GEMMs (Compute.bf16_gemm): the weights
     dequantized to bf16 (the exact weights rounded once) into the scratch, in blocks of SCRATCH_BYTES, one bf16 GEMM
-    per block; a resident Q4_K weight at activations int8 on an AVX512-VNNI CPU runs prompt.c's 8-bit kernel instead
-    (Compute.int8_prompt);
+    per block;
   - T <= Q8_MAX_ROWS at the bf16 / f16 compute dtypes, a GGUF block format: the integer path (native/q8.py: x coded
     to Compute.planes planes of 8-bit codes, integer dots; relative L2 ~3e-5 against the exact weights at two
     planes), its output rows over the C pool;
@@ -91,18 +93,24 @@ class Scratch:
 
 class StoredLinear:
     """One projection [out, in] stored as `spec`, computing at `compute` (the model's Compute): __call__(x, raw,
-    scratch) runs the ladder on bytes handed in per call (an expert's slot). `int8_prompt`: a prompt's many bf16 rows
-    run prompt.c's 8-bit kernel where Compute.int8_prompt allows it (resident Q4_K weights; an expert's rows take
+    scratch) runs the ladder on bytes handed in per call (an expert's slot). `int_prompt`: a prompt's many bf16 rows
+    run prompt.c's integer tiles where Compute.prompt_planes allows it (resident Q4_K weights; an expert's rows take
     prompt.c per expert instead, models/layers/experts.py)."""
 
-    def __init__(self, spec: QuantSpec, compute: Compute, int8_prompt: bool = False):
+    def __init__(self, spec: QuantSpec, compute: Compute, int_prompt: bool = False):
         self.spec, self.compute, self.dtype = spec, compute, compute.dtype
         # the choice is fixed per format, so a streamed and a resident run compute the same way
         self.native = native.available() and native.supports(spec)
         if not self.native and spec.name in native.FORMATS:
             native.warn_unbuilt()
         self.int8 = self.native and compute.dtype is not torch.float32 and q8.q8_supported(spec)
-        self.int8_prompt = int8_prompt and compute.int8_prompt and prompt.supported(spec)
+        # a lone Q6_K projection at int16 is no faster on the tiles than on the float32 GEMM ([256 x 512] @ [512 x
+        # 1024]: 1.94 vs 1.80 ms; an expert's Q6_K down inside its one call is: 5.20 vs 6.37 ms the expert), Q4_K is
+        # (1.71 vs 1.79 at [256 x 1024] @ [1024 x 512], 1.62 vs 2.59 at [256 x 512] @ [512 x 1024]), Q5_K too (1.67
+        # vs 1.83); Intel Xeon (Sapphire Rapids VM) capped at AVX2, `knobs.py tiles`
+        # (benchmarks/results/prefill/q4km-avx2-default-1GiB: tiles.txt, tiles-q5k.txt)
+        formats = compute.prompt_formats if compute.prompt_planes == 1 else compute.prompt_formats & {"Q4_K", "Q5_K"}
+        self.prompt_planes = compute.prompt_planes if int_prompt and prompt.supported(spec, formats) else 0
 
     @property
     def shape(self) -> torch.Size:
@@ -118,12 +126,14 @@ class StoredLinear:
             w = self.spec.dequantize(raw, out=scratch.get(self.spec.out_features * self.spec.in_features))
             y = F.linear(x.float(), w.view(self.shape), None if bias is None else bias.float())
             return y.to(out_dtype or self.dtype)
+        if (self.prompt_planes and out_dtype in (None, torch.bfloat16) and x.dtype is torch.bfloat16
+                and x.shape[0] >= BF16_GEMM_MIN_ROWS):  # 8-bit codes of x, integer dots (native/prompt.c)
+            x = x if x.is_contiguous() else x.contiguous()
+            y = torch.empty(x.shape[0], self.spec.out_features)  # [T, out] float32
+            prompt.linears([(self.spec, raw, y)], x, planes=self.prompt_planes, path=self.compute.path)
+            return (y if bias is None else y.add_(bias)).to(torch.bfloat16)
         if out_dtype in (None, torch.bfloat16) and self.compute.gemm_rows(x, BF16_GEMM_MIN_ROWS):
             x = x if x.is_contiguous() else x.contiguous()
-            if self.int8_prompt:  # activations int8: 8-bit codes of x, integer dots (native/prompt.c)
-                y = torch.empty(x.shape[0], self.spec.out_features)  # [T, out] float32
-                prompt.linears([(self.spec, raw, y)], x, path=self.compute.path)
-                return (y if bias is None else y.add_(bias)).to(torch.bfloat16)
             y = self._blocked(x, raw, scratch)
             return y if bias is None else y + bias.to(torch.bfloat16)
         if x.dtype is not torch.float32:
@@ -225,7 +235,7 @@ class QuantLinear(StoredLinear):
         if raw.dtype != torch.uint8 or raw.numel() != spec.nbytes:
             raise ValueError(f"raw must be the {spec.nbytes} stored bytes of {spec.name} [{spec.out_features}, "
                              f"{spec.in_features}], got {raw.numel()} {raw.dtype}")
-        super().__init__(spec, compute, int8_prompt=True)
+        super().__init__(spec, compute, int_prompt=True)
         self.raw = raw.contiguous()
         self.scratch = scratch if scratch is not None else Scratch()
         self.planes = compute.planes
@@ -279,6 +289,21 @@ class QuantGroup:
         self.compute = ws[0].compute
         self.dtype = self.compute.dtype
         self._q8 = q8.LinearsQ8([(w.spec, w.raw) for w in ws])
+        # a prompt's rows of all of them in one prompt.linears call (x coded once) where each takes the tiles
+        self._ws = ws if len(ws) <= 4 and all(w.prompt_planes for w in ws) else None
+
+    def prompt_rows(self, x: torch.Tensor, biases) -> list[torch.Tensor] | None:
+        """[y_a [T, out_a]] (the compute dtype) for a prompt's rows x [T, in] in one prompt.linears call, bitwise
+        what each QuantLinear.linear gives on them (the same codes of x, the same tiles); None where the rows do not
+        take the tiles (too few, not bf16, or a member's format)."""
+        if self._ws is None or x.dtype is not torch.bfloat16 or x.shape[0] < BF16_GEMM_MIN_ROWS:
+            return None
+        x = x if x.is_contiguous() else x.contiguous()
+        outs = torch.empty(x.shape[0], sum(w.spec.out_features for w in self._ws))  # [T, sum out] float32
+        ys = list(outs.split([w.spec.out_features for w in self._ws], dim=1))
+        prompt.linears([(w.spec, w.raw, y) for w, y in zip(self._ws, ys)], x, planes=self._ws[0].prompt_planes,
+                       path=self.compute.path)
+        return [(y if b is None else y.add_(b)).to(torch.bfloat16) for y, b in zip(ys, biases)]
 
     def linear(self, x: torch.Tensor, biases, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """[y_a [T, out_a]] for x [T, in] (T <= Q8_MAX_ROWS) and one bias (or None) per projection."""

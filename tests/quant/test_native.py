@@ -14,7 +14,7 @@ from sluice.quant import native
 from sluice.quant.spec import QuantSpec
 from sluice.quant.compute import Compute
 from sluice.quant.linear import BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, QuantLinear, Scratch, StoredLinear
-from sluice.quant.native import PORTABLE, _lib, pool
+from sluice.quant.native import PORTABLE, _lib, pool, prompt
 from tests.quant.samples import random_stored
 from tests.quant import paths
 
@@ -71,7 +71,7 @@ def test_dequantize_to_bf16_is_the_reference_rounded(spec, path):
 def test_many_bf16_rows_follow_the_matmul_mode(mode):
     """From BF16_GEMM_MIN_ROWS rows, a model on bf16 GEMMs (Compute.bf16_gemm: --matmul bf16) runs the weights
     rounded to bf16 through torch's bf16 GEMM (an expert's StoredLinear and a resident QuantLinear alike); float32
-    keeps the float32 dequantization + GEMM."""
+    keeps the float32 dequantization + GEMM (a resident Q4_K weight: the AVX2 integer tiles where they run)."""
     spec = QuantSpec.ggml("Q4_K", 40, 512)
     raw = random_stored(spec, seed=6)
     w = spec.dequantize(raw)
@@ -88,7 +88,13 @@ def test_many_bf16_rows_follow_the_matmul_mode(mode):
         else:
             want = native.linear(spec, x.float(), raw).to(torch.bfloat16)
         assert torch.equal(y, want), (T, mode)
-        assert torch.equal(ql.linear(x), want), (T, mode)  # one ladder: the same calls
+        if T >= BF16_GEMM_MIN_ROWS and compute.prompt_planes:
+            # float32 GEMMs: a resident Q4_K weight's prompt rows take the integer tiles (test_prompt_avx2.py)
+            tiles = torch.empty(T, 40)
+            prompt.linears([(spec, raw, tiles)], x, planes=compute.prompt_planes)
+            assert torch.equal(ql.linear(x), tiles.to(torch.bfloat16)), (T, mode)
+        else:
+            assert torch.equal(ql.linear(x), want), (T, mode)  # one ladder: the same calls
         assert ((y.float() - F.linear(x.double(), w.double()).float()).norm() / y.float().norm()) < 1e-2
 
 

@@ -109,8 +109,8 @@ def test_bad_arguments_are_named():
     spec = QuantSpec.ggml("Q4_K", 16, 256)
     raw = random_stored(spec, seed=1)
     x = torch.randn(4, 256)
-    with pytest.raises(ValueError, match="Q4_K with in_features a multiple of 256"):
-        prompt.linears([(QuantSpec.ggml("Q6_K", 16, 256), raw, torch.empty(4, 16))], x)
+    with pytest.raises(ValueError, match="Q5_K and Q6_K with in_features a multiple of 256"):
+        prompt.linears([(QuantSpec.ggml("Q8_0", 16, 256), raw, torch.empty(4, 16))], x)
     with pytest.raises(ValueError, match="x has 256 columns"):
         prompt.linears([(QuantSpec.ggml("Q4_K", 16, 512), random_stored(QuantSpec.ggml("Q4_K", 16, 512)),
                          torch.empty(4, 16))], x)
@@ -159,10 +159,13 @@ def test_a_prompt_takes_the_kernel_near_the_float32_logits(q4km, kernel_calls):
         with sluice.load(q4km, memory="all", activations=act) as m:
             kernel_calls.clear()
             got[act] = m.logits(LONG)
-            assert bool(kernel_calls) == (act == "int8")
+            # int16 takes the tiles too where the prompt's GEMMs are float32 (test_prompt_avx2.py)
+            assert bool(kernel_calls) == (act == "int8" or not m.compute.bf16_gemm)
     assert not torch.equal(got["int8"], got["int16"])
-    # the int16 prompt runs bf16 GEMMs (x to ~1/256 of itself), int8 codes x to 1/127 of each 256-block's max
-    assert _rel(got["int8"], exact) <= max(5e-2, 3 * _rel(got["int16"], exact))
+    # the int16 prompt runs bf16 GEMMs (x to ~1/256 of itself; or the int16 tiles, x to ~1/32,000), int8 codes x
+    # to 1/127 of each 256-block's max, and this random model amplifies small errors: int8 3.8e-2 with bf16 GEMMs
+    # beside its tiles, 9.3e-2 with float32 ones (int16 there: 6.3e-2 and 1.5e-2)
+    assert _rel(got["int8"], exact) <= max(5e-2 if m.compute.bf16_gemm else 0.12, 3 * _rel(got["int16"], exact))
 
 
 @pytest.mark.parametrize("io", ["direct", "mmap"])
@@ -263,12 +266,12 @@ def test_a_layer_coded_once_gives_each_expert_its_own_bits(q4km, kernel_calls):
 
 
 def test_isa_caps_the_kernels_of_one_model(q4km, kernel_calls):
-    """LoadOptions.isa "avx2": no int8 prompt kernels (AVX512-VNNI), float32 GEMMs under matmul auto, the C kernels
-    capped at AVX2 (Compute.path); "portable" the plain C loops, the same bits."""
+    """LoadOptions.isa "avx2": float32 GEMMs under matmul auto, the prompt's Q4_K rows on the AVX2 tiles (not the
+    AVX512-VNNI ones), the C kernels capped at AVX2 (Compute.path); "portable" the plain C loops, the same bits."""
     with sluice.load(q4km, memory="all", activations="int8", isa="avx2") as m:
         kernel_calls.clear()
         capped = m.logits(LONG)
-        assert not kernel_calls and m.compute.path == native.AVX2 and not m.compute.bf16_gemm
+        assert kernel_calls and m.compute.path == native.AVX2 and not m.compute.bf16_gemm
         assert m.stats()["isa"] == "avx2" and m.stats()["matmul"] == "float32"
     with sluice.load(q4km, memory="all", activations="int8", isa="portable") as m:
         assert m.compute.path == native.PORTABLE and torch.equal(m.logits(LONG), capped)

@@ -58,9 +58,12 @@ class Attention:
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of x [T, H]: [T, nH*D], [T, nKV*D], [T, nKV*D]."""
         lw = self.lw
-        if self.qkv_group is None or x.shape[0] > Q8_MAX_ROWS:
-            return tuple(linear(x, w, b, self.bf16) for w, b in zip((lw.q, lw.k, lw.v), self.biases))
-        return tuple(self.qkv_group.linear(x, self.biases))
+        if self.qkv_group is not None and x.shape[0] <= Q8_MAX_ROWS:
+            return tuple(self.qkv_group.linear(x, self.biases))
+        ys = None if self.qkv_group is None else self.qkv_group.prompt_rows(x, self.biases)  # x coded once
+        if ys is not None:
+            return tuple(ys)
+        return tuple(linear(x, w, b, self.bf16) for w, b in zip((lw.q, lw.k, lw.v), self.biases))
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         q, k, v = self.qkv(x)

@@ -110,11 +110,14 @@ class GluMath:
         one = (c.dtype is not torch.float32 and owner.act is F.silu and owner.plain_glu and native.available()
                and all(q8.q8_supported(s) for s in fmt.specs))
         self.call = q8.ExpertCall(fmt.specs, (0, fmt.up_offset, fmt.down_offset)) if one else None
-        # whether a prompt's rows (more than EXPERT_Q8_MAX_ROWS) run prompt.c's int8 kernel: activations "int8" at
-        # the bf16 compute dtype on a CPU with AVX512-VNNI (Compute.int8_prompt; elsewhere the bf16 GEMM on
-        # dequantized weights is faster than its portable path), Q4_K gate and up. Such rows need no padding for a
-        # GEMM (layers/moe.py)
-        self.int8_rows = c.int8_prompt and all(prompt.supported(s) for s in (fmt.gate_up or fmt.gate, fmt.up))
+        # the planes of 8-bit activation codes at which a prompt's rows (more than EXPERT_Q8_MAX_ROWS) run prompt.c's
+        # integer tiles, 0 for none: Compute.prompt_planes (activations "int8" on a CPU with AVX512-VNNI; any
+        # activations on AVX2 where the prompt's GEMMs are float32), gate and up of a format the tiles take there
+        # (Compute.prompt_formats). Such rows need no padding for a GEMM (layers/moe.py)
+        ok = all(prompt.supported(s, c.prompt_formats) for s in (fmt.gate_up or fmt.gate, fmt.up))
+        self.prompt_planes = c.prompt_planes if ok else 0
+        self.down_tiles = ok and prompt.supported(fmt.down, c.prompt_formats)  # Q4_K; Q6_K on the AVX2 tiles
+        self.int8_rows = self.prompt_planes > 0
         # ... and as one native call each (prompt.expert), so a layer codes its rows once for all experts (coded())
         self.int8_whole = self.int8_rows and owner.act is F.silu and owner.plain_glu
 
@@ -173,7 +176,7 @@ class GluMath:
         """down(glu(gate x, up x)) on a prompt's rows x [n, H] with 8-bit activations (prompt.c): gate and up from
         one coding of x, the product in float32, coded again for a Q4_K down; any other down format takes its
         StoredLinear on the product rounded to the compute dtype."""
-        fmt, path = self.fmt, self.compute.path
+        fmt, path, p = self.fmt, self.compute.path, self.prompt_planes
         n, i = x.shape[0], fmt.gate.out_features
         x = x.contiguous()
         if self.int8_whole:  # one native call
@@ -181,14 +184,15 @@ class GluMath:
         dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
         gu = torch.empty(n, 2 * i)  # [n, 2I] float32
         if fmt.gate_up is not None:
-            prompt.linears([(fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes], gu)], x, path=path)
+            prompt.linears([(fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes], gu)], x, planes=p, path=path)
         else:
             prompt.linears([(fmt.gate, raw[: fmt.gate.nbytes], gu[:, :i]),
-                            (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], gu[:, i:])], x, path=path)
+                            (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes], gu[:, i:])], x, planes=p,
+                           path=path)
         h = self.glu(*gu.chunk(2, dim=-1)).contiguous()  # [n, I] float32
-        if prompt.supported(fmt.down):
+        if self.down_tiles:
             y = torch.empty(n, fmt.down.out_features)  # [n, H]
-            prompt.linears([(fmt.down, dn, y)], h, path=path)
+            prompt.linears([(fmt.down, dn, y)], h, planes=p, path=path)
             return y.to(self.compute.dtype)
         return self.down(h.to(self.compute.dtype), dn, self.scratch)
 
@@ -200,16 +204,16 @@ class GluMath:
         gate = (fmt.gate_up, raw[: fmt.up_offset + fmt.up.nbytes]) if fmt.gate_up is not None else \
             (fmt.gate, raw[: fmt.gate.nbytes])
         up = None if fmt.gate_up is not None else (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes])
-        if prompt.supported(fmt.down):
+        if self.down_tiles:
             y = torch.empty(n, fmt.down.out_features, dtype=torch.bfloat16)  # [n, H]
-            prompt.expert(gate, up, (fmt.down, dn), x, y, rows=rows, path=path)
+            prompt.expert(gate, up, (fmt.down, dn), x, y, rows=rows, planes=self.prompt_planes, path=path)
             return y
         # [n, I]: silu(g) * u for the down's own kernel, a bf16 GEMM: its rows padded with zero rows as a layer
         # pads a GEMM's (GEMM_ROW_STEP: oneDNN builds kernels per row count)
-        pad = -(-n // GEMM_ROW_STEP) * GEMM_ROW_STEP if n >= BF16_GEMM_MIN_ROWS else n
+        pad = -(-n // GEMM_ROW_STEP) * GEMM_ROW_STEP if n >= BF16_GEMM_MIN_ROWS and self.compute.bf16_gemm else n
         h = torch.empty(pad, i, dtype=torch.bfloat16)
         h[n:] = 0
-        prompt.expert(gate, up, None, x, h[:n], rows=rows, path=path)
+        prompt.expert(gate, up, None, x, h[:n], rows=rows, planes=self.prompt_planes, path=path)
         return self.down(h, dn, self.scratch)[:n]
 
     def _swiglu(self, x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, lin) -> torch.Tensor:
@@ -252,6 +256,7 @@ class BiasedGluMath:
     projection (no one-call or 8-bit prompt path)."""
 
     int8_rows = int8_whole = False
+    prompt_planes, down_tiles = 0, False
 
     def __init__(self, fmt: BiasedGluFormat, owner: ExpertMath):
         c = owner.compute

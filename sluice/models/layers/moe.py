@@ -95,7 +95,7 @@ class Experts:
         if self.kernels.code_rows_once and n_rows == T * K and x.dtype is torch.bfloat16 and self.math.int8_whole:
             # the int8 prompt kernels code x once here, not once per expert for each of its k experts (each row's
             # codes are the same bytes either way); experts then gather their rows' codes, not their bf16 rows
-            coded = prompt.code(x.contiguous(), path=self.compute.path)
+            coded = prompt.code(x.contiguous(), planes=self.math.prompt_planes, path=self.compute.path)
         elif n_rows == T * K:
             torch.index_select(x, 0, tok, out=ys)
         else:  # padding rows read the zero row appended to x

@@ -1,6 +1,12 @@
 /* A prompt's Q4_K projections on 8-bit activations: y[T, N] = x[T, K] @ W^T with integer dot products (AVX512-VNNI
  * vpdpbusd: 64 products of a 4-bit code and an 8-bit code an instruction, twice the multiplies of a bf16 dot
- * product), for the many rows of a prompt's expert at LoadOptions.activations "int8" (decode's int8 path is q8.c).
+ * product), for the many rows of a prompt's expert at LoadOptions.activations "int8" (decode's int8 path is q8.c);
+ * where a prompt's GEMMs are float32 (no bf16 dot products, or --isa avx2) at either coding, on AVX2
+ * (prompt_avx2.c, and prompt_q6k.c for Q6_K).
+ *
+ * Two planes (activations int16): lo = rint((x / D - code) * 256) (clamped to +-127, as q8.c codes it) and its sums
+ * per 32 values too, and per super-block the same two fma with the lo plane's integer sums and D / 256 after the
+ * first two. The VNNI tiles take one plane only; the AVX2 and portable tiles both.
  *
  * Activations: each x row in super-blocks of 256 values, llama.cpp's Q8_K coding as q8.c's one-plane layout has
  * it: D = amax / 127, code = rint(x * (127 / amax)) (half to even, |code| <= 127), plus the sum of the codes of each
@@ -19,22 +25,23 @@
  * the 8. */
 #include <math.h>
 
-#include "common.h"
+#include "prompt.h"
 
 void sluice_to_bf16(int64_t n, const float *x, uint16_t *out, int scalar);  /* kernels.c */
-int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                               int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
-                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int scalar);
+int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, int gfmt,
+                               const uint8_t *dq, int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
+                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int P, int scalar);
 
-#define TILE_ROWS 16
-#define SB_CODES 2048                          /* 8 sub-blocks x 4 vectors x 64 bytes */
-#define SB_TILE (SB_CODES + 512 + 256 + 128)   /* + sc int32 [8][16], m int16 pairs [4][16][2], d, dmin [16] */
 #define MR 8                                   /* tokens per kernel pass */
 
 /* ---- activations ---- */
 
-/* one row of K values (float32, or bf16 when bf16) -> K codes, K / 256 scales, K / 32 code sums (int16) */
-static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s) {
+/* one row of K values (float32, or bf16 when bf16) -> K codes, K / 256 scales, K / 32 code sums (int16); lo not
+ * NULL: also the second plane lo = rint((x / D - hi) * 256) (clamped to +-127, as q8.c codes it) and its sums sl.
+ * Inlined into a portable and an AVX2-target copy (the compiler vectorizes the latter): the same IEEE operations,
+ * the same bytes */
+static inline __attribute__((always_inline)) void quant_row_body(const void *x, int bf16, int64_t K, int8_t *c,
+                                                                 float *d, int16_t *s, int8_t *lo, int16_t *sl) {
     for (int64_t b = 0; b < K; b += 256) {
         float v[256], amax = 0.0f;
         int nan = 0;
@@ -48,18 +55,30 @@ static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, floa
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b / 256] = nan ? NAN : amax / 127.0f;
         for (int j = 0; j < 8; j++) {
-            int sum = 0;
+            int sum = 0, suml = 0;
             for (int i = 32 * j; i < 32 * j + 32; i++) {
                 float r = v[i] * inv;  /* clamped as maxps / minps clamp (a NaN becomes -127), then rounded */
                 r = r > -127.0f ? r : -127.0f;
                 r = r < 127.0f ? r : 127.0f;
-                int q = (int)rintf(r);
-                c[b + i] = (int8_t)q;
-                sum += q;
+                float q = rintf(r);
+                c[b + i] = (int8_t)(int)q;
+                sum += (int)q;
+                if (lo) {  /* r - q is exact; |.| * 256 <= 128 */
+                    float l = rintf((r - q) * 256.0f);
+                    l = l < 127.0f ? l : 127.0f;
+                    lo[b + i] = (int8_t)(int)l;
+                    suml += (int)l;
+                }
             }
             s[b / 32 + j] = (int16_t)sum;
+            if (lo) sl[b / 32 + j] = (int16_t)suml;
         }
     }
+}
+
+static void quant_row_scalar(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int8_t *lo,
+                             int16_t *sl) {
+    quant_row_body(x, bf16, K, c, d, s, lo, sl);
 }
 
 /* silu(g) * u = g / (1 + e^-g) * u with common.h's exp_poly, whose AVX-512 twin gives the same bits */
@@ -85,37 +104,22 @@ static void pack_tile_scalar(const uint8_t *w, int64_t row_bytes, int64_t N, int
     for (int r = 0; r < TILE_ROWS && n0 + r < N; r++)
         for (int64_t b = 0; b < nsb; b++) {
             const uint8_t *blk = w + (n0 + r) * row_bytes + 144 * b;
-            uint8_t *t = tile + b * SB_TILE, q[256], sc[8], mn[8];
+            uint8_t *t = tile + b * SB_TILE, q[256];
             q4k_codes(blk, q);
-            k_scale_min(blk + 4, sc, mn);
             for (int j = 0; j < 8; j++)
                 for (int v = 0; v < 4; v++)
                     for (int i = 0; i < 4; i++)
                         t[256 * j + 64 * v + 4 * r + i] =
                             (uint8_t)(q[32 * j + 4 * v + i] | q[32 * j + 16 + 4 * v + i] << 4);
-            int32_t *sc32 = (int32_t *)(t + SB_CODES);
-            int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
-            float *df = (float *)(t + SB_CODES + 768);
-            for (int j = 0; j < 8; j++) {
-                sc32[16 * j + r] = sc[j];
-                m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
-            }
-            df[r] = rdf16(blk);
-            df[16 + r] = rdf16(blk + 2);
+            tile_scales(t, r, blk);
         }
 }
 
 /* ---- the portable kernel: tokens t0 .. t1 of one tile ---- */
 
-typedef struct {
-    const int8_t *c;   /* codes [T, K] */
-    const float *d;    /* scales [T, K / 256] */
-    const int16_t *s;  /* code sums [T, K / 32] */
-    int64_t K, T;
-} xq_t;
-
-static void tile_scalar(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t t0, int64_t t1, int rows,
-                        float *y, int64_t ldy) {
+/* wide not NULL: the codes one a byte there (Q5_K, prompt_q5k.c), not the tile's nibbles */
+void sluice_prompt_tile_scalar(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, int64_t t0,
+                               int64_t t1, int rows, float *y, int64_t ldy) {
     for (int64_t t = t0; t < t1; t++)
         for (int r = 0; r < rows; r++) {
             float acc = 0.0f;
@@ -125,20 +129,39 @@ static void tile_scalar(const uint8_t *tile, int64_t nsb, const xq_t *x, int64_t
                 const int32_t *sc32 = (const int32_t *)(tb + SB_CODES);
                 const int16_t *m16 = (const int16_t *)(tb + SB_CODES + 512);
                 const float *df = (const float *)(tb + SB_CODES + 768);
-                int32_t isum = 0, msum = 0;
+                const int8_t *xl = x->lo ? x->lo + t * x->K + 256 * b : NULL;
+                int32_t isum = 0, msum = 0, isl = 0, msl = 0;
                 for (int j = 0; j < 8; j++) {
-                    int32_t s1 = 0;
+                    int32_t s1 = 0, l1 = 0;
                     for (int v = 0; v < 4; v++)
                         for (int i = 0; i < 4; i++) {
-                            uint8_t u = tb[256 * j + 64 * v + 4 * r + i];
-                            s1 += (u & 15) * xc[32 * j + 4 * v + i] + (u >> 4) * xc[32 * j + 16 + 4 * v + i];
+                            int a = 32 * j + 4 * v + i, qa, qb;  /* the codes of values a and a + 16 */
+                            if (wide) {
+                                const uint8_t *o = wide + b * SB_WIDE + 512 * j + 256 * (r / 8) + 64 * v + 4 * (r % 8);
+                                qa = o[i], qb = o[32 + i];
+                            } else {
+                                uint8_t u = tb[256 * j + 64 * v + 4 * r + i];
+                                qa = u & 15, qb = u >> 4;
+                            }
+                            s1 += qa * xc[a] + qb * xc[a + 16];
+                            if (xl) l1 += qa * xl[a] + qb * xl[a + 16];
                         }
+                    int32_t m = m16[32 * (j / 2) + 2 * r + (j & 1)];
                     isum += sc32[16 * j + r] * s1;
-                    msum += m16[32 * (j / 2) + 2 * r + (j & 1)] * x->s[t * (x->K / 32) + 8 * b + j];
+                    msum += m * x->s[t * (x->K / 32) + 8 * b + j];
+                    if (xl) {
+                        isl += sc32[16 * j + r] * l1;
+                        msl += m * x->sl[t * (x->K / 32) + 8 * b + j];
+                    }
                 }
                 float dx = x->d[t * (x->K / 256) + b];
                 acc = fmaf((float)isum, df[r] * dx, acc);
                 acc = fmaf(-(float)msum, df[16 + r] * dx, acc);
+                if (xl) {  /* the lo plane in 1/256ths of D (prompt_avx2.c: the same operations) */
+                    float dxl = dx * (1.0f / 256.0f);
+                    acc = fmaf((float)isl, df[r] * dxl, acc);
+                    acc = fmaf(-(float)msl, df[16 + r] * dxl, acc);
+                }
             }
             y[(t - t0) * ldy + r] = acc;
         }
@@ -222,20 +245,7 @@ VNNI static void pack_tile_vnni(const uint8_t *w, int64_t row_bytes, int64_t N, 
                 _mm512_storeu_si512(t + 256 * (2 * p) + 64 * v, e);
                 _mm512_storeu_si512(t + 256 * (2 * p + 1) + 64 * v, o);
             }
-        int32_t *sc32 = (int32_t *)(t + SB_CODES);
-        int16_t *m16 = (int16_t *)(t + SB_CODES + 512);
-        float *df = (float *)(t + SB_CODES + 768);
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const uint8_t *blk = base + r * row_bytes;
-            uint8_t sc[8], mn[8];
-            k_scale_min(blk + 4, sc, mn);
-            for (int j = 0; j < 8; j++) {
-                sc32[16 * j + r] = sc[j];
-                m16[32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
-            }
-            df[r] = rdf16(blk);
-            df[16 + r] = rdf16(blk + 2);
-        }
+        for (int r = 0; r < TILE_ROWS; r++) tile_scales(t, r, base + r * row_bytes);
     }
 }
 
@@ -317,14 +327,30 @@ typedef struct {
     xq_t xq;
 } quant_job;
 
-static void quant_row(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int scalar) {
 #if SLUICE_X86
-    if (sluice_avx512_ok(scalar) && sluice_prompt_vnni()) {
+AVX2 static void quant_row_avx2(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int8_t *lo,
+                                int16_t *sl) {
+    quant_row_body(x, bf16, K, c, d, s, lo, sl);
+}
+#endif
+
+/* row t of x into row t of xq (its second plane too when xq has one) */
+static void quant_row(const void *x, int bf16, const xq_t *xq, int64_t t, int scalar) {
+    int64_t K = xq->K;
+    int8_t *c = (int8_t *)xq->c + t * K, *lo = xq->lo ? (int8_t *)xq->lo + t * K : NULL;
+    float *d = (float *)xq->d + t * (K / 256);
+    int16_t *s = (int16_t *)xq->s + t * (K / 32), *sl = xq->lo ? (int16_t *)xq->sl + t * (K / 32) : NULL;
+#if SLUICE_X86
+    if (!lo && sluice_avx512_ok(scalar) && sluice_prompt_vnni()) {
         quant_row_vnni(x, bf16, K, c, d, s);
         return;
     }
+    if (sluice_avx2_ok(scalar) && sluice_simd()) {
+        quant_row_avx2(x, bf16, K, c, d, s, lo, sl);
+        return;
+    }
 #endif
-    quant_row_scalar(x, bf16, K, c, d, s);
+    quant_row_scalar(x, bf16, K, c, d, s, lo, sl);
 }
 
 static void quant_task(void *c, int64_t t) {
@@ -332,17 +358,19 @@ static void quant_task(void *c, int64_t t) {
     int64_t K = j->xq.K;
     const void *row = j->bf16 ? (const void *)((const uint16_t *)j->x + t * K)
                               : (const void *)((const float *)j->x + t * K);
-    quant_row(row, j->bf16, K, (int8_t *)j->xq.c + t * K, (float *)j->xq.d + t * (K / 256),
-              (int16_t *)j->xq.s + t * (K / 32), j->scalar);
+    quant_row(row, j->bf16, &j->xq, t, j->scalar);
 }
 
-/* bytes of T coded rows of K values, and the coded rows' layout at p */
-static size_t xq_bytes(int64_t T, int64_t K) {
-    return (size_t)(T * K + T * (K / 256) * 4 + T * (K / 32) * 2 + 63) / 64 * 64;
+/* bytes of T coded rows of K values at P planes, and the coded rows' layout at p: codes, scales, sums, then with
+ * two planes the lo codes and their sums */
+static size_t xq_bytes(int64_t T, int64_t K, int P) {
+    return (size_t)(P * (T * K + T * (K / 32) * 2) + T * (K / 256) * 4 + 63) / 64 * 64;
 }
-static xq_t xq_at(uint8_t *p, int64_t T, int64_t K) {
+static xq_t xq_at(uint8_t *p, int64_t T, int64_t K, int P) {
+    uint8_t *lo = p + T * K + T * (K / 256) * 4 + T * (K / 32) * 2;
     return (xq_t){.c = (const int8_t *)p, .d = (const float *)(p + T * K),
                   .s = (const int16_t *)(p + T * K + T * (K / 256) * 4),
+                  .lo = P == 2 ? (const int8_t *)lo : NULL, .sl = P == 2 ? (const int16_t *)(lo + T * K) : NULL,
                   .K = K, .T = T};
 }
 
@@ -352,15 +380,15 @@ static void quantize(const void *x, int bf16, xq_t xq, int scalar) {
     pool_run(quant_task, &j, xq.T);
 }
 
-/* x [T, K] bf16 coded into out (xq_bytes(T, K) bytes, the layout xq_at reads): a layer's rows coded once, each
- * expert then gathering its own (sluice_prompt_expert with xc). Returns 0, -2 for bad arguments. */
-int sluice_prompt_code(const uint16_t *x, int64_t T, int64_t K, uint8_t *out, int scalar) {
-    if (T < 0 || K <= 0 || K % 256) return -2;
-    if (T) quantize(x, 1, xq_at(out, T, K), scalar);
+/* x [T, K] bf16 coded at P planes into out (xq_bytes(T, K, P) bytes, the layout xq_at reads): a layer's rows coded
+ * once, each expert then gathering its own (sluice_prompt_expert with xc). Returns 0, -2 for bad arguments. */
+int sluice_prompt_code(const uint16_t *x, int64_t T, int64_t K, uint8_t *out, int P, int scalar) {
+    if (T < 0 || K <= 0 || K % 256 || (P != 1 && P != 2)) return -2;
+    if (T) quantize(x, 1, xq_at(out, T, K, P), scalar);
     return 0;
 }
 
-int64_t sluice_prompt_code_bytes(int64_t T, int64_t K) { return (int64_t)xq_bytes(T, K); }
+int64_t sluice_prompt_code_bytes(int64_t T, int64_t K, int P) { return (int64_t)xq_bytes(T, K, P); }
 
 typedef struct {
     xq_t from, to;
@@ -372,6 +400,10 @@ static void gather_task(void *c, int64_t t) {  /* row idx[t] of `from` into row 
     int64_t K = j->to.K, r = j->idx[t];
     memcpy((int8_t *)j->to.c + t * K, j->from.c + r * K, (size_t)K);
     memcpy((float *)j->to.d + t * (K / 256), j->from.d + r * (K / 256), (size_t)(K / 256) * 4);
+    if (j->to.lo) {
+        memcpy((int8_t *)j->to.lo + t * K, j->from.lo + r * K, (size_t)K);
+        memcpy((int16_t *)j->to.sl + t * (K / 32), j->from.sl + r * (K / 32), (size_t)(K / 32) * 2);
+    }
     memcpy((int16_t *)j->to.s + t * (K / 32), j->from.s + r * (K / 32), (size_t)(K / 32) * 2);
 }
 
@@ -380,6 +412,7 @@ typedef struct {
     int scalar, m;
     int64_t nsb, tiles[MAX_PROJ + 1];  /* tiles[a]: the first task of projection a; tiles[m]: all */
     int64_t d[5 * MAX_PROJ];            /* m x (N, codes address, bytes per row, y address, ldy) */
+    int fmt[MAX_PROJ];                  /* Q4_K or Q6_K (prompt_q6k.c) */
     const xq_t *xq;
     volatile int failed;                /* a task found no memory for its tile */
 } tile_job;
@@ -393,49 +426,72 @@ static void tile_task(void *c, int64_t i) {
     const uint8_t *w = (const uint8_t *)(intptr_t)d[1];
     float *y = (float *)(intptr_t)d[3] + n0;
     int rows = N - n0 < TILE_ROWS ? (int)(N - n0) : TILE_ROWS;
-    uint8_t *tile = thread_scratch((size_t)(j->nsb * SB_TILE));  /* packed here, used by this task only */
+    /* packed here, used by this task only (the AVX2 tiles' wide codes after it) */
+    size_t bytes = j->fmt[a] == Q6_K ? (size_t)sluice_prompt_q6k_tile_bytes(j->nsb)
+                                     : (size_t)(j->nsb * (SB_TILE + SB_WIDE));
+    uint8_t *tile = thread_scratch(bytes);
     if (!tile) {
         ((tile_job *)j)->failed = 1;
         return;
     }
+    if (j->fmt[a] != Q4_K) {
+        int avx2 = SLUICE_X86 && sluice_avx2_ok(j->scalar) && sluice_simd();
+        if (j->fmt[a] == Q6_K) sluice_prompt_q6k_tile(w, d[2], N, j->nsb, n0, tile, j->xq, rows, y, ldy, avx2);
+        else sluice_prompt_q5k_tile(w, d[2], N, j->nsb, n0, tile, j->xq, rows, y, ldy, avx2);
+        return;
+    }
 #if SLUICE_X86
-    if (sluice_avx512_ok(j->scalar) && sluice_prompt_vnni()) {
+    if (!j->xq->lo && sluice_avx512_ok(j->scalar) && sluice_prompt_vnni()) {  /* one plane: the VNNI tiles */
         pack_tile_vnni(w, d[2], N, j->nsb, n0, tile);
         tile_vnni(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
         return;
     }
+    if (sluice_avx2_ok(j->scalar) && sluice_simd()) {
+        if (rows == TILE_ROWS && d[2] * (TILE_ROWS - 1) <= INT32_MAX)
+            sluice_prompt_pack_avx2(w + n0 * d[2], d[2], j->nsb, tile);
+        else
+            pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
+        sluice_prompt_tile_avx2(tile, tile + j->nsb * SB_TILE, 0, j->nsb, j->xq, rows, y, ldy);
+        return;
+    }
 #endif
     pack_tile_scalar(w, d[2], N, j->nsb, n0, tile);
-    tile_scalar(tile, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
+    sluice_prompt_tile_scalar(tile, NULL, j->nsb, j->xq, 0, j->xq->T, rows, y, ldy);
 }
 
-/* 0, or -1 for a bad descriptor */
+/* descs: m x (format, N, codes address, bytes per row, y address, ldy); 0, or -1 for a bad descriptor (a format
+ * other than Q4_K / Q6_K, or rows shorter than K's blocks) */
 static int tile_setup(tile_job *j, int64_t m, const int64_t *descs, int64_t K) {
     j->m = (int)m;
     j->nsb = K / 256;
     j->tiles[0] = 0;
     for (int64_t a = 0; a < m; a++) {
-        if (descs[5 * a] < 1 || descs[5 * a + 2] < 144 * j->nsb) return -1;
-        j->tiles[a + 1] = j->tiles[a] + (descs[5 * a] + TILE_ROWS - 1) / TILE_ROWS;
-        for (int k = 0; k < 5; k++) j->d[5 * a + k] = descs[5 * a + k];
+        const int64_t *e = descs + 6 * a;
+        if ((e[0] != Q4_K && e[0] != Q5_K && e[0] != Q6_K) || e[1] < 1
+            || e[3] < (e[0] == Q4_K ? 144 : e[0] == Q5_K ? 176 : 210) * j->nsb)
+            return -1;
+        j->fmt[a] = (int)e[0];
+        j->tiles[a + 1] = j->tiles[a] + (e[1] + TILE_ROWS - 1) / TILE_ROWS;
+        for (int k = 0; k < 5; k++) j->d[5 * a + k] = e[1 + k];
     }
     return 0;
 }
 
-/* y_a [T, N_a] (float32, rows ldy_a apart) = x [T, K] @ W_a^T for m <= 4 Q4_K projections of one x (an expert's
- * gate and up; its down), x float32 or bf16 (bf16 = 1), K a multiple of 256: x coded once, the 16-row tiles of
- * all projections split over the pool. descs: m x (N, codes address, bytes per row, y address, ldy). Each y element
- * is the same bits whichever thread ran it and whatever T. Returns 0, -1 when the scratch cannot be allocated, -2
- * for bad arguments. */
-int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x, int bf16, int64_t T, int scalar) {
-    if (m < 1 || m > MAX_PROJ || K <= 0 || K % 256 || T < 0) return -2;
+/* y_a [T, N_a] (float32, rows ldy_a apart) = x [T, K] @ W_a^T for m <= 4 Q4_K / Q6_K projections of one x (an
+ * expert's gate and up; its down), x float32 or bf16 (bf16 = 1), K a multiple of 256: x coded once at P planes,
+ * the 16-row tiles of all projections split over the pool. descs: m x (format, N, codes address, bytes per row,
+ * y address, ldy). Each y element is the same bits whichever thread ran it and whatever T. Returns 0, -1 when the
+ * scratch cannot be allocated, -2 for bad arguments. */
+int sluice_prompt_linears(int64_t m, const int64_t *descs, int64_t K, const void *x, int bf16, int64_t T, int P,
+                      int scalar) {
+    if (m < 1 || m > MAX_PROJ || K <= 0 || K % 256 || T < 0 || (P != 1 && P != 2)) return -2;
     if (T == 0) return 0;
     tile_job j = {.scalar = scalar};
     if (tile_setup(&j, m, descs, K) < 0) return -2;
     int owned;
-    uint8_t *buf = keep_take(xq_bytes(T, K), &owned);
+    uint8_t *buf = keep_take(xq_bytes(T, K, P), &owned);
     if (!buf) return -1;
-    xq_t xq = xq_at(buf, T, K);
+    xq_t xq = xq_at(buf, T, K, P);
     j.xq = &xq;
     quantize(x, bf16, xq, scalar);
     pool_run(tile_task, &j, j.tiles[m]);
@@ -448,7 +504,7 @@ int sluice_prompt_q4k(int64_t m, const int64_t *descs, int64_t K, const void *x,
 typedef struct {
     float *gu;         /* [T, 2I]: gate | up, then silu(gate) * up over the gate half */
     int64_t I;
-    xq_t xq;           /* the product coded for a Q4_K down (xq.c NULL: written as bf16 to h) */
+    xq_t xq;           /* the product coded for the down (xq.c NULL: written as bf16 to h) */
     uint16_t *h;
     int scalar;
 } glu_job;
@@ -459,12 +515,13 @@ static void glu_task(void *c, int64_t t) {
 #if SLUICE_X86
     if (sluice_avx512_ok(j->scalar) && sluice_prompt_vnni())
         silu_mul_vnni(g, u, j->I);
+    else if (sluice_avx2_ok(j->scalar) && sluice_simd())
+        sluice_prompt_silu_mul_avx2(g, u, j->I);
     else
 #endif
         silu_mul_scalar(g, u, j->I);
     if (j->xq.c)
-        quant_row(g, 0, j->I, (int8_t *)j->xq.c + t * j->I, (float *)j->xq.d + t * (j->I / 256),
-                  (int16_t *)j->xq.s + t * (j->I / 32), j->scalar);
+        quant_row(g, 0, &j->xq, t, j->scalar);
     else
         sluice_to_bf16(j->I, g, j->h + t * j->I, j->scalar);
 }
@@ -481,23 +538,25 @@ static void bf16_task(void *c, int64_t t) {
     sluice_to_bf16(j->H, j->y + t * j->H, j->out + t * j->H, j->scalar);
 }
 
-/* y [T, H] bf16 = down(silu(gate x) * up x) for x [T, H] bf16, gate and up Q4_K [I, H] (gq / uq and their bytes
+/* y [T, H] bf16 = down(silu(gate x) * up x) for x [T, H] bf16, gate and up [I, H] of format gfmt (Q4_K, or Q5_K
+ * / Q6_K on the AVX2 and portable tiles; gq / uq and their bytes
  * per row; uq NULL: gq holds [gate; up] as one [2I, H] matrix), in one call: x coded once, gate and up tiles over
- * the pool, silu(g) * u in float32 (exp_poly) per row, then a Q4_K down (dq not NULL; I a multiple of 256)
- * on the product coded again, its float32 rows rounded to bf16 into y; with dq NULL the product is written rounded
- * to bf16 into h [T, I] for the caller's down. Returns 0, -1 when the scratch cannot be allocated, -2 for bad
+ * the pool, silu(g) * u in float32 (exp_poly) per row, then a Q4_K or Q6_K down (dfmt; dq not NULL; I a multiple
+ * of 256) on the product coded again, its float32 rows rounded to bf16 into y; with dq NULL the product is written
+ * rounded to bf16 into h [T, I] for the caller's down. Returns 0, -1 when the scratch cannot be allocated, -2 for bad
  * arguments. */
-int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                         int64_t drb, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y, uint16_t *h,
-                         int scalar) {
-    return sluice_prompt_expert_coded(gq, grb, uq, urb, dq, drb, H, I, x, NULL, 0, NULL, T, y, h, scalar);
+int sluice_prompt_expert(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, int gfmt,
+                         const uint8_t *dq, int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, int64_t T, uint16_t *y,
+                         uint16_t *h, int P, int scalar) {
+    return sluice_prompt_expert_coded(gq, grb, uq, urb, gfmt, dq, drb, dfmt, H, I, x, NULL, 0, NULL, T, y, h, P, scalar);
 }
 
 /* sluice_prompt_expert on rows idx[0 .. T) of a layer's coded rows xc (sluice_prompt_code of Tc rows) when xc is
  * not NULL (x unused): each row's codes are the bytes coding it alone gives, so the result is the same bits */
-int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, const uint8_t *dq,
-                               int64_t drb, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
-                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int scalar) {
+int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq, int64_t urb, int gfmt,
+                               const uint8_t *dq, int64_t drb, int dfmt, int64_t H, int64_t I, const uint16_t *x, const uint8_t *xc, int64_t Tc,
+                               const int64_t *idx, int64_t T, uint16_t *y, uint16_t *h, int P, int scalar) {
+    if (P != 1 && P != 2) return -2;
     if (H <= 0 || H % 256 || I <= 0 || (dq && I % 256) || T < 0 || (!dq && !h) || (dq && !y)) return -2;
     if (xc && !idx) return -2;
     for (int64_t t = 0; xc && t < T; t++)
@@ -505,29 +564,29 @@ int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq
     if (T == 0) return 0;
     tile_job up = {.scalar = scalar}, dn = {.scalar = scalar};
     float *gu_base = NULL;
-    int64_t du[10] = {I, (intptr_t)gq, grb, 0, 2 * I, I, (intptr_t)uq, urb, 0, 2 * I};
-    if (!uq) du[0] = 2 * I;
-    int64_t dd[5] = {H, (intptr_t)dq, drb, 0, H};
+    int64_t du[12] = {gfmt, I, (intptr_t)gq, grb, 0, 2 * I, gfmt, I, (intptr_t)uq, urb, 0, 2 * I};
+    if (!uq) du[1] = 2 * I;
+    int64_t dd[6] = {dfmt, H, (intptr_t)dq, drb, 0, H};
     if (tile_setup(&up, uq ? 2 : 1, du, H) < 0 || (dq && tile_setup(&dn, 1, dd, I) < 0)) return -2;
-    size_t xb = xq_bytes(T, H), gb = (size_t)(T * 2 * I) * 4;
-    size_t hb = dq ? xq_bytes(T, I) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
+    size_t xb = xq_bytes(T, H, P), gb = (size_t)(T * 2 * I) * 4;
+    size_t hb = dq ? xq_bytes(T, I, P) : 0, yb = dq ? (size_t)(T * H) * 4 : 0;
     int owned;
     uint8_t *buf = keep_take(xb + gb + hb + yb, &owned);
     if (!buf) return -1;
-    xq_t xq = xq_at(buf, T, H);
+    xq_t xq = xq_at(buf, T, H, P);
     gu_base = (float *)(buf + xb);
     up.d[3] = (intptr_t)gu_base;
     up.d[8] = (intptr_t)(gu_base + I);
     up.xq = &xq;
     if (xc) {
-        gather_job gj = {.from = xq_at((uint8_t *)xc, Tc, H), .to = xq, .idx = idx};
+        gather_job gj = {.from = xq_at((uint8_t *)xc, Tc, H, P), .to = xq, .idx = idx};
         pool_run(gather_task, &gj, T);
     } else {
         quantize(x, 1, xq, scalar);
     }
     pool_run(tile_task, &up, up.tiles[up.m]);
     glu_job g = {.gu = gu_base, .I = I, .h = h, .scalar = scalar};
-    if (dq) g.xq = xq_at(buf + xb + gb, T, I);
+    if (dq) g.xq = xq_at(buf + xb + gb, T, I, P);
     pool_run(glu_task, &g, T);
     if (dq) {
         float *yf = (float *)(buf + xb + gb + hb);

@@ -2,8 +2,9 @@
 "int8" where the CPU has AVX512-VNNI.
 
     from sluice.quant.native import prompt
-    prompt.available()                         # the extension is built and this CPU has AVX512-VNNI (Compute.int8_prompt
-                                               # decides whether a model takes these kernels)
+    prompt.available()                         # the extension is built and this CPU has AVX512-VNNI
+    prompt.avx2()                              # ... and AVX2 (prompt_avx2.c; Compute.prompt_planes decides whether a
+                                               # model takes these kernels, and at how many planes)
     prompt.supported(spec)                     # a Q4_K projection whose in_features is a multiple of 256
     prompt.linears([(spec, raw, out), ...], x) # out_a float32 [T, N_a] (views with a row stride allowed) = x @ W_a^T
     prompt.expert((gate, raw), (up, raw), (down, raw), x, out)   # out bf16 [T, H] = down(silu(gate x) * up x)
@@ -18,6 +19,18 @@ and on the portable path too. Against a bf16 GEMM on the dequantized weights it 
 gate / up 0.450 ms against 0.718 to dequantize and multiply in bf16 (0.612 for the GEMM alone), its [256 x 512] @
 [512 x 1024] down 0.230 against 0.379 (`.venv/bin/python benchmarks/prefill/knobs.py gemm`, 2 threads). Q6_K (a
 Q4_K_M file's other format) was tried the same way and dropped: no faster than its bf16 GEMM inside the model.
+
+Where a prompt's GEMMs are float32 (no bf16 dot products: AVX2 CPUs, or --isa avx2; Compute.prompt_planes) the AVX2
+tiles (prompt_avx2.c; Q6_K in prompt_q6k.c) run at either coding: planes=2 (activations int16) adds a second plane,
+lo = rint((x / D - code) * 256), whose integer sums are scaled by D / 256 (x to ~1/32,000 of each block's max,
+relative error ~3e-5 a projection). Against what such a CPU ran before, dequantizing to float32 for torch's float32
+GEMM, 256 rows, 2 threads, Intel Xeon (Sapphire Rapids VM) with sluice, torch and MKL capped at AVX2
+(`MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python
+benchmarks/prefill/knobs.py tiles`), ms int16 / int8 / float32: Q4_K [256 x 1024] @ [1024 x 512] 1.71 / 1.00 / 1.79,
+[256 x 512] @ [512 x 1024] 1.62 / 0.89 / 2.59; Q6_K [256 x 512] @ [512 x 1024] 1.94 / 1.01 / 1.80; one peers expert
+(expert(), Q4_K down) 4.91 / 2.78 against 6.37 for its three projections in turn. int16 takes two maddubs per weight
+and 8-bit code where the float32 GEMM takes one FMA lane: ~1.3x is its ceiling on AVX2; int8 (llama.cpp's coding)
+~2.3x.
 """
 
 from __future__ import annotations
@@ -27,24 +40,26 @@ import ctypes
 import torch
 
 from ..spec import QuantSpec
-from ._lib import BEST, LIB as _LIB, desc as _desc, need
+from ._lib import BEST, LIB as _LIB, desc as _desc, need, simd
 
 if _LIB is not None:
     _LIB.sluice_prompt_vnni.restype = ctypes.c_int
-    _LIB.sluice_prompt_q4k.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.c_int64, ctypes.c_int]  # m, descs, K, x, bf16, T, scalar
-    _LIB.sluice_prompt_q4k.restype = ctypes.c_int
+    _LIB.sluice_prompt_linears.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    _LIB.sluice_prompt_linears.restype = ctypes.c_int  # m, descs, K, x, bf16, T, planes, path
     _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-    # gate (codes, bytes per row), up, down, H, I, x, T, y, h, scalar
-    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 3 + [_i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
+    # gate (codes, bytes per row), up, their format, down, its format, H, I, x, T, y, h, planes, path
+    _LIB.sluice_prompt_expert.argtypes = [_ptr, _i64] * 2 + [ctypes.c_int, _ptr, _i64, ctypes.c_int, _i64, _i64, _ptr,
+                                                             _i64, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
     _LIB.sluice_prompt_expert.restype = ctypes.c_int
-    # the same with a layer's coded rows: ..., x, coded rows, their count, row indices, T, y, h, scalar
-    _LIB.sluice_prompt_expert_coded.argtypes = ([_ptr, _i64] * 3 + [_i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
-                                                                    _ptr, ctypes.c_int])
+    # the same with a layer's coded rows: ..., x, coded rows, their count, row indices, T, y, h, planes, path
+    _LIB.sluice_prompt_expert_coded.argtypes = ([_ptr, _i64] * 2 + [ctypes.c_int, _ptr, _i64, ctypes.c_int, _i64, _i64,
+                                                                    _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
+                                                                    ctypes.c_int, ctypes.c_int])
     _LIB.sluice_prompt_expert_coded.restype = ctypes.c_int
-    _LIB.sluice_prompt_code.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]  # x, T, K, out, scalar
+    _LIB.sluice_prompt_code.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, ctypes.c_int]  # x, T, K, out, P, path
     _LIB.sluice_prompt_code.restype = ctypes.c_int
-    _LIB.sluice_prompt_code_bytes.argtypes = [_i64, _i64]
+    _LIB.sluice_prompt_code_bytes.argtypes = [_i64, _i64, ctypes.c_int]
     _LIB.sluice_prompt_code_bytes.restype = _i64
 
 
@@ -54,17 +69,31 @@ def available() -> bool:
     return _LIB is not None and bool(_LIB.sluice_prompt_vnni())
 
 
-def supported(spec: QuantSpec) -> bool:
-    """Whether prompt.c computes this projection: GGUF Q4_K with in_features a multiple of 256."""
-    return spec.family == "ggml" and spec.name == "Q4_K" and spec.in_features % 256 == 0
+def avx2() -> bool:
+    """Whether prompt.c's AVX2 tiles (prompt_avx2.c) run here: the extension is built and the CPU has AVX2 + FMA +
+    F16C."""
+    return _LIB is not None and simd()
+
+
+#: the formats each kind of tiles computes: the VNNI tiles Q4_K (Q6_K was tried and dropped there: below), the AVX2
+#: and portable tiles Q4_K, Q5_K and Q6_K (Compute.prompt_formats says which a model's prompt takes)
+VNNI_FORMATS, AVX2_FORMATS = frozenset({"Q4_K"}), frozenset({"Q4_K", "Q5_K", "Q6_K"})
+
+
+def supported(spec: QuantSpec, formats: frozenset = VNNI_FORMATS) -> bool:
+    """Whether prompt.c computes this projection among `formats`: a GGUF type of them with in_features a multiple of
+    256."""
+    return spec.family == "ggml" and spec.name in formats and spec.in_features % 256 == 0
 
 
 def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: torch.Tensor, *,
-            path: int = BEST) -> None:
-    """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K projections sharing x [T, K] (float32 or bf16,
-    contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
-    output is fine). x is coded once; the tiles of all projections run over the native pool."""
+            planes: int = 1, path: int = BEST) -> None:
+    """out = x @ W^T for each (spec, raw, out) of up to 4 Q4_K, Q5_K or Q6_K projections (Q5_K / Q6_K always on the
+    AVX2 or portable tiles) sharing x [T, K] (float32 or bf16, contiguous): raw the stored bytes, out float32 [T, N] with unit column stride (a column slice of a wider
+    output is fine). x is coded once, at `planes` (1 or 2) planes of 8-bit codes; the tiles of all projections run
+    over the native pool."""
     need()
+    _check_planes(planes)
     if not 1 <= len(projections) <= 4:
         raise ValueError(f"prompt.linears takes 1 to 4 projections, got {len(projections)}")
     if not (isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
@@ -74,9 +103,9 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
     t, k = x.shape
     vals: list[int] = []
     for spec, raw, out in projections:
-        if not supported(spec):
-            raise ValueError(f"prompt.linears computes Q4_K with in_features a multiple of 256, got {spec.name} "
-                             f"[{spec.out_features}, {spec.in_features}]")
+        if not supported(spec, AVX2_FORMATS):
+            raise ValueError(f"prompt.linears computes Q4_K, Q5_K and Q6_K with in_features a multiple of 256, got "
+                             f"{spec.name} [{spec.out_features}, {spec.in_features}]")
         if spec.in_features != k:
             raise ValueError(f"x has {k} columns, {spec.name} [{spec.out_features}, {spec.in_features}] needs "
                              f"{spec.in_features}")
@@ -85,58 +114,69 @@ def linears(projections: list[tuple[QuantSpec, torch.Tensor, torch.Tensor]], x: 
                 and out.stride(0) >= spec.out_features):
             got = f"{out.dtype} {list(out.shape)} strides {out.stride()}" if isinstance(out, torch.Tensor) else out
             raise ValueError(f"out must be float32 [{t}, {spec.out_features}] with unit column stride, got {got}")
-        _, n, _, q, row_bytes, *_ = _desc(spec, raw)
-        vals += (n, q, row_bytes, out.data_ptr(), out.stride(0))
-    rc = _LIB.sluice_prompt_q4k(len(projections), (ctypes.c_int64 * len(vals))(*vals), k, x.data_ptr(),
-                                int(x.dtype is torch.bfloat16), t, path)
+        fmt, n, _, q, row_bytes, *_ = _desc(spec, raw)
+        vals += (fmt, n, q, row_bytes, out.data_ptr(), out.stride(0))
+    rc = _LIB.sluice_prompt_linears(len(projections), (ctypes.c_int64 * len(vals))(*vals), k, x.data_ptr(),
+                                int(x.dtype is torch.bfloat16), t, planes, path)
     if rc == -1:
         raise MemoryError(f"prompt.linears: no memory for the packed weights and the [{t} x {k}] codes")
     if rc:
         raise ValueError(f"prompt.linears: the kernel refused its arguments (code {rc})")
 
 
-def _codes(spec: QuantSpec, raw: torch.Tensor, n: int, k: int, what: str) -> tuple[int, int]:
-    """(codes address, bytes per row) of a Q4_K projection [n, k], checked."""
-    if not supported(spec) or (spec.out_features, spec.in_features) != (n, k):
-        raise ValueError(f"prompt.expert: {what} must be Q4_K [{n}, {k}], got {spec.name} "
+def _codes(spec: QuantSpec, raw: torch.Tensor, n: int, k: int, what: str,
+           formats: frozenset = VNNI_FORMATS) -> tuple[int, int, int]:
+    """(codes address, bytes per row, C format) of a projection [n, k] of `formats`, checked."""
+    if not supported(spec, formats) or (spec.out_features, spec.in_features) != (n, k):
+        raise ValueError(f"prompt.expert: {what} must be {' or '.join(sorted(formats))} [{n}, {k}], got {spec.name} "
                          f"[{spec.out_features}, {spec.in_features}]")
-    _, _, _, q, row_bytes, *_ = _desc(spec, raw)
-    return q, row_bytes
+    fmt, _, _, q, row_bytes, *_ = _desc(spec, raw)
+    return q, row_bytes, fmt
+
+
+def _check_planes(planes: int) -> None:
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 (int8 activations) or 2 (int16), got {planes}")
 
 
 class Coded:
-    """A [T, K] bf16 x coded once (code()): the bytes prompt.c reads, for experts that each take some of its rows."""
+    """A [T, K] bf16 x coded once (code()) at `planes` planes: the bytes prompt.c reads, for experts that each take
+    some of its rows (at the same planes)."""
 
-    def __init__(self, data: torch.Tensor, rows: int, cols: int):
-        self.data, self.rows, self.cols = data, rows, cols
+    def __init__(self, data: torch.Tensor, rows: int, cols: int, planes: int):
+        self.data, self.rows, self.cols, self.planes = data, rows, cols, planes
 
 
-def code(x: torch.Tensor, *, path: int = BEST) -> Coded:
+def code(x: torch.Tensor, *, planes: int = 1, path: int = BEST) -> Coded:
     """x bf16 [T, K] (contiguous, K a multiple of 256) coded as every call here codes its x, once: each row's bytes
     are those coding the row alone gives, so an expert on some of these rows (expert(..., rows=)) computes the same
     bits as on those rows of x."""
     need()
+    _check_planes(planes)
     if not (isinstance(x, torch.Tensor) and x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_cpu
             and x.is_contiguous() and x.shape[1] % 256 == 0):
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"prompt.code: x must be a contiguous CPU bf16 [T, K] tensor, K a multiple of 256, got {got}")
     t, k = x.shape
-    data = torch.empty(_LIB.sluice_prompt_code_bytes(t, k), dtype=torch.uint8)
-    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), path):
+    data = torch.empty(_LIB.sluice_prompt_code_bytes(t, k, planes), dtype=torch.uint8)
+    if _LIB.sluice_prompt_code(x.data_ptr(), t, k, data.data_ptr(), planes, path):
         raise ValueError(f"prompt.code: the kernel refused x [{t}, {k}]")
-    return Coded(data, t, k)
+    return Coded(data, t, k, planes)
 
 
 def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tensor] | None,
            down: tuple[QuantSpec, torch.Tensor] | None, x: "torch.Tensor | Coded", out: torch.Tensor,
-           rows: torch.Tensor | None = None, *, path: int = BEST) -> None:
-    """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K; up None
-    when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K down on it coded again, its
-    rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I] instead (for
-    a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
-    it), the expert runs on those rows of the coded x, the same bits as on those rows of x itself."""
+           rows: torch.Tensor | None = None, *, planes: int = 1, path: int = BEST) -> None:
+    """One SwiGLU expert on a prompt's rows in one native call: x bf16 [T, H] coded once, gate and up (Q4_K, Q5_K or Q6_K, one format; up None
+    when gate is [gate; up] as one [2I, H] matrix), silu(g) * u in float32, then a Q4_K or Q6_K down on it coded
+    again, its rows rounded to bf16 into out [T, H]; down None writes the product rounded to bf16 into out [T, I]
+    instead (for a down of another format, run by the caller). With x a Coded (code()) and `rows` (int64 [T] row indices into
+    it), the expert runs on those rows of the coded x, the same bits as on those rows of x itself. `planes`: the
+    activations' coding (a Coded x carries its own)."""
     need()
+    _check_planes(planes)
     if isinstance(x, Coded):
+        planes = x.planes
         if not (isinstance(rows, torch.Tensor) and rows.dtype is torch.int64 and rows.dim() == 1
                 and rows.is_contiguous() and rows.is_cpu):
             raise ValueError(f"prompt.expert: rows must be a contiguous CPU int64 [T] tensor with a Coded x, got "
@@ -149,9 +189,11 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
     else:
         t, h = x.shape
     i = gate[0].out_features // (1 if up is not None else 2)
-    g = _codes(*gate, i if up is not None else 2 * i, h, "gate")
-    u = _codes(*up, i, h, "up") if up is not None else (None, 0)
-    d = _codes(*down, h, i, "down") if down is not None else (None, 0)
+    g = _codes(*gate, i if up is not None else 2 * i, h, "gate", AVX2_FORMATS)
+    u = _codes(*up, i, h, "up", AVX2_FORMATS) if up is not None else (None, 0, g[2])
+    if u[2] != g[2]:
+        raise ValueError(f"prompt.expert: gate and up must share a format, got {gate[0].name} and {up[0].name}")
+    d = _codes(*down, h, i, "down", AVX2_FORMATS) if down is not None else (None, 0, 0)
     n = h if down is not None else i
     if not (isinstance(out, torch.Tensor) and out.dtype is torch.bfloat16 and out.is_cpu and out.is_contiguous()
             and tuple(out.shape) == (t, n)):
@@ -159,10 +201,10 @@ def expert(gate: tuple[QuantSpec, torch.Tensor], up: tuple[QuantSpec, torch.Tens
         raise ValueError(f"out must be a contiguous bf16 [{t}, {n}] tensor, got {got}")
     y, hh = (out.data_ptr(), None) if down is not None else (None, out.data_ptr())
     if isinstance(x, Coded):
-        rc = _LIB.sluice_prompt_expert_coded(*g, *u, *d, h, i, None, x.data.data_ptr(), x.rows, rows.data_ptr(), t,
-                                             y, hh, path)
+        rc = _LIB.sluice_prompt_expert_coded(*g[:2], *u, *d, h, i, None, x.data.data_ptr(), x.rows, rows.data_ptr(), t,
+                                             y, hh, planes, path)
     else:
-        rc = _LIB.sluice_prompt_expert(*g, *u, *d, h, i, x.data_ptr(), t, y, hh, path)
+        rc = _LIB.sluice_prompt_expert(*g[:2], *u, *d, h, i, x.data_ptr(), t, y, hh, planes, path)
     if rc == -1:
         raise MemoryError(f"prompt.expert: no memory for a [{t} x {h}] expert's scratch")
     if rc:
