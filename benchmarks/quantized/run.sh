@@ -29,8 +29,9 @@
 #
 #   bash benchmarks/quantized/run.sh              # ROUNDS=3 STEPS=8 WARMUP=2; SETS="peers 6GiB resident bf16"
 #   ISA=avx2 bash benchmarks/quantized/run.sh     # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
-#                                                 # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama.cpp built
-#                                                 # for AVX2 (peers/setup.sh AVX2=1); results in <set>-avx2
+#                                                 # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (and MKL's float32
+#                                                 # GEMM, which ignores both: MKL_ENABLE_INSTRUCTIONS=AVX2), llama.cpp
+#                                                 # built for AVX2 (peers/setup.sh AVX2=1); results in <set>-avx2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-8}; WARMUP=${WARMUP:-2}
@@ -42,7 +43,7 @@ QUANT=(nice -n 19 "$PEER_PY" benchmarks/quality.py quantize)
 WANT_ISA=${ISA:-auto}; ISA=(); TAG=""
 if [ "$WANT_ISA" = avx2 ]; then  # the quantizer above stays the native build's; the arms take the AVX2 one
   ISA=(--isa avx2); TAG="-avx2"; PEER_PY=benchmarks/peers/.venv-avx2/bin/python
-  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
   [ -x "$PEER_PY" ] && "$PEER_PY" -c "import llama_cpp" 2>/dev/null || AVX2=1 bash benchmarks/peers/setup.sh
 fi
 SLUICE=(nice -n 19 .venv/bin/sluice)
