@@ -20,9 +20,10 @@
 #   bf16    sluice on the peers model's bf16 folder at 1 GiB: the bytes and time quantization saves
 #   fits    the peers Q4_K_M file at a 1.5 GiB ceiling, where it about fits: sluice's defaults (--memory auto)
 #           and a 1 GiB budget against llama.cpp's three arms
-#   lowbit  issue 32's resident rows: the peers model quantized by llama.cpp to Q2_K and IQ4_XS (no importance
-#           matrix needed), no ceiling, warm, same threads, sluice (defaults, and the activation coding auto did not
-#           pick) against the three llama.cpp arms; one folder per type (resident-Q2_K, resident-IQ4_XS)
+#   lowbit  issue 32's resident rows: the peers model quantized by llama.cpp to Q2_K, IQ4_XS and IQ2_XXS (with an
+#           importance matrix: LOWBIT="..." picks the types), no ceiling, warm, same threads, sluice (defaults,
+#           and the activation coding auto did not pick) against the three llama.cpp arms; one folder per type
+#           (resident-<type>)
 #
 #   prompt  issue 33's prompt row: the peers Q4_K_M file at a 1 GiB ceiling, cold, a 2,048-token prompt, sluice's
 #           default options (--memory auto, --io direct) against llama.cpp's three arms (prompt tok/s)
@@ -54,8 +55,16 @@ model() {  # model DIR make-model-args...: the bf16 folder, its bf16 GGUF and ll
   [ -f "$dir/model.gguf" ] || "${SLUICE[@]}" export-gguf "$dir" "$dir/model.gguf" --dtype bf16
   [ -f "$dir/model-Q4_K_M.gguf" ] || "${QUANT[@]}" "$dir/model.gguf" "$dir/model-Q4_K_M.gguf" Q4_K_M
 }
-quant() {  # quant DIR TYPE: llama.cpp's TYPE of DIR's bf16 GGUF
-  [ -f "$1/model-$2.gguf" ] || "${QUANT[@]}" "$1/model.gguf" "$1/model-$2.gguf" "$2"
+quant() {  # quant DIR TYPE: llama.cpp's TYPE of DIR's bf16 GGUF; the IQ1 / IQ2 types with an importance matrix of
+           # the model's own activations (benchmarks/imatrix.py, 32 windows of the demo corpus' training text)
+  [ -f "$1/model-$2.gguf" ] && return
+  case $2 in
+    IQ1_*|IQ2_*)
+      [ -f "$1/model.imatrix" ] || nice -n 19 .venv/bin/python benchmarks/quality.py imatrix "$1/model.imatrix" \
+        --model "$1" --chunks 32
+      "${QUANT[@]}" "$1/model.gguf" "$1/model-$2.gguf" "$2" --imatrix "$1/model.imatrix" ;;
+    *) "${QUANT[@]}" "$1/model.gguf" "$1/model-$2.gguf" "$2" ;;
+  esac
 }
 PEERS=benchmarks/models/qwen3_moe-peers
 SIX=benchmarks/models/qwen3_moe-6GiB-i512
@@ -97,9 +106,9 @@ for set in $SETS; do
     resident)
       resident "$PEERS/model-Q4_K_M.gguf" "$OUT/resident" int8 ;;
     lowbit)
-      for t in Q2_K IQ4_XS; do  # --activations auto: int8 for Q2_K (2.9 bits a weight), int16 for IQ4_XS (4.3)
-        quant "$PEERS" "$t"
-        resident "$PEERS/model-$t.gguf" "$OUT/resident-$t" "$([ $t = Q2_K ] && echo int16 || echo int8)"
+      for t in ${LOWBIT:-Q2_K IQ4_XS IQ2_XXS}; do  # --activations auto: int8 under 4 bits a weight (Q2_K 2.9,
+        quant "$PEERS" "$t"                        # IQ2_XXS), int16 above (IQ4_XS 4.3)
+        resident "$PEERS/model-$t.gguf" "$OUT/resident-$t" "$([ $t = IQ4_XS ] && echo int8 || echo int16)"
       done ;;
     bf16)
       bench "$PEERS" "$OUT/bf16-1GiB" --cold --ceiling 1GiB --arm sluice-bf16="--io direct --memory 640MiB" ;;
