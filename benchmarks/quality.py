@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/quality.py parity               # logits vs transformers, the tiny test checkpoints
     PYTHONPATH=. .venv/bin/python benchmarks/quality.py perplexity [--context 256] [--out benchmarks/results/perplexity]
     benchmarks/peers/.venv/bin/python benchmarks/quality.py quantize IN.gguf OUT.gguf Q4_K_M   # the peers venv
+    PYTHONPATH=. .venv/bin/python benchmarks/quality.py imatrix OUT.imatrix [--model DIR] [--chunks 200]
+    benchmarks/peers/.venv/bin/python benchmarks/quality.py quantize IN.gguf OUT.gguf IQ2_XXS --imatrix OUT.imatrix
 
 (They were benchmarks/parity.py, benchmarks/perplexity.py and benchmarks/quantized/quantize_llamacpp.py; the
 tokenizer's agreement with llama.cpp is benchmarks/tokenizer_llamacpp.py.)
@@ -27,7 +29,18 @@ with sluice's for the same file. `use_extra_bufts=False`: llama.cpp's repacking 
 files on this CPU family. Default --context 256: the length the demo model was trained on.
 
 quantize: a GGUF quantized by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize), as the K-quant
-files users download are made; runs in the peers venv (benchmarks/quantized/run.sh makes its Q4_K_M files so).
+and IQ files users download are made; runs in the peers venv (benchmarks/quantized/run.sh makes its Q4_K_M files so).
+`--imatrix FILE` passes an importance matrix (`llama-quantize --imatrix`): IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S and
+IQ3_XXS are refused without one. llama.h takes it as an array of {name, floats, count} ended by a NULL name
+(`llama_model_quantize_params.imatrix`; llama-quant.cpp builds its name -> vector map from it), which ctypes builds
+here: no C++ is needed.
+
+imatrix: the importance matrix llama-imatrix would compute (benchmarks/imatrix.py says what each entry holds: per
+weight and input column the mean of x^2, per expert over the tokens routed to it), from the model's float32 forward
+in transformers over --chunks windows of --context tokens spread evenly over the demo corpus' TRAINING split
+(build/demo/corpus/train.jsonl, never the validation text perplexity scores). One command makes a file for the demo:
+`PYTHONPATH=. .venv/bin/python benchmarks/quality.py imatrix build/demo.imatrix` (~40 s); then `quantize ...
+IQ2_XXS --imatrix build/demo.imatrix`. A missing or malformed file is one line naming it and the entry.
 
 This module imports only the standard library at its top: `quantize` and perplexity's llama.cpp side run in the
 peers venv.
@@ -50,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 FILES = ("bf16", "q8_0", "Q4_K_M", "q4_0")  # perplexity's table order; Q4_K_M is llama.cpp's
 PEER_PYTHON = ROOT / "benchmarks/peers/.venv/bin/python"
+IMATRIX_CHUNKS = 200  # x 256 tokens = 51,200 of the training split's ~1.0M (llama-imatrix's docs use ~100 x 512)
 
 
 # -- parity ----------------------------------------------------------------------------------------------------------
@@ -80,18 +94,26 @@ def parity(args) -> None:
 
 # -- quantize (runs in the peers venv) -------------------------------------------------------------------------------
 def quantize(src: Path, dst: Path, kind: str, threads: int | None = None, embed_type: str | None = None,
-             requantize: bool = False) -> None:
-    """llama.cpp's own `kind` (Q4_K_M, Q5_K_M, Q8_0, Q4_0, ...) of the GGUF src, written to dst (what
+             requantize: bool = False, imatrix: Path | None = None) -> None:
+    """llama.cpp's own `kind` (Q4_K_M, Q5_K_M, Q8_0, Q4_0, IQ2_XXS, ...) of the GGUF src, written to dst (what
     `llama-quantize src dst kind` writes); threads: the quantizer's (default: every CPU); embed_type: the token
     embeddings' type, qwen4exp's n-gram table (per_layer_token_embd) included (`llama-quantize
-    --token-embedding-type`); requantize: accept an already quantized src (`--allow-requantize`)."""
+    --token-embedding-type`); requantize: accept an already quantized src (`--allow-requantize`); imatrix: an
+    importance matrix file (benchmarks/imatrix.py; `llama-quantize --imatrix`), which IQ1_*, IQ2_XXS/XS/S and IQ3_XXS
+    need."""
     import ctypes
 
+    from benchmarks import imatrix as imx
+
+    try:  # a bad file is one line before llama.cpp loads
+        entries = imx.flat(imx.read(imatrix)[0]) if imatrix is not None else None
+    except imx.ImatrixError as e:
+        raise SystemExit(f"error: {e}") from None
     import llama_cpp
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}", None)
     if ftype is None:
-        raise SystemExit(f"error: unknown type {kind!r} (e.g. Q4_K_M, Q5_K_M, Q8_0, Q4_0)")
+        raise SystemExit(f"error: unknown type {kind!r} (e.g. Q4_K_M, Q3_K_M, Q2_K, IQ4_XS, IQ2_XXS, Q8_0)")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = threads or os.cpu_count() or 1
@@ -100,18 +122,50 @@ def quantize(src: Path, dst: Path, kind: str, threads: int | None = None, embed_
         params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{embed_type.upper()}", None)
         if params.token_embedding_type is None:
             raise SystemExit(f"error: unknown tensor type {embed_type!r} (e.g. Q8_0, F16, BF16)")
+    if entries is not None:  # llama.h: an array of {name, data, size}, ended by a NULL name
+        Entry = llama_cpp.llama_cpp.llama_model_imatrix_data
+        table = (Entry * (len(entries) + 1))()  # zeroed: the last entry's name is NULL
+        for row, (name, values) in zip(table, entries.items()):
+            row.name, row.size = name.encode(), values.size
+            row.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))  # `entries` keeps the floats alive
+        params.imatrix = ctypes.cast(table, ctypes.POINTER(Entry))
     tmp = Path(dst).with_name(Path(dst).name + ".partial")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
         tmp.unlink(missing_ok=True)
-        raise SystemExit(f"error: llama_model_quantize returned {rc}")
+        raise SystemExit(f"error: llama_model_quantize returned {rc} (its reason is logged above)")
     os.replace(tmp, dst)
+
+
+# -- imatrix ---------------------------------------------------------------------------------------------------------
+def corpus_text(corpus: Path, split: str) -> str:
+    """The documents of scripts/demo_corpus.py's `split` (train / val), joined by blank lines."""
+    path = corpus / f"{split}.jsonl"
+    if not path.is_file():  # one line, before any file is written
+        raise SystemExit(f"quality.py: no {path}: make it once with `python scripts/demo_corpus.py` (it reads "
+                         "python3.11-doc), or pass --corpus")
+    docs = [json.loads(line)["text"] for line in path.read_text("utf-8").splitlines() if line]
+    return "\n\n".join(docs)
+
+
+def make_imatrix(model: Path, corpus: Path, out: Path, context: int, chunks: int) -> dict:
+    """The importance matrix of `model` calibrated on the demo corpus' training split (never the validation text the
+    perplexity table scores), written to `out` (benchmarks/imatrix.py); returns its meta."""
+    from benchmarks import imatrix as imx
+
+    text = corpus_text(corpus, "train")
+    try:
+        entries, meta = imx.compute(model, text, context, chunks)
+    except imx.ImatrixError as e:
+        raise SystemExit(f"quality.py imatrix: {e}") from None
+    meta["calibration"] = f"{corpus / 'train.jsonl'} (scripts/demo_corpus.py's training split)"
+    imx.write(out, entries, meta)
+    return meta
 
 
 # -- perplexity ------------------------------------------------------------------------------------------------------
 def val_text(corpus: Path) -> str:
-    docs = [json.loads(line)["text"] for line in (corpus / "val.jsonl").read_text("utf-8").splitlines() if line]
-    return "\n\n".join(docs)
+    return corpus_text(corpus, "val")
 
 
 def ids_digest(ids: list[int]) -> str:
@@ -289,10 +343,22 @@ def main() -> None:
     q.add_argument("--token-embedding-type", metavar="TYPE",
                    help="the token embeddings' type (and qwen4exp's n-gram table's), e.g. Q8_0 (default: kind's)")
     q.add_argument("--allow-requantize", action="store_true", help="accept an already quantized input")
+    q.add_argument("--imatrix", type=Path, metavar="FILE",
+                   help="importance matrix (`quality.py imatrix`); IQ1_*, IQ2_XXS/XS/S and IQ3_XXS need one")
+    i = sub.add_parser("imatrix", help="an importance matrix for `quantize --imatrix` (main venv: transformers)")
+    i.add_argument("out", type=Path, help="the file to write (.npz, benchmarks/imatrix.py)")
+    i.add_argument("--model", type=Path, default=ROOT / "sluice/assets/demo", help="Hugging Face folder")
+    i.add_argument("--corpus", type=Path, default=ROOT / "build/demo/corpus", help="its train.jsonl calibrates")
+    i.add_argument("--context", type=int, default=256, help="tokens per calibration window")
+    i.add_argument("--chunks", type=int, default=IMATRIX_CHUNKS, help="windows, spread evenly over the text")
     a = ap.parse_args()
     if a.what == "quantize":
-        quantize(a.src, a.dst, a.kind, embed_type=a.token_embedding_type, requantize=a.allow_requantize)
+        quantize(a.src, a.dst, a.kind, embed_type=a.token_embedding_type, requantize=a.allow_requantize,
+                 imatrix=a.imatrix)
         print(f"{a.dst}: {a.dst.stat().st_size / 1e9:.2f} GB ({a.kind})")
+    elif a.what == "imatrix":
+        meta = make_imatrix(a.model, a.corpus, a.out, a.context, a.chunks)
+        print(f"{a.out}: {meta['chunks']} windows of {meta['context']} tokens ({meta['tokens']:,} tokens)")
     else:
         {"parity": parity, "perplexity": perplexity_table}[a.what](a)
 
