@@ -14,13 +14,14 @@ parity: logit parity with transformers on the tiny test checkpoints, per archite
 transformers. bf16: the error of sluice's bf16 run and of transformers' own bf16 run against the fp32 model the bf16
 weights were rounded from (the test allows sluice at most twice transformers' error).
 
-perplexity: the demo model at bf16 / Q8_0 / Q4_K_M / Q4_0 on its held-out validation text, by sluice and by llama.cpp
-on the same GGUF files. Once first: `apt-get install python3.11-doc && python scripts/demo_corpus.py`
+perplexity: the demo model in twelve GGUF types (bf16 .. tq1_0: benchmarks/perplexity_table.py lists them and who
+makes each) on its held-out validation text, by sluice and by llama.cpp on the same GGUF files. Once first: `apt-get install python3.11-doc && python scripts/demo_corpus.py`
 (build/demo/corpus/val.jsonl) and `bash benchmarks/peers/setup.sh` (llama-cpp-python in the peers venv). The text: the
 14 validation documents of scripts/demo_corpus.py (crc32(path) % 20 == 0, never trained on), joined by blank lines.
-The files: `sluice quantize` of sluice/assets/demo to bf16, q8_0 and q4_0 (tools/quantize.py), and Q4_K_M by
-llama.cpp's own quantizer (`quantize` below on the bf16 file; the demo's hidden size 256 takes K-quants, its expert
-intermediate 64 does not: llama.cpp falls back per tensor and says so). One definition for both
+The files: `sluice quantize` of sluice/assets/demo (bf16, q8_0, q4_0, mxfp4, tq2_0, tq1_0), and llama.cpp's own
+quantizer (`quantize` below on the bf16 file: Q4_K_M, Q3_K_M, IQ4_XS, Q2_K; IQ3_XXS and IQ2_XXS with `imatrix`'s
+matrix; the demo's hidden size 256 takes the 256-block types, its expert intermediate 64 does not: llama.cpp falls
+back per tensor and says so, and the table lists the types each file's experts got). One definition for both
 (sluice/tools/perplexity.py, llama-perplexity's): non-overlapping windows of --context tokens, BOS first when the
 tokenizer adds one, the second half of each window scored, log-softmax in float64. llama.cpp's side runs in the peers
 venv: `Llama(..., logits_all=True)` evaluates each window from an empty cache and its logits go through the same
@@ -49,19 +50,15 @@ peers venv.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-FILES = ("bf16", "q8_0", "Q4_K_M", "q4_0")  # perplexity's table order; Q4_K_M is llama.cpp's
 PEER_PYTHON = ROOT / "benchmarks/peers/.venv/bin/python"
 IMATRIX_CHUNKS = 200  # x 256 tokens = 51,200 of the training split's ~1.0M (llama-imatrix's docs use ~100 x 512)
 
@@ -137,6 +134,21 @@ def quantize(src: Path, dst: Path, kind: str, threads: int | None = None, embed_
     os.replace(tmp, dst)
 
 
+# -- perplexity (benchmarks/perplexity_table.py) ---------------------------------------------------------------------
+def val_text(corpus: Path) -> str:
+    return corpus_text(corpus, "val")
+
+
+def perplexity(args) -> None:
+    """The perplexity table; --llama-cpp-child: llama.cpp's side, in the peers venv."""
+    from benchmarks import perplexity_table
+
+    if args.llama_cpp_child:
+        perplexity_table.llama_cpp_child(args.work, args.context, args.threads)
+    else:
+        perplexity_table.run(args, Path(__file__))
+
+
 # -- imatrix ---------------------------------------------------------------------------------------------------------
 def corpus_text(corpus: Path, split: str) -> str:
     """The documents of scripts/demo_corpus.py's `split` (train / val), joined by blank lines."""
@@ -158,168 +170,11 @@ def make_imatrix(model: Path, corpus: Path, out: Path, context: int, chunks: int
         entries, meta = imx.compute(model, text, context, chunks)
     except imx.ImatrixError as e:
         raise SystemExit(f"quality.py imatrix: {e}") from None
-    meta["calibration"] = f"{corpus / 'train.jsonl'} (scripts/demo_corpus.py's training split)"
+    rel = lambda p: os.path.relpath(p, ROOT) if Path(p).resolve().is_relative_to(ROOT) else str(p)  # noqa: E731
+    meta["model"] = rel(model)
+    meta["calibration"] = f"{rel(corpus / 'train.jsonl')} (scripts/demo_corpus.py's training split)"
     imx.write(out, entries, meta)
     return meta
-
-
-# -- perplexity ------------------------------------------------------------------------------------------------------
-def val_text(corpus: Path) -> str:
-    return corpus_text(corpus, "val")
-
-
-def ids_digest(ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
-
-
-# -- llama.cpp (runs in the peers venv) ------------------------------------------------------------------------------
-def _llama(path: Path, context: int, threads: int):
-    import llama_cpp
-
-    defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-    def no_extra_bufts():  # a field Llama() takes no argument for: set it in the defaults it starts from
-        p = defaults()
-        if hasattr(p, "use_extra_bufts"):
-            p.use_extra_bufts = False
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = no_extra_bufts
-    try:
-        return llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context,
-                               logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
-    finally:
-        llama_cpp.llama_cpp.llama_model_default_params = defaults
-
-
-def llama_cpp_child(work: Path, context: int, threads: int) -> None:
-    """Perplexity by llama.cpp of every GGUF in `work`, written to work/llamacpp.json."""
-    import llama_cpp
-    import numpy as np
-    import torch
-
-    from sluice.tools.perplexity import bos_of, perplexity
-
-    if not (work / "demo-Q4_K_M.gguf").exists():
-        quantize(work / "demo-bf16.gguf", work / "demo-Q4_K_M.gguf", "Q4_K_M", threads=2)
-    text = (work / "val.txt").read_text("utf-8")
-    for name in FILES:
-        done = work / f"llamacpp-{name}.json"
-        if done.exists():
-            continue
-        llm = _llama(work / f"demo-{name}.gguf", context, threads)
-        encode = lambda t, special: llm.tokenize(t.encode("utf-8"), add_bos=special, special=False)  # noqa: E731
-        tokens = encode(text, True)
-
-        def logits(ids):
-            llm.reset()
-            llm.eval(ids)
-            return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))  # [T, V]
-
-        t0 = time.perf_counter()
-        res = perplexity(logits, tokens, context, bos=bos_of(encode))
-        row = {**res.as_dict(), "ids": ids_digest(tokens), "n_ids": len(tokens), "version": llama_cpp.__version__,
-               "seconds": round(time.perf_counter() - t0, 1)}
-        done.write_text(json.dumps(row, indent=2) + "\n")
-        print(f"llama.cpp {name}: {res.perplexity:.4f}", file=sys.stderr)
-        llm.close()
-
-
-# -- sluice ---------------------------------------------------------------------------------------------------------
-def sluice_perplexity(path: Path, text: str, context: int, dtype: str, threads: int) -> dict:
-    import sluice
-    from sluice.tools.perplexity import bos_of, perplexity
-
-    with sluice.load(path, memory="all", dtype=dtype, max_context=context, threads=threads) as m:
-        tokens = m.tokenizer.encode(text, add_special_tokens=True)
-        t0 = time.perf_counter()
-        res = perplexity(m.logits, tokens, context, bos=bos_of(m.tokenizer.encode))
-        formats = m.layout.format_names
-    return {**res.as_dict(), "ids": ids_digest(tokens), "n_ids": len(tokens), "expert_formats": formats,
-            "seconds": round(time.perf_counter() - t0, 1)}
-
-
-def make_files(work: Path) -> None:
-    """bf16, q8_0 and q4_0 GGUFs of the demo model by `sluice quantize` (kept if already there)."""
-    from sluice.tools.inflate import demo_model_dir
-    from sluice.tools.quantize import quantize as sluice_quantize
-
-    for to in ("bf16", "q8_0", "q4_0"):
-        path = work / f"demo-{to}.gguf"
-        if not path.exists():
-            sluice_quantize(demo_model_dir(), path, to)
-
-
-def markdown(results: dict) -> str:
-    ctx = results["context"]
-    lines = [
-        "# Perplexity: sluice vs llama.cpp on the same GGUF files",
-        "",
-        f"The demo model (sluice/assets/demo) on its held-out validation text ({results['text_chars']:,} characters, "
-        f"14 Python-documentation files never trained on), llama.cpp's definition: non-overlapping windows of {ctx} "
-        "tokens, the second half of each scored. Command: `PYTHONPATH=. .venv/bin/python benchmarks/quality.py "
-        f"perplexity` (llama-cpp-python {results['llama_cpp']}). bf16, Q8_0, Q4_0 written by `sluice quantize`; "
-        "Q4_K_M by llama.cpp's `llama_model_quantize` from the bf16 file.",
-        "",
-        "| file | size | sluice float32 | sluice bf16 (default) | llama.cpp | sluice f32 / llama.cpp | tokens scored | "
-        "same token ids |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, r in results["files"].items():
-        s32, s16, ll = r["sluice_float32"], r["sluice_default"], r["llama_cpp"]
-        same = "yes" if s32["ids"] == ll["ids"] else f"no ({s32['n_ids']} vs {ll['n_ids']})"
-        lines.append(f"| {name} | {r['bytes'] / 2**20:.1f} MiB | {s32['perplexity']:.4f} | {s16['perplexity']:.4f} | "
-                     f"{ll['perplexity']:.4f} | {s32['perplexity'] / ll['perplexity'] - 1:+.3%} | "
-                     f"{s32['tokens_scored']:,} | {same} |")
-    lines += ["", "Expert formats as sluice reads them: " + "; ".join(
-        f"{n}: {', '.join(r['sluice_float32']['expert_formats'])}" for n, r in results["files"].items()) + "."]
-    return "\n".join(lines) + "\n"
-
-
-def perplexity_table(args) -> None:
-    """The perplexity table (see the module docstring); --llama-cpp-child: llama.cpp's side, in the peers venv."""
-    if args.llama_cpp_child:
-        llama_cpp_child(args.work, args.context, args.threads)
-        return
-    if not (args.corpus / "val.jsonl").is_file():  # one line, before any file is written
-        raise SystemExit(f"quality.py perplexity: no {args.corpus / 'val.jsonl'}: make it once with `python "
-                         "scripts/demo_corpus.py` (it reads python3.11-doc), or pass --corpus")
-    if not args.peer_python.is_file():
-        raise SystemExit(f"quality.py perplexity: no {args.peer_python}: `bash benchmarks/peers/setup.sh` once "
-                         "(llama-cpp-python in the peers venv), or pass --peer-python")
-    args.work.mkdir(parents=True, exist_ok=True)
-    text = val_text(args.corpus)
-    (args.work / "val.txt").write_text(text, "utf-8")
-    make_files(args.work)
-    # llama.cpp's side runs beside sluice's (neither is timed); it makes the Q4_K_M file first
-    child = subprocess.Popen([str(args.peer_python), __file__, "perplexity", "--llama-cpp-child",
-                              "--work", str(args.work), "--context", str(args.context), "--threads", str(args.threads)],
-                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
-    rows: dict[str, dict] = {}
-    for name in FILES:
-        path = args.work / f"demo-{name}.gguf"
-        while not path.exists():  # Q4_K_M: being written by the child
-            if child.poll() is not None:
-                raise SystemExit(f"the llama.cpp child exited ({child.returncode}) before writing {path}")
-            time.sleep(2)
-        row = rows[name] = {"bytes": path.stat().st_size}
-        for key, dtype in (("sluice_float32", "float32"), ("sluice_default", "auto")):
-            done = args.work / f"sluice-{name}-{dtype}.json"
-            if not done.exists():
-                done.write_text(json.dumps(sluice_perplexity(path, text, args.context, dtype, args.threads)))
-            row[key] = json.loads(done.read_text())
-            print(f"sluice {name} {dtype}: {row[key]['perplexity']:.4f}", file=sys.stderr)
-    if child.wait() != 0:
-        raise SystemExit(f"the llama.cpp child failed ({child.returncode})")
-    results = {"context": args.context, "text_chars": len(text), "files": {}}
-    for name in FILES:
-        row = results["files"][name] = {**rows[name],
-                                        "llama_cpp": json.loads((args.work / f"llamacpp-{name}.json").read_text())}
-        results["llama_cpp"] = row["llama_cpp"]["version"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(results))
-    print(markdown(results))
 
 
 def main() -> None:
@@ -360,7 +215,7 @@ def main() -> None:
         meta = make_imatrix(a.model, a.corpus, a.out, a.context, a.chunks)
         print(f"{a.out}: {meta['chunks']} windows of {meta['context']} tokens ({meta['tokens']:,} tokens)")
     else:
-        {"parity": parity, "perplexity": perplexity_table}[a.what](a)
+        {"parity": parity, "perplexity": perplexity}[a.what](a)
 
 
 if __name__ == "__main__":
