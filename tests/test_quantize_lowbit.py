@@ -18,9 +18,8 @@ from sluice.tools.synth import make_model  # noqa: E402
 from tests.checkpoint import llama_cpp  # noqa: E402
 from tests.quant.test_gguf_lowbit_models import gguf_read  # noqa: E402
 from tests.quant.test_gguf_models import _rel_l2, dequantized_reference  # noqa: E402
-from tests.test_quantize import IDS, Q, _expected_f32, _file_tensors, tiny_config  # noqa: E402
+from tests.test_quantize import IDS, LOWBIT, Q, _expected_f32, _file_tensors, tiny_config  # noqa: E402
 
-LOWBIT = ("tq1_0", "tq2_0", "mxfp4")
 BLOCK = {"TQ1_0": 256, "TQ2_0": 256, "MXFP4": 32, "Q8_0": 32}
 
 
