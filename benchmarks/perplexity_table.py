@@ -191,6 +191,17 @@ def markdown(results: dict) -> str:
         t = r["types"]
         lines.append(f"- {name}: experts {' / '.join(', '.join(t[k]) for k in ('gate', 'up', 'down'))}; other "
                      f"{', '.join(t['other'])} -> {', '.join(r['sluice_float32']['expert_formats'])}")
+    im = results["imatrix"]
+    lines += ["", f"The importance matrix: {im['chunks']} windows of {im['context']} tokens ({im['tokens']:,} tokens) of "
+              f"{im['calibration']}, spread evenly over its {im['text_tokens']:,} tokens.",
+              "",
+              "tq1_0 and tq2_0 hold the same values (the `gguf` package's encoders round each weight to -1, 0 or 1 "
+              "times its 256-block's largest magnitude; only the packing differs: their dequantized tensors are "
+              "equal), hence equal rows. The ternary files are this model's weights rounded to three levels, not a "
+              "model trained ternary (as BitNet-style models are): their perplexity says what that rounding costs. "
+              "There sluice float32 (the exact dequantized weights) is 0.07% below llama.cpp, which codes the "
+              "activations of these dot products at 8 bits (Q8_K); sluice's default run (int16-coded activations) "
+              "is 0.01% from it."]
     return "\n".join(lines) + "\n"
 
 
