@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/quality.py parity               # logits vs transformers, the tiny test checkpoints
     PYTHONPATH=. .venv/bin/python benchmarks/quality.py perplexity [--context 256] [--out benchmarks/results/perplexity]
     benchmarks/peers/.venv/bin/python benchmarks/quality.py quantize IN.gguf OUT.gguf Q4_K_M   # the peers venv
+    PYTHONPATH=. .venv/bin/python benchmarks/quality.py imatrix OUT.imatrix [--model DIR] [--chunks 200]
+    benchmarks/peers/.venv/bin/python benchmarks/quality.py quantize IN.gguf OUT.gguf IQ2_XXS --imatrix OUT.imatrix
 
 (They were benchmarks/parity.py, benchmarks/perplexity.py and benchmarks/quantized/quantize_llamacpp.py; the
 tokenizer's agreement with llama.cpp is benchmarks/tokenizer_llamacpp.py.)
@@ -12,13 +14,14 @@ parity: logit parity with transformers on the tiny test checkpoints, per archite
 transformers. bf16: the error of sluice's bf16 run and of transformers' own bf16 run against the fp32 model the bf16
 weights were rounded from (the test allows sluice at most twice transformers' error).
 
-perplexity: the demo model at bf16 / Q8_0 / Q4_K_M / Q4_0 on its held-out validation text, by sluice and by llama.cpp
-on the same GGUF files. Once first: `apt-get install python3.11-doc && python scripts/demo_corpus.py`
+perplexity: the demo model in twelve GGUF types (bf16 .. tq1_0: benchmarks/perplexity_table.py lists them and who
+makes each) on its held-out validation text, by sluice and by llama.cpp on the same GGUF files. Once first: `apt-get install python3.11-doc && python scripts/demo_corpus.py`
 (build/demo/corpus/val.jsonl) and `bash benchmarks/peers/setup.sh` (llama-cpp-python in the peers venv). The text: the
 14 validation documents of scripts/demo_corpus.py (crc32(path) % 20 == 0, never trained on), joined by blank lines.
-The files: `sluice quantize` of sluice/assets/demo to bf16, q8_0 and q4_0 (tools/quantize.py), and Q4_K_M by
-llama.cpp's own quantizer (`quantize` below on the bf16 file; the demo's hidden size 256 takes K-quants, its expert
-intermediate 64 does not: llama.cpp falls back per tensor and says so). One definition for both
+The files: `sluice quantize` of sluice/assets/demo (bf16, q8_0, q4_0, mxfp4, tq2_0, tq1_0), and llama.cpp's own
+quantizer (`quantize` below on the bf16 file: Q4_K_M, Q3_K_M, IQ4_XS, Q2_K; IQ3_XXS and IQ2_XXS with `imatrix`'s
+matrix; the demo's hidden size 256 takes the 256-block types, its expert intermediate 64 does not: llama.cpp falls
+back per tensor and says so, and the table lists the types each file's experts got). One definition for both
 (sluice/tools/perplexity.py, llama-perplexity's): non-overlapping windows of --context tokens, BOS first when the
 tokenizer adds one, the second half of each window scored, log-softmax in float64. llama.cpp's side runs in the peers
 venv: `Llama(..., logits_all=True)` evaluates each window from an empty cache and its logits go through the same
@@ -27,7 +30,18 @@ with sluice's for the same file. `use_extra_bufts=False`: llama.cpp's repacking 
 files on this CPU family. Default --context 256: the length the demo model was trained on.
 
 quantize: a GGUF quantized by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize), as the K-quant
-files users download are made; runs in the peers venv (benchmarks/quantized/run.sh makes its Q4_K_M files so).
+and IQ files users download are made; runs in the peers venv (benchmarks/quantized/run.sh makes its Q4_K_M files so).
+`--imatrix FILE` passes an importance matrix (`llama-quantize --imatrix`): IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S and
+IQ3_XXS are refused without one. llama.h takes it as an array of {name, floats, count} ended by a NULL name
+(`llama_model_quantize_params.imatrix`; llama-quant.cpp builds its name -> vector map from it), which ctypes builds
+here: no C++ is needed.
+
+imatrix: the importance matrix llama-imatrix would compute (benchmarks/imatrix.py says what each entry holds: per
+weight and input column the mean of x^2, per expert over the tokens routed to it), from the model's float32 forward
+in transformers over --chunks windows of --context tokens spread evenly over the demo corpus' TRAINING split
+(build/demo/corpus/train.jsonl, never the validation text perplexity scores). One command makes a file for the demo:
+`PYTHONPATH=. .venv/bin/python benchmarks/quality.py imatrix build/demo.imatrix` (~40 s); then `quantize ...
+IQ2_XXS --imatrix build/demo.imatrix`. A missing or malformed file is one line naming it and the entry.
 
 This module imports only the standard library at its top: `quantize` and perplexity's llama.cpp side run in the
 peers venv.
@@ -36,20 +50,17 @@ peers venv.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-FILES = ("bf16", "q8_0", "Q4_K_M", "q4_0")  # perplexity's table order; Q4_K_M is llama.cpp's
 PEER_PYTHON = ROOT / "benchmarks/peers/.venv/bin/python"
+IMATRIX_CHUNKS = 200  # x 256 tokens = 51,200 of the training split's ~1.0M (llama-imatrix's docs use ~100 x 512)
 
 
 # -- parity ----------------------------------------------------------------------------------------------------------
@@ -80,18 +91,26 @@ def parity(args) -> None:
 
 # -- quantize (runs in the peers venv) -------------------------------------------------------------------------------
 def quantize(src: Path, dst: Path, kind: str, threads: int | None = None, embed_type: str | None = None,
-             requantize: bool = False) -> None:
-    """llama.cpp's own `kind` (Q4_K_M, Q5_K_M, Q8_0, Q4_0, ...) of the GGUF src, written to dst (what
+             requantize: bool = False, imatrix: Path | None = None) -> None:
+    """llama.cpp's own `kind` (Q4_K_M, Q5_K_M, Q8_0, Q4_0, IQ2_XXS, ...) of the GGUF src, written to dst (what
     `llama-quantize src dst kind` writes); threads: the quantizer's (default: every CPU); embed_type: the token
     embeddings' type, qwen4exp's n-gram table (per_layer_token_embd) included (`llama-quantize
-    --token-embedding-type`); requantize: accept an already quantized src (`--allow-requantize`)."""
+    --token-embedding-type`); requantize: accept an already quantized src (`--allow-requantize`); imatrix: an
+    importance matrix file (benchmarks/imatrix.py; `llama-quantize --imatrix`), which IQ1_*, IQ2_XXS/XS/S and IQ3_XXS
+    need."""
     import ctypes
 
+    from benchmarks import imatrix as imx
+
+    try:  # a bad file is one line before llama.cpp loads
+        entries = imx.flat(imx.read(imatrix)[0]) if imatrix is not None else None
+    except imx.ImatrixError as e:
+        raise SystemExit(f"error: {e}") from None
     import llama_cpp
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}", None)
     if ftype is None:
-        raise SystemExit(f"error: unknown type {kind!r} (e.g. Q4_K_M, Q5_K_M, Q8_0, Q4_0)")
+        raise SystemExit(f"error: unknown type {kind!r} (e.g. Q4_K_M, Q3_K_M, Q2_K, IQ4_XS, IQ2_XXS, Q8_0)")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = threads or os.cpu_count() or 1
@@ -100,172 +119,62 @@ def quantize(src: Path, dst: Path, kind: str, threads: int | None = None, embed_
         params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{embed_type.upper()}", None)
         if params.token_embedding_type is None:
             raise SystemExit(f"error: unknown tensor type {embed_type!r} (e.g. Q8_0, F16, BF16)")
+    if entries is not None:  # llama.h: an array of {name, data, size}, ended by a NULL name
+        Entry = llama_cpp.llama_cpp.llama_model_imatrix_data
+        table = (Entry * (len(entries) + 1))()  # zeroed: the last entry's name is NULL
+        for row, (name, values) in zip(table, entries.items()):
+            row.name, row.size = name.encode(), values.size
+            row.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))  # `entries` keeps the floats alive
+        params.imatrix = ctypes.cast(table, ctypes.POINTER(Entry))
     tmp = Path(dst).with_name(Path(dst).name + ".partial")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
         tmp.unlink(missing_ok=True)
-        raise SystemExit(f"error: llama_model_quantize returned {rc}")
+        raise SystemExit(f"error: llama_model_quantize returned {rc} (its reason is logged above)")
     os.replace(tmp, dst)
 
 
-# -- perplexity ------------------------------------------------------------------------------------------------------
+# -- perplexity (benchmarks/perplexity_table.py) ---------------------------------------------------------------------
 def val_text(corpus: Path) -> str:
-    docs = [json.loads(line)["text"] for line in (corpus / "val.jsonl").read_text("utf-8").splitlines() if line]
+    return corpus_text(corpus, "val")
+
+
+def perplexity(args) -> None:
+    """The perplexity table; --llama-cpp-child: llama.cpp's side, in the peers venv."""
+    from benchmarks import perplexity_table
+
+    if args.llama_cpp_child:
+        perplexity_table.llama_cpp_child(args.work, args.context, args.threads)
+    else:
+        perplexity_table.run(args, Path(__file__))
+
+
+# -- imatrix ---------------------------------------------------------------------------------------------------------
+def corpus_text(corpus: Path, split: str) -> str:
+    """The documents of scripts/demo_corpus.py's `split` (train / val), joined by blank lines."""
+    path = corpus / f"{split}.jsonl"
+    if not path.is_file():  # one line, before any file is written
+        raise SystemExit(f"quality.py: no {path}: make it once with `python scripts/demo_corpus.py` (it reads "
+                         "python3.11-doc), or pass --corpus")
+    docs = [json.loads(line)["text"] for line in path.read_text("utf-8").splitlines() if line]
     return "\n\n".join(docs)
 
 
-def ids_digest(ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+def make_imatrix(model: Path, corpus: Path, out: Path, context: int, chunks: int) -> dict:
+    """The importance matrix of `model` calibrated on the demo corpus' training split (never the validation text the
+    perplexity table scores), written to `out` (benchmarks/imatrix.py); returns its meta."""
+    from benchmarks import imatrix as imx
 
-
-# -- llama.cpp (runs in the peers venv) ------------------------------------------------------------------------------
-def _llama(path: Path, context: int, threads: int):
-    import llama_cpp
-
-    defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-    def no_extra_bufts():  # a field Llama() takes no argument for: set it in the defaults it starts from
-        p = defaults()
-        if hasattr(p, "use_extra_bufts"):
-            p.use_extra_bufts = False
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = no_extra_bufts
+    text = corpus_text(corpus, "train")
     try:
-        return llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context,
-                               logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
-    finally:
-        llama_cpp.llama_cpp.llama_model_default_params = defaults
-
-
-def llama_cpp_child(work: Path, context: int, threads: int) -> None:
-    """Perplexity by llama.cpp of every GGUF in `work`, written to work/llamacpp.json."""
-    import llama_cpp
-    import numpy as np
-    import torch
-
-    from sluice.tools.perplexity import bos_of, perplexity
-
-    if not (work / "demo-Q4_K_M.gguf").exists():
-        quantize(work / "demo-bf16.gguf", work / "demo-Q4_K_M.gguf", "Q4_K_M", threads=2)
-    text = (work / "val.txt").read_text("utf-8")
-    for name in FILES:
-        done = work / f"llamacpp-{name}.json"
-        if done.exists():
-            continue
-        llm = _llama(work / f"demo-{name}.gguf", context, threads)
-        encode = lambda t, special: llm.tokenize(t.encode("utf-8"), add_bos=special, special=False)  # noqa: E731
-        tokens = encode(text, True)
-
-        def logits(ids):
-            llm.reset()
-            llm.eval(ids)
-            return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))  # [T, V]
-
-        t0 = time.perf_counter()
-        res = perplexity(logits, tokens, context, bos=bos_of(encode))
-        row = {**res.as_dict(), "ids": ids_digest(tokens), "n_ids": len(tokens), "version": llama_cpp.__version__,
-               "seconds": round(time.perf_counter() - t0, 1)}
-        done.write_text(json.dumps(row, indent=2) + "\n")
-        print(f"llama.cpp {name}: {res.perplexity:.4f}", file=sys.stderr)
-        llm.close()
-
-
-# -- sluice ---------------------------------------------------------------------------------------------------------
-def sluice_perplexity(path: Path, text: str, context: int, dtype: str, threads: int) -> dict:
-    import sluice
-    from sluice.tools.perplexity import bos_of, perplexity
-
-    with sluice.load(path, memory="all", dtype=dtype, max_context=context, threads=threads) as m:
-        tokens = m.tokenizer.encode(text, add_special_tokens=True)
-        t0 = time.perf_counter()
-        res = perplexity(m.logits, tokens, context, bos=bos_of(m.tokenizer.encode))
-        formats = m.layout.format_names
-    return {**res.as_dict(), "ids": ids_digest(tokens), "n_ids": len(tokens), "expert_formats": formats,
-            "seconds": round(time.perf_counter() - t0, 1)}
-
-
-def make_files(work: Path) -> None:
-    """bf16, q8_0 and q4_0 GGUFs of the demo model by `sluice quantize` (kept if already there)."""
-    from sluice.tools.inflate import demo_model_dir
-    from sluice.tools.quantize import quantize as sluice_quantize
-
-    for to in ("bf16", "q8_0", "q4_0"):
-        path = work / f"demo-{to}.gguf"
-        if not path.exists():
-            sluice_quantize(demo_model_dir(), path, to)
-
-
-def markdown(results: dict) -> str:
-    ctx = results["context"]
-    lines = [
-        "# Perplexity: sluice vs llama.cpp on the same GGUF files",
-        "",
-        f"The demo model (sluice/assets/demo) on its held-out validation text ({results['text_chars']:,} characters, "
-        f"14 Python-documentation files never trained on), llama.cpp's definition: non-overlapping windows of {ctx} "
-        "tokens, the second half of each scored. Command: `PYTHONPATH=. .venv/bin/python benchmarks/quality.py "
-        f"perplexity` (llama-cpp-python {results['llama_cpp']}). bf16, Q8_0, Q4_0 written by `sluice quantize`; "
-        "Q4_K_M by llama.cpp's `llama_model_quantize` from the bf16 file.",
-        "",
-        "| file | size | sluice float32 | sluice bf16 (default) | llama.cpp | sluice f32 / llama.cpp | tokens scored | "
-        "same token ids |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, r in results["files"].items():
-        s32, s16, ll = r["sluice_float32"], r["sluice_default"], r["llama_cpp"]
-        same = "yes" if s32["ids"] == ll["ids"] else f"no ({s32['n_ids']} vs {ll['n_ids']})"
-        lines.append(f"| {name} | {r['bytes'] / 2**20:.1f} MiB | {s32['perplexity']:.4f} | {s16['perplexity']:.4f} | "
-                     f"{ll['perplexity']:.4f} | {s32['perplexity'] / ll['perplexity'] - 1:+.3%} | "
-                     f"{s32['tokens_scored']:,} | {same} |")
-    lines += ["", "Expert formats as sluice reads them: " + "; ".join(
-        f"{n}: {', '.join(r['sluice_float32']['expert_formats'])}" for n, r in results["files"].items()) + "."]
-    return "\n".join(lines) + "\n"
-
-
-def perplexity_table(args) -> None:
-    """The perplexity table (see the module docstring); --llama-cpp-child: llama.cpp's side, in the peers venv."""
-    if args.llama_cpp_child:
-        llama_cpp_child(args.work, args.context, args.threads)
-        return
-    if not (args.corpus / "val.jsonl").is_file():  # one line, before any file is written
-        raise SystemExit(f"quality.py perplexity: no {args.corpus / 'val.jsonl'}: make it once with `python "
-                         "scripts/demo_corpus.py` (it reads python3.11-doc), or pass --corpus")
-    if not args.peer_python.is_file():
-        raise SystemExit(f"quality.py perplexity: no {args.peer_python}: `bash benchmarks/peers/setup.sh` once "
-                         "(llama-cpp-python in the peers venv), or pass --peer-python")
-    args.work.mkdir(parents=True, exist_ok=True)
-    text = val_text(args.corpus)
-    (args.work / "val.txt").write_text(text, "utf-8")
-    make_files(args.work)
-    # llama.cpp's side runs beside sluice's (neither is timed); it makes the Q4_K_M file first
-    child = subprocess.Popen([str(args.peer_python), __file__, "perplexity", "--llama-cpp-child",
-                              "--work", str(args.work), "--context", str(args.context), "--threads", str(args.threads)],
-                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
-    rows: dict[str, dict] = {}
-    for name in FILES:
-        path = args.work / f"demo-{name}.gguf"
-        while not path.exists():  # Q4_K_M: being written by the child
-            if child.poll() is not None:
-                raise SystemExit(f"the llama.cpp child exited ({child.returncode}) before writing {path}")
-            time.sleep(2)
-        row = rows[name] = {"bytes": path.stat().st_size}
-        for key, dtype in (("sluice_float32", "float32"), ("sluice_default", "auto")):
-            done = args.work / f"sluice-{name}-{dtype}.json"
-            if not done.exists():
-                done.write_text(json.dumps(sluice_perplexity(path, text, args.context, dtype, args.threads)))
-            row[key] = json.loads(done.read_text())
-            print(f"sluice {name} {dtype}: {row[key]['perplexity']:.4f}", file=sys.stderr)
-    if child.wait() != 0:
-        raise SystemExit(f"the llama.cpp child failed ({child.returncode})")
-    results = {"context": args.context, "text_chars": len(text), "files": {}}
-    for name in FILES:
-        row = results["files"][name] = {**rows[name],
-                                        "llama_cpp": json.loads((args.work / f"llamacpp-{name}.json").read_text())}
-        results["llama_cpp"] = row["llama_cpp"]["version"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(results))
-    print(markdown(results))
+        entries, meta = imx.compute(model, text, context, chunks)
+    except imx.ImatrixError as e:
+        raise SystemExit(f"quality.py imatrix: {e}") from None
+    rel = lambda p: os.path.relpath(p, ROOT) if Path(p).resolve().is_relative_to(ROOT) else str(p)  # noqa: E731
+    meta["model"] = rel(model)
+    meta["calibration"] = f"{rel(corpus / 'train.jsonl')} (scripts/demo_corpus.py's training split)"
+    imx.write(out, entries, meta)
+    return meta
 
 
 def main() -> None:
@@ -289,12 +198,24 @@ def main() -> None:
     q.add_argument("--token-embedding-type", metavar="TYPE",
                    help="the token embeddings' type (and qwen4exp's n-gram table's), e.g. Q8_0 (default: kind's)")
     q.add_argument("--allow-requantize", action="store_true", help="accept an already quantized input")
+    q.add_argument("--imatrix", type=Path, metavar="FILE",
+                   help="importance matrix (`quality.py imatrix`); IQ1_*, IQ2_XXS/XS/S and IQ3_XXS need one")
+    i = sub.add_parser("imatrix", help="an importance matrix for `quantize --imatrix` (main venv: transformers)")
+    i.add_argument("out", type=Path, help="the file to write (.npz, benchmarks/imatrix.py)")
+    i.add_argument("--model", type=Path, default=ROOT / "sluice/assets/demo", help="Hugging Face folder")
+    i.add_argument("--corpus", type=Path, default=ROOT / "build/demo/corpus", help="its train.jsonl calibrates")
+    i.add_argument("--context", type=int, default=256, help="tokens per calibration window")
+    i.add_argument("--chunks", type=int, default=IMATRIX_CHUNKS, help="windows, spread evenly over the text")
     a = ap.parse_args()
     if a.what == "quantize":
-        quantize(a.src, a.dst, a.kind, embed_type=a.token_embedding_type, requantize=a.allow_requantize)
+        quantize(a.src, a.dst, a.kind, embed_type=a.token_embedding_type, requantize=a.allow_requantize,
+                 imatrix=a.imatrix)
         print(f"{a.dst}: {a.dst.stat().st_size / 1e9:.2f} GB ({a.kind})")
+    elif a.what == "imatrix":
+        meta = make_imatrix(a.model, a.corpus, a.out, a.context, a.chunks)
+        print(f"{a.out}: {meta['chunks']} windows of {meta['context']} tokens ({meta['tokens']:,} tokens)")
     else:
-        {"parity": parity, "perplexity": perplexity_table}[a.what](a)
+        {"parity": parity, "perplexity": perplexity}[a.what](a)
 
 
 if __name__ == "__main__":

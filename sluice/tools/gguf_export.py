@@ -61,7 +61,7 @@ from .gguf_layouts import LAYOUT_ARCHS, layout_hparams, layout_problem, layout_t
 from .gguf_types import GGUF_TYPES, GgufTensor, TypeChoice, choose, encode, nbytes
 from ..plan import open_index
 
-EXPORT_DTYPES = tuple(GGUF_TYPES)  # "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
+EXPORT_DTYPES = tuple(GGUF_TYPES)  # "f32", "f16", "bf16", "q8_0", "q4_0" .. "q5_1", "tq1_0", "tq2_0", "mxfp4"
 #: architectures sluice reads from GGUF and does not write (export_args says to use llama.cpp's converter)
 CONVERTER_ONLY = ("qwen4_exp",)
 

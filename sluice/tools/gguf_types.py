@@ -1,16 +1,21 @@
 """Which GGML type each tensor of a GGUF gets, as llama.cpp's own tools choose, and the bytes of that type.
 
-A `sluice quantize --to TYPE` file is laid out as `convert_hf_to_gguf.py --outtype {f32,f16,bf16,q8_0}` writes it, or,
-for the 4/5-bit types it does not offer, as `llama-quantize` writes a Q4_0 / Q4_1 / Q5_0 / Q5_1 file from that
-converter's bf16 output (src/llama-quant.cpp, `llama_tensor_get_type`; read to learn the rules, nothing is copied):
+A `sluice quantize --to TYPE` file is laid out as `convert_hf_to_gguf.py --outtype {f32,f16,bf16,q8_0,tq1_0,tq2_0}`
+writes it, or, for the types it does not offer, as `llama-quantize` writes a Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4_MOE
+file from that converter's bf16 output (src/llama-quant.cpp, `llama_tensor_get_type`; read to learn the rules,
+nothing is copied):
 
 - 1-D tensors, norms (`*_norm.weight`), biases, and the routers `ffn_gate_inp` stay F32 (both tools);
-- every other tensor is stored in TYPE, except, for the 4/5-bit types (llama-quantize's mix without --pure):
-  - `output.weight` (`token_embd.weight` when the embeddings are tied) -> Q6_K there; the `gguf` package cannot write
-    K-quants, so sluice writes Q8_0, llama.cpp's own choice for it when a row is not whole 256-blocks;
-  - `attn_k` / `attn_v` of an 8-expert model (Mixtral) -> Q8_0;
-- a tensor whose rows are not whole blocks of its type (32 values for Q8_0 .. Q5_1) falls back to F16, as
-  convert_hf_to_gguf.py does (llama-quantize refuses such a row); each fallback is reported by name.
+- every other tensor is stored in TYPE, except:
+  - for the 4/5-bit types (llama-quantize's mix without --pure): `output.weight` (`token_embd.weight` when the
+    embeddings are tied) -> Q6_K there; the `gguf` package cannot write K-quants, so sluice writes Q8_0, llama.cpp's
+    own choice for it when a row is not whole 256-blocks; `attn_k` / `attn_v` of an 8-expert model (Mixtral) -> Q8_0;
+  - for the ternary types (the converter's tq1_0 / tq2_0): `token_embd` and `output` -> F16;
+  - for mxfp4 (llama-quantize's MXFP4_MOE): only the routed experts (`*_exps`) are MXFP4, every other 2-D weight
+    (attention, shared experts, embeddings, output) Q8_0;
+- a tensor whose rows are not whole blocks of its type (32 values for Q8_0 .. Q5_1 and MXFP4, 256 for TQ1_0 / TQ2_0)
+  falls back to F16, as convert_hf_to_gguf.py does (llama-quantize would take Q4_0 for a ternary row, which the
+  converter never writes); each fallback is reported by name.
 
 Values are quantized from float32 by `gguf.quants.quantize` (the reference llama.cpp's tests compare with), so a
 file's blocks are exactly what that function gives for the checkpoint's weights.
@@ -36,9 +41,13 @@ GGUF_TYPES = {
     "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
     "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
     "q5_1": ("Q5_1", "MOSTLY_Q5_1"),
+    "tq1_0": ("TQ1_0", "MOSTLY_TQ1_0"),
+    "tq2_0": ("TQ2_0", "MOSTLY_TQ2_0"),
+    "mxfp4": ("MXFP4", "MOSTLY_MXFP4_MOE"),
 }
 _FLOAT = ("F32", "F16", "BF16")
 _LLAMA_QUANTIZE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")  # types only llama-quantize makes: its mix applies
+_TERNARY = ("TQ1_0", "TQ2_0")  # the converter's: embeddings and output F16 ("TODO: use Q4_K and Q6_K" there)
 # (ggml's ssm_conv reads F32; the shared expert gate [1, H] is one row, kept F32 by llama.cpp's quantizer too)
 _ALWAYS_F32 = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
@@ -95,6 +104,10 @@ def choose(name: str, shape: tuple[int, ...], to: str, n_experts: int, tied: boo
             want = "Q8_0"  # llama-quantize: Q6_K (not writable by the gguf package); Q8_0 when rows aren't 256-blocks
         elif n_experts == 8 and name.endswith(("attn_k.weight", "attn_v.weight")):
             want = "Q8_0"
+    elif want in _TERNARY and name in ("token_embd.weight", "output.weight"):
+        return TypeChoice("F16")
+    elif want == "MXFP4" and "_exps." not in name:
+        want = "Q8_0"  # MXFP4_MOE: the routed experts MXFP4, everything else Q8_0
     per, _ = block_size(want)
     if shape[-1] % per:
         return TypeChoice("F16", f"rows of {shape[-1]} values are not whole {want} blocks of {per}")

@@ -2,10 +2,12 @@
 affine folder (mlx-4bit, mlx-8bit: tools/mlx_export.py, the layout `mlx_lm convert -q` writes) or an FP8 folder
 (fp8: tools/fp8_export.py, the layout of the hub's DeepSeek-V3 / Kimi K2 / Qwen3 FP8 uploads).
 
-GGUF types (`to`): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, laid out as llama.cpp's convert_hf_to_gguf.py +
-llama-quantize would (tools/gguf_export.py for the names and metadata, tools/gguf_types.py for which tensors keep
-F32 or take another type). K-quants (Q4_K_M, Q5_K_M, Q6_K, ...) are made by llama.cpp's `llama-quantize` from this
-function's bf16 output: the `gguf` package has no K-quant encoder.
+GGUF types (`to`): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, tq1_0, tq2_0, mxfp4 (every type the `gguf`
+package can encode), laid out as llama.cpp's convert_hf_to_gguf.py + llama-quantize would (tools/gguf_export.py for
+the names and metadata, tools/gguf_types.py for which tensors keep F32 or take another type). K-quants (Q2_K,
+Q3_K_M, Q4_K_M, ...) and the IQ types are made by llama.cpp's `llama-quantize` from this function's bf16 output (the
+`gguf` package has no encoder for them); IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S and IQ3_XXS need an importance matrix
+(llama-imatrix's, or benchmarks/quality.py imatrix).
 
 Streaming: one tensor (at most one layer's expert stack) is in memory at a time; the output is written under
 OUT.partial and renamed at the end, removed on any error.
@@ -32,7 +34,8 @@ def check_type(to: str) -> str:
     name = to.lower() if isinstance(to, str) else to
     if name not in TYPES:
         raise ConfigError(f"--to {to!r} is not a known type; choose one of {', '.join(TYPES)} (K-quants such as "
-                          "Q4_K_M: quantize to bf16, then run llama.cpp's llama-quantize on that file)")
+                          "Q4_K_M and the IQ types: quantize to bf16, then run llama.cpp's llama-quantize on that "
+                          "file; IQ1_*, IQ2_XXS/XS/S and IQ3_XXS also need llama-imatrix's importance matrix)")
     return name
 
 
