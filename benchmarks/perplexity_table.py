@@ -95,17 +95,19 @@ def llama_cpp_child(work: Path, context: int, threads: int) -> None:
 
 
 # -- sluice ---------------------------------------------------------------------------------------------------------
-def sluice_perplexity(path: Path, text: str, context: int, dtype: str, threads: int) -> dict:
+def sluice_perplexity(path: Path, text: str, context: int, dtype: str, threads: int,
+                      activations: str = "auto") -> dict:
     import sluice
     from sluice.tools.perplexity import bos_of, perplexity
 
-    with sluice.load(path, memory="all", dtype=dtype, max_context=context, threads=threads) as m:
+    with sluice.load(path, memory="all", dtype=dtype, max_context=context, threads=threads,
+                     activations=activations) as m:
         tokens = m.tokenizer.encode(text, add_special_tokens=True)
         t0 = time.perf_counter()
         res = perplexity(m.logits, tokens, context, bos=bos_of(m.tokenizer.encode))
-        formats = m.layout.format_names
+        formats, coding = m.layout.format_names, m.load_plan.activations
     return {**res.as_dict(), "ids": ids_digest(tokens), "n_ids": len(tokens), "expert_formats": formats,
-            "seconds": round(time.perf_counter() - t0, 1)}
+            "activations": coding, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def make_files(work: Path, corpus: Path) -> None:
@@ -171,20 +173,25 @@ def markdown(results: dict) -> str:
         f"at {mach['commit']} on {mach['cpu']} ({mach['cpus']} CPUs; {', '.join(mach['flags'])}), one thread each "
         "side. `sluice quantize` wrote the files so marked; llama.cpp's `llama_model_quantize` (quality.py "
         "`quantize`) the others from the bf16 file, IQ3_XXS / IQ2_XXS with an importance matrix computed on the "
-        "demo corpus' training split (quality.py `imatrix`). sluice bf16 is the default dtype (integer kernels with "
-        "int16-coded activations for the quantized experts); llama.cpp codes activations at 8 bits (Q8_0 / Q8_K).",
+        "demo corpus' training split (quality.py `imatrix`). sluice bf16 is the default dtype: the integer kernels "
+        "code the quantized projections' activations at 16 bits (`--activations int16`) or 8 (`int8`); the default "
+        "(`auto`) codes at 8 when the experts average under 4 bits a weight (the starred column). llama.cpp codes "
+        "activations at 8 bits (Q8_0 / Q8_K).",
         "",
-        "| file | made by | size | sluice float32 | sluice bf16 (default) | llama.cpp | sluice f32 / llama.cpp | "
-        "sluice bf16 / llama.cpp | tokens scored | same token ids |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| file | made by | size | sluice float32 | sluice bf16, int16 | sluice bf16, int8 | llama.cpp | "
+        "sluice f32 / llama.cpp | sluice default / llama.cpp | tokens scored | same token ids |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in results["files"].items():
-        s32, s16, ll = r["sluice_float32"], r["sluice_default"], r["llama_cpp"]
+        s32, ll = r["sluice_float32"], r["llama_cpp"]
+        default = r[f"sluice_{r['default_activations']}"]
+        star = {k: "*" if k == r["default_activations"] else "" for k in ("int16", "int8")}
         same = "yes" if s32["ids"] == ll["ids"] else f"no ({s32['n_ids']} vs {ll['n_ids']})"
         lines.append(f"| {name} | {_made_by(name)} | {r['bytes'] / 2**20:.1f} MiB | {s32['perplexity']:.4f} | "
-                     f"{s16['perplexity']:.4f} | {ll['perplexity']:.4f} | "
-                     f"{s32['perplexity'] / ll['perplexity'] - 1:+.3%} | {s16['perplexity'] / ll['perplexity'] - 1:+.3%} "
-                     f"| {s32['tokens_scored']:,} | {same} |")
+                     f"{r['sluice_int16']['perplexity']:.4f}{star['int16']} | "
+                     f"{r['sluice_int8']['perplexity']:.4f}{star['int8']} | {ll['perplexity']:.4f} | "
+                     f"{s32['perplexity'] / ll['perplexity'] - 1:+.3%} | "
+                     f"{default['perplexity'] / ll['perplexity'] - 1:+.3%} | {s32['tokens_scored']:,} | {same} |")
     lines += ["", "Types in each file (its header): expert gate / up / down; the other 2-D weights (attention, "
               "embeddings, output). Expert formats as sluice reads them, after the arrow.", ""]
     for name, r in results["files"].items():
@@ -200,10 +207,8 @@ def markdown(results: dict) -> str:
               "equal), hence equal rows. The ternary files are this model's weights rounded to three levels, not a "
               "model trained ternary (as BitNet-style models are): their perplexity says what that rounding costs. "
               "There sluice float32 (the file's exact dequantization) is 0.07% below llama.cpp, while sluice's "
-              "default run (bf16, int16-coded activations) is 0.013% from it, and 0.015% with llama.cpp's own "
-              "8-bit coding (`--activations int8`: 135.7260 on tq2_0, measured once after this run): on this "
-              "far-from-trained model the rounding of the computation itself moves perplexity more than on the "
-              "others, not the reading of the file."]
+              "bf16 runs are within 0.02% of it at either coding: on this far-from-trained model the rounding of "
+              "the computation itself moves perplexity more than on the others, not the reading of the file."]
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +216,8 @@ def run(args, quality_py: Path) -> None:
     """The table (see the module docstring): sluice's files and the imatrix here, llama.cpp's files and perplexity in
     a peers-venv child beside sluice's perplexity (neither is timed)."""
     from benchmarks.quality import val_text
+    from sluice.options import LoadOptions
+    from sluice.plan import plan
 
     if not args.peer_python.is_file():
         raise SystemExit(f"quality.py perplexity: no {args.peer_python}: `bash benchmarks/peers/setup.sh` once "
@@ -230,12 +237,16 @@ def run(args, quality_py: Path) -> None:
                 raise SystemExit(f"the llama.cpp child exited ({child.returncode}) before writing {path}")
             time.sleep(2)
         row = rows[name] = {"bytes": path.stat().st_size, "types": tensor_types(path)}
-        for key, dtype in (("sluice_float32", "float32"), ("sluice_default", "auto")):
-            done = args.work / f"sluice-{name}-{dtype}.json"
+        for key, dtype, coding in (("sluice_float32", "float32", "auto"), ("sluice_int16", "auto", "int16"),
+                                   ("sluice_int8", "auto", "int8"), ("sluice_default", "auto", "auto")):
+            done = args.work / f"sluice-{name}-{dtype}-{coding}.json"
+            if key == "sluice_default":  # which coding the default picks (the same run as that column's)
+                row["default_activations"] = plan(path, LoadOptions.make(memory="all")).activations
+                continue
             if not done.exists():
-                done.write_text(json.dumps(sluice_perplexity(path, text, args.context, dtype, args.threads)))
+                done.write_text(json.dumps(sluice_perplexity(path, text, args.context, dtype, args.threads, coding)))
             row[key] = json.loads(done.read_text())
-            print(f"sluice {name} {dtype}: {row[key]['perplexity']:.4f}", file=sys.stderr)
+            print(f"sluice {name} {dtype} {coding}: {row[key]['perplexity']:.4f}", file=sys.stderr)
     if child.wait() != 0:
         raise SystemExit(f"the llama.cpp child failed ({child.returncode})")
     results = {"context": args.context, "text_chars": len(text), "command": COMMAND, "machine": machine(),
