@@ -125,8 +125,9 @@ def _parse_chunk(value: Any) -> int | str:
 
 #: LoadOptions.activations -> planes of 8-bit codes per activation value (native/q8.c)
 ACTIVATION_PLANES = {"int16": 2, "int8": 1}
-#: `activations="auto"` codes with int8 below this many stored bits per expert weight (plan.py _activations)
-LOW_BIT_BPW = 4.0
+#: `activations="auto"` codes with int8 below this many stored bits per expert weight (plan.py _activations): Q4_K_M,
+#: Q4_0, IQ4_XS, MXFP4 and everything smaller; Q5_K_M, Q6_K, Q8_0 and plain weights keep int16
+LOW_BIT_BPW = 5.5
 
 
 @dataclass
@@ -190,8 +191,8 @@ class LoadOptions:
         "auto", choices=("auto", *ACTIVATION_PLANES),
         help="how the integer kernels code a quantized projection's input: int16 (two 8-bit planes, finer than "
              "bf16) or int8 (llama.cpp's Q8_K / Q8_0 coding: faster, also for a prompt's Q4_K projections on "
-             "AVX512-VNNI; 0.5-2.3%% error per projection); auto = int8 when the experts average under 4 bits "
-             "per weight (their own rounding error is 20-40x int8's), else int16",
+             "AVX512-VNNI; 0.5-2.3%% error per projection); auto = int8 when the experts average under 5.5 bits "
+             "per weight (their own rounding error is 10-40x int8's), else int16",
         doc="how the integer kernels of GGUF block formats code a projection's input at the bf16 / f16 dtypes: "
             "`int16`, two planes of 8-bit codes per 32 values (256 for the K-quants), x to ~1/32,000 of the "
             "block's largest value, finer than bf16 itself; `int8`, one plane, x to 1/127 of it, as llama.cpp's "
@@ -201,9 +202,11 @@ class LoadOptions:
             "seconds per multiply). Where a prompt's GEMMs are float32 (no bf16 dot products: AVX2 CPUs, or "
             "`--isa avx2`) its Q4_K, Q5_K and Q6_K projections run on AVX2 integer tiles at either coding (`int16` "
             "two multiplies per weight, `int8` one) instead of dequantizing to float32: a peers expert on 256 rows "
-            "4.9 / 2.8 ms against 6.4. `auto`: `int8` when the experts average under 4 bits per weight (Q2_K, "
-            "Q3_K, IQ1-IQ3, TQ files and mixes of them), whose own rounding moves a projection 15-30% (Q3_K, Q2_K "
-            "on the peers model) against int8's 0.5-0.8%, else `int16`; `sluice inspect` prints the choice. "
+            "4.9 / 2.8 ms against 6.4. `auto`: `int8` when the experts average under 5.5 bits per weight "
+            "(Q4_K_M, Q4_0, IQ4_XS, MXFP4 files and everything smaller), whose own rounding moves a weight 7-30% "
+            "(Q4_K, Q3_K, Q2_K on the peers model) against int8's 0.5-0.8% (perplexity within 0.02% of int16's on "
+            "every such file of the table below), else `int16` (Q5_K_M, Q6_K, Q8_0, plain weights); `sluice "
+            "inspect` prints the choice. "
             "float32 keeps the exact float kernels either way")
     # matmul: Compute.bf16_gemm (quant/matmul.py rows_linear, quant/linear.py's many-row path), decided per model at
     # load (engine.py); auto: host/cpus.bf16_dot. Peers bf16 model, resident 2,048-token prefill on a 2-core AVX512_BF16

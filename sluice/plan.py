@@ -183,9 +183,11 @@ def _less(room: MemoryRoom, nbytes: int) -> MemoryRoom:
 def _activations(options: LoadOptions, layout: ExpertLayout) -> tuple[str, str]:
     """(the integer kernels' activation coding, why). `auto`: int8 when the experts average under LOW_BIT_BPW stored
     bits per weight. Their own rounding then dwarfs int8's coding error: relative L2 of the weights against the
-    bf16 source on the peers model (benchmarks/results/quantized/lowbit-intel/README.md) Q2_K 0.30, Q3_K 0.15, Q4_K
-    0.071, IQ4_XS 0.077, Q6_K 0.018, against 0.005-0.008 for a projection's int8 coding (int16: 3e-5), and the int8
-    kernels are 10-20% faster a token there (resident Q2_K file: 13.6 vs 15.2 ms on the Intel VM)."""
+    bf16 source on the peers model (benchmarks/results/quantized/lowbit-intel/weight_error.md) Q2_K 0.30, Q3_K 0.15,
+    Q4_K 0.071, IQ4_XS 0.077, against 0.005-0.008 for a projection's int8 coding (int16: 3e-5); Q5_K 0.036 and
+    Q6_K 0.018 keep int16. The demo's perplexity moves <= 0.02% from int16 to int8 on every file of
+    benchmarks/results/perplexity.md, and int8 decodes faster (resident, Intel Xeon AMX, peers files: Q2_K 14.8 vs
+    16.3 ms, Q4_K_M 16.7 vs 18.7; benchmarks/results/quantized/lowbit-intel, intel-amx)."""
     if options.activations != "auto":
         return options.activations, "as asked"
     bpw = layout.bits_per_weight

@@ -114,10 +114,11 @@ def test_a_budget_that_cannot_work_is_the_same_error_from_both_before_any_weight
     assert str(planned.value) in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("qtype,want", [("Q2_K", "int8"), ("IQ2_XXS", "int8"), ("Q4_K", "int16"), ("F32", "int16")])
-def test_auto_activations_code_int8_only_for_experts_under_four_bits(tmp_path, qtype, want):
-    """`--activations auto` (the default): int8 where the experts' own rounding dwarfs int8's coding (< 4 bits per
-    weight), int16 elsewhere; inspect and the loaded model's kernels agree, and an explicit choice is kept."""
+@pytest.mark.parametrize("qtype,want", [("Q2_K", "int8"), ("IQ2_XXS", "int8"), ("Q4_K", "int8"), ("Q6_K", "int16"),
+                                        ("Q8_0", "int16"), ("F32", "int16")])
+def test_auto_activations_code_int8_only_for_experts_under_five_and_a_half_bits(tmp_path, qtype, want):
+    """`--activations auto` (the default): int8 where the experts' own rounding dwarfs int8's coding (< 5.5 bits
+    per weight), int16 elsewhere; inspect and the loaded model's kernels agree, and an explicit choice is kept."""
     from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
     from tests.quant.test_gguf_models import K_SHAPES
 

@@ -113,7 +113,7 @@ def test_float16_runs_the_integer_path_within_the_float32_logits(lowbit, monkeyp
         rows.append(x.shape[0]), call(self, slot, x, *a, **k))[1])
     monkeypatch.setattr(native.ExpertCall, "many", lambda self, raw, slots, x, *a, **k: (
         rows.extend([x.shape[0]] * len(slots)), many(self, raw, slots, x, *a, **k))[1])
-    with sluice.load(path, memory="all", dtype="float16", activations="int16") as m:  # auto: int8 under 4 bits
+    with sluice.load(path, memory="all", dtype="float16", activations="int16") as m:  # auto: int8 under 5.5 bits
         assert m.model.compute.planes == 2
         err = _rel_l2(m.logits(IDS), want)
         with torch.inference_mode():
