@@ -75,6 +75,20 @@ def read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     return arrays, meta
 
 
+def write_uniform(gguf_path: Path, out: Path) -> int:
+    """An importance matrix of ones for every 2-D / 3-D weight of the transformer blocks of a GGUF (no calibration:
+    each input column weighted alike), for an architecture the hooks below do not know; returns the entries."""
+    from gguf import GGUFReader
+
+    entries = {}
+    for t in GGUFReader(gguf_path).tensors:
+        ne = [int(n) for n in t.shape]  # GGUF order: ne[0] = the input columns, ne[2] = experts
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(ne) >= 2:
+            entries[t.name] = np.ones((ne[2], ne[0]) if len(ne) == 3 else (ne[0],), np.float32)
+    write(out, entries, {"model": str(gguf_path), "calibration": "none: ones (quality.py imatrix --uniform)"})
+    return len(entries)
+
+
 def flat(entries: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """name -> contiguous float32 [E * n_in] (expert-major), as llama_model_quantize reads an entry."""
     return {name: np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for name, v in entries.items()}

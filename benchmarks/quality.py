@@ -91,13 +91,13 @@ def parity(args) -> None:
 
 # -- quantize (runs in the peers venv) -------------------------------------------------------------------------------
 def quantize(src: Path, dst: Path, kind: str, threads: int | None = None, embed_type: str | None = None,
-             requantize: bool = False, imatrix: Path | None = None) -> None:
+             requantize: bool = False, imatrix: Path | None = None, tensor_types: list[str] = ()) -> None:
     """llama.cpp's own `kind` (Q4_K_M, Q5_K_M, Q8_0, Q4_0, IQ2_XXS, ...) of the GGUF src, written to dst (what
     `llama-quantize src dst kind` writes); threads: the quantizer's (default: every CPU); embed_type: the token
     embeddings' type, qwen4exp's n-gram table (per_layer_token_embd) included (`llama-quantize
     --token-embedding-type`); requantize: accept an already quantized src (`--allow-requantize`); imatrix: an
     importance matrix file (benchmarks/imatrix.py; `llama-quantize --imatrix`), which IQ1_*, IQ2_XXS/XS/S and IQ3_XXS
-    need."""
+    need; tensor_types: "REGEX=TYPE" overrides (`llama-quantize --tensor-type`)."""
     import ctypes
 
     from benchmarks import imatrix as imx
@@ -119,6 +119,20 @@ def quantize(src: Path, dst: Path, kind: str, threads: int | None = None, embed_
         params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{embed_type.upper()}", None)
         if params.token_embedding_type is None:
             raise SystemExit(f"error: unknown tensor type {embed_type!r} (e.g. Q8_0, F16, BF16)")
+    overrides = []
+    for spec in tensor_types:
+        pattern, _, name = spec.rpartition("=")
+        qtype = getattr(llama_cpp, f"GGML_TYPE_{name.upper()}", None)
+        if not pattern or qtype is None:
+            raise SystemExit(f"error: --tensor-type {spec!r}: want REGEX=TYPE with a ggml type (e.g. "
+                             "'ffn_(gate|up)_exps=IQ2_XXS')")
+        overrides.append((pattern.encode(), qtype))
+    if overrides:  # llama.h: an array of {pattern, type}, ended by a NULL pattern
+        Override = llama_cpp.llama_cpp.llama_model_tensor_override
+        table_tt = (Override * (len(overrides) + 1))()
+        for row, (pattern, qtype) in zip(table_tt, overrides):
+            row.pattern, row.type = pattern, qtype
+        params.tt_overrides = ctypes.cast(table_tt, ctypes.POINTER(Override))
     if entries is not None:  # llama.h: an array of {name, data, size}, ended by a NULL name
         Entry = llama_cpp.llama_cpp.llama_model_imatrix_data
         table = (Entry * (len(entries) + 1))()  # zeroed: the last entry's name is NULL
@@ -200,17 +214,28 @@ def main() -> None:
     q.add_argument("--allow-requantize", action="store_true", help="accept an already quantized input")
     q.add_argument("--imatrix", type=Path, metavar="FILE",
                    help="importance matrix (`quality.py imatrix`); IQ1_*, IQ2_XXS/XS/S and IQ3_XXS need one")
+    q.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
+                   help="tensors whose name matches REGEX take TYPE, over kind's choice (`llama-quantize "
+                        "--tensor-type`; repeatable, the first match wins): how Unsloth-style mixes are made")
     i = sub.add_parser("imatrix", help="an importance matrix for `quantize --imatrix` (main venv: transformers)")
     i.add_argument("out", type=Path, help="the file to write (.npz, benchmarks/imatrix.py)")
     i.add_argument("--model", type=Path, default=ROOT / "sluice/assets/demo", help="Hugging Face folder")
     i.add_argument("--corpus", type=Path, default=ROOT / "build/demo/corpus", help="its train.jsonl calibrates")
     i.add_argument("--context", type=int, default=256, help="tokens per calibration window")
     i.add_argument("--chunks", type=int, default=IMATRIX_CHUNKS, help="windows, spread evenly over the text")
+    i.add_argument("--uniform", type=Path, metavar="GGUF",
+                   help="no calibration: ones for every weight of this GGUF's blocks (every input column weighted "
+                        "alike), for a model whose architecture the hooks do not know; speed files only")
     a = ap.parse_args()
     if a.what == "quantize":
         quantize(a.src, a.dst, a.kind, embed_type=a.token_embedding_type, requantize=a.allow_requantize,
-                 imatrix=a.imatrix)
+                 imatrix=a.imatrix, tensor_types=a.tensor_type)
         print(f"{a.dst}: {a.dst.stat().st_size / 1e9:.2f} GB ({a.kind})")
+    elif a.what == "imatrix" and a.uniform is not None:
+        from benchmarks import imatrix as imx
+
+        n = imx.write_uniform(a.uniform, a.out)
+        print(f"{a.out}: ones for the {n} block weights of {a.uniform}")
     elif a.what == "imatrix":
         meta = make_imatrix(a.model, a.corpus, a.out, a.context, a.chunks)
         print(f"{a.out}: {meta['chunks']} windows of {meta['context']} tokens ({meta['tokens']:,} tokens)")
