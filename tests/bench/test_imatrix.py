@@ -160,3 +160,23 @@ def test_llama_cpp_quantizes_iq2_xxs_with_the_matrix_only(tmp_path):
     ref = llama_cpp.greedy(tmp_path / "m.gguf", ids, 8)["tokens"]
     with sluice.load(tmp_path / "m.gguf", memory="all", dtype="float32") as m:
         assert list(m.generate_tokens(ids, max_tokens=8, temperature=0.0, stop_at_eos=False)) == ref
+
+
+def test_a_uniform_matrix_has_ones_for_every_block_weight_in_the_quantizer_shape(tmp_path):
+    """`quality.py imatrix --uniform GGUF` (no calibration, for architectures the hooks do not know): ones of
+    [n_in] for a 2-D weight of the blocks and [experts, n_in] for a stacked expert tensor, as llama_model_quantize
+    reads them; nothing for the embeddings, the output, norms or biases."""
+    from tests.checkpoint.gguf_files import GGUF_TINY, convert
+    from tests.models.tiny import hf_model
+
+    model = hf_model("qwen3_moe", **GGUF_TINY["qwen3_moe"])
+    path = convert(model, tmp_path / "m.gguf")
+    n = imx.write_uniform(path, tmp_path / "u.imatrix")
+    entries, meta = imx.read(tmp_path / "u.imatrix")
+    assert n == len(entries) and "ones" in meta["calibration"]
+    cfg = model.config
+    gate = entries["blk.0.ffn_gate_exps.weight"]
+    assert gate.shape == (cfg.num_experts, cfg.hidden_size) and (gate == 1).all()
+    assert entries["blk.0.ffn_down_exps.weight"].shape == (cfg.num_experts, cfg.moe_intermediate_size)
+    assert entries["blk.0.attn_q.weight"].shape == (cfg.hidden_size,)
+    assert not any(k.startswith(("token_embd", "output")) or "norm" in k for k in entries)
