@@ -72,12 +72,13 @@ def model(request, tmp_path_factory):
 
 
 def _run(path, monkeypatch, memory="all", **kw):
-    """(logits of PROMPT, the row counts GluMath._swiglu's GEMMs were given, the model) under bf16 GEMMs."""
+    """(logits of PROMPT, the row counts GluMath._swiglu's GEMMs were given, the model) under bf16 GEMMs (activations
+    int16: a Q4_K file's default, int8, runs a prompt's experts on prompt.c's tiles where the CPU has VNNI)."""
     rows: list[int] = []
     for name in ("packed_linear", "rows_linear"):
         f = getattr(experts, name)
         monkeypatch.setattr(experts, name, lambda x, w, *a, f=f, **k: (rows.append(x.shape[0]), f(x, w, *a, **k))[1])
-    with sluice.load(path, memory=memory, matmul="bf16", **kw) as m:
+    with sluice.load(path, memory=memory, matmul="bf16", activations="int16", **kw) as m:
         return m.logits(PROMPT), rows, m
 
 
