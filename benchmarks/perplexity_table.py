@@ -237,12 +237,11 @@ def run(args, quality_py: Path) -> None:
                 raise SystemExit(f"the llama.cpp child exited ({child.returncode}) before writing {path}")
             time.sleep(2)
         row = rows[name] = {"bytes": path.stat().st_size, "types": tensor_types(path)}
+        # which coding the default picks: its run is that column's
+        row["default_activations"] = plan(path, LoadOptions.make(memory="all")).activations
         for key, dtype, coding in (("sluice_float32", "float32", "auto"), ("sluice_int16", "auto", "int16"),
-                                   ("sluice_int8", "auto", "int8"), ("sluice_default", "auto", "auto")):
+                                   ("sluice_int8", "auto", "int8")):
             done = args.work / f"sluice-{name}-{dtype}-{coding}.json"
-            if key == "sluice_default":  # which coding the default picks (the same run as that column's)
-                row["default_activations"] = plan(path, LoadOptions.make(memory="all")).activations
-                continue
             if not done.exists():
                 done.write_text(json.dumps(sluice_perplexity(path, text, args.context, dtype, args.threads, coding)))
             row[key] = json.loads(done.read_text())

@@ -64,7 +64,7 @@ class LoadPlan:
     prefill_chunk: int  # prompt tokens per forward pass (options.prefill_chunk, "auto" resolved)
     prefill_span: int  # streamed: prompt tokens run layer by layer over their passes (0: pass after pass)
     prefill_why: str  # how the chunk was chosen, for inspect
-    prefill_bytes: int  # what one chunk's activations may take (fixed + prefill_token_bytes x chunk): the heap keeps it
+    prefill_bytes: int  # a chunk's activations (fixed + per token x chunk), the span's hidden states: the heap keeps it
     kv_bytes: int
     room: MemoryRoom  # the memory this process may take, when the plan was made
     ple_tables: dict[int, list[TensorRef]]  # qwen4_exp: layer -> its n-gram table's parts (models/tables.py)
@@ -148,9 +148,9 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     return LoadPlan(
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
         layout=layout, dtype=dtype, lazy_embed=lazy_embed, resident_bytes=resident_bytes, max_context=max_context,
-        prefill_chunk=chunk, prefill_span=span, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room, ple_tables=tables, ple=ple,
-        ple_bytes=table_bytes, ple_why=ple_why, activations=activations, activations_why=activations_why,
-        memory=memory,
+        prefill_chunk=chunk, prefill_span=span, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room,
+        ple_tables=tables, ple=ple, ple_bytes=table_bytes, ple_why=ple_why, activations=activations,
+        activations_why=activations_why, memory=memory,
         prefill_bytes=(prefill_fixed_bytes(spec, itemsize, native_delta)
                        + chunk * prefill_token_bytes(spec, itemsize, max_context)
                        + span * hidden_token_bytes(spec, itemsize)),
@@ -246,9 +246,9 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
     Streamed (a budget), a prompt longer than a chunk runs layer by layer over up to `span` tokens
     (Transformer.forward_layers): each layer's experts are read once for the span instead of once a chunk. The span's
     hidden states take at most SPAN_SHARE of the activation room (store/budget.py prefill_span_tokens), the chunk
-    the rest. Measured on the peers Q4_K_M
-    file at a 1 GiB ceiling, a 2,048-token prompt at --memory auto: 7.1 GiB read pass after pass, 930 MiB in one pass
-    (benchmarks/results/prefill/q4km-avx2-default-1GiB)."""
+    the rest. Measured on the peers Q4_K_M file at a 1 GiB ceiling, a 2,048-token prompt at --memory auto: 7.1 GiB
+    read chunk after chunk (benchmarks/results/prefill/q4km-avx2-default-1GiB), 945 MiB layer by layer
+    (benchmarks/results/quantized/intel-amx/prompt-1GiB)."""
     per_token = prefill_token_bytes(spec, itemsize, max_context)
     fb = format_bytes
     if room.known:
@@ -262,9 +262,10 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
     else:
         acts, whence = PREFILL_ROOM, f"the room is unknown: {room.source}"
     span = prefill_span_tokens(spec, itemsize, max_context, acts) if memory is not None else 0
-    acts = max(0, acts - span * hidden_token_bytes(spec, itemsize))
+    hidden = span * hidden_token_bytes(spec, itemsize)
+    acts = max(0, acts - hidden)
     spans = (f"; streamed: up to {span} tokens layer by layer, each layer's experts read once for them "
-             f"({fb(span * hidden_token_bytes(spec, itemsize))} of hidden states)") if span else ""
+             f"({fb(hidden)} of hidden states)") if span else ""
     if options.prefill_chunk != "auto":
         return options.prefill_chunk, span, "--prefill-chunk" + spans
     chunk = prefill_tokens_per_chunk(spec, itemsize, max_context, acts, native_delta)

@@ -50,37 +50,24 @@ class Transformer:
 
     def forward(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """tokens [T] at positions pos.. -> final-norm hidden states [T, H]; writes the caches."""
-        T = tokens.shape[0]
-        if pos + T > self.cache.max_context:
-            raise ValueError(f"context overflow: {pos + T} tokens > max_context {self.cache.max_context}")
-        step = Step(pos, T, self._after_mixer if self._reads_ahead(T) else None, tokens)
-        try:
-            x = self.embed(tokens)
-            if self.streams is not None:
-                x = self.streams.enter(x)  # [T, n*H]
-            for layer in self.layers:
-                x = layer(x, step)
-            if self.streams is not None:
-                x = self.streams.leave(x)  # [T, H]
-            return x if self.final_norm is None else self.final_norm(x)
-        finally:
-            self.build.workspace.release()  # a prompt's [T*K, H] rows are not held between passes
+        return self.forward_layers(tokens, pos, max(1, tokens.shape[0]))[0]
 
     def forward_layers(self, tokens: torch.Tensor, pos: int, chunk: int,
                        between: Callable[[], object] | None = None) -> list[torch.Tensor]:
         """tokens [T] at positions pos.. in passes of `chunk` tokens, layer by layer: every pass goes through a layer
         before any goes on to the next, so a streamed layer reads its experts once for the T tokens (the slots keep
-        them between its passes) instead of once a pass. Each pass runs the operations forward() would run on it,
-        in the same order for each layer's caches (KV positions, recurrent and conv states): the same bits as
-        forward() pass after pass. The T hidden states stay between layers (H x streams values a token: the plan
-        counts them, plan.py _prefill_chunk). `between` is called before each layer. Returns each pass's
+        them between its passes) instead of once a pass. Each pass runs the operations a forward() of its own would
+        run on it, in the same order for each layer's caches (KV positions, recurrent and conv states): the same
+        bits as forward() pass after pass. The T hidden states stay between layers (H x streams values a token: the
+        plan counts them, plan.py _prefill_chunk). `between` is called before each layer. Returns each pass's
         final-norm hidden states [t, H]."""
         T = tokens.shape[0]
         if pos + T > self.cache.max_context:
             raise ValueError(f"context overflow: {pos + T} tokens > max_context {self.cache.max_context}")
-        steps = [Step(pos + s, min(chunk, T - s), None, tokens[s : s + chunk]) for s in range(0, T, chunk)]
-        for st in steps:
-            st.after_mixer = self._after_mixer if self._reads_ahead(st.T) else None
+        steps = []
+        for s in range(0, max(T, 1), chunk):  # one pass of no tokens for an empty call, as a plain forward had
+            t = min(chunk, T - s)
+            steps.append(Step(pos + s, t, self._after_mixer if self._reads_ahead(t) else None, tokens[s : s + t]))
         try:
             xs = [self.embed(st.tokens) for st in steps]
             if self.streams is not None:
@@ -90,12 +77,13 @@ class Transformer:
                     between()
                 for i, st in enumerate(steps):
                     xs[i] = layer(xs[i], st)
-                    st._masks.clear()  # a pass's masks are rebuilt at the next layer, not held for every pass
+                    if len(steps) > 1:
+                        st.drop_masks()  # rebuilt at the next layer, not held for every pass at once
             if self.streams is not None:
                 xs = [self.streams.leave(x) for x in xs]  # [t, H]
             return xs if self.final_norm is None else [self.final_norm(x) for x in xs]
         finally:
-            self.build.workspace.release()
+            self.build.workspace.release()  # a prompt's [T*K, H] rows are not held between passes
 
     def _reads_ahead(self, T: int) -> bool:
         s = self.spec

@@ -68,6 +68,10 @@ class Step:
         self.prompt_guess: tuple[int, list[int]] | None = None
         self._masks: dict[int | None, torch.Tensor | None] = {}
 
+    def drop_masks(self) -> None:
+        """Let the masks go (a pass run layer by layer beside others builds them again at its next layer)."""
+        self._masks.clear()
+
     def mask(self, window: int | None) -> torch.Tensor | None:
         """Boolean attention mask [T, pos+T] (True = attend) for this pass's queries; None when all may attend."""
         if window not in self._masks:
