@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,9 +40,6 @@ BLOCK = (128, 128)  # the hub's weight_block_size
 #: resident roles (models/weights.py) stored in FP8: the projections the hub's FP8 uploads quantize
 FP8_ROLES = frozenset({"q", "k", "v", "o", "mlp.gate", "mlp.up", "mlp.down", "shared.gate", "shared.up", "shared.down",
                        "mla.q", "mla.q_a", "mla.q_b", "mla.kv_a", "mla.kv_b", "delta.qkv", "delta.z", "delta.qkvz"})
-_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-               "chat_template.json", "generation_config.json")
-
 
 def fp8_names(index: CheckpointIndex) -> tuple[set[str], list[str]]:
     """(the index names of the weights to store in FP8, the modules left plain that a GPU loader must not convert:
@@ -110,7 +106,7 @@ def export_fp8(model: str | os.PathLike[str], out: str | os.PathLike[str], block
     blocks of `block` = (rows, inputs) weights, scales in `scale_dtype`. `progress(nbytes)` after each tensor
     written. Returns a summary: path, bytes, tensors, type, quantized (how many weights are FP8), fallbacks (none).
     ConfigError for a source sluice cannot export, OutputExistsError when OUT exists (see `force`)."""
-    from .output import writing_model
+    from .output import Tally, copy_side_files, writing_model
 
     bn, bk = block
     if type(bn) is not int or type(bk) is not int or bn < 1 or bk < 32 or bk % 32 or scale_dtype not in SCALE_DTYPES:
@@ -119,25 +115,14 @@ def export_fp8(model: str | os.PathLike[str], out: str | os.PathLike[str], block
     folder, out = Path(model), Path(out)
     index = open_index(folder)
     quantized, keep = fp8_names(index)
-    count = 0
-
-    def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal count
-        for name, t in fp8_stream(index, quantized, block, scale_dtype):
-            count += 1
-            yield name, t
-            if progress is not None:
-                progress(t.numel() * t.element_size())
-
+    tensors = Tally(fp8_stream(index, quantized, block, scale_dtype), progress)
     with writing_model(out, force) as partial:
-        files = write_sharded(partial, counted(), max_shard_bytes)
+        files = write_sharded(partial, tensors, max_shard_bytes)
         config = json.loads((folder / CONFIG).read_text("utf-8"))  # the source's, as written (a wrapper kept)
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(block), "modules_to_not_convert": keep}
         (partial / CONFIG).write_text(json.dumps(config, indent=2) + "\n", "utf-8")
-        for side in _SIDE_FILES:
-            if (folder / side).is_file():
-                shutil.copyfile(folder / side, partial / side)
+        copy_side_files(folder, partial)
     size = sum((out / f.name).stat().st_size for f in files)
-    return {"path": str(out), "bytes": size, "tensors": count, "type": "fp8", "quantized": len(quantized),
+    return {"path": str(out), "bytes": size, "tensors": tensors.count, "type": "fp8", "quantized": len(quantized),
             "fallbacks": []}

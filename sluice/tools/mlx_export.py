@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,9 +46,6 @@ _UNREAD = ("mtp.", "model.visual.")  # a hub hybrid's mtp head and vision tower:
 # mlx-lm's vision-language wrappers name the text model `language_model.model.*` (and quantization paths so)
 _VLM = {"qwen3_5_moe": "language_model."}
 MLX_TYPES = {"mlx-4bit": 4, "mlx-8bit": 8}
-_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-               "chat_template.json", "generation_config.json")
-
 
 def _mx():
     try:
@@ -188,7 +184,7 @@ def export_mlx(model: str | os.PathLike[str], out: str | os.PathLike[str], bits:
     """Write `model` (a supported HF MoE folder) as an MLX affine `bits`-bit folder at `out` (see the module doc).
 
     `progress(nbytes)` after each tensor written. Returns a summary: path, bytes, bits, group_size, tensors."""
-    from .output import writing_model
+    from .output import Tally, copy_side_files, writing_model
 
     if bits not in MLX_TYPES.values():
         raise SluiceError(f"MLX bits {bits}: 4 or 8")
@@ -197,25 +193,14 @@ def export_mlx(model: str | os.PathLike[str], out: str | os.PathLike[str], bits:
     index = open_index(folder)
     model_args(index.config, folder / CONFIG)  # a ConfigError before anything is written
     quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
-    count = 0
-
-    def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal count
-        for name, t in mlx_stream(index, bits, quantization):
-            count += 1
-            yield name, t
-            if progress is not None:
-                progress(t.numel() * t.element_size())
-
+    tensors = Tally(mlx_stream(index, bits, quantization), progress)
     with writing_model(out, force) as partial:
-        files = write_sharded(partial, counted(), max_shard_bytes)
+        files = write_sharded(partial, tensors, max_shard_bytes)
         config = dict(index.config)
         config["quantization"] = quantization
         config["quantization_config"] = quantization
         (partial / CONFIG).write_text(json.dumps(config, indent=4) + "\n", "utf-8")
-        for side in _SIDE_FILES:
-            if (folder / side).is_file():
-                shutil.copyfile(folder / side, partial / side)
+        copy_side_files(folder, partial)
     size = sum((out / f.name).stat().st_size for f in files)
-    return {"path": str(out), "bytes": size, "bits": bits, "group_size": GROUP_SIZE, "tensors": count,
+    return {"path": str(out), "bytes": size, "bits": bits, "group_size": GROUP_SIZE, "tensors": tensors.count,
             "type": f"mlx-{bits}bit", "fallbacks": []}

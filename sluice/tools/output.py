@@ -5,14 +5,42 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from ..checkpoint.paths import output_kind
 from ..errors import SluiceError
 
 _PARTIAL_MARKER = ".sluice-make-model"  # marks OUT.partial as ours, so a rerun may delete it
+#: the files beside the weights a re-encoded model folder keeps from its source (the FP8 and MLX exports)
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "chat_template.json", "generation_config.json")
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """SIDE_FILES that `src` has, copied into `dst`."""
+    for side in SIDE_FILES:
+        if (src / side).is_file():
+            shutil.copyfile(src / side, dst / side)
+
+
+class Tally:
+    """(name, tensor) pairs passed through as they are written: `count` of them, and `progress(nbytes)` after each."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]], progress: Callable[[int], object] | None):
+        self._tensors, self._progress, self.count = tensors, progress, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._tensors:
+            self.count += 1
+            yield name, t
+            if self._progress is not None:
+                self._progress(t.numel() * t.element_size())
 
 
 class OutputExistsError(SluiceError):
