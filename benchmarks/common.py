@@ -1,7 +1,7 @@
 """What the scripts under benchmarks/ share: the models they default to, a seeded prompt, the in-process timing
 protocol (alternate, median_ms, medians), an arm in a fresh process (child_json), `with_kernels` and
-`default_compute`, the one place that knows where each kernel / scheduling choice they compare lives, and
-`decode_logits`.
+`default_compute`, the one place that knows where each kernel / scheduling choice they compare lives,
+`decode_logits`, and the process tree under a pid (`processes`, `descendants`: the Ray benchmark's and test's).
 
 The scripts import it as `benchmarks.common` after putting the repository root on sys.path (`sys.path.insert(0, ...)`
 at their top); tests/bench/test_timing.py and test_common.py test it. Nothing heavy is imported at this module's top
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -246,3 +247,28 @@ def commit() -> str:
     from sluice.commands.bench import source_commit
 
     return source_commit() or "unknown"
+
+
+def processes() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, command line) of every process (/proc; one that exits meanwhile is left out)."""
+    out = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+        except OSError:
+            continue
+        out[int(d)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmd)
+    return out
+
+
+def descendants(root: int) -> dict[int, bytes]:
+    """pid -> command line of every process below `root`."""
+    procs, found, todo = processes(), {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, cmd) in procs.items():
+            if ppid == parent and pid not in found:
+                found[pid] = cmd
+                todo.append(pid)
+    return found

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
+from benchmarks.common import descendants  # noqa: E402
 from sluice.bench.protocol import rotation  # noqa: E402
 
 ARMS = {  # the issue's comparison: one server on 2 threads against 1 and 2 replicas of 1 thread (and 1 thread alone)
@@ -61,25 +62,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def descendants(root: int) -> dict[int, bytes]:
-    """pid -> command line of every process below `root`."""
-    procs = {}
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            procs[int(d)] = (ppid, Path(f"/proc/{d}/cmdline").read_bytes())
-        except (OSError, ValueError):
-            continue
-    found, todo = {}, [root]
-    while todo:
-        parent = todo.pop()
-        for pid, (ppid, cmd) in procs.items():
-            if ppid == parent and pid not in found:
-                found[pid] = cmd
-                todo.append(pid)
-    return found
 
 
 def status_kib(pid: int, field: str) -> int:

@@ -26,6 +26,7 @@ import torch
 pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]'; `make test` "
                                         "installs it)")
 
+from benchmarks.common import descendants, processes  # noqa: E402
 from sluice.tools.tokenizer_train import train_tokenizer  # noqa: E402
 
 from ..models.tiny import hf_model, write_checkpoint  # noqa: E402
@@ -65,32 +66,6 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
-
-
-def processes() -> dict[int, tuple[int, bytes]]:
-    """pid -> (parent pid, command line) of every process."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-            except OSError:
-                continue
-            out[int(d)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmd)
-    return out
-
-
-def descendants(root: int) -> dict[int, bytes]:
-    """pid -> command line of every process below `root`."""
-    procs, found, todo = processes(), {}, [root]
-    while todo:
-        parent = todo.pop()
-        for pid, (ppid, cmd) in procs.items():
-            if ppid == parent and pid not in found:
-                found[pid] = cmd
-                todo.append(pid)
-    return found
 
 
 def replicas(root: int) -> list[int]:
