@@ -80,8 +80,12 @@ def write_uniform(gguf_path: Path, out: Path) -> int:
     each input column weighted alike), for an architecture the hooks below do not know; returns the entries."""
     from gguf import GGUFReader
 
+    try:
+        tensors = GGUFReader(gguf_path).tensors
+    except (OSError, ValueError) as e:  # missing, unreadable, or not a GGUF (gguf's reader raises ValueError)
+        raise ImatrixError(f"{gguf_path}: not a readable GGUF file ({e})") from None
     entries = {}
-    for t in GGUFReader(gguf_path).tensors:
+    for t in tensors:
         ne = [int(n) for n in t.shape]  # GGUF order: ne[0] = the input columns, ne[2] = experts
         if t.name.startswith("blk.") and t.name.endswith(".weight") and len(ne) >= 2:
             entries[t.name] = np.ones((ne[2], ne[0]) if len(ne) == 3 else (ne[0],), np.float32)

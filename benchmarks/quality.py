@@ -234,7 +234,10 @@ def main() -> None:
     elif a.what == "imatrix" and a.uniform is not None:
         from benchmarks import imatrix as imx
 
-        n = imx.write_uniform(a.uniform, a.out)
+        try:
+            n = imx.write_uniform(a.uniform, a.out)
+        except imx.ImatrixError as e:
+            raise SystemExit(f"error: {e}") from None
         print(f"{a.out}: ones for the {n} block weights of {a.uniform}")
     elif a.what == "imatrix":
         meta = make_imatrix(a.model, a.corpus, a.out, a.context, a.chunks)

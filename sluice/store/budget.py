@@ -71,7 +71,7 @@ PREFILL_ROOM = 64 * 2**20  # activation bytes a chunk may take when the room is 
 #: a streamed prefill's layer-by-layer span keeps its tokens' hidden states in at most this share of the activation
 #: room, or of the smallest chunk's activations where the room holds less (the peers model: 2 KiB a token against
 #: the 75.8 KiB a chunk's token costs; at a 1 GiB ceiling --memory auto leaves the floor's 256 tokens, 19 MiB, and
-#: a quarter of that holds 2,426 tokens' hidden states)
+#: a quarter of that holds 2,424 tokens' hidden states: `sluice inspect model-Q4_K_M.gguf` in a 1 GiB memory cgroup)
 SPAN_SHARE = 1 / 4
 PREFILL_MIN, PREFILL_MAX = 256, 4096  # 256: the old fixed chunk; 4096: its mask stays <= 16 MiB per 4K context
 

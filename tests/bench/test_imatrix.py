@@ -180,3 +180,6 @@ def test_a_uniform_matrix_has_ones_for_every_block_weight_in_the_quantizer_shape
     assert entries["blk.0.ffn_down_exps.weight"].shape == (cfg.num_experts, cfg.moe_intermediate_size)
     assert entries["blk.0.attn_q.weight"].shape == (cfg.hidden_size,)
     assert not any(k.startswith(("token_embd", "output")) or "norm" in k for k in entries)
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(imx.ImatrixError, match="bad.gguf: not a readable GGUF file"):
+        imx.write_uniform(tmp_path / "bad.gguf", tmp_path / "v.imatrix")
