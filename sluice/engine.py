@@ -81,9 +81,10 @@ class Model:
         # input is a mix of the streams (models/layers/hyper.py), which they do not compute yet: no read-ahead
         # (plan.py refuses --prefetch there)
         streams = s.hc_count > 1
-        if p.options.prefetch == "router" and self.memory is not None and not streams:
-            prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin)
-        elif p.options.prefetch == "learned" and self.memory is not None and not streams:
+        if p.prefetch == "router" and self.memory is not None and not streams:
+            prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin,
+                                        path=self.compute.path if self.compute.dtype is torch.bfloat16 else None)
+        elif p.prefetch == "learned" and self.memory is not None and not streams:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
         # not on the mmap reader: its submit copies in the caller, so the read-ahead would stall this layer's math

@@ -130,3 +130,21 @@ def test_auto_activations_code_int8_only_for_experts_under_five_and_a_half_bits(
         assert m.compute.planes == {"int8": 1, "int16": 2}[want]
     other = "int16" if want == "int8" else "int8"
     assert plan(path, LoadOptions.make(memory="all", activations=other)).activations == other
+
+
+def test_auto_prefetch_reads_ahead_only_on_the_direct_reader_when_streamed(model_dir, sizes):
+    """`--prefetch auto` (the default): the next layer's router guesses a decode token's experts where they stream
+    through the direct reader; resident, mmap and willneed read nothing ahead; an explicit choice is kept; inspect
+    prints the decision and the loaded model builds it."""
+    streamed = sizes["resident"] + 2 * sizes["top_k"] * sizes["expert"] + sizes["kv"]
+    got = {io: plan(model_dir, LoadOptions.make(memory=streamed, io=io)) for io in ("direct", "mmap", "willneed")}
+    assert {io: p.prefetch for io, p in got.items()} == {"direct": "router", "mmap": "none", "willneed": "none"}
+    assert got["mmap"].prefetch_why == "auto: --io mmap (the read-ahead would fault in the model's thread)"
+    assert plan(model_dir, LoadOptions.make(memory="all")).prefetch == "none"
+    assert plan(model_dir, LoadOptions.make(memory=streamed, prefetch="none")).prefetch_why == "as asked"
+    assert plan(model_dir, LoadOptions.make(memory=streamed, io="mmap", prefetch="router")).prefetch == "router"
+    with sluice.load(model_dir, memory=streamed) as m:
+        assert m.model.prerouter is not None
+    with sluice.load(model_dir, memory=streamed, prefetch="none") as m:
+        assert m.model.prerouter is None
+    assert cli.main(["inspect", str(model_dir), "--usage-tokens", "0", "--memory", str(streamed)]) == 0

@@ -215,3 +215,22 @@ def test_router_prerouter_follows_the_selection_bias(tmp_path):
                 logits = torch.nn.functional.linear(h, lw.router)  # [1, E]
                 missed += sorted(torch.topk(logits, s.top_k).indices[0].tolist()) != true
         assert missed > 0  # the bias matters on this model
+
+
+def test_native_guess_ranks_like_torchs_router(model_dir):
+    """A bf16 decode token's guess through decode.c's router call (softmax, the same ranking as the logits) picks
+    what F.linear's logits pick; a prompt's rows and float32 keep torch's route."""
+    from sluice.quant import native
+
+    if not native.available():
+        pytest.skip("the native kernels are not built (setup.py build_ext): the guess stays on torch")
+    with sluice.load(model_dir) as m:
+        s, w = m.spec, m.model.w
+        fast, torch_ = RouterPrerouter(s, w, margin=1, path=m.compute.path), RouterPrerouter(s, w, margin=1)
+        assert fast.path is not None and torch_.path is None
+        x = torch.randn(32, s.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+        same = sum(fast.predict(L, x[t : t + 1]) == torch_.predict(L, x[t : t + 1])
+                   for L in next_moe_layers(s) for t in range(32))
+        # the logits are rounded to bf16 in another summation order: a near tie may land a bf16 step apart
+        assert same >= 0.95 * 32 * len(next_moe_layers(s))
+        assert fast.predict(0, x) == torch_.predict(0, x)  # [T, H] with T > 1: torch's route in both

@@ -64,6 +64,8 @@ def describe(p: LoadPlan) -> dict:
         "prefill_matmul": describe_matmul(p.options.matmul, avx2=p.options.isa != "auto"),
         "activations": p.activations,  # the integer kernels' coding of a projection's input
         "activations_why": p.activations_why,
+        "prefetch": p.prefetch,  # a decode token's read-ahead of the next layer's experts
+        "prefetch_why": p.prefetch_why,
         "kv_cache_bytes": p.kv_bytes,
         # what one position costs over the layers that keep one: the latent and rope key under latent attention
         # (MLA), else the keys and values of the kv heads; Gated DeltaNet layers keep a fixed-size state instead
@@ -119,6 +121,7 @@ def _print(info: dict) -> None:
     print(f"prefill: {info['prefill_chunk']} tokens per pass ({info['prefill_chunk_why']}); bf16 rows: "
           f"{info['prefill_matmul']}")
     print(f"activations: {info['activations']} ({info['activations_why']})")
+    print(f"decode read-ahead: {info['prefetch']} ({info['prefetch_why']})")
     if "residual_streams" in info:
         print(f"hyper-connections: {info['residual_streams']} residual streams")
     if "qsa" in info:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from ..checkpoint.ref import TensorRef
 from ..checkpoint.safetensors import read_header, write_safetensors
 from ..errors import CheckpointError
+from ..quant.native import _lib as native
+from ..quant.native.decode import router_probs_bf16
 from ..quant.tensor import read_tensor
 from ..models.layers.norm import Norm
 from ..models.routing import selection_scores
@@ -35,10 +37,16 @@ class RouterPrerouter:
     """Training-free: apply layer L+1's router (and its post-attention norm) to the residual stream after layer
     L's attention, and take the top `k + margin` experts of the token(s)."""
 
-    def __init__(self, spec: Spec, weights: Weights, margin: int = 0):
+    def __init__(self, spec: Spec, weights: Weights, margin: int = 0, path: int | None = None):
+        """path: the native kernels' path (the compute's) for a decode token's guess through decode.c's router
+        call; None keeps torch's F.linear."""
         self.spec, self.w, self.margin = spec, weights, margin
         self.next_moe = next_moe_layers(spec)  # layer -> the first MoE layer after it
         self.norms = {M: Norm.of(spec, weights.layers[M].post_norm) for M in set(self.next_moe.values())}
+        # A decode token's guess in one native call (the router's softmax: the same ranking as its logits), where
+        # torch's bf16 [1, H] x [H, E] F.linear took ~230 us a layer: 9% of a streamed decode token of the
+        # issue-30 model with --prefetch router (py-spy, 2026-12-03 Intel AMX; benchmarks/results/hybrid/README.md)
+        self.path = path if path is not None and native.available() and spec.router == "softmax" else None
 
     def predict(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
         """(next MoE layer, predicted expert ids) from x [T, H] after `layer`'s attention, or None at the end."""
@@ -46,8 +54,12 @@ class RouterPrerouter:
         if nxt is None:
             return None
         lw = self.w.layers[nxt]
-        # ranked as the layer's own router ranks (its bias, groups): models/routing.py
-        scores = selection_scores(self.spec, lw, self.norms[nxt](x))  # [T, E]
+        h = self.norms[nxt](x)  # [T, H]
+        if (self.path is not None and h.shape[0] == 1 and h.dtype is torch.bfloat16 and lw.router_bias is None
+                and lw.router.dtype is torch.bfloat16):
+            scores = router_probs_bf16(h, lw.router.contiguous(), path=self.path)  # [1, E] float32
+        else:  # ranked as the layer's own router ranks (its bias, groups): models/routing.py
+            scores = selection_scores(self.spec, lw, h)  # [T, E]
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
         ids, counts = torch.topk(scores, k, dim=-1).indices.flatten().unique(return_counts=True)
         # the experts most tokens pick first: a prompt's read-ahead fills the free slots in this order

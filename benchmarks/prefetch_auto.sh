@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# `--prefetch auto` (router where experts stream through the direct reader): the default's evidence. Each set decodes
+# cold (verified) in a fresh process under a memory cgroup, rotated, paired against no read-ahead, the I/O floor
+# measured in the same run; every arm must give the reference's tokens:
+#   hybrid  issue 30's qwen3_5_moe Q4_K_M (benchmarks/hybrid/run.sh makes it), 1 GiB ceiling, --memory 640MiB
+#   peers   the peers qwen3_moe Q4_K_M (benchmarks/peers/setup.sh), 1 GiB, --memory 640MiB
+#   demo    the trained demo model inflated to 1.5 GiB (real routing: the guesses meet a trained router),
+#           768 MiB ceiling, --memory 384MiB (benchmarks/prefetch.sh's set)
+# Arms: none (--prefetch none, the default before), router (what auto picks), router-4io (router with 4 reader
+# threads: fewer threads beside the step's compute on a 2-core machine).
+#
+#   bash benchmarks/prefetch_auto.sh     # ROUNDS=3 STEPS=8 WARMUP=2 SETS="hybrid peers demo"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-8}; WARMUP=${WARMUP:-2}; SETS=${SETS:-hybrid peers demo}
+OUT=${OUT:-benchmarks/results/prefetch-auto}
+SLUICE=(nice -n 19 .venv/bin/sluice)
+for set in $SETS; do
+  case $set in
+    hybrid) MODEL=benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf; CEIL=1GiB; MEM=640MiB; PROMPT=(--prompt-tokens 32) ;;
+    peers) MODEL=benchmarks/models/qwen3_moe-peers/model-Q4_K_M.gguf; CEIL=1GiB; MEM=640MiB; PROMPT=(--prompt-tokens 32) ;;
+    demo) MODEL=benchmarks/models/demo-1.5GiB; CEIL=768MiB; MEM=384MiB; PROMPT=(--prompt "When you")
+      [ -f "$MODEL/config.json" ] || "${SLUICE[@]}" make-model "$MODEL" --from demo --size 1.5GiB ;;
+    *) echo "SETS: unknown set '$set' (hybrid peers demo)" >&2; exit 2 ;;
+  esac
+  [ -e "$MODEL" ] || { echo "$MODEL is missing: benchmarks/hybrid/run.sh or benchmarks/peers/setup.sh makes it" >&2; exit 2; }
+  echo "== $set: $MODEL ($(date -u +%H:%M:%S))"
+  "${SLUICE[@]}" bench "$MODEL" --cold --ceiling "$CEIL" --rounds "$ROUNDS" --steps "$STEPS" --warmup "$WARMUP" \
+    "${PROMPT[@]}" --require-identical --out "$OUT/$set" \
+    --arm none="--io direct --memory $MEM --prefetch none" \
+    --arm router="--io direct --memory $MEM --prefetch router" \
+    --arm router-4io="--io direct --memory $MEM --prefetch router --io-workers 4"
+done
