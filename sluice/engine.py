@@ -14,7 +14,7 @@ import torch
 
 from .errors import RequestError
 from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step, passes
-from .host.cpus import ThreadGovernor
+from .host.cpus import ThreadGovernor, amx_bf16
 from .host.memory import keep_heap
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, ROW_WORKERS, make_reader
@@ -58,7 +58,7 @@ class Model:
         # every kernel choice the options and this CPU decide, held by this model alone (quant/compute.py)
         self.compute = Compute(dtype=self.dtype, bf16_gemm=resolve_matmul(p.options.matmul, p.options.isa != "auto"),
                                planes=ACTIVATION_PLANES[p.activations], path=native.PATHS[p.options.isa],
-                               threads=p.threads)
+                               threads=p.threads, amx=p.options.isa == "auto" and amx_bf16())
         self._threads = p.threads  # what this model runs on (the governor may lower it beside a busy process)
         self._apply_threads()
         keep_heap(p.prefill_bytes)  # process-wide: a prefill's blocks stay in the heap (host/memory.py)

@@ -24,6 +24,9 @@ class Compute:
                 finer than bf16) or 1 (int8, llama.cpp's)
     path        the native kernels' path cap (LoadOptions.isa, native/_lib.py): BEST, AVX2 or PORTABLE
     threads     compute threads: torch's and the native pool's (engine.py applies them when the model runs)
+    amx         the CPU has AMX bf16 tiles that torch's bf16 GEMM and attention run on (host/cpus.amx_bf16), the
+                kernels not capped (--isa auto): a prompt's experts and attention go to torch (prompt_planes,
+                attend_prompt)
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -31,20 +34,24 @@ class Compute:
     planes: int = 2
     path: int = BEST
     threads: int = 1
+    amx: bool = False
 
     @property
     def prompt_planes(self) -> int:
         """Planes of 8-bit activation codes at which a prompt's Q4_K rows run prompt.c's integer tiles, 0 where they
         take the GEMM route (bf16 compute dtype only):
           1  activations int8 on a CPU with AVX512-VNNI whose kernels are not capped below it (its VNNI tiles beat
-             dequantizing to bf16 for the bf16 GEMM);
+             dequantizing to bf16 for the bf16 GEMM), unless it has AMX: there the GEMM route is faster (a resident
+             2,048-token prompt of the peers Q4_K_M, 2 threads, Intel Xeon AMX: 3.90 s on the VNNI tiles and
+             attend.c, 2.92 s on the GEMM route, 2.15 s with torch's attention too;
+             benchmarks/results/quantized/amx-prompt);
           Compute.planes  where several bf16 rows multiply on float32 GEMMs (no bf16 dot products, or --isa avx2)
              on a CPU with AVX2: prompt_avx2.c's tiles beat dequantizing to float32 for the float32 GEMM (numbers
              in native/prompt.py). --isa portable runs the same tiles in plain C (slower than the GEMM, the same
              bits: a capped model computes what the uncapped one does)."""
         if self.dtype is not torch.bfloat16:
             return 0
-        if self.planes == 1 and self.path == BEST and prompt.available():
+        if self.planes == 1 and self.path == BEST and prompt.available() and not self.amx:
             return 1
         return self.planes if not self.bf16_gemm and prompt.avx2() else 0
 
@@ -55,14 +62,16 @@ class Compute:
         planes = self.prompt_planes
         if planes == 0:
             return frozenset()
-        vnni = planes == 1 and self.path == BEST and prompt.available()
+        vnni = planes == 1 and self.path == BEST and prompt.available() and not self.amx
         return prompt.VNNI_FORMATS if vnni else prompt.AVX2_FORMATS
 
     @property
     def attend_prompt(self) -> bool:
         """Whether a prompt's causal attention may run attend.c (bf16 products, AVX512_BF16): bf16 on bf16 GEMMs,
-        the kernels not capped below AVX-512."""
-        return (self.dtype is torch.bfloat16 and self.bf16_gemm and self.path == BEST and attend.available())
+        the kernels not capped below AVX-512, and no AMX (torch's flash attention on AMX tiles: 11 ms a layer of a
+        2,048-token prompt, 8 heads of 128, 2 threads, where attend.c takes 95; benchmarks/results/quantized/amx-prompt)."""
+        return (self.dtype is torch.bfloat16 and self.bf16_gemm and self.path == BEST and attend.available()
+                and not self.amx)
 
     def gemm_rows(self, x: torch.Tensor, min_rows: int) -> bool:
         """Whether x's rows (at least min_rows of them, bf16) go to a bf16 GEMM on weights dequantized to bf16."""

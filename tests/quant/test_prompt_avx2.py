@@ -189,6 +189,28 @@ def test_which_computes_take_the_tiles():
             assert Compute(dtype=torch.float32, bf16_gemm=False, planes=planes, path=path).prompt_planes == 0
     assert Compute(bf16_gemm=True, planes=2).prompt_planes == 0
     assert Compute(bf16_gemm=True, planes=1).prompt_planes == (1 if prompt.available() else 0)
+    # AMX: the bf16 GEMM route and torch's attention (Compute.amx; engine.py sets it from /proc/cpuinfo)
+    amx = Compute(bf16_gemm=True, planes=1, amx=True)
+    assert (amx.prompt_planes, amx.prompt_formats, amx.attend_prompt) == (0, frozenset(), False)
+    assert Compute(bf16_gemm=False, planes=1, path=paths.AVX2, amx=True).prompt_planes == 1  # capped: AVX2 tiles
+
+
+def test_the_loaded_model_knows_its_amx(tmp_path):
+    """A model's Compute.amx is the CPU's amx_bf16 flag, off when the kernels are capped (--isa avx2)."""
+    import sluice
+    from sluice.host.cpus import amx_bf16
+    from tests.models.tiny import hf_model, write_checkpoint
+
+    folder = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path, "per_expert")
+    with sluice.load(folder) as m:
+        assert m.compute.amx == amx_bf16()
+    with sluice.load(folder, isa="avx2") as m:
+        assert m.compute.amx is False
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_tile amx_bf16\n")
+    assert amx_bf16(flags) and not amx_bf16(tmp_path / "missing")
+    flags.write_text("flags\t\t: fpu avx2 avx512_bf16\n")
+    assert not amx_bf16(flags)
 
 
 def test_a_layers_q_k_v_in_one_call_are_each_ones_bits():
