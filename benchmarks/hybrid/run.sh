@@ -21,6 +21,10 @@
 #
 #   bash benchmarks/hybrid/run.sh   # ROUNDS=3 STEPS=8 WARMUP=2 CEILING=1GiB MEMORY=640MiB PROMPT_MEMORY=384MiB
 #                                   # SETS="decode prefill resident" PEERS=all|norepack
+#   UD=1 bash benchmarks/hybrid/run.sh     # issue 32's UD-style mix instead of Q4_K_M: experts' gate / up IQ2_XXS,
+#                                          # down IQ3_XXS, shared experts Q8_0, the rest Q4_K_M's choice (Q4_K / Q6_K),
+#                                          # by llama.cpp's quantizer with a uniform importance matrix (quality.py
+#                                          # imatrix --uniform: IQ2 types need one); ~40 min on 2 cores
 #   ISA=avx2 bash benchmarks/hybrid/run.sh # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
 #                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (and MKL's float32
 #                                          # GEMM: MKL_ENABLE_INSTRUCTIONS=AVX2, since 2026-12-03), llama.cpp built for
@@ -48,6 +52,14 @@ M=benchmarks/models/qwen3_5_moe-a3b-8GiB
 [ -f "$M/model-Q4_K_M.gguf" ] || nice -n 19 benchmarks/peers/.venv/bin/python benchmarks/quality.py quantize \
   "$M/model.gguf" "$M/model-Q4_K_M.gguf" Q4_K_M
 Q=$M/model-Q4_K_M.gguf
+if [ -n "${UD:-}" ]; then
+  Q=$M/model-UD-IQ2_XXS.gguf
+  [ -f "$M/uniform.imatrix" ] || PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/quality.py imatrix "$M/uniform.imatrix" \
+    --uniform "$M/model.gguf"
+  [ -f "$Q" ] || nice -n 19 benchmarks/peers/.venv/bin/python benchmarks/quality.py quantize "$M/model.gguf" "$Q" \
+    Q4_K_M --imatrix "$M/uniform.imatrix" --tensor-type 'ffn_(gate|up)_exps=IQ2_XXS' \
+    --tensor-type 'ffn_down_exps=IQ3_XXS' --tensor-type 'ffn_.*_shexp=Q8_0'
+fi
 mkdir -p "$OUT"; "${SLUICE[@]}" inspect "$Q" --memory "$MEMORY" > "$OUT/inspect$TAG.txt" 2>&1
 
 LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"

@@ -106,6 +106,7 @@ def test_a_prompt_takes_it_and_streams_bitwise(folder, monkeypatch):
     calls = []
     real = attend.causal
     monkeypatch.setattr(attend, "causal", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr("sluice.engine.amx_bf16", lambda: False)  # as on a CPU without AMX (the next test: with)
     with sluice.load(folder, memory="all", prefill_chunk=32, dtype="bfloat16") as m:
         assert m.model.spec.head_dim == 32
         fast = m.logits(IDS)
@@ -117,3 +118,19 @@ def test_a_prompt_takes_it_and_streams_bitwise(folder, monkeypatch):
     # the same attention up to float32 sums and bf16 roundings, through a random model's layers
     assert rel(fast, slow) <= 3e-2
     assert_streamed_equals_resident(folder, IDS, "direct", False, "min", prefill_chunk=32, dtype="bfloat16")
+
+
+def test_a_cpu_with_amx_keeps_torchs_attention(folder, monkeypatch):
+    """With AMX tiles torch's flash attention is the faster one (quant/compute.py attend_prompt): attend.c is not
+    called, and the prompt's logits stay within bf16 rounding of attend.c's."""
+    calls = []
+    real = attend.causal
+    monkeypatch.setattr(attend, "causal", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr("sluice.engine.amx_bf16", lambda: True)
+    with sluice.load(folder, memory="all", prefill_chunk=32, dtype="bfloat16") as m:
+        torch_ = m.logits(IDS)
+    monkeypatch.setattr("sluice.engine.amx_bf16", lambda: False)
+    with sluice.load(folder, memory="all", prefill_chunk=32, dtype="bfloat16") as m:
+        native = m.logits(IDS)
+    assert len(calls) > 0 and len(calls) == len(set(calls)) * m.spec.n_layers  # only the second model's
+    assert torch.allclose(torch_, native, atol=0.05 * native.abs().max().item())

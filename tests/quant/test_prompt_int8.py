@@ -138,9 +138,11 @@ def q4km(tmp_path_factory):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts prompt.linears calls; where the CPU lacks AVX512-VNNI the model takes the kernel's portable path."""
+    """Counts prompt.linears calls; where the CPU lacks AVX512-VNNI the model takes the kernel's portable path, and
+    one with AMX (whose prompts take the bf16 GEMM route, quant/compute.py prompt_planes) is seen as one without."""
     calls = []
     monkeypatch.setattr(prompt, "available", lambda: True)
+    monkeypatch.setattr("sluice.engine.amx_bf16", lambda: False)
     for name in ("linears", "expert"):
         monkeypatch.setattr(prompt, name,
                             lambda *a, _real=getattr(prompt, name), **kw: calls.append(1) or _real(*a, **kw))
