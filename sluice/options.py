@@ -24,7 +24,7 @@ from .io import MODES as IO_MODES
 from .quant.matmul import MATMUL_MODES
 from .store.rows import MODES as EMBEDDING_MODES
 
-PREFETCH_MODES = ("auto", "none", "router", "learned")
+PREFETCH_MODES = ("none", "router", "learned")
 PLE_MODES = ("auto", *EMBEDDING_MODES)
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
@@ -274,12 +274,11 @@ class LoadOptions:
     # prefetch: streaming stores only; "learned" reads prerouter.safetensors beside the model (a CheckpointError
     # when missing or stale)
     prefetch: str = option(
-        "auto", choices=PREFETCH_MODES, help="predict the next layer's experts and read them in the background",
-        shown="auto (router when experts stream through the direct reader)",
+        "none", choices=PREFETCH_MODES, help="predict the next layer's experts and read them in the background",
         doc="predict the next layer's experts (its router on the current hidden state, or heads fitted by `sluice "
-            "prerouter fit MODEL`) and read them in the background; output is unchanged. `auto`: `router` when "
-            "experts stream through the direct reader (measured faster on both streamed models of "
-            "benchmarks/results/prefetch-auto), else `none`; `sluice inspect` prints the decision")
+            "prerouter fit MODEL`) and read them in the background; output is unchanged. Off by default: `router` "
+            "is faster where its guesses are right (the synthetic models' uniform routing, 98%) and slower where "
+            "they are not (the trained demo, 68%: +55% bytes read; benchmarks/results/prefetch-router)")
     prefetch_margin: int = option(0, metavar="N", least=0, help="experts predicted beyond top_k per token",
                                   doc="experts predicted beyond top_k")
     prompt_prefetch: bool = option(

@@ -73,7 +73,7 @@ class LoadPlan:
     ple_why: str  # how `ple` was chosen, for inspect
     activations: str  # the integer kernels' activation coding (options.activations, "auto" resolved)
     activations_why: str  # how it was chosen, for inspect
-    prefetch: str  # a decode token's read-ahead: none | router | learned (options.prefetch, "auto" resolved)
+    prefetch: str  # a decode token's read-ahead: none | router | learned (options.prefetch; none when resident)
     prefetch_why: str  # how it was chosen, for inspect
     memory: int | None  # budget for resident weights + expert slots; None = everything resident
     memory_plan: AutoPlan | None  # what `memory="auto"` chose (None when the budget was given)
@@ -115,7 +115,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     quantized = any(r.quantized for r in refs.values())
     dtype = options.compute_dtype(torch.bfloat16 if quantized else o.torch_dtype)
     layout = ExpertLayout(index, spec, arch)
-    if spec.hc_count > 1 and options.prefetch not in ("none", "auto"):  # the prerouters read a plain residual
+    if spec.hc_count > 1 and options.prefetch != "none":  # the prerouters read a plain residual (engine.py)
         raise ConfigError(f"prefetch {options.prefetch!r}: the next layer's experts are not predicted from "
                           f"{spec.hc_count} residual streams (hyper-connections) yet; use --prefetch none")
     lazy_embed = options.embeddings != "resident" and not spec.tie_word_embeddings
@@ -146,7 +146,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
                                             resident_bytes, kv_bytes, odirect, held, native_delta)
     threads = options.threads or usable_cpus()
     activations, activations_why = _activations(options, layout)
-    prefetch, prefetch_why = _prefetch(options, spec, memory)
+    prefetch, prefetch_why = _prefetch(options, memory)
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
@@ -183,22 +183,18 @@ def _less(room: MemoryRoom, nbytes: int) -> MemoryRoom:
     return MemoryRoom(max(0, room.bytes - nbytes), f"{room.source} less {format_bytes(nbytes)} of row tables")
 
 
-def _prefetch(options: LoadOptions, spec: Spec, memory: int | None) -> tuple[str, str]:
-    """(a decode token's read-ahead, why). `auto`: `router` (the next MoE layer's router on the residual after this
-    layer's attention) where experts stream through the direct reader. Paired, cold, 1 GiB cgroup, Intel Xeon AMX
-    (benchmarks/results/prefetch-auto): the issue-30 hybrid Q4_K_M 116.1 -> 99.6 ms a token, the peers Q4_K_M
-    51.7 -> 45.9, at 98.6% / 92.6% precision, 4% / 15% more bytes read: the reads of the next layer land while this
-    layer computes. Not on mmap / willneed (the caller faults the read-ahead in: willneed + router was 4.3x slower,
-    benchmarks/results/prefetch), nor with hyper-connections (the prerouter reads a plain residual)."""
-    if options.prefetch != "auto":
-        return options.prefetch, "as asked"
+def _prefetch(options: LoadOptions, memory: int | None) -> tuple[str, str]:
+    """(a decode token's read-ahead of the next MoE layer's experts, why), for inspect. Off unless asked: the next
+    layer's router on the residual (`router`) is right about 98% of the experts on the synthetic models (uniform
+    routing) and wins there when the disk is fast (Intel Xeon AMX, cold, 1 GiB cgroup: the issue-30 hybrid Q4_K_M
+    128.6 -> 103.2 ms a token, the peers Q4_K_M 62.2 -> 57.5), but on the trained demo model it is right about 68%
+    and reads 55% more bytes: 48.3 -> 58.3 ms (`bash benchmarks/prefetch_router.sh`,
+    benchmarks/results/prefetch-router)."""
     if memory is None:
-        return "none", "auto: everything resident"
-    if options.io != "direct":
-        return "none", f"auto: --io {options.io} (the read-ahead would fault in the model's thread)"
-    if spec.hc_count > 1:
-        return "none", f"auto: {spec.hc_count} residual streams (hyper-connections)"
-    return "router", "auto: the next layer's router, experts streamed by the direct reader"
+        return "none", "everything resident"
+    if options.prefetch == "none":
+        return "none", "the default: --prefetch router reads the next layer's guessed experts ahead"
+    return options.prefetch, "as asked"
 
 
 def _activations(options: LoadOptions, layout: ExpertLayout) -> tuple[str, str]:

@@ -132,19 +132,19 @@ def test_auto_activations_code_int8_only_for_experts_under_five_and_a_half_bits(
     assert plan(path, LoadOptions.make(memory="all", activations=other)).activations == other
 
 
-def test_auto_prefetch_reads_ahead_only_on_the_direct_reader_when_streamed(model_dir, sizes):
-    """`--prefetch auto` (the default): the next layer's router guesses a decode token's experts where they stream
-    through the direct reader; resident, mmap and willneed read nothing ahead; an explicit choice is kept; inspect
-    prints the decision and the loaded model builds it."""
+
+def test_prefetch_is_off_unless_asked_and_inspect_says_so(model_dir, sizes, capsys):
+    """A decode token's read-ahead: none by default (and whenever everything is resident), as asked otherwise;
+    inspect prints the decision and the loaded model builds it."""
     streamed = sizes["resident"] + 2 * sizes["top_k"] * sizes["expert"] + sizes["kv"]
-    got = {io: plan(model_dir, LoadOptions.make(memory=streamed, io=io)) for io in ("direct", "mmap", "willneed")}
-    assert {io: p.prefetch for io, p in got.items()} == {"direct": "router", "mmap": "none", "willneed": "none"}
-    assert got["mmap"].prefetch_why == "auto: --io mmap (the read-ahead would fault in the model's thread)"
-    assert plan(model_dir, LoadOptions.make(memory="all")).prefetch == "none"
-    assert plan(model_dir, LoadOptions.make(memory=streamed, prefetch="none")).prefetch_why == "as asked"
-    assert plan(model_dir, LoadOptions.make(memory=streamed, io="mmap", prefetch="router")).prefetch == "router"
+    assert plan(model_dir, LoadOptions.make(memory=streamed)).prefetch == "none"
+    assert plan(model_dir, LoadOptions.make(memory="all", prefetch="router")).prefetch_why == "everything resident"
+    asked = plan(model_dir, LoadOptions.make(memory=streamed, io="mmap", prefetch="router"))
+    assert (asked.prefetch, asked.prefetch_why) == ("router", "as asked")
     with sluice.load(model_dir, memory=streamed) as m:
-        assert m.model.prerouter is not None
-    with sluice.load(model_dir, memory=streamed, prefetch="none") as m:
         assert m.model.prerouter is None
-    assert cli.main(["inspect", str(model_dir), "--usage-tokens", "0", "--memory", str(streamed)]) == 0
+    with sluice.load(model_dir, memory=streamed, prefetch="router") as m:
+        assert m.model.prerouter is not None
+    assert cli.main(["inspect", str(model_dir), "--usage-tokens", "0", "--memory", str(streamed), "--prefetch",
+                     "router"]) == 0
+    assert "decode read-ahead: router (as asked)" in capsys.readouterr().out

@@ -13,7 +13,9 @@
 #             32-token prompt; step time against sluice's own I/O floor measured in the same run (its reads replayed
 #             cold with its reader, at its queue depth, before the first round and after the last); sluice twice: its
 #             default 8 reader threads and 4 (this VM's disk gives O_DIRECT the same rate from 4 reads in flight,
-#             io/direct.py's table, and on 2 cores 8 threads take CPU from the step's compute)
+#             io/direct.py's table, and on 2 cores 8 threads take CPU from the step's compute); and sluice with
+#             --prefetch router (the next layer's experts guessed by its router and read while this layer computes;
+#             off by default: benchmarks/prefetch_router.sh)
 #   prefill   the same ceiling, cold, a 2,048-token prompt (prompt tok/s); sluice with a 384 MiB budget, which leaves
 #             the room for a 2,048-token chunk (the auto chunk: every layer's experts read once; at 640 MiB the chunk
 #             is 256-512 tokens and the prompt reads the experts 4-7 times)
@@ -77,7 +79,8 @@ for set in $SETS; do
     decode)
       bench "$OUT/decode$TAG-$CEILING" --cold --ceiling "$CEILING" --steps "$STEPS" --warmup "$WARMUP" \
         --prompt-tokens 32 --arm sluice="--io direct --memory $MEMORY ${ISA[*]}" \
-        --arm sluice-4io="--io direct --memory $MEMORY --io-workers 4 ${ISA[*]}" "${LLAMA[@]}" ;;
+        --arm sluice-4io="--io direct --memory $MEMORY --io-workers 4 ${ISA[*]}" \
+        --arm sluice+router="--io direct --memory $MEMORY --prefetch router ${ISA[*]}" "${LLAMA[@]}" ;;
     prefill)
       bench "$OUT/prefill$TAG-$CEILING" --cold --ceiling "$CEILING" --steps 1 --warmup 0 --prompt-tokens "$PROMPT" \
         --arm sluice="--io direct --memory $PROMPT_MEMORY ${ISA[*]}" "${LLAMA[@]}" ;;

@@ -12,7 +12,7 @@
 #   peers   the 3.4 GB bf16 synthetic qwen3_moe of benchmarks/peers (16 layers, 64 experts top-8, expert
 #           intermediate 512): its Q4_K_M file is 1.05 GB, about the size of memory at a 1 GiB ceiling: the issue-8
 #           table's rows for a user holding the Q4_K_M file (transformers + accelerate cannot offload from a GGUF:
-#           it has no row here)
+#           it has no row here); sluice also with --prefetch router (benchmarks/prefetch_router.sh)
 #   6GiB    a ~6 GiB bf16 synthetic qwen3_moe with expert intermediate 512 (multiples of 256, as real models'):
 #           Q4_K_M ~1.8 GB, which does not fit at 1 GiB; also sluice with --activations int8
 #   resident  the peers Q4_K_M file with no ceiling, warm: decode speed with everything in memory, same threads;
@@ -96,7 +96,8 @@ for set in $SETS; do
       for setting in 1GiB:640MiB 1536MiB:1GiB; do
         C=${setting%%:*}; M=${setting##*:}
         bench "$PEERS/model-Q4_K_M.gguf" "$OUT/peers-$C" --cold --ceiling "$C" \
-          --arm sluice="--io direct --memory $M" "${LLAMA[@]}"
+          --arm sluice="--io direct --memory $M" "${LLAMA[@]}" \
+          --arm sluice+router="--io direct --memory $M --prefetch router"
       done ;;
     6GiB)
       model "$SIX" --size 6GiB --expert-intermediate 512

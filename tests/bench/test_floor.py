@@ -53,8 +53,8 @@ def windows(part) -> list[tuple[int, int, int]]:
 def test_the_plan_is_what_the_readers_read_step_by_step(model_dir, capsys):
     bf16, _ = budgets(model_dir, capsys)
     prompt, tokens = [5, 17, 42, 7, 99, 3], [11, 12, 13, 14, 15, 16]
-    # no decode read-ahead: a guess evicted before its step may be read again in it, so "exactly one read" is the
-    # plain store's property (the default read-ahead's reads are in the plan too: the next test replays them)
+    # no decode read-ahead (--prefetch router: a guess evicted before its step may be read again in it, so "exactly
+    # one read" is the plain store's property)
     plan, asked, stats = record(model_dir, bf16, prompt, tokens, warmup=2, io="direct", io_workers=3, odirect=True,
                                 prefetch="none")
     assert plan["readers"] == [{"mode": "direct", "workers": 3, "odirect": True, "engine": "native"}]

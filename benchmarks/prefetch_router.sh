@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# `--prefetch auto` (router where experts stream through the direct reader): the default's evidence. Each set decodes
-# cold (verified) in a fresh process under a memory cgroup, rotated, paired against no read-ahead, the I/O floor
-# measured in the same run; every arm must give the reference's tokens:
+# `--prefetch router` against no read-ahead (the default): does guessing the next layer's experts with its router on
+# the residual, and reading them while this layer computes, pay? Each set decodes cold (verified) in a fresh process
+# under a memory cgroup, rotated, paired against `none`, the I/O floor measured in the same run; every arm must give
+# the reference's tokens:
 #   hybrid  issue 30's qwen3_5_moe Q4_K_M (benchmarks/hybrid/run.sh makes it), 1 GiB ceiling, --memory 640MiB
 #   peers   the peers qwen3_moe Q4_K_M (benchmarks/peers/setup.sh), 1 GiB, --memory 640MiB
 #   demo    the trained demo model inflated to 1.5 GiB (real routing: the guesses meet a trained router),
 #           768 MiB ceiling, --memory 384MiB (benchmarks/prefetch.sh's set)
-# Arms: none (--prefetch none, the default before), router (what auto picks), router-4io (router with 4 reader
-# threads: fewer threads beside the step's compute on a 2-core machine).
+# Arms: none (the default), router, router-4io (router with 4 reader threads: fewer threads beside the step's compute
+# on a 2-core machine).
 #
-#   bash benchmarks/prefetch_auto.sh     # ROUNDS=3 STEPS=8 WARMUP=2 SETS="hybrid peers demo"
+#   bash benchmarks/prefetch_router.sh   # ROUNDS=3 STEPS=8 WARMUP=2 SETS="hybrid peers demo"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-8}; WARMUP=${WARMUP:-2}; SETS=${SETS:-hybrid peers demo}
-OUT=${OUT:-benchmarks/results/prefetch-auto}
+OUT=${OUT:-benchmarks/results/prefetch-router}
 SLUICE=(nice -n 19 .venv/bin/sluice)
 for set in $SETS; do
   case $set in
