@@ -27,8 +27,8 @@ def one(route: str) -> None:
         import sluice.engine
         sluice.engine.amx_bf16 = lambda: route == "gemm+attend"  # the CPU seen without (or with) AMX
     if route == "gemm+attend":  # AMX's GEMM route with attend.c's attention
-        compute.Compute.attend_prompt = property(
-            lambda c: c.dtype is torch.bfloat16 and c.bf16_gemm and c.path == compute.BEST and compute.attend.available())
+        compute.Compute.attend_prompt = property(lambda c: c.dtype is torch.bfloat16 and c.bf16_gemm
+                                                 and c.path == compute.BEST and compute.attend.available())
     m = sluice.load(Q, memory="all", threads=2, max_context=2100)
     warm = torch.randint(3, 32000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     ids = torch.randint(3, 32000, (2048,), generator=torch.Generator().manual_seed(1)).tolist()
