@@ -3,6 +3,8 @@ prompt (after a 300-token warm-up prompt), each route in a fresh process, ROUNDS
   vnni+attend   the route before Compute.amx: int8 activations on prompt.c's VNNI tiles, attend.c's attention
   gemm+attend   experts dequantized for torch's bf16 GEMM (AMX), attend.c's attention
   gemm+sdpa     the default on AMX: the bf16 GEMM and torch's flash attention
+  gemm+sdpa/256 the same in passes of 256 tokens (--prefill-chunk 256: what a 1 GiB ceiling leaves a streamed
+                prompt; each pass runs every touched expert again, dequantized again for its GEMM)
 then one layer's causal attention alone (8 heads of 128, 2 kv heads, 2,048 positions): attend.causal vs torch's SDPA.
 Every route's greedy token after the prompt is printed (they round differently, so a tie may differ).
 
@@ -14,7 +16,7 @@ import sys
 import time
 
 Q = "benchmarks/models/qwen3_moe-peers/model-Q4_K_M.gguf"
-ROUTES = ("vnni+attend", "gemm+attend", "gemm+sdpa")
+ROUTES = ("vnni+attend", "gemm+attend", "gemm+sdpa", "gemm+sdpa/256")
 
 
 def one(route: str) -> None:
@@ -23,13 +25,14 @@ def one(route: str) -> None:
     import sluice
     from sluice.quant import compute
 
-    if route != "gemm+sdpa":
+    if not route.startswith("gemm+sdpa"):
         import sluice.engine
         sluice.engine.amx_bf16 = lambda: route == "gemm+attend"  # the CPU seen without (or with) AMX
     if route == "gemm+attend":  # AMX's GEMM route with attend.c's attention
         compute.Compute.attend_prompt = property(lambda c: c.dtype is torch.bfloat16 and c.bf16_gemm
                                                  and c.path == compute.BEST and compute.attend.available())
-    m = sluice.load(Q, memory="all", threads=2, max_context=2100)
+    chunk = {"prefill_chunk": 256} if route.endswith("/256") else {}
+    m = sluice.load(Q, memory="all", threads=2, max_context=2100, **chunk)
     warm = torch.randint(3, 32000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     ids = torch.randint(3, 32000, (2048,), generator=torch.Generator().manual_seed(1)).tolist()
     list(m.generate_tokens(warm, max_tokens=1))
@@ -72,11 +75,11 @@ if __name__ == "__main__":
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     got = {r: [] for r in ROUTES}
     for i in range(rounds):
-        for r in ROUTES[i % 3:] + ROUTES[: i % 3]:
+        for r in ROUTES[i % len(ROUTES):] + ROUTES[: i % len(ROUTES)]:
             out = subprocess.run([sys.executable, __file__, "--one", r], capture_output=True, text=True, check=True)
             line = out.stdout.strip().splitlines()[-1]
             print(f"round {i + 1}: {line}", flush=True)
             got[r].append(float(line.split()[0]))
     for r in ROUTES:
-        print(f"{r:12s} median {statistics.median(got[r]):.2f} s = {2048 / statistics.median(got[r]):.0f} tok/s")
+        print(f"{r:13s} median {statistics.median(got[r]):.2f} s = {2048 / statistics.median(got[r]):.0f} tok/s")
     attention()

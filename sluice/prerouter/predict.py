@@ -43,9 +43,8 @@ class RouterPrerouter:
         self.spec, self.w, self.margin = spec, weights, margin
         self.next_moe = next_moe_layers(spec)  # layer -> the first MoE layer after it
         self.norms = {M: Norm.of(spec, weights.layers[M].post_norm) for M in set(self.next_moe.values())}
-        # A decode token's guess in one native call (the router's softmax: the same ranking as its logits), where
-        # torch's bf16 [1, H] x [H, E] F.linear took ~230 us a layer: 9% of a streamed decode token of the
-        # issue-30 model with --prefetch router (py-spy, 2026-12-03 Intel AMX; benchmarks/results/hybrid/README.md)
+        # A decode token's guess in one native call (the router's softmax: the same ranking as its logits), as the
+        # true router's (models/layers/moe.py: ~10 us where F.linear and softmax took ~60)
         self.path = path if path is not None and native.available() and spec.router == "softmax" else None
 
     def predict(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
