@@ -42,8 +42,8 @@ class Compute:
         take the GEMM route (bf16 compute dtype only):
           1  activations int8 on a CPU with AVX512-VNNI whose kernels are not capped below it (its VNNI tiles beat
              dequantizing to bf16 for the bf16 GEMM), unless it has AMX: there the GEMM route is faster (a resident
-             2,048-token prompt of the peers Q4_K_M, 2 threads, Intel Xeon AMX, medians of 3: 3.07 s on the VNNI
-             tiles and attend.c, 2.79 s on the GEMM route, 2.23 s with torch's attention too;
+             2,048-token prompt of the peers Q4_K_M, 2 threads, Intel Xeon AMX, medians of 3: 3.28 s on the VNNI
+             tiles and attend.c, 2.76 s on the GEMM route, 2.32 s with torch's attention too;
              `benchmarks/quantized/amx_prompt.py`, benchmarks/results/quantized/amx-prompt/run.txt);
           Compute.planes  where several bf16 rows multiply on float32 GEMMs (no bf16 dot products, or --isa avx2)
              on a CPU with AVX2: prompt_avx2.c's tiles beat dequantizing to float32 for the float32 GEMM (numbers
@@ -68,8 +68,8 @@ class Compute:
     @property
     def attend_prompt(self) -> bool:
         """Whether a prompt's causal attention may run attend.c (bf16 products, AVX512_BF16): bf16 on bf16 GEMMs,
-        the kernels not capped below AVX-512, and no AMX (torch's flash attention on AMX tiles: 10.6 ms a layer of
-        a 2,048-token prompt, 8 heads of 128, 2 threads, where attend.c takes 89.3;
+        the kernels not capped below AVX-512, and no AMX (torch's flash attention on AMX tiles: 11.4 ms a layer of
+        a 2,048-token prompt, 8 heads of 128, 2 threads, where attend.c takes 90.8;
         benchmarks/results/quantized/amx-prompt)."""
         return (self.dtype is torch.bfloat16 and self.bf16_gemm and self.path == BEST and attend.available()
                 and not self.amx)
