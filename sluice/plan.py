@@ -131,8 +131,12 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     tables = ple_tables(index, spec)
     table_bytes = sum(r.nbytes for parts in tables.values() for r in parts)
     # tables held by request are outside the budget: the model plans in the room they leave
+    # an explicit --prefill-chunk's passes are out of the room before auto's budget (auto's chunk takes the rest)
+    chunk_bytes = (0 if options.prefill_chunk == "auto" else
+                   prefill_fixed_bytes(spec, itemsize, _native_delta(dtype))
+                   + options.prefill_chunk * prefill_token_bytes(spec, itemsize, max_context))
     memory, memory_plan = _memory(options, _less(room, table_bytes if options.ple == "resident" else 0), spec,
-                                  layout, resident_bytes, kv_bytes, held)
+                                  layout, resident_bytes, kv_bytes, held, chunk_bytes)
     budget = None
     if memory is not None:  # fewer than top_k slots: BudgetError naming the smallest budget that works
         budget = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, layout.total_experts)
@@ -164,15 +168,15 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
 
 
 def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLayout, resident_bytes: int,
-            kv_bytes: int, held: int) -> tuple[int | None, AutoPlan | None]:
+            kv_bytes: int, held: int, chunk_bytes: int = 0) -> tuple[int | None, AutoPlan | None]:
     """(budget, what auto chose): decided before any weight is loaded, so a model that cannot fit fails with a
-    BudgetError instead of an OOM kill."""
+    BudgetError instead of an OOM kill. chunk_bytes: an explicit --prefill-chunk's activations."""
     if options.memory == "auto":
         auto = auto_memory(room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
-                           spec.top_k, kv_bytes, held)
+                           spec.top_k, kv_bytes, held, chunk_bytes)
         return auto.memory, auto
     check_room(options.memory, room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
-               kv_bytes, held=held, top_k=spec.top_k)
+               kv_bytes, held=held, top_k=spec.top_k, activations=chunk_bytes)
     return options.memory, None
 
 

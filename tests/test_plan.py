@@ -148,3 +148,20 @@ def test_prefetch_is_off_unless_asked_and_inspect_says_so(model_dir, sizes, caps
     assert cli.main(["inspect", str(model_dir), "--usage-tokens", "0", "--memory", str(streamed), "--prefetch",
                      "router"]) == 0
     assert "decode read-ahead: router (as asked)" in capsys.readouterr().out
+
+
+def test_an_explicit_prefill_chunk_shrinks_autos_budget(model_dir, sizes, monkeypatch):
+    """`--memory auto` with `--prefill-chunk N`: the chunk's activations (the plan's estimate) come out of the room
+    first, so the passes fit beside the slots; an explicit budget that leaves them no room is a BudgetError."""
+    from sluice.store.budget import prefill_token_bytes
+
+    total = plan(model_dir, LoadOptions.make(memory="all")).layout.total_experts
+    room = sizes["resident"] + (total - 1) * sizes["expert"] + sizes["kv"] + RUNTIME_RESERVE  # streams one short
+    _room(monkeypatch, room)
+    auto = plan(model_dir, LoadOptions.make(memory="auto"))
+    chunked = plan(model_dir, LoadOptions.make(memory="auto", prefill_chunk=16))
+    per_token = prefill_token_bytes(auto.spec, 2, auto.max_context)
+    assert auto.memory is not None and chunked.memory == auto.memory - 16 * per_token
+    assert "for --prefill-chunk's passes" in chunked.memory_plan.describe()
+    with pytest.raises(BudgetError, match="--prefill-chunk's passes"):
+        plan(model_dir, LoadOptions.make(memory=auto.memory, prefill_chunk=4096))

@@ -27,6 +27,8 @@
 #
 #   prompt  issue 33's prompt row: the peers Q4_K_M file at a 1 GiB ceiling, cold, a 2,048-token prompt, sluice's
 #           default options (--memory auto, --io direct) against llama.cpp's three arms (prompt tok/s)
+#   chunks  the same prompt and 8 decode steps after it, sluice alone: --memory auto's own 256-token passes against
+#           --prefill-chunk 1024 / 2048 and --memory 512MiB (bigger passes, fewer expert slots for the decode)
 #
 #   bash benchmarks/quantized/run.sh              # ROUNDS=3 STEPS=8 WARMUP=2; SETS="peers 6GiB resident bf16"
 #   ISA=avx2 bash benchmarks/quantized/run.sh     # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
@@ -119,6 +121,11 @@ for set in $SETS; do
     prompt)
       bench "$PEERS/model-Q4_K_M.gguf" "$OUT/prompt-1GiB" --cold --ceiling 1GiB --steps 1 --warmup 0 \
         --prompt-tokens 2048 --arm sluice="--io direct" "${LLAMA[@]}" ;;
-    *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16 fits lowbit prompt)" >&2; exit 2 ;;
+    chunks)  # the prompt's passes against the decode's slots at 1 GiB: --memory auto with its own chunk (256 tokens
+             # there), with --prefill-chunk 1024 / 2048 (their activations out of auto's budget), and --memory 512MiB
+      bench "$PEERS/model-Q4_K_M.gguf" "$OUT/chunks-1GiB" --cold --ceiling 1GiB --steps 8 --warmup 2 \
+        --prompt-tokens 2048 --arm auto="--io direct" --arm chunk1024="--io direct --prefill-chunk 1024" \
+        --arm chunk2048="--io direct --prefill-chunk 2048" --arm m512="--io direct --memory 512MiB" ;;
+    *) echo "SETS: unknown set '$set' (peers 6GiB resident bf16 fits lowbit prompt chunks)" >&2; exit 2 ;;
   esac
 done

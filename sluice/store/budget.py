@@ -166,18 +166,20 @@ class AutoPlan:
     reserve: int
     kv_bytes: int = 0
     held: int = 0
+    activations: int = 0  # an explicit --prefill-chunk's passes (auto's chunk takes what the budget leaves)
 
     def describe(self) -> str:
         where = f"{format_bytes(self.room)} available ({self.source})"
-        beside = (f"beside a KV cache of {format_bytes(self.kv_bytes)} and {format_bytes(self.reserve)} more for the "
-                  f"runtime ({format_bytes(self.held)} already held)")
+        acts = f", {format_bytes(self.activations)} for --prefill-chunk's passes" if self.activations else ""
+        beside = (f"beside a KV cache of {format_bytes(self.kv_bytes)}{acts} and {format_bytes(self.reserve)} more for "
+                  f"the runtime ({format_bytes(self.held)} already held)")
         if self.memory is None:
             return f"auto: everything resident, it fits in {where} {beside}"
         return f"auto: streaming experts with a {format_bytes(self.memory)} budget, of {where} {beside}"
 
 
 def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, total_experts: int, top_k: int,
-                kv_bytes: int, held: int = 0) -> AutoPlan:
+                kv_bytes: int, held: int = 0, activations: int = 0) -> AutoPlan:
     """`--memory auto`: resident when the whole model, the KV cache and a runtime reserve fit in `room` (the bytes
     this process may still take, see sysmem.available_memory); else stream with the rest of the room as budget.
 
@@ -186,27 +188,34 @@ def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, 
     It was RUNTIME_RESERVE on top of what was held: ~170 MiB of torch and Python counted twice, which at a 1.5 GiB
     ceiling left a 1.05 GB file streamed (13 MB read a token) where it fits (issue 33).
 
+    `activations`: what an explicit --prefill-chunk's passes take (the plan's estimate: prefill_fixed_bytes + chunk x
+    prefill_token_bytes), out of the room before the budget. Auto's own chunk is sized from what the budget leaves;
+    an explicit one was not counted, and `--prefill-chunk 1024` at a 1 GiB ceiling was OOM-killed in every round
+    (the peers Q4_K_M, 2026-12-03).
+
     Raises BudgetError naming the room, where it comes from and the smallest room that works when not even the
     resident weights plus one layer's top_k experts fit.
     """
     reserve = max(reserve_left(held), room // 20)
-    usable = room - kv_bytes - reserve
+    usable = room - kv_bytes - reserve - activations
     if resident_bytes + expert_bytes * total_experts <= usable:
-        return AutoPlan(None, room, source, reserve, kv_bytes, held)
+        return AutoPlan(None, room, source, reserve, kv_bytes, held, activations)
     need = resident_bytes + top_k * expert_bytes
     if usable < need:
         raise BudgetError(
             f"not enough memory for this model: {format_bytes(room)} available ({source}), and it needs at least "
-            f"{format_bytes(need + kv_bytes + reserve)}: resident weights {format_bytes(resident_bytes)} + {top_k} "
-            f"expert slots of {format_bytes(expert_bytes)} + KV cache {format_bytes(kv_bytes)} (lower it with "
-            f"--max-context) + {format_bytes(reserve)} for the runtime. Free memory, lower --max-context, or pass "
-            f"--memory SIZE to choose the budget yourself"
+            f"{format_bytes(need + kv_bytes + reserve + activations)}: resident weights {format_bytes(resident_bytes)}"
+            f" + {top_k} expert slots of {format_bytes(expert_bytes)} + KV cache {format_bytes(kv_bytes)} (lower it "
+            f"with --max-context)"
+            + (f" + {format_bytes(activations)} for --prefill-chunk's passes (lower it)" if activations else "")
+            + f" + {format_bytes(reserve)} for the runtime. Free memory, lower --max-context, or pass --memory SIZE "
+            "to choose the budget yourself"
         )
-    return AutoPlan(usable, room, source, reserve, kv_bytes, held)
+    return AutoPlan(usable, room, source, reserve, kv_bytes, held, activations)
 
 
 def check_room(memory: int | None, room: int, source: str, resident_bytes: int, expert_bytes: int,
-               total_experts: int, kv_bytes: int, held: int = 0, top_k: int = 1) -> None:
+               total_experts: int, kv_bytes: int, held: int = 0, top_k: int = 1, activations: int = 0) -> None:
     """An explicit budget (or `all`, memory None) against the room this process may take (sysmem).
 
     `auto` sizes itself from the room; a budget the user chose does not. What the plan allocates for sure is the
@@ -218,15 +227,17 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
     made 48 tokens in 240 s). Above MemAvailable it is a MemoryWarning: others may free memory, or swap; the user
     decides. `held`: this process's anonymous memory now, so only reserve_left(held) is still needed (as
     activation_room counts it): at a 1 GiB ceiling the peers benchmark's `--memory 640MiB` had a peak RSS of 918 MiB.
+    `activations`: an explicit --prefill-chunk's passes (auto_memory's), counted with the KV cache.
     """
     weights = kept_bytes(memory, resident_bytes, expert_bytes, total_experts)
     what = "--memory all (every weight resident)" if memory is None else f"--memory {format_bytes(memory)}"
-    need = weights + kv_bytes
+    need = weights + kv_bytes + activations
     reserve = reserve_left(held)
     if need + reserve <= room:
         return
+    acts = f", {format_bytes(activations)} for --prefill-chunk's passes" if activations else ""
     detail = (f"{what} keeps {format_bytes(weights)} of weights, plus a KV cache of {format_bytes(kv_bytes)} "
-              f"(--max-context) and about {format_bytes(reserve)} more for the runtime, but only "
+              f"(--max-context){acts} and about {format_bytes(reserve)} more for the runtime, but only "
               f"{format_bytes(room)} is available ({source})")
     advice = "pass --memory auto (streams experts within the room) or a smaller --memory SIZE, or lower --max-context"
     if not source.startswith("cgroup"):
@@ -234,13 +245,14 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
         return
     why = "the process would be killed by the kernel" if need > room else \
         "it would be left too little memory and thrash (the streamed experts re-read from disk at every step)"
-    largest, smallest = room - kv_bytes - reserve, resident_bytes + top_k * expert_bytes
+    largest, smallest = room - kv_bytes - activations - reserve, resident_bytes + top_k * expert_bytes
     if largest >= smallest:
         mib = largest // 2**20  # shown in whole MiB, rounded down so that it fits, unless that is too small
         shown = f"{mib}MiB" if mib * 2**20 >= smallest else str(largest)
         raise BudgetError(f"{detail}: {why}. The largest budget that fits is --memory {shown}; or pass "
                           "--memory auto (streams experts within the room), or lower --max-context")
     raise BudgetError(f"{detail}: {why}, and no budget fits: the smallest that runs, {format_bytes(smallest)} "
-                      f"(resident weights + {top_k} expert slots), needs {format_bytes(smallest + kv_bytes + reserve)} "
+                      f"(resident weights + {top_k} expert slots), needs "
+                      f"{format_bytes(smallest + kv_bytes + activations + reserve)} "
                       "with the KV cache and the runtime. Lower --max-context (--memory auto then finds the budget), "
                       "free memory, or raise the limit")

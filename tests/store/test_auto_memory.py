@@ -236,3 +236,18 @@ def test_the_reserve_counts_what_the_process_already_holds():
         check_room(weights, room, "cgroup /test limit", 0, MiB, 10**6, kv, held=0)
     with pytest.warns(MemoryWarning, match="more for the runtime"):
         check_room(weights, room, "MemAvailable", 0, MiB, 10**6, kv, held=0)
+
+
+def test_an_explicit_prefill_chunk_is_out_of_the_room_before_the_budget():
+    """An explicit --prefill-chunk's passes are counted before auto's budget (they were not, and --prefill-chunk 1024
+    at a 1 GiB ceiling was OOM-killed): the budget shrinks by them, the description says so, and a chunk that leaves
+    no room for one layer is the BudgetError naming it."""
+    room, acts = 1536 * MiB, 80 * MiB
+    plain = auto_memory(room, "cgroup /x limit 1.5 GiB", 100 * MiB, 10 * MiB, 640, 4, 50 * MiB)
+    chunked = auto_memory(room, "cgroup /x limit 1.5 GiB", 100 * MiB, 10 * MiB, 640, 4, 50 * MiB, activations=acts)
+    assert chunked.memory == plain.memory - acts
+    assert "80.0 MiB for --prefill-chunk's passes" in chunked.describe()
+    assert "--prefill-chunk" not in plain.describe()
+    with pytest.raises(BudgetError, match="for --prefill-chunk's passes \\(lower it\\)"):
+        auto_memory(400 * MiB, "cgroup /x limit 400 MiB", 100 * MiB, 10 * MiB, 640, 4, 20 * MiB,
+                    activations=250 * MiB)
