@@ -16,6 +16,7 @@ import torch
 
 import sluice
 from sluice import cli
+from sluice.errors import BudgetError
 from sluice.quant.matmul import packable
 from sluice.models.layers import experts, moe
 from sluice.host.memory import MemoryRoom
@@ -132,7 +133,12 @@ def test_auto_chunk_follows_the_room_and_the_budget(model_dir, resident, monkeyp
                     memory=small)
     assert unknown.prefill_chunk == prefill_tokens_per_chunk(p.spec, 2, p.max_context, PREFILL_ROOM)
     assert "unknown" in unknown.prefill_why
-    assert _plan(model_dir, monkeypatch, fixed, memory=small, prefill_chunk=3000).prefill_chunk == 3000  # as given
+    # as given where its passes fit beside the budget; under a cgroup that leaves them no room, the BudgetError
+    # naming them (they were not counted, and the kernel killed the process mid-prompt)
+    assert _plan(model_dir, monkeypatch, fixed + 3000 * per_token, memory=small,
+                 prefill_chunk=3000).prefill_chunk == 3000
+    with pytest.raises(BudgetError, match="for --prefill-chunk's passes"):
+        _plan(model_dir, monkeypatch, fixed, memory=small, prefill_chunk=3000)
     monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, "cgroup /test limit"))
     _held(monkeypatch, 2 * per_token * 500)  # the runtime already holds part of its reserve: 500 more tokens
     _fills(plan(model_dir, LoadOptions.make(memory=small, io="mmap")), 1500 * per_token)
