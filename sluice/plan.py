@@ -34,8 +34,8 @@ from .models.tables import ple_tables
 from .options import LOW_BIT_BPW, LoadOptions, format_bytes
 from .quant import native
 from .quant.native import deltanet
-from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, AutoPlan, BudgetPlan,
-                           activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_fixed_bytes,
+from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, STREAMED_PROMPT_TOKENS, AutoPlan,
+                           BudgetPlan, activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_fixed_bytes,
                            hidden_token_bytes, prefill_span_tokens, prefill_token_bytes, prefill_tokens_per_chunk,
                            reserve_left)
 from .store.layout import ExpertLayout
@@ -135,8 +135,13 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     chunk_bytes = (0 if options.prefill_chunk == "auto" else
                    prefill_fixed_bytes(spec, itemsize, _native_delta(dtype))
                    + options.prefill_chunk * prefill_token_bytes(spec, itemsize, max_context))
+    # auto's own chunk, streamed: the budget leaves passes of STREAMED_PROMPT_TOKENS tokens where it can
+    tokens = min(STREAMED_PROMPT_TOKENS, max_context)
+    prompt_bytes = (prefill_fixed_bytes(spec, itemsize, _native_delta(dtype))
+                    + tokens * prefill_token_bytes(spec, itemsize, max_context)
+                    + max_context * hidden_token_bytes(spec, itemsize)) if options.prefill_chunk == "auto" else 0
     memory, memory_plan = _memory(options, _less(room, table_bytes if options.ple == "resident" else 0), spec,
-                                  layout, resident_bytes, kv_bytes, held, chunk_bytes)
+                                  layout, resident_bytes, kv_bytes, held, chunk_bytes, prompt_bytes)
     budget = None
     if memory is not None:  # fewer than top_k slots: BudgetError naming the smallest budget that works
         budget = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, layout.total_experts)
@@ -168,12 +173,14 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
 
 
 def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLayout, resident_bytes: int,
-            kv_bytes: int, held: int, chunk_bytes: int = 0) -> tuple[int | None, AutoPlan | None]:
+            kv_bytes: int, held: int, chunk_bytes: int = 0,
+            prompt_bytes: int = 0) -> tuple[int | None, AutoPlan | None]:
     """(budget, what auto chose): decided before any weight is loaded, so a model that cannot fit fails with a
-    BudgetError instead of an OOM kill. chunk_bytes: an explicit --prefill-chunk's activations."""
+    BudgetError instead of an OOM kill. chunk_bytes: an explicit --prefill-chunk's activations; prompt_bytes: the
+    passes auto's chunk should find left when streaming (store/budget.py STREAMED_PROMPT_TOKENS)."""
     if options.memory == "auto":
         auto = auto_memory(room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
-                           spec.top_k, kv_bytes, held, chunk_bytes)
+                           spec.top_k, kv_bytes, held, chunk_bytes, prompt_bytes)
         return auto.memory, auto
     check_room(options.memory, room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
                kv_bytes, held=held, top_k=spec.top_k, activations=chunk_bytes)

@@ -74,6 +74,15 @@ PREFILL_ROOM = 64 * 2**20  # activation bytes a chunk may take when the room is 
 #: a quarter of that holds 2,424 tokens' hidden states: `sluice inspect model-Q4_K_M.gguf` in a 1 GiB memory cgroup)
 SPAN_SHARE = 1 / 4
 PREFILL_MIN, PREFILL_MAX = 256, 4096  # 256: the old fixed chunk; 4096: its mask stays <= 16 MiB per 4K context
+#: `--memory auto`, streamed, `--prefill-chunk auto`: the budget leaves a prompt room for passes of this many tokens
+#: (and its span's hidden states) where it can, so the passes are not the floor's 256: each pass runs every touched
+#: expert again on a few rows (on AMX, oneDNN packs each freshly dequantized expert per call). Measured on the peers
+#: Q4_K_M file at a 1 GiB ceiling, Intel Xeon AMX, 3 rounds (`OUT=benchmarks/results/quantized/intel-amx-2
+#: SETS=chunks bash benchmarks/quantized/run.sh` at 046bbfb, chunks-1GiB/): the 2,048-token prompt in 256-token
+#: passes 232.6 tok/s and decode after it 51.9 ms a token; 1024-token passes (76 MiB out of the 704 MiB budget)
+#: 536.7 tok/s and 54.9 ms; 2048-token passes 752.4 and 70.4. Where the room is larger the passes cost a smaller share
+#: of it (~120 MiB of a 14 GiB budget for a Qwen3.6-35B-A3B at 16 GiB)
+STREAMED_PROMPT_TOKENS = 1024
 
 
 def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
@@ -167,10 +176,12 @@ class AutoPlan:
     kv_bytes: int = 0
     held: int = 0
     activations: int = 0  # an explicit --prefill-chunk's passes (auto's chunk takes what the budget leaves)
+    prompt: int = 0  # left for auto's chunk: STREAMED_PROMPT_TOKENS tokens' passes, where the room holds them
 
     def describe(self) -> str:
         where = f"{format_bytes(self.room)} available ({self.source})"
         acts = f", {format_bytes(self.activations)} for --prefill-chunk's passes" if self.activations else ""
+        acts += f", {format_bytes(self.prompt)} for a prompt's passes" if self.prompt else ""
         beside = (f"beside a KV cache of {format_bytes(self.kv_bytes)}{acts} and {format_bytes(self.reserve)} more for "
                   f"the runtime ({format_bytes(self.held)} already held)")
         if self.memory is None:
@@ -179,7 +190,7 @@ class AutoPlan:
 
 
 def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, total_experts: int, top_k: int,
-                kv_bytes: int, held: int = 0, activations: int = 0) -> AutoPlan:
+                kv_bytes: int, held: int = 0, activations: int = 0, prompt: int = 0) -> AutoPlan:
     """`--memory auto`: resident when the whole model, the KV cache and a runtime reserve fit in `room` (the bytes
     this process may still take, see sysmem.available_memory); else stream with the rest of the room as budget.
 
@@ -191,7 +202,9 @@ def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, 
     `activations`: what an explicit --prefill-chunk's passes take (the plan's estimate: prefill_fixed_bytes + chunk x
     prefill_token_bytes), out of the room before the budget. Auto's own chunk is sized from what the budget leaves;
     an explicit one was not counted, and `--prefill-chunk 1024` at a 1 GiB ceiling was OOM-killed in every round
-    (the peers Q4_K_M, 2026-12-03).
+    (the peers Q4_K_M, 2026-12-03). `prompt`: what auto's own chunk should find left when streaming (passes of
+    STREAMED_PROMPT_TOKENS tokens): taken from the budget where the budget still holds one layer's top_k experts
+    beside it, else not (the passes then take the floor's PREFILL_MIN tokens, as before).
 
     Raises BudgetError naming the room, where it comes from and the smallest room that works when not even the
     resident weights plus one layer's top_k experts fit.
@@ -211,7 +224,9 @@ def auto_memory(room: int, source: str, resident_bytes: int, expert_bytes: int, 
             + f" + {format_bytes(reserve)} for the runtime. Free memory, lower --max-context, or pass --memory SIZE "
             "to choose the budget yourself"
         )
-    return AutoPlan(usable, room, source, reserve, kv_bytes, held, activations)
+    if usable - prompt < need:
+        prompt = 0
+    return AutoPlan(usable - prompt, room, source, reserve, kv_bytes, held, activations, prompt)
 
 
 def check_room(memory: int | None, room: int, source: str, resident_bytes: int, expert_bytes: int,

@@ -251,3 +251,19 @@ def test_an_explicit_prefill_chunk_is_out_of_the_room_before_the_budget():
     with pytest.raises(BudgetError, match="for --prefill-chunk's passes \\(lower it\\)"):
         auto_memory(400 * MiB, "cgroup /x limit 400 MiB", 100 * MiB, 10 * MiB, 640, 4, 20 * MiB,
                     activations=250 * MiB)
+
+
+def test_a_streamed_prompt_keeps_room_for_its_passes_where_the_budget_can_spare_it():
+    """Auto's own chunk, streamed: the budget gives up `prompt` bytes (STREAMED_PROMPT_TOKENS tokens' passes) where
+    it still holds one layer's top_k experts beside them, and not where it would not; a resident fit ignores it."""
+    room, prompt = 1536 * MiB, 80 * MiB
+    plain = auto_memory(room, "x", 100 * MiB, 10 * MiB, 640, 4, 50 * MiB)
+    kept = auto_memory(room, "x", 100 * MiB, 10 * MiB, 640, 4, 50 * MiB, prompt=prompt)
+    assert kept.memory == plain.memory - prompt and kept.prompt == prompt
+    assert "80.0 MiB for a prompt's passes" in kept.describe()
+    tight = 100 * MiB + 4 * 10 * MiB + 50 * MiB + RUNTIME_RESERVE + 10 * MiB  # one layer's slots and 10 MiB more
+    squeezed = auto_memory(tight, "x", 100 * MiB, 10 * MiB, 640, 4, 50 * MiB, prompt=prompt)
+    assert squeezed.prompt == 0 and squeezed.memory == auto_memory(tight, "x", 100 * MiB, 10 * MiB, 640, 4,
+                                                                   50 * MiB).memory
+    fits = auto_memory(8 * 2**30, "x", 100 * MiB, 10 * MiB, 64, 4, 50 * MiB, prompt=prompt)
+    assert fits.memory is None

@@ -273,3 +273,25 @@ def test_a_span_runs_layer_by_layer_with_the_same_bits_and_one_read(tmp_path, ar
     (a, ta, miss_a, _), (b, tb, miss_b, touched) = got[0], got[len(ids)]
     assert torch.equal(a, b) and ta == tb
     assert miss_b == touched < miss_a  # layer by layer each touched expert once; pass after pass, again
+
+
+def test_auto_memory_leaves_a_streamed_prompt_passes_of_streamed_prompt_tokens(model_dir, resident, monkeypatch):
+    """`--memory auto` streaming with `--prefill-chunk auto`: the budget leaves the chunk room for
+    STREAMED_PROMPT_TOKENS tokens (at most max_context) where it can, so the passes are not the floor's 256."""
+    from sluice.store.budget import STREAMED_PROMPT_TOKENS
+
+    _, _, resident_bytes, expert, spec = resident
+    assert STREAMED_PROMPT_TOKENS == 1024
+    # the tiny model's experts are a few KiB: a 24-token floor stands in for the 1024 so that streaming and the room
+    # for the passes fit together; PREFILL_MIN (256) is the chunk's own floor
+    monkeypatch.setattr("sluice.plan.STREAMED_PROMPT_TOKENS", 24)
+    opts = dict(memory="auto", io="direct", odirect=True, max_context=32)
+    p = _plan(model_dir, monkeypatch, 2**40, memory="all", max_context=32)
+    total = p.layout.total_experts
+    room = resident_bytes + (total - 1) * expert + p.kv_bytes + RUNTIME_RESERVE  # streams, one expert short
+    got = _plan(model_dir, monkeypatch, room, **opts)
+    per_token = prefill_token_bytes(got.spec, 2, got.max_context)
+    assert got.memory is not None and got.memory_plan.prompt >= 24 * per_token
+    assert got.memory == room - p.kv_bytes - RUNTIME_RESERVE - got.memory_plan.prompt
+    explicit = _plan(model_dir, monkeypatch, room, prefill_chunk=16, **opts)
+    assert explicit.memory_plan.prompt == 0 and explicit.prefill_chunk == 16
