@@ -246,7 +246,8 @@ class LoadOptions:
             "once for the span, not once per pass (same output). `auto`: as many as the memory this process may "
             "still take holds in activations, beside the kept weights, the KV cache and a runtime reserve (half of "
             "it when streamed reads go through the page cache; 64 MiB when the memory is unknown), within "
-            "256-4096; `sluice inspect` prints the figures")
+            "256-4096; with `--memory auto` streaming, the budget leaves room for 1024-token passes where it can "
+            "spare it, and an explicit N's passes are counted before the budget; `sluice inspect` prints the figures")
     # threads 0: the CPUs this process may use (affinity mask, capped by a cgroup CPU quota: host/cpus.usable_cpus),
     # fewer while other processes keep CPUs busy (host/cpus.ThreadGovernor)
     threads: int = option(
