@@ -70,8 +70,9 @@ ALLOCATOR_FACTOR = 2
 PREFILL_ROOM = 64 * 2**20  # activation bytes a chunk may take when the room is unknown
 #: a streamed prefill's layer-by-layer span keeps its tokens' hidden states in at most this share of the activation
 #: room, or of the smallest chunk's activations where the room holds less (the peers model: 2 KiB a token against
-#: the 75.8 KiB a chunk's token costs; at a 1 GiB ceiling --memory auto leaves the floor's 256 tokens, 19 MiB, and
-#: a quarter of that holds 2,424 tokens' hidden states: `sluice inspect model-Q4_K_M.gguf` in a 1 GiB memory cgroup)
+#: the 75.8 KiB a chunk's token costs; at a 1 GiB ceiling --memory auto left the floor's 256 tokens, 19 MiB, and
+#: a quarter of that held 2,424 tokens' hidden states, before STREAMED_PROMPT_TOKENS: `sluice inspect model-Q4_K_M.gguf`
+#: in a 1 GiB memory cgroup)
 SPAN_SHARE = 1 / 4
 PREFILL_MIN, PREFILL_MAX = 256, 4096  # 256: the old fixed chunk; 4096: its mask stays <= 16 MiB per 4K context
 #: `--memory auto`, streamed, `--prefill-chunk auto`: the budget leaves a prompt room for passes of this many tokens
