@@ -18,7 +18,8 @@
 #             off by default: benchmarks/prefetch_router.sh)
 #   prefill   the same ceiling, cold, a 2,048-token prompt (prompt tok/s); sluice with a 384 MiB budget, which leaves
 #             the room for a 2,048-token chunk (the auto chunk: every layer's experts read once; at 640 MiB the chunk
-#             is 256-512 tokens and the prompt reads the experts 4-7 times)
+#             is 256-512 tokens and the prompt reads the experts 4-7 times); and sluice's defaults (--memory
+#             auto: since e3f5d15 it leaves a streamed prompt room for 1024-token passes)
 #   resident  no ceiling, warm, 2 threads each: decode with everything in memory
 #
 #   bash benchmarks/hybrid/run.sh   # ROUNDS=3 STEPS=8 WARMUP=2 CEILING=1GiB MEMORY=640MiB PROMPT_MEMORY=384MiB
@@ -83,7 +84,8 @@ for set in $SETS; do
         --arm sluice+router="--io direct --memory $MEMORY --prefetch router ${ISA[*]}" "${LLAMA[@]}" ;;
     prefill)
       bench "$OUT/prefill$TAG-$CEILING" --cold --ceiling "$CEILING" --steps 1 --warmup 0 --prompt-tokens "$PROMPT" \
-        --arm sluice="--io direct --memory $PROMPT_MEMORY ${ISA[*]}" "${LLAMA[@]}" ;;
+        --arm sluice="--io direct --memory $PROMPT_MEMORY ${ISA[*]}" --arm sluice-auto="--io direct ${ISA[*]}" \
+        "${LLAMA[@]}" ;;
     resident)
       bench "$OUT/resident$TAG" --warm --steps "$STEPS" --warmup "$WARMUP" --prompt-tokens 32 \
         --arm sluice="--memory all --threads 2 ${ISA[*]}" --arm llama.cpp="peer:llama.cpp --threads 2" \
