@@ -82,8 +82,7 @@ class Model:
         # (plan.py refuses --prefetch there)
         streams = s.hc_count > 1
         if p.prefetch == "router" and self.memory is not None and not streams:
-            prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin,
-                                        path=self.compute.path if self.compute.dtype is torch.bfloat16 else None)
+            prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin, path=self.compute.path)
         elif p.prefetch == "learned" and self.memory is not None and not streams:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)

@@ -35,9 +35,9 @@ from .options import LOW_BIT_BPW, LoadOptions, format_bytes
 from .quant import native
 from .quant.native import deltanet
 from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, STREAMED_PROMPT_TOKENS, AutoPlan,
-                           BudgetPlan, activation_room, auto_memory, check_room, kept_bytes, plan_budget, prefill_fixed_bytes,
-                           hidden_token_bytes, prefill_span_tokens, prefill_token_bytes, prefill_tokens_per_chunk,
-                           reserve_left)
+                           BudgetPlan, activation_room, auto_memory, check_room, kept_bytes, plan_budget,
+                           prefill_fixed_bytes, hidden_token_bytes, prefill_pass_bytes, prefill_span_tokens,
+                           prefill_token_bytes, prefill_tokens_per_chunk, reserve_left)
 from .store.layout import ExpertLayout
 from .models.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
@@ -131,15 +131,15 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     tables = ple_tables(index, spec)
     table_bytes = sum(r.nbytes for parts in tables.values() for r in parts)
     # tables held by request are outside the budget: the model plans in the room they leave
-    # an explicit --prefill-chunk's passes are out of the room before auto's budget (auto's chunk takes the rest)
-    chunk_bytes = (0 if options.prefill_chunk == "auto" else
-                   prefill_fixed_bytes(spec, itemsize, _native_delta(dtype))
-                   + options.prefill_chunk * prefill_token_bytes(spec, itemsize, max_context))
+    native_delta = _native_delta(dtype)
+    # an explicit --prefill-chunk's passes are out of the room before auto's budget (auto's chunk takes the rest);
     # auto's own chunk, streamed: the budget leaves passes of STREAMED_PROMPT_TOKENS tokens where it can
-    tokens = min(STREAMED_PROMPT_TOKENS, max_context)
-    prompt_bytes = (prefill_fixed_bytes(spec, itemsize, _native_delta(dtype))
-                    + tokens * prefill_token_bytes(spec, itemsize, max_context)
-                    + max_context * hidden_token_bytes(spec, itemsize)) if options.prefill_chunk == "auto" else 0
+    if options.prefill_chunk == "auto":
+        chunk_bytes, prompt_bytes = 0, prefill_pass_bytes(spec, itemsize, max_context, min(STREAMED_PROMPT_TOKENS,
+                                                          max_context), max_context, native_delta)
+    else:
+        chunk_bytes = prefill_pass_bytes(spec, itemsize, max_context, options.prefill_chunk, native=native_delta)
+        prompt_bytes = 0
     memory, memory_plan = _memory(options, _less(room, table_bytes if options.ple == "resident" else 0), spec,
                                   layout, resident_bytes, kv_bytes, held, chunk_bytes, prompt_bytes)
     budget = None
@@ -150,7 +150,6 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
     # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
     odirect = _odirect(options, memory, left, layout, kv_bytes)
-    native_delta = _native_delta(dtype)
     chunk, span, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout,
                                             resident_bytes, kv_bytes, odirect, held, native_delta)
     threads = options.threads or usable_cpus()
@@ -163,9 +162,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         prefill_chunk=chunk, prefill_span=span, prefill_why=chunk_why, kv_bytes=kv_bytes, room=room,
         ple_tables=tables, ple=ple, ple_bytes=table_bytes, ple_why=ple_why, activations=activations,
         activations_why=activations_why, prefetch=prefetch, prefetch_why=prefetch_why, memory=memory,
-        prefill_bytes=(prefill_fixed_bytes(spec, itemsize, native_delta)
-                       + chunk * prefill_token_bytes(spec, itemsize, max_context)
-                       + span * hidden_token_bytes(spec, itemsize)),
+        prefill_bytes=prefill_pass_bytes(spec, itemsize, max_context, chunk, span, native_delta),
         memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
         eos_ids=_eos_ids(args, generation, tokenizer),

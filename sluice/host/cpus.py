@@ -56,14 +56,19 @@ def bf16_dot(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     EPYC with AVX512_BF16, `benchmarks/prefill/knobs.py matmul`), without them it has no native kernel and float32
     is (AVX2: ~6x the other way, matmul.rows_linear). False where the file is unreadable or has no flags line (not
     Linux x86)."""
+    return not BF16_DOT_FLAGS.isdisjoint(_flags(cpuinfo))
+
+
+def _flags(cpuinfo: Path) -> list[str]:
+    """The first `flags` line of /proc/cpuinfo, split; [] where the file is unreadable or has none."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    return not BF16_DOT_FLAGS.isdisjoint(line.partition(":")[2].split())
+                    return line.partition(":")[2].split()
     except OSError:
         pass
-    return False
+    return []
 
 
 def amx_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -72,14 +77,7 @@ def amx_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     an Intel Xeon with AMX against 0.57 on the AMD EPYC's AVX512_BF16 (benchmarks/results/hybrid/README.md's probe),
     so there a prompt's quantized experts are dequantized for it rather than run on the VNNI tiles, and its causal
     attention is torch's (Compute.prompt_planes, attend_prompt). False where the file is unreadable."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.partition(":")[2].split()
-    except OSError:
-        pass
-    return False
+    return "amx_bf16" in _flags(cpuinfo)
 
 
 #: the /proc/cpuinfo flags a benchmark's CPU line names: the instruction sets sluice's, torch's and llama.cpp's

@@ -51,9 +51,14 @@ class Compute:
              bits: a capped model computes what the uncapped one does)."""
         if self.dtype is not torch.bfloat16:
             return 0
-        if self.planes == 1 and self.path == BEST and prompt.available() and not self.amx:
+        if self._vnni_tiles:
             return 1
         return self.planes if not self.bf16_gemm and prompt.avx2() else 0
+
+    @property
+    def _vnni_tiles(self) -> bool:
+        """int8 activations on prompt.c's VNNI tiles (the CPU has them, the kernels are not capped, no AMX)."""
+        return self.planes == 1 and self.path == BEST and prompt.available() and not self.amx
 
     @property
     def prompt_formats(self) -> frozenset:
@@ -62,8 +67,7 @@ class Compute:
         planes = self.prompt_planes
         if planes == 0:
             return frozenset()
-        vnni = planes == 1 and self.path == BEST and prompt.available() and not self.amx
-        return prompt.VNNI_FORMATS if vnni else prompt.AVX2_FORMATS
+        return prompt.VNNI_FORMATS if self._vnni_tiles else prompt.AVX2_FORMATS
 
     @property
     def attend_prompt(self) -> bool:

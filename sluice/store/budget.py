@@ -136,6 +136,13 @@ def prefill_span_tokens(spec, itemsize: int, max_context: int, room: int) -> int
     return min(max_context, int(room * SPAN_SHARE) // hidden_token_bytes(spec, itemsize))
 
 
+def prefill_pass_bytes(spec, itemsize: int, max_context: int, chunk: int, span: int = 0, native: bool = False) -> int:
+    """What a prompt's passes of `chunk` tokens take (prefill_fixed_bytes, then prefill_token_bytes a token), with the
+    hidden states of a layer-by-layer span of `span` tokens."""
+    return (prefill_fixed_bytes(spec, itemsize, native) + chunk * prefill_token_bytes(spec, itemsize, max_context)
+            + span * hidden_token_bytes(spec, itemsize))
+
+
 def prefill_tokens_per_chunk(spec, itemsize: int, max_context: int, room: int = PREFILL_ROOM,
                              native: bool = False) -> int:
     """Prompt tokens per forward pass: as many as `room` bytes of activations hold (prefill_fixed_bytes, then
