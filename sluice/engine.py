@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from .errors import RequestError
 from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step, passes
 from .host.cpus import ThreadGovernor, amx_bf16
-from .host.memory import keep_heap
+from .host.memory import keep_heap, trim_heap
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, ROW_WORKERS, make_reader
 from .models.layers import Build
@@ -52,6 +53,7 @@ class Model:
         self.memory, self.memory_plan, self.odirect = p.memory, p.memory_plan, p.odirect
         self.prefill_chunk = p.prefill_chunk
         self.prefill_span = p.prefill_span  # streamed: prompt tokens run layer by layer over their chunks
+        self.prompt_loan = p.prompt_loan  # streamed: a long prompt's passes in borrowed slots (store/budget.py)
         self.tokenizer, self.eos_ids = p.tokenizer, p.eos_ids
         self.prompts = Prompts.of_plan(p)  # prompt -> checked ids (prompts.py)
         s = self.spec
@@ -168,10 +170,37 @@ class Model:
         out = []
         self._apply_threads()
         with torch.inference_mode():  # passes release the native prompt calls' kept scratch
-            for hidden in passes(self.model, ids, 0, self.prefill_chunk, span=self.prefill_span):
+            for hidden in passes(self.model, ids, 0, self.prefill_chunk, span=self.prefill_span, widen=self._widen):
                 out += [self.model.logits(h) for h in hidden]
         self._kv_tokens = list(ids)
         return torch.cat(out)
+
+    @property
+    def _widen(self):
+        """generate.passes's `widen` for this model: _widened when the plan has a PromptLoan, else None."""
+        return self._widened if self.prompt_loan is not None else None
+
+    @contextmanager
+    def _widened(self, tokens: int) -> Iterator[int]:
+        """A prompt of `tokens` tokens longer than the plan's chunk runs in passes of up to all its tokens in expert
+        slots the store lends (store/budget.py PromptLoan): yields the chunk to run with. Afterwards glibc's heaps
+        give their free pages back (the passes' blocks live there) before the slots come back, so the process never
+        holds both; the heap keeps the plan's chunk's blocks again (keep_heap)."""
+        loan = self.prompt_loan
+        want = loan.borrow(tokens) if loan is not None else 0
+        lent = self.store.lend(want, loan.keep) if want else 0
+        chunk = loan.chunk_for(tokens, lent) if lent else self.prefill_chunk
+        if chunk <= self.prefill_chunk:
+            self.store.lend_back()
+            yield self.prefill_chunk
+            return
+        keep_heap(loan.fixed + chunk * loan.per_token)
+        try:
+            yield chunk
+        finally:
+            keep_heap(self.load_plan.prefill_bytes)
+            trim_heap()
+            self.store.lend_back()
 
     def forget_cache(self) -> None:
         """Say that the KV cache is about to be overwritten outside generation: no later request reuses its prefix
@@ -251,7 +280,8 @@ class Model:
         io0 = self._io_counters()
         with torch.inference_mode():
             gen = generate_step(self.model, ids, sampler, processors, max_tokens, start, self.prefill_chunk,
-                                self.prefill_span, self.step_times, between=self._tick, memo=self._memo)
+                                self.prefill_span, self.step_times, between=self._tick, memo=self._memo,
+                                widen=self._widen)
             try:
                 for token in gen:
                     if self._prefill_io is None:  # the prefill just ended (the first token comes with it)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -41,36 +42,45 @@ class PromptMemo:
     hidden: torch.Tensor | None = None
 
 
+#: a prompt's length -> a context manager giving the tokens per pass it runs with while it holds borrowed memory
+#: (engine.Model._widened: a streamed prompt borrows expert slots, store/budget.py PromptLoan)
+Widen = Callable[[int], AbstractContextManager[int]]
+
+
 def prefill(model: Transformer, tokens: Sequence[int], pos: int, chunk: int,
-            between: Callable[[], object] | None = None, span: int = 0) -> torch.Tensor:
+            between: Callable[[], object] | None = None, span: int = 0, widen: Widen | None = None) -> torch.Tensor:
     """Run `tokens` from position `pos` in chunks of `chunk`; return the last position's hidden state [1, H].
     span > chunk: up to `span` tokens at a time go layer by layer over their chunks (Transformer.forward_layers: a
     streamed layer's experts read once for them, not once a chunk; the same bits). `between` is called before each
     chunk, or each layer (the thread governor's tick). The native prompt calls' kept scratch (up to ~10 MB at 2,048
-    tokens) goes back after the prompt."""
+    tokens) goes back after the prompt. `widen`: see passes."""
     hidden = None
-    for part in passes(model, tokens, pos, chunk, between, span):
+    for part in passes(model, tokens, pos, chunk, between, span, widen):
         hidden = part[-1]
     assert hidden is not None, "prefill needs at least one token"
     return hidden[-1:]
 
 
 def passes(model: Transformer, tokens: Sequence[int], pos: int, chunk: int,
-           between: Callable[[], object] | None = None, span: int = 0) -> Iterator[list[torch.Tensor]]:
-    """prefill's work, one span (or chunk) at a time: the final-norm hidden states of its chunks ([t, H] each)."""
+           between: Callable[[], object] | None = None, span: int = 0,
+           widen: Widen | None = None) -> Iterator[list[torch.Tensor]]:
+    """prefill's work, one span (or chunk) at a time: the final-norm hidden states of its chunks ([t, H] each).
+    `widen` (or None): given the prompt's length, the context in which it runs and the chunk it runs with there
+    (longer passes in borrowed memory, given back when the prompt is done)."""
     ids = torch.tensor(list(tokens), dtype=torch.long)
-    span = max(span, chunk)
-    try:
-        for s0 in range(0, len(ids), span):
-            part = ids[s0 : s0 + span]
-            if len(part) > chunk:
-                yield model.forward_layers(part, pos + s0, chunk, between)
-                continue
-            if between is not None:
-                between()
-            yield [model.forward(part, pos + s0)]
-    finally:
-        pool.release_scratch()
+    with widen(len(ids)) if widen is not None else nullcontext(chunk) as chunk:
+        span = max(span, chunk)
+        try:
+            for s0 in range(0, len(ids), span):
+                part = ids[s0 : s0 + span]
+                if len(part) > chunk:
+                    yield model.forward_layers(part, pos + s0, chunk, between)
+                    continue
+                if between is not None:
+                    between()
+                yield [model.forward(part, pos + s0)]
+        finally:
+            pool.release_scratch()
 
 
 def decode_one(model: Transformer, token: int, pos: int) -> torch.Tensor:
@@ -90,13 +100,15 @@ def generate_step(
     times: StepTimes | None = None,
     between: Callable[[], object] | None = None,
     memo: PromptMemo | None = None,
+    widen: Widen | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled ids after `prompt` (positions from `start_pos`; the KV cache before it is
     reused as is). A yielded id is fed back only when the next one is asked for, so after n ids the cache holds
     len(prompt) + n - 1 positions. The caller stops early by closing the generator. `between` is called before
     every forward pass (the thread governor's tick: outside the timed steps, except inside the prefill's). `memo`:
     the caller's PromptMemo, used when prompt is its prompt and start_pos says the cache holds all but the last
-    position (then nothing is prefilled), else cleared before the prefill writes the cache and set after it."""
+    position (then nothing is prefilled), else cleared before the prefill writes the cache and set after it. `widen`:
+    the prefill's (passes)."""
     times = times if times is not None else StepTimes()
     history = list(prompt)
     t0 = time.perf_counter()
@@ -105,7 +117,7 @@ def generate_step(
     else:
         if memo is not None:
             memo.ids, memo.hidden = [], None
-        hidden = prefill(model, prompt[start_pos:], start_pos, prefill_chunk, between, prefill_span)
+        hidden = prefill(model, prompt[start_pos:], start_pos, prefill_chunk, between, prefill_span, widen)
         if memo is not None:
             memo.ids, memo.hidden = history.copy(), hidden
     pos = len(prompt)

@@ -34,10 +34,10 @@ from .models.tables import ple_tables
 from .options import LOW_BIT_BPW, LoadOptions, format_bytes
 from .quant import native
 from .quant.native import deltanet
-from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, STREAMED_PROMPT_TOKENS, AutoPlan,
+from .store.budget import (LEND_KEEP_LAYERS, PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, STREAMED_PROMPT_TOKENS, AutoPlan, PromptLoan,
                            BudgetPlan, activation_room, auto_memory, check_room, kept_bytes, plan_budget,
                            prefill_fixed_bytes, hidden_token_bytes, prefill_pass_bytes, prefill_span_tokens,
-                           prefill_token_bytes, prefill_tokens_per_chunk, reserve_left)
+                           prefill_token_bytes, prefill_tokens_per_chunk, prompt_loan, reserve_left)
 from .store.layout import ExpertLayout
 from .models.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
@@ -84,6 +84,9 @@ class LoadPlan:
     tokenizer: Tokenizer | None
     no_tokenizer: str  # why `tokenizer` is None, for the error raised when text has to be encoded
     eos_ids: set[int]
+    # streamed, --prefill-chunk auto: a prompt longer than the chunk borrows expert slots for longer passes while it
+    # runs (store/budget.py PromptLoan); None otherwise
+    prompt_loan: PromptLoan | None = None
 
     def describe_memory(self) -> str:
         """The memory decision in words (stats()["memory_plan"], inspect's "--memory" line)."""
@@ -134,14 +137,19 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     native_delta = _native_delta(dtype)
     # an explicit --prefill-chunk's passes are out of the room before auto's budget (auto's chunk takes the rest);
     # auto's own chunk, streamed: the budget leaves passes of STREAMED_PROMPT_TOKENS tokens where it can
+    planned = _less(room, table_bytes if options.ple == "resident" else 0)
     if options.prefill_chunk == "auto":
         chunk_bytes, prompt_bytes = 0, prefill_pass_bytes(spec, itemsize, max_context, min(STREAMED_PROMPT_TOKENS,
                                                           max_context), max_context, native_delta)
+        # a budget whose slots can lend a prompt those passes (PromptLoan) sets no room aside for them
+        if options.memory == "auto" and _lendable(_memory(options, planned, spec, layout, resident_bytes, kv_bytes,
+                                                          held)[0], spec, layout, resident_bytes) >= prompt_bytes:
+            prompt_bytes = 0
     else:
         chunk_bytes = prefill_pass_bytes(spec, itemsize, max_context, options.prefill_chunk, native=native_delta)
         prompt_bytes = 0
-    memory, memory_plan = _memory(options, _less(room, table_bytes if options.ple == "resident" else 0), spec,
-                                  layout, resident_bytes, kv_bytes, held, chunk_bytes, prompt_bytes)
+    memory, memory_plan = _memory(options, planned, spec, layout, resident_bytes, kv_bytes, held, chunk_bytes,
+                                  prompt_bytes)
     budget = None
     if memory is not None:  # fewer than top_k slots: BudgetError naming the smallest budget that works
         budget = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, layout.total_experts)
@@ -150,8 +158,11 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     # threads 0 (default): one per CPU this process may use (torch's own default ignores cgroup CPU quotas),
     # fewer while other processes keep CPUs busy (ThreadGovernor); an explicit count is kept as given
     odirect = _odirect(options, memory, left, layout, kv_bytes)
-    chunk, span, chunk_why = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout,
-                                            resident_bytes, kv_bytes, odirect, held, native_delta)
+    chunk, span, chunk_why, acts = _prefill_chunk(options, spec, itemsize, max_context, left, memory, layout,
+                                                  resident_bytes, kv_bytes, odirect, held, native_delta)
+    loan = None
+    if budget is not None and options.prefill_chunk == "auto" and left.known:
+        loan = prompt_loan(spec, itemsize, max_context, chunk, acts, budget.slots, layout.expert_nbytes, native_delta)
     threads = options.threads or usable_cpus()
     activations, activations_why = _activations(options, layout)
     prefetch, prefetch_why = _prefetch(options, memory)
@@ -165,7 +176,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         prefill_bytes=prefill_pass_bytes(spec, itemsize, max_context, chunk, span, native_delta),
         memory_plan=memory_plan, budget=budget, odirect=odirect, threads=threads,
         governed=not options.threads and threads > 1, tokenizer=tokenizer, no_tokenizer=no_tokenizer,
-        eos_ids=_eos_ids(args, generation, tokenizer),
+        eos_ids=_eos_ids(args, generation, tokenizer), prompt_loan=loan,
     )
 
 
@@ -182,6 +193,14 @@ def _memory(options: LoadOptions, room: MemoryRoom, spec: Spec, layout: ExpertLa
     check_room(options.memory, room.bytes, room.source, resident_bytes, layout.expert_nbytes, layout.total_experts,
                kv_bytes, held=held, top_k=spec.top_k, activations=chunk_bytes)
     return options.memory, None
+
+
+def _lendable(memory: int | None, spec: Spec, layout: ExpertLayout, resident_bytes: int) -> int:
+    """The slot bytes a budget of `memory` could lend a prompt (store/budget.py PromptLoan); 0 when resident."""
+    if memory is None or not layout.expert_nbytes:
+        return 0
+    slots = min(layout.total_experts, max(0, (memory - resident_bytes) // layout.expert_nbytes))
+    return max(0, slots - LEND_KEEP_LAYERS * spec.num_experts) * layout.expert_nbytes
 
 
 def _less(room: MemoryRoom, nbytes: int) -> MemoryRoom:
@@ -261,8 +280,9 @@ def _native_delta(dtype) -> bool:
 
 def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context: int, room: MemoryRoom,
                    memory: int | None, layout: ExpertLayout, resident_bytes: int, kv_bytes: int,
-                   odirect: bool, held: int, native_delta: bool = False) -> tuple[int, int, str]:
-    """(prompt tokens per forward pass, the span a streamed prompt runs layer by layer, why). `auto`: as many as the
+                   odirect: bool, held: int, native_delta: bool = False) -> tuple[int, int, str, int]:
+    """(prompt tokens per forward pass, the span a streamed prompt runs layer by layer, why, the activation bytes the
+    chunk is sized from beside the span's hidden states). `auto`: as many as the
     activation room holds (store/budget.py activation_room: what the room leaves beside the kept weights, the KV
     cache and the runtime reserve this process does not hold yet, halved when streamed reads go through the page
     cache); PREFILL_ROOM when the room is unknown. native_delta: a Gated DeltaNet slice runs the native conv and
@@ -292,12 +312,12 @@ def _prefill_chunk(options: LoadOptions, spec: Spec, itemsize: int, max_context:
     spans = (f"; streamed: up to {span} tokens layer by layer, each layer's experts read once for them "
              f"({fb(hidden)} of hidden states)") if span else ""
     if options.prefill_chunk != "auto":
-        return options.prefill_chunk, span, "--prefill-chunk" + spans
+        return options.prefill_chunk, span, "--prefill-chunk" + spans, acts
     chunk = prefill_tokens_per_chunk(spec, itemsize, max_context, acts, native_delta)
     fixed = prefill_fixed_bytes(spec, itemsize, native_delta)
     fixed = f" beyond {fb(fixed)} for a Gated DeltaNet slice" if fixed else ""
     return chunk, span, (f"auto, within {PREFILL_MIN}-{PREFILL_MAX}: {fb(acts)} of activations at {fb(per_token)} "
-                         f"a token{fixed}, {whence}{spans}")
+                         f"a token{fixed}, {whence}{spans}"), acts
 
 
 def _tokenizer(index: CheckpointIndex, path: Path) -> tuple[Tokenizer | None, str]:

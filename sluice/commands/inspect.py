@@ -61,6 +61,10 @@ def describe(p: LoadPlan) -> dict:
         "prefill_chunk_why": p.prefill_why,
         "prefill_span": p.prefill_span,
         "prefill_bytes": p.prefill_bytes,  # a chunk's activations: the heap keeps this much (host/memory.keep_heap)
+        # streamed: a longer prompt's passes grow into expert slots lent while it runs (store/budget.py PromptLoan)
+        "prompt_loan": None if p.prompt_loan is None else {
+            "widest": p.prompt_loan.widest, "lendable_bytes": p.prompt_loan.lendable, "keep_slots": p.prompt_loan.keep,
+            "widest_pass": p.prompt_loan.chunk_for(p.prompt_loan.widest, p.prompt_loan.lendable)},
         "prefill_matmul": describe_matmul(p.options.matmul, avx2=p.options.isa != "auto"),
         "activations": p.activations,  # the integer kernels' coding of a projection's input
         "activations_why": p.activations_why,
@@ -120,6 +124,9 @@ def _print(info: dict) -> None:
           f"positions ({kind}), {info['threads']} threads, O_DIRECT {'on' if info['odirect'] else 'off'}")
     print(f"prefill: {info['prefill_chunk']} tokens per pass ({info['prefill_chunk_why']}); bf16 rows: "
           f"{info['prefill_matmul']}")
+    if (loan := info["prompt_loan"]) is not None:
+        print(f"longer prompts: passes of up to {loan['widest_pass']} tokens in expert slots lent while they run (up to "
+              f"{fb(loan['lendable_bytes'])}; the store keeps {loan['keep_slots']} slots)")
     print(f"activations: {info['activations']} ({info['activations_why']})")
     print(f"decode read-ahead: {info['prefetch']} ({info['prefetch_why']})")
     if "residual_streams" in info:

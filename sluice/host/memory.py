@@ -86,3 +86,67 @@ def keep_heap(nbytes: int) -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     keep = max(0, min(int(nbytes), (1 << 31) - 1))
     return bool(mallopt(_M_MMAP_THRESHOLD, min(HEAP_BLOCK_MAX, keep)) and mallopt(_M_TRIM_THRESHOLD, keep))
+
+
+_MADV_DONTNEED = 4  # Linux's, as mmap.MADV_DONTNEED
+
+
+def release_pages(addr: int, nbytes: int) -> int:
+    """Give the whole pages of [addr, addr + nbytes) of a private anonymous mapping back to the kernel
+    (madvise(MADV_DONTNEED)): they leave the process's RSS and its cgroup's charge, and read back as zeros when
+    next touched. Returns the bytes released (0 where there is no madvise, or the range holds no whole page)."""
+    import ctypes
+    import mmap
+
+    start = -(-addr // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (addr + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    if madvise(start, end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def populate_pages(t) -> None:
+    """Fault in the pages of tensor t (contiguous) for writing now, in the kernel (madvise(MADV_POPULATE_WRITE):
+    no user-space pass over the bytes); t.fill_(0) where the kernel is older. Pages released by release_pages then
+    cost their faults here, not inside a later timed step."""
+    import ctypes
+
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        import mmap
+
+        start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+        if madvise(start, t.data_ptr() + nbytes - start, _MADV_POPULATE_WRITE) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    t.fill_(0)
+
+
+def trim_heap() -> bool:
+    """Return every free page of glibc's heaps to the kernel (malloc_trim(0)): after a prompt whose passes grew into
+    borrowed memory (store/budget.py PromptLoan), so the memory it lent can be taken back. False where the C library
+    has no malloc_trim (not glibc)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

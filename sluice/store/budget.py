@@ -86,6 +86,59 @@ PREFILL_MIN, PREFILL_MAX = 256, 4096  # 256: the old fixed chunk; 4096: its mask
 STREAMED_PROMPT_TOKENS = 1024
 
 
+#: MoE layers' worth of experts a prompt that borrows slots (PromptLoan) leaves the store: the layer running (its
+#: experts stay pinned or cached between its passes) and the next one, which the prompt's read-ahead fills meanwhile
+LEND_KEEP_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class PromptLoan:
+    """A streamed prompt longer than the plan's chunk borrows expert slots for its passes while it runs: a long prompt
+    runs every layer's experts on its rows (the slots churn through all of them anyway), and passes as long as the
+    prompt run each expert once on all its rows instead of once a pass (on AMX oneDNN packs each freshly dequantized
+    expert per call). The store gives up to `lendable` bytes of slots back to the kernel (StreamingExpertStore.lend),
+    the passes grow into them, and the slots come back, empty, once the prompt's activations are freed.
+
+    `room`: the activation bytes the plan's chunk is sized from (beside the span's hidden states); `fixed` and
+    `per_token`: a pass's estimate (prefill_fixed_bytes, prefill_token_bytes); `widest`: the most tokens a pass may
+    take (PREFILL_MAX, max_context); `keep`: the slots the store keeps (LEND_KEEP_LAYERS layers' experts)."""
+
+    chunk: int
+    room: int
+    fixed: int
+    per_token: int
+    widest: int
+    keep: int
+    lendable: int
+
+    def borrow(self, tokens: int) -> int:
+        """Slot bytes a prompt of `tokens` tokens borrows: what one pass of them (at most `widest`) needs beyond the
+        room, at most what the store can lend; 0 when the plan's chunk already takes them all."""
+        if tokens <= self.chunk:
+            return 0
+        want = self.fixed + min(tokens, self.widest) * self.per_token - self.room
+        return max(0, min(want, self.lendable))
+
+    def chunk_for(self, tokens: int, lent: int) -> int:
+        """Tokens per pass for a prompt of `tokens` tokens with `lent` slot bytes borrowed (never below the plan's)."""
+        wide = (self.room + lent - self.fixed) // self.per_token if self.per_token else self.widest
+        return max(self.chunk, min(tokens, self.widest, wide))
+
+
+def prompt_loan(spec, itemsize: int, max_context: int, chunk: int, room: int, slots: int, expert_bytes: int,
+                native: bool = False) -> PromptLoan | None:
+    """The PromptLoan of a streamed plan whose passes take `chunk` tokens sized from `room` activation bytes, its
+    budget holding `slots` slots of `expert_bytes`; None when the store would keep every slot (a budget of fewer than
+    LEND_KEEP_LAYERS layers' experts: the prompt's layers already churn them) or the chunk is the widest already."""
+    widest = min(PREFILL_MAX, max_context)
+    keep = LEND_KEEP_LAYERS * spec.num_experts
+    lendable = max(0, slots - keep) * expert_bytes
+    if not lendable or chunk >= widest:
+        return None
+    return PromptLoan(chunk, room, prefill_fixed_bytes(spec, itemsize, native),
+                      prefill_token_bytes(spec, itemsize, max_context), widest, keep, lendable)
+
+
 def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
     """Peak RSS one prompt token of a prefill chunk costs (see ALLOCATOR_FACTOR for the measurement)."""
     H, K = spec.hidden_size, spec.top_k
