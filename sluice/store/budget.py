@@ -82,7 +82,8 @@ PREFILL_MIN, PREFILL_MAX = 256, 4096  # 256: the old fixed chunk; 4096: its mask
 #: SETS=chunks bash benchmarks/quantized/run.sh` at 046bbfb, chunks-1GiB/): the 2,048-token prompt in 256-token
 #: passes 232.6 tok/s and decode after it 51.9 ms a token; 1024-token passes (76 MiB out of the 704 MiB budget)
 #: 536.7 tok/s and 54.9 ms; 2048-token passes 752.4 and 70.4. Where the room is larger the passes cost a smaller share
-#: of it (~120 MiB of a 14 GiB budget for a Qwen3.6-35B-A3B at 16 GiB)
+#: of it (~120 MiB of a 14 GiB budget for a Qwen3.6-35B-A3B at 16 GiB). Where the budget's slots can lend the passes
+#: (PromptLoan below) nothing is set aside: the prompt borrows them while it runs.
 STREAMED_PROMPT_TOKENS = 1024
 
 
