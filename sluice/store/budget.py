@@ -121,9 +121,15 @@ class PromptLoan:
         return max(0, min(want, self.lendable))
 
     def chunk_for(self, tokens: int, lent: int) -> int:
-        """Tokens per pass for a prompt of `tokens` tokens with `lent` slot bytes borrowed (never below the plan's)."""
+        """Tokens per pass for a prompt of `tokens` tokens with `lent` slot bytes borrowed (never below the plan's): all
+        of them, or as few passes as the memory holds, of equal length (2,048 tokens in 1,959-token passes would run
+        a pass of 89)."""
         wide = (self.room + lent - self.fixed) // self.per_token if self.per_token else self.widest
-        return max(self.chunk, min(tokens, self.widest, wide))
+        wide = min(tokens, self.widest, wide)
+        if wide <= self.chunk:
+            return self.chunk
+        n = -(-tokens // wide)
+        return max(self.chunk, -(-tokens // n))
 
 
 def prompt_loan(spec, itemsize: int, max_context: int, chunk: int, room: int, slots: int, expert_bytes: int,

@@ -140,9 +140,10 @@ def test_the_loan_sizes_a_pass_from_the_room_and_what_is_lent():
     assert loan.borrow(100_000) == 1000 + 4096 * 100 - 256 * 100  # at most the widest pass
     assert loan.chunk_for(2048, loan.borrow(2048)) == 2048
     assert loan.chunk_for(2048, 10 * 100) == 256  # too little lent: never below the plan's chunk
-    assert loan.chunk_for(2048, 1000 + 100 * 100) == 356
+    assert loan.chunk_for(2048, 1000 + 100 * 100) == 342  # 6 passes of at most 356 tokens, equal: 342
+    assert loan.chunk_for(2048, 1000 + 1703 * 100) == 1024  # 1,959 tokens' room: two passes of 1,024
     small = PromptLoan(chunk=256, room=0, fixed=0, per_token=100, widest=4096, keep=128, lendable=500 * 100)
-    assert small.borrow(2048) == 500 * 100 and small.chunk_for(2048, 500 * 100) == 500
+    assert small.borrow(2048) == 500 * 100 and small.chunk_for(2048, 500 * 100) == 410  # 5 passes
 
 
 def test_prompt_loan_keeps_two_layers_of_experts():
