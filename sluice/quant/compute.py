@@ -70,11 +70,22 @@ class Compute:
         return prompt.VNNI_FORMATS if self._vnni_tiles else prompt.AVX2_FORMATS
 
     @property
+    def sdpa_widen(self) -> bool:
+        """Whether a prompt's SDPA takes its bf16 q / k / v widened to float32 with oneDNN's bf16 products
+        (quant/matmul.py sdpa: about twice bf16 SDPA's speed on AVX512_BF16 and closer to float64), rather than as
+        they are: under bf16 GEMMs, unless the CPU has AMX, where torch's bf16 flash attention runs on its tiles.
+        2,048 tokens, 8 query / 2 kv heads of 128, causal, 2 threads, Intel Xeon AMX, medians of 7 (/tmp-style
+        micro-benchmark of the two calls, `benchmarks/quantized/amx_prompt.py` prints them): 29.7 ms widened, 12.1
+        ms on bf16 inputs; a 2,048-token prompt of the peers Q4_K_M spent 0.50-0.73 s of 2.55-3.0 in it."""
+        return self.bf16_gemm and not self.amx
+
+    @property
     def attend_prompt(self) -> bool:
         """Whether a prompt's causal attention may run attend.c (bf16 products, AVX512_BF16): bf16 on bf16 GEMMs,
-        the kernels not capped below AVX-512, and no AMX (torch's flash attention on AMX tiles: 11.4 ms a layer of
-        a 2,048-token prompt, 8 heads of 128, 2 threads, where attend.c takes 90.8;
-        benchmarks/results/quantized/amx-prompt)."""
+        the kernels not capped below AVX-512, and no AMX (torch's bf16 flash attention on AMX tiles: 11.4 ms a layer
+        of a 2,048-token prompt, 8 heads of 128, 2 threads, where attend.c takes 90.8;
+        benchmarks/results/quantized/amx-prompt; the model took the widened SDPA there, 29.7 ms, until
+        sdpa_widen)."""
         return (self.dtype is torch.bfloat16 and self.bf16_gemm and self.path == BEST and attend.available()
                 and not self.amx)
 
