@@ -64,7 +64,7 @@ def describe(p: LoadPlan) -> dict:
         # streamed: a longer prompt's passes grow into expert slots lent while it runs (store/budget.py PromptLoan)
         "prompt_loan": None if p.prompt_loan is None else {
             "widest": p.prompt_loan.widest, "lendable_bytes": p.prompt_loan.lendable, "keep_slots": p.prompt_loan.keep,
-            "widest_pass": p.prompt_loan.chunk_for(p.prompt_loan.widest, p.prompt_loan.lendable)},
+            "widest_pass": p.prompt_loan.widest_pass()},
         "prefill_matmul": describe_matmul(p.options.matmul, avx2=p.options.isa != "auto"),
         "activations": p.activations,  # the integer kernels' coding of a projection's input
         "activations_why": p.activations_why,

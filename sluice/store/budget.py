@@ -120,6 +120,11 @@ class PromptLoan:
         want = self.fixed + min(tokens, self.widest) * self.per_token - self.room
         return max(0, min(want, self.lendable))
 
+    def widest_pass(self) -> int:
+        """The most tokens one pass may take with every lendable byte borrowed (inspect prints it)."""
+        wide = (self.room + self.lendable - self.fixed) // self.per_token if self.per_token else self.widest
+        return max(self.chunk, min(self.widest, wide))
+
     def chunk_for(self, tokens: int, lent: int) -> int:
         """Tokens per pass for a prompt of `tokens` tokens with `lent` slot bytes borrowed (never below the plan's): all
         of them, or as few passes as the memory holds, of equal length (2,048 tokens in 1,959-token passes would run

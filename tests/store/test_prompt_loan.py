@@ -144,6 +144,7 @@ def test_the_loan_sizes_a_pass_from_the_room_and_what_is_lent():
     assert loan.chunk_for(2048, 1000 + 1703 * 100) == 1024  # 1,959 tokens' room: two passes of 1,024
     small = PromptLoan(chunk=256, room=0, fixed=0, per_token=100, widest=4096, keep=128, lendable=500 * 100)
     assert small.borrow(2048) == 500 * 100 and small.chunk_for(2048, 500 * 100) == 410  # 5 passes
+    assert small.widest_pass() == 500 and loan.widest_pass() == 4096
 
 
 def test_prompt_loan_keeps_two_layers_of_experts():
@@ -174,3 +175,17 @@ def test_auto_memory_sets_no_room_aside_for_passes_the_slots_can_lend(model_dir,
     monkeypatch.setattr("sluice.plan.STREAMED_PROMPT_TOKENS", 1024)  # more than they can lend: set aside as before
     p = plan(model_dir, LoadOptions.make(memory="auto", io="direct", odirect=True))
     assert p.memory_plan.prompt > 0
+
+
+def test_inspect_prints_the_loan(model_dir, monkeypatch, capsys):
+    from sluice import cli
+    from sluice.units import format_bytes
+
+    opts = _streamed(model_dir, monkeypatch)
+    loan = plan(model_dir, LoadOptions.make(**opts)).prompt_loan
+    assert cli.main(["inspect", str(model_dir), "--memory", str(opts["memory"]), "--io", "direct",
+                     "--usage-tokens", "0"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("longer prompts:"))
+    assert line == (f"longer prompts: passes of up to {loan.widest_pass()} tokens in expert slots lent while they run "
+                    f"(up to {format_bytes(loan.lendable)}; the store keeps {loan.keep} slots)")
+    assert loan.widest_pass() > loan.chunk
