@@ -327,7 +327,9 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
     detail = (f"{what} keeps {format_bytes(weights)} of weights, plus a KV cache of {format_bytes(kv_bytes)} "
               f"(--max-context){acts} and about {format_bytes(reserve)} more for the runtime, but only "
               f"{format_bytes(room)} is available ({source})")
-    advice = "pass --memory auto (streams experts within the room) or a smaller --memory SIZE, or lower --max-context"
+    chunk = ", a smaller --prefill-chunk (or auto: a streamed prompt borrows expert slots)" if activations else ""
+    advice = ("pass --memory auto (streams experts within the room) or a smaller --memory SIZE, or lower "
+              f"--max-context{chunk}")
     if not source.startswith("cgroup"):
         warnings.warn(f"{detail}; it may run out of memory. If it does, {advice}", MemoryWarning, stacklevel=2)
         return
@@ -338,9 +340,9 @@ def check_room(memory: int | None, room: int, source: str, resident_bytes: int, 
         mib = largest // 2**20  # shown in whole MiB, rounded down so that it fits, unless that is too small
         shown = f"{mib}MiB" if mib * 2**20 >= smallest else str(largest)
         raise BudgetError(f"{detail}: {why}. The largest budget that fits is --memory {shown}; or pass "
-                          "--memory auto (streams experts within the room), or lower --max-context")
+                          f"--memory auto (streams experts within the room), or lower --max-context{chunk}")
     raise BudgetError(f"{detail}: {why}, and no budget fits: the smallest that runs, {format_bytes(smallest)} "
                       f"(resident weights + {top_k} expert slots), needs "
                       f"{format_bytes(smallest + kv_bytes + activations + reserve)} "
-                      "with the KV cache and the runtime. Lower --max-context (--memory auto then finds the budget), "
-                      "free memory, or raise the limit")
+                      "with the KV cache and the runtime. Lower --max-context (--memory auto then finds the budget)"
+                      f"{chunk}, free memory, or raise the limit")

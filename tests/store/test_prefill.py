@@ -137,7 +137,7 @@ def test_auto_chunk_follows_the_room_and_the_budget(model_dir, resident, monkeyp
     # naming them (they were not counted, and the kernel killed the process mid-prompt)
     assert _plan(model_dir, monkeypatch, fixed + 3000 * per_token, memory=small,
                  prefill_chunk=3000).prefill_chunk == 3000
-    with pytest.raises(BudgetError, match="for --prefill-chunk's passes"):
+    with pytest.raises(BudgetError, match="for --prefill-chunk's passes.*a smaller --prefill-chunk"):
         _plan(model_dir, monkeypatch, fixed, memory=small, prefill_chunk=3000)
     monkeypatch.setattr("sluice.plan.available_memory", lambda: MemoryRoom(room, "cgroup /test limit"))
     _held(monkeypatch, 2 * per_token * 500)  # the runtime already holds part of its reserve: 500 more tokens
