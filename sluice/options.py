@@ -221,7 +221,8 @@ class LoadOptions:
             "instructions (`avx512_bf16` or `amx_bf16` in /proc/cpuinfo: 4-5x faster there), float32 elsewhere "
             "(on AVX2 torch's bf16 GEMM has no native kernel and runs ~6x slower). Both accumulate in float32. "
             "Under bf16 a resident model also keeps its bf16 experts packed in oneDNN's layout (the same bits) and "
-            "a prompt's attention runs in float32 on bf16 dot products")
+            "a prompt's attention runs in float32 on bf16 dot products (on its bf16 inputs, torch's flash kernel, "
+            "where the CPU has AMX and the pass is long)")
     # isa: the native kernels' path cap, Compute.path (quant/native/_lib.py PATHS), decided per model at load
     isa: str = option(
         "auto", choices=("auto", "avx2", "portable"),
@@ -246,8 +247,12 @@ class LoadOptions:
             "once for the span, not once per pass (same output). `auto`: as many as the memory this process may "
             "still take holds in activations, beside the kept weights, the KV cache and a runtime reserve (half of "
             "it when streamed reads go through the page cache; 64 MiB when the memory is unknown), within "
-            "256-4096; with `--memory auto` streaming, the budget leaves room for 1024-token passes where it can "
-            "spare it, and an explicit N's passes are counted before the budget; `sluice inspect` prints the figures")
+            "256-4096. Streamed with `auto`, a prompt longer than the pass borrows expert slots while it runs (their "
+            "pages go back to the kernel, the passes grow into them, up to the whole prompt or 4096 tokens, and the "
+            "slots come back empty afterwards; the store keeps two layers' experts), so `--memory auto` gives the "
+            "slots the whole room; where they cannot lend 1024-token passes the budget leaves room for them. An "
+            "explicit N's passes are counted before the budget and borrow nothing; `sluice inspect` prints the "
+            "figures")
     # threads 0: the CPUs this process may use (affinity mask, capped by a cgroup CPU quota: host/cpus.usable_cpus),
     # fewer while other processes keep CPUs busy (host/cpus.ThreadGovernor)
     threads: int = option(

@@ -34,8 +34,8 @@ from .models.tables import ple_tables
 from .options import LOW_BIT_BPW, LoadOptions, format_bytes
 from .quant import native
 from .quant.native import deltanet
-from .store.budget import (LEND_KEEP_LAYERS, PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, STREAMED_PROMPT_TOKENS, AutoPlan, PromptLoan,
-                           BudgetPlan, activation_room, auto_memory, check_room, kept_bytes, plan_budget,
+from .store.budget import (LEND_KEEP_LAYERS, PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE,
+                           STREAMED_PROMPT_TOKENS, AutoPlan, PromptLoan, BudgetPlan, activation_room, auto_memory, check_room, kept_bytes, plan_budget,
                            prefill_fixed_bytes, hidden_token_bytes, prefill_pass_bytes, prefill_span_tokens,
                            prefill_token_bytes, prefill_tokens_per_chunk, prompt_loan, reserve_left)
 from .store.layout import ExpertLayout

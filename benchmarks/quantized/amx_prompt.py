@@ -5,8 +5,8 @@ prompt (after a 300-token warm-up prompt), each route in a fresh process, ROUNDS
   gemm+sdpa     the default on AMX: the bf16 GEMM and torch's flash attention
   gemm+sdpa/256 the same in passes of 256 tokens (--prefill-chunk 256: what a 1 GiB ceiling leaves a streamed
                 prompt; each pass runs every touched expert again, dequantized again for its GEMM)
-then one layer's causal attention alone (8 heads of 128, 2 kv heads, 2,048 positions): attend.causal vs torch's SDPA
-on bf16 inputs and widened to float32 on bf16 products (quant/matmul.py sdpa).
+then one layer's causal attention alone (8 heads of 128, 2 kv heads, 256-2,048 positions): attend.causal vs torch's
+SDPA on bf16 inputs and widened to float32 on bf16 products (quant/matmul.py sdpa).
 Every route's greedy token after the prompt is printed (they round differently, so a tie may differ).
 
     .venv/bin/python benchmarks/quantized/amx_prompt.py [ROUNDS]   # > benchmarks/results/quantized/amx-prompt/run.txt
@@ -51,23 +51,25 @@ def attention() -> None:
     from sluice.quant.native import attend
 
     torch.set_num_threads(2)
-    nH, nKV, T, D = 8, 2, 2048, 128
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(n, T, D, generator=g).bfloat16() for n in (nH, nKV, nKV))
-    fns = {"attend.causal": lambda: attend.causal(q, k, v, 0),
-           "torch sdpa": lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                                                enable_gqa=True)[0].transpose(0, 1).reshape(T, nH * D),
-           # quant/matmul.py sdpa widened (float32 on bf16 products): the model's route on AVX512_BF16 without AMX,
-           # and on AMX too before Compute.sdpa_widen
-           "sdpa widened": lambda: sdpa(q[None], k[None], v[None], True, is_causal=True, enable_gqa=True)}
-    for name, f in fns.items():
-        f()
-        ts = []
-        for _ in range(7):
-            t = time.perf_counter()
+    nH, nKV, D = 8, 2, 128
+    for T in (256, 512, 1024, 2048):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(n, T, D, generator=g).bfloat16() for n in (nH, nKV, nKV))
+        fns = {"attend.causal": lambda: attend.causal(q, k, v, 0),
+               "torch sdpa": lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                                    enable_gqa=True),
+               # quant/matmul.py sdpa widened (float32 on bf16 products): the model's route on AVX512_BF16 without
+               # AMX, and on AMX for passes under AMX_SDPA_MIN_ROWS rows (Compute.sdpa_widen)
+               "sdpa widened": lambda: sdpa(q[None], k[None], v[None], True, is_causal=True, enable_gqa=True)}
+        for name, f in fns.items():
             f()
-            ts.append(time.perf_counter() - t)
-        print(f"one layer's causal attention, {name}: median {1000 * statistics.median(ts):.1f} ms of 7")
+            ts = []
+            for _ in range(7):
+                t = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t)
+            ms = 1000 * statistics.median(ts)
+            print(f"one layer's causal attention, {T} tokens, {name}: median {ms:.2f} ms of 7")
 
 
 if __name__ == "__main__":

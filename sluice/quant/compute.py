@@ -12,6 +12,9 @@ import torch
 from .native import attend, prompt
 from .native._lib import BEST
 
+#: a prompt pass's query rows from which its SDPA runs on bf16 inputs where the CPU has AMX (Compute.sdpa_widen)
+AMX_SDPA_MIN_ROWS = 512
+
 
 @dataclass(frozen=True)
 class Compute:
@@ -69,15 +72,17 @@ class Compute:
             return frozenset()
         return prompt.VNNI_FORMATS if self._vnni_tiles else prompt.AVX2_FORMATS
 
-    @property
-    def sdpa_widen(self) -> bool:
-        """Whether a prompt's SDPA takes its bf16 q / k / v widened to float32 with oneDNN's bf16 products
-        (quant/matmul.py sdpa: about twice bf16 SDPA's speed on AVX512_BF16 and closer to float64), rather than as
-        they are: under bf16 GEMMs, unless the CPU has AMX, where torch's bf16 flash attention runs on its tiles.
-        2,048 tokens, 8 query / 2 kv heads of 128, causal, 2 threads, Intel Xeon AMX, medians of 7 (/tmp-style
-        micro-benchmark of the two calls, `benchmarks/quantized/amx_prompt.py` prints them): 29.7 ms widened, 12.1
-        ms on bf16 inputs; a 2,048-token prompt of the peers Q4_K_M spent 0.50-0.73 s of 2.55-3.0 in it."""
-        return self.bf16_gemm and not self.amx
+    def sdpa_widen(self, rows: int) -> bool:
+        """Whether a prompt pass of `rows` query rows runs its SDPA on q / k / v widened to float32 with oneDNN's
+        bf16 products (quant/matmul.py sdpa: about twice bf16 SDPA's speed on AVX512_BF16 and closer to float64),
+        rather than on its bf16 inputs: under bf16 GEMMs, except on AMX for a pass of AMX_SDPA_MIN_ROWS rows or
+        more, where torch's bf16 flash attention runs on the tiles and the attention's quadratic cost makes it
+        count. Intel Xeon AMX, 8 query / 2 kv heads of 128, causal, 2 threads, medians of 7
+        (`benchmarks/quantized/amx_prompt.py`, its attention lines): 2,048 rows 29.7 ms widened, 12.1 ms bf16; a
+        2,048-token prompt of the peers Q4_K_M spent 0.50-0.73 s of 2.55-3.0 in it widened. Short passes keep the
+        closer sums (the parity tests' 100-token prompts of the hybrids part from llama.cpp's greedy tokens at a
+        near tie on bf16 inputs)."""
+        return self.bf16_gemm and (not self.amx or rows < AMX_SDPA_MIN_ROWS)
 
     @property
     def attend_prompt(self) -> bool:

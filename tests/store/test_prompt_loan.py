@@ -66,7 +66,8 @@ def test_a_long_prompt_borrows_slots_with_a_resident_runs_bits(model_dir, monkey
     opts = _streamed(model_dir, monkeypatch)
     with sluice.load(model_dir, **opts) as m:
         loan, store = m.prompt_loan, m.store
-        assert loan is not None and m.prefill_chunk < len(PROMPT) and loan.keep == LEND_KEEP_LAYERS * m.spec.num_experts
+        assert loan is not None and m.prefill_chunk < len(PROMPT)
+        assert loan.keep == LEND_KEEP_LAYERS * m.spec.num_experts
         seen = _chunks(m)
         logits = m.logits(PROMPT)
         wide = seen[0]
@@ -151,7 +152,9 @@ def test_prompt_loan_keeps_two_layers_of_experts():
     class S:
         num_experts, hidden_size, top_k, moe_intermediate_size = 64, 64, 2, 32
         shared_expert_intermediate_size, dense_intermediate_size, moe_layers = 0, 0, [True]
-        attn_gate, n_heads, n_kv_heads, head_dim, mla, delta, hc_count, ple, qsa = False, 2, 1, 32, None, None, 1, None, None
+        attn_gate, n_heads, n_kv_heads, head_dim = False, 2, 1, 32
+        mla = delta = ple = qsa = None
+        hc_count = 1
 
     assert prompt_loan(S, 2, 4096, 256, 0, slots=2 * 64, expert_bytes=1000) is None  # nothing beyond the kept layers
     loan = prompt_loan(S, 2, 4096, 256, 0, slots=2 * 64 + 10, expert_bytes=1000)
@@ -161,11 +164,13 @@ def test_prompt_loan_keeps_two_layers_of_experts():
 
 def test_auto_memory_sets_no_room_aside_for_passes_the_slots_can_lend(model_dir, monkeypatch):
     """`--memory auto` left STREAMED_PROMPT_TOKENS tokens' passes out of the budget; where the budget's slots can lend
-    them it keeps the whole room for the slots (tests/store/test_prefill.py: where they cannot, the room is set aside)."""
+    them it keeps the whole room for the slots (tests/store/test_prefill.py: where they cannot, the room is set
+    aside)."""
     from sluice.store.budget import STREAMED_PROMPT_TOKENS, prefill_pass_bytes
 
     with sluice.load(model_dir, memory="all") as m:
-        resident, expert, total, kv = m.resident_bytes, m.layout.expert_nbytes, m.layout.total_experts, m.load_plan.kv_bytes
+        resident, expert, kv = m.resident_bytes, m.layout.expert_nbytes, m.load_plan.kv_bytes
+        total = m.layout.total_experts
     monkeypatch.setattr("sluice.plan.STREAMED_PROMPT_TOKENS", 200)  # within the small model's lendable slots
     _room(monkeypatch, resident + (total - 1) * expert + kv)  # streams (the runtime is held already)
     p = plan(model_dir, LoadOptions.make(memory="auto", io="direct", odirect=True))

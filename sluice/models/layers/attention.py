@@ -9,7 +9,7 @@ attends. The cores are chosen when the layer is built:
   - a prompt's first pass: SDPA with is_causal (it skips the blocks above the diagonal: 2,048 tokens, 8 heads of
     128, bf16: 52 vs 90 ms per layer, the same bits; benchmarks/prefill/knobs.py sdpa), on bf16 dot products with
     float32 sums where the model multiplies on bf16 GEMMs (quant/matmul.py sdpa), on its bf16 inputs where the CPU
-    has AMX (Compute.sdpa_widen);
+    has AMX and the pass is long (Compute.sdpa_widen);
   - later chunks of a prompt and torch decode steps: SDPA with the mask.
 
 `attend` (q / k / v -> the attended heads, before the output projection) and `out` are the pieces another
@@ -41,7 +41,7 @@ class Attention:
         self.k_norm = None if lw.k_norm is None else b.norm(lw.k_norm)
         self.window = s.sliding_window[L]
         self.bf16, self.path = c.bf16_gemm, c.path
-        self.sdpa_widen = c.sdpa_widen  # a prompt's SDPA in float32 on bf16 products, or on its bf16 inputs (AMX)
+        self.sdpa_widen = c.sdpa_widen  # rows -> a prompt's SDPA in float32 on bf16 products, or on bf16 (AMX)
         self.cos, self.sin = b.cos, b.sin
         self.ck, self.cv = b.cache.layers[L].k, b.cache.layers[L].v  # [nKV, P, D]
         ws = (lw.q, lw.k, lw.v)
@@ -108,8 +108,8 @@ class Attention:
         cv[:, pos : pos + T] = v.view(T, self.nKV, D).transpose(0, 1)
         mask = step.mask(win)
         if selected is not None:
-            out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], self.sdpa_widen, attn_mask=selected,
-                       enable_gqa=True)[0]  # [nH, T, D]
+            out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], self.sdpa_widen(T),
+                       attn_mask=selected, enable_gqa=True)[0]  # [nH, T, D]
         elif lw.sinks is not None:
             # a sliding layer's queries see nothing before pos - window + 1: those keys are not scored at all
             lo = max(0, pos - win + 1) if win is not None else 0
@@ -119,9 +119,9 @@ class Attention:
             return attend.causal(q, ck, cv, pos)  # [T, nH*D]
         elif pos == 0 and mask is not None and (win is None or T <= win):
             # a prompt's first pass: the mask is the lower triangle, which SDPA's is_causal draws itself
-            out = sdpa(q[None], ck[None, :, :T], cv[None, :, :T], self.sdpa_widen, is_causal=True,
+            out = sdpa(q[None], ck[None, :, :T], cv[None, :, :T], self.sdpa_widen(T), is_causal=True,
                        enable_gqa=True)[0]  # [nH, T, D]
         else:  # later chunks of a prompt, decode on the torch path
-            out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], self.sdpa_widen, attn_mask=mask,
-                       enable_gqa=True)[0]  # [nH, T, D]
+            out = sdpa(q[None], ck[None, :, : pos + T], cv[None, :, : pos + T], self.sdpa_widen(T),
+                       attn_mask=mask, enable_gqa=True)[0]  # [nH, T, D]
         return out.transpose(0, 1).reshape(T, self.nH * D)
