@@ -115,26 +115,40 @@ def release_pages(addr: int, nbytes: int) -> int:
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
-def populate_pages(t) -> None:
-    """Fault in the pages of tensor t (contiguous) for writing now, in the kernel (madvise(MADV_POPULATE_WRITE):
-    no user-space pass over the bytes); t.fill_(0) where the kernel is older. Pages released by release_pages then
-    cost their faults here, not inside a later timed step."""
+def populate_pages(t, background: bool = False):
+    """Fault in the pages of tensor t (contiguous) for writing, in the kernel (madvise(MADV_POPULATE_WRITE): no
+    user-space pass over the bytes, and bytes already written are left as they are); t.fill_(0) where the kernel is
+    older (Linux < 5.14). Pages released by release_pages then cost their faults here, not inside a later timed
+    step. `background`: where the kernel populates them, all but the first page in a thread (ctypes releases the
+    GIL), so the caller goes on meanwhile (writes into the range are safe: populating keeps their bytes); returns
+    that thread, to join before the pages are released again, else None."""
     import ctypes
+    import mmap
+    import threading
 
     nbytes = t.numel() * t.element_size()
     if not nbytes:
-        return
+        return None
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        import mmap
-
-        start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
-        if madvise(start, t.data_ptr() + nbytes - start, _MADV_POPULATE_WRITE) == 0:
-            return
     except (OSError, AttributeError):
-        pass
-    t.fill_(0)
+        madvise = None
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = t.data_ptr() + nbytes - start
+    first = min(length, mmap.PAGESIZE)
+    if madvise is None or madvise(start, first, _MADV_POPULATE_WRITE) != 0:
+        t.fill_(0)
+        return None
+    if length == first:
+        return None
+    if not background:
+        madvise(start + first, length - first, _MADV_POPULATE_WRITE)
+        return None
+    thread = threading.Thread(target=madvise, args=(start + first, length - first, _MADV_POPULATE_WRITE),
+                              name="sluice-populate", daemon=True)
+    thread.start()
+    return thread
 
 
 def trim_heap() -> bool:

@@ -130,6 +130,7 @@ class StreamingExpertStore:
         self._inflight: dict[int, object] = {}  # its reads not waited for yet: j -> future
         self._lent = 0  # the last slots, given back to the kernel while a prompt uses their memory (lend)
         self.loans = self.lent_bytes = 0  # prompts that borrowed slots; the most bytes one borrowed
+        self._populating = None  # lend_back's thread faulting the returned slots' pages in
 
     @classmethod
     def with_budget(cls, layout: ExpertLayout, reader, expert_budget: int, memory: int,
@@ -323,6 +324,7 @@ class StreamingExpertStore:
         and max_batch shrinks with them. Returns the bytes released (0: nothing lent); lend_back() returns them."""
         if self._lent or nbytes <= 0 or self._pinned:
             return 0
+        self._populated()
         stride = self.raw.shape[1]
         n = min(-(-nbytes // stride), self.n_slots - max(keep, self.layout.spec.top_k))
         if n <= 0:
@@ -349,14 +351,21 @@ class StreamingExpertStore:
 
     def lend_back(self) -> None:
         """The slots lend() gave up, back and empty; their pages are faulted in now (as at load), not inside a later
-        step: 151 MiB in ~20 ms (this VM, cgroup), where the first touch of pages its host took back costs up to
-        ~0.25 s."""
+        step, by a thread beside the caller where the kernel can (host/memory.py populate_pages): 151 MiB in ~20 ms
+        (the Intel VM, in a cgroup), but up to ~0.3 s where its host had taken the pages back, which a prompt's
+        last pass then waited for."""
         if not self._lent:
             return
         first = self.n_slots - self._lent
-        populate_pages(self.raw[first:])
+        self._populating = populate_pages(self.raw[first:], background=True)
         self._free = list(range(self.n_slots - 1, first - 1, -1)) + self._free
         self.max_batch, self._lent = self.n_slots, 0
+
+    def _populated(self) -> None:
+        """Wait for lend_back's pages to be in (before they are lent again, or the store closes)."""
+        if self._populating is not None:
+            self._populating.join()
+            self._populating = None
 
     def prefetch(self, layer: int, experts: Sequence[int], prompt: bool = False) -> None:
         """Start background reads of predicted `experts` of `layer` into free or evicted slots, now.
@@ -428,3 +437,4 @@ class StreamingExpertStore:
 
     def close(self) -> None:
         self._land()
+        self._populated()

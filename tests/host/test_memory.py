@@ -94,3 +94,48 @@ def test_the_plan_keeps_one_chunks_activations(tmp_path):
     folder = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path / "m", "per_expert")
     p = plan(folder, LoadOptions(prefill_chunk=300))
     assert p.prefill_bytes == 300 * prefill_token_bytes(p.spec, 2, p.max_context) > 0
+
+
+def _slot_rows(nbytes: int):
+    import mmap
+
+    import torch
+
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _in_ram(t) -> int:
+    import ctypes
+    import mmap
+
+    n = -(-t.numel() // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(t.data_ptr(), n * mmap.PAGESIZE, vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_DONTNEED) and mincore are Linux's")
+def test_released_pages_leave_ram_and_populate_brings_them_back_keeping_written_bytes():
+    """release_pages gives whole pages back (they read as zeros); populate_pages faults them in again, in a thread
+    when asked, and never overwrites what was written meanwhile (a read landing in a returned slot)."""
+    import mmap
+
+    from sluice.host.memory import populate_pages, release_pages
+
+    t = _slot_rows(64 * mmap.PAGESIZE)
+    t.fill_(7)
+    assert _in_ram(t) == 64
+    assert release_pages(t.data_ptr() + 100, 10 * mmap.PAGESIZE) == 9 * mmap.PAGESIZE  # whole pages only
+    assert _in_ram(t) == 55 and int(t[mmap.PAGESIZE :].view(-1)[:1]) == 0  # the released pages read as zeros
+    assert release_pages(t.data_ptr() + 1, 100) == 0
+    t[: 8 * mmap.PAGESIZE].fill_(0)
+    assert release_pages(t.data_ptr(), t.numel()) == t.numel() and _in_ram(t) == 0
+    thread = populate_pages(t, background=True)
+    t[5 * mmap.PAGESIZE : 6 * mmap.PAGESIZE].fill_(3)  # written while it runs
+    if thread is not None:  # the kernel populates (Linux 5.14+); else it filled them with zeros at once
+        thread.join()
+    assert _in_ram(t) == 64
+    assert int(t[5 * mmap.PAGESIZE]) == 3 and int(t.sum()) == 3 * mmap.PAGESIZE

@@ -128,6 +128,7 @@ def test_lend_gives_the_pages_back_and_lend_back_returns_empty_slots(model_dir, 
         with pytest.raises(ValueError, match="slots"):
             store.acquire(0, list(range(keep + 1)))  # more than the slots left
         store.lend_back()
+        store._populated()  # its thread's pages in
         assert _resident_pages(tail) == tail.numel() // mmap.PAGESIZE and store.max_batch == store.n_slots
         assert sorted(store._free)[-n:] == list(range(keep, store.n_slots))
         m.logits(PROMPT[:64])  # the store works as before
