@@ -77,11 +77,11 @@ class Compute:
         bf16 products (quant/matmul.py sdpa: about twice bf16 SDPA's speed on AVX512_BF16 and closer to float64),
         rather than on its bf16 inputs: under bf16 GEMMs, except on AMX for a pass of AMX_SDPA_MIN_ROWS rows or
         more, where torch's bf16 flash attention runs on the tiles and the attention's quadratic cost makes it
-        count. Intel Xeon AMX, 8 query / 2 kv heads of 128, causal, 2 threads, medians of 7
-        (`benchmarks/quantized/amx_prompt.py`, its attention lines): 2,048 rows 29.7 ms widened, 12.1 ms bf16; a
-        2,048-token prompt of the peers Q4_K_M spent 0.50-0.73 s of 2.55-3.0 in it widened. Short passes keep the
-        closer sums (the parity tests' 100-token prompts of the hybrids part from llama.cpp's greedy tokens at a
-        near tie on bf16 inputs)."""
+        count. Intel Xeon AMX, 8 query / 2 kv heads of 128, causal, 2 threads, medians of 7 (`amx_prompt.py`'s
+        attention lines, benchmarks/results/quantized/amx-prompt/attention.txt), widened / bf16: 256 rows 1.72 /
+        0.40 ms, 512 5.18 / 1.33, 1,024 10.84 / 4.15, 2,048 32.47 / 13.10; a 2,048-token prompt of the peers Q4_K_M
+        spent 0.50-0.73 s of 2.55-3.0 in it widened. Short passes keep the closer sums (the parity tests'
+        100-token prompts of the hybrids part from llama.cpp's greedy tokens at a near tie on bf16 inputs)."""
         return self.bf16_gemm and (not self.amx or rows < AMX_SDPA_MIN_ROWS)
 
     @property
