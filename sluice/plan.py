@@ -35,7 +35,8 @@ from .options import LOW_BIT_BPW, LoadOptions, format_bytes
 from .quant import native
 from .quant.native import deltanet
 from .store.budget import (LEND_KEEP_LAYERS, PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE,
-                           STREAMED_PROMPT_TOKENS, AutoPlan, PromptLoan, BudgetPlan, activation_room, auto_memory, check_room, kept_bytes, plan_budget,
+                           STREAMED_PROMPT_TOKENS, AutoPlan, BudgetPlan, PromptLoan, activation_room, auto_memory,
+                           check_room, kept_bytes, plan_budget,
                            prefill_fixed_bytes, hidden_token_bytes, prefill_pass_bytes, prefill_span_tokens,
                            prefill_token_bytes, prefill_tokens_per_chunk, prompt_loan, reserve_left)
 from .store.layout import ExpertLayout
@@ -142,9 +143,10 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         chunk_bytes, prompt_bytes = 0, prefill_pass_bytes(spec, itemsize, max_context, min(STREAMED_PROMPT_TOKENS,
                                                           max_context), max_context, native_delta)
         # a budget whose slots can lend a prompt those passes (PromptLoan) sets no room aside for them
-        if options.memory == "auto" and _lendable(_memory(options, planned, spec, layout, resident_bytes, kv_bytes,
-                                                          held)[0], spec, layout, resident_bytes) >= prompt_bytes:
-            prompt_bytes = 0
+        if options.memory == "auto":
+            unreserved = _memory(options, planned, spec, layout, resident_bytes, kv_bytes, held)[0]
+            if _lendable(unreserved, spec, layout, resident_bytes) >= prompt_bytes:
+                prompt_bytes = 0
     else:
         chunk_bytes = prefill_pass_bytes(spec, itemsize, max_context, options.prefill_chunk, native=native_delta)
         prompt_bytes = 0

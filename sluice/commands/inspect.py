@@ -125,8 +125,8 @@ def _print(info: dict) -> None:
     print(f"prefill: {info['prefill_chunk']} tokens per pass ({info['prefill_chunk_why']}); bf16 rows: "
           f"{info['prefill_matmul']}")
     if (loan := info["prompt_loan"]) is not None:
-        print(f"longer prompts: passes of up to {loan['widest_pass']} tokens in expert slots lent while they run (up to "
-              f"{fb(loan['lendable_bytes'])}; the store keeps {loan['keep_slots']} slots)")
+        print(f"longer prompts: passes of up to {loan['widest_pass']} tokens in expert slots lent while they run "
+              f"(up to {fb(loan['lendable_bytes'])}; the store keeps {loan['keep_slots']} slots)")
     print(f"activations: {info['activations']} ({info['activations_why']})")
     print(f"decode read-ahead: {info['prefetch']} ({info['prefetch_why']})")
     if "residual_streams" in info:
