@@ -195,3 +195,24 @@ def test_inspect_prints_the_loan(model_dir, monkeypatch, capsys):
     assert line == (f"longer prompts: passes of up to {loan.widest_pass()} tokens in expert slots lent while they run "
                     f"(up to {format_bytes(loan.lendable)}; the store keeps {loan.keep} slots)")
     assert loan.widest_pass() > loan.chunk
+
+
+def test_a_prompt_that_fails_midway_gives_the_slots_back(model_dir, monkeypatch):
+    """An error inside the borrowed passes (here the last layer raising) still returns the lent slots: the store is
+    whole and the model runs the next prompt as before."""
+    opts = _streamed(model_dir, monkeypatch)
+    with sluice.load(model_dir, **opts) as m:
+        store, layers = m.store, m.model.layers
+        expected = m.logits(PROMPT)
+
+        def broken(x, step):
+            assert store._lent > 0  # inside the loan
+            raise RuntimeError("a layer failed")
+
+        m.model.layers = layers[:-1] + [broken]
+        with pytest.raises(RuntimeError, match="a layer failed"):
+            m.logits(PROMPT)
+        assert not store._lent and store.max_batch == store.n_slots
+        assert len(store._free) + len(store.policy) == store.n_slots
+        m.model.layers = layers
+        assert torch.equal(m.logits(PROMPT), expected) and store.stats()["prompt_loans"] == 3
