@@ -97,6 +97,7 @@ class Model:
         self.load_s = time.perf_counter() - t0
         self.last_tokens: list[int] = []
         self.step_times = StepTimes()
+        self._loaned = (0, 0)  # the last prompt's passes in borrowed slots: (tokens a pass, bytes lent); (0, 0) none
         self._kv_tokens: list[int] = []  # tokens the cache holds (keys / values, recurrent state), in order
         self._memo = PromptMemo()  # the last prefilled prompt's last hidden state (a repeated request starts there)
         self._gen_faults = (0, 0, 0)
@@ -187,6 +188,7 @@ class Model:
         give their free pages back (the passes' blocks live there) before the slots come back, so the process never
         holds both; the heap keeps the plan's chunk's blocks again (keep_heap)."""
         loan = self.prompt_loan
+        self._loaned = (0, 0)
         want = loan.borrow(tokens) if loan is not None else 0
         lent = self.store.lend(want, loan.keep) if want else 0
         chunk = loan.chunk_for(tokens, lent) if lent else self.prefill_chunk
@@ -195,6 +197,7 @@ class Model:
             yield self.prefill_chunk
             return
         keep_heap(loan.fixed + chunk * loan.per_token)
+        self._loaned = (chunk, lent)
         try:
             yield chunk
         finally:
@@ -346,15 +349,18 @@ class Model:
 
     def _prefill_stats(self) -> dict:
         """The last prefill's reads: bytes (expert store + embedding rows), disk bytes, per prompt token, and the
-        expert reads per layer (each touched expert once per chunk when the budget holds a layer's experts)."""
+        expert reads per layer (each touched expert once per chunk when the budget holds a layer's experts); where it
+        ran in borrowed expert slots (_widened), its tokens a pass and the bytes lent."""
         io = self._prefill_io
         n = self.step_times.prefill_tokens
         if io is None or not n:
             return {}
         read, disk, by_layer = io
+        loan = {} if not self._loaned[1] else {"prefill_pass_tokens": self._loaned[0],
+                                                 "prefill_lent_bytes": self._loaned[1]}
         return {"prefill_bytes_read": read, "prefill_bytes_per_token": round(read / n, 1),
                 "prefill_disk_read_bytes": disk,
-                "prefill_expert_reads_by_layer": by_layer}
+                "prefill_expert_reads_by_layer": by_layer, **loan}
 
     def stats(self) -> dict:
         """Counters of the last generation and of the store, with derived rates; all JSON-serialisable."""

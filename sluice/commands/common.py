@@ -40,7 +40,9 @@ def stats_line(st: dict) -> str:
     """One readable line: speeds first, then the cache and I/O counters."""
     parts = [
         f"prompt {st['prompt_tokens']} tok @ {st['prefill_tok_s']:.1f} tok/s"
-        + (f", read {format_bytes(st['prefill_bytes_read'])}" if st.get("prefill_bytes_read") else ""),
+        + (f", read {format_bytes(st['prefill_bytes_read'])}" if st.get("prefill_bytes_read") else "")
+        + (f", passes of {st['prefill_pass_tokens']} tok in {format_bytes(st['prefill_lent_bytes'])} of lent slots"
+           if st.get("prefill_lent_bytes") else ""),
         f"decode {st['tokens']} tok @ {st['decode_tok_s']:.2f} tok/s ({st['ms_per_token']:.1f} ms/tok)",
         f"hit rate {100 * st['hit_rate']:.1f}%",
         f"read {format_bytes(st['bytes_read'])}",

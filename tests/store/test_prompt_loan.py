@@ -12,12 +12,15 @@ import pytest
 import torch
 
 import sluice
+from sluice.commands.common import stats_line
 from sluice.host.memory import MemoryRoom
 from sluice.models.model import Transformer
 from sluice.options import LoadOptions
 from sluice.plan import plan
 from sluice.store.budget import (LEND_KEEP_LAYERS, PREFILL_MIN, RUNTIME_RESERVE, PromptLoan, prefill_token_bytes,
                                  prompt_loan)
+
+from sluice.units import format_bytes
 
 from ..models.tiny import hf_model, write_checkpoint
 
@@ -80,6 +83,13 @@ def test_a_long_prompt_borrows_slots_with_a_resident_runs_bits(model_dir, monkey
         m.forget_cache()  # the whole prompt again, not its reused prefix
         tokens = list(m.generate_tokens(PROMPT, max_tokens=6, stop_at_eos=False))
         assert seen == [len(PROMPT)] and store.stats()["prompt_loans"] == 2
+        st = m.stats()
+        assert st["prefill_pass_tokens"] == len(PROMPT) and 0 < st["prefill_lent_bytes"] <= loan.lendable
+        assert (f"passes of {len(PROMPT)} tok in {format_bytes(st['prefill_lent_bytes'])} of lent slots"
+                in stats_line(st))
+        m.forget_cache()
+        list(m.generate_tokens(PROMPT[:8], max_tokens=2, stop_at_eos=False))  # short: nothing lent, nothing said
+        assert "prefill_lent_bytes" not in m.stats() and "lent slots" not in stats_line(m.stats())
         short = m.logits(PROMPT[: m.prefill_chunk])  # no longer than the chunk: nothing borrowed
         assert store.stats()["prompt_loans"] == 2
     monkeypatch.undo()  # this machine's room for the resident runs
@@ -185,7 +195,6 @@ def test_auto_memory_sets_no_room_aside_for_passes_the_slots_can_lend(model_dir,
 
 def test_inspect_prints_the_loan(model_dir, monkeypatch, capsys):
     from sluice import cli
-    from sluice.units import format_bytes
 
     opts = _streamed(model_dir, monkeypatch)
     loan = plan(model_dir, LoadOptions.make(**opts)).prompt_loan
