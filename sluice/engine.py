@@ -189,7 +189,7 @@ class Model:
         holds both; the heap keeps the plan's chunk's blocks again (keep_heap)."""
         loan = self.prompt_loan
         self._loaned = (0, 0)
-        want = loan.borrow(tokens) if loan is not None else 0
+        want = loan.borrow(tokens)
         lent = self.store.lend(want, loan.keep) if want else 0
         chunk = loan.chunk_for(tokens, lent) if lent else self.prefill_chunk
         if chunk <= self.prefill_chunk:

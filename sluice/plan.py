@@ -34,11 +34,11 @@ from .models.tables import ple_tables
 from .options import LOW_BIT_BPW, LoadOptions, format_bytes
 from .quant import native
 from .quant.native import deltanet
-from .store.budget import (LEND_KEEP_LAYERS, PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE,
-                           STREAMED_PROMPT_TOKENS, AutoPlan, BudgetPlan, PromptLoan, activation_room, auto_memory,
-                           check_room, kept_bytes, plan_budget,
-                           prefill_fixed_bytes, hidden_token_bytes, prefill_pass_bytes, prefill_span_tokens,
-                           prefill_token_bytes, prefill_tokens_per_chunk, prompt_loan, reserve_left)
+from .store.budget import (PREFILL_MAX, PREFILL_MIN, PREFILL_ROOM, RUNTIME_RESERVE, STREAMED_PROMPT_TOKENS,
+                           AutoPlan, BudgetPlan, PromptLoan, activation_room, auto_memory, check_room, kept_bytes,
+                           lendable_bytes, plan_budget, prefill_fixed_bytes, hidden_token_bytes, prefill_pass_bytes,
+                           prefill_span_tokens, prefill_token_bytes, prefill_tokens_per_chunk, prompt_loan,
+                           reserve_left)
 from .store.layout import ExpertLayout
 from .models.weights import resident_nbytes, resident_refs
 from .tokenizer import Tokenizer
@@ -201,8 +201,8 @@ def _lendable(memory: int | None, spec: Spec, layout: ExpertLayout, resident_byt
     """The slot bytes a budget of `memory` could lend a prompt (store/budget.py PromptLoan); 0 when resident."""
     if memory is None or not layout.expert_nbytes:
         return 0
-    slots = min(layout.total_experts, max(0, (memory - resident_bytes) // layout.expert_nbytes))
-    return max(0, slots - LEND_KEEP_LAYERS * spec.num_experts) * layout.expert_nbytes
+    slots = plan_budget(memory, resident_bytes, layout.expert_nbytes, spec.top_k, layout.total_experts).slots
+    return lendable_bytes(spec, slots, layout.expert_nbytes)
 
 
 def _less(room: MemoryRoom, nbytes: int) -> MemoryRoom:

@@ -91,23 +91,28 @@ def keep_heap(nbytes: int) -> bool:
 _MADV_DONTNEED = 4  # Linux's, as mmap.MADV_DONTNEED
 
 
+def _madvise():
+    """libc's madvise(addr, length, advice) through ctypes (a call releases the GIL), or None without one."""
+    import ctypes
+
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
 def release_pages(addr: int, nbytes: int) -> int:
     """Give the whole pages of [addr, addr + nbytes) of a private anonymous mapping back to the kernel
     (madvise(MADV_DONTNEED)): they leave the process's RSS and its cgroup's charge, and read back as zeros when
     next touched. Returns the bytes released (0 where there is no madvise, or the range holds no whole page)."""
-    import ctypes
     import mmap
 
     start = -(-addr // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (addr + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end <= start:
-        return 0
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    if madvise(start, end - start, _MADV_DONTNEED) != 0:
+    madvise = _madvise()
+    if end <= start or madvise is None or madvise(start, end - start, _MADV_DONTNEED) != 0:
         return 0
     return end - start
 
@@ -122,18 +127,13 @@ def populate_pages(t, background: bool = False):
     step. `background`: where the kernel populates them, all but the first page in a thread (ctypes releases the
     GIL), so the caller goes on meanwhile (writes into the range are safe: populating keeps their bytes); returns
     that thread, to join before the pages are released again, else None."""
-    import ctypes
     import mmap
     import threading
 
     nbytes = t.numel() * t.element_size()
     if not nbytes:
         return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    except (OSError, AttributeError):
-        madvise = None
+    madvise = _madvise()
     start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
     length = t.data_ptr() + nbytes - start
     first = min(length, mmap.PAGESIZE)

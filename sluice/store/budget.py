@@ -120,17 +120,19 @@ class PromptLoan:
         want = self.fixed + min(tokens, self.widest) * self.per_token - self.room
         return max(0, min(want, self.lendable))
 
+    def _holds(self, lent: int) -> int:
+        """Tokens one pass's estimate fits in the room and `lent` borrowed bytes."""
+        return (self.room + lent - self.fixed) // self.per_token if self.per_token else self.widest
+
     def widest_pass(self) -> int:
         """The most tokens one pass may take with every lendable byte borrowed (inspect prints it)."""
-        wide = (self.room + self.lendable - self.fixed) // self.per_token if self.per_token else self.widest
-        return max(self.chunk, min(self.widest, wide))
+        return max(self.chunk, min(self.widest, self._holds(self.lendable)))
 
     def chunk_for(self, tokens: int, lent: int) -> int:
         """Tokens per pass for a prompt of `tokens` tokens with `lent` slot bytes borrowed (never below the plan's): all
         of them, or as few passes as the memory holds, of equal length (2,048 tokens in 1,959-token passes would run
         a pass of 89)."""
-        wide = (self.room + lent - self.fixed) // self.per_token if self.per_token else self.widest
-        wide = min(tokens, self.widest, wide)
+        wide = min(tokens, self.widest, self._holds(lent))
         if wide <= self.chunk:
             return self.chunk
         n = -(-tokens // wide)
@@ -143,12 +145,17 @@ def prompt_loan(spec, itemsize: int, max_context: int, chunk: int, room: int, sl
     budget holding `slots` slots of `expert_bytes`; None when the store would keep every slot (a budget of fewer than
     LEND_KEEP_LAYERS layers' experts: the prompt's layers already churn them) or the chunk is the widest already."""
     widest = min(PREFILL_MAX, max_context)
-    keep = LEND_KEEP_LAYERS * spec.num_experts
-    lendable = max(0, slots - keep) * expert_bytes
+    lendable = lendable_bytes(spec, slots, expert_bytes)
     if not lendable or chunk >= widest:
         return None
     return PromptLoan(chunk, room, prefill_fixed_bytes(spec, itemsize, native),
-                      prefill_token_bytes(spec, itemsize, max_context), widest, keep, lendable)
+                      prefill_token_bytes(spec, itemsize, max_context), widest, LEND_KEEP_LAYERS * spec.num_experts,
+                      lendable)
+
+
+def lendable_bytes(spec, slots: int, expert_bytes: int) -> int:
+    """The bytes of `slots` expert slots a prompt may borrow: all but LEND_KEEP_LAYERS layers' experts."""
+    return max(0, slots - LEND_KEEP_LAYERS * spec.num_experts) * expert_bytes
 
 
 def prefill_token_bytes(spec, itemsize: int, max_context: int) -> int:
