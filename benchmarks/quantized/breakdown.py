@@ -1,0 +1,95 @@
+"""Where a resident step's time goes on the peers Q4_K_M file (wall time of the model's pieces, wrapped; 2 threads):
+
+    .venv/bin/python benchmarks/quantized/breakdown.py prompt [--isa avx2]   # a 2,048-token prompt in one pass, 3 runs
+    .venv/bin/python benchmarks/quantized/breakdown.py decode [--isa avx2]   # 33 decode steps after 36 tokens, 3 runs
+    .venv/bin/python benchmarks/quantized/breakdown.py bandwidth             # a 1 GiB float32 sum, 2 threads and 1
+
+Capped runs (`--isa avx2`) need torch capped too: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment. Seconds per piece, summed over the run (prompt) or per step
+(decode, ms). The wrapped pieces nest: `layer` holds `attn` and `moe`; `moe` holds `experts_run` (a prompt's expert
+passes); `attn` holds `attn.qkv`, `attn.attend` and `attn.out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODEL = Path(__file__).resolve().parents[1] / "models/qwen3_moe-peers/model-Q4_K_M.gguf"
+
+
+def _wrap(T: dict) -> None:
+    from sluice.models import model as mm
+    from sluice.models.layers import attention as att, moe, residual
+
+    def timed(name, cls, attr):
+        f = getattr(cls, attr)
+
+        def g(*a, **k):
+            t = time.perf_counter()
+            r = f(*a, **k)
+            T[name] = T.get(name, 0.0) + time.perf_counter() - t
+            return r
+
+        setattr(cls, attr, g)
+
+    timed("layer", residual.PreNorm, "__call__")
+    timed("moe", moe.MoE, "__call__")
+    timed("experts_run", moe.Experts, "_run")
+    timed("attn", att.Attention, "__call__")
+    timed("attn.qkv", att.Attention, "qkv")
+    timed("attn.attend", att.Attention, "attend")
+    timed("attn.out", att.Attention, "out")
+    timed("logits", mm.Transformer, "logits")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("prompt", "decode", "bandwidth"))
+    ap.add_argument("--isa", default="auto")
+    a = ap.parse_args()
+    from sluice.host.cpus import cpu_line, describe_cpu
+
+    print("CPU", cpu_line(describe_cpu()), "| isa", a.isa)
+    torch.set_num_threads(2)
+    if a.what == "bandwidth":
+        x = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
+        for threads in (2, 2, 2, 1, 1):
+            torch.set_num_threads(threads)
+            t = time.perf_counter()
+            x.sum()
+            print(f"{threads} threads: read {x.numel() * 4 / (time.perf_counter() - t) / 1e9:.1f} GB/s")
+        return
+    import sluice
+
+    T: dict = {}
+    _wrap(T)
+    if a.what == "prompt":
+        m = sluice.load(MODEL, memory="all", prefill_chunk=2048, isa=a.isa)
+        ids = torch.randint(0, 30000, (2048,), generator=torch.Generator().manual_seed(1)).tolist()
+        for _ in range(3):
+            m.forget_cache()
+            T.clear()
+            t = time.perf_counter()
+            list(m.generate_tokens(ids, max_tokens=1, stop_at_eos=False))
+            print(f"prompt + 1 token {time.perf_counter() - t:.3f} s:", {k: round(v, 3) for k, v in T.items()})
+        return
+    m = sluice.load(MODEL, memory="all", isa=a.isa)
+    ids = list(range(100, 132))
+    for _ in range(3):
+        m.forget_cache()
+        toks = list(m.generate_tokens(ids, max_tokens=4, stop_at_eos=False))
+        T.clear()
+        list(m.generate_tokens(ids + toks, max_tokens=33, stop_at_eos=False))
+        st = sorted(m.step_times.decode_s)
+        n = len(st)
+        print(f"decode median {1000 * st[n // 2]:.2f} ms/step; ms a step:",
+              {k: round(1000 * v / (n + 1), 2) for k, v in T.items()})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
