@@ -193,6 +193,14 @@ def test_which_computes_take_the_tiles():
     amx = Compute(bf16_gemm=True, planes=1, amx=True)
     assert (amx.prompt_planes, amx.prompt_formats, amx.attend_prompt) == (0, frozenset(), False)
     assert Compute(bf16_gemm=False, planes=1, path=paths.AVX2, amx=True).prompt_planes == 1  # capped: AVX2 tiles
+    # a prompt's SDPA: widened to float32 on bf16 products under bf16 GEMMs, on its bf16 inputs on AMX from
+    # AMX_SDPA_MIN_ROWS rows; float32 GEMMs (AVX2, or capped) never widen
+    from sluice.quant.compute import AMX_SDPA_MIN_ROWS
+
+    rows = AMX_SDPA_MIN_ROWS
+    assert amx.sdpa_widen(rows - 1) and not amx.sdpa_widen(rows) and not amx.sdpa_widen(4 * rows)
+    assert Compute(bf16_gemm=True, amx=False).sdpa_widen(4 * rows)
+    assert not Compute(bf16_gemm=False, amx=False).sdpa_widen(1) and not Compute(bf16_gemm=False).sdpa_widen(rows)
 
 
 def test_the_loaded_model_knows_its_amx(tmp_path):
