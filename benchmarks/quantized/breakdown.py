@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/quantized/breakdown.py prompt [--isa avx2]   # a 2,048-token prompt in one pass, 3 runs
     .venv/bin/python benchmarks/quantized/breakdown.py decode [--isa avx2]   # 33 decode steps after 36 tokens, 3 runs
     .venv/bin/python benchmarks/quantized/breakdown.py bandwidth             # a 1 GiB float32 sum, 2 threads and 1
+    .venv/bin/python benchmarks/quantized/breakdown.py moe [--isa avx2]      # a decode MoE block's pieces, us a layer
 
 Capped runs (`--isa avx2`) need torch capped too: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment. Seconds per piece, summed over the run (prompt) or per step
@@ -47,9 +48,53 @@ def _wrap(T: dict) -> None:
     timed("logits", mm.Transformer, "logits")
 
 
+def _moe(T: dict, isa: str) -> None:
+    """us a layer of a decode step's MoE pieces (33 steps after 36 tokens, 3 runs): `moe` the block, `router` its
+    probabilities (one native call), `topk` the top-k, `native` the experts' Python and C, `C` the C call alone,
+    `combine` the weighted sum; `linears` the C calls of the kept-quantized projections (ms a step: attention's and
+    the LM head)."""
+    import ctypes  # noqa: F401  (the C entry points are ctypes functions, wrapped below)
+
+    import sluice
+    from sluice.models.layers import moe
+    from sluice.quant.native import ops, q8
+
+    def timed(mod, name, key):
+        f = getattr(mod, name)
+
+        def g(*args, **kw):
+            t = time.perf_counter()
+            r = f(*args, **kw)
+            T[key] = T.get(key, 0.0) + time.perf_counter() - t
+            return r
+
+        setattr(mod, name, g)
+
+    timed(moe, "router_probs_bf16", "router")
+    timed(moe, "topk_probs", "topk")
+    timed(moe, "top_of_probs", "topk")
+    timed(moe.Experts, "_native", "native")
+    timed(moe.MoE, "__call__", "moe")
+    timed(ops, "combine_bf16", "combine")
+    timed(q8.LIB, "sluice_experts_q8", "C")
+    timed(q8.LIB, "sluice_linears_q8", "linears")
+    m = sluice.load(MODEL, memory="all", isa=isa)
+    ids, layers = list(range(100, 132)), m.spec.n_layers
+    for _ in range(3):
+        m.forget_cache()
+        toks = list(m.generate_tokens(ids, max_tokens=4, stop_at_eos=False))
+        T.clear()
+        list(m.generate_tokens(ids + toks, max_tokens=33, stop_at_eos=False))
+        st = sorted(m.step_times.decode_s)
+        n = len(st)
+        print(f"decode median {1000 * st[n // 2]:.2f} ms/step; us a layer:",
+              {k: round(1e6 * v / (n + 1) / layers, 1) for k, v in T.items() if k != "linears"},
+              f"linears {1000 * T.get('linears', 0) / (n + 1):.2f} ms a step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("prompt", "decode", "bandwidth"))
+    ap.add_argument("what", choices=("prompt", "decode", "bandwidth", "moe"))
     ap.add_argument("--isa", default="auto")
     a = ap.parse_args()
     from sluice.host.cpus import cpu_line, describe_cpu
@@ -67,6 +112,8 @@ def main() -> None:
     import sluice
 
     T: dict = {}
+    if a.what == "moe":
+        return _moe(T, a.isa)
     _wrap(T)
     if a.what == "prompt":
         m = sluice.load(MODEL, memory="all", prefill_chunk=2048, isa=a.isa)

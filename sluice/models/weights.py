@@ -24,6 +24,7 @@ from ..quant import QuantSpec
 from ..quant.compute import Compute
 from ..quant.linear import QuantLinear, Scratch, quant_spec
 from ..store.layout import moe_prefix
+from ..store.pages import page_rows
 
 
 def _expect(index: CheckpointIndex, name: str, shape: tuple[int, ...]) -> TensorRef:
@@ -97,8 +98,30 @@ def resident_nbytes(refs: dict[str, TensorRef], dtype: torch.dtype, lazy_embed: 
                for role, ref in refs.items() if not (lazy_embed and role == "embed"))
 
 
-def _quant_linear(ref: TensorRef, spec: QuantSpec, compute: Compute, scratch: Scratch) -> QuantLinear:
-    return QuantLinear(spec, read_stored(ref, spec), compute, scratch)  # rows in Hugging Face order
+def _quant_linear(ref: TensorRef, spec: QuantSpec, compute: Compute, scratch: Scratch,
+                  arena: "_Arena") -> QuantLinear:
+    return QuantLinear(spec, arena.place(read_stored(ref, spec)), compute, scratch)  # rows in Hugging Face order
+
+
+class _Arena:
+    """The kept-quantized projections' bytes side by side in one page-aligned block in huge pages (store/pages.py),
+    each at a 64-byte boundary: a decode step streams all of them (the attention projections and the LM head), and
+    in 4 KiB pages each 4 KiB costs a TLB miss (breakdown.py moe: `linears`)."""
+
+    def __init__(self, nbytes: int):
+        self.buf, self.at = page_rows(1, nbytes)[0] if nbytes else None, 0
+
+    @staticmethod
+    def size(n: int) -> int:
+        return (n + 63) // 64 * 64
+
+    def place(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw (uint8 [n]) copied into the block: the same bytes, a view of the block"""
+        n = raw.numel()
+        out = self.buf[self.at : self.at + n]
+        out.copy_(raw)
+        self.at += self.size(n)
+        return out
 
 
 def load_resident(refs: dict[str, TensorRef], spec: Spec, compute: Compute, lazy_embed: bool = False) -> Weights:
@@ -111,7 +134,9 @@ def load_resident(refs: dict[str, TensorRef], spec: Spec, compute: Compute, lazy
         return torch.float32 if role.split(".", 2)[-1] in FLOAT32_ROLES else dtype
 
     quant, scratch = kept_quantized(refs, dtype), Scratch()
-    t = {role: _quant_linear(ref, quant[role], compute, scratch) if role in quant
+    arena = _Arena(sum(_Arena.size(quant[role].nbytes) for role in refs if role in quant
+                       and not (lazy_embed and role == "embed")))
+    t = {role: _quant_linear(ref, quant[role], compute, scratch, arena) if role in quant
          else read_tensor(ref, as_dtype(role)).to(as_dtype(role))
          for role, ref in refs.items() if not (lazy_embed and role == "embed")}
 

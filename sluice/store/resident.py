@@ -14,6 +14,7 @@ from tqdm import tqdm
 from ..quant.matmul import pack, packable
 from .base import ExpertBatch
 from .layout import ExpertLayout
+from .pages import page_rows
 
 
 def expert_requests(layout: ExpertLayout, layer: int, expert: int, slot: torch.Tensor):
@@ -60,7 +61,7 @@ class ResidentExpertStore:
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
         self._usage_rows = self.usage.numpy()  # the same memory: counted per expert, ~2 us (a torch index_put ~46)
         for layer in tqdm(layout.layers, desc="loading experts", unit="layer", disable=not progress, leave=False):
-            raw = torch.empty((s.num_experts, layout.slot_nbytes), dtype=torch.uint8)
+            raw = page_rows(s.num_experts, layout.slot_nbytes)  # huge pages: fewer TLB misses (pages.py)
             reqs = []
             for e in range(s.num_experts):
                 reqs += expert_requests(layout, layer, e, raw[e])

@@ -12,7 +12,6 @@ default); prefetch bookkeeping (deferred predictions, the throttle, counters) is
 from __future__ import annotations
 
 import functools
-import mmap
 import time
 from typing import Sequence
 
@@ -23,6 +22,7 @@ from ..io.ranges import PAGE
 from .base import ExpertBatch
 from .budget import plan_budget
 from .layout import ExpertLayout
+from .pages import page_rows
 from .policy import FairShareLFU, GlobalLRU, Key
 from .prefetch import PrefetchTracker
 from .resident import expert_requests, typed_views
@@ -61,27 +61,6 @@ def _page_shifts(layout: ExpertLayout) -> dict[int, int]:
     return shifts
 
 
-def _page_rows(rows: int, stride: int) -> torch.Tensor:
-    """zeros uint8 [rows, stride] from a page boundary (an anonymous private mapping), in transparent huge pages
-    where the kernel gives them (MADV_HUGEPAGE: THP "madvise" mode, the common default). With the slots read in place
-    (_page_shifts) huge pages cut a peers bf16 2,048-token prompt's system CPU 0.24 -> 0.14 s (O_DIRECT pins 512x
-    fewer pages) and the expert GEMMs' TLB misses: 0.92-0.94 of the staged 4 KiB slots' time on three files, where
-    in place in 4 KiB pages was 0.98-1.04 (benchmarks/results/prefill/slots.md)."""
-    if rows * stride == 0:
-        return torch.zeros((rows, stride), dtype=torch.uint8)
-    try:
-        buf = mmap.mmap(-1, rows * stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError as e:
-        raise MemoryError(f"cannot map {rows} expert slots of {stride} bytes: {e.strerror or e}") from e
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no THP in this kernel (or not Linux): 4 KiB pages, the same bytes
-        pass
-    t = torch.frombuffer(buf, dtype=torch.uint8).view(rows, stride)  # keeps buf alive
-    t.fill_(0)  # first-touch faults at load, not inside timed steps
-    return t
-
-
 class StreamingExpertStore:
     """`slots` expert slots; misses are read by `reader` straight into the slot buffers."""
 
@@ -110,7 +89,7 @@ class StreamingExpertStore:
         self.max_batch = slots
         # The only large allocation of the store: written in place for the whole run, each row one slot holding
         # one expert as stored (with a page of room when the layers are shifted, see _page_shifts)
-        self.raw = _page_rows(slots, stride)  # [S, stride]
+        self.raw = page_rows(slots, stride)  # [S, stride]
         # per shift: raw [S, slot bytes] viewed from that byte of each row, and its typed gate_up [S, 2I, H] and
         # down [S, H, I] when plain (else None)
         self._shifted: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}

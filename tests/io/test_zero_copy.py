@@ -103,7 +103,7 @@ def test_coalesced_neighbours_duplicates_and_eof(data_file, arena):
 def test_torch_slot_rows(data_file):
     """The streaming store's case: rows of a page-aligned tensor, each range at its residue inside the row."""
     path, data = data_file
-    from sluice.store.streaming import _page_rows
+    from sluice.store.pages import page_rows as _page_rows
 
     rows = _page_rows(3, 12 * PAGE)
     ranges = [(1184 + k * 10 * PAGE, 9 * PAGE) for k in range(3)]

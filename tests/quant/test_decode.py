@@ -12,7 +12,7 @@ from sluice.models.layers.norm import Norm
 from sluice.models.layers.sinks import sink_attention
 from sluice.models.rope import apply_rope
 from sluice.quant import native
-from sluice.quant.native.decode import DecodeAttention, router_probs_bf16
+from sluice.quant.native.decode import DecodeAttention, router_probs_bf16, topk_probs
 from tests.quant.paths import on_each, same_bits
 
 pytestmark = pytest.mark.skipif(not native.native_available(),
@@ -185,3 +185,35 @@ def test_router_probs_pick_what_torch_picks(E, k):
     assert ties or E < 64  # bf16 logits of 64 experts tie often: the case above is exercised
     with pytest.raises(ValueError, match="router"):
         router_probs_bf16(x, w.float())
+
+
+@pytest.mark.parametrize("E,k", [(64, 8), (8, 2), (128, 8), (512, 10)])
+@pytest.mark.parametrize("norm,dtype", [(True, torch.bfloat16), (False, torch.bfloat16), (True, None)])
+def test_native_top_k_is_torch_top_k_or_defers_to_it(E, k, norm, dtype):
+    """decode.c sluice_topk_probs against routing.top_of_probs (torch.topk, the sum, the division, the cast):
+    bitwise where the k largest are unique, and None (the model then asks torch) where a tie decides: equal
+    probabilities among the k largest or at the k-th, a NaN."""
+    from types import SimpleNamespace
+
+    from sluice.models.routing import top_of_probs
+
+    spec = SimpleNamespace(top_k=k, norm_topk_prob=norm, router_weights_fp32=dtype is None)
+    g = torch.Generator().manual_seed(E + k)
+    deferred = 0
+    for i in range(300):
+        probs = torch.softmax(torch.randn(1, E, generator=g) * 3, dim=-1)
+        order = torch.argsort(probs[0], descending=True)
+        if i % 6 == 1:  # a tie inside the k largest: the second equal to the first
+            probs[0, order[1]] = probs[0, order[0]]
+        if i % 6 == 4:  # a tie at the k-th: the next one equal to it
+            probs[0, order[k]] = probs[0, order[k - 1]]
+        if i == 5:
+            probs[0, 3] = float("nan")
+        got = topk_probs(probs, k, norm, dtype)
+        w, ids = top_of_probs(spec, probs, torch.bfloat16)
+        if got is None:
+            deferred += 1
+            continue
+        assert torch.equal(got[1], ids) and got[0].dtype == w.dtype and torch.equal(got[0], w)
+    # the ties made above and the NaN, not the rest; with norm only k = 1, 2, 4, 8 (torch's sum order is known there)
+    assert deferred == (300 if norm and k not in (1, 2, 4, 8) else 101)

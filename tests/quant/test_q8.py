@@ -452,3 +452,31 @@ def test_the_prefetch_distance_does_not_change_the_bits():
     finally:
         native.q8.set_prefetch(2048)
     assert all(torch.equal(ys[0], y) for y in ys)
+
+
+@pytest.mark.parametrize("spread", [1, 4, 1 << 30])
+def test_the_task_length_does_not_change_the_bits(spread, c_threads):
+    """Long tasks (q8.c task_rows, native.q8.set_task_spread) or the old 64K-weight ones: the same rows, the same bits
+    (projections in one call, and a layer's experts)."""
+    from sluice.store.layout import ExpertFormat
+
+    c_threads(2)
+    specs = [QuantSpec.ggml("Q4_K", 1024, 1024), QuantSpec.ggml("Q6_K", 256, 1024)]
+    raws = [random_stored(s, seed=k) for k, s in enumerate(specs)]
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(7))
+    fmt = ExpertFormat.of(QuantSpec.ggml("Q4_K", 512, 1024), QuantSpec.ggml("Q4_K", 512, 1024),
+                          QuantSpec.ggml("Q6_K", 1024, 512))
+    slots = random_expert_slots(fmt, 8)
+    call = native.ExpertCall((fmt.gate, fmt.up, fmt.down), (0, fmt.up_offset, fmt.down_offset))
+    want = [native.linear_q8(s, x, r) for s, r in zip(specs, raws)]
+    want_e = torch.empty(8, 2, 1024)
+    for e in range(8):
+        call(slots[e], x, want_e[e])
+    try:
+        native.q8.set_task_spread(spread)
+        got = native.LinearsQ8(list(zip(specs, raws)))(x)
+        ys = torch.empty(8, 2, 1024)
+        call.many(slots, list(range(8)), x, ys, list(range(8)))
+    finally:
+        native.q8.set_task_spread(4)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and torch.equal(ys, want_e)

@@ -10,6 +10,7 @@ import torch
 import sluice
 from sluice.io.ranges import PAGE
 from sluice.store import streaming
+from sluice.store.pages import page_rows
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model, write_checkpoint
 
@@ -100,6 +101,6 @@ def test_slot_rows_without_huge_pages(monkeypatch):
     import mmap
 
     monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
-    rows = streaming._page_rows(3, 2 * PAGE)
+    rows = page_rows(3, 2 * PAGE)
     assert rows.shape == (3, 2 * PAGE) and rows.data_ptr() % PAGE == 0 and not rows.any()
-    assert streaming._page_rows(0, PAGE).shape == (0, PAGE)
+    assert page_rows(0, PAGE).shape == (0, PAGE)

@@ -9,7 +9,7 @@ import torch
 from ...quant import native
 from ...quant.linear import BF16_GEMM_MIN_ROWS
 from ...quant.native import ops, prompt
-from ...quant.native.decode import router_probs_bf16
+from ...quant.native.decode import router_probs_bf16, topk_probs
 from ..linear import linear
 from ..routing import route, top_of_probs
 from .build import Build, Step
@@ -32,7 +32,9 @@ class MoE:
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         lw = self.lw
         if x.shape[0] == 1 and self.native_router:
-            weights, ids = top_of_probs(self.spec, router_probs_bf16(x, lw.router, path=self.path), x.dtype)
+            probs, s = router_probs_bf16(x, lw.router, path=self.path), self.spec
+            top = topk_probs(probs, s.top_k, s.norm_topk_prob, None if s.router_weights_fp32 else x.dtype)
+            weights, ids = top if top is not None else top_of_probs(s, probs, x.dtype)  # None: torch breaks a tie
         else:
             weights, ids = route(self.spec, lw, x)  # [T, K] each
         side = None if self.shared is None else lambda: self._shared(x)
@@ -174,7 +176,7 @@ class Experts:
                     ys = self._native(batch, todo, xf)  # [n, H] float32, row j = expert j
                     # as below, row by row: (y in the compute dtype) * w, rounded to out's dtype, added in id order
                     if out.dtype is torch.bfloat16 and self.dtype is torch.bfloat16 and weights.is_contiguous():
-                        ops.combine_bf16(ys, weights, pos, out)  # the same bits in one call
+                        ops.combine_bf16(ys, weights, pos, out, path=self.compute.path)  # the same bits in one call
                         continue
                     ys = (ys.to(self.dtype) * weights[0, pos].unsqueeze(1)).to(out.dtype)
                     for j in range(len(pos)):

@@ -209,6 +209,12 @@ void sluice_router_probs_bf16(int64_t E, int64_t H, const uint16_t *x, const uin
     pick(scalar, &dot, &axpy);
     float mx = -INFINITY;
     for (int64_t e = 0; e < E; e++) {
+#if SLUICE_X86
+        /* the next row's lines requested ahead: the router sits in memory the layer's experts pushed out of the
+         * caches (breakdown.py moe: `router`) */
+        if (e + 1 < E)
+            for (int64_t b = 0; b < 2 * H; b += 64) _mm_prefetch((const char *)(w + (e + 1) * H) + b, _MM_HINT_T0);
+#endif
         probs[e] = bf16_float(bf16_round(dot(x, w + e * H, H)));
         if (probs[e] > mx) mx = probs[e];
     }
@@ -218,4 +224,45 @@ void sluice_router_probs_bf16(int64_t E, int64_t H, const uint16_t *x, const uin
         sum = sum + probs[e];
     }
     for (int64_t e = 0; e < E; e++) probs[e] = probs[e] / sum;
+}
+
+/* The rest of routing.top_of_probs for those probabilities, where it has one answer: the k largest of probs [E] in
+ * descending order (ids [k], as torch.topk's), their weights [k] in float32 (divided by their sum when `norm`: the
+ * sum in index order from 0, as torch 2.13's sum of k = 1, 2, 4 or 8 float32 values runs (not of 6 or 10: another
+ * k with `norm` returns 0; tests/quant/test_decode.py holds torch to it) and, when `bf16` is 1, rounded to bf16 into
+ * wb [k] as torch's .to(bfloat16). Returns 1, or 0 without writing when the answer is torch.topk's to choose: a NaN,
+ * or two equal values among the k largest or between the k-th and the next (ties; torch resolves them its own
+ * way, and the caller runs torch.topk on probs). One call instead of 4 torch ops, slow with the caches cold after
+ * the experts (breakdown.py moe: `topk`). */
+int sluice_topk_probs(int64_t E, const float *probs, int64_t k, int norm, int bf16, int64_t *ids, float *wf,
+                      uint16_t *wb) {
+    if (k < 1 || k > 64 || k > E || (norm && k != 1 && k != 2 && k != 4 && k != 8)) return 0;
+    int64_t id[64], n = 0;
+    float v[64], out = -INFINITY;  /* v: the k largest so far, descending; out: the largest of the others */
+    for (int64_t e = 0; e < E; e++) {
+        float p = probs[e];
+        if (p != p) return 0;
+        if (n == k) {
+            if (p <= v[k - 1]) {
+                out = p > out ? p : out;
+                continue;
+            }
+            out = v[k - 1] > out ? v[k - 1] : out;  /* the k-th drops out */
+            n--;
+        }
+        int64_t at = n++;
+        for (; at > 0 && v[at - 1] < p; at--) v[at] = v[at - 1], id[at] = id[at - 1];
+        v[at] = p, id[at] = e;
+    }
+    if (out == v[k - 1]) return 0;
+    for (int64_t j = 1; j < k; j++)
+        if (v[j] == v[j - 1]) return 0;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) sum = sum + v[j];
+    for (int64_t j = 0; j < k; j++) {
+        ids[j] = id[j];
+        wf[j] = norm ? v[j] / sum : v[j];
+        if (bf16) wb[j] = bf16_round(wf[j]);
+    }
+    return 1;
 }

@@ -27,6 +27,8 @@ if _LIB is not None:
         + [_ptr, _ptr, _ptr, _ptr, _ptr, _i32])  # sinks, rq, scratch, gate, out, scalar
     _LIB.sluice_router_probs_bf16.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _i32]  # E, H, x, w, probs, scalar
     _LIB.sluice_attend_bf16.restype = _LIB.sluice_router_probs_bf16.restype = None
+    _LIB.sluice_topk_probs.argtypes = [_i64, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr]  # E, probs, k, norm, bf16, ids,
+    _LIB.sluice_topk_probs.restype = _i32                                               # weights f32, weights bf16
 
 #: norm modes of DecodeAttention: Spec.qk_norm -> the C code's number
 NORM_MODES = {"none": 0, "head": 1, "full": 2}
@@ -129,3 +131,19 @@ def router_probs_bf16(x: torch.Tensor, router: torch.Tensor, *, path: int = BEST
     probs = torch.empty(1, E, dtype=torch.float32)
     _LIB.sluice_router_probs_bf16(E, H, _bf16(x, "x", H), _bf16(router, "router", E * H), probs.data_ptr(), path)
     return probs
+
+
+def topk_probs(probs: torch.Tensor, k: int, norm: bool, dtype: torch.dtype | None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """routing.top_of_probs for one token's float32 probabilities [1, E] in one call (decode.c sluice_topk_probs):
+    (weights [1, k] in `dtype`, or float32 when None; ids int64 [1, k]), bitwise torch's, or None where torch.topk
+    has to choose (ties among the k largest or at the k-th, a NaN): the caller then runs top_of_probs."""
+    E = probs.shape[1]
+    ids = torch.empty(1, k, dtype=torch.int64)
+    wf = torch.empty(1, k, dtype=torch.float32)
+    bf16 = dtype is torch.bfloat16
+    wb = torch.empty(1, k, dtype=torch.bfloat16) if bf16 else None
+    if not _LIB.sluice_topk_probs(E, probs.data_ptr(), k, int(norm), int(bf16), ids.data_ptr(), wf.data_ptr(),
+                                  None if wb is None else wb.data_ptr()):
+        return None
+    return (wb if bf16 else wf if dtype in (None, torch.float32) else wf.to(dtype)), ids

@@ -19,7 +19,7 @@ from ._lib import BEST, LIB
 
 if LIB is not None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    LIB.sluice_combine_bf16.argtypes = [i64, ptr, i64, ptr, i32, ptr, ptr]  # n, ys, H, w, w_f32, at, out
+    LIB.sluice_combine_bf16.argtypes = [i64, ptr, i64, ptr, i32, ptr, ptr, i32]  # n, ys, H, w, w_f32, at, out, path
     LIB.sluice_combine_bf16.restype = None
     # T, K, H, ys, w, w_f32, at, out, path
     LIB.sluice_combine_rows_bf16.argtypes = [i64, i64, i64, ptr, ptr, i32, ptr, ptr, i32]
@@ -33,7 +33,7 @@ if LIB is not None:
     LIB.sluice_rope_bf16.restype = None
 
 
-def combine_bf16(ys: torch.Tensor, w: torch.Tensor, at: list[int], out: torch.Tensor) -> None:
+def combine_bf16(ys: torch.Tensor, w: torch.Tensor, at: list[int], out: torch.Tensor, *, path: int = BEST) -> None:
     """out (bf16 [1, H]) += each row of ys (float32 [n, H]) times its routing weight w[0, at[j]] (w bf16 or float32
     [1, K]), in row order: bitwise `for j: out += ((ys.to(bf16) * w[0, at].unsqueeze(1)).to(bf16))[j]` (ops.c), one
     call instead of ~20 torch ops."""
@@ -45,7 +45,7 @@ def combine_bf16(ys: torch.Tensor, w: torch.Tensor, at: list[int], out: torch.Te
                          f"[1, H], got {ys.dtype} {list(ys.shape)}, {w.dtype} {list(w.shape)}, {len(at)}, "
                          f"{out.dtype} {list(out.shape)}")
     LIB.sluice_combine_bf16(n, ys.data_ptr(), h, w.data_ptr(), int(w.dtype is torch.float32),
-                             (ctypes.c_int64 * n)(*at), out.data_ptr())
+                             (ctypes.c_int64 * n)(*at), out.data_ptr(), path)
 
 
 def combine_rows_bf16(ys: torch.Tensor, w: torch.Tensor, at: torch.Tensor, out: torch.Tensor, *,

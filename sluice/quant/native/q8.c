@@ -626,8 +626,22 @@ int sluice_expert_q8(int gf, const uint8_t *gq, int64_t grb, int uf, const uint8
 
 /* ---- jobs over the pool (pool.c): several projections of one x, the experts of one layer ---- */
 
-/* output rows per task: ~64K weights (a 1024-wide Q4_K row takes ~0.15 us on one core here, a task handoff a few us) */
-static int64_t task_rows(int64_t K) { return K >= 65536 ? 1 : 65536 / K; }
+/* output rows per task: one contiguous stretch of at least TASK_MIN weights (a 1024-wide Q4_K row takes ~0.15 us on
+ * one core here, a task handoff a few us), longer where the job's `total` weights still give each thread
+ * task_spread tasks. Long stretches because a decode step's weights stream from memory, which a core reads fastest
+ * in long runs: a layer's 8 experts of the peers Q4_K_M shape, cold, 2 threads, took 443-452 us in one task per
+ * projection, 606-663 in 64K-weight tasks (18.0-18.4 vs 12.3-13.5 GB/s; one thread ~9.5 either way;
+ * benchmarks/quantized/expert_layer.py, results/quantized/breakdown/expert-layer.txt). */
+#define TASK_MIN 65536
+static int64_t task_spread = 4;
+/* benchmark hook (native.set_task_spread): a huge spread gives every job TASK_MIN tasks, as before the long ones */
+void sluice_set_task_spread(int64_t spread) { task_spread = spread < 1 ? 1 : spread; }
+int sluice_threads(void);  /* pool.c */
+static int64_t task_rows(int64_t K, int64_t total) {
+    int64_t w = total / ((int64_t)sluice_threads() * task_spread);
+    w = w < TASK_MIN ? TASK_MIN : w;
+    return w <= K ? 1 : w / K;
+}
 
 #define MAX_PROJ 16
 typedef struct {
@@ -658,7 +672,9 @@ static void lin_task(void *c, int64_t i) {
  * cannot be allocated, -2 for a format without an integer path, P not 1 or 2, or m > 16. */
 int sluice_linears_q8(int64_t m, const int64_t *descs, int64_t K, const float *x, int64_t T, int P, int scalar) {
     if (m < 1 || m > MAX_PROJ || (P != 1 && P != 2)) return -2;
-    lin_job j = {.m = m, .K = K, .T = T, .step = task_rows(K), .d = descs, .P = P, .scalar = scalar};
+    int64_t total = 0;  /* the job's weights */
+    for (int64_t a = 0; a < m; a++) total += descs[6 * a + 1] * K;
+    lin_job j = {.m = m, .K = K, .T = T, .step = task_rows(K, total), .d = descs, .P = P, .scalar = scalar};
     int need = 0;
     int64_t tmp = 0;  /* float32 values of the bf16 outputs */
     for (int64_t a = 0; a < m; a++) {
@@ -740,7 +756,8 @@ int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, c
     }
     if (n < 1) return 0;
     int64_t hrb = sluice_q8_row_bytes(I, P), hrb3 = I % 256 ? 0 : sluice_q8_row_bytes(I, sb_xf(P));
-    exp_job j = {.e = experts, .H = H, .I = I, .T = T, .step1 = task_rows(H), .step3 = task_rows(I),
+    exp_job j = {.e = experts, .H = H, .I = I, .T = T, .step1 = task_rows(H, 3 * n * H * I),
+                 .step3 = task_rows(I, 3 * n * H * I),
                  .hrb = hrb > hrb3 ? hrb : hrb3, .P = P, .scalar = scalar};
     j.tasks1 = 2 * ((I + j.step1 - 1) / j.step1);
     j.tasks3 = (H + j.step3 - 1) / j.step3;

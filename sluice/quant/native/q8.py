@@ -48,6 +48,8 @@ if LIB is not None:
     LIB.sluice_set_super_blocks.restype = None
     LIB.sluice_set_prefetch.argtypes = [i64]
     LIB.sluice_set_prefetch.restype = None
+    LIB.sluice_set_task_spread.argtypes = [i64]
+    LIB.sluice_set_task_spread.restype = None
 
 
 def q8_supported(spec: QuantSpec) -> bool:
@@ -83,6 +85,12 @@ def set_prefetch(nbytes: int) -> None:
     """Benchmark hook: how far ahead (bytes) the integer path's row loop prefetches a task's weight rows (q8.c),
     process-wide; 0 turns it off. Default 2048."""
     LIB.sluice_set_prefetch(int(nbytes))
+
+
+def set_task_spread(spread: int) -> None:
+    """Benchmark hook: the tasks per thread a job's rows are cut into when the job is large enough (q8.c task_rows:
+    never below 64K weights a task), process-wide; a huge value gives 64K-weight tasks (as before). Default 4."""
+    LIB.sluice_set_task_spread(int(spread))
 
 
 def _layout_of(spec: QuantSpec | None, planes: int) -> int:
