@@ -16,7 +16,7 @@ def page_rows(rows: int, stride: int) -> torch.Tensor:
     system CPU 0.24 -> 0.14 s (O_DIRECT pins 512x fewer pages) and the expert GEMMs' TLB misses: 0.92-0.94 of the
     staged 4 KiB slots' time on three files, where in place in 4 KiB pages was 0.98-1.04
     (benchmarks/results/prefill/slots.md). A decode step reads each expert from another MiB: a layer's 8 experts of
-    the peers Q4_K_M shape (8 MB, cold, 2 threads) took 443-452 us in huge pages, 464-578 in 4 KiB ones
+    the peers Q4_K_M shape (8 MB, cold, 2 threads) took 439-456 us in huge pages, 470-502 in 4 KiB ones
     (benchmarks/quantized/expert_layer.py, results/quantized/breakdown/expert-layer.txt)."""
     if rows * stride == 0:
         return torch.zeros((rows, stride), dtype=torch.uint8)

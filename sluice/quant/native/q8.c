@@ -629,8 +629,8 @@ int sluice_expert_q8(int gf, const uint8_t *gq, int64_t grb, int uf, const uint8
 /* output rows per task: one contiguous stretch of at least TASK_MIN weights (a 1024-wide Q4_K row takes ~0.15 us on
  * one core here, a task handoff a few us), longer where the job's `total` weights still give each thread
  * task_spread tasks. Long stretches because a decode step's weights stream from memory, which a core reads fastest
- * in long runs: a layer's 8 experts of the peers Q4_K_M shape, cold, 2 threads, took 443-452 us in one task per
- * projection, 606-663 in 64K-weight tasks (18.0-18.4 vs 12.3-13.5 GB/s; one thread ~9.5 either way;
+ * in long runs: a layer's 8 experts of the peers Q4_K_M shape, cold, 2 threads, took 439-456 us in one task per
+ * projection, 626-634 in 64K-weight tasks (17.9-18.6 vs 12.9-13.0 GB/s; one thread 9.6-10.2 either way;
  * benchmarks/quantized/expert_layer.py, results/quantized/breakdown/expert-layer.txt). */
 #define TASK_MIN 65536
 static int64_t task_spread = 4;
