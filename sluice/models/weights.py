@@ -109,7 +109,7 @@ class _Arena:
     in 4 KiB pages each 4 KiB costs a TLB miss (breakdown.py moe: `linears`)."""
 
     def __init__(self, nbytes: int):
-        self.buf, self.at = page_rows(1, nbytes)[0] if nbytes else None, 0
+        self.buf, self.at = page_rows(1, nbytes, "the kept-quantized projections")[0] if nbytes else None, 0
 
     @staticmethod
     def size(n: int) -> int:
