@@ -18,6 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+import sluice  # noqa: F401  (before torch: sluice sets OMP_WAIT_POLICY=PASSIVE for torch's OpenMP workers, read once
+#                 when torch loads libgomp, as the CLI and `sluice bench` have it; imported after torch, the workers
+#                 spin after every parallel op and take the cores the native pool runs on: the AVX2 prompt took
+#                 6.3-6.6 s that way against 4.7-4.8)
 import torch
 
 MODEL = Path(__file__).resolve().parents[1] / "models/qwen3_moe-peers/model-Q4_K_M.gguf"

@@ -80,7 +80,7 @@ class Compute:
         count. Intel Xeon AMX, 8 query / 2 kv heads of 128, causal, 2 threads, medians of 7 (`amx_prompt.py`'s
         attention lines, benchmarks/results/quantized/amx-prompt/attention.txt), widened / bf16: 256 rows 1.72 /
         0.40 ms, 512 5.18 / 1.33, 1,024 10.84 / 4.15, 2,048 32.47 / 13.10 (16 such layers in a 2,048-token prompt
-        of the peers Q4_K_M, which takes 2.51-2.82 s resident: benchmarks/results/quantized/breakdown/prompt.txt).
+        of the peers Q4_K_M, which takes 1.83-1.93 s resident: benchmarks/results/quantized/breakdown/prompt-2.txt).
         Short passes keep the closer sums (the parity tests' 100-token prompts of the hybrids part from llama.cpp's
         greedy tokens at a near tie on bf16 inputs)."""
         return self.bf16_gemm and (not self.amx or rows < AMX_SDPA_MIN_ROWS)
