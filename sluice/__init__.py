@@ -10,11 +10,15 @@ resident-prefill --rounds 5`) 1.52x / 1.83x against 1.29x / 1.68x at 512 / 2,048
 prompt at a 1 GiB ceiling (`MEMORY=512MiB SETS="bf16 q4km" bash benchmarks/prefill/run.sh`) 2,644 vs 2,795 ms on the
 peers bf16 file and 2,698 vs 3,001 on its Q4_K_M file. A ~30 us spin (GOMP_SPINCOUNT=3000) was faster resident
 still but slower streamed (bf16 2,949 / 3,311 ms in two runs); `benchmarks/knobs.py omp-wait --model MODEL --prompt N`
-compares the policies on one model. Set OMP_WAIT_POLICY (or GOMP_SPINCOUNT) yourself to keep another.
+compares the policies on one model. Set OMP_WAIT_POLICY (or GOMP_SPINCOUNT) yourself to keep another. Imported
+after torch with neither set, sluice is too late for libgomp: the first model load says so (host/omp.py).
 """
 
 import os as _os
+import sys as _sys
 
+# too late for libgomp when torch came first with its defaults: a model load warns (host/omp.py)
+_torch_first = "torch" in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & _os.environ.keys()
 if "OMP_WAIT_POLICY" not in _os.environ:  # read once, when torch loads libgomp: so before `import torch`
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     _os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # overrides PASSIVE's 0: ~10 us (libgomp: ~100,000 a ms)
@@ -22,6 +26,9 @@ if "OMP_WAIT_POLICY" not in _os.environ:  # read once, when torch loads libgomp:
 from .engine import Model, load
 from .errors import BudgetError, CheckpointError, ConfigError, ContextLengthError, RequestError, SluiceError
 from .options import LoadOptions
+from .host import omp as _omp
+
+_omp.TORCH_FIRST = _torch_first
 
 __all__ = ["load", "Model", "LoadOptions", "SluiceError", "CheckpointError", "ConfigError", "BudgetError",
            "RequestError", "ContextLengthError"]

@@ -15,6 +15,7 @@ import torch
 
 from .errors import RequestError
 from .generate import PromptMemo, StepTimes, Teacher, TextStream, generate_step, passes
+from .host import omp
 from .host.cpus import ThreadGovernor, amx_bf16
 from .host.memory import keep_heap, trim_heap
 from .host.procstat import counters, memory_status
@@ -45,6 +46,7 @@ class Model:
     def __init__(self, path: str | os.PathLike, options: LoadOptions, progress: bool = False,
                  load_plan: LoadPlan | None = None):
         """Load what `load_plan` (default: `plan(path, options)`) decided."""
+        omp.warn_torch_first()  # once: torch came first and its OpenMP threads spin (host/omp.py)
         t0 = time.perf_counter()
         p = load_plan if load_plan is not None else plan(path, options)
         self.load_plan = p  # every decision made before the weights loaded (plan.py)
