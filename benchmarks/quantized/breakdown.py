@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import sluice  # noqa: F401  (before torch: sluice sets OMP_WAIT_POLICY=PASSIVE for torch's OpenMP workers, read once
+import sluice  # before torch (sluice sets OMP_WAIT_POLICY=PASSIVE for torch's OpenMP workers, read once
 #                 when torch loads libgomp, as the CLI and `sluice bench` have it; imported after torch, the workers
 #                 spin after every parallel op and take the cores the native pool runs on: the AVX2 prompt took
 #                 6.3-6.6 s that way against 4.7-4.8)
@@ -27,29 +27,44 @@ import torch
 MODEL = Path(__file__).resolve().parents[1] / "models/qwen3_moe-peers/model-Q4_K_M.gguf"
 
 
+def _timed(T: dict, owner, attr: str, key: str) -> None:
+    """owner.attr (a method, a module's function, a ctypes entry point) wrapped: its wall time summed into T[key]."""
+    f = getattr(owner, attr)
+
+    def g(*a, **k):
+        t = time.perf_counter()
+        r = f(*a, **k)
+        T[key] = T.get(key, 0.0) + time.perf_counter() - t
+        return r
+
+    setattr(owner, attr, g)
+
+
 def _wrap(T: dict) -> None:
     from sluice.models import model as mm
     from sluice.models.layers import attention as att, moe, residual
 
-    def timed(name, cls, attr):
-        f = getattr(cls, attr)
+    _timed(T, residual.PreNorm, "__call__", "layer")
+    _timed(T, moe.MoE, "__call__", "moe")
+    _timed(T, moe.Experts, "_run", "experts_run")
+    _timed(T, att.Attention, "__call__", "attn")
+    _timed(T, att.Attention, "qkv", "attn.qkv")
+    _timed(T, att.Attention, "attend", "attn.attend")
+    _timed(T, att.Attention, "out", "attn.out")
+    _timed(T, mm.Transformer, "logits", "logits")
 
-        def g(*a, **k):
-            t = time.perf_counter()
-            r = f(*a, **k)
-            T[name] = T.get(name, 0.0) + time.perf_counter() - t
-            return r
 
-        setattr(cls, attr, g)
-
-    timed("layer", residual.PreNorm, "__call__")
-    timed("moe", moe.MoE, "__call__")
-    timed("experts_run", moe.Experts, "_run")
-    timed("attn", att.Attention, "__call__")
-    timed("attn.qkv", att.Attention, "qkv")
-    timed("attn.attend", att.Attention, "attend")
-    timed("attn.out", att.Attention, "out")
-    timed("logits", mm.Transformer, "logits")
+def _decode_runs(m, T: dict):
+    """3 runs of 33 decode steps after 36 tokens, T cleared before each run's steps: yields (the median step in ms,
+    the steps + 1)."""
+    ids = list(range(100, 132))
+    for _ in range(3):
+        m.forget_cache()
+        toks = list(m.generate_tokens(ids, max_tokens=4, stop_at_eos=False))
+        T.clear()
+        list(m.generate_tokens(ids + toks, max_tokens=33, stop_at_eos=False))
+        st = sorted(m.step_times.decode_s)
+        yield 1000 * st[len(st) // 2], len(st) + 1
 
 
 def _moe(T: dict, isa: str) -> None:
@@ -57,43 +72,23 @@ def _moe(T: dict, isa: str) -> None:
     probabilities (one native call), `topk` the top-k, `native` the experts' Python and C, `C` the C call alone,
     `combine` the weighted sum; `linears` the C calls of the kept-quantized projections (ms a step: attention's and
     the LM head)."""
-    import ctypes  # noqa: F401  (the C entry points are ctypes functions, wrapped below)
-
-    import sluice
     from sluice.models.layers import moe
     from sluice.quant.native import ops, q8
 
-    def timed(mod, name, key):
-        f = getattr(mod, name)
-
-        def g(*args, **kw):
-            t = time.perf_counter()
-            r = f(*args, **kw)
-            T[key] = T.get(key, 0.0) + time.perf_counter() - t
-            return r
-
-        setattr(mod, name, g)
-
-    timed(moe, "router_probs_bf16", "router")
-    timed(moe, "topk_probs", "topk")
-    timed(moe, "top_of_probs", "topk")
-    timed(moe.Experts, "_native", "native")
-    timed(moe.MoE, "__call__", "moe")
-    timed(ops, "combine_bf16", "combine")
-    timed(q8.LIB, "sluice_experts_q8", "C")
-    timed(q8.LIB, "sluice_linears_q8", "linears")
+    _timed(T, moe, "router_probs_bf16", "router")
+    _timed(T, moe, "topk_probs", "topk")
+    _timed(T, moe, "top_of_probs", "topk")
+    _timed(T, moe.Experts, "_native", "native")
+    _timed(T, moe.MoE, "__call__", "moe")
+    _timed(T, ops, "combine_bf16", "combine")
+    _timed(T, q8.LIB, "sluice_experts_q8", "C")
+    _timed(T, q8.LIB, "sluice_linears_q8", "linears")
     m = sluice.load(MODEL, memory="all", isa=isa)
-    ids, layers = list(range(100, 132)), m.spec.n_layers
-    for _ in range(3):
-        m.forget_cache()
-        toks = list(m.generate_tokens(ids, max_tokens=4, stop_at_eos=False))
-        T.clear()
-        list(m.generate_tokens(ids + toks, max_tokens=33, stop_at_eos=False))
-        st = sorted(m.step_times.decode_s)
-        n = len(st)
-        print(f"decode median {1000 * st[n // 2]:.2f} ms/step; us a layer:",
-              {k: round(1e6 * v / (n + 1) / layers, 1) for k, v in T.items() if k != "linears"},
-              f"linears {1000 * T.get('linears', 0) / (n + 1):.2f} ms a step")
+    layers = m.spec.n_layers
+    for ms, n in _decode_runs(m, T):
+        print(f"decode median {ms:.2f} ms/step; us a layer:",
+              {k: round(1e6 * v / n / layers, 1) for k, v in T.items() if k != "linears"},
+              f"linears {1000 * T.get('linears', 0) / n:.2f} ms a step")
 
 
 def main() -> None:
@@ -113,8 +108,6 @@ def main() -> None:
             x.sum()
             print(f"{threads} threads: read {x.numel() * 4 / (time.perf_counter() - t) / 1e9:.1f} GB/s")
         return
-    import sluice
-
     T: dict = {}
     if a.what == "moe":
         return _moe(T, a.isa)
@@ -130,16 +123,8 @@ def main() -> None:
             print(f"prompt + 1 token {time.perf_counter() - t:.3f} s:", {k: round(v, 3) for k, v in T.items()})
         return
     m = sluice.load(MODEL, memory="all", isa=a.isa)
-    ids = list(range(100, 132))
-    for _ in range(3):
-        m.forget_cache()
-        toks = list(m.generate_tokens(ids, max_tokens=4, stop_at_eos=False))
-        T.clear()
-        list(m.generate_tokens(ids + toks, max_tokens=33, stop_at_eos=False))
-        st = sorted(m.step_times.decode_s)
-        n = len(st)
-        print(f"decode median {1000 * st[n // 2]:.2f} ms/step; ms a step:",
-              {k: round(1000 * v / (n + 1), 2) for k, v in T.items()})
+    for ms, n in _decode_runs(m, T):
+        print(f"decode median {ms:.2f} ms/step; ms a step:", {k: round(1000 * v / n, 2) for k, v in T.items()})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ static float combine_weight(const void *w, int w_f32, int64_t a) {
     return w_f32 ? ((const float *)w)[a] : bf16_float(((const uint16_t *)w)[a]);
 }
 
+/* one value: bf16(o + bf16(bf16(y) * w)) */
+static inline uint16_t combine_step(uint16_t o, float y, float w) {
+    float p = bf16_float(bf16_round(bf16_float(bf16_round(y)) * w));
+    return bf16_round(bf16_float(o) + p);
+}
+
 #if SLUICE_X86
 AVX2 static void combine_avx2(int64_t n, const float *ys, int64_t H, const void *w, int w_f32, const int64_t *at,
                               uint16_t *out) {
@@ -32,10 +38,7 @@ AVX2 static void combine_avx2(int64_t n, const float *ys, int64_t H, const void 
         store_bf16x8(out + h, o);
     }
     for (; h < H; h++)
-        for (int64_t j = 0; j < n; j++) {
-            float p = bf16_float(bf16_round(bf16_float(bf16_round(ys[j * H + h])) * combine_weight(w, w_f32, at[j])));
-            out[h] = bf16_round(bf16_float(out[h]) + p);
-        }
+        for (int64_t j = 0; j < n; j++) out[h] = combine_step(out[h], ys[j * H + h], combine_weight(w, w_f32, at[j]));
 }
 #endif
 
@@ -49,12 +52,7 @@ void sluice_combine_bf16(int64_t n, const float *ys, int64_t H, const void *w, i
 #endif
     for (int64_t j = 0; j < n; j++) {
         float wj = combine_weight(w, w_f32, at[j]);
-        const float *y = ys + j * H;
-        for (int64_t h = 0; h < H; h++) {
-            float p = bf16_float(bf16_round(y[h])) * wj;
-            p = bf16_float(bf16_round(p));
-            out[h] = bf16_round(bf16_float(out[h]) + p);
-        }
+        for (int64_t h = 0; h < H; h++) out[h] = combine_step(out[h], ys[j * H + h], wj);
     }
 }
 
