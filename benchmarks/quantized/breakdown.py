@@ -21,7 +21,7 @@ from pathlib import Path
 import sluice  # before torch (sluice sets OMP_WAIT_POLICY=PASSIVE for torch's OpenMP workers, read once
 #                 when torch loads libgomp, as the CLI and `sluice bench` have it; imported after torch, the workers
 #                 spin after every parallel op and take the cores the native pool runs on: the AVX2 prompt took
-#                 6.3-6.6 s that way against 4.7-4.8)
+#                 6.58-6.96 s that way against 4.70-4.74: results/quantized/breakdown/)
 import torch
 
 MODEL = Path(__file__).resolve().parents[1] / "models/qwen3_moe-peers/model-Q4_K_M.gguf"
