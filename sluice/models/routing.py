@@ -17,12 +17,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quant.matmul import rows_linear
 from .spec import LayerWeights, Spec
 
 
-def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (weights [T, K], ids [T, K]): softmax over every expert, then top-k."""
-    scores = F.linear(x, lw.router)  # [T, E]
+def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor, bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (weights [T, K], ids [T, K]): softmax over every expert, then top-k. `bf16`: the model's
+    Compute.bf16_gemm; without it a prompt's router logits take rows_linear's float32 GEMM (AVX2: torch's bf16 GEMM
+    took 8.3 ms a layer of [2048 x 1024] @ [1024 x 64] on the peers model, 133 ms of a 2,048-token prompt, torch
+    profiler, Intel Xeon capped at AVX2)."""
+    scores = rows_linear(x, lw.router, None, bf16)  # [T, E]
     return top_of_probs(spec, torch.softmax(scores, dim=-1, dtype=torch.float32), x.dtype)
 
 
@@ -37,11 +41,11 @@ def top_of_probs(spec: Spec, probs: torch.Tensor, dtype: torch.dtype) -> tuple[t
     return weights, ids
 
 
-def _biased_logits(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+def _biased_logits(lw: LayerWeights, x: torch.Tensor, bf16: bool = True) -> torch.Tensor:
     """x [T, H] -> router logits [T, E] plus the router's bias when it has one (gpt-oss; stored bf16 there, so the
-    cast from the float32 the loader keeps is exact)."""
+    cast from the float32 the loader keeps is exact); several rows in float32 unless `bf16` (softmax_topk)."""
     bias = None if lw.router_bias is None else lw.router_bias.to(x.dtype)
-    return F.linear(x, lw.router, bias)
+    return rows_linear(x, lw.router, bias, bf16)
 
 
 def _sigmoid_scores(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +66,10 @@ def _grouped_choice(spec: Spec, lw: LayerWeights, scores: torch.Tensor) -> torch
     return choice
 
 
-def sigmoid_grouped_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_grouped_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor,
+                         bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (float32 weights [T, K], ids [T, K]): grouped top-k over biased sigmoid scores (see the module
-    docstring). Selection ties resolve as torch.topk does in the reference."""
+    docstring). Selection ties resolve as torch.topk does in the reference. (Scores in float32 whatever `bf16`.)"""
     scores = _sigmoid_scores(lw, x)  # [T, E] float32
     ids = torch.topk(_grouped_choice(spec, lw, scores), k=spec.top_k, dim=-1, sorted=False)[1]  # [T, K]
     weights = scores.gather(1, ids)  # [T, K]
@@ -73,9 +78,9 @@ def sigmoid_grouped_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple
     return weights * spec.routed_scaling_factor, ids
 
 
-def topk_softmax(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax(spec: Spec, lw: LayerWeights, x: torch.Tensor, bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (weights [T, K], ids [T, K]): top-k of the biased logits, then softmax over those k."""
-    logits = _biased_logits(lw, x)  # [T, E]
+    logits = _biased_logits(lw, x, bf16)  # [T, E]
     top, ids = torch.topk(logits, spec.top_k, dim=-1)  # [T, K] each
     return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
@@ -91,6 +96,7 @@ def selection_scores(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> torch.Ten
     return _biased_logits(lw, x)  # softmax is monotonic: the logits rank as the probabilities do
 
 
-def route(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The true router of layer weights `lw` on x [T, H] -> (weights [T, K], ids [T, K])."""
-    return ROUTERS[spec.router](spec, lw, x)
+def route(spec: Spec, lw: LayerWeights, x: torch.Tensor, bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The true router of layer weights `lw` on x [T, H] -> (weights [T, K], ids [T, K]); `bf16`: whether several
+    bf16 rows take torch's bf16 GEMM (the model's Compute.bf16_gemm) or a float32 one (quant/matmul.rows_linear)."""
+    return ROUTERS[spec.router](spec, lw, x, bf16)

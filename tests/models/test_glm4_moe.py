@@ -31,9 +31,9 @@ def test_selection_bias_and_group_limit_change_the_tiny_models_routing(tmp_path,
     folder = write_checkpoint(hf_model(arch, torch.float32), tmp_path / "m", "per_expert")
     seen = []
 
-    def recording(spec, lw, x):
+    def recording(spec, lw, x, bf16=True):
         seen.append((spec, lw, x))
-        return route(spec, lw, x)
+        return route(spec, lw, x, bf16)
 
     monkeypatch.setattr(moe, "route", recording)
     with sluice.load(folder) as m:

@@ -109,6 +109,27 @@ def test_rows_do_not_depend_on_t_threads_or_the_output_stride(fmt):
             assert (wide[:, 40:50] == 7).all() and (wide[:, 90:] == 7).all()
 
 
+@pytest.mark.parametrize("planes", [1, 2])
+def test_the_coding_is_the_same_bytes_on_every_path(planes):
+    """prompt.code on AVX2 intrinsics (prompt.c quant_row_avx2) against the portable loop: the same codes, scales
+    and sums byte for byte, on ordinary rows and on rows with zeros, infinities, NaNs, subnormals, ties at .5 and
+    values at the clamp."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 768, generator=g) * torch.logspace(-3, 3, 9).unsqueeze(1)
+    x[1] = 0.0
+    x[2, 5] = float("inf")
+    x[3, 300] = float("-inf")
+    x[4, 513] = float("nan")
+    x[5] = torch.full((768,), 1e-40)
+    x[6, :256] = torch.arange(256) - 127.5  # ties after the scale
+    x[7, ::7] = -x[7].abs().max()
+    x[8, 256:512] = -0.0
+    xb = x.bfloat16()
+    used = planes * (9 * 768 + 9 * 24 * 2) + 9 * 3 * 4  # codes, sums (each plane), scales; then padding to 64
+    outs = paths.on_each(lambda path: prompt.code(xb, planes=planes, path=path).data[:used])
+    paths.same_bits(outs)
+
+
 def test_a_nan_in_x_gives_nan_rows():
     spec = QuantSpec.ggml("Q4_K", 32, 512)
     raw = random_stored(spec, seed=5)

@@ -218,7 +218,7 @@ def test_int8_prompt_rows_are_not_padded(q4km, kernel_calls, monkeypatch):
         call, coded = GluMath.__call__, GluMath.coded
         monkeypatch.setattr(GluMath, "__call__", lambda self, b, j, x: (seen.append(x.shape[0]), call(self, b, j, x))[1])
         monkeypatch.setattr(GluMath, "coded",
-                            lambda self, b, j, c, rows: (seen.append(rows.numel()), coded(self, b, j, c, rows))[1])
+                            lambda self, b, j, c, rows, out: (seen.append(rows.numel()), coded(self, b, j, c, rows, out))[1])
         m.logits(LONG)
     assert kernel_calls and sum(seen) == len(LONG) * m.spec.top_k * m.spec.n_layers and any(n % 16 for n in seen)
 

@@ -167,10 +167,13 @@ class GluMath:
         self.call.many(batch.raw, [batch.slots[j] for j in js], x, ys, js, self.compute.planes,
                        path=self.compute.path)
 
-    def coded(self, batch, j: int, x: "prompt.Coded", rows: torch.Tensor) -> torch.Tensor:
+    def coded(self, batch, j: int, x: "prompt.Coded", rows: torch.Tensor, out: torch.Tensor) -> None:
         """The j-th expert of `batch` on rows `rows` (int64 [n]) of a layer's coded rows x (prompt.code), for a
-        format int8_whole takes: bitwise what __call__ gives on those rows of the uncoded x."""
-        return self._int8_call(batch.raw[batch.slots[j]], x, rows.numel(), rows)
+        format int8_whole takes, into out [n, H] (contiguous, the compute dtype): bitwise what __call__ gives on
+        those rows of the uncoded x. A Q4_K / Q6_K down writes out in the native call itself (a fresh [n, H] result
+        copied into the layer's block took 204 ms of a 2,048-token AVX2 prompt of the peers model, its pages
+        faulted in each time: torch profiler)."""
+        self._int8_call(batch.raw[batch.slots[j]], x, rows.numel(), rows, out)
 
     def _int8_rows(self, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """down(glu(gate x, up x)) on a prompt's rows x [n, H] with 8-bit activations (prompt.c): gate and up from
@@ -196,8 +199,9 @@ class GluMath:
             return y.to(self.compute.dtype)
         return self.down(h.to(self.compute.dtype), dn, self.scratch)
 
-    def _int8_call(self, raw: torch.Tensor, x, n: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """prompt.expert on x [n, H] bf16, or on rows of a prompt.Coded x: [n, H] bf16."""
+    def _int8_call(self, raw: torch.Tensor, x, n: int, rows: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """prompt.expert on x [n, H] bf16, or on rows of a prompt.Coded x: [n, H] bf16 (out, when given)."""
         fmt, path = self.fmt, self.compute.path
         i = fmt.gate.out_features
         dn = raw[fmt.down_offset : fmt.down_offset + fmt.down.nbytes]
@@ -205,7 +209,7 @@ class GluMath:
             (fmt.gate, raw[: fmt.gate.nbytes])
         up = None if fmt.gate_up is not None else (fmt.up, raw[fmt.up_offset : fmt.up_offset + fmt.up.nbytes])
         if self.down_tiles:
-            y = torch.empty(n, fmt.down.out_features, dtype=torch.bfloat16)  # [n, H]
+            y = torch.empty(n, fmt.down.out_features, dtype=torch.bfloat16) if out is None else out  # [n, H]
             prompt.expert(gate, up, (fmt.down, dn), x, y, rows=rows, planes=self.prompt_planes, path=path)
             return y
         # [n, I]: silu(g) * u for the down's own kernel, a bf16 GEMM: its rows padded with zero rows as a layer
@@ -214,7 +218,10 @@ class GluMath:
         h = torch.empty(pad, i, dtype=torch.bfloat16)
         h[n:] = 0
         prompt.expert(gate, up, None, x, h[:n], rows=rows, planes=self.prompt_planes, path=path)
-        return self.down(h, dn, self.scratch)[:n]
+        y = self.down(h, dn, self.scratch)[:n]
+        if out is not None:
+            out.copy_(y)
+        return y
 
     def _swiglu(self, x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, lin) -> torch.Tensor:
         """down(glu(gate x, up x)) of bf16 / float weights gu [2I, H] and dn [H, I] (plain, or packed for

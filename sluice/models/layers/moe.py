@@ -36,7 +36,7 @@ class MoE:
             top = topk_probs(probs, s.top_k, s.norm_topk_prob, None if s.router_weights_fp32 else x.dtype)
             weights, ids = top if top is not None else top_of_probs(s, probs, x.dtype)  # None: torch breaks a tie
         else:
-            weights, ids = route(self.spec, lw, x)  # [T, K] each
+            weights, ids = route(self.spec, lw, x, self.bf16)  # [T, K] each
         side = None if self.shared is None else lambda: self._shared(x)
         out, shared = self.experts(x, ids, weights, step, side)
         return out if shared is None else out + shared
@@ -139,7 +139,7 @@ class Experts:
                     if coded is None:
                         ys[a : a + n] = math(batch, j, ys[a : a + n])
                     elif n > EXPERT_Q8_MAX_ROWS:
-                        ys[a : a + n] = math.coded(batch, j, coded, tok[a : a + n])
+                        math.coded(batch, j, coded, tok[a : a + n], ys[a : a + n])
                     else:  # a few rows: the decode-style native call on the rows themselves
                         ys[a : a + n] = math(batch, j, x[tok[a : a + n]])
             finally:

@@ -328,9 +328,56 @@ typedef struct {
 } quant_job;
 
 #if SLUICE_X86
+/* 32 float codes (four vectors, each already rounded to an integer value) -> 32 int8 in order, and their sum */
+AVX2_INLINE int codes32(const __m256 q[4], int8_t *out) {
+    __m256i a = _mm256_cvtps_epi32(q[0]), b = _mm256_cvtps_epi32(q[1]), e = _mm256_cvtps_epi32(q[2]),
+            f = _mm256_cvtps_epi32(q[3]);
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(e, f));
+    __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(e, f));  /* lanes interleaved */
+    w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)out, w);
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
+}
+
+/* quant_row_body on AVX2 intrinsics: the same IEEE operations lane by lane (maxps / minps as its comparisons,
+ * roundps to nearest as rintf in the default rounding mode), so the same bytes. The compiler did not vectorize
+ * the body: 0.43 ms of prompt_tile.py's 1.85 ms call was this coding (perf), 1.65 ns a value. */
 AVX2 static void quant_row_avx2(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int8_t *lo,
                                 int16_t *sl) {
-    quant_row_body(x, bf16, K, c, d, s, lo, sl);
+    const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f), k256 = _mm256_set1_ps(256.0f);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t b = 0; b < K; b += 256) {
+        __m256 v[32], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i++) {
+            v[i] = bf16 ? bf16x8((const uint16_t *)x + b + 8 * i) : _mm256_loadu_ps((const float *)x + b + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], sign));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        }
+        float m[8];
+        _mm256_storeu_ps(m, amax);
+        float am = 0.0f;
+        for (int i = 0; i < 8; i++) am = am > m[i] ? am : m[i];
+        int isnan = _mm256_movemask_ps(nan) != 0;
+        am = isnan ? 0.0f : am;
+        float inv = am > 0.0f ? 127.0f / am : 0.0f;
+        d[b / 256] = isnan ? NAN : am / 127.0f;
+        __m256 vinv = _mm256_set1_ps(inv);
+        for (int j = 0; j < 8; j++) {
+            __m256 q[4], l[4];
+            for (int k = 0; k < 4; k++) {
+                __m256 r = _mm256_mul_ps(v[4 * j + k], vinv);
+                r = _mm256_min_ps(_mm256_max_ps(r, nlim), lim);  /* r > -127 ? r : -127, then r < 127 ? r : 127 */
+                q[k] = _mm256_round_ps(r, R);
+                if (lo) l[k] = _mm256_min_ps(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(r, q[k]), k256), R), lim);
+            }
+            s[b / 32 + j] = (int16_t)codes32(q, c + b + 32 * j);
+            if (lo) sl[b / 32 + j] = (int16_t)codes32(l, lo + b + 32 * j);
+        }
+    }
 }
 #endif
 
