@@ -75,6 +75,20 @@ def test_strided_queries_and_thread_counts_give_the_same_bits():
     assert torch.equal(attend.causal(q[:, :40], k, v, 20), one[:40])
 
 
+def test_a_nan_stays_in_its_rows():
+    """A NaN in q makes its row's output NaN, as SDPA's (exp_poly16 alone would clamp it into a number); the other
+    rows keep their values."""
+    q, k, v = case(40, 0, 4, 2, 64, seed=2)
+    clean = attend.causal(q, k, v, 0)
+    bad = q.clone()
+    bad[1, 7, 3] = float("nan")  # head 1, position 7
+    got = attend.causal(bad, k, v, 0).view(40, 4, 64)
+    assert got[7, 1].isnan().all()
+    keep = torch.ones(40, 4, dtype=torch.bool)
+    keep[7, 1] = False
+    assert torch.equal(got[keep], clean.view(40, 4, 64)[keep])
+
+
 def test_bad_arguments_are_named():
     q, k, v = case(8, 0, 4, 2, 64)
     with pytest.raises(ValueError, match="q must be a CPU bf16"):

@@ -53,9 +53,11 @@ class Attention:
             self.ck, self.cv, norm=s.qk_norm, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=s.rms_norm_eps,
             clip=s.clip_qkv, sinks=None if lw.sinks is None else lw.sinks.to(c.dtype).float().contiguous(),
             zero_centred=s.zero_centred_norms)
-        # attend.c: causal, bf16 products; not with sinks (their column), nor keys a sliding window cuts (per call)
-        self.prompt_native = (b.kernels.native_prompt_attention and c.attend_prompt and lw.sinks is None
-                              and attend.supports(s.n_heads, s.n_kv_heads, s.head_dim))
+        # attend.c: causal, bf16 products (attend_avx2.c: float32, where GEMMs are float32); not with sinks (their
+        # column), nor keys a sliding window cuts (per call)
+        self.prompt_f32 = c.attend_prompt_f32
+        self.prompt_native = (b.kernels.native_prompt_attention and (c.attend_prompt or self.prompt_f32)
+                              and lw.sinks is None and attend.supports(s.n_heads, s.n_kv_heads, s.head_dim))
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of x [T, H]: [T, nH*D], [T, nKV*D], [T, nKV*D]."""
@@ -116,7 +118,7 @@ class Attention:
             part = None if mask is None else mask[:, lo:]
             out = sink_attention(q, ck[:, lo : pos + T], cv[:, lo : pos + T], part, lw.sinks)  # [nH, T, D]
         elif T > 1 and self.prompt_native and (win is None or pos + T <= win):
-            return attend.causal(q, ck, cv, pos)  # [T, nH*D]
+            return attend.causal(q, ck, cv, pos, self.prompt_f32)  # [T, nH*D]
         elif pos == 0 and mask is not None and (win is None or T <= win):
             # a prompt's first pass: the mask is the lower triangle, which SDPA's is_causal draws itself
             out = sdpa(q[None], ck[None, :, :T], cv[None, :, :T], self.sdpa_widen(T), is_causal=True,

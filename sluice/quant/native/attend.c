@@ -156,12 +156,17 @@ BF16_FN static void attend_task(void *c, int64_t i) {
             alpha[r] = mx[r] == -INFINITY ? 0.0f : exp_poly16(_mm512_set1_ps(mx[r] - nm))[0];
             mx[r] = nm;
             __m512 tot = _mm512_setzero_ps(), nmv = _mm512_set1_ps(nm);
+            __mmask16 bad = 0;
             for (int c = 0; c < BK / 16; c++) {
-                __m512 e = _mm512_maskz_mov_ps(keep[c], exp_poly16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), nmv)));
+                __m512 z = _mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), nmv);
+                bad |= _mm512_mask_cmp_ps_mask(keep[c], z, z, _CMP_UNORD_Q);
+                __m512 e = _mm512_maskz_mov_ps(keep[c], exp_poly16(z));
                 tot = _mm512_add_ps(tot, e);
                 _mm256_storeu_si256((__m256i *)(pr + 16 * c), (__m256i)_mm512_cvtneps_pbh(e));
             }
-            sum[r] = sum[r] * alpha[r] + _mm512_reduce_add_ps(tot);
+            /* exp_poly16 clamps a NaN away (maxps): a NaN score (or inf - inf) makes the row's sum, so its output, NaN
+             * (as SDPA gives it), not a silent number */
+            sum[r] = bad ? NAN : sum[r] * alpha[r] + _mm512_reduce_add_ps(tot);
         }
         for (int64_t r = 0; r < prow; r += RP) weighted(o + r * D, D, alpha + r, pb + r * BK, v2 + k0 / 2 * D);
     }

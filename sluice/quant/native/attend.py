@@ -1,8 +1,11 @@
-"""A prompt's causal attention in one native call (attend.c), where the CPU has AVX512_BF16.
+"""A prompt's causal attention in one native call: attend.c where the CPU has AVX512_BF16, attend_avx2.c (float32
+products and probabilities) on AVX2 + FMA.
 
     from sluice.quant.native import attend
     attend.available()                 # the extension is built and the CPU has AVX512_BF16
     out = attend.causal(q, k, v, pos)  # q bf16 [nH, T, D], k / v the bf16 caches [nKV, >= pos + T, D] -> [T, nH * D]
+    attend.available(float32=True)     # ... and AVX2 + FMA: attend_avx2.c
+    out = attend.causal(q, k, v, pos, float32=True)
 
 The queries sit at positions pos .. pos + T - 1 and see the keys 0 .. their own position; query head h reads kv head
 h // (nH // nKV). Scores are float32 sums of bf16 products times D^-0.5, the softmax runs online per block of 64
@@ -11,6 +14,10 @@ and the result is rounded to bf16 once. Against a float64 reference it is about 
 error 1.7e-3 - 2.0e-3 against its 1.6e-3 on random inputs; tests/quant/test_attend.py bounds it at 1.3x sdpa's) in
 less than half its time: 2,048 tokens, 8 / 2 heads of 128, 13.3-13.6 vs 28.4-30.1 ms
 (`.venv/bin/python benchmarks/prefill/knobs.py attend`).
+
+With float32=True (attend_avx2.c, for CPUs whose prompt GEMMs are float32: no AVX512_BF16, or --isa avx2) the same
+flash order runs on AVX2 FMAs with the probabilities kept in float32, so it is closer to the float64 reference than
+torch's SDPA on the same bf16 inputs (tests/quant/test_attend_avx2.py).
 """
 
 from __future__ import annotations
@@ -28,11 +35,15 @@ if _LIB is not None:
     _LIB.sluice_prompt_attention.argtypes = [_i64] * 5 + [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p,
                                                           ctypes.c_void_p, _i64, ctypes.c_float, ctypes.c_void_p]
     _LIB.sluice_prompt_attention.restype = ctypes.c_int
+    _LIB.sluice_prompt_attention_avx2.argtypes = _LIB.sluice_prompt_attention.argtypes
+    _LIB.sluice_prompt_attention_avx2.restype = ctypes.c_int
 
 
-def available() -> bool:
-    """Whether causal() runs here: the extension is built and the CPU has AVX512_BF16."""
-    return _LIB is not None and bool(_LIB.sluice_attention_bf16())
+def available(float32: bool = False) -> bool:
+    """Whether causal() runs here: the extension is built and the CPU has AVX512_BF16 (float32: AVX2 + FMA)."""
+    if _LIB is None:
+        return False
+    return bool(_LIB.sluice_simd()) if float32 else bool(_LIB.sluice_attention_bf16())
 
 
 def supports(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -41,11 +52,13 @@ def supports(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
             and head_dim <= 512)
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, float32: bool = False) -> torch.Tensor:
     """out bf16 [T, nH * D] = causal attention of q (bf16 [nH, T, D], unit stride along D) at positions pos .. pos +
-    T - 1 over the caches k and v (bf16 [nKV, P, D], P >= pos + T, each position's D values contiguous)."""
-    if _LIB is None or not available():
-        raise RuntimeError("attend.causal needs the native extension and a CPU with AVX512_BF16 (available())")
+    T - 1 over the caches k and v (bf16 [nKV, P, D], P >= pos + T, each position's D values contiguous); float32:
+    attend_avx2.c's float32 kernel rather than attend.c's bf16 one."""
+    if not available(float32):
+        need = "AVX2 + FMA" if float32 else "AVX512_BF16"
+        raise RuntimeError(f"attend.causal needs the native extension and a CPU with {need} (available())")
     if not (q.dtype is torch.bfloat16 and q.dim() == 3 and q.is_cpu and q.stride(2) == 1):
         raise ValueError(f"q must be a CPU bf16 [nH, T, D] tensor with unit stride along D, got {q.dtype} "
                          f"{list(q.shape)} on {q.device}")
@@ -64,7 +77,8 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch
     out = torch.empty(t, nh * d, dtype=torch.bfloat16)
     if t == 0:
         return out
-    rc = _LIB.sluice_prompt_attention(nh, nkv, t, d, pos, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(),
+    fn = _LIB.sluice_prompt_attention_avx2 if float32 else _LIB.sluice_prompt_attention
+    rc = fn(nh, nkv, t, d, pos, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(),
                                       v.data_ptr(), k.stride(0), d ** -0.5, out.data_ptr())
     if rc == -1:
         raise MemoryError(f"attend.causal: no memory for the [{nkv} x {pos + t} x {d}] key / value layout")

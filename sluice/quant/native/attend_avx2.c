@@ -129,16 +129,19 @@ AVX2 static void attend_task(void *c, int64_t i) {
             float nm = bm > mx[r] ? bm : mx[r];
             alpha[r] = mx[r] == -INFINITY ? 0.0f : exp_poly(mx[r] - nm);
             mx[r] = nm;
-            __m256 tot = _mm256_setzero_ps(), nmv = _mm256_set1_ps(nm);
+            __m256 tot = _mm256_setzero_ps(), nmv = _mm256_set1_ps(nm), bad = _mm256_setzero_ps();
             for (int c = 0; c < BK / 8; c++) {
-                __m256 e = _mm256_and_ps(keep[c], exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c), nmv)));
+                __m256 z = _mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c), nmv);
+                bad = _mm256_or_ps(bad, _mm256_and_ps(keep[c], _mm256_cmp_ps(z, z, _CMP_UNORD_Q)));
+                __m256 e = _mm256_and_ps(keep[c], exp_poly8(z));
                 tot = _mm256_add_ps(tot, e);
                 _mm256_storeu_ps(sr + 8 * c, e);
             }
             _mm256_storeu_ps(lanes, tot);
             float t = 0.0f;
             for (int l = 0; l < 8; l++) t += lanes[l];
-            sum[r] = sum[r] * alpha[r] + t;
+            /* exp_poly8 clamps a NaN away (maxps): a NaN score (or inf - inf) makes the row's sum, so its output, NaN */
+            sum[r] = _mm256_movemask_ps(bad) ? NAN : sum[r] * alpha[r] + t;
         }
         for (int64_t r = 0; r < prow; r += RP)
             for (int64_t c0 = 0; c0 < D; c0 += 32) weighted_cols(o + r * D, D, alpha + r, s + r * BK, vf + k0 * D, c0);
