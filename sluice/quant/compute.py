@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .native import attend, prompt
-from .native._lib import BEST, PORTABLE
+from .native._lib import BEST
 
 #: a prompt pass's query rows from which its SDPA runs on bf16 inputs where the CPU has AMX (Compute.sdpa_widen)
 AMX_SDPA_MIN_ROWS = 512
@@ -97,12 +97,12 @@ class Compute:
 
     @property
     def attend_prompt_f32(self) -> bool:
-        """Whether a prompt's causal attention may run attend_avx2.c (float32 products and probabilities on AVX2 +
-        FMA): bf16 on float32 GEMMs (no bf16 dot products, or --isa avx2), the kernels not portable. 2,048 tokens, 8
-        query / 2 kv heads of 128, 2 threads, Intel Xeon capped at AVX2: 47 ms a layer against torch's SDPA on the
-        bf16 inputs 54 ms, both near this CPU's FMA peak (benchmarks/quantized/attend_avx2.py)."""
-        return (self.dtype is torch.bfloat16 and not self.bf16_gemm and self.path != PORTABLE
-                and attend.available(float32=True))
+        """Whether a prompt's causal attention may run attend_avx2.c (float32 products and probabilities; AVX2 + FMA,
+        or its portable twin on `path` PORTABLE, the same bits): bf16 on float32 GEMMs (no bf16 dot products, or
+        --isa avx2 / portable). 2,048 tokens, 8 query / 2 kv heads of 128, 2 threads, Intel Xeon capped at AVX2: 47
+        ms a layer against torch's SDPA on the bf16 inputs 54 ms, both near this CPU's FMA peak
+        (benchmarks/quantized/attend_avx2.py, benchmarks/results/quantized/breakdown/attend-avx2.txt)."""
+        return self.dtype is torch.bfloat16 and not self.bf16_gemm and attend.available(float32=True)
 
     def gemm_rows(self, x: torch.Tensor, min_rows: int) -> bool:
         """Whether x's rows (at least min_rows of them, bf16) go to a bf16 GEMM on weights dequantized to bf16."""

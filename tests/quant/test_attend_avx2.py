@@ -1,9 +1,9 @@
-"""A prompt's causal attention on AVX2 + FMA (sluice/quant/native/attend_avx2.c: float32 products and probabilities),
-for CPUs whose prompt GEMMs are float32 (no AVX512_BF16, or --isa avx2).
+"""A prompt's causal attention in float32 (sluice/quant/native/attend_avx2.c: float32 products and probabilities, on
+AVX2 + FMA or its portable twin), for CPUs whose prompt GEMMs are float32 (no AVX512_BF16, or --isa avx2 / portable).
 
 Against a float64 reference it is at least as close as torch's SDPA on the same bf16 inputs (the attention such a
 model ran before); a later chunk (pos > 0) sees the cache before it; grouped-query heads read their kv head; any
-thread count and query stride gives the same bits; in a model capped at AVX2 a prompt takes it, its logits stay near
+thread count, query stride and path (AVX2, portable) gives the same bits; in a model capped at AVX2 a prompt takes it, its logits stay near
 SDPA's, and a streamed run gives the resident run's bits.
 """
 
@@ -17,11 +17,12 @@ import sluice
 from sluice.models.layers import Kernels
 from sluice.quant.native import attend, pool
 from tests.models.tiny import hf_model, write_checkpoint
+from tests.quant import paths
 from tests.quant.streaming import assert_streamed_equals_resident
 from tests.quant.test_attend import case, reference, rel
 
 pytestmark = pytest.mark.skipif(not attend.available(float32=True),
-                                reason="needs the native extension and a CPU with AVX2 + FMA")
+                                reason="native kernels not built (pip install -e . with a C compiler builds them)")
 
 
 def sdpa_bf16(q, k, v, pos: int) -> torch.Tensor:
@@ -43,6 +44,15 @@ def test_at_least_as_close_as_sdpa_to_the_exact_attention(T, pos, nh, nkv, d):
     # the output's own bf16 rounding is most of either error (~1.6e-3 here)
     err, theirs = rel(got, exact), rel(sdpa_bf16(q, k, v, pos), exact)
     assert err <= max(2e-3, 1.02 * theirs), (err, theirs)
+
+
+@pytest.mark.parametrize("T, pos, nh, nkv, d", [(100, 20, 8, 2, 128), (70, 0, 4, 1, 64), (9, 60, 2, 2, 32)])
+def test_the_portable_twin_gives_the_avx2_bits(T, pos, nh, nkv, d):
+    q, k, v = case(T, pos, nh, nkv, d, seed=4)
+    k[0, 3, 5] = float("nan")  # a NaN key: every row that sees it
+    outs = paths.on_each(lambda path: attend.causal(q, k, v, pos, float32=True, path=path), ["avx2", "portable"])
+    assert outs[0].isnan().any() and not outs[0][: max(0, 3 - pos)].isnan().any()
+    paths.same_bits([o.view(torch.int16) for o in outs])  # bit patterns: NaN rows compare too
 
 
 def test_strided_queries_and_thread_counts_give_the_same_bits():

@@ -118,7 +118,7 @@ class Attention:
             part = None if mask is None else mask[:, lo:]
             out = sink_attention(q, ck[:, lo : pos + T], cv[:, lo : pos + T], part, lw.sinks)  # [nH, T, D]
         elif T > 1 and self.prompt_native and (win is None or pos + T <= win):
-            return attend.causal(q, ck, cv, pos, self.prompt_f32)  # [T, nH*D]
+            return attend.causal(q, ck, cv, pos, self.prompt_f32, self.path)  # [T, nH*D]
         elif pos == 0 and mask is not None and (win is None or T <= win):
             # a prompt's first pass: the mask is the lower triangle, which SDPA's is_causal draws itself
             out = sdpa(q[None], ck[None, :, :T], cv[None, :, :T], self.sdpa_widen(T), is_causal=True,

@@ -1,11 +1,11 @@
 """A prompt's causal attention in one native call: attend.c where the CPU has AVX512_BF16, attend_avx2.c (float32
-products and probabilities) on AVX2 + FMA.
+products and probabilities) on AVX2 + FMA, or its portable twin (the same bits).
 
     from sluice.quant.native import attend
     attend.available()                 # the extension is built and the CPU has AVX512_BF16
     out = attend.causal(q, k, v, pos)  # q bf16 [nH, T, D], k / v the bf16 caches [nKV, >= pos + T, D] -> [T, nH * D]
-    attend.available(float32=True)     # ... and AVX2 + FMA: attend_avx2.c
-    out = attend.causal(q, k, v, pos, float32=True)
+    attend.available(float32=True)     # the extension is built: attend_avx2.c (AVX2 + FMA, or its portable twin)
+    out = attend.causal(q, k, v, pos, float32=True, path=BEST)
 
 The queries sit at positions pos .. pos + T - 1 and see the keys 0 .. their own position; query head h reads kv head
 h // (nH // nKV). Scores are float32 sums of bf16 products times D^-0.5, the softmax runs online per block of 64
@@ -15,8 +15,9 @@ error 1.7e-3 - 2.0e-3 against its 1.6e-3 on random inputs; tests/quant/test_atte
 less than half its time: 2,048 tokens, 8 / 2 heads of 128, 13.3-13.6 vs 28.4-30.1 ms
 (`.venv/bin/python benchmarks/prefill/knobs.py attend`).
 
-With float32=True (attend_avx2.c, for CPUs whose prompt GEMMs are float32: no AVX512_BF16, or --isa avx2) the same
-flash order runs on AVX2 FMAs with the probabilities kept in float32, so it is closer to the float64 reference than
+With float32=True (attend_avx2.c, for CPUs whose prompt GEMMs are float32: no AVX512_BF16, or --isa avx2 / portable)
+the same flash order runs on AVX2 FMAs (`path` PORTABLE, or no AVX2 + FMA: its portable twin, the same bits) with the
+probabilities kept in float32, so it is closer to the float64 reference than
 torch's SDPA on the same bf16 inputs (tests/quant/test_attend_avx2.py).
 """
 
@@ -26,6 +27,7 @@ import ctypes
 
 import torch
 
+from ._lib import BEST
 from ._lib import LIB as _LIB
 
 if _LIB is not None:
@@ -35,15 +37,15 @@ if _LIB is not None:
     _LIB.sluice_prompt_attention.argtypes = [_i64] * 5 + [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p,
                                                           ctypes.c_void_p, _i64, ctypes.c_float, ctypes.c_void_p]
     _LIB.sluice_prompt_attention.restype = ctypes.c_int
-    _LIB.sluice_prompt_attention_avx2.argtypes = _LIB.sluice_prompt_attention.argtypes
-    _LIB.sluice_prompt_attention_avx2.restype = ctypes.c_int
+    _LIB.sluice_prompt_attention_f32.argtypes = _LIB.sluice_prompt_attention.argtypes + [ctypes.c_int]
+    _LIB.sluice_prompt_attention_f32.restype = ctypes.c_int
 
 
 def available(float32: bool = False) -> bool:
-    """Whether causal() runs here: the extension is built and the CPU has AVX512_BF16 (float32: AVX2 + FMA)."""
+    """Whether causal() runs here: the extension is built and the CPU has AVX512_BF16 (float32: the extension alone)."""
     if _LIB is None:
         return False
-    return bool(_LIB.sluice_simd()) if float32 else bool(_LIB.sluice_attention_bf16())
+    return True if float32 else bool(_LIB.sluice_attention_bf16())
 
 
 def supports(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -52,13 +54,14 @@ def supports(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
             and head_dim <= 512)
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, float32: bool = False) -> torch.Tensor:
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, float32: bool = False,
+           path: int = BEST) -> torch.Tensor:
     """out bf16 [T, nH * D] = causal attention of q (bf16 [nH, T, D], unit stride along D) at positions pos .. pos +
     T - 1 over the caches k and v (bf16 [nKV, P, D], P >= pos + T, each position's D values contiguous); float32:
-    attend_avx2.c's float32 kernel rather than attend.c's bf16 one."""
+    attend_avx2.c's float32 kernel rather than attend.c's bf16 one, on the model's `path` (Compute.path)."""
     if not available(float32):
-        need = "AVX2 + FMA" if float32 else "AVX512_BF16"
-        raise RuntimeError(f"attend.causal needs the native extension and a CPU with {need} (available())")
+        need = "" if float32 else " and a CPU with AVX512_BF16"
+        raise RuntimeError(f"attend.causal needs the native extension{need} (available())")
     if not (q.dtype is torch.bfloat16 and q.dim() == 3 and q.is_cpu and q.stride(2) == 1):
         raise ValueError(f"q must be a CPU bf16 [nH, T, D] tensor with unit stride along D, got {q.dtype} "
                          f"{list(q.shape)} on {q.device}")
@@ -77,9 +80,9 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, float32:
     out = torch.empty(t, nh * d, dtype=torch.bfloat16)
     if t == 0:
         return out
-    fn = _LIB.sluice_prompt_attention_avx2 if float32 else _LIB.sluice_prompt_attention
-    rc = fn(nh, nkv, t, d, pos, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(),
-                                      v.data_ptr(), k.stride(0), d ** -0.5, out.data_ptr())
+    args = (nh, nkv, t, d, pos, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
+            d ** -0.5, out.data_ptr())
+    rc = _LIB.sluice_prompt_attention_f32(*args, path) if float32 else _LIB.sluice_prompt_attention(*args)
     if rc == -1:
         raise MemoryError(f"attend.causal: no memory for the [{nkv} x {pos + t} x {d}] key / value layout")
     if rc:

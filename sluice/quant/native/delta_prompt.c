@@ -357,6 +357,9 @@ int sluice_delta_prompt(int64_t T, int64_t nK, int64_t Hv, int64_t Dk, int64_t D
  * kernel runs it too), the portable code one: the same operations per channel, so the same bits. */
 #define CONV_BLOCK 256
 #define CONV_MAX_K 8  /* taps a kernel may have (Qwen3.5 / Qwen3-Next: 4) */
+#define CONV_AHEAD 8  /* tokens ahead whose rows of the block are prefetched: a 2,048-token layer of the hybrid benchmark
+                       * model, 8,192 channels, 2 threads, 28.8-30.7 -> 25.7-26.5 ms, the same bits
+                       * (benchmarks/hybrid/conv_prompt.py, benchmarks/results/hybrid/conv_prompt.txt) */
 
 typedef struct {
     int64_t T, C, K, ldx;
@@ -423,15 +426,24 @@ static void conv_task(void *p, int64_t i) {
         for (int64_t j = 0; j < K; j++) wt[j * CONV_BLOCK + (c - cb)] = load_x(a->w, c * K + j, a->bf16);
         for (int64_t j = 0; j < K - 1; j++) hist[j * CONV_BLOCK + (c - cb)] = load_x(a->st, c * (K - 1) + j, a->bf16);
     }
+    const int64_t sz = a->bf16 ? 2 : 4;
     for (int64_t t = 0; t < a->T; t++) {
         int64_t c = cb;
+        if (t + CONV_AHEAD < a->T) {  /* token rows lie ldx apart (16 KiB and more): the hardware prefetchers stop */
+            const char *xn = (const char *)a->x + ((t + CONV_AHEAD) * a->ldx + cb) * sz;
+            char *on = (char *)a->out + ((t + CONV_AHEAD) * a->C + cb) * sz;
+            for (int64_t off = 0; off < (ce - cb) * sz; off += 64) {
+                __builtin_prefetch(xn + off, 0);
+                __builtin_prefetch(on + off, 1);
+            }
+        }
 #if SLUICE_X86
         if (a->simd) c = conv_avx2(a, t, cb, ce, hist, wt, cb);
 #endif
         conv_cols(a, t, c, ce, hist, wt, cb);
     }
     /* the state: the last K - 1 inputs of seq (the old state's tail when T < K - 1), moved as bits */
-    const int64_t n = K - 1, sz = a->bf16 ? 2 : 4;
+    const int64_t n = K - 1;
     for (int64_t c = cb; c < ce; c++) {
         uint8_t *s = (uint8_t *)a->st + c * n * sz;
         for (int64_t j = 0; j < n; j++) {
