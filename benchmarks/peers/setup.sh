@@ -38,9 +38,16 @@ TORCH_PIP=()
 "${PIP[@]}" -c "$CONSTRAINTS" "transformers==$TRANSFORMERS" "accelerate==$ACCELERATE" safetensors numpy
 
 if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-  # From source, on purpose: the wheel is built for this CPU. nice: the machine is shared.
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 19 "${PIP[@]}" -c "$CONSTRAINTS" --no-binary llama-cpp-python \
-    "llama-cpp-python==$LLAMA_CPP_PYTHON"
+  # From source, on purpose: the wheel is built for this CPU (AVX2=1: for CMAKE_ARGS). nice: the machine is shared.
+  # --no-cache-dir: pip's wheel cache would hand the second venv the first one's build (found 2026-12-03: .venv-avx2
+  # held .venv's AVX-512 / AMX library, byte for byte, so every AVX2 llama.cpp arm before then ran AVX-512 code)
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 19 "${PIP[@]}" -c "$CONSTRAINTS" --no-cache-dir \
+    --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON"
+fi
+if [ -n "${AVX2:-}" ] && "$VENV/bin/python" -c "import llama_cpp, sys
+sys.exit('AVX512 = 1' not in llama_cpp.llama_print_system_info().decode())"; then
+  echo "$VENV: llama.cpp reports AVX-512 code (llama_print_system_info); remove $VENV and run AVX2=1 again" >&2
+  exit 1
 fi
 
 # llama.cpp's converter (convert_hf_to_gguf.py + conversion/ + gguf-py/, as the hub's GGUFs are made) from the same
