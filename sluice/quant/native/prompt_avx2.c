@@ -15,6 +15,11 @@
  * 512] / [256 x 512] @ [512 x 1024] Q4_K projection at int16 (`knobs.py tiles`, below): 4 1.57 / 1.39, 2 1.71 /
  * 1.56, 6 1.69 / 1.49, 8 1.66 / 1.51 (int8: 0.91 / 0.78 at 4, 1.02 / 0.89 at 8) */
 #define NT_MAX 4
+/* ... at one plane (int8: fewer registers a token): `prompt_tile.py 256`, one / two threads, 4 tokens 109.5 / 206.0
+ * GMAC/s, 5 117.0 / 215.1, 6 116.2 / 210.9, 8 98.7 / 173.2 (the AVX2 prompt of the peers Q4_K_M 4.02-4.06 -> 3.93-3.95
+ * s, `breakdown.py prompt --isa avx2`: benchmarks/results/quantized/breakdown/prompt-avx2-4.txt). At most 8 (the
+ * arrays below, the remainder's cases) */
+#define NT_ONE 5
 
 /* the tile's packed codes (two 4-bit codes a byte) -> one code a byte at wide: per super-block, sub-block j and half
  * h, 8 vectors (value group v: codes 4v .. +3, then 16 + 4v .. +3 of each of the 8 rows), so the kernel's inner loop
@@ -55,12 +60,12 @@ AVX2_INLINE __m256i sub32(const uint8_t *w, const int8_t *p, __m256i sc, const i
 AVX2_INLINE void half_n(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, int64_t t0,
                         const int NT, const int P, const int five, int h, int nrows, float *y, int64_t ldy) {
     const int64_t K = x->K;
-    __m256 acc[NT_MAX];
+    __m256 acc[8];  /* NT <= 8 */
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++) {
         const uint8_t *tb = tile + b * SB_TILE + 32 * h;
         const int8_t *xc = x->c + t0 * K + 256 * b, *xl = P == 2 ? x->lo + t0 * K + 256 * b : NULL;
-        __m256i is[NT_MAX], il[NT_MAX];
+        __m256i is[8], il[8];
         for (int t = 0; t < NT; t++) is[t] = il[t] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const uint8_t *w = wide + b * SB_WIDE + 512 * j + 256 * h;
@@ -107,9 +112,14 @@ AVX2_INLINE void half_n(const uint8_t *tile, const uint8_t *wide, int64_t nsb, c
 AVX2_INLINE void half_all(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, const int P,
                           const int five, int h, int nrows, float *y, int64_t ldy) {
     int64_t t = 0, T = x->T;
-    for (; t + NT_MAX <= T; t += NT_MAX) half_n(tile, wide, nsb, x, t, NT_MAX, P, five, h, nrows, y + t * ldy, ldy);
+    const int NT = P == 1 ? NT_ONE : NT_MAX;
+    for (; t + NT <= T; t += NT) half_n(tile, wide, nsb, x, t, NT, P, five, h, nrows, y + t * ldy, ldy);
     float *yt = y + t * ldy;
     switch (T - t) {
+        case 7: half_n(tile, wide, nsb, x, t, 7, P, five, h, nrows, yt, ldy); break;
+        case 6: half_n(tile, wide, nsb, x, t, 6, P, five, h, nrows, yt, ldy); break;
+        case 5: half_n(tile, wide, nsb, x, t, 5, P, five, h, nrows, yt, ldy); break;
+        case 4: half_n(tile, wide, nsb, x, t, 4, P, five, h, nrows, yt, ldy); break;
         case 3: half_n(tile, wide, nsb, x, t, 3, P, five, h, nrows, yt, ldy); break;
         case 2: half_n(tile, wide, nsb, x, t, 2, P, five, h, nrows, yt, ldy); break;
         case 1: half_n(tile, wide, nsb, x, t, 1, P, five, h, nrows, yt, ldy); break;
