@@ -16,7 +16,7 @@
  * 1.56, 6 1.69 / 1.49, 8 1.66 / 1.51 (int8: 0.91 / 0.78 at 4, 1.02 / 0.89 at 8) */
 #define NT_MAX 4
 /* ... at one plane (int8: fewer registers a token): `prompt_tile.py 256`, one / two threads, 4 tokens 109.5 / 206.0
- * GMAC/s, 5 117.0 / 215.1, 6 116.2 / 210.9, 8 98.7 / 173.2 (the AVX2 prompt of the peers Q4_K_M 4.02-4.06 -> 3.93-3.95
+ * GMAC/s, 5 117.0 / 215.1, 6 116.2 / 210.9, 8 98.7 / 173.2 (the AVX2 prompt of the peers Q4_K_M 4.02-4.06 -> 3.95-4.07
  * s, `breakdown.py prompt --isa avx2`: benchmarks/results/quantized/breakdown/prompt-avx2-4.txt). At most 8 (the
  * arrays below, the remainder's cases) */
 #define NT_ONE 5
