@@ -24,8 +24,8 @@ from .spec import LayerWeights, Spec
 def softmax_topk(spec: Spec, lw: LayerWeights, x: torch.Tensor, bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (weights [T, K], ids [T, K]): softmax over every expert, then top-k. `bf16`: the model's
     Compute.bf16_gemm; without it a prompt's router logits take rows_linear's float32 GEMM (AVX2: torch's bf16 GEMM
-    took 8.3 ms a layer of [2048 x 1024] @ [1024 x 64] on the peers model, 133 ms of a 2,048-token prompt, torch
-    profiler, Intel Xeon capped at AVX2)."""
+    took 8.2 ms a layer of [2048 x 1024] @ [1024 x 64] on the peers model, 130 ms of a 2,048-token prompt, now 39;
+    torch's profiler, Intel Xeon capped at AVX2: benchmarks/results/quantized/breakdown/prompt-profile.txt)."""
     scores = rows_linear(x, lw.router, None, bf16)  # [T, E]
     return top_of_probs(spec, torch.softmax(scores, dim=-1, dtype=torch.float32), x.dtype)
 

@@ -171,8 +171,9 @@ class GluMath:
         """The j-th expert of `batch` on rows `rows` (int64 [n]) of a layer's coded rows x (prompt.code), for a
         format int8_whole takes, into out [n, H] (contiguous, the compute dtype): bitwise what __call__ gives on
         those rows of the uncoded x. A Q4_K / Q6_K down writes out in the native call itself (a fresh [n, H] result
-        copied into the layer's block took 204 ms of a 2,048-token AVX2 prompt of the peers model, its pages
-        faulted in each time: torch profiler)."""
+        copied into the layer's block, its pages faulted in each time: a 2,048-token AVX2 prompt of the peers model
+        spent 196 ms in copy_, 1,265 calls, now 71 in 273; torch's profiler,
+        benchmarks/results/quantized/breakdown/prompt-profile.txt)."""
         self._int8_call(batch.raw[batch.slots[j]], x, rows.numel(), rows, out)
 
     def _int8_rows(self, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -343,8 +343,10 @@ AVX2_INLINE int codes32(const __m256 q[4], int8_t *out) {
 }
 
 /* quant_row_body on AVX2 intrinsics: the same IEEE operations lane by lane (maxps / minps as its comparisons,
- * roundps to nearest as rintf in the default rounding mode), so the same bytes. The compiler did not vectorize
- * the body: 0.43 ms of prompt_tile.py's 1.85 ms call was this coding (perf), 1.65 ns a value. */
+ * roundps to nearest as rintf in the default rounding mode), so the same bytes. The compiler left the body's loop
+ * poorly vectorized: under perf, prompt_tile.py 256 spent 0.58% of its samples here against the tiles' 1.38%; now
+ * 0.19% against 1.25%, and 74.0 -> 103.4 GMAC/s one thread in the same runs
+ * (benchmarks/results/quantized/breakdown/prompt-tile-perf.txt). */
 AVX2 static void quant_row_avx2(const void *x, int bf16, int64_t K, int8_t *c, float *d, int16_t *s, int8_t *lo,
                                 int16_t *sl) {
     const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f), k256 = _mm256_set1_ps(256.0f);
