@@ -86,13 +86,15 @@ class Model:
         # (plan.py refuses --prefetch there)
         streams = s.hc_count > 1
         if p.prefetch == "router" and self.memory is not None and not streams:
-            prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin, path=self.compute.path)
+            prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin, path=self.compute.path,
+                                        bf16=self.compute.bf16_gemm)
         elif p.prefetch == "learned" and self.memory is not None and not streams:
             fingerprint = model_fingerprint(s, self.index.config, p.refs)
             prerouter = LearnedPrerouter.load(self.path / PREROUTER_FILE, s, fingerprint, p.options.prefetch_margin)
         # not on the mmap reader: its submit copies in the caller, so the read-ahead would stall this layer's math
-        prompt_prerouter = (RouterPrerouter(s, weights) if p.options.prompt_prefetch and self.memory is not None
-                            and self.reader.mode != "mmap" and not streams else None)
+        prompt_prerouter = (RouterPrerouter(s, weights, bf16=self.compute.bf16_gemm)
+                            if p.options.prompt_prefetch and self.memory is not None and self.reader.mode != "mmap"
+                            and not streams else None)
         build = Build(s, weights, self.store, self.cache, self.compute, rows=self.rows, prerouter=prerouter,
                       prompt_prerouter=prompt_prerouter, tables=self.tables)
         self.model = Transformer(self.arch, build)

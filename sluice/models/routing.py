@@ -88,12 +88,13 @@ def topk_softmax(spec: Spec, lw: LayerWeights, x: torch.Tensor, bf16: bool = Tru
 ROUTERS = {"softmax": softmax_topk, "sigmoid_grouped": sigmoid_grouped_topk, "topk_softmax": topk_softmax}
 
 
-def selection_scores(spec: Spec, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+def selection_scores(spec: Spec, lw: LayerWeights, x: torch.Tensor, bf16: bool = True) -> torch.Tensor:
     """x [T, H] -> [T, E] scores whose top-k are the experts `route` picks (its ranking, not its weights): what a
-    prerouter ranks to guess more than k of them. The grouped router's excluded groups score -inf."""
+    prerouter ranks to guess more than k of them. The grouped router's excluded groups score -inf. `bf16`: as for
+    `route` (the model's Compute.bf16_gemm): a prompt's rows on a float32 GEMM without it."""
     if spec.router == "sigmoid_grouped":
         return _grouped_choice(spec, lw, _sigmoid_scores(lw, x))
-    return _biased_logits(lw, x)  # softmax is monotonic: the logits rank as the probabilities do
+    return _biased_logits(lw, x, bf16)  # softmax is monotonic: the logits rank as the probabilities do
 
 
 def route(spec: Spec, lw: LayerWeights, x: torch.Tensor, bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

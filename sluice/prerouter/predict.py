@@ -37,10 +37,13 @@ class RouterPrerouter:
     """Training-free: apply layer L+1's router (and its post-attention norm) to the residual stream after layer
     L's attention, and take the top `k + margin` experts of the token(s)."""
 
-    def __init__(self, spec: Spec, weights: Weights, margin: int = 0, path: int | None = None):
+    def __init__(self, spec: Spec, weights: Weights, margin: int = 0, path: int | None = None, bf16: bool = True):
         """path: the native kernels' path (the compute's) for a decode token's guess through decode.c's router
-        call; None keeps torch's F.linear."""
-        self.spec, self.w, self.margin = spec, weights, margin
+        call; None keeps torch's F.linear. bf16: the model's Compute.bf16_gemm, as the true router takes it (a
+        prompt's guess ranks [T, H] @ [H, E] logits: on torch's bf16 GEMM without bf16 dot products, AVX2, it took
+        3.1% of the CPU of the peers Q4_K_M's 2,048-token prompt at 1 GiB, `perf record -a`, Intel Xeon capped at
+        AVX2; benchmarks/results/quantized/breakdown/prompt-stream-perf.txt)."""
+        self.spec, self.w, self.margin, self.bf16 = spec, weights, margin, bf16
         self.next_moe = next_moe_layers(spec)  # layer -> the first MoE layer after it
         self.norms = {M: Norm.of(spec, weights.layers[M].post_norm) for M in set(self.next_moe.values())}
         # A decode token's guess in one native call (the router's softmax: the same ranking as its logits), as the
@@ -58,7 +61,7 @@ class RouterPrerouter:
                 and lw.router.dtype is torch.bfloat16):
             scores = router_probs_bf16(h, lw.router.contiguous(), path=self.path)  # [1, E] float32
         else:  # ranked as the layer's own router ranks (its bias, groups): models/routing.py
-            scores = selection_scores(self.spec, lw, h)  # [T, E]
+            scores = selection_scores(self.spec, lw, h, self.bf16)  # [T, E]
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
         ids, counts = torch.topk(scores, k, dim=-1).indices.flatten().unique(return_counts=True)
         # the experts most tokens pick first: a prompt's read-ahead fills the free slots in this order
