@@ -23,6 +23,17 @@ typedef struct {
     int64_t K, T;
 } xq_t;
 
+/* Tokens a tile kernel runs both halves of its rows over before the next block of tokens: a block's codes (bytes
+ * a token: K, or 2K at two planes) stay in L2 (256 KiB of them) between the halves; a multiple of 60 (the passes'
+ * 4, 5 and 6 tokens) so only the last block has a remainder. 2,048 tokens at one plane, 2 threads, Intel Xeon
+ * capped at AVX2, GMAC/s over the whole x / in blocks: attn_q [1024 x 1024] 175.6 / 188.8, an expert gate [512 x
+ * 1024] 183.9 / 195.2 (3/3 paired runs faster; 256 tokens: 204-222) (`benchmarks/quantized/prompt_tile.py 2048
+ * --tensor ...`, benchmarks/results/quantized/breakdown/prompt-tile-q6k.txt). */
+static inline int64_t token_block(int64_t bytes_a_token) {
+    int64_t tb = (256 << 10) / bytes_a_token / 60 * 60;
+    return tb < 60 ? 60 : tb;
+}
+
 /* prompt.c: the portable tile for tokens t0 .. t1 (wide not NULL: the codes one a byte there, Q5_K's) */
 void sluice_prompt_tile_scalar(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, int64_t t0,
                                int64_t t1, int rows, float *y, int64_t ldy);

@@ -108,10 +108,10 @@ AVX2_INLINE void half_n(const uint8_t *tile, const uint8_t *wide, int64_t nsb, c
     }
 }
 
-/* every token of x, NT_MAX at a time, for one half of the tile at P planes */
-AVX2_INLINE void half_all(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, const int P,
-                          const int five, int h, int nrows, float *y, int64_t ldy) {
-    int64_t t = 0, T = x->T;
+/* tokens t0 .. T of x, NT_MAX (NT_ONE) at a time, for one half of the tile at P planes */
+AVX2_INLINE void half_all(const uint8_t *tile, const uint8_t *wide, int64_t nsb, const xq_t *x, int64_t t0, int64_t T,
+                          const int P, const int five, int h, int nrows, float *y, int64_t ldy) {
+    int64_t t = t0;
     const int NT = P == 1 ? NT_ONE : NT_MAX;
     for (; t + NT <= T; t += NT) half_n(tile, wide, nsb, x, t, NT, P, five, h, nrows, y + t * ldy, ldy);
     float *yt = y + t * ldy;
@@ -130,12 +130,18 @@ AVX2_INLINE void half_all(const uint8_t *tile, const uint8_t *wide, int64_t nsb,
 AVX2 void sluice_prompt_tile_avx2(const uint8_t *tile, uint8_t *wide, int five, int64_t nsb, const xq_t *x, int rows,
                                   float *y, int64_t ldy) {
     if (!five) widen(tile, nsb, wide);
-    for (int h = 0; h < 2 && 8 * h < rows; h++) {
-        int nrows = rows - 8 * h, P = x->lo ? 2 : 1;
-        if (P == 2 && five) half_all(tile, wide, nsb, x, 2, 1, h, nrows, y, ldy);
-        else if (P == 2) half_all(tile, wide, nsb, x, 2, 0, h, nrows, y, ldy);
-        else if (five) half_all(tile, wide, nsb, x, 1, 1, h, nrows, y, ldy);
-        else half_all(tile, wide, nsb, x, 1, 0, h, nrows, y, ldy);
+    /* both halves over a block of tokens before the next block: each block's codes are read from L2 twice, not the
+     * whole x from L3 (a 2,048-token x of K = 1024 is 2 MiB) */
+    const int64_t TB = token_block(x->K * (x->lo ? 2 : 1));
+    for (int64_t t0 = 0; t0 < x->T; t0 += TB) {
+        int64_t t1 = t0 + TB < x->T ? t0 + TB : x->T;
+        for (int h = 0; h < 2 && 8 * h < rows; h++) {
+            int nrows = rows - 8 * h, P = x->lo ? 2 : 1;
+            if (P == 2 && five) half_all(tile, wide, nsb, x, t0, t1, 2, 1, h, nrows, y, ldy);
+            else if (P == 2) half_all(tile, wide, nsb, x, t0, t1, 2, 0, h, nrows, y, ldy);
+            else if (five) half_all(tile, wide, nsb, x, t0, t1, 1, 1, h, nrows, y, ldy);
+            else half_all(tile, wide, nsb, x, t0, t1, 1, 0, h, nrows, y, ldy);
+        }
     }
 }
 
