@@ -256,3 +256,27 @@ def test_prompt_guess_ranks_on_the_models_gemm(model_dir, monkeypatch):
             ids, counts = torch.topk(logits, s.top_k, dim=-1).indices.flatten().unique(return_counts=True)
             assert guess.predict(L, x) == (M, ids[torch.argsort(counts, descending=True, stable=True)].tolist())
             assert seen == [bf16]
+
+
+def test_a_long_prompts_guess_ranks_evenly_spaced_rows(model_dir):
+    """A prompt longer than GUESS_ROWS is guessed from GUESS_ROWS or fewer of its rows, evenly spaced (the guess
+    only orders the read-ahead): 600 rows rank as their every third row does; 256 rows or fewer, every row."""
+    from sluice.prerouter.predict import GUESS_ROWS
+    from sluice.quant.matmul import rows_linear
+
+    with sluice.load(model_dir) as m:
+        s, w = m.spec, m.model.w
+    pre = RouterPrerouter(s, w, bf16=False)
+    x = torch.randn(600, s.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert GUESS_ROWS == 256
+
+    def ranked(L, rows):  # the experts of rows' top-k, the most picked first
+        lw = w.layers[next_moe_layers(s)[L]]
+        logits = rows_linear(rms_norm(rows, lw.post_norm, s.rms_norm_eps), lw.router, None, False)
+        ids, counts = torch.topk(logits, s.top_k, dim=-1).indices.flatten().unique(return_counts=True)
+        return ids[torch.argsort(counts, descending=True, stable=True)].tolist()
+
+    for L in next_moe_layers(s):
+        assert pre.predict(L, x)[1] == ranked(L, x[::3])
+        assert pre.predict(L, x[:256])[1] == ranked(L, x[:256])
+        assert pre.predict(L, x[:257])[1] == ranked(L, x[:257:2])
