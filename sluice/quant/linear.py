@@ -131,7 +131,7 @@ class StoredLinear:
             x = x if x.is_contiguous() else x.contiguous()
             y = torch.empty(x.shape[0], self.spec.out_features)  # [T, out] float32
             prompt.linears([(self.spec, raw, y)], x, planes=self.prompt_planes, path=self.compute.path)
-            return (y if bias is None else y.add_(bias)).to(torch.bfloat16)
+            return prompt.to_bf16(y if bias is None else y.add_(bias), path=self.compute.path)
         if out_dtype in (None, torch.bfloat16) and self.compute.gemm_rows(x, BF16_GEMM_MIN_ROWS):
             x = x if x.is_contiguous() else x.contiguous()
             y = self._blocked(x, raw, scratch)
@@ -303,7 +303,7 @@ class QuantGroup:
         ys = list(outs.split([w.spec.out_features for w in self._ws], dim=1))
         prompt.linears([(w.spec, w.raw, y) for w, y in zip(self._ws, ys)], x, planes=self._ws[0].prompt_planes,
                        path=self.compute.path)
-        return [(y if b is None else y.add_(b)).to(torch.bfloat16) for y, b in zip(ys, biases)]
+        return [prompt.to_bf16(y if b is None else y.add_(b), path=self.compute.path) for y, b in zip(ys, biases)]
 
     def linear(self, x: torch.Tensor, biases, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """[y_a [T, out_a]] for x [T, in] (T <= Q8_MAX_ROWS) and one bias (or None) per projection."""

@@ -130,6 +130,27 @@ def test_the_coding_is_the_same_bytes_on_every_path(planes):
     paths.same_bits(outs)
 
 
+def test_the_bf16_rounding_is_torchs_on_every_path():
+    """prompt.to_bf16 (a projection's float32 rows to bf16 over the pool) gives torch's .to(torch.bfloat16) bit for
+    bit: ties to even, infinities, subnormals, values that round to inf, rows of a column slice; a NaN stays a NaN
+    (0x7fc0 on every path; torch's vectorized conversion writes 0xffff, its scalar one 0x7fc0)."""
+    g = torch.Generator().manual_seed(12)
+    y = torch.randn(37, 300, generator=g) * torch.logspace(-30, 30, 300)
+    y[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-42, -1e-40, 3.4e38, -0.0, 0.0])
+    y[1, :4] = torch.tensor([1.00390625, 1.01171875, -1.00390625, 2.0 ** 120 * 1.00390625])  # halfway: to even
+    y[2] = torch.finfo(torch.float32).max
+    wide = torch.randn(37, 320, generator=g)
+    wide[:, 7:307] = y
+    for src in (y, wide[:, 7:307]):
+        nan = src.isnan()
+        ref = src.to(torch.bfloat16).view(torch.int16)
+        outs = paths.on_each(lambda path: prompt.to_bf16(src, path=path).view(torch.int16))
+        for out in outs:
+            assert torch.equal(out[~nan], ref[~nan]) and (out[nan] == 0x7FC0).all()
+    with pytest.raises(ValueError, match="float32"):
+        prompt.to_bf16(y.double())
+
+
 def test_a_nan_in_x_gives_nan_rows():
     spec = QuantSpec.ggml("Q4_K", 32, 512)
     raw = random_stored(spec, seed=5)

@@ -440,6 +440,29 @@ int sluice_prompt_code(const uint16_t *x, int64_t T, int64_t K, uint8_t *out, in
 int64_t sluice_prompt_code_bytes(int64_t T, int64_t K, int P) { return (int64_t)xq_bytes(T, K, P); }
 
 typedef struct {
+    const float *y;
+    uint16_t *out;
+    int64_t T, N, ldy, ldo;
+    int scalar;
+} bf16_rows_job;
+
+#define BF16_ROWS 16 /* rows a pool task */
+
+static void bf16_rows_task(void *c, int64_t i) {
+    const bf16_rows_job *j = (const bf16_rows_job *)c;
+    for (int64_t t = i * BF16_ROWS; t < j->T && t < (i + 1) * BF16_ROWS; t++)
+        sluice_to_bf16(j->N, j->y + t * j->ldy, j->out + t * j->ldo, j->scalar);
+}
+
+/* out [T, N] (rows ldo apart) = y [T, N] (float32, rows ldy apart) rounded to bf16 (round to nearest even, NaN to
+ * 0x7fc0: torch's .to(torch.bfloat16)), rows over the pool: a prompt projection's output, where torch's conversion
+ * took 1.6-2.5 ms a [2,048 x 1,024] (its profiler, AVX2; benchmarks/quantized/prompt_profile.py) */
+void sluice_prompt_bf16(const float *y, int64_t T, int64_t N, int64_t ldy, uint16_t *out, int64_t ldo, int scalar) {
+    bf16_rows_job j = {y, out, T, N, ldy, ldo, scalar};
+    if (T > 0 && N > 0) pool_run(bf16_rows_task, &j, (T + BF16_ROWS - 1) / BF16_ROWS);
+}
+
+typedef struct {
     xq_t from, to;
     const int64_t *idx;
 } gather_job;

@@ -10,6 +10,7 @@
     prompt.expert((gate, raw), (up, raw), (down, raw), x, out)   # out bf16 [T, H] = down(silu(gate x) * up x)
     prompt.expert((gate_up, raw), None, None, x, h)              # h bf16 [T, I] = silu(gate x) * up x
     coded = prompt.code(x)                     # a layer's rows coded once: prompt.expert(..., coded, out, rows=idx)
+    prompt.to_bf16(y)                          # y float32 [T, N] -> bf16, torch's bits, rows over the pool
 
 x (float32 or bf16 [T, K]) is coded once per call as llama.cpp's Q8_K codes it (8 bits per value, one scale per 256
 values: to 1/127 of each 256-block's largest value), the products summed in integers per 32-value sub-block and
@@ -61,6 +62,8 @@ if _LIB is not None:
     _LIB.sluice_prompt_code.restype = ctypes.c_int
     _LIB.sluice_prompt_code_bytes.argtypes = [_i64, _i64, ctypes.c_int]
     _LIB.sluice_prompt_code_bytes.restype = _i64
+    _LIB.sluice_prompt_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, ctypes.c_int]  # y, T, N, ldy, out, ldo
+    _LIB.sluice_prompt_bf16.restype = None
 
 
 def available() -> bool:
@@ -145,6 +148,19 @@ class Coded:
 
     def __init__(self, data: torch.Tensor, rows: int, cols: int, planes: int):
         self.data, self.rows, self.cols, self.planes = data, rows, cols, planes
+
+
+def to_bf16(y: torch.Tensor, *, path: int = BEST) -> torch.Tensor:
+    """y float32 [T, N] (unit column stride; a column slice of a wider output is fine) rounded to a new contiguous
+    bf16 [T, N], bitwise torch's y.to(torch.bfloat16), the rows over the native pool."""
+    need()
+    if not (isinstance(y, torch.Tensor) and y.dtype is torch.float32 and y.dim() == 2 and y.is_cpu
+            and y.stride(1) == 1 and y.stride(0) >= y.shape[1]):
+        got = f"{y.dtype} {list(y.shape)} strides {y.stride()}" if isinstance(y, torch.Tensor) else type(y).__name__
+        raise ValueError(f"prompt.to_bf16: y must be a CPU float32 [T, N] tensor with unit column stride, got {got}")
+    out = torch.empty(y.shape, dtype=torch.bfloat16)
+    _LIB.sluice_prompt_bf16(y.data_ptr(), y.shape[0], y.shape[1], y.stride(0), out.data_ptr(), y.shape[1], path)
+    return out
 
 
 def code(x: torch.Tensor, *, planes: int = 1, path: int = BEST) -> Coded:
