@@ -164,6 +164,46 @@ def test_a_nan_in_x_gives_nan_rows():
             assert y[1].isnan().all() and torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_many_experts_in_one_call_are_each_ones_bits(fused):
+    """prompt.ExpertsCall (a pass's experts in one native call, slots of gate | up | down bytes) gives each expert
+    the bits prompt.expert gives it on its own rows, on every path; bad slots and shapes are named."""
+    h, i, planes = 512, 256, 2
+    gate, up, down = QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q4_K", i, h), QuantSpec.ggml("Q6_K", h, i)
+    gu = QuantSpec.ggml("Q4_K", 2 * i, h)
+    offsets = (0, gate.nbytes, gate.nbytes + up.nbytes)
+    slots = torch.stack([torch.cat([random_stored(s, seed=10 * e + n) for n, s in enumerate((gate, up, down))])
+                         for e in range(4)])  # [4 slots, bytes]
+    x = torch.randn(50, h, generator=torch.Generator().manual_seed(8)).bfloat16()
+    rows = torch.randint(0, 50, (61,), generator=torch.Generator().manual_seed(9))
+    use, starts, counts = [3, 0, 2], [0, 30, 37], [30, 7, 24]  # slot 1 unused
+
+    def each(path):
+        coded = prompt.code(x, planes=planes, path=path)
+        out = torch.zeros(61, h, dtype=torch.bfloat16)
+        call = prompt.ExpertsCall(gu if fused else gate, None if fused else up, down, offsets)
+        call.run(slots, use, coded, rows, starts, counts, out, path=path)
+        want = torch.zeros(61, h, dtype=torch.bfloat16)
+        for sl, a, n in zip(use, starts, counts):
+            raw = slots[sl]
+            g = (gu, raw[: 2 * gate.nbytes]) if fused else (gate, raw[: gate.nbytes])
+            u = None if fused else (up, raw[offsets[1] : offsets[2]])
+            prompt.expert(g, u, (down, raw[offsets[2] : offsets[2] + down.nbytes]), coded, want[a : a + n],
+                          rows=rows[a : a + n].contiguous(), planes=planes, path=path)
+        assert torch.equal(out, want) and out.abs().sum() > 0
+        return out
+
+    paths.same_bits(paths.on_each(each))
+    call = prompt.ExpertsCall(gate, up, down, offsets)
+    coded, out = prompt.code(x, planes=planes), torch.zeros(61, h, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="slots"):
+        call.run(slots, [4], coded, rows, [0], [5], out)
+    with pytest.raises(ValueError, match="refused"):
+        call.run(slots, [0], coded, rows, [60], [5], out)  # past the rows
+    with pytest.raises(ValueError, match="down must be"):
+        prompt.ExpertsCall(gate, up, QuantSpec.ggml("Q8_0", h, i), offsets)
+
+
 @pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q5_K", "Q6_K")])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("t", [1, 9, 40])
@@ -299,11 +339,14 @@ def q4km(tmp_path_factory):
 
 @pytest.fixture
 def tile_calls(monkeypatch):
-    """The planes of every prompt.linears / prompt.expert call."""
+    """The planes of every prompt.linears / prompt.expert / prompt.ExpertsCall call."""
     calls = []
     for name in ("linears", "expert"):
         monkeypatch.setattr(prompt, name, lambda *a, _real=getattr(prompt, name), **kw:
                             calls.append(kw.get("planes")) or _real(*a, **kw))
+    run = prompt.ExpertsCall.run
+    monkeypatch.setattr(prompt.ExpertsCall, "run", lambda self, raw, slots, x, *a, **kw:
+                        calls.append(x.planes) or run(self, raw, slots, x, *a, **kw))
     return calls
 
 

@@ -146,6 +146,8 @@ def kernel_calls(monkeypatch):
     for name in ("linears", "expert"):
         monkeypatch.setattr(prompt, name,
                             lambda *a, _real=getattr(prompt, name), **kw: calls.append(1) or _real(*a, **kw))
+    run = prompt.ExpertsCall.run
+    monkeypatch.setattr(prompt.ExpertsCall, "run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
     return calls
 
 
@@ -215,10 +217,12 @@ def test_int8_prompt_rows_are_not_padded(q4km, kernel_calls, monkeypatch):
     any count at one speed, so their experts get their own rows only."""
     with sluice.load(q4km, memory="all", activations="int8") as m:
         seen: list[int] = []
-        call, coded = GluMath.__call__, GluMath.coded
+        call, coded, many = GluMath.__call__, GluMath.coded, GluMath.coded_many
         monkeypatch.setattr(GluMath, "__call__", lambda self, b, j, x: (seen.append(x.shape[0]), call(self, b, j, x))[1])
         monkeypatch.setattr(GluMath, "coded",
                             lambda self, b, j, c, rows, out: (seen.append(rows.numel()), coded(self, b, j, c, rows, out))[1])
+        monkeypatch.setattr(GluMath, "coded_many", lambda self, b, js, c, rows, starts, counts, out:
+                            (seen.extend(counts), many(self, b, js, c, rows, starts, counts, out))[1])
         m.logits(LONG)
     assert kernel_calls and sum(seen) == len(LONG) * m.spec.top_k * m.spec.n_layers and any(n % 16 for n in seen)
 

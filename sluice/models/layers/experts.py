@@ -120,6 +120,10 @@ class GluMath:
         self.int8_rows = self.prompt_planes > 0
         # ... and as one native call each (prompt.expert), so a layer codes its rows once for all experts (coded())
         self.int8_whole = self.int8_rows and owner.act is F.silu and owner.plain_glu
+        # ... and a pass's experts already in memory in one call (coded_many), where the down takes the tiles too
+        self.experts_call = (prompt.ExpertsCall(fmt.gate_up or fmt.gate, None if fmt.gate_up else fmt.up, fmt.down,
+                                                (0, fmt.up_offset, fmt.down_offset))
+                             if self.int8_whole and self.down_tiles else None)
 
     def one_call(self, rows: int) -> bool:
         """Whether an expert on `rows` rows runs as one native call (q8.expert_q8): no shared scratch, no torch op,
@@ -175,6 +179,13 @@ class GluMath:
         spent 196 ms in copy_, 1,265 calls, now 71 in 273; torch's profiler,
         benchmarks/results/quantized/breakdown/prompt-profile.txt)."""
         self._int8_call(batch.raw[batch.slots[j]], x, rows.numel(), rows, out)
+
+    def coded_many(self, batch, js: list[int], x: "prompt.Coded", rows: torch.Tensor, starts: list[int],
+                   counts: list[int], out: torch.Tensor) -> None:
+        """Experts js of `batch` (waited for) in one native call (experts_call not None): expert js[e] on rows
+        rows[starts[e] : + counts[e]] of x into out's same rows, each bitwise what coded() writes."""
+        self.experts_call.run(batch.raw, [batch.slots[j] for j in js], x, rows, starts, counts, out,
+                              path=self.compute.path)
 
     def _int8_rows(self, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """down(glu(gate x, up x)) on a prompt's rows x [n, H] with 8-bit activations (prompt.c): gate and up from

@@ -133,7 +133,10 @@ class Experts:
                     side_term = side()
                 if guess is not None and len(eids) <= pass_size:  # one pass: the other slots may take the next layer's
                     store.prefetch(*guess, prompt=True)
-                for j in sorted(range(len(chunk)), key=lambda j: not batch.ready(j)):  # stable: ready ones first
+                todo = sorted(range(len(chunk)), key=lambda j: not batch.ready(j))  # stable: ready ones first
+                if coded is not None and getattr(math, "experts_call", None) is not None:
+                    todo = self._run_many(batch, todo, c0, starts, padded, coded, tok, ys)
+                for j in todo:
                     batch.wait(j)
                     a, n = starts[c0 + j], padded[c0 + j]
                     if coded is None:
@@ -145,6 +148,23 @@ class Experts:
             finally:
                 store.release(L)
         return side_term
+
+    def _run_many(self, batch, todo: list[int], c0: int, starts: list[int], padded: list[int], coded,
+                  tok: torch.Tensor, ys: torch.Tensor) -> list[int]:
+        """The experts of todo with more than EXPERT_Q8_MAX_ROWS rows, in native calls of all those in memory at
+        once (GluMath.coded_many: ready ones first, then whichever have landed each time the next is waited for);
+        returns the rest (a few rows each) for the per-expert loop. Each expert writes only its own rows: the
+        same bits in any order."""
+        big = [j for j in todo if padded[c0 + j] > EXPERT_Q8_MAX_ROWS]
+        while big:
+            batch.wait(big[0])
+            now = [j for j in big if batch.arrived(j)]  # big[0] and every other one already in
+            for j in now:
+                batch.wait(j)
+            self.math.coded_many(batch, now, coded, tok, [starts[c0 + j] for j in now],
+                                 [padded[c0 + j] for j in now], ys)
+            big = [j for j in big if j not in now]
+        return [j for j in todo if padded[c0 + j] <= EXPERT_Q8_MAX_ROWS]
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                    side=None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -41,7 +41,7 @@ import ctypes
 import torch
 
 from ..spec import QuantSpec
-from ._lib import BEST, LIB as _LIB, desc as _desc, need, simd
+from ._lib import BEST, LIB as _LIB, desc as _desc, layout as _layout, need, simd
 
 if _LIB is not None:
     _LIB.sluice_prompt_vnni.restype = ctypes.c_int
@@ -62,6 +62,13 @@ if _LIB is not None:
     _LIB.sluice_prompt_code.restype = ctypes.c_int
     _LIB.sluice_prompt_code_bytes.argtypes = [_i64, _i64, ctypes.c_int]
     _LIB.sluice_prompt_code_bytes.restype = _i64
+    # n, expert addresses, first rows, row counts, gate bytes per row, up offset, its bytes per row, gate format,
+    # down offset, its bytes per row, its format, H, I, coded rows, their count, row indices, their count, y, planes,
+    # path
+    _LIB.sluice_prompt_experts_coded.argtypes = [_i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _i64, _i64,
+                                                 ctypes.c_int, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int,
+                                                 ctypes.c_int]
+    _LIB.sluice_prompt_experts_coded.restype = ctypes.c_int
     _LIB.sluice_prompt_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, ctypes.c_int]  # y, T, N, ldy, out, ldo
     _LIB.sluice_prompt_bf16.restype = None
 
@@ -148,6 +155,55 @@ class Coded:
 
     def __init__(self, data: torch.Tensor, rows: int, cols: int, planes: int):
         self.data, self.rows, self.cols, self.planes = data, rows, cols, planes
+
+
+class ExpertsCall:
+    """prompt.expert for many experts of one slot layout in one native call: each expert's gate, up (or None: gate
+    is [gate; up]) and down (Q4_K, Q5_K or Q6_K gate / up; Q4_K or Q6_K down) at byte offsets of its slot, checked
+    once here; run(slots, x, rows, starts, counts, out) computes expert e on rows rows[starts[e] : + counts[e]] of
+    the Coded x into out[starts[e] : + counts[e]] (bf16 [n_rows, H]), bitwise prompt.expert on each in turn."""
+
+    def __init__(self, gate: QuantSpec, up: QuantSpec | None, down: QuantSpec, offsets: tuple[int, int, int]):
+        need()
+        self.h, self.i = gate.in_features, gate.out_features // (1 if up is not None else 2)
+        for spec, n, k, what in ((gate, gate.out_features, self.h, "gate"), (up, self.i, self.h, "up"),
+                                 (down, self.h, self.i, "down")):
+            if spec is not None and (not supported(spec, AVX2_FORMATS) or (spec.out_features, spec.in_features)
+                                     != (n, k)):
+                raise ValueError(f"prompt.ExpertsCall: {what} must be {' or '.join(sorted(AVX2_FORMATS))} [{n}, {k}]"
+                                 f", got {spec.name} [{spec.out_features}, {spec.in_features}]")
+        if up is not None and up.name != gate.name:
+            raise ValueError(f"prompt.ExpertsCall: gate and up must share a format, got {gate.name} and {up.name}")
+        (_, self.gfmt, _, _, _, self.grb, *_), (_, self.dfmt, _, _, _, self.drb, *_) = _layout(gate), _layout(down)
+        self.urb = self.grb if up is not None else 0
+        self.uo, self.dof = (offsets[1] if up is not None else -1), offsets[2]
+        self.end = offsets[2] + down.nbytes  # a slot holds at least this many bytes
+
+    def run(self, raw: torch.Tensor, slots: list[int], x: Coded, rows: torch.Tensor, starts: list[int],
+            counts: list[int], out: torch.Tensor, *, path: int = BEST) -> None:
+        """raw: uint8 [S, slot bytes] (the store's slots); slots[e] expert e's; rows int64 [n_rows] (row indices
+        into x), out bf16 [n_rows, H], both contiguous."""
+        n = len(slots)
+        if not (isinstance(raw, torch.Tensor) and raw.dtype is torch.uint8 and raw.dim() == 2 and raw.is_cpu
+                and raw.stride(1) == 1 and raw.shape[1] >= self.end):
+            raise ValueError(f"prompt.ExpertsCall: raw must be CPU uint8 [slots, bytes], got {raw}")
+        if not (isinstance(x, Coded) and x.cols == self.h and rows.dtype is torch.int64 and rows.dim() == 1
+                and rows.is_contiguous() and out.dtype is torch.bfloat16 and out.is_contiguous()
+                and tuple(out.shape) == (rows.numel(), self.h) and len(starts) == len(counts) == n):
+            raise ValueError(f"prompt.ExpertsCall: x must be a Coded [T, {self.h}], rows int64 [n], out bf16 [n, "
+                             f"{self.h}] and a start and count per slot")
+        base, step = raw.data_ptr(), raw.stride(0)
+        if not all(0 <= s < raw.shape[0] for s in slots):
+            raise ValueError(f"prompt.ExpertsCall: slots {slots} outside the {raw.shape[0]} slots")
+        arr = ctypes.c_int64 * n
+        rc = _LIB.sluice_prompt_experts_coded(
+            n, arr(*(base + s * step for s in slots)), arr(*starts), arr(*counts), self.grb, self.uo, self.urb,
+            self.gfmt, self.dof, self.drb, self.dfmt, self.h, self.i, x.data.data_ptr(), x.rows, rows.data_ptr(),
+            rows.numel(), out.data_ptr(), x.planes, path)
+        if rc == -1:
+            raise MemoryError(f"prompt.ExpertsCall: no memory for an expert's scratch ({max(counts)} rows)")
+        if rc:
+            raise ValueError(f"prompt.ExpertsCall: the kernel refused its arguments (code {rc})")
 
 
 def to_bf16(y: torch.Tensor, *, path: int = BEST) -> torch.Tensor:
