@@ -171,3 +171,26 @@ def test_combine_rows_is_the_torch_expression_bitwise(wdtype, threads):
         native.set_threads(1)
     with pytest.raises(ValueError, match="combine_rows_bf16"):
         native.combine_rows_bf16(ys, w, at + T * K, torch.empty(T, H, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 16384, 16384 * 3 + 5])
+def test_add_is_torchs_bitwise_on_every_path(n):
+    """ops.add_bf16 (a prompt's residual add over the pool) is torch's bf16 `a + b` bit for bit on the AVX2 and the
+    portable loops: ties to even, infinities, overflow to inf, subnormals; a NaN sum is the 0x7fc0 NaN."""
+    from sluice.quant.native import ops
+    from tests.quant import paths
+
+    g = torch.Generator().manual_seed(n)
+    a = (torch.randn(n, generator=g) * torch.logspace(-38, 38, n)).bfloat16()
+    b = (torch.randn(n, generator=g) * torch.logspace(38, -38, n)).bfloat16()
+    if n >= 8:
+        a[:6] = torch.tensor([float("inf"), float("nan"), 3.3e38, 1e-39, 1.0, -0.0]).bfloat16()
+        b[:6] = torch.tensor([-float("inf"), 1.0, 3.3e38, 1e-39, 2.0 ** -8, 0.0]).bfloat16()  # 1 + 2^-8: a tie
+    ref = a + b
+    nan = ref.isnan()
+    outs = paths.on_each(lambda path: ops.add_bf16(a, b, path=path))
+    for out in outs:
+        assert torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+        assert (out.view(torch.int16)[nan] == 0x7FC0).all()
+    with pytest.raises(ValueError, match="bf16"):
+        ops.add_bf16(a, b.float())

@@ -7,6 +7,7 @@ loops, the same bits.
     out = ops.rms_norm_scaled_bf16(x, 1 + w.float(), eps)   # the zero-centred norm (Qwen3-Next, Qwen3.5)
     ops.combine_bf16(ys, w, at, out)          # decode: a token's expert outputs, weighted, summed in order
     ops.combine_rows_bf16(ys, w, at, out)     # a prompt's weighted sum of its expert outputs
+    z = ops.add_bf16(x, y)                    # a prompt's residual add, torch's x + y
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ if LIB is not None:
     # heads, T, D, rot, x, head stride, token stride, cos, sin, out, path
     LIB.sluice_rope_bf16.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32]
     LIB.sluice_rope_bf16.restype = None
+    LIB.sluice_add_bf16.argtypes = [i64, ptr, ptr, ptr, i32]  # n, a, b, out, path
+    LIB.sluice_add_bf16.restype = None
 
 
 def combine_bf16(ys: torch.Tensor, w: torch.Tensor, at: list[int], out: torch.Tensor, *, path: int = BEST) -> None:
@@ -112,4 +115,16 @@ def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, path: in
     out = torch.empty(heads, t, d, dtype=torch.bfloat16)
     LIB.sluice_rope_bf16(heads, t, d, rot, x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                          out.data_ptr(), path)
+    return out
+
+
+def add_bf16(a: torch.Tensor, b: torch.Tensor, *, path: int = BEST) -> torch.Tensor:
+    """a + b for bf16 tensors of one shape (contiguous) into a new tensor: bitwise torch's `a + b` (float32 sums
+    rounded to nearest even; a NaN as 0x7fc0), in blocks over the C pool."""
+    if not (a.dtype is b.dtype is torch.bfloat16 and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
+            and a.is_cpu and b.is_cpu):
+        raise ValueError(f"add_bf16: need two contiguous CPU bf16 tensors of one shape, got {a.dtype} "
+                         f"{list(a.shape)} and {b.dtype} {list(b.shape)}")
+    out = torch.empty_like(a)
+    LIB.sluice_add_bf16(a.numel(), a.data_ptr(), b.data_ptr(), out.data_ptr(), path)
     return out
