@@ -194,3 +194,20 @@ def test_add_is_torchs_bitwise_on_every_path(n):
         assert (out.view(torch.int16)[nan] == 0x7FC0).all()
     with pytest.raises(ValueError, match="bf16"):
         ops.add_bf16(a, b.float())
+
+
+@pytest.mark.parametrize("n", [1, 9, 16384 * 2 + 3])
+def test_widening_is_torchs_bitwise_on_every_path(n):
+    """ops.to_float32 (a prompt's bf16 rows for a float32 GEMM, over the pool) is x.float() bit for bit, NaN
+    payloads and signed zeros included; rows_linear takes it from NATIVE_WIDEN_ROWS rows (the same product)."""
+    from sluice.quant.matmul import NATIVE_WIDEN_ROWS, rows_linear
+    from sluice.quant.native import ops
+    from tests.quant import paths
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-32768, 32767, (n,), generator=g, dtype=torch.int16).view(torch.bfloat16)  # every bit pattern
+    for out in paths.on_each(lambda path: ops.to_float32(x, path=path)):
+        assert torch.equal(out.view(torch.int32), x.float().view(torch.int32))
+    rows = torch.randn(NATIVE_WIDEN_ROWS + 3, 256, generator=g).bfloat16()
+    w = torch.randn(48, 256, generator=g).bfloat16()
+    assert torch.equal(rows_linear(rows, w), torch.nn.functional.linear(rows.float(), w.float()).bfloat16())

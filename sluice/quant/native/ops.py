@@ -8,6 +8,7 @@ loops, the same bits.
     ops.combine_bf16(ys, w, at, out)          # decode: a token's expert outputs, weighted, summed in order
     ops.combine_rows_bf16(ys, w, at, out)     # a prompt's weighted sum of its expert outputs
     z = ops.add_bf16(x, y)                    # a prompt's residual add, torch's x + y
+    xf = ops.to_float32(x)                    # bf16 rows widened (exact) for a float32 GEMM
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ if LIB is not None:
     LIB.sluice_rope_bf16.restype = None
     LIB.sluice_add_bf16.argtypes = [i64, ptr, ptr, ptr, i32]  # n, a, b, out, path
     LIB.sluice_add_bf16.restype = None
+    LIB.sluice_bf16_to_f32.argtypes = [i64, ptr, ptr, i32]  # n, x, out, path
+    LIB.sluice_bf16_to_f32.restype = None
 
 
 def combine_bf16(ys: torch.Tensor, w: torch.Tensor, at: list[int], out: torch.Tensor, *, path: int = BEST) -> None:
@@ -127,4 +130,13 @@ def add_bf16(a: torch.Tensor, b: torch.Tensor, *, path: int = BEST) -> torch.Ten
                          f"{list(a.shape)} and {b.dtype} {list(b.shape)}")
     out = torch.empty_like(a)
     LIB.sluice_add_bf16(a.numel(), a.data_ptr(), b.data_ptr(), out.data_ptr(), path)
+    return out
+
+
+def to_float32(x: torch.Tensor, *, path: int = BEST) -> torch.Tensor:
+    """x (contiguous CPU bf16) widened to a new float32 tensor, bitwise x.float(), in blocks over the C pool."""
+    if not (x.dtype is torch.bfloat16 and x.is_contiguous() and x.is_cpu):
+        raise ValueError(f"to_float32: need a contiguous CPU bf16 tensor, got {x.dtype} {list(x.shape)}")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    LIB.sluice_bf16_to_f32(x.numel(), x.data_ptr(), out.data_ptr(), path)
     return out
