@@ -8,7 +8,8 @@
 Capped runs (`--isa avx2`) need torch capped too: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment. Seconds per piece, summed over the run (prompt) or per step
 (decode, ms). The wrapped pieces nest: `layer` holds `attn` and `moe`; `moe` holds `experts_run` (a prompt's expert
-passes); `attn` holds `attn.qkv`, `attn.attend` and `attn.out`.
+passes, which hold `experts_C`, their native calls) and `combine`; `attn` holds `attn.qkv`, `attn.attend` and
+`attn.out`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def _timed(T: dict, owner, attr: str, key: str) -> None:
 def _wrap(T: dict) -> None:
     from sluice.models import model as mm
     from sluice.models.layers import attention as att, moe, residual
+    from sluice.quant.native import ops, prompt
+
+    for name in ("sluice_prompt_expert_coded", "sluice_prompt_experts_coded"):  # the experts' C calls (either entry)
+        if hasattr(prompt._LIB, name):
+            _timed(T, prompt._LIB, name, "experts_C")
+    _timed(T, ops, "combine_rows_bf16", "combine")
 
     _timed(T, residual.PreNorm, "__call__", "layer")
     _timed(T, moe.MoE, "__call__", "moe")

@@ -34,8 +34,9 @@ from ..models.spec import Spec, Weights
 
 
 #: rows of a prompt's x a guess ranks at most (evenly spaced): the guess only orders the next layer's read-ahead, and
-#: a long prompt's rows pick nearly every expert; 2,048 rows took 3.8 ms a layer on the float32 GEMM, 256 rows 1.0
-#: (the peers Q4_K_M, Intel Xeon capped at AVX2, 2 threads)
+#: a long prompt's rows pick nearly every expert; 2,048 rows took 3.68 ms a layer on the float32 GEMM, 256 rows 0.78
+#: (the peers Q4_K_M, Intel Xeon capped at AVX2, 2 threads: `benchmarks/quantized/prompt_guess.py`,
+#: benchmarks/results/quantized/breakdown/prompt-guess.txt)
 GUESS_ROWS = 256
 
 

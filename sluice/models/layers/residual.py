@@ -22,8 +22,9 @@ class PreNorm:
         lw = b.w.layers[L]
         self.L, self.mixer, self.ffn = L, mixer, ffn
         self.input_norm, self.post_norm = b.norm(lw.input_norm), b.norm(lw.post_norm)
-        # a prompt's bf16 residual adds in one native call over the pool (torch's bf16 add took ~1 ms a [2,048 x
-        # 1,024] on AVX2, 30 ms of a 2,048-token prompt of the peers model; its in-place add_ 2.5 ms), the same bits
+        # a prompt's bf16 residual adds in one native call over the pool (torch's bf16 add took 1.0 ms a [2,048 x
+        # 1,024] on AVX2, 32 ms of a 2,048-token prompt of the peers model: benchmarks/quantized/prompt_profile.py,
+        # benchmarks/results/quantized/breakdown/prompt-profile-2.txt), the same bits
         self.path = b.compute.path if native.available() else None
 
     def _add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -308,8 +308,8 @@ void sluice_rope_bf16(int64_t heads, int64_t T, int64_t D, int64_t rot, const ui
 }
 
 /* out = bf16(a + b) elementwise over n bf16 values (torch's `a + b` on bf16 tensors: float32 sum, rounded to
- * nearest even), in blocks over the pool: a prompt's residual adds ([2,048 x 1,024] took ~1 ms in torch on AVX2;
- * out may be a or b) */
+ * nearest even), in blocks over the pool: a prompt's residual adds ([2,048 x 1,024] took 1.0 ms in torch on AVX2:
+ * benchmarks/results/quantized/breakdown/prompt-profile-2.txt; out may be a or b) */
 typedef struct {
     const uint16_t *a, *b;
     uint16_t *out;
@@ -345,8 +345,8 @@ void sluice_add_bf16(int64_t n, const uint16_t *a, const uint16_t *b, uint16_t *
 }
 
 /* out = x widened, n bf16 values to float32 (exact: the same bits as torch's x.float()), in blocks over the pool: a
- * prompt's rows for a float32 GEMM (the router's [2,048 x 1,024] took 1.8 ms in torch on AVX2, 29 ms a prompt of the
- * peers model: its fresh output's page faults and one pass) */
+ * prompt's rows for a float32 GEMM (the router's [2,048 x 1,024], one of the 48 such copies of a prompt of the peers
+ * model at 1.96 ms each in torch on AVX2: benchmarks/results/quantized/breakdown/prompt-profile-2.txt) */
 typedef struct {
     const uint16_t *x;
     float *out;

@@ -468,7 +468,8 @@ static void bf16_rows_task(void *c, int64_t i) {
 
 /* out [T, N] (rows ldo apart) = y [T, N] (float32, rows ldy apart) rounded to bf16 (round to nearest even, NaN to
  * 0x7fc0: torch's .to(torch.bfloat16)), rows over the pool: a prompt projection's output, where torch's conversion
- * took 1.6-2.5 ms a [2,048 x 1,024] (its profiler, AVX2; benchmarks/quantized/prompt_profile.py) */
+ * took ~2 ms a [2,048 x 1,024] (its profiler, AVX2: the prompt's copy_ 118 -> 15 ms with this and the widening,
+ * benchmarks/quantized/prompt_profile.py, benchmarks/results/quantized/breakdown/prompt-profile-2.txt) */
 void sluice_prompt_bf16(const float *y, int64_t T, int64_t N, int64_t ldy, uint16_t *out, int64_t ldo, int scalar) {
     bf16_rows_job j = {y, out, T, N, ldy, ldo, scalar};
     if (T > 0 && N > 0) pool_run(bf16_rows_task, &j, (T + BF16_ROWS - 1) / BF16_ROWS);
@@ -690,8 +691,9 @@ int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq
 }
 
 /* n experts of one format on rows of a layer's coded x (sluice_prompt_code of Tc rows), one call for a pass's
- * experts already in memory (the Python loop around each call cost ~60 us an expert: ~60 ms of a 2,048-token prompt
- * of the peers model). Expert e: its stored bytes at w[e] (gate rows there, up at + uo, or uo < 0 for gate and up as
+ * experts already in memory (the Python loop around each call: experts_run - experts_C 0.06-0.08 s of a 2,048-token
+ * prompt of the peers model before, 0.005 now: `benchmarks/quantized/breakdown.py prompt --isa avx2`,
+ * benchmarks/results/quantized/breakdown/prompt-avx2-5.txt and expert-loop.txt). Expert e: its stored bytes at w[e] (gate rows there, up at + uo, or uo < 0 for gate and up as
  * one [2I, H] matrix; down at + dof), its rows idx[a[e] .. a[e] + T[e]) of xc (idx and y: nrows rows), its output
  * bf16 rows y + a[e] * H.
  * Each expert is sluice_prompt_expert_coded, in the order given; the same bits. Returns 0, or the first nonzero code
