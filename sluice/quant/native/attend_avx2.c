@@ -91,12 +91,19 @@ AVX2 static void block_scores_avx2(const float *q, int64_t prow, const float *kt
 
 /* row sr's scores (the first `see` of BK kept) -> its probabilities in place; *mx, *sum moved on, the old terms'
  * factor in *alpha. The keys' lanes: maxima per lane over the 8-key vectors, then the lanes in order; the sum
- * likewise. exp_poly8 clamps a NaN away (maxps): a NaN score (or inf - inf) makes the row's sum, so its output, NaN */
-/* a block the row sees whole (every block but the diagonal one): no masks, the same operations on every lane (a
- * 2,048-token layer 47.1-47.3 -> 45.8-46.0 ms, 2 threads: benchmarks/results/quantized/breakdown/attend-avx2-2.txt) */
-AVX2_INLINE void row_softmax_full(float *sr, float *mx, float *sum, float *alpha) {
-    __m256 v[BK / 8], m = _mm256_set1_ps(-INFINITY);
-    for (int c = 0; c < BK / 8; c++) m = _mm256_max_ps(m, v[c] = _mm256_loadu_ps(sr + 8 * c));
+ * likewise. exp_poly8 clamps a NaN away (maxps): a NaN score (or inf - inf) makes the row's sum, so its output, NaN.
+ * `whole` (a constant at each call): the row sees every key of the block (all but the diagonal block), so no lane is
+ * masked: the same operations on every kept lane (a 2,048-token layer 47.1-47.3 -> 45.8-46.0 ms without the masks,
+ * 2 threads: benchmarks/results/quantized/breakdown/attend-avx2-2.txt) */
+AVX2_INLINE void row_softmax_body(float *sr, int64_t see, float *mx, float *sum, float *alpha, const int whole) {
+    __m256 v[BK / 8], keep[BK / 8], m = _mm256_set1_ps(-INFINITY);
+    for (int c = 0; c < BK / 8; c++) {
+        v[c] = _mm256_loadu_ps(sr + 8 * c);
+        if (!whole)
+            keep[c] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(see - 8 * c)),
+                                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        m = _mm256_max_ps(m, whole ? v[c] : _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v[c], keep[c]));
+    }
     float lanes[8], bm = -INFINITY;
     _mm256_storeu_ps(lanes, m);
     for (int l = 0; l < 8; l++) bm = lanes[l] > bm ? lanes[l] : bm;
@@ -105,9 +112,12 @@ AVX2_INLINE void row_softmax_full(float *sr, float *mx, float *sum, float *alpha
     *mx = nm;
     __m256 tot = _mm256_setzero_ps(), nmv = _mm256_set1_ps(nm), bad = _mm256_setzero_ps();
     for (int c = 0; c < BK / 8; c++) {
-        __m256 z = _mm256_sub_ps(v[c], nmv);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(z, z, _CMP_UNORD_Q));
-        __m256 e = exp_poly8(z);
+        __m256 z = _mm256_sub_ps(v[c], nmv), nan = _mm256_cmp_ps(z, z, _CMP_UNORD_Q), e = exp_poly8(z);
+        if (!whole) {
+            nan = _mm256_and_ps(keep[c], nan);
+            e = _mm256_and_ps(keep[c], e);
+        }
+        bad = _mm256_or_ps(bad, nan);
         tot = _mm256_add_ps(tot, e);
         _mm256_storeu_ps(sr + 8 * c, e);
     }
@@ -118,34 +128,8 @@ AVX2_INLINE void row_softmax_full(float *sr, float *mx, float *sum, float *alpha
 }
 
 AVX2 static void row_softmax_avx2(float *sr, int64_t see, float *mx, float *sum, float *alpha) {
-    if (see >= BK) {
-        row_softmax_full(sr, mx, sum, alpha);
-        return;
-    }
-    __m256 keep[BK / 8], m = _mm256_set1_ps(-INFINITY);
-    for (int c = 0; c < BK / 8; c++) {
-        keep[c] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(see - 8 * c)),
-                                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-        m = _mm256_max_ps(m, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(sr + 8 * c), keep[c]));
-    }
-    float lanes[8], bm = -INFINITY;
-    _mm256_storeu_ps(lanes, m);
-    for (int l = 0; l < 8; l++) bm = lanes[l] > bm ? lanes[l] : bm;
-    float nm = bm > *mx ? bm : *mx;
-    *alpha = *mx == -INFINITY ? 0.0f : exp_poly(*mx - nm);
-    *mx = nm;
-    __m256 tot = _mm256_setzero_ps(), nmv = _mm256_set1_ps(nm), bad = _mm256_setzero_ps();
-    for (int c = 0; c < BK / 8; c++) {
-        __m256 z = _mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c), nmv);
-        bad = _mm256_or_ps(bad, _mm256_and_ps(keep[c], _mm256_cmp_ps(z, z, _CMP_UNORD_Q)));
-        __m256 e = _mm256_and_ps(keep[c], exp_poly8(z));
-        tot = _mm256_add_ps(tot, e);
-        _mm256_storeu_ps(sr + 8 * c, e);
-    }
-    _mm256_storeu_ps(lanes, tot);
-    float t = 0.0f;
-    for (int l = 0; l < 8; l++) t += lanes[l];
-    *sum = _mm256_movemask_ps(bad) ? NAN : *sum * *alpha + t;
+    if (see >= BK) row_softmax_body(sr, see, mx, sum, alpha, 1);
+    else row_softmax_body(sr, see, mx, sum, alpha, 0);
 }
 
 /* o [prow][D] = o * alpha + p @ v of the block (v: its [BK][D]) */

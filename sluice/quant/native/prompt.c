@@ -458,13 +458,11 @@ typedef struct {
     int scalar;
 } bf16_rows_job;
 
-#define BF16_ROWS 16 /* rows a pool task */
-
-static void bf16_rows_task(void *c, int64_t i) {
+static void bf16_row(void *c, int64_t t) {
     const bf16_rows_job *j = (const bf16_rows_job *)c;
-    for (int64_t t = i * BF16_ROWS; t < j->T && t < (i + 1) * BF16_ROWS; t++)
-        sluice_to_bf16(j->N, j->y + t * j->ldy, j->out + t * j->ldo, j->scalar);
+    sluice_to_bf16(j->N, j->y + t * j->ldy, j->out + t * j->ldo, j->scalar);
 }
+static void bf16_rows(void *c, int64_t i) { rows_of_task(bf16_row, c, i, ((const bf16_rows_job *)c)->T); }
 
 /* out [T, N] (rows ldo apart) = y [T, N] (float32, rows ldy apart) rounded to bf16 (round to nearest even, NaN to
  * 0x7fc0: torch's .to(torch.bfloat16)), rows over the pool: a prompt projection's output, where torch's conversion
@@ -472,7 +470,7 @@ static void bf16_rows_task(void *c, int64_t i) {
  * benchmarks/quantized/prompt_profile.py, benchmarks/results/quantized/breakdown/prompt-profile-2.txt) */
 void sluice_prompt_bf16(const float *y, int64_t T, int64_t N, int64_t ldy, uint16_t *out, int64_t ldo, int scalar) {
     bf16_rows_job j = {y, out, T, N, ldy, ldo, scalar};
-    if (T > 0 && N > 0) pool_run(bf16_rows_task, &j, (T + BF16_ROWS - 1) / BF16_ROWS);
+    if (T > 0 && N > 0) pool_run(bf16_rows, &j, ROW_TASKS(T));
 }
 
 typedef struct {
@@ -614,20 +612,6 @@ static void glu_task(void *c, int64_t t) {
 }
 static void glu_rows(void *c, int64_t i) { rows_of_task(glu_task, c, i, ((const glu_job *)c)->T); }
 
-typedef struct {
-    const float *y;
-    uint16_t *out;
-    int64_t H;
-    int scalar;
-    int64_t T;
-} bf16_job;
-
-static void bf16_task(void *c, int64_t t) {
-    const bf16_job *j = (const bf16_job *)c;
-    sluice_to_bf16(j->H, j->y + t * j->H, j->out + t * j->H, j->scalar);
-}
-static void bf16_rows(void *c, int64_t i) { rows_of_task(bf16_task, c, i, ((const bf16_job *)c)->T); }
-
 /* y [T, H] bf16 = down(silu(gate x) * up x) for x [T, H] bf16, gate and up [I, H] of format gfmt (Q4_K, or Q5_K
  * / Q6_K on the AVX2 and portable tiles; gq / uq and their bytes
  * per row; uq NULL: gq holds [gate; up] as one [2I, H] matrix), in one call: x coded once, gate and up tiles over
@@ -683,8 +667,7 @@ int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq
         dn.d[3] = (intptr_t)yf;
         dn.xq = &g.xq;
         pool_run(tile_task, &dn, dn.tiles[1]);
-        bf16_job b = {.y = yf, .out = y, .H = H, .scalar = scalar, .T = T};
-        pool_run(bf16_rows, &b, ROW_TASKS(T));
+        sluice_prompt_bf16(yf, T, H, H, y, H, scalar);
     }
     keep_give(buf, owned);
     return up.failed || dn.failed ? -1 : 0;
@@ -693,10 +676,10 @@ int sluice_prompt_expert_coded(const uint8_t *gq, int64_t grb, const uint8_t *uq
 /* n experts of one format on rows of a layer's coded x (sluice_prompt_code of Tc rows), one call for a pass's
  * experts already in memory (the Python loop around each call: experts_run - experts_C 0.06-0.08 s of a 2,048-token
  * prompt of the peers model before, 0.005 now: `benchmarks/quantized/breakdown.py prompt --isa avx2`,
- * benchmarks/results/quantized/breakdown/prompt-avx2-5.txt and expert-loop.txt). Expert e: its stored bytes at w[e] (gate rows there, up at + uo, or uo < 0 for gate and up as
- * one [2I, H] matrix; down at + dof), its rows idx[a[e] .. a[e] + T[e]) of xc (idx and y: nrows rows), its output
- * bf16 rows y + a[e] * H.
- * Each expert is sluice_prompt_expert_coded, in the order given; the same bits. Returns 0, or the first nonzero code
+ * benchmarks/results/quantized/breakdown/prompt-avx2-5.txt and expert-loop.txt). Expert e: its stored bytes at
+ * w[e] (gate rows there, up at + uo, or uo < 0 for gate and up as one [2I, H] matrix; down at + dof), its rows
+ * idx[a[e] .. a[e] + T[e]) of xc (idx and y: nrows rows), its output bf16 rows y + a[e] * H. Each expert is
+ * sluice_prompt_expert_coded, in the order given; the same bits. Returns 0, or the first nonzero code
  * (-1 no memory, -2 bad arguments). */
 int sluice_prompt_experts_coded(int64_t n, const int64_t *w, const int64_t *a, const int64_t *T, int64_t grb,
                                 int64_t uo, int64_t urb, int gfmt, int64_t dof, int64_t drb, int dfmt, int64_t H,

@@ -24,8 +24,8 @@ typedef struct {
 } xq_t;
 
 /* Tokens a tile kernel runs both halves of its rows over before the next block of tokens: a block's codes (bytes
- * a token: K, or 2K at two planes) stay in L2 (256 KiB of them) between the halves; a multiple of 60 (the passes'
- * 4, 5 and 6 tokens) so only the last block has a remainder. 2,048 tokens at one plane, 2 threads, Intel Xeon
+ * a token: K, or 2K at two planes) stay in L2 (256 KiB of them) between the halves; a multiple of 60, so of every
+ * pass length (4 and 5 tokens; 6 was tried), and only the last block has a remainder. 2,048 tokens at one plane, 2 threads, Intel Xeon
  * capped at AVX2, GMAC/s over the whole x / in blocks: attn_q [1024 x 1024] 175.6 / 188.8, an expert gate [512 x
  * 1024] 183.9 / 195.2 (3/3 paired runs faster; 256 tokens: 204-222) (`benchmarks/quantized/prompt_tile.py 2048
  * --tensor ...`, benchmarks/results/quantized/breakdown/prompt-tile-q6k.txt). */

@@ -245,7 +245,7 @@ AVX2 static void tile_q6k_avx2(const uint8_t *tile, int64_t nsb, const xq_t *x, 
 void sluice_prompt_q6k_tile(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nsb, int64_t n0, uint8_t *tile,
                             const xq_t *x, int rows, float *y, int64_t ldy, int avx2) {
 #if SLUICE_X86
-    if (avx2 && rows == TILE_ROWS && row_bytes <= INT64_MAX / TILE_ROWS)
+    if (avx2 && rows == TILE_ROWS)
         pack_q6k_avx2(w + n0 * row_bytes, row_bytes, nsb, tile);
     else
 #endif
