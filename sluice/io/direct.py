@@ -2,7 +2,9 @@
 
 A batch is planned (sorted, deduped, coalesced: ranges.plan_reads), cut into `workers` contiguous chunks of about
 equal bytes, and each worker loops over its chunk. Buffered reads are zero-copy (preadv into the destinations, gaps
-into a scratch buffer); O_DIRECT reads go through a page-aligned per-worker staging buffer and are copied out.
+into a scratch buffer); O_DIRECT reads land in place where a destination's address agrees with its file offset
+modulo the file's O_DIRECT alignment (probed at open: 512 to 4096 bytes), the rest through a page-aligned
+per-worker staging buffer, copied out.
 
 Changed files: file descriptors are opened once per path (lazily, by the caller) and kept until close(). A file is
 read only as the version its header described (FileGuard: the stamp handed to `expect`, else the one seen at the
@@ -64,8 +66,16 @@ ENGINES = ("auto", "native", "python")
 # threads take no time from the math.
 ROW_WORKERS = 16
 
-# O_DIRECT needs offset, length and buffer address aligned to the logical block size; 4096 covers every disk here.
-ALIGN = 4096
+# O_DIRECT needs offset, length and buffer address aligned to the device's logical block size (512 on this VM's
+# virtio disk, 4096 on many NVMe drives); each file's alignment is probed when it is opened (_odirect_align), the
+# smallest of DIO_ALIGNS its reads accept. Why the smallest: a read goes straight into its destination only when the
+# destination's address agrees with the file offset modulo the alignment (else through staging and a copy), and the
+# streaming store places its slots so (store/streaming.py). At 512 every expert of a GGUF tensor agrees with its
+# neighbours (their sizes are whole 512-byte blocks, 210 x 512 for a Q6_K expert of the issue-30 model): 99.7% of
+# that model's expert bytes land in place, against 49.5% at 4096, where a layer's gate, up and down tensors sit at
+# different residues (benchmarks/results/hybrid/dio-align.txt).
+DIO_ALIGNS = (512, 1024, 2048, 4096)
+ALIGN = DIO_ALIGNS[-1]  # the largest: windows and scratch areas that must suit any file
 
 
 def preadv_full(fd: int, bufs: list[memoryview], offset: int, path: str, read: Read) -> None:
@@ -152,7 +162,7 @@ class _Pool:
         self.max_gap = max_gap
         self.counters = counters
         self.tasks: queue.SimpleQueue[tuple[_Batch, list[Read]] | None] = queue.SimpleQueue()
-        self.fds: dict[str, tuple[int, bool]] = {}  # path -> (fd, opened with O_DIRECT)
+        self.fds: dict[str, tuple[int, int]] = {}  # path -> (fd, its O_DIRECT alignment; 0: buffered)
         self.guard = FileGuard()
         self.lock = threading.Lock()
         self.closed = False
@@ -164,8 +174,9 @@ class _Pool:
         for t in self.threads:
             t.start()
 
-    def fd(self, path: str) -> tuple[int, bool]:
-        """The cached (fd, is_odirect) of `path`, opened on first use (in the caller's thread)."""
+    def fd(self, path: str) -> tuple[int, int]:
+        """The cached (fd, O_DIRECT alignment: 0 when read buffered) of `path`, opened on first use (in the caller's
+        thread)."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("reader is closed")
@@ -180,7 +191,7 @@ class _Pool:
                 self.fds[path] = got
             return got
 
-    def _open(self, path: str) -> tuple[int, bool]:
+    def _open(self, path: str) -> tuple[int, int]:
         flags = os.O_RDONLY | os.O_CLOEXEC
         if self.odirect:
             try:
@@ -189,8 +200,8 @@ class _Pool:
                 if e.errno != errno.EINVAL:
                     raise CheckpointError(f"cannot open: {e.strerror or e}", file=path) from e
             else:
-                if _odirect_works(fd):
-                    return fd, True
+                if align := _odirect_align(fd):
+                    return fd, align
                 os.close(fd)
             # the filesystem refuses O_DIRECT: read buffered rather than fail; stats() says so
             self.odirect_fallback = True
@@ -200,7 +211,7 @@ class _Pool:
             raise CheckpointError(f"cannot open: {e.strerror or e}", file=path) from e
         # Buffered reads: no readahead past the requested pages (the plan already says what is needed).
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return fd, False
+        return fd, 0
 
     def _work(self) -> None:
         scratch = _Scratch(self.max_gap)
@@ -223,9 +234,9 @@ class _Pool:
                 batch.part_done()
 
     def _execute(self, r: Read, scratch: _Scratch) -> None:
-        fd, direct = self.fds[r.path]
-        if direct:
-            self._read_direct(fd, r, scratch)
+        fd, align = self.fds[r.path]
+        if align:
+            self._read_direct(fd, r, scratch, align)
             return
         bufs = r.iovecs(scratch.gap)
         if bufs is None:  # overlapping ranges: read the window once, then scatter
@@ -238,15 +249,15 @@ class _Pool:
             r.copy_duplicates()
             self.counters.add_copied(sum(seg.nbytes * (len(seg.dests) - 1) for seg in r.segments))
 
-    def _read_direct(self, fd: int, r: Read, scratch: _Scratch) -> None:
-        """Read the aligned window [offset down to ALIGN, end up to ALIGN) with O_DIRECT: the whole pages of a
-        destination that sits at the file's offset modulo ALIGN straight into it (no copy), every other byte into
+    def _read_direct(self, fd: int, r: Read, scratch: _Scratch, align: int) -> None:
+        """Read the aligned window [offset down to `align`, end up to `align`) with O_DIRECT: the whole blocks of a
+        destination that sits at the file's offset modulo `align` straight into it (no copy), every other byte into
         staging and then copied out."""
-        start = r.offset - r.offset % ALIGN
+        start = r.offset - r.offset % align
         need = r.end - start
-        window = -(-need // ALIGN) * ALIGN
+        window = -(-need // align) * align
         stage = scratch.staging(window)
-        bufs, direct = _direct_iovecs(r, start, window, stage)
+        bufs, direct = _direct_iovecs(r, start, window, stage, align)
         pos, i = start, 0
         while i < len(bufs):
             try:
@@ -258,7 +269,7 @@ class _Pool:
                 break
             # EOF: 0 bytes, or a short read ending off the block grid (O_DIRECT returns short only at EOF, and the
             # next read would be misaligned)
-            if n == 0 or n % ALIGN:
+            if n == 0 or n % align:
                 raise truncated_error(fd, r.path, r, pos)
             i = _advance(bufs, i, n)
         copied = 0
@@ -290,23 +301,23 @@ class _Pool:
         self.fds.clear()
 
 
-def _direct_iovecs(r: Read, start: int, window: int,
-                   stage: memoryview) -> tuple[list[memoryview], list[tuple[int, int]]]:
-    """O_DIRECT buffers for the window [start, start + window) of read `r` (start and window multiples of ALIGN),
-    in file order, each ALIGN-aligned in address and length, and per segment the run [a, b) of its bytes read
-    straight into its primary destination ((0, 0) when none).
+def _direct_iovecs(r: Read, start: int, window: int, stage: memoryview,
+                   align: int = ALIGN) -> tuple[list[memoryview], list[tuple[int, int]]]:
+    """O_DIRECT buffers for the window [start, start + window) of read `r` (start and window multiples of `align`,
+    the file's O_DIRECT alignment; `stage` page-aligned), in file order, each `align`-aligned in address and length,
+    and per segment the run [a, b) of its bytes read straight into its primary destination ((0, 0) when none).
 
-    A segment's whole pages go to its destination when the destination's address and the segment's file offset
-    agree modulo ALIGN (the streaming store places its slots so: store/streaming.py); the rest of the window,
-    partial pages included, goes to the same place in `stage`. Overlapping segments all go through staging."""
+    A segment's whole blocks go to its destination when the destination's address and the segment's file offset
+    agree modulo `align` (the streaming store places its slots so: store/streaming.py); the rest of the window,
+    partial blocks included, goes to the same place in `stage`. Overlapping segments all go through staging."""
     bufs: list[memoryview] = []
     direct: list[tuple[int, int]] = []
     pos = start
     for seg in r.segments:
         o = r.offset + seg.rel
-        a, b = -(-o // ALIGN) * ALIGN, (o + seg.nbytes) // ALIGN * ALIGN
+        a, b = -(-o // align) * align, (o + seg.nbytes) // align * align
         dst = seg.dests[0]
-        if r.overlapping or b <= a or a < pos or (address(dst) - o) % ALIGN:
+        if r.overlapping or b <= a or a < pos or (address(dst) - o) % align:
             direct.append((0, 0))
             continue
         if a > pos:
@@ -319,18 +330,27 @@ def _direct_iovecs(r: Read, start: int, window: int,
     return bufs, direct
 
 
-_PROBE = mmap.mmap(-1, ALIGN)
+_PROBE = memoryview(mmap.mmap(-1, 2 * ALIGN))
 
 
-def _odirect_works(fd: int) -> bool:
-    """Some filesystems accept O_DIRECT at open but fail each read with EINVAL: probe one aligned block."""
-    try:
-        os.preadv(fd, [_PROBE], 0)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return False
-        raise
-    return True
+def _odirect_align(fd: int) -> int:
+    """The smallest of DIO_ALIGNS that O_DIRECT reads of this file accept (offset, length and address aligned to it
+    and to no more), or 0 when none does: some filesystems accept O_DIRECT at open but fail each read with EINVAL."""
+    size = os.fstat(fd).st_size
+    for a in DIO_ALIGNS:
+        # at a file offset and an address that are a-aligned and not 2a-aligned; a read past the end proves nothing
+        # (it returns 0 before any check), so a file shorter than 2a blocks is read as the largest alignment's
+        at = a if 2 * a <= size else 0 if a == ALIGN else None
+        if at is None:
+            continue
+        try:
+            os.preadv(fd, [_PROBE[at : at + a]], at)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                continue
+            raise
+        return a
+    return 0
 
 
 class DirectReader:
@@ -410,6 +430,12 @@ class DirectReader:
     def read(self, requests: Sequence[Request]) -> None:
         """Fill every destination (blocking)."""
         self.submit(requests).result()
+
+    def alignment(self, paths: Iterable[str]) -> int:
+        """The O_DIRECT alignment that suits every one of `paths` that reads with O_DIRECT (the largest of theirs;
+        opens them), 0 when none does: where a destination's address agrees with a read's file offset modulo it, the
+        read lands in place (see _direct_iovecs)."""
+        return max((self._pool.fd(p)[1] for p in dict.fromkeys(paths)), default=0)
 
     def expect(self, stamps: Iterable[FileStamp]) -> None:
         """Read each stamped file only as that version (see FileGuard)."""

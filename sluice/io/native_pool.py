@@ -66,7 +66,7 @@ def available() -> bool:
     return LIB is not None
 
 
-def _ops(chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, bool]], ops: list[int],
+def _ops(chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, int]], ops: list[int],
          ends: list[int]) -> dict[int, tuple[Read, int]]:
     """A batch's chunks appended to ops (preader.c's layout) and the end of each chunk's ops, relative to the
     batch's first op, to ends; returns op index (in the batch) -> (its Read, its fd)."""
@@ -74,9 +74,9 @@ def _ops(chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, bool]], ops
     base = len(ops)
     for chunk in chunks:
         for r in chunk:
-            fd, direct = fds[r.path]
+            fd, align = fds[r.path]  # align: the file's O_DIRECT alignment, 0 when read buffered
             at[len(ops) - base] = (r, fd)
-            ops += (fd, int(direct), r.offset, r.nbytes, int(r.overlapping), len(r.segments))
+            ops += (fd, align, r.offset, r.nbytes, int(r.overlapping), len(r.segments))
             for seg in r.segments:
                 ops += (seg.rel, seg.nbytes, len(seg.dests))
                 ops += [address(d) for d in seg.dests]

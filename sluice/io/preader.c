@@ -10,10 +10,11 @@
  * A batch arrives as one int64 op list (the Python side flattens its read plan: io/native_pool.py `_ops`), cut into
  * parts (one task each, the Python reader's split_even chunks); workers take tasks first to last; the batch is over
  * when its last part is. Per read:
- *   fd, odirect, offset, nbytes, overlapping, nseg, then per segment: rel, nbytes, ndests, dest addresses...
+ *   fd, align (the file's O_DIRECT alignment, 512-4096; 0: buffered), offset, nbytes, overlapping, nseg, then per
+ *   segment: rel, nbytes, ndests, dest addresses...
  * exactly the Python reader's operations (io/direct.py _Pool._execute / _read_direct), so the same bytes land: reads
- * into the destinations where the window allows it (O_DIRECT: whole pages whose address agrees with the file offset
- * modulo ALIGN), everything else through a per-worker page-aligned staging buffer, duplicates copied from the first
+ * into the destinations where the window allows it (O_DIRECT: whole blocks whose address agrees with the file offset
+ * modulo the file's alignment), everything else through a per-worker page-aligned staging buffer, duplicates copied from the first
  * destination. The first error of a batch is kept (kind, read index, errno, file position); a part stops at it.
  */
 #define _GNU_SOURCE
@@ -27,7 +28,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#define ALIGN 4096
+#define ALIGN 4096 /* staging buffers start at a page: any file's O_DIRECT alignment (512-4096) divides it */
 #define MAX_IOV 1024 /* IOV_MAX on Linux; a read has at most 500 segments (ranges.MAX_SEGMENTS), 2 buffers each */
 
 enum { ERR_NONE = 0, ERR_OS = 1, ERR_EOF = 2, ERR_NOMEM = 3, ERR_BAD = 4 };
@@ -137,14 +138,16 @@ static int preadv_full(int fd, struct iovec *iov, int nbuf, int64_t pos, int64_t
     return 0;
 }
 
-/* O_DIRECT: whether segment q (of a read at `offset`) has whole pages [*a, *b) (file offsets) to read straight into
- * its first destination, past *pos (the window read so far, advanced to *b when so): its address agrees with the
- * file offset modulo ALIGN and it shares no bytes with another segment. Both passes of one_read ask it in order. */
-static int direct_run(const int64_t *q, int64_t offset, int overlapping, int64_t *pos, int64_t *a, int64_t *b) {
+/* O_DIRECT: whether segment q (of a read at `offset`) has whole blocks [*a, *b) (file offsets, multiples of al) to
+ * read straight into its first destination, past *pos (the window read so far, advanced to *b when so): its address
+ * agrees with the file offset modulo al and it shares no bytes with another segment. Both passes of one_read ask it
+ * in order. */
+static int direct_run(const int64_t *q, int64_t offset, int overlapping, int64_t al, int64_t *pos, int64_t *a,
+                      int64_t *b) {
     int64_t o = offset + q[0];
-    *a = (o + ALIGN - 1) / ALIGN * ALIGN;
-    *b = (o + q[1]) / ALIGN * ALIGN;
-    if (overlapping || *b <= *a || *a < *pos || ((((intptr_t)q[3] - o) % ALIGN) + ALIGN) % ALIGN) return 0;
+    *a = (o + al - 1) / al * al;
+    *b = (o + q[1]) / al * al;
+    if (overlapping || *b <= *a || *a < *pos || ((((intptr_t)q[3] - o) % al) + al) % al) return 0;
     *pos = *b;
     return 1;
 }
@@ -153,14 +156,15 @@ static int direct_run(const int64_t *q, int64_t offset, int overlapping, int64_t
 static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *copied, int64_t *err,
                     int64_t *at) {
     const int64_t *p = *pp;
-    int fd = (int)p[0], direct = (int)p[1], overlapping = (int)p[4];
+    int fd = (int)p[0], overlapping = (int)p[4];
+    int64_t al = p[1]; /* O_DIRECT alignment; 0: buffered */
     int64_t offset = p[2], nbytes = p[3], nseg = p[5];
     const int64_t *seg0 = p + 6, *q = seg0;
     for (int64_t k = 0; k < nseg; k++) q += 3 + q[2];
     *pp = q;
     struct iovec iov[MAX_IOV];
     int nbuf = 0;
-    if (!direct && !overlapping) { /* zero-copy: the destinations, gaps into the gap buffer */
+    if (!al && !overlapping) { /* zero-copy: the destinations, gaps into the gap buffer */
         int64_t pos = 0;
         q = seg0;
         for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
@@ -179,7 +183,7 @@ static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *
             }
         return 0;
     }
-    if (!direct) { /* overlapping segments: the window into staging, then scattered */
+    if (!al) { /* overlapping segments: the window into staging, then scattered */
         uint8_t *st = staging(s, nbytes);
         if (!st) return ERR_NOMEM;
         iov[0] = (struct iovec){st, (size_t)nbytes};
@@ -193,17 +197,18 @@ static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *
             }
         return 0;
     }
-    /* O_DIRECT: the aligned window; a segment's whole pages straight into its first destination when that
-     * destination's address agrees with its file offset modulo ALIGN, the rest through staging */
-    int64_t start = offset - offset % ALIGN, end = offset + nbytes, need = end - start;
-    int64_t window = (need + ALIGN - 1) / ALIGN * ALIGN;
+    /* O_DIRECT: the aligned window; a segment's whole blocks straight into its first destination when that
+     * destination's address agrees with its file offset modulo al, the rest through staging */
+    if (al < 0 || ALIGN % al) return ERR_BAD;
+    int64_t start = offset - offset % al, end = offset + nbytes, need = end - start;
+    int64_t window = (need + al - 1) / al * al;
     uint8_t *st = staging(s, window);
     if (!st) return ERR_NOMEM;
     int64_t pos = start;
     q = seg0;
     for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
         int64_t was = pos, a, b;
-        if (!direct_run(q, offset, overlapping, &pos, &a, &b)) continue;
+        if (!direct_run(q, offset, overlapping, al, &pos, &a, &b)) continue;
         if (nbuf + 2 > MAX_IOV) return ERR_BAD;
         if (a > was) iov[nbuf++] = (struct iovec){st + (was - start), (size_t)(a - was)};
         iov[nbuf++] = (struct iovec){(void *)((intptr_t)q[3] + (a - offset - q[0])), (size_t)(b - a)};
@@ -222,7 +227,7 @@ static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *
         pos += n;
         if (pos - start >= need) break;
         /* EOF: 0 bytes, or a short read off the block grid (O_DIRECT returns short only at EOF) */
-        if (n == 0 || n % ALIGN) {
+        if (n == 0 || n % al) {
             *at = pos;
             return ERR_EOF;
         }
@@ -234,7 +239,7 @@ static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *
     for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
         int64_t o = offset + q[0], a, b, ra = 0, rb = 0;
         intptr_t dst = (intptr_t)q[3];
-        if (direct_run(q, offset, overlapping, &pos, &a, &b)) {
+        if (direct_run(q, offset, overlapping, al, &pos, &a, &b)) {
             ra = a - o;
             rb = b - o;
         }

@@ -28,9 +28,11 @@ from .prefetch import PrefetchTracker
 from .resident import expert_requests, typed_views
 
 
-# Slots below this size keep the stored layout: a placed slot takes up to two pages more (a 256 KiB one ~3%, paid in
-# slots), and small reads save little copying. The peers Q4_K_M file's slots (996 KiB) are above it.
-PAGE_ALIGNED_MIN_SLOT = 256 << 10
+# Slots of fewer O_DIRECT blocks (the files' alignment, io/direct.py DIO_ALIGNS) keep the stored layout: a placed slot
+# takes up to two blocks more (at most 1/32 of a slot at this bound, paid in slots), and small reads save little
+# copying. 64 blocks: 32 KiB slots where the disk takes 512-byte reads (this VM's), 256 KiB at 4096 (the peers
+# Q4_K_M file's slots are 996 KiB, the issue-30 model's 249 KiB).
+PLACED_MIN_BLOCKS = 64
 
 
 # A shifted slot still gives typed views of every part (MLX's uint32 codes and float scales, plain experts): 8 bytes
@@ -42,23 +44,35 @@ VIEW_ALIGN = 8
 PROMPT_READ_GROUP = 4
 
 
-def _page_shifts(layout: ExpertLayout) -> dict[int, int]:
-    """Per MoE layer, the byte of a page-aligned slot row its experts start at: the residue modulo PAGE that most
-    of the layer's parts' bytes have (their file offsets minus where each lands in the slot), among the residues
-    its typed views may start at. In a GGUF file a layer's stacked expert tensors usually share one residue (the
-    tensors between them are whole pages long) and so do all experts of a tensor whose per-expert size is whole
-    pages; a part at another residue (a Q6_K expert of 52.5 KiB) is still read right, through staging."""
+def _page_shifts(layout: ExpertLayout, align: int = PAGE) -> dict[int, int]:
+    """Per MoE layer, the byte of an `align`-aligned slot row its experts start at: the residue modulo `align` (the
+    files' O_DIRECT alignment) that most of the layer's parts' bytes have (their file offsets minus where each lands
+    in the slot), among the residues its typed views may start at. In a GGUF file a layer's stacked expert tensors
+    share one residue modulo 512 (tensor and expert sizes are whole 512-byte blocks: 256 x 256 values of Q4_K or
+    Q6_K are); modulo a 4 KiB page they often do not (the issue-30 model's gate and up tensors sit 2 KiB apart, and
+    its Q6_K experts of 105 KiB start at four residues). A part at another residue is still read right, through
+    staging."""
     item = torch.tensor([], dtype=layout.plain_dtype).element_size() if layout.plain_dtype is not None else 1
     shifts = {}
     for layer in layout.layers:
         votes: dict[int, int] = {}
         for e in range(layout.spec.num_experts):
             for part in layout.parts(layer, e):
-                r = (part.range.offset - part.dest_offset) % PAGE
+                r = (part.range.offset - part.dest_offset) % align
                 votes[r] = votes.get(r, 0) + part.range.nbytes
         votes = {r: n for r, n in votes.items() if r % max(item, VIEW_ALIGN) == 0}  # typed views must start there
         shifts[layer] = max(votes, key=votes.__getitem__) if votes else 0
     return shifts
+
+
+def _alignment(layout: ExpertLayout, reader) -> int:
+    """The O_DIRECT alignment of the files that hold the experts (reader.alignment), 0 when the reader does not read
+    them with O_DIRECT."""
+    if not getattr(reader, "odirect", False) or not hasattr(reader, "alignment"):
+        return 0
+    paths = {part.range.path for L in layout.layers for e in range(layout.spec.num_experts)
+             for part in layout.parts(L, e)}
+    return reader.alignment(sorted(paths))
 
 
 class StreamingExpertStore:
@@ -69,16 +83,19 @@ class StreamingExpertStore:
         """`overlap`: acquire returns with the misses' reads in flight (see acquire); False = it returns once every
         read has landed (the math then waits for the slowest expert before running any). `policy`: what to evict
         (default FairShareLFU). `page_aligned`: place each layer's experts in their slots at their file offsets
-        modulo the page, so an O_DIRECT reader moves their whole pages straight into the slots (no copy out of a
-        staging buffer); None = when the reader reads with O_DIRECT and a slot is at least PAGE_ALIGNED_MIN_SLOT
-        bytes. It takes one to two pages per slot, paid for by fewer slots, never by more memory: as many as
-        `budget` bytes hold (at most one per expert), else as many as `slots` slots' bytes hold."""
+        modulo the files' O_DIRECT alignment (reader.alignment: 512 to 4096 bytes), so an O_DIRECT reader moves
+        their whole blocks straight into the slots (no copy out of a staging buffer); None = when the reader reads
+        the experts' files with O_DIRECT and a slot is at least PLACED_MIN_BLOCKS such blocks. It takes one to two
+        blocks per slot, paid for by fewer slots, never by more memory: as many as `budget` bytes hold (at most one
+        per expert), else as many as `slots` slots' bytes hold."""
         s = layout.spec
         self.layout, self.reader, self.overlap = layout, reader, overlap
+        align = _alignment(layout, reader) if page_aligned is not False else 0
         if page_aligned is None:
-            page_aligned = bool(getattr(reader, "odirect", False)) and layout.slot_nbytes >= PAGE_ALIGNED_MIN_SLOT
-        self._shift = _page_shifts(layout) if page_aligned else {}
-        stride = -(-(layout.slot_nbytes + PAGE - 1) // PAGE) * PAGE if page_aligned else layout.slot_nbytes
+            page_aligned = align > 0 and layout.slot_nbytes >= PLACED_MIN_BLOCKS * align
+        align = align or PAGE
+        self._shift = _page_shifts(layout, align) if page_aligned else {}
+        stride = -(-(layout.slot_nbytes + align - 1) // align) * align if page_aligned else layout.slot_nbytes
         placed = (min(layout.total_experts, (budget if budget is not None else slots * layout.slot_nbytes) // stride)
                   if page_aligned else slots)
         if page_aligned and placed >= s.top_k:
@@ -88,7 +105,7 @@ class StreamingExpertStore:
         self.n_slots = slots
         self.max_batch = slots
         # The only large allocation of the store: written in place for the whole run, each row one slot holding
-        # one expert as stored (with a page of room when the layers are shifted, see _page_shifts)
+        # one expert as stored (with a block of room when the layers are shifted, see _page_shifts)
         self.raw = page_rows(slots, stride)  # [S, stride]
         # per shift: raw [S, slot bytes] viewed from that byte of each row, and its typed gate_up [S, 2I, H] and
         # down [S, H, I] when plain (else None)

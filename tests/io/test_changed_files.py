@@ -69,13 +69,16 @@ ROWS = {
 @pytest.mark.parametrize("io,odirect", [("mmap", False), ("willneed", False), ("direct", False), ("direct", True)])
 def test_changed_weight_file_is_a_checkpoint_error(model_dir, tmp_path, io, odirect):
     prefix = f"{io}:{int(odirect)}"
-    scenarios = [f"{prefix}:resident:{case}" for case in STREAMED]
+    # An O_DIRECT reader opens the experts' files at load (the streaming store asks their O_DIRECT alignment to place
+    # its slots: store/streaming.py _alignment): a file replaced after that is the `kept` case below
+    opened = ["replace-before-stream"] if odirect else []
+    scenarios = [f"{prefix}:resident:{case}" for case in STREAMED if case not in opened]
     for embeddings, hows in ROWS[io] if not odirect else []:
         when = {"replace": "before"}
         scenarios += [f"{prefix}:{embeddings}:{how}-{when.get(how, 'between')}-resident" for how in hows]
     # Not an error: once a reader has the file open, a new file renamed over it is another inode; the old one's
     # bytes stay readable and are still the ones the header described. It is said, once (it went unnoticed).
-    kept = [f"{prefix}:resident:replace-between-stream"]
+    kept = [f"{prefix}:resident:{case}" for case in ["replace-between-stream", *opened]]
     results = run_child(model_dir, tmp_path, scenarios + kept)
     check_errors(results[: len(scenarios)])
     for x in results[len(scenarios) :]:

@@ -1,16 +1,19 @@
-"""O_DIRECT reads land straight in destinations that sit at their file offset modulo the page (io/direct.py
-_direct_iovecs): only the partial pages at a range's ends go through staging, and the bytes are the file's either way.
+"""O_DIRECT reads land straight in destinations that sit at their file offset modulo the file's O_DIRECT alignment
+(512 to 4096 bytes, probed when the file is opened: io/direct.py _odirect_align, _direct_iovecs): only the partial
+blocks at a range's ends go through staging, and the bytes are the file's either way.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
+import os
 
 import pytest
 import torch
 
 from sluice.errors import CheckpointError
-from sluice.io import DirectReader
+from sluice.io import DirectReader, direct
 from sluice.io.ranges import PAGE, ReadRange
 
 SIZE = 64 * PAGE + 1234  # not a page multiple: the last window ends short at EOF
@@ -44,16 +47,18 @@ def odirect_reader(workers: int = 1) -> DirectReader:
     return DirectReader(workers, odirect=True, engine=ENGINE["name"])
 
 
-def staged(offset: int, nbytes: int) -> int:
-    """Bytes of [offset, offset + nbytes) outside its whole pages: what a destination in place still copies."""
-    a, b = -(-offset // PAGE) * PAGE, (offset + nbytes) // PAGE * PAGE
+def staged(offset: int, nbytes: int, align: int = PAGE) -> int:
+    """Bytes of [offset, offset + nbytes) outside its whole `align` blocks: what a destination in place still
+    copies."""
+    a, b = -(-offset // align) * align, (offset + nbytes) // align * align
     return nbytes - (b - a) if b > a else nbytes
 
 
 def _read(path: str, ranges: list[tuple[int, int]], dests: list[memoryview], workers: int = 1) -> dict:
+    """The reader's stats, plus "align": the file's O_DIRECT alignment."""
     with odirect_reader(workers) as r:
         r.read([(ReadRange(path, o, n), d) for (o, n), d in zip(ranges, dests)])
-        st = r.stats()
+        st = {**r.stats(), "align": r.alignment([path])}
     if st["odirect_fallback"]:
         pytest.skip("this filesystem refuses O_DIRECT")
     return st
@@ -66,7 +71,43 @@ def test_aligned_destination_copies_only_partial_pages(data_file, arena, offset,
     at = PAGE + offset % PAGE  # the destination's address agrees with the file offset modulo the page
     st = _read(path, [(offset, nbytes)], [arena[at : at + nbytes]])
     assert bytes(arena[at : at + nbytes]) == data[offset : offset + nbytes]
-    assert st["copied_bytes"] == staged(offset, nbytes) < nbytes  # its whole pages came by DMA
+    assert st["copied_bytes"] == staged(offset, nbytes, st["align"]) < nbytes  # its whole blocks came by DMA
+
+
+def test_destination_at_the_block_residue(data_file, arena):
+    """A destination that agrees with its file offset modulo the file's alignment, not modulo the page, lands in
+    place where the disk takes reads of fewer than 4096 bytes (this VM's virtio disk: 512)."""
+    path, data = data_file
+    offset, nbytes = 1184, 10 * PAGE
+    with odirect_reader() as r:
+        align = r.alignment([path])
+    if not align or align == PAGE:
+        pytest.skip(f"this file's O_DIRECT alignment is {align or 'none (buffered)'}: no residue below the page")
+    at = PAGE + (offset + align) % PAGE  # off by one block from the page residue
+    st = _read(path, [(offset, nbytes)], [arena[at : at + nbytes]])
+    assert bytes(arena[at : at + nbytes]) == data[offset : offset + nbytes]
+    assert st["copied_bytes"] == staged(offset, nbytes, align) < 2 * align  # the partial blocks at its ends
+
+
+@pytest.mark.parametrize("refused,want", [((512, 1024), 2048), ((512, 1024, 2048, 4096), 0), ((), 512)])
+def test_alignment_probe(data_file, monkeypatch, refused, want):
+    """_odirect_align: the smallest block whose reads the file accepts (a read at an offset and an address aligned to
+    it and to no more), 0 when none is (read buffered instead)."""
+    path, _ = data_file
+    real = os.preadv
+
+    def preadv(fd, bufs, offset):
+        if len(bufs[0]) in refused:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset)
+
+    fd = os.open(path, os.O_RDONLY)  # buffered: the fake refuses by size, the real read always works
+    try:
+        monkeypatch.setattr(direct.os, "preadv", preadv)
+        assert direct._odirect_align(fd) == want
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
 
 
 def test_misaligned_destination_is_staged(data_file, arena):
@@ -96,7 +137,8 @@ def test_coalesced_neighbours_duplicates_and_eof(data_file, arena):
     st = _read(path, ranges, dests, workers=2)
     for (o, n), d in zip(ranges, dests):
         assert bytes(d) == data[o : o + n], (o, n)
-    want = sum(staged(o, n) for o, n in ranges[:4] + ranges[6:]) + 2 * PAGE + 5000  # + the duplicate, misaligned
+    al = st["align"]
+    want = sum(staged(o, n, al) for o, n in ranges[:4] + ranges[6:]) + 2 * PAGE + 5000  # + the duplicate, misaligned
     assert st["copied_bytes"] == want < sum(n for _, n in ranges)
 
 
@@ -110,11 +152,11 @@ def test_torch_slot_rows(data_file):
     dests = [rows[k, 1184 : 1184 + 9 * PAGE] for k in range(3)]
     with odirect_reader(3) as rd:
         rd.read([(ReadRange(path, o, n), d) for (o, n), d in zip(ranges, dests)])
-        st = rd.stats()
+        st, al = rd.stats(), rd.alignment([path])
     for (o, n), d in zip(ranges, dests):
         assert d.numpy().tobytes() == data[o : o + n]
     if not st["odirect_fallback"]:
-        assert st["copied_bytes"] == sum(staged(o, n) for o, n in ranges)
+        assert st["copied_bytes"] == sum(staged(o, n, al) for o, n in ranges)
 
 
 def test_truncated_file_is_a_checkpoint_error(data_file, arena, tmp_path):
