@@ -168,6 +168,23 @@ class Counters:
             self.coalesced += plan.coalesced
             self.dedup_saved_bytes += plan.dedup_saved_bytes
 
+    def add_counts(self, counts: Sequence[tuple[int, int, int, int, int, int]],
+                   journal: Callable[[int], list[tuple[str, int, int]]] | None = None) -> None:
+        """add_plan for batches planned before (io/direct.py ReadTemplate.counts): per batch (requests,
+        bytes_requested, bytes_read, reads, coalesced, dedup_saved_bytes); `journal(k)`: batch k's file reads, asked
+        only while a journal is kept."""
+        with self._lock:
+            if self.journal is not None and journal is not None:
+                self.journal.extend(journal(k) for k in range(len(counts)))
+            for req, asked, read, reads, coalesced, dedup in counts:
+                self.batches += 1
+                self.requests += req
+                self.bytes_requested += asked
+                self.bytes_read += read
+                self.reads += reads
+                self.coalesced += coalesced
+                self.dedup_saved_bytes += dedup
+
     def add_wait(self, seconds: float) -> None:
         with self._lock:
             self.wait_s += seconds

@@ -27,6 +27,8 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from sluice.checkpoint.ref import FileStamp
 from sluice.errors import CheckpointError
 from sluice.io import native_pool
@@ -353,6 +355,25 @@ def _odirect_align(fd: int) -> int:
     return 0
 
 
+class ReadTemplate:
+    """A batch of requests planned once (plan_reads, split_even, preader.c's op list), its destination addresses kept
+    relative to a base address, to be submitted again and again into destinations at another base
+    (DirectReader.submit_templates): a streaming store's missed expert reads the same ranges each time, only into
+    another slot. Per missed expert that saves planning it, its Read objects and its op list: ~90 us of the model's
+    thread, ~21 ms of a ~150 ms streamed token of the issue-30 model on the 2-core AMD EPYC
+    (benchmarks/results/hybrid/acquire-cpu.txt). Compact on purpose (two small arrays and a tuple: ~0.5 KiB): a store
+    keeps one per expert it has read."""
+
+    __slots__ = ("ops", "dests", "ends", "counts", "paths")
+
+    def __init__(self, ops, dests, ends, counts: tuple[int, int, int, int, int, int], paths: tuple[str, ...]):
+        self.ops = ops  # int64 [n]: the op list, destination addresses minus the base
+        self.dests = dests  # int64 [d]: where in ops the destination addresses are
+        self.ends = ends  # int64 [parts]: each part's end in ops (one task of the native pool each)
+        self.counts = counts  # the plan's counters (Counters.add_counts)
+        self.paths = paths  # the files it reads
+
+
 class DirectReader:
     """Reads by a persistent pool of `workers` threads (started here, stopped by close()).
 
@@ -386,6 +407,7 @@ class DirectReader:
         self._max_read = max_read
         self._counters = Counters(self.mode)
         self._pool = _Pool(workers, odirect, max_gap, self._counters, native=self.engine == "native")
+        self._shared: dict[tuple, Any] = {}  # template parts kept once (template)
         self._finalizer = weakref.finalize(self, self._pool.close)
         self._finalizer.atexit = False  # at exit the daemon workers are simply abandoned: never wait on a read
 
@@ -426,6 +448,58 @@ class DirectReader:
                 for (i, _), fut in zip(native, self._pool.native.submit([c for _, c in native], self._pool.fds)):
                     futures[i] = fut
         return futures
+
+    def template(self, requests: Sequence[Request], base: int) -> ReadTemplate | None:
+        """`requests` planned once for submit_templates, their destinations' addresses taken relative to `base`;
+        None where the reads run on Python threads (submit_each is the way there). Opens the files."""
+        if self._pool.native is None:
+            return None
+        plan = plan_reads(requests, max_gap=self._max_gap, max_read=self._max_read, parts=self.workers)
+        for path in plan.paths():
+            self._pool.fd(path)
+        ops: list[int] = []
+        ends: list[int] = []
+        dests: list[int] = []
+        native_pool._ops(split_even(plan.reads, self.workers), self._pool.fds, ops, ends, dests)
+        arr = np.array(ops, dtype=np.int64)
+        arr[dests] -= base
+        counts = (plan.requests, plan.bytes_requested, plan.bytes_read, len(plan.reads), plan.coalesced,
+                  plan.dedup_saved_bytes)
+        # the parts that are the same for many templates (every expert of a layer has the same shape of plan) are
+        # kept once
+        shared = self._shared
+        dests_arr = shared.setdefault(("d", *dests), np.array(dests, dtype=np.int64))
+        ends_arr = shared.setdefault(("e", *ends), np.array(ends, dtype=np.int64))
+        return ReadTemplate(arr, dests_arr, ends_arr, shared.setdefault(counts, counts),
+                            shared.setdefault(tuple(plan.paths()), tuple(plan.paths())))
+
+    def submit_templates(self, items: Sequence[tuple[ReadTemplate, int]]) -> list[ReadFuture]:
+        """submit_each for batches planned before: each (template, base) reads the template's ranges into its
+        destinations moved to `base`, in order, one future each, in one C call; the files are checked once
+        (FileGuard.check), as submit_each does. The caller keeps the destinations alive until each future is done."""
+        try:
+            for path in dict.fromkeys(p for t, _ in items for p in t.paths):
+                self._pool.guard.check(path, self._pool.fd(path)[0])
+        except CheckpointError as e:
+            return [done_future(self._counters, e) for _ in items]
+        live = [(t, base) for t, base in items if len(t.ends)]
+        with self._pool.lock:
+            if self._pool.closed:
+                raise RuntimeError("reader is closed")
+            paths = {fd: path for path, (fd, _) in self._pool.fds.items()}
+            self._counters.add_counts([t.counts for t, _ in items],
+                                      lambda k: native_pool.OpReads(items[k][0].ops, paths).reads())
+            if not live:
+                return [done_future(self._counters) for _ in items]
+            ops = np.concatenate([t.ops for t, _ in live])
+            at = 0
+            for t, base in live:
+                ops[t.dests + at] += base
+                at += len(t.ops)
+            ends = np.concatenate([t.ends for t, _ in live])
+            futs = iter(self._pool.native.submit_ops(ops, ends, [len(t.ends) for t, _ in live],
+                                                     [native_pool.OpReads(t.ops, paths) for t, _ in live]))
+        return [next(futs) if len(t.ends) else done_future(self._counters) for t, _ in items]
 
     def read(self, requests: Sequence[Request]) -> None:
         """Fill every destination (blocking)."""

@@ -67,9 +67,10 @@ def available() -> bool:
 
 
 def _ops(chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, int]], ops: list[int],
-         ends: list[int]) -> dict[int, tuple[Read, int]]:
+         ends: list[int], dests: list[int] | None = None) -> dict[int, tuple[Read, int]]:
     """A batch's chunks appended to ops (preader.c's layout) and the end of each chunk's ops, relative to the
-    batch's first op, to ends; returns op index (in the batch) -> (its Read, its fd)."""
+    batch's first op, to ends (and where `dests` is a list, the index in ops of each destination address);
+    returns op index (in the batch) -> (its Read, its fd)."""
     at: dict[int, tuple[Read, int]] = {}
     base = len(ops)
     for chunk in chunks:
@@ -79,9 +80,34 @@ def _ops(chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, int]], ops:
             ops += (fd, align, r.offset, r.nbytes, int(r.overlapping), len(r.segments))
             for seg in r.segments:
                 ops += (seg.rel, seg.nbytes, len(seg.dests))
+                if dests is not None:
+                    dests += range(len(ops), len(ops) + len(seg.dests))
                 ops += [address(d) for d in seg.dests]
         ends.append(len(ops) - base)
     return at
+
+
+class OpReads:
+    """op index -> (Read, fd) of a batch's op list, decoded when asked (NativeFuture's error path, the journal):
+    what _ops returns, for op lists kept as arrays (io/direct.py ReadTemplate) rather than built from Reads."""
+
+    def __init__(self, ops: Sequence[int], paths: dict[int, str]):
+        self.ops, self.paths = ops, paths  # paths: fd -> path
+
+    def __getitem__(self, i: int) -> tuple[Read, int]:
+        fd, offset, nbytes = (int(v) for v in (self.ops[i], self.ops[i + 2], self.ops[i + 3]))
+        return Read(self.paths[fd], offset, nbytes), fd
+
+    def reads(self) -> list[tuple[str, int, int]]:
+        """(path, offset, nbytes) of every read, in order."""
+        out, i, n = [], 0, len(self.ops)
+        while i < n:
+            r, _ = self[i]
+            out.append((r.path, r.offset, r.nbytes))
+            nseg, i = int(self.ops[i + 5]), i + 6
+            for _ in range(nseg):
+                i += 3 + int(self.ops[i + 2])
+        return out
 
 
 class NativeFuture(ReadFuture):
@@ -178,7 +204,7 @@ class NativePool:
         self._final = (0, 0, 0)
 
     def submit(self, batches: Sequence[Sequence[Sequence[Read]]],
-               fds: dict[str, tuple[int, bool]]) -> list[NativeFuture]:
+               fds: dict[str, tuple[int, int]]) -> list[NativeFuture]:
         """Batches, each a list of chunks (split_even's; each a task for one worker), queued in order by one C call
         (one lock, one wake-up: one call per batch cost ~64 us of the calling thread each, 15 ms of a 124 ms
         streamed token of the issue-30 model under cProfile)."""
@@ -194,6 +220,18 @@ class NativePool:
                                      handles):
             raise MemoryError(f"the native reader could not allocate {n} batches")
         return [NativeFuture(self.counters, h, at, chunks) for h, at, chunks in zip(handles, ats, batches)]
+
+    def submit_ops(self, ops, ends, parts: Sequence[int], ats: Sequence[object]) -> list[NativeFuture]:
+        """Batches already flattened: `ops` and `ends` int64 arrays (numpy, contiguous) as sluice_io_submit_many
+        takes them, `parts[k]` chunks in batch k, `ats[k]` its op index -> (Read, fd) map (OpReads); one C call."""
+        if os.getpid() != self.pid:
+            raise RuntimeError("a reader's native threads do not survive fork(): open a new reader in the child")
+        n = len(parts)
+        handles = (_ptr * n)()
+        if LIB.sluice_io_submit_many(self.handle, ops.ctypes.data, ends.ctypes.data, (_i64 * n)(*parts), n,
+                                     handles):
+            raise MemoryError(f"the native reader could not allocate {n} batches")
+        return [NativeFuture(self.counters, h, at, None) for h, at in zip(handles, ats)]
 
     def counts(self) -> tuple[int, int, int]:
         """(bytes copied, major faults, minor faults) of this pool's threads so far (their totals once closed)."""

@@ -28,11 +28,12 @@ from .prefetch import PrefetchTracker
 from .resident import expert_requests, typed_views
 
 
-# Slots of fewer O_DIRECT blocks (the files' alignment, io/direct.py DIO_ALIGNS) keep the stored layout: a placed slot
-# takes up to two blocks more (at most 1/32 of a slot at this bound, paid in slots), and small reads save little
-# copying. 64 blocks: 32 KiB slots where the disk takes 512-byte reads (this VM's), 256 KiB at 4096 (the peers
-# Q4_K_M file's slots are 996 KiB, the issue-30 model's 249 KiB).
-PLACED_MIN_BLOCKS = 64
+# A placed slot is up to one O_DIRECT block (the files' alignment, io/direct.py DIO_ALIGNS) longer, its row rounded up
+# to whole pages (the prompt's loan gives whole slots back to the kernel, store/budget.py PromptLoan); slots are placed
+# where that costs at most this share of a slot (paid in slots; small slots keep the stored layout, and their small
+# reads save little copying). The issue-30 model's 249 KiB slots: 3 KiB more at a 512-byte alignment (1.2%); the peers
+# Q4_K_M file's 996 KiB slots: up to 8 KiB at 4096.
+PLACED_MAX_COST = 1 / 32
 
 
 # A shifted slot still gives typed views of every part (MLX's uint32 codes and float scales, plain experts): 8 bytes
@@ -85,17 +86,17 @@ class StreamingExpertStore:
         (default FairShareLFU). `page_aligned`: place each layer's experts in their slots at their file offsets
         modulo the files' O_DIRECT alignment (reader.alignment: 512 to 4096 bytes), so an O_DIRECT reader moves
         their whole blocks straight into the slots (no copy out of a staging buffer); None = when the reader reads
-        the experts' files with O_DIRECT and a slot is at least PLACED_MIN_BLOCKS such blocks. It takes one to two
-        blocks per slot, paid for by fewer slots, never by more memory: as many as `budget` bytes hold (at most one
+        the experts' files with O_DIRECT and placing costs at most PLACED_MAX_COST of a slot. It takes up to a block
+        and a page per slot, paid for by fewer slots, never by more memory: as many as `budget` bytes hold (at most one
         per expert), else as many as `slots` slots' bytes hold."""
         s = layout.spec
         self.layout, self.reader, self.overlap = layout, reader, overlap
         align = _alignment(layout, reader) if page_aligned is not False else 0
+        placed_stride = -(-(layout.slot_nbytes + (align or PAGE) - 1) // PAGE) * PAGE
         if page_aligned is None:
-            page_aligned = align > 0 and layout.slot_nbytes >= PLACED_MIN_BLOCKS * align
-        align = align or PAGE
-        self._shift = _page_shifts(layout, align) if page_aligned else {}
-        stride = -(-(layout.slot_nbytes + align - 1) // align) * align if page_aligned else layout.slot_nbytes
+            page_aligned = align > 0 and placed_stride - layout.slot_nbytes <= PLACED_MAX_COST * layout.slot_nbytes
+        self._shift = _page_shifts(layout, align or PAGE) if page_aligned else {}
+        stride = placed_stride if page_aligned else layout.slot_nbytes
         placed = (min(layout.total_experts, (budget if budget is not None else slots * layout.slot_nbytes) // stride)
                   if page_aligned else slots)
         if page_aligned and placed >= s.top_k:
@@ -105,12 +106,14 @@ class StreamingExpertStore:
         self.n_slots = slots
         self.max_batch = slots
         # The only large allocation of the store: written in place for the whole run, each row one slot holding
-        # one expert as stored (with a block of room when the layers are shifted, see _page_shifts)
+        # one expert as stored (with a block of room when the layers are shifted, see _page_shifts), whole pages
         self.raw = page_rows(slots, stride)  # [S, stride]
         # per shift: raw [S, slot bytes] viewed from that byte of each row, and its typed gate_up [S, 2I, H] and
         # down [S, H, I] when plain (else None)
         self._shifted: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
         self._views: dict[int, memoryview] = {}  # slot -> a byte view of raw[slot], made at its first read
+        # (layer, expert) -> its reads planned once (reader.template), None where the reader has no templates
+        self._templates: dict[Key, object] | None = {} if hasattr(reader, "submit_templates") else None
         self.policy = policy if policy is not None else FairShareLFU(layout.layers, s.num_experts, s.top_k, slots)
         self._owner: list[Key | None] = [None] * slots
         self._free = list(range(slots - 1, -1, -1))
@@ -173,6 +176,28 @@ class StreamingExpertStore:
         return [(part.range, view[at + part.dest_offset : at + part.dest_offset + part.range.nbytes])
                 for part in self.layout.parts(layer, expert)]
 
+    def _submit(self, layer: int, entries: list[tuple[int, int]]) -> list:
+        """Queue the reads of `layer`'s experts into their slots ((expert, slot) each) by one reader call, one future
+        per expert, in order. Each expert's reads are planned once, at its first miss (reader.template: the same
+        ranges into another slot only move their destinations), where the reader can; else planned each time."""
+        if self._templates is not None:
+            raw0, stride = self.raw.data_ptr(), self.raw.stride(0)
+            items = []
+            for e, slot in entries:
+                t = self._templates.get((layer, e))
+                if t is None:
+                    t = self.reader.template(self._requests(layer, e, 0), raw0)
+                    if t is None:  # this reader plans every time
+                        self._templates = None
+                        return self._submit(layer, entries)
+                    self._templates[(layer, e)] = t
+                items.append((t, raw0 + slot * stride))
+                self.bytes_read += t.counts[1]
+            return self.reader.submit_templates(items)
+        requests = [self._requests(layer, e, slot) for e, slot in entries]
+        self.bytes_read += sum(r.nbytes for b in requests for r, _ in b)
+        return self.reader.submit_each(requests)
+
     def _insert(self, key: Key, slot: int) -> None:
         self.policy.insert(key, slot)
         self._owner[slot] = key
@@ -226,7 +251,7 @@ class StreamingExpertStore:
         self._batch, self._inflight = (layer, list(experts)), inflight
         t0 = time.perf_counter()
         try:
-            missed: list[tuple[int, list]] = []  # (j, its requests)
+            missed: list[int] = []  # j of each miss
             for j, e in enumerate(experts):
                 if slots[j] is None:
                     key = (layer, e)
@@ -234,14 +259,13 @@ class StreamingExpertStore:
                     assert slot is not None, "acquire asks for at most max_batch experts"
                     self._insert(key, slot)
                     self._pinned.add(slot)
-                    missed.append((j, self._requests(layer, e, slot)))
+                    missed.append(j)
                     slots[j] = slot
             if missed:
                 self.misses += len(missed)
                 self.misses_by_layer[layer] += len(missed)
-                for (j, requests), fut in zip(missed, self.reader.submit_each([r for _, r in missed])):
+                for j, fut in zip(missed, self._submit(layer, [(experts[j], slots[j]) for j in missed])):
                     inflight[j] = fut
-                    self.bytes_read += sum(r.nbytes for r, _ in requests)
         except BaseException:
             self._fail()
             raise
