@@ -359,10 +359,11 @@ class ReadTemplate:
     """A batch of requests planned once (plan_reads, split_even, preader.c's op list), its destination addresses kept
     relative to a base address, to be submitted again and again into destinations at another base
     (DirectReader.submit_templates): a streaming store's missed expert reads the same ranges each time, only into
-    another slot. Per missed expert that saves planning it, its Read objects and its op list: ~90 us of the model's
-    thread, ~21 ms of a ~150 ms streamed token of the issue-30 model on the 2-core AMD EPYC
-    (benchmarks/results/hybrid/acquire-cpu.txt). Compact on purpose (two small arrays and a tuple: ~0.5 KiB): a store
-    keeps one per expert it has read."""
+    another slot. Per missed expert that saves planning it, its Read objects and its op list: a streamed token of the
+    issue-30 model (~235 missed experts) spent 14.9-17.4 ms of the model's thread's CPU submitting them (submit_each)
+    and spends 8.4-11.0 (submit_templates), its acquires 26-30 -> 19-24 ms (2-core AMD EPYC, AVX2;
+    benchmarks/results/hybrid/acquire-cpu.txt). Compact on purpose (one small array, the rest shared between
+    templates of one shape: ~0.5 KiB): a store keeps one per expert it has read."""
 
     __slots__ = ("ops", "dests", "ends", "counts", "paths")
 

@@ -398,7 +398,7 @@ class StreamingExpertStore:
         """
         if not prompt and not self.prefetching.allow(layer, experts):
             return
-        batches, keys = [], []
+        entries, keys = [], []  # (expert, slot), (layer, expert)
         # never a victim of this call: the entries it places, and for a prompt also the predicted ones already in
         # memory (a prompt's prediction is what the next layer runs: trading one of them for another only churns)
         keep: set[Key] = {(layer, e) for e in experts if (layer, e) in self.policy} if prompt else set()
@@ -411,7 +411,7 @@ class StreamingExpertStore:
                 break
             keep.add(key)
             self._insert(key, slot)
-            batches.append(self._requests(layer, e, slot))
+            entries.append((e, slot))
             keys.append(key)
         if not keys:
             return
@@ -421,19 +421,20 @@ class StreamingExpertStore:
                 # in expert order (the placement above followed the prediction's): neighbours in the stacked
                 # tensors share a batch, and they land in the order the layer runs them (ascending ids)
                 order = sorted(range(len(keys)), key=lambda i: keys[i][1])
-                batches, keys = [batches[i] for i in order], [keys[i] for i in order]
+                keys = [keys[i] for i in order]
+                batches = [self._requests(layer, *entries[i]) for i in order]
                 for g in range(0, len(batches), PROMPT_READ_GROUP):
                     group = batches[g : g + PROMPT_READ_GROUP]
                     futures += [self.reader.submit([r for b in group for r in b])] * len(group)
-            else:
-                futures = [self.reader.submit([r for b in batches for r in b])] * len(keys)
+                self.bytes_read += sum(r.nbytes for b in batches for r, _ in b)
+            else:  # one read batch per expert, each awaited on its own (and planned once: _submit)
+                futures = self._submit(layer, entries)
         finally:
             for key, fut in zip(keys, futures):  # submitted: a later acquire waits for these reads to land
                 self._pending[key] = fut
             for key in keys[len(futures):]:  # never submitted (the reader raised): their slots hold no bytes
                 self._drop(key)
         self.prefetching.placed(keys, prompt)
-        self.bytes_read += sum(r.nbytes for b in batches for r, _ in b)
 
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
         """Like prefetch, issued right after the next acquire has pinned its experts (so the reads overlap that
