@@ -27,7 +27,7 @@ from typing import Any
 
 from ..host.procstat import disk_read_bytes
 from ..io import DEFAULT_WORKERS, ReadRange, make_reader
-from ..io.direct import ALIGN
+from ..io.odirect import ALIGN
 from ..io.residency import resident_bytes
 
 Batch = list  # [reader index, [[file index, offset, nbytes], ...]]

@@ -34,8 +34,9 @@ from sluice.errors import CheckpointError
 from sluice.io import native_pool
 from sluice.io.base import (Counters, FileGuard, ReadFuture, Request, done_future, thread_faults,
                             truncated_error)
-from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, address, copy_bytes,
-                               plan_reads, split_even)
+from sluice.io.odirect import direct_iovecs, odirect_align
+from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, copy_bytes, plan_reads,
+                               split_even)
 
 # Worker threads = reads in flight. Measured by `benchmarks/knobs.py workers`: 1.5 GiB random file on /dev/vda (ext4),
 # evicted with posix_fadvise(DONTNEED) and verified cold by mincore before every arm, 2 CPU cores, shared machine.
@@ -68,16 +69,6 @@ ENGINES = ("auto", "native", "python")
 # threads take no time from the math.
 ROW_WORKERS = 16
 
-# O_DIRECT needs offset, length and buffer address aligned to the device's logical block size (512 on this VM's
-# virtio disk, 4096 on many NVMe drives); each file's alignment is probed when it is opened (_odirect_align), the
-# smallest of DIO_ALIGNS its reads accept. Why the smallest: a read goes straight into its destination only when the
-# destination's address agrees with the file offset modulo the alignment (else through staging and a copy), and the
-# streaming store places its slots so (store/streaming.py). At 512 every expert of a GGUF tensor agrees with its
-# neighbours (their sizes are whole 512-byte blocks, 210 x 512 for a Q6_K expert of the issue-30 model): 99.7% of
-# that model's expert bytes land in place, against 49.5% at 4096, where a layer's gate, up and down tensors sit at
-# different residues (benchmarks/results/hybrid/dio-align.txt).
-DIO_ALIGNS = (512, 1024, 2048, 4096)
-ALIGN = DIO_ALIGNS[-1]  # the largest: windows and scratch areas that must suit any file
 
 
 def preadv_full(fd: int, bufs: list[memoryview], offset: int, path: str, read: Read) -> None:
@@ -202,7 +193,7 @@ class _Pool:
                 if e.errno != errno.EINVAL:
                     raise CheckpointError(f"cannot open: {e.strerror or e}", file=path) from e
             else:
-                if align := _odirect_align(fd):
+                if align := odirect_align(fd):
                     return fd, align
                 os.close(fd)
             # the filesystem refuses O_DIRECT: read buffered rather than fail; stats() says so
@@ -259,7 +250,7 @@ class _Pool:
         need = r.end - start
         window = -(-need // align) * align
         stage = scratch.staging(window)
-        bufs, direct = _direct_iovecs(r, start, window, stage, align)
+        bufs, direct = direct_iovecs(r, start, window, stage, align)
         pos, i = start, 0
         while i < len(bufs):
             try:
@@ -301,58 +292,6 @@ class _Pool:
         for fd, _ in self.fds.values():
             os.close(fd)
         self.fds.clear()
-
-
-def _direct_iovecs(r: Read, start: int, window: int, stage: memoryview,
-                   align: int = ALIGN) -> tuple[list[memoryview], list[tuple[int, int]]]:
-    """O_DIRECT buffers for the window [start, start + window) of read `r` (start and window multiples of `align`,
-    the file's O_DIRECT alignment; `stage` page-aligned), in file order, each `align`-aligned in address and length,
-    and per segment the run [a, b) of its bytes read straight into its primary destination ((0, 0) when none).
-
-    A segment's whole blocks go to its destination when the destination's address and the segment's file offset
-    agree modulo `align` (the streaming store places its slots so: store/streaming.py); the rest of the window,
-    partial blocks included, goes to the same place in `stage`. Overlapping segments all go through staging."""
-    bufs: list[memoryview] = []
-    direct: list[tuple[int, int]] = []
-    pos = start
-    for seg in r.segments:
-        o = r.offset + seg.rel
-        a, b = -(-o // align) * align, (o + seg.nbytes) // align * align
-        dst = seg.dests[0]
-        if r.overlapping or b <= a or a < pos or (address(dst) - o) % align:
-            direct.append((0, 0))
-            continue
-        if a > pos:
-            bufs.append(stage[pos - start : a - start])
-        bufs.append(dst[a - o : b - o])
-        direct.append((a - o, b - o))
-        pos = b
-    if pos < start + window:
-        bufs.append(stage[pos - start : window])
-    return bufs, direct
-
-
-_PROBE = memoryview(mmap.mmap(-1, 2 * ALIGN))
-
-
-def _odirect_align(fd: int) -> int:
-    """The smallest of DIO_ALIGNS that O_DIRECT reads of this file accept (offset, length and address aligned to it
-    and to no more), or 0 when none does: some filesystems accept O_DIRECT at open but fail each read with EINVAL."""
-    size = os.fstat(fd).st_size
-    for a in DIO_ALIGNS:
-        # at a file offset and an address that are a-aligned and not 2a-aligned; a read past the end proves nothing
-        # (it returns 0 before any check), so a file shorter than 2a blocks is read as the largest alignment's
-        at = a if 2 * a <= size else 0 if a == ALIGN else None
-        if at is None:
-            continue
-        try:
-            os.preadv(fd, [_PROBE[at : at + a]], at)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                continue
-            raise
-        return a
-    return 0
 
 
 class ReadTemplate:
@@ -509,7 +448,7 @@ class DirectReader:
     def alignment(self, paths: Iterable[str]) -> int:
         """The O_DIRECT alignment that suits every one of `paths` that reads with O_DIRECT (the largest of theirs;
         opens them), 0 when none does: where a destination's address agrees with a read's file offset modulo it, the
-        read lands in place (see _direct_iovecs)."""
+        read lands in place (see io/odirect.py direct_iovecs)."""
         return max((self._pool.fd(p)[1] for p in dict.fromkeys(paths)), default=0)
 
     def expect(self, stamps: Iterable[FileStamp]) -> None:

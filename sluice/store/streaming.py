@@ -28,7 +28,7 @@ from .prefetch import PrefetchTracker
 from .resident import expert_requests, typed_views
 
 
-# A placed slot is up to one O_DIRECT block (the files' alignment, io/direct.py DIO_ALIGNS) longer, its row rounded up
+# A placed slot is up to one O_DIRECT block (the files' alignment, io/odirect.py DIO_ALIGNS) longer, its row rounded up
 # to whole pages (the prompt's loan gives whole slots back to the kernel, store/budget.py PromptLoan); slots are placed
 # where that costs at most this share of a slot (paid in slots; small slots keep the stored layout, and their small
 # reads save little copying). The issue-30 model's 249 KiB slots: 3 KiB more at a 512-byte alignment (1.2%); the peers

@@ -1,5 +1,5 @@
 """O_DIRECT reads land straight in destinations that sit at their file offset modulo the file's O_DIRECT alignment
-(512 to 4096 bytes, probed when the file is opened: io/direct.py _odirect_align, _direct_iovecs): only the partial
+(512 to 4096 bytes, probed when the file is opened: io/odirect.py odirect_align, direct_iovecs): only the partial
 blocks at a range's ends go through staging, and the bytes are the file's either way.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sluice.errors import CheckpointError
-from sluice.io import DirectReader, direct
+from sluice.io import DirectReader, odirect
 from sluice.io.ranges import PAGE, ReadRange
 
 SIZE = 64 * PAGE + 1234  # not a page multiple: the last window ends short at EOF
@@ -91,7 +91,7 @@ def test_destination_at_the_block_residue(data_file, arena):
 
 @pytest.mark.parametrize("refused,want", [((512, 1024), 2048), ((512, 1024, 2048, 4096), 0), ((), 512)])
 def test_alignment_probe(data_file, monkeypatch, refused, want):
-    """_odirect_align: the smallest block whose reads the file accepts (a read at an offset and an address aligned to
+    """odirect_align: the smallest block whose reads the file accepts (a read at an offset and an address aligned to
     it and to no more), 0 when none is (read buffered instead)."""
     path, _ = data_file
     real = os.preadv
@@ -103,8 +103,8 @@ def test_alignment_probe(data_file, monkeypatch, refused, want):
 
     fd = os.open(path, os.O_RDONLY)  # buffered: the fake refuses by size, the real read always works
     try:
-        monkeypatch.setattr(direct.os, "preadv", preadv)
-        assert direct._odirect_align(fd) == want
+        monkeypatch.setattr(odirect.os, "preadv", preadv)
+        assert odirect.odirect_align(fd) == want
     finally:
         monkeypatch.undo()
         os.close(fd)

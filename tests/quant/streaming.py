@@ -17,7 +17,9 @@ def assert_streamed_equals_resident(path, ids: list[int], io: str, odirect: bool
         resident, spec, layout = m.resident_bytes, m.spec, m.layout
     slots = spec.top_k if cache == "min" else layout.total_experts // 2
     with sluice.load(path, memory=resident + slots * layout.expert_nbytes, io=io, odirect=odirect, **kw) as m:
-        assert m.store.n_slots == slots
+        # slots placed at the files' O_DIRECT alignment (store/streaming.py) are a block and a page longer: fewer fit
+        placed = bool(m.store._shift)
+        assert m.store.n_slots == slots if not placed else spec.top_k <= m.store.n_slots <= slots
         assert torch.equal(m.logits(ids), want)
         assert list(m.generate_tokens(ids, max_tokens=6, stop_at_eos=False)) == tokens
         st = m.stats()

@@ -1,5 +1,5 @@
 """Placed slots (store/streaming.py _page_shifts): each layer's experts sit in their slots at their file offsets
-modulo the files' O_DIRECT alignment (512 to 4096 bytes, probed per file: io/direct.py _odirect_align), so O_DIRECT
+modulo the files' O_DIRECT alignment (512 to 4096 bytes, probed per file: io/odirect.py odirect_align), so O_DIRECT
 moves their whole blocks straight into the slots. Results stay bitwise the resident run's; the memory stays within
 the budget (fewer slots, not more bytes); only partial blocks are copied."""
 
@@ -107,3 +107,26 @@ def test_slot_rows_without_huge_pages(monkeypatch):
     rows = page_rows(3, 2 * PAGE)
     assert rows.shape == (3, 2 * PAGE) and rows.data_ptr() % PAGE == 0 and not rows.any()
     assert page_rows(0, PAGE).shape == (0, PAGE)
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_each_expert_is_planned_once(model, engine):
+    """The native reader plans a missed expert's reads once (io/direct.py ReadTemplate) and reads it again into
+    whichever slot it gets; the Python reader plans every time. Both give the resident run's bits."""
+    from sluice.io import native_pool
+
+    if engine == "native" and not native_pool.available():
+        pytest.skip("the native reader (io/preader.c) is not built")
+    model_path = model[1]
+    with sluice.load(model_path, memory="all") as m:
+        want = m.logits(LONG), m.logits(IDS)
+        resident, spec, layout = m.resident_bytes, m.spec, m.layout
+    memory = resident + (spec.top_k + 1) * layout.expert_nbytes  # the smallest cache: experts come back often
+    with sluice.load(model_path, memory=memory, io="direct", odirect=True, io_engine=engine) as m:
+        got = m.logits(LONG), m.logits(IDS)
+        store = m.store
+        if engine == "python":
+            assert store._templates is None
+        else:  # far more misses than experts planned: the templates were read again, into other slots
+            assert 0 < len(store._templates) <= layout.total_experts < store.misses
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
