@@ -5,9 +5,10 @@ and the Python one otherwise, or when asked (`engine="python"`).
     pool = NativePool(workers, max_gap, counters)
     fut = pool.submit(plan_chunks, fds)    # a ReadFuture; result() waits with the GIL released
 
-Each batch is flattened to one int64 op list (`_ops`: per read fd, odirect, offset, nbytes, overlapping, nseg; per
-segment rel, nbytes, ndests, the destinations' addresses); the future keeps the plan's buffers alive until the batch
-is over, and builds the Python reader's errors from the C status (the read that failed, errno or end of file).
+Each batch is flattened to one int64 op list (`_ops`: per read fd, the file's O_DIRECT alignment (0: buffered),
+offset, nbytes, overlapping, nseg; per segment rel, nbytes, ndests, the destinations' addresses); the future keeps the
+plan's buffers alive until the batch is over, and builds the Python reader's errors from the C status (the read that
+failed, errno or end of file). `submit_ops` takes op lists already flattened (io/direct.py ReadTemplate).
 """
 
 from __future__ import annotations
