@@ -302,7 +302,8 @@ class ReadTemplate:
     issue-30 model (~235 missed experts) spent 14.9-17.4 ms of the model's thread's CPU submitting them (submit_each)
     and spends 8.4-11.0 (submit_templates), its acquires 26-30 -> 19-24 ms (2-core AMD EPYC, AVX2;
     benchmarks/results/hybrid/acquire-cpu.txt). Compact on purpose (one small array, the rest shared between
-    templates of one shape: ~0.5 KiB): a store keeps one per expert it has read."""
+    templates of one shape): a store keeps one per expert it has read, 517 bytes each with its key there (~5 MiB for
+    all 10,240 experts of that model; results/hybrid/template-bytes.txt), outside the memory budget."""
 
     __slots__ = ("ops", "dests", "ends", "counts", "paths")
 
