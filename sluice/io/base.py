@@ -157,22 +157,13 @@ class Counters:
         self.journal: list[list[tuple[str, int, int]]] | None = None
 
     def add_plan(self, plan: ReadPlan) -> None:
-        with self._lock:
-            if self.journal is not None:
-                self.journal.append([(r.path, r.offset, r.nbytes) for r in plan.reads])
-            self.batches += 1
-            self.requests += plan.requests
-            self.bytes_requested += plan.bytes_requested
-            self.bytes_read += plan.bytes_read
-            self.reads += len(plan.reads)
-            self.coalesced += plan.coalesced
-            self.dedup_saved_bytes += plan.dedup_saved_bytes
+        self.add_counts([plan.counts], lambda _: [(r.path, r.offset, r.nbytes) for r in plan.reads])
 
     def add_counts(self, counts: Sequence[tuple[int, int, int, int, int, int]],
                    journal: Callable[[int], list[tuple[str, int, int]]] | None = None) -> None:
-        """add_plan for batches planned before (io/direct.py ReadTemplate.counts): per batch (requests,
-        bytes_requested, bytes_read, reads, coalesced, dedup_saved_bytes); `journal(k)`: batch k's file reads, asked
-        only while a journal is kept."""
+        """Batches' counters: per batch ReadPlan.counts (requests, bytes_requested, bytes_read, reads, coalesced,
+        dedup_saved_bytes; io/direct.py ReadTemplate keeps them from its plan); `journal(k)`: batch k's file reads,
+        asked only while a journal is kept."""
         with self._lock:
             if self.journal is not None and journal is not None:
                 self.journal.extend(journal(k) for k in range(len(counts)))

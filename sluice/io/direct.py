@@ -311,7 +311,7 @@ class ReadTemplate:
         self.ops = ops  # int64 [n]: the op list, destination addresses minus the base
         self.dests = dests  # int64 [d]: where in ops the destination addresses are
         self.ends = ends  # int64 [parts]: each part's end in ops (one task of the native pool each)
-        self.counts = counts  # the plan's counters (Counters.add_counts)
+        self.counts = counts  # the plan's counters (ReadPlan.counts)
         self.paths = paths  # the files it reads
 
 
@@ -404,8 +404,7 @@ class DirectReader:
         native_pool._ops(split_even(plan.reads, self.workers), self._pool.fds, ops, ends, dests)
         arr = np.array(ops, dtype=np.int64)
         arr[dests] -= base
-        counts = (plan.requests, plan.bytes_requested, plan.bytes_read, len(plan.reads), plan.coalesced,
-                  plan.dedup_saved_bytes)
+        counts = plan.counts
         # the parts that are the same for many templates (every expert of a layer has the same shape of plan) are
         # kept once
         shared = self._shared

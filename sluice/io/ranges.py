@@ -151,6 +151,13 @@ class ReadPlan:
         """Distinct files the plan touches, in order."""
         return list(dict.fromkeys(r.path for r in self.reads))
 
+    @property
+    def counts(self) -> tuple[int, int, int, int, int, int]:
+        """What a reader's counters add for it (io/base.py Counters.add_counts): requests, bytes_requested,
+        bytes_read, reads, coalesced, dedup_saved_bytes."""
+        return (self.requests, self.bytes_requested, self.bytes_read, len(self.reads), self.coalesced,
+                self.dedup_saved_bytes)
+
 
 def as_buffer(dest: Dest, nbytes: int) -> memoryview:
     """A writable 1-D byte memoryview over `dest` (no copy); ValueError when it is not exactly `nbytes` bytes."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import random
 
 import pytest
@@ -18,3 +19,18 @@ def random_file(tmp_path):
         return str(path), data
 
     return make
+
+
+@pytest.fixture
+def page_buffer():
+    """make(nbytes) -> a writable view of a fresh anonymous mapping (page-aligned, zeroed), released after the test:
+    destinations to cut at chosen residues."""
+    views = []
+
+    def make(nbytes: int) -> memoryview:
+        views.append(memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)))
+        return views[-1]
+
+    yield make
+    for v in views:
+        v.release()

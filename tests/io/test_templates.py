@@ -4,7 +4,6 @@ journal as submit_each; the same errors."""
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import pytest
@@ -20,12 +19,9 @@ SLOT = 16 * PAGE
 
 
 @pytest.fixture
-def slots():
+def slots(page_buffer):
     """Four page-aligned slots of SLOT bytes, back to back."""
-    buf = mmap.mmap(-1, 4 * SLOT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    view = memoryview(buf)
-    yield view
-    view.release()
+    return page_buffer(4 * SLOT)
 
 
 def _requests(path: str, slot: memoryview) -> list:

@@ -6,7 +6,6 @@ blocks at a range's ends go through staging, and the bytes are the file's either
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 
 import pytest
@@ -25,12 +24,9 @@ def data_file(random_file):
 
 
 @pytest.fixture
-def arena():
+def arena(page_buffer):
     """A page-aligned byte buffer to cut destinations from at chosen residues."""
-    buf = mmap.mmap(-1, 80 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    view = memoryview(buf)
-    yield view
-    view.release()
+    return page_buffer(80 * PAGE)
 
 
 ENGINE = {"name": "auto"}  # set by the `engine` fixture: every test here runs on both readers' threads
