@@ -22,6 +22,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -315,6 +316,9 @@ void *sluice_io_open(int workers, int64_t max_gap) {
     P->tids = (pthread_t *)calloc((size_t)workers, sizeof(pthread_t));
     for (int i = 0; P->tids && i < workers; i++) {
         if (pthread_create(&P->tids[i], NULL, worker, P)) break;
+        char name[16]; /* what `top -H` / `ps -L` show, and what the tests count: 15 characters at most */
+        snprintf(name, sizeof name, "sluice-io-%d", i & 0xffff);
+        pthread_setname_np(P->tids[i], name);
         P->nthreads++;
     }
     if (P->nthreads == 0) {
