@@ -159,11 +159,13 @@ class LoadOptions:
         help=f"direct-read threads of each pool, at most {MAX_IO_WORKERS}", doc="direct-read threads (both pools)")
     # io_engine auto: preader.c's threads where the extension is built (io/native_pool.py: no GIL on the read path)
     io_engine: str = option(
-        "auto", choices=("auto", "native", "python"), shown="auto (native where built)",
-        help="who runs the direct reads: C threads (native) or Python threads; auto = native where it is built",
-        doc="who runs `--io direct`'s reads: C threads that never take the GIL (`native`), or Python threads "
-            "(`python`, the reader before them); `auto`: native where the extension built. The same bytes land "
-            "either way")
+        "auto", choices=("auto", "native", "uring", "python"), shown="auto (native where built)",
+        help="who runs the direct reads: C threads (native), one C thread driving an io_uring (uring), or Python "
+             "threads; auto = native where it is built",
+        doc="who runs `--io direct`'s reads: C threads that never take the GIL (`native`), one C thread keeping "
+            "`--io-workers` reads in flight in an io_uring (`uring`: no thread per read; Linux 5.1+, refused by "
+            "some containers' seccomp filters), or Python threads (`python`, the reader before them); `auto`: "
+            "native where the extension built. The same bytes land either way")
     # odirect None = auto (engine.py): O_DIRECT when streaming and the experts cannot fit in the memory left beside
     # the budget either (then page cache only adds a copy and constant reclaim: buffered reads measured 1.3-1.6x
     # slower in every benchmark under a ceiling), buffered otherwise (a roomy box keeps the model in page cache after

@@ -137,7 +137,8 @@ def _reader_text(spec: dict[str, Any]) -> str:
     """'direct, 8 workers, O_DIRECT' / 'mmap'."""
     if spec["mode"] != "direct":
         return spec["mode"]
-    engine = f", {spec['engine']} threads" if spec.get("engine") in ("native", "python") else ""
+    engines = {"native": ", native threads", "python": ", python threads", "uring": ", io_uring"}
+    engine = engines.get(spec.get("engine"), "")
     return f"direct, {spec['workers']} workers{engine}, {'O_DIRECT' if spec['odirect'] else 'buffered'}"
 
 

@@ -59,8 +59,9 @@ from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, cop
 # ~0.75 GB/s from 4 workers (its amp 1.01 vs 0.88 buffered: buffered also hits pages earlier batches cached).
 DEFAULT_WORKERS = 8
 # Who runs the reads: "native" preader.c's threads (no GIL between submission and the last byte: io/native_pool.py
-# says why), "python" threads of this module, "auto" native where it is built.
-ENGINES = ("auto", "native", "python")
+# says why), "uring" preader.c's one thread keeping the reads in flight in an io_uring (uring.c says why), "python"
+# threads of this module, "auto" native where it is built.
+ENGINES = ("auto", "native", "uring", "python")
 # Reads in flight for a row table's direct reads (qwen4_exp's n-gram table, `--ple direct`: a pass's thousands of
 # distinct ~100-300 byte rows, each its own 4 KiB read, one batch the model waits on): 16. The rows of a 2,140-token
 # prompt of real text (27,248 rows of 136 B, in 2 passes) replayed cold, O_DIRECT: 2.30 s at 8 workers, 2.03 at 16,
@@ -147,9 +148,10 @@ class _Pool:
     """Threads, file descriptors and counters. Holds no reference to the DirectReader, so an unclosed reader can
     still be collected (a weakref.finalize then closes the pool)."""
 
-    def __init__(self, workers: int, odirect: bool, max_gap: int, counters: Counters, native: bool = False):
-        """native: the reads run on preader.c's threads (self.native), this object only keeps the files; else on
-        `workers` Python threads."""
+    def __init__(self, workers: int, odirect: bool, max_gap: int, counters: Counters, native: bool = False,
+                 uring: bool = False):
+        """native: the reads run on preader.c's threads (self.native; uring: its io_uring thread, `workers` reads in
+        flight), this object only keeps the files; else on `workers` Python threads."""
         self.odirect = odirect
         self.odirect_fallback = False
         self.max_gap = max_gap
@@ -159,7 +161,7 @@ class _Pool:
         self.guard = FileGuard()
         self.lock = threading.Lock()
         self.closed = False
-        self.native = native_pool.NativePool(workers, max_gap, counters) if native else None
+        self.native = native_pool.NativePool(workers, max_gap, counters, uring) if native else None
         # daemon: a worker blocked in the queue never keeps the interpreter from exiting
         self.threads = [] if native else [
             threading.Thread(target=self._work, name=f"sluice-io-{i}", daemon=True) for i in range(workers)
@@ -338,16 +340,17 @@ class DirectReader:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        if engine == "native" and not native_pool.available():
+        if engine in ("native", "uring") and not native_pool.available():
             raise RuntimeError("the native reader (sluice/io/preader.c) is not built: reinstall sluice with a C "
                                "compiler, or use engine='python'")
-        self.engine = "native" if engine == "native" or (engine == "auto" and native_pool.available()) else "python"
+        self.engine = engine if engine != "auto" else "native" if native_pool.available() else "python"
         self.workers = workers
         self.odirect = odirect
         self._max_gap = max_gap
         self._max_read = max_read
         self._counters = Counters(self.mode)
-        self._pool = _Pool(workers, odirect, max_gap, self._counters, native=self.engine == "native")
+        self._pool = _Pool(workers, odirect, max_gap, self._counters, native=self.engine != "python",
+                           uring=self.engine == "uring")
         self._shared: dict[tuple, Any] = {}  # template parts kept once (template)
         self._finalizer = weakref.finalize(self, self._pool.close)
         self._finalizer.atexit = False  # at exit the daemon workers are simply abandoned: never wait on a read

@@ -1,6 +1,7 @@
 """The direct reader's workers in C (preader.c): the same reads as the Python workers of io/direct.py, with no GIL
 between a batch's submission and its last byte. DirectReader uses this pool when the extension is built (setup.py)
-and the Python one otherwise, or when asked (`engine="python"`).
+and the Python one otherwise, or when asked (`engine="python"`); `engine="uring"` runs the same reads from one
+thread through an io_uring (uring.c).
 
     pool = NativePool(workers, max_gap, counters)
     fut = pool.submit(plan_chunks, fds)    # a ReadFuture; result() waits with the GIL released
@@ -35,9 +36,11 @@ def _load() -> ctypes.CDLL | None:
     spec = importlib.util.find_spec("sluice.io._preader")
     if spec is None or spec.origin is None:
         return None
-    lib = ctypes.CDLL(spec.origin)
+    lib = ctypes.CDLL(spec.origin, use_errno=True)
     lib.sluice_io_open.argtypes = [_int, _i64]
     lib.sluice_io_open.restype = _ptr
+    lib.sluice_io_open_uring.argtypes = [_int, _i64]
+    lib.sluice_io_open_uring.restype = _ptr
     lib.sluice_io_threads.argtypes = [_ptr]
     lib.sluice_io_threads.restype = _int
     lib.sluice_io_close.argtypes = [_ptr, _ptr]
@@ -65,6 +68,20 @@ ERR_OS, ERR_EOF, ERR_NOMEM, ERR_BAD = 1, 2, 3, 4
 def available() -> bool:
     """Whether preader.c is built (setup.py; optional like the kernels)."""
     return LIB is not None
+
+
+def uring_error() -> str | None:
+    """Why this process cannot read through io_uring (uring.c), or None when it can: a ring is opened and closed
+    (ENOSYS: a kernel before 5.1 or without io_uring; EPERM: a seccomp filter, as some containers have, or
+    sysctl kernel.io_uring_disabled)."""
+    if LIB is None:
+        return "the native reader (sluice/io/preader.c, uring.c) is not built"
+    h = LIB.sluice_io_open_uring(1, 1)
+    if not h:
+        err = ctypes.get_errno()
+        return f"io_uring is refused here ({os.strerror(err)})"
+    LIB.sluice_io_close(h, (_i64 * 3)())
+    return None
 
 
 def _ops(chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, int]], ops: list[int],
@@ -194,12 +211,17 @@ class NativeFuture(ReadFuture):
 
 
 class NativePool:
-    """preader.c's threads for one DirectReader (never shared: two readers, two pools)."""
+    """preader.c's threads for one DirectReader (never shared: two readers, two pools): `workers` threads each doing
+    its reads with preadv, or (uring) one thread keeping `workers` reads in flight in an io_uring (uring.c)."""
 
-    def __init__(self, workers: int, max_gap: int, counters: Counters):
+    def __init__(self, workers: int, max_gap: int, counters: Counters, uring: bool = False):
         self.counters = counters
-        self.handle = LIB.sluice_io_open(workers, max_gap)
+        self.handle = (LIB.sluice_io_open_uring if uring else LIB.sluice_io_open)(workers, max_gap)
         if not self.handle:
+            if uring:
+                err = ctypes.get_errno()
+                raise RuntimeError(f"the io_uring reader could not start: {os.strerror(err)} (a kernel without "
+                                   "io_uring, or a seccomp filter refusing it): use --io-engine native")
             raise RuntimeError(f"the native reader could not start {workers} threads")
         self.pid = os.getpid()
         self._final = (0, 0, 0)

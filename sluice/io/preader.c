@@ -17,59 +17,14 @@
  * modulo the file's alignment), everything else through a per-worker page-aligned staging buffer, duplicates copied from the first
  * destination. The first error of a batch is kept (kind, read index, errno, file position); a part stops at it.
  */
-#define _GNU_SOURCE
+#include "preader.h"
+
 #include <errno.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <sys/uio.h>
 #include <time.h>
-
-#define ALIGN 4096 /* staging buffers start at a page: any file's O_DIRECT alignment (512-4096) divides it */
-#define MAX_IOV 1024 /* IOV_MAX on Linux; a read has at most 500 segments (ranges.MAX_SEGMENTS), 2 buffers each */
-
-enum { ERR_NONE = 0, ERR_OS = 1, ERR_EOF = 2, ERR_NOMEM = 3, ERR_BAD = 4 };
-
-typedef struct batch batch_t;
-
-typedef struct task {
-    batch_t *b;
-    const int64_t *ops, *end;
-    struct task *next;
-} task_t;
-
-struct batch {
-    atomic_int remaining; /* parts not yet over */
-    atomic_int refs;      /* the caller's reference + 1 while parts remain: the last one frees */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int done;                   /* under mu */
-    atomic_int err_kind;        /* the first error wins (CAS from ERR_NONE) */
-    int64_t err_read, err_errno, err_pos;
-    struct pool *pool;
-    int64_t *ops;
-    task_t *tasks;
-};
-
-typedef struct pool {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    task_t *head, *tail;
-    int quit, nthreads;
-    pthread_t *tids;
-    int64_t max_gap;
-    atomic_llong copied, majflt, minflt; /* the reader's stats, all batches together */
-} pool_t;
-
-typedef struct { /* a worker's buffers, grown on demand */
-    uint8_t *stage;
-    int64_t stage_n;
-    uint8_t *gap;
-} scratch_t;
 
 static void batch_free(batch_t *b) {
     pthread_mutex_destroy(&b->mu);
@@ -83,7 +38,7 @@ static void batch_unref(batch_t *b) {
     if (atomic_fetch_sub(&b->refs, 1) == 1) batch_free(b);
 }
 
-static void fail(batch_t *b, int kind, int64_t read, int64_t err, int64_t pos) {
+void fail(batch_t *b, int kind, int64_t read, int64_t err, int64_t pos) {
     int none = ERR_NONE;
     if (atomic_compare_exchange_strong(&b->err_kind, &none, kind)) {
         b->err_read = read;
@@ -118,31 +73,10 @@ static int advance(struct iovec *iov, int i, int nbuf, int64_t n) {
     return i;
 }
 
-/* preadv until every buffer is full: 0, or the error kind (pos: where it happened) */
-static int preadv_full(int fd, struct iovec *iov, int nbuf, int64_t pos, int64_t *err, int64_t *at) {
-    int i = 0;
-    while (i < nbuf) {
-        ssize_t n = preadv(fd, iov + i, nbuf - i, pos);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            *err = errno;
-            *at = pos;
-            return ERR_OS;
-        }
-        if (n == 0) {
-            *at = pos;
-            return ERR_EOF;
-        }
-        pos += n;
-        i = advance(iov, i, nbuf, n);
-    }
-    return 0;
-}
-
 /* O_DIRECT: whether segment q (of a read at `offset`) has whole blocks [*a, *b) (file offsets, multiples of al) to
  * read straight into its first destination, past *pos (the window read so far, advanced to *b when so): its address
- * agrees with the file offset modulo al and it shares no bytes with another segment. Both passes of one_read ask it
- * in order. */
+ * agrees with the file offset modulo al and it shares no bytes with another segment. plan_read and finish_read ask
+ * it in the same order. */
 static int direct_run(const int64_t *q, int64_t offset, int overlapping, int64_t al, int64_t *pos, int64_t *a,
                       int64_t *b) {
     int64_t o = offset + q[0];
@@ -153,125 +87,148 @@ static int direct_run(const int64_t *q, int64_t offset, int overlapping, int64_t
     return 1;
 }
 
-/* one read (its op list at p, advanced past it); returns 0 or an error kind */
-static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, int64_t *copied, int64_t *err,
-                    int64_t *at) {
+/* plan the read at *pp (advanced past it) into r: the buffers its bytes go to, in file order, from r->start.
+ * Returns 0 or an error kind. Buffered and no segments overlap (READ_GAPS): the destinations themselves, the gaps
+ * between segments into the gap buffer; overlapping (READ_WINDOW): the window into staging; O_DIRECT
+ * (READ_DIRECT): the aligned window, a segment's whole blocks straight into its first destination when that
+ * destination's address agrees with its file offset modulo the alignment, the rest into staging. */
+int plan_read(const int64_t **pp, scratch_t *s, int64_t max_gap, plan_t *r) {
     const int64_t *p = *pp;
-    int fd = (int)p[0], overlapping = (int)p[4];
-    int64_t al = p[1]; /* O_DIRECT alignment; 0: buffered */
-    int64_t offset = p[2], nbytes = p[3], nseg = p[5];
-    const int64_t *seg0 = p + 6, *q = seg0;
+    int overlapping = (int)p[4];
+    int64_t al = p[1], offset = p[2], nbytes = p[3], nseg = p[5];
+    const int64_t *q = p + 6;
     for (int64_t k = 0; k < nseg; k++) q += 3 + q[2];
     *pp = q;
-    struct iovec iov[MAX_IOV];
-    int nbuf = 0;
-    if (!al && !overlapping) { /* zero-copy: the destinations, gaps into the gap buffer */
+    r->op = p;
+    r->seg0 = p + 6;
+    r->fd = (int)p[0];
+    r->al = al;
+    r->nbuf = 0;
+    r->st = NULL;
+    q = r->seg0;
+    if (!al && !overlapping) {
         int64_t pos = 0;
-        q = seg0;
+        r->mode = READ_GAPS;
+        r->start = offset;
         for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
-            if (nbuf + 2 > MAX_IOV || q[0] - pos > max_gap) return ERR_BAD;
-            if (q[0] > pos) iov[nbuf++] = (struct iovec){s->gap, (size_t)(q[0] - pos)};
-            if (q[1]) iov[nbuf++] = (struct iovec){(void *)(intptr_t)q[3], (size_t)q[1]};
+            if (r->nbuf + 2 > MAX_IOV || q[0] - pos > max_gap) return ERR_BAD;
+            if (q[0] > pos) r->iov[r->nbuf++] = (struct iovec){s->gap, (size_t)(q[0] - pos)};
+            if (q[1]) r->iov[r->nbuf++] = (struct iovec){(void *)(intptr_t)q[3], (size_t)q[1]};
             pos = q[0] + q[1];
         }
-        int rc = preadv_full(fd, iov, nbuf, offset, err, at);
-        if (rc) return rc;
-        q = seg0;
-        for (int64_t k = 0; k < nseg; k++, q += 3 + q[2])
-            for (int64_t d = 1; d < q[2]; d++) {
-                memcpy((void *)(intptr_t)q[3 + d], (void *)(intptr_t)q[3], (size_t)q[1]);
-                *copied += q[1];
-            }
+        r->need = pos;
         return 0;
     }
-    if (!al) { /* overlapping segments: the window into staging, then scattered */
-        uint8_t *st = staging(s, nbytes);
-        if (!st) return ERR_NOMEM;
-        iov[0] = (struct iovec){st, (size_t)nbytes};
-        int rc = preadv_full(fd, iov, 1, offset, err, at);
-        if (rc) return rc;
-        q = seg0;
-        for (int64_t k = 0; k < nseg; k++, q += 3 + q[2])
-            for (int64_t d = 0; d < q[2]; d++) {
-                memcpy((void *)(intptr_t)q[3 + d], st + q[0], (size_t)q[1]);
-                *copied += q[1];
-            }
+    if (!al) {
+        r->mode = READ_WINDOW;
+        r->start = offset;
+        r->need = nbytes;
+        if (!(r->st = staging(s, nbytes))) return ERR_NOMEM;
+        r->iov[r->nbuf++] = (struct iovec){r->st, (size_t)nbytes};
         return 0;
     }
-    /* O_DIRECT: the aligned window; a segment's whole blocks straight into its first destination when that
-     * destination's address agrees with its file offset modulo al, the rest through staging */
     if (al < 0 || ALIGN % al) return ERR_BAD;
-    int64_t start = offset - offset % al, end = offset + nbytes, need = end - start;
-    int64_t window = (need + al - 1) / al * al;
-    uint8_t *st = staging(s, window);
-    if (!st) return ERR_NOMEM;
+    int64_t start = offset - offset % al, end = offset + nbytes, window = (end - start + al - 1) / al * al;
+    r->mode = READ_DIRECT;
+    r->start = start;
+    r->need = end - start; /* the window is rounded up to whole blocks; a read past `end` may come back short */
+    if (!(r->st = staging(s, window))) return ERR_NOMEM;
     int64_t pos = start;
-    q = seg0;
     for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
         int64_t was = pos, a, b;
         if (!direct_run(q, offset, overlapping, al, &pos, &a, &b)) continue;
-        if (nbuf + 2 > MAX_IOV) return ERR_BAD;
-        if (a > was) iov[nbuf++] = (struct iovec){st + (was - start), (size_t)(a - was)};
-        iov[nbuf++] = (struct iovec){(void *)((intptr_t)q[3] + (a - offset - q[0])), (size_t)(b - a)};
+        if (r->nbuf + 2 > MAX_IOV) return ERR_BAD;
+        if (a > was) r->iov[r->nbuf++] = (struct iovec){r->st + (was - start), (size_t)(a - was)};
+        r->iov[r->nbuf++] = (struct iovec){(void *)((intptr_t)q[3] + (a - offset - q[0])), (size_t)(b - a)};
     }
-    if (pos < start + window) iov[nbuf++] = (struct iovec){st + (pos - start), (size_t)(start + window - pos)};
+    if (pos < start + window) r->iov[r->nbuf++] = (struct iovec){r->st + (pos - start), (size_t)(start + window - pos)};
+    return 0;
+}
+
+/* after n bytes (>= 0) landed at *pos in r->iov[*i..]: 1 when the read is complete, 0 when more is to be read (*i,
+ * *pos and the iovecs advanced), ERR_EOF when the file ended first (an O_DIRECT read comes back short, off the
+ * block grid, only at the end of the file) */
+int read_progress(plan_t *r, int *i, int64_t *pos, int64_t n) {
+    if (n == 0) return ERR_EOF;
+    *pos += n;
+    if (*pos - r->start >= r->need) return 1;
+    if (r->al && n % r->al) return ERR_EOF;
+    *i = advance(r->iov, *i, r->nbuf, n);
+    return *i < r->nbuf ? 0 : 1;
+}
+
+/* a complete read's copies: staging to the destinations, first destinations to duplicates; returns bytes copied */
+int64_t finish_read(const plan_t *r) {
+    int64_t copied = 0, offset = r->op[2], nseg = r->op[5];
+    int overlapping = (int)r->op[4];
+    const int64_t *q = r->seg0;
+    if (r->mode == READ_GAPS) {
+        for (int64_t k = 0; k < nseg; k++, q += 3 + q[2])
+            for (int64_t d = 1; d < q[2]; d++) {
+                memcpy((void *)(intptr_t)q[3 + d], (void *)(intptr_t)q[3], (size_t)q[1]);
+                copied += q[1];
+            }
+        return copied;
+    }
+    if (r->mode == READ_WINDOW) {
+        for (int64_t k = 0; k < nseg; k++, q += 3 + q[2])
+            for (int64_t d = 0; d < q[2]; d++) {
+                memcpy((void *)(intptr_t)q[3 + d], r->st + q[0], (size_t)q[1]);
+                copied += q[1];
+            }
+        return copied;
+    }
+    /* READ_DIRECT: the bytes outside each direct run came through staging (direct_run again, segment by segment) */
+    int64_t pos = r->start;
+    for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
+        int64_t o = offset + q[0], a, b, ra = 0, rb = 0;
+        intptr_t dst = (intptr_t)q[3];
+        if (direct_run(q, offset, overlapping, r->al, &pos, &a, &b)) {
+            ra = a - o;
+            rb = b - o;
+        }
+        const uint8_t *src = r->st + (o - r->start);
+        if (ra > 0) memcpy((void *)dst, src, (size_t)ra);
+        if (q[1] > rb) memcpy((void *)(dst + rb), src + rb, (size_t)(q[1] - rb));
+        copied += ra + (q[1] - rb);
+        for (int64_t d = 1; d < q[2]; d++) {
+            memcpy((void *)(intptr_t)q[3 + d], (void *)dst, (size_t)q[1]);
+            copied += q[1];
+        }
+    }
+    return copied;
+}
+
+/* one read on this thread (its op list at p, advanced past it); returns 0 or an error kind */
+static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, plan_t *r, int64_t *copied, int64_t *err,
+                    int64_t *at) {
+    int rc = plan_read(pp, s, max_gap, r);
+    if (rc) return rc;
     int i = 0;
-    pos = start;
-    while (i < nbuf) {
-        ssize_t n = preadv(fd, iov + i, nbuf - i, pos);
+    int64_t pos = r->start;
+    for (;;) {
+        ssize_t n = preadv(r->fd, r->iov + i, r->nbuf - i, pos);
         if (n < 0) {
             if (errno == EINTR) continue;
             *err = errno;
             *at = pos;
             return ERR_OS;
         }
-        pos += n;
-        if (pos - start >= need) break;
-        /* EOF: 0 bytes, or a short read off the block grid (O_DIRECT returns short only at EOF) */
-        if (n == 0 || n % al) {
+        rc = read_progress(r, &i, &pos, n);
+        if (rc == 1) break;
+        if (rc) {
             *at = pos;
-            return ERR_EOF;
-        }
-        i = advance(iov, i, nbuf, n);
-    }
-    /* the bytes outside each direct run came through staging (direct_run again, segment by segment) */
-    pos = start;
-    q = seg0;
-    for (int64_t k = 0; k < nseg; k++, q += 3 + q[2]) {
-        int64_t o = offset + q[0], a, b, ra = 0, rb = 0;
-        intptr_t dst = (intptr_t)q[3];
-        if (direct_run(q, offset, overlapping, al, &pos, &a, &b)) {
-            ra = a - o;
-            rb = b - o;
-        }
-        const uint8_t *src = st + (o - start);
-        if (ra > 0) memcpy((void *)dst, src, (size_t)ra);
-        if (q[1] > rb) memcpy((void *)(dst + rb), src + rb, (size_t)(q[1] - rb));
-        *copied += ra + (q[1] - rb);
-        for (int64_t d = 1; d < q[2]; d++) {
-            memcpy((void *)(intptr_t)q[3 + d], (void *)dst, (size_t)q[1]);
-            *copied += q[1];
+            return rc;
         }
     }
+    *copied += finish_read(r);
     return 0;
 }
 
-static void run_task(task_t *t, scratch_t *s, int64_t max_gap) {
+/* a task's reads are over: its bytes copied to the pool's counter; the batch is over with its last task */
+void task_over(task_t *t, int64_t copied) {
     batch_t *b = t->b;
-    struct rusage r0, r1;
-    getrusage(RUSAGE_THREAD, &r0);
-    int64_t copied = 0;
-    const int64_t *p = t->ops;
-    while (p < t->end && atomic_load(&b->err_kind) == ERR_NONE) {
-        const int64_t *at_read = p;
-        int64_t err = 0, at = 0;
-        int rc = one_read(&p, s, max_gap, &copied, &err, &at);
-        if (rc) fail(b, rc, (int64_t)(at_read - b->ops), err, at);
-    }
-    getrusage(RUSAGE_THREAD, &r1);
     atomic_fetch_add(&b->pool->copied, copied);
-    atomic_fetch_add(&b->pool->majflt, r1.ru_majflt - r0.ru_majflt);
-    atomic_fetch_add(&b->pool->minflt, r1.ru_minflt - r0.ru_minflt);
     if (atomic_fetch_sub(&b->remaining, 1) == 1) {
         pthread_mutex_lock(&b->mu);
         b->done = 1;
@@ -281,9 +238,28 @@ static void run_task(task_t *t, scratch_t *s, int64_t max_gap) {
     }
 }
 
+static void run_task(task_t *t, scratch_t *s, plan_t *r, int64_t max_gap) {
+    batch_t *b = t->b;
+    struct rusage r0, r1;
+    getrusage(RUSAGE_THREAD, &r0);
+    int64_t copied = 0;
+    const int64_t *p = t->ops;
+    while (p < t->end && atomic_load(&b->err_kind) == ERR_NONE) {
+        const int64_t *at_read = p;
+        int64_t err = 0, at = 0;
+        int rc = one_read(&p, s, max_gap, r, &copied, &err, &at);
+        if (rc) fail(b, rc, (int64_t)(at_read - b->ops), err, at);
+    }
+    getrusage(RUSAGE_THREAD, &r1);
+    atomic_fetch_add(&b->pool->majflt, r1.ru_majflt - r0.ru_majflt);
+    atomic_fetch_add(&b->pool->minflt, r1.ru_minflt - r0.ru_minflt);
+    task_over(t, copied);
+}
+
 static void *worker(void *arg) {
     pool_t *P = (pool_t *)arg;
     scratch_t s = {NULL, 0, (uint8_t *)malloc((size_t)(P->max_gap > 0 ? P->max_gap : 1))};
+    plan_t r; /* 16 KiB of iovecs, on this thread's stack */
     for (;;) {
         pthread_mutex_lock(&P->mu);
         while (!P->head && !P->quit) pthread_cond_wait(&P->cv, &P->mu);
@@ -296,25 +272,39 @@ static void *worker(void *arg) {
         if (!P->head) P->tail = NULL;
         pthread_mutex_unlock(&P->mu);
         if (!s.gap) fail(t->b, ERR_NOMEM, 0, 0, 0);
-        run_task(t, &s, P->max_gap);
+        run_task(t, &s, &r, P->max_gap);
     }
     free(s.stage);
     free(s.gap);
     return NULL;
 }
 
-/* a pool of `workers` threads; NULL when none could start */
-void *sluice_io_open(int workers, int64_t max_gap) {
+static pool_t *pool_new(int64_t max_gap, int nthreads) {
     pool_t *P = (pool_t *)calloc(1, sizeof(pool_t));
-    if (!P || workers < 1) {
+    if (!P) return NULL;
+    P->tids = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
+    if (!P->tids) {
         free(P);
         return NULL;
     }
     pthread_mutex_init(&P->mu, NULL);
     pthread_cond_init(&P->cv, NULL);
     P->max_gap = max_gap;
-    P->tids = (pthread_t *)calloc((size_t)workers, sizeof(pthread_t));
-    for (int i = 0; P->tids && i < workers; i++) {
+    return P;
+}
+
+static void pool_free(pool_t *P) {
+    pthread_mutex_destroy(&P->mu);
+    pthread_cond_destroy(&P->cv);
+    free(P->tids);
+    free(P);
+}
+
+/* a pool of `workers` threads; NULL when none could start */
+void *sluice_io_open(int workers, int64_t max_gap) {
+    pool_t *P = workers >= 1 ? pool_new(max_gap, workers) : NULL;
+    if (!P) return NULL;
+    for (int i = 0; i < workers; i++) {
         if (pthread_create(&P->tids[i], NULL, worker, P)) break;
         char name[16]; /* what `top -H` / `ps -L` show, and what the tests count: 15 characters at most */
         snprintf(name, sizeof name, "sluice-io-%d", i & 0xffff);
@@ -322,10 +312,35 @@ void *sluice_io_open(int workers, int64_t max_gap) {
         P->nthreads++;
     }
     if (P->nthreads == 0) {
-        free(P->tids);
-        free(P);
+        pool_free(P);
         return NULL;
     }
+    return P;
+}
+
+/* a pool of one thread driving an io_uring with up to `depth` reads in flight (uring.c); NULL, errno set, when
+ * the kernel refuses io_uring (ENOSYS: before 5.1 or built without it; EPERM: a seccomp filter or
+ * kernel.io_uring_disabled) or the thread cannot start */
+void *sluice_io_open_uring(int depth, int64_t max_gap) {
+    pool_t *P = depth >= 1 ? pool_new(max_gap, 1) : NULL;
+    if (!P) {
+        errno = depth >= 1 ? ENOMEM : EINVAL;
+        return NULL;
+    }
+    if (!(P->ring = uring_open(P, depth))) {
+        int e = errno;
+        pool_free(P);
+        errno = e;
+        return NULL;
+    }
+    if (pthread_create(&P->tids[0], NULL, uring_driver, P)) {
+        uring_close(P->ring);
+        pool_free(P);
+        errno = EAGAIN;
+        return NULL;
+    }
+    pthread_setname_np(P->tids[0], "sluice-io-ring");
+    P->nthreads = 1;
     return P;
 }
 
@@ -340,12 +355,11 @@ void sluice_io_close(void *pool, int64_t *out) {
     P->quit = 1;
     pthread_cond_broadcast(&P->cv);
     pthread_mutex_unlock(&P->mu);
+    if (P->ring) uring_kick(P->ring);
     for (int i = 0; i < P->nthreads; i++) pthread_join(P->tids[i], NULL);
     sluice_io_counters(P, out);
-    pthread_mutex_destroy(&P->mu);
-    pthread_cond_destroy(&P->cv);
-    free(P->tids);
-    free(P);
+    if (P->ring) uring_close(P->ring);
+    pool_free(P);
 }
 
 /* a batch of `nparts` parts: ops[0 : ends[0]], ops[ends[0] : ends[1]], ... (copied here, the ends relative to
@@ -408,6 +422,7 @@ int sluice_io_submit_many(void *pool, const int64_t *ops, const int64_t *ends, c
     }
     pthread_cond_broadcast(&P->cv);
     pthread_mutex_unlock(&P->mu);
+    if (P->ring) uring_kick(P->ring);
     return 0;
 }
 

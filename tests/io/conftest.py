@@ -34,3 +34,18 @@ def page_buffer():
     yield make
     for v in views:
         v.release()
+
+
+def _engines() -> list:
+    """The direct reader's engines: preader.c's threads, its io_uring thread (skipped, saying why, where this kernel
+    or a seccomp filter refuses io_uring), the Python threads."""
+    from sluice.io import native_pool
+
+    why = native_pool.uring_error()
+    return ["native", pytest.param("uring", marks=pytest.mark.skipif(why is not None, reason=str(why))), "python"]
+
+
+def pytest_generate_tests(metafunc):
+    """A test (or a fixture it uses) that takes `io_engine` runs once per engine."""
+    if "io_engine" in metafunc.fixturenames:
+        metafunc.parametrize("io_engine", _engines())

@@ -29,13 +29,13 @@ def arena(page_buffer):
     return page_buffer(80 * PAGE)
 
 
-ENGINE = {"name": "auto"}  # set by the `engine` fixture: every test here runs on both readers' threads
+ENGINE = {"name": "auto"}  # set by the `engine` fixture: every test here runs on each engine (conftest io_engine)
 
 
-@pytest.fixture(params=["native", "python"], autouse=True)
-def engine(request):
-    ENGINE["name"] = request.param
-    yield request.param
+@pytest.fixture(autouse=True)
+def engine(io_engine):
+    ENGINE["name"] = io_engine
+    yield io_engine
     ENGINE["name"] = "auto"
 
 

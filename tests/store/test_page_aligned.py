@@ -109,14 +109,17 @@ def test_slot_rows_without_huge_pages(monkeypatch):
     assert page_rows(0, PAGE).shape == (0, PAGE)
 
 
-@pytest.mark.parametrize("engine", ["native", "python"])
+@pytest.mark.parametrize("engine", ["native", "uring", "python"])
 def test_each_expert_is_planned_once(model, engine):
-    """The native reader plans a missed expert's reads once (io/direct.py ReadTemplate) and reads it again into
-    whichever slot it gets; the Python reader plans every time. Both give the resident run's bits."""
+    """The native reader (its threads, or its io_uring) plans a missed expert's reads once (io/direct.py
+    ReadTemplate) and reads it again into whichever slot it gets; the Python reader plans every time. All give the
+    resident run's bits."""
     from sluice.io import native_pool
 
-    if engine == "native" and not native_pool.available():
+    if engine != "python" and not native_pool.available():
         pytest.skip("the native reader (io/preader.c) is not built")
+    if engine == "uring" and (why := native_pool.uring_error()):
+        pytest.skip(why)
     model_path = model[1]
     with sluice.load(model_path, memory="all") as m:
         want = m.logits(LONG), m.logits(IDS)
