@@ -11,7 +11,8 @@
 # three ways (defaults with repacked buffers, --no-extra-bufts, MADV_RANDOM; the verdicts compare with the best):
 #   decode    cold (verified), 1 GiB memory cgroup (page cache included), 8 timed steps after 2 untimed, after a
 #             32-token prompt; step time against sluice's own I/O floor measured in the same run (its reads replayed
-#             cold with its reader, at its queue depth, before the first round and after the last); sluice twice: its
+#             cold with its reader, at its queue depth, before the first round and after the last, and after each
+#             arm's run in every round: the paired ratio, the disk at the same moment); sluice twice: its
 #             default 8 reader threads and 4 (this VM's disk gives O_DIRECT the same rate from 4 reads in flight,
 #             io/direct.py's table, and on 2 cores 8 threads take CPU from the step's compute); and sluice with
 #             --prefetch router (the next layer's experts guessed by its router and read while this layer computes;
@@ -79,7 +80,7 @@ for set in $SETS; do
   case $set in
     decode)
       bench "$OUT/decode$TAG-$CEILING" --cold --ceiling "$CEILING" --steps "$STEPS" --warmup "$WARMUP" \
-        --prompt-tokens 32 --arm sluice="--io direct --memory $MEMORY ${ISA[*]}" \
+        --floor-each-round --prompt-tokens 32 --arm sluice="--io direct --memory $MEMORY ${ISA[*]}" \
         --arm sluice-4io="--io direct --memory $MEMORY --io-workers 4 ${ISA[*]}" \
         --arm sluice+router="--io direct --memory $MEMORY --prefetch router ${ISA[*]}" "${LLAMA[@]}" ;;
     prefill)

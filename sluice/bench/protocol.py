@@ -91,6 +91,21 @@ def floor_fields(step_ms: float | None, prefill_ms: float | None, floor: dict[st
     return out
 
 
+def paired_floor(runs: Sequence[Run], floor: dict[str, Any] | None) -> dict[str, Any]:
+    """Each run's median step against the floor replayed right after it in the same round (bench
+    --floor-each-round: the disk at the same moment): the ratios in round order, their median, and the floors; {}
+    without per-round floors."""
+    rounds = (floor or {}).get("rounds") or {}
+    pairs = [(r.round, statistics.median(r.step_ms()), rounds[str(r.round)]["floor_ms"]) for r in runs
+             if r.step_ms() and rounds.get(str(r.round), {}).get("floor_ms")]
+    if not pairs:
+        return {}
+    pairs.sort()
+    ratios = [step / f for _, step, f in pairs]
+    return {"floor_ms_rounds": [f for _, _, f in pairs], "step_floor_rounds": ratios,
+            "step_floor_paired": statistics.median(ratios)}
+
+
 def summarize(runs: Sequence[Run], floor: dict[str, Any] | None = None) -> dict[str, Any]:
     """Metrics of one arm over its rounds. Step latency median/p90 pool every timed step of every round; the
     per-run rates (tok/s, CPU, faults, bytes per step) are medians over rounds; peak RSS is the maximum. `floor`:
@@ -138,6 +153,7 @@ def summarize(runs: Sequence[Run], floor: dict[str, Any] | None = None) -> dict[
         io_wait_ms_per_step=_median([per_step(r, "io_wait_s", 1000) for r in ok]),
     )
     out.update(floor_fields(out["step_ms_median"], out["prefill_ms"], floor))
+    out.update(paired_floor(ok, floor))
     # counters a later feature adds to Model.stats() (prefetch recall, waste, ...): carried as medians over rounds
     for key in sorted({k for r in ok for k in r.record.get("stats", {}) if k.startswith("prefetch")}):
         vals = [r.record["stats"].get(key) for r in ok]

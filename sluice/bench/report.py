@@ -142,11 +142,23 @@ def _reader_text(spec: dict[str, Any]) -> str:
     return f"direct, {spec['workers']} workers{engine}, {'O_DIRECT' if spec['odirect'] else 'buffered'}"
 
 
+def _paired(s: dict[str, Any]) -> str:
+    """'**1.12** (1.05 / 1.12 / 1.30; floors 120 / 98 / 131)': the median of the per-round ratios, then each."""
+    ratios = s.get("step_floor_rounds")
+    if not ratios:
+        return DASH
+    each = " / ".join(f"{r:.2f}" for r in ratios)
+    floors = " / ".join(f"{f:.0f}" for f in s["floor_ms_rounds"])
+    return f"**{s['step_floor_paired']:.2f}** ({each}; floors {floors})"
+
+
 def floor_table(results: dict[str, Any]) -> str:
-    """How each arm's floor was measured and what it gave, before and after the rounds; "" without floors."""
+    """How each arm's floor was measured and what it gave, before and after the rounds (and, with
+    --floor-each-round, after its run in each round); "" without floors."""
     floor = results.get("floor")
     if not floor:
         return ""
+    paired = int(any(f.get("rounds") for f in floor.values()))
     rows = []
     for arm in results["arms"]:
         f = floor.get(arm["name"])
@@ -156,7 +168,7 @@ def floor_table(results: dict[str, Any]) -> str:
         p = f.get("plan_summary")
         if p is None:
             why = "; ".join(f["errors"] + f.get("oom", []))[:160].replace("|", "/")
-            rows.append(f"| {arm['name']} | no plan: {why} |" + f" {DASH} |" * 6)
+            rows.append(f"| {arm['name']} | no plan: {why} |" + f" {DASH} |" * (6 + paired))
             continue
         gbs = [(f.get(w) or {}).get("bytes_per_s") for w in ("before", "after")]
         rows.append(
@@ -166,9 +178,10 @@ def floor_table(results: dict[str, Any]) -> str:
             f"| {_pair(*(None if g is None else g / 1e9 for g in gbs))} "
             f"| {_pair(s.get('step_floor_before'), s.get('step_floor_after'))} "
             f"| {_pair(s.get('prefill_floor_ms_before'), s.get('prefill_floor_ms_after'), '.1f')} "
-            f"| {_size(p['prefill_bytes'])} |")
+            f"| {_size(p['prefill_bytes'])} |" + (f" {_paired(s)} |" if paired else ""))
     head = ("| arm | reader | reads per timed step | floor ms/step before / after | GB/s before / after "
-            "| step/floor before / after | prompt floor ms before / after | prompt reads |\n" + "|---" * 8 + "|")
+            "| step/floor before / after | prompt floor ms before / after | prompt reads |"
+            + (" step/floor paired by round (floor ms) |" if paired else "") + "\n" + "|---" * (8 + paired) + "|")
     m = results["meta"]
     state = ("read into the page cache first, as the arms' were" if m["page_cache"] == "warm" else
              "the model's files evicted and verified cold first")
@@ -177,7 +190,9 @@ def floor_table(results: dict[str, Any]) -> str:
             f"work, per step) replayed in a fresh process{ceiling} with readers made like the arm's, {state}, each "
             "step's reads in flight together; the floor of a step is the timed steps' replay time / their number, "
             "measured before the first round and after the last. The main table's step/floor divides by the faster "
-            "of the two.\n\n" + head + "\n" + "\n".join(rows))
+            "of the two." + (" Paired: each round's run against its own reads replayed right after it (the disk at "
+                             "the same moment), the median of the rounds' ratios, then each round's."
+                             if paired else "") + "\n\n" + head + "\n" + "\n".join(rows))
 
 
 def peers_note(results: dict[str, Any]) -> str:

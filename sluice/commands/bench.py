@@ -7,7 +7,8 @@ decode steps, then `--steps` timed ones. Each replayed argmax is checked against
 
 The floor (bench/floor.py): before the rounds, each sluice arm replays the sequence once more, untimed, recording its
 read plan (the file ranges its readers read, per step); that plan is replayed cold with readers made like the arm's
-before the first round and after the last, and step times are reported against both.
+before the first round and after the last, and step times are reported against both; with --floor-each-round also
+right after the arm's run in every round, each run's step time against that round's floor (paired).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-floor", action="store_true",
                    help="report no I/O floor (skips each sluice arm's untimed recording replay and the floor replays "
                         "of its reads before the first round and after the last)")
+    p.add_argument("--floor-each-round", action="store_true",
+                   help="also replay each sluice arm's reads right after its run in every round, and report its "
+                        "step time against that round's floor (paired: the disk at the same moment), besides the "
+                        "floors before the first round and after the last")
     p.add_argument("--disk", metavar="PATH",
                    help="measure the disk holding PATH by access pattern, print the table, save it, and exit (a "
                         "separate tool: the bench's floor replays each arm's own reads instead)")
@@ -132,7 +137,9 @@ class Bench:
         # llama.cpp arms whose defaults crashed on this machine: the signal, the round, the options run since
         self.fallbacks: dict[str, dict[str, Any]] = {}
         self.with_floor = not args.no_floor
-        floors = 3 * sum(a.peer is None for a in arms) if self.with_floor else 0  # plan, before, after
+        self.floor_each_round = self.with_floor and getattr(args, "floor_each_round", False)
+        floors = (3 + (args.rounds if self.floor_each_round else 0)) * sum(a.peer is None for a in arms) \
+            if self.with_floor else 0  # plan, before, after (and one a round)
         # KV positions of every sluice arm without --max-context (arms.sized_context; None: a text --prompt, whose
         # length the tokenizer decides, keeps the default)
         self.context: int | None = None
@@ -185,36 +192,42 @@ class Bench:
         """The floor of every arm with a plan, `when` ("before" the rounds or "after"): its plan replayed in a
         fresh child under the ceiling, the files evicted and verified cold first (warm for a --warm bench)."""
         for name, entry in self.floor.items():
-            if "plan" not in entry:
-                continue
-            what = f"the floor of arm {name!r} ({when})"
-            self.progress.set_description(f"floor {when}: {name}")
-            if not entry["plan"]["prefill"] and not any(entry["plan"]["steps"]):  # resident: nothing to replay
-                entry[when] = {"ok": True, "floor_ms": 0.0, "prefill_floor_ms": 0.0, "bytes_per_s": None,
-                               "skipped": "the arm read nothing"}
-                self.progress.update()
-                continue
-            state = "warm" if self.page_cache == "warm" else "cold"
-            try:
-                res = prepare(self.files, state, what)
-            except BenchError as e:
-                entry["errors"].append(f"{when}: {e}")
-                _log(f"{what}: {e}")
-                self.progress.update()
-                continue
-            line = _residency_line(res, what)
-            if line:
-                _log(line)
-            argv = child_argv("floor", self.args.model, {}, plan=folder / f"plan-{name}.json")
-            got = run_child(argv, self.ceiling)
+            got = self.measure_floor(name, entry, when, folder)
+            if got is not None:
+                entry[when] = got
+
+    def measure_floor(self, name: str, entry: dict[str, Any], when: str, folder: Path) -> dict[str, Any] | None:
+        """One floor of arm `name` (its entry in self.floor: errors and OOM kills are noted there); None when it has
+        no plan or the replay failed."""
+        if "plan" not in entry:
+            return None
+        what = f"the floor of arm {name!r} ({when})"
+        self.progress.set_description(f"floor {when}: {name}")
+        if not entry["plan"]["prefill"] and not any(entry["plan"]["steps"]):  # resident: nothing to replay
             self.progress.update()
-            if got.error() is not None:
-                entry["oom" if got.oom_killed else "errors"].append(f"{when}: {got.error()}")
-                _log(f"{what}: {got.error()}")
-                continue
-            entry[when] = {**got.record, "residency": res, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            f = got.record["floor_ms"]
-            _log(f"{what}: {'-' if f is None else f'{f:.2f}'} ms/step, prompt {got.record['prefill_floor_ms']:.1f} ms")
+            return {"ok": True, "floor_ms": 0.0, "prefill_floor_ms": 0.0, "bytes_per_s": None,
+                    "skipped": "the arm read nothing"}
+        state = "warm" if self.page_cache == "warm" else "cold"
+        try:
+            res = prepare(self.files, state, what)
+        except BenchError as e:
+            entry["errors"].append(f"{when}: {e}")
+            _log(f"{what}: {e}")
+            self.progress.update()
+            return None
+        line = _residency_line(res, what)
+        if line:
+            _log(line)
+        argv = child_argv("floor", self.args.model, {}, plan=folder / f"plan-{name}.json")
+        got = run_child(argv, self.ceiling)
+        self.progress.update()
+        if got.error() is not None:
+            entry["oom" if got.oom_killed else "errors"].append(f"{when}: {got.error()}")
+            _log(f"{what}: {got.error()}")
+            return None
+        f = got.record["floor_ms"]
+        _log(f"{what}: {'-' if f is None else f'{f:.2f}'} ms/step, prompt {got.record['prefill_floor_ms']:.1f} ms")
+        return {**got.record, "residency": res, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
     def _replay(self, arm: Arm, what: str, work: Path):
         res = self._prepare(what)
@@ -254,6 +267,10 @@ class Bench:
                 ms = run.step_ms()
                 self.progress.set_postfix_str(f"{name} {sorted(ms)[len(ms) // 2]:.2f} ms/step")
             self.progress.update()
+            if self.floor_each_round and arm.peer is None and name in self.floor:  # the disk at this moment
+                got = self.measure_floor(name, self.floor[name], f"round {rnd}", work.parent)
+                if got is not None:
+                    self.floor[name].setdefault("rounds", {})[str(rnd)] = got
 
     def results(self, sequence: dict[str, Any]) -> dict[str, Any]:
         a = self.args

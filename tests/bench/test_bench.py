@@ -160,6 +160,19 @@ def test_floor_in_the_summary():
     assert summarize([fake_run("a", 1, [30.0])])["floor_ms"] is None  # not measured: no floor
 
 
+def test_paired_floor_by_round():
+    """--floor-each-round: each run's median step against the floor replayed right after it in its round."""
+    floor = {"before": {"floor_ms": 10.0, "prefill_floor_ms": 50.0},
+             "rounds": {"1": {"floor_ms": 20.0}, "2": {"floor_ms": 8.0}, "3": {"floor_ms": 12.0}}}
+    runs = [fake_run("a", 2, [16.0, 17.0, 18.0]), fake_run("a", 1, [30.0] * 3), fake_run("a", 3, [12.0])]
+    s = summarize(runs, floor)
+    assert s["floor_ms_rounds"] == [20.0, 8.0, 12.0]  # round order
+    assert s["step_floor_rounds"] == pytest.approx([1.5, 17 / 8, 1.0])
+    assert s["step_floor_paired"] == pytest.approx(1.5)
+    assert s["step_floor_ratio"] == pytest.approx(18 / 10)  # the strict ratio: all steps pooled, the faster floor
+    assert "step_floor_paired" not in summarize(runs, {"before": {"floor_ms": 10.0}})  # no rounds: no field
+
+
 def test_identity_gate_on_synthetic_argmax():
     runs = [fake_run("ref", 1, [1.0], argmax=[5, 6, 7, 8]), fake_run("same", 1, [1.0], argmax=[5, 6, 7, 8]),
             fake_run("other", 1, [1.0], argmax=[5, 6, 9, 8]), fake_run("other", 2, [1.0], argmax=[5, 6, 7])]
@@ -337,6 +350,31 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monke
     assert "I/O floor measured in this run, before the first round and after the last" in captured.out
     assert "| ref | direct, 8 workers, native threads, buffered |" in captured.out and "| f32 | mmap |" in captured.out
     assert not (cache_home / "sluice").exists()  # no cached disk figure was read or written
+
+
+def test_end_to_end_floor_each_round(model_dir, tmp_path, cache_home, capsys, monkeypatch):
+    """Each round's run is followed by its own floor replay; the floor table gains the paired ratios."""
+    bf16, _ = budgets(model_dir, capsys)
+    out = tmp_path / "out"
+    children: list[str] = []
+    run = bench_cmd.run_child
+    monkeypatch.setattr(bench_cmd, "run_child", lambda argv, *a, **k: (
+        children.append(argv[3] + (" --journal" if "--journal" in argv else "")), run(argv, *a, **k))[1])
+    rc = cli.main(["bench", str(model_dir), "--arm", f"ref=--io direct --memory {bf16}", "--rounds", "2",
+                   "--steps", "3", "--warmup", "1", "--prompt-tokens", "6", "--cold", "--floor-each-round",
+                   "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert children == ["generate", "replay --journal", "floor", "replay", "floor", "replay", "floor", "floor"]
+    results = json.loads((out / "results.json").read_text())
+    f, s = results["floor"]["ref"], results["summary"]["ref"]
+    assert sorted(f["rounds"]) == ["1", "2"]
+    assert all(m["residency"]["state"] == "cold" and m["floor_ms"] > 0 for m in f["rounds"].values())
+    runs = {r["round"]: Run(**r) for r in results["runs"]}
+    want = [sorted(runs[k].step_ms())[1] / f["rounds"][str(k)]["floor_ms"] for k in (1, 2)]  # 3 steps: the middle
+    assert s["step_floor_rounds"] == pytest.approx(want)
+    assert "step/floor paired by round (floor ms) |" in captured.out and "Paired: each round's run" in captured.out
+    assert f"**{s['step_floor_paired']:.2f}** (" in captured.out
 
 
 def test_source_commit_ignores_result_folders(tmp_path):
