@@ -193,7 +193,8 @@ static void release(struct uring *U, slot_t *s) {
     if (--t->pending == 0 && t->next_op >= t->end) task_over(t, 0); /* may free the batch: t is not touched after */
 }
 
-/* the task's next read into a free slot: 1 when issued, 0 when the task has none left to issue */
+/* the task's next read into a free slot: 1 when issued (or, reading nothing, done here), 0 when the task has none
+ * left to issue */
 static int issue(struct uring *U, task_t *t) {
     batch_t *b = t->b;
     if (t->next_op >= t->end || atomic_load(&b->err_kind) != ERR_NONE) {
@@ -207,6 +208,10 @@ static int issue(struct uring *U, task_t *t) {
         fail(b, rc, (int64_t)(at - b->ops), 0, 0);
         t->next_op = t->end;
         return 0;
+    }
+    if (s->r.need <= 0 || s->r.nbuf == 0) { /* nothing to read (a read of 0 bytes): its copies, if any, now */
+        atomic_fetch_add(&U->P->copied, finish_read(&s->r));
+        return 1;
     }
     U->free = s->next_free;
     s->t = t;
@@ -305,12 +310,11 @@ void *uring_driver(void *arg) {
                 cur->next_op = cur->ops;
                 cur->pending = 0;
             }
-            if (!issue(U, cur)) { /* nothing (more) to issue: over now, or with its last read in flight */
+            if (!issue(U, cur) || cur->next_op >= cur->end) { /* nothing more to issue */
                 task_t *t = cur;
                 cur = NULL;
-                if (t->pending == 0) task_over(t, 0);
-            } else if (cur->next_op >= cur->end) {
-                cur = NULL; /* its last read is in flight: that read's completion ends it (release) */
+                t->next_op = t->end;
+                if (t->pending == 0) task_over(t, 0); /* else its last read's completion ends it (release) */
             }
         }
         if (quit && !cur && U->inflight == 0) break; /* close(): the queue is empty and every read is over */
