@@ -412,3 +412,20 @@ def test_plan_splits_for_workers():
     chunks = split_even(plan.reads, 4)
     assert len(chunks) == 4 and [r for c in chunks for r in c] == plan.reads
     assert split_even([], 4) == []
+
+
+def test_refused_io_uring_is_one_clear_error(monkeypatch):
+    """A kernel or a seccomp filter that refuses io_uring (EPERM here): the reader says why and what to use."""
+    if not native_pool.available():
+        pytest.skip("the native reader (io/preader.c) is not built")
+    import ctypes
+
+    def refused(*_):
+        ctypes.set_errno(errno.EPERM)
+        return None
+
+    monkeypatch.setattr(native_pool.LIB, "sluice_io_open_uring", refused)
+    assert "Operation not permitted" in native_pool.uring_error()
+    with pytest.raises(RuntimeError, match=r"io_uring reader could not start: Operation not permitted.*--io-engine "
+                                           r"native"):
+        DirectReader(2, engine="uring")
