@@ -137,7 +137,7 @@ class Bench:
         # llama.cpp arms whose defaults crashed on this machine: the signal, the round, the options run since
         self.fallbacks: dict[str, dict[str, Any]] = {}
         self.with_floor = not args.no_floor
-        self.floor_each_round = self.with_floor and getattr(args, "floor_each_round", False)
+        self.floor_each_round = self.with_floor and args.floor_each_round
         floors = (3 + (args.rounds if self.floor_each_round else 0)) * sum(a.peer is None for a in arms) \
             if self.with_floor else 0  # plan, before, after (and one a round)
         # KV positions of every sluice arm without --max-context (arms.sized_context; None: a text --prompt, whose

@@ -204,7 +204,7 @@ static int one_read(const int64_t **pp, scratch_t *s, int64_t max_gap, plan_t *r
                     int64_t *at) {
     int rc = plan_read(pp, s, max_gap, r);
     if (rc) return rc;
-    if (r->need <= 0 || r->nbuf == 0) { /* nothing to read (a read of 0 bytes) */
+    if (r->need <= 0) { /* nothing to read (a read of 0 bytes) */
         *copied += finish_read(r);
         return 0;
     }

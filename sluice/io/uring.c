@@ -209,7 +209,7 @@ static int issue(struct uring *U, task_t *t) {
         t->next_op = t->end;
         return 0;
     }
-    if (s->r.need <= 0 || s->r.nbuf == 0) { /* nothing to read (a read of 0 bytes): its copies, if any, now */
+    if (s->r.need <= 0) { /* nothing to read (a read of 0 bytes): its copies, if any, now */
         atomic_fetch_add(&U->P->copied, finish_read(&s->r));
         return 1;
     }
@@ -313,7 +313,6 @@ void *uring_driver(void *arg) {
             if (!issue(U, cur) || cur->next_op >= cur->end) { /* nothing more to issue */
                 task_t *t = cur;
                 cur = NULL;
-                t->next_op = t->end;
                 if (t->pending == 0) task_over(t, 0); /* else its last read's completion ends it (release) */
             }
         }
