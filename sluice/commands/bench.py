@@ -112,6 +112,8 @@ def _check(args: argparse.Namespace) -> None:
         raise BenchError(f"--run-timeout must be > 0 seconds, got {args.run_timeout}")
     if not SEED_MIN <= args.seed <= SEED_MAX:
         raise BenchError(f"--seed must be in [-2**63, 2**64 - 1] (64 bits), got {args.seed}")
+    if args.floor_each_round and args.no_floor:
+        raise BenchError("--floor-each-round replays each arm's reads, which --no-floor skips: give one of them")
 
 
 def _residency_line(res: dict[str, Any] | None, what: str) -> str | None:
@@ -137,7 +139,7 @@ class Bench:
         # llama.cpp arms whose defaults crashed on this machine: the signal, the round, the options run since
         self.fallbacks: dict[str, dict[str, Any]] = {}
         self.with_floor = not args.no_floor
-        self.floor_each_round = self.with_floor and args.floor_each_round
+        self.floor_each_round = args.floor_each_round
         floors = (3 + (args.rounds if self.floor_each_round else 0)) * sum(a.peer is None for a in arms) \
             if self.with_floor else 0  # plan, before, after (and one a round)
         # KV positions of every sluice arm without --max-context (arms.sized_context; None: a text --prompt, whose

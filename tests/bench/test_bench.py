@@ -352,6 +352,12 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monke
     assert not (cache_home / "sluice").exists()  # no cached disk figure was read or written
 
 
+def test_floor_each_round_without_the_floor_is_a_clear_error(model_dir, tmp_path, capsys):
+    rc = cli.main(["bench", str(model_dir), "--arm", "a=", "--no-floor", "--floor-each-round", "--out",
+                   str(tmp_path)])
+    assert rc != 0 and "--floor-each-round replays each arm's reads, which --no-floor skips" in capsys.readouterr().err
+
+
 def test_end_to_end_floor_each_round(model_dir, tmp_path, cache_home, capsys, monkeypatch):
     """Each round's run is followed by its own floor replay; the floor table gains the paired ratios."""
     bf16, _ = budgets(model_dir, capsys)
