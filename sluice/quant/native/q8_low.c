@@ -6,13 +6,16 @@
  *     w[v] = dw * sc[v / 16] * c[v] - dm * mf[v / 16]
  * with int8 codes c, integer scales sc and min / offset factors mf, so one 256-block against x's super-block is
  *     A[l] = sum over its 8 chunks of 32 values s, l = 0..7, of sc * (sum of c * code over values 32s + 4l .. + 3)
- *     M[l] = mf[l] * S[l] + mf[8 + l] * S[8 + l],   S[g] = x's sum of codes over values 16g .. 16g + 15
- *     lane[b & 1][l] += (dw * d_x) * ((float)A_hi[l] * 256 + (float)A_lo[l]) - (dm * d_x) * (float)M[l]
- *                                        (one plane: (float)A_hi[l]; no M term for the types without mf)
+ *     M[l] = mf[g] * S[g] + mf[g + 1] * S[g + 1],  g = 2 * MPAIR[l],  S[g] = x's sum of codes over values 16g .. +15
+ *     a = fma(dw * d_x, (float)A_hi[l] * 256 + (float)A_lo[l], lane[b & 1][l])   (one plane: (float)A_hi[l])
+ *     lane[b & 1][l] = fma(-(dm * d_x), (float)M[l], a)                  (a alone for the types without mf)
  *     y = reduce16(lane) + 0
  * and a 32-value block  lane[b & 1][l] += (dw * d_x) * (float)(sum of c * code over values 4l .. 4l + 3),
  * y = reduce16(lane) + 0. (The M term rides in the lanes: a min term summed to one float per block, as q8.c's
- * K-quants do, is a serial scalar chain per row, which perf showed hot in a 512-wide Q2_K row.) The integer sums are
+ * K-quants do, is a serial scalar chain per row, which perf showed hot in a 512-wide Q2_K row.) MPAIR pairs the 16
+ * groups the way AVX2 sums pairs of them: one madd of the int16 factors against x's sums packed to int16 (packs_epi32
+ * orders them 0-3, 8-11 | 4-7, 12-15) with one plane, hadd of the two int32 products with two; the fused
+ * multiply-adds (fmaf here, fmadd / fnmadd there) round once each on both paths. The integer sums are
  * exact (bounds below), the float operations the same on both paths:
  * the portable path unpacks a block with lowbit_unpack (the dequantization's own unpacking) and sums plainly, the
  * AVX2 path builds each chunk's codes in a register (magnitudes for maddubs, their signs put on x with sign_epi8,
@@ -31,7 +34,9 @@
  *   IQ4_NL 75 / 60, 47, 5906                   IQ3_S 150 / 138, 112, 5262    (q8.c's Q4_K 57 / 43, 31, 1262)
  *   IQ4_XS 69 / 50, 41, 4063
  * so llama.cpp's kernels are 1.2-1.8x faster than the same coding here (1.4x for Q4_K; IQ1_M, untuned, 1.8x), and
- * the default two planes cost 1.1-1.6x one plane.
+ * the default two planes cost 1.1-1.6x one plane. On an AVX2-only AMD EPYC (Zen 3), where llama.cpp's build is AVX2
+ * code too, one plane (benchmarks/results/lowbit/kernels-amd-avx2*.txt): Q2_K 66 against llama.cpp's 49, Q3_K 83
+ * against 71, IQ2_XXS 121-130 against 99-109, IQ3_XXS 151-158 against 131-145, IQ4_XS 76-82 against 66-75.
  */
 #include "lowbit.h"
 #include "q8.h"
@@ -41,6 +46,9 @@ int low_q8_sb(int fmt) { return lowbit_block_values(fmt) == 256; }
 
 /* the types whose unsigned codes carry a min (Q2_K) or an offset (Q3_K: -4, TQ: -1) into the M term */
 static inline int has_m(int fmt) { return fmt == Q2_K || fmt == Q3_K || fmt == TQ1_0 || fmt == TQ2_0; }
+
+/* lane l's M term sums groups 2 * MPAIR[l] and 2 * MPAIR[l] + 1 (the header's order) */
+static const int MPAIR[8] = {0, 1, 4, 5, 2, 3, 6, 7};
 
 /* ---- portable scalar path ---- */
 
@@ -64,9 +72,12 @@ static float dotsb_scalar(int fmt, const uint8_t *row, const uint8_t *xs, int64_
             }
         float dx = rdf32(xs), f = u.dw * dx, fm = u.dm * dx;
         for (int l = 0; l < 8; l++) {
-            float v = f * (P == 2 ? (float)ahi[l] * 256.0f + (float)alo[l] : (float)ahi[l]);
-            if (has_m(fmt)) v = v - fm * (float)(u.mf[l] * rdi32(xs + 4 + 4 * l) + u.mf[8 + l] * rdi32(xs + 36 + 4 * l));
-            lane[b & 1][l] = lane[b & 1][l] + v;
+            float v = fmaf(f, P == 2 ? (float)ahi[l] * 256.0f + (float)alo[l] : (float)ahi[l], lane[b & 1][l]);
+            if (has_m(fmt)) {
+                const int g = 2 * MPAIR[l];
+                v = fmaf(-fm, (float)(u.mf[g] * rdi32(xs + 4 + 4 * g) + u.mf[g + 1] * rdi32(xs + 8 + 4 * g)), v);
+            }
+            lane[b & 1][l] = v;
         }
     }
     return reduce16(lane[0], lane[1]) + 0.0f;
@@ -118,10 +129,10 @@ AVX2_INLINE void acc_chunk(__m256i mag, __m256i sgn, const int sgned, __m256i sc
     }
 }
 
-/* the float factors of a block, and (has_m) the 16 int32 factors of its M term: groups 0-7, 8-15 */
+/* the float factors of a block, and (has_m) the 16 int8 factors of its M term (group g in byte g) */
 typedef struct {
     float dw, dm;
-    __m256i mf0, mf1;
+    __m128i mf;
 } lowf;
 
 /* the arguments every block function takes: the block b, R x rows' super-blocks at xs + r * rb and their integer
@@ -145,8 +156,7 @@ AVX2_INLINE void blk_q2_k(BLK_ARGS) {  /* codes 0..3, scale sc & 15, min sc >> 4
     const __m128i mn = _mm_and_si128(_mm_srli_epi16(s8, 4), m4);
     __m256i sa, sb;
     scales_16(_mm_and_si128(s8, m4), 0, &sa, &sb);
-    f->mf0 = _mm256_cvtepu8_epi32(mn);
-    f->mf1 = _mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8));
+    f->mf = mn;
     f->dw = f16c(b + 80);
     f->dm = f16c(b + 82);
     for (int h = 0; h < 2; h++) {
@@ -166,16 +176,20 @@ AVX2_INLINE void blk_q3_k(BLK_ARGS) {  /* codes low | 4 * high (0..7), scales sc
     const __m128i s6 = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
     __m256i sa, sb;
     scales_16(s6, 1, &sa, &sb);
-    f->mf0 = _mm256_slli_epi32(_mm256_cvtepi8_epi32(s6), 2);
-    f->mf1 = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(s6, 8)), 2);
+    const __m128i s12 = _mm_add_epi8(s6, s6);
+    f->mf = _mm_add_epi8(s12, s12);  /* 4 * (s6 - 32): -128 .. 124, an int8 */
     f->dw = f->dm = f16c(b + 108);
     const __m256i hm = _mm256_loadu_si256((const __m256i *)b), four = _mm256_set1_epi8(4);
     for (int h = 0; h < 2; h++) {
         __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
         for (int j = 0; j < 4; j++) {
-            const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + j)));
-            __m256i c = _mm256_or_si256(crumb(q, j), _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit),
-                                                                       four));
+            /* bit k = 4h + j of each byte of hm moved to its bit 2 by one 16-bit shift (a byte's bit k lands on its own
+             * bit 2, the neighbour byte's bits elsewhere), then masked: 4 or 0. A set1 mask per bit and a compare
+             * instead kept 8 constants live, which gcc spilled and rebuilt each block: [2048 x 512] at T=1, one
+             * plane, 101.8 -> 82.8 us on an AVX2-only EPYC (benchmarks/results/lowbit/kernels-amd-avx2-q3k.txt) */
+            const int k = 4 * h + j;
+            __m256i hk = k >= 2 ? _mm256_srli_epi16(hm, k - 2) : _mm256_slli_epi16(hm, 2 - k);
+            __m256i c = _mm256_or_si256(crumb(q, j), _mm256_and_si256(hk, four));
             CHUNK(c, c, 0, pick16(h ? sb : sa, 2 * j, 2 * j + 1), 4 * h + j);
         }
     }
@@ -183,7 +197,7 @@ AVX2_INLINE void blk_q3_k(BLK_ARGS) {  /* codes low | 4 * high (0..7), scales sc
 
 AVX2_INLINE void blk_tq2_0(BLK_ARGS) {  /* codes t (0..3), scale 1, M factor 1 (the -1 offset) */
     const __m256i one = _mm256_set1_epi16(1);
-    f->mf0 = f->mf1 = _mm256_set1_epi32(1);
+    f->mf = _mm_set1_epi8(1);
     f->dw = f->dm = f16c(b + 64);
     for (int h = 0; h < 2; h++) {
         __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 * h));
@@ -205,7 +219,7 @@ AVX2_INLINE __m256i tq1_digit(__m256i m) {
 
 AVX2_INLINE void blk_tq1_0(BLK_ARGS) {  /* codes t (0..2), scale 1, M factor 1; lowbit_unpack's value order */
     const __m256i one = _mm256_set1_epi16(1);
-    f->mf0 = f->mf1 = _mm256_set1_epi32(1);
+    f->mf = _mm_set1_epi8(1);
     f->dw = f->dm = f16c(b + 52);
     __m256i m = _mm256_loadu_si256((const __m256i *)b);  /* values 32j + l: digit j of qs[l] */
     for (int j = 0; j < 5; j++, m = triple(m)) {
@@ -259,18 +273,27 @@ AVX2_INLINE void sb_block(const int fmt, const uint8_t *blk, const uint8_t *xs, 
     case IQ1_S: blk_iq1_s(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
     case IQ1_M: blk_iq1_m(blk, xs, rb, R, P, ahi, alo, &f, NULL); break;
     }
+    /* the M factors as the header pairs them: int16 in packs_epi32's order (one plane), int32 by group (two) */
+    __m256i m16 = _mm256_setzero_si256(), m0 = m16, m1 = m16;
+    if (has_m(fmt) && P == 1) m16 = _mm256_permute4x64_epi64(_mm256_cvtepi8_epi16(f.mf), 0xD8);
+    if (has_m(fmt) && P == 2) {
+        m0 = _mm256_cvtepi8_epi32(f.mf);
+        m1 = _mm256_cvtepi8_epi32(_mm_srli_si128(f.mf, 8));
+    }
     for (int r = 0; r < R; r++) {
         const uint8_t *x = xs + r * rb;
         float dx = rdf32(x);
         __m256 hi = _mm256_cvtepi32_ps(ahi[r]);
         __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(hi, _mm256_set1_ps(256.0f)), _mm256_cvtepi32_ps(alo[r])) : hi;
-        v = _mm256_mul_ps(_mm256_set1_ps(f.dw * dx), v);
+        v = _mm256_fmadd_ps(_mm256_set1_ps(f.dw * dx), v, lane[r]);
         if (has_m(fmt)) {
             __m256i bs0 = _mm256_loadu_si256((const __m256i *)(x + 4)), bs1 = _mm256_loadu_si256((const __m256i *)(x + 36));
-            __m256i M = _mm256_add_epi32(_mm256_mullo_epi32(f.mf0, bs0), _mm256_mullo_epi32(f.mf1, bs1));
-            v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_set1_ps(f.dm * dx), _mm256_cvtepi32_ps(M)));
+            /* one plane: x's sums are int16 (|16 codes| <= 2,032), so one madd; two: int32 products, pairs added */
+            __m256i M = P == 1 ? _mm256_madd_epi16(m16, _mm256_packs_epi32(bs0, bs1))
+                               : _mm256_hadd_epi32(_mm256_mullo_epi32(m0, bs0), _mm256_mullo_epi32(m1, bs1));
+            v = _mm256_fnmadd_ps(_mm256_set1_ps(f.dm * dx), _mm256_cvtepi32_ps(M), v);
         }
-        lane[r] = _mm256_add_ps(lane[r], v);
+        lane[r] = v;
     }
 }
 
