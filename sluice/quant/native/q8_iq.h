@@ -3,7 +3,14 @@
  * register with one load each (lowbit.h's tables: one uint64 per 8-value row, one uint32 per 4-value row), the
  * grid values (all positive but IQ1's) are the maddubs magnitudes and the sign patterns go onto x with sign_epi8:
  * a 7-bit sign index through LB_SIGNS, or 32 sign bits through bit_signs. IQ1's codes 8 * grid +- 1 are signed:
- * their absolute values and themselves. Layouts and formulas: lowbit.c lowbit_unpack. */
+ * their absolute values and themselves. Layouts and formulas: lowbit.c lowbit_unpack.
+ *
+ * The 8 chunks of a block are unrolled (GCC unroll 8): left as a loop, gcc kept it rolled with its table indices
+ * through the stack, and each chunk's lookups waited on the last one's; unrolled, a [2048 x 512] projection at T=1,
+ * one plane, one thread, the kernel alone in C (benchmarks/lowbit_block.py, best of 5 x 2000 calls) on an AVX2-only
+ * EPYC (Zen 3), went IQ2_XXS 103 -> 91 us, IQ2_XS 130 -> 113, IQ2_S 138 -> 124, IQ3_XXS 136 -> 121, IQ3_S 187 -> 163,
+ * IQ1_S 122 -> 111, IQ1_M 180 -> 140 (IQ4_XS 64 either way), the same bits (benchmarks/results/lowbit/
+ * unroll-amd-avx2.txt). */
 
 /* 32 sign bits (bit v negates value v) -> 32 bytes: 0xFF (-1) where set, else 0x01 */
 AVX2_INLINE __m256i bit_signs(uint32_t bits) {
@@ -32,6 +39,7 @@ AVX2_INLINE __m256i odd_nibbles(uint8_t s) {
 
 AVX2_INLINE void blk_iq2_xxs(BLK_ARGS) {  /* per 32: 4 grid indices, a u32 of 4 sign indices and s */
     f->dw = f16c(b) * 0.125f;
+#pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = b + 2 + 8 * ib;
         const uint32_t a = rd32(q + 4);
@@ -42,6 +50,7 @@ AVX2_INLINE void blk_iq2_xxs(BLK_ARGS) {  /* per 32: 4 grid indices, a u32 of 4 
 
 AVX2_INLINE void blk_iq2_xs(BLK_ARGS) {  /* per 8 values a u16: grid index (9 bits), sign index (7) */
     f->dw = f16c(b) * 0.125f;
+#pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
         uint16_t w[4];
         memcpy(w, b + 2 + 8 * ib, 8);
@@ -53,6 +62,7 @@ AVX2_INLINE void blk_iq2_xs(BLK_ARGS) {  /* per 8 values a u16: grid index (9 bi
 
 AVX2_INLINE void blk_iq2_s(BLK_ARGS) {  /* 10-bit grid indices (qs | 2 bits of qh), one sign bit per value */
     f->dw = f16c(b) * 0.125f;
+#pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = b + 2 + 4 * ib;
         const int qh = b[66 + ib];
@@ -64,6 +74,7 @@ AVX2_INLINE void blk_iq2_s(BLK_ARGS) {  /* 10-bit grid indices (qs | 2 bits of q
 
 AVX2_INLINE void blk_iq3_xxs(BLK_ARGS) {  /* 8 rows of 4 per 32 values, a u32 of 4 sign indices and s */
     f->dw = f16c(b) * 0.25f;
+#pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = b + 2 + 8 * ib;
         const uint32_t a = rd32(b + 66 + 4 * ib);
@@ -76,6 +87,7 @@ AVX2_INLINE void blk_iq3_xxs(BLK_ARGS) {  /* 8 rows of 4 per 32 values, a u32 of
 
 AVX2_INLINE void blk_iq3_s(BLK_ARGS) {  /* 9-bit indices (qs | a bit of qh), one sign bit per value, 1 + 2s */
     f->dw = f16c(b);
+#pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = b + 2 + 8 * ib;
         const int qh = b[66 + ib];
@@ -91,6 +103,7 @@ AVX2_INLINE void blk_iq3_s(BLK_ARGS) {  /* 9-bit indices (qs | a bit of qh), one
 
 AVX2_INLINE void blk_iq1_s(BLK_ARGS) {  /* codes 8 * grid +- 1 (a delta sign per 32 values), 2s + 1 */
     f->dw = f16c(b) * 0.125f;
+#pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = b + 2 + 4 * ib;
         const int qh = rd16(b + 34 + 2 * ib);
@@ -109,6 +122,7 @@ AVX2_INLINE void blk_iq1_m(BLK_ARGS) {  /* codes 8 * grid +- 1 (a delta sign per
                                           8, 8, 8, 8, 8, 8, 8, 8, -128, -128, -128, -128, -128, -128, -128, -128);
     uint16_t sc[4];
     memcpy(sc, b + 48, 8);
+#pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = b + 4 * ib;
         const int h0 = b[32 + 2 * ib], h1 = b[33 + 2 * ib];  /* nibbles: rows 4ib, 4ib + 1 / 4ib + 2, 4ib + 3 */

@@ -244,6 +244,7 @@ AVX2_INLINE void blk_iq4_xs(BLK_ARGS) {  /* codes kvalues[q] (signed), scale s -
     const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)LB_IQ4NL));
     const uint16_t sh = rd16(b + 2);
     f->dw = f16c(b);
+#pragma GCC unroll 8  /* as q8_iq.h's block functions */
     for (int ib = 0; ib < 8; ib++) {
         __m256i w = _mm256_shuffle_epi8(tab, nibbles32(b + 8 + 16 * ib));
         int s = (((b[4 + ib / 2] >> (4 * (ib & 1))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
