@@ -490,6 +490,43 @@ DOT_SB_FMT(Q4_K)
 DOT_SB_FMT(Q5_K)
 DOT_SB_FMT(Q6_K)
 
+/* the rows_fn (q8.h) of each format, layout kind and plane count */
+#define ROWS_PR(F, KIND, P)                                                                                            \
+    AVX2 static void rows_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,      \
+                                    int64_t n0, int64_t n1, int64_t pf) {                                              \
+        ROWS_BODY(KIND##_avx2(F, row, xq, 0, K, P, 1, y + n, 1))                                                       \
+    }
+#define ROWS_FMT(F, KIND) ROWS_PR(F, KIND, 1) ROWS_PR(F, KIND, 2)
+ROWS_FMT(Q4_0, dot32)
+ROWS_FMT(Q4_1, dot32)
+ROWS_FMT(Q5_0, dot32)
+ROWS_FMT(Q5_1, dot32)
+ROWS_FMT(Q8_0, dot32)
+ROWS_FMT(Q4_K, dotk)
+ROWS_FMT(Q5_K, dotk)
+ROWS_FMT(Q6_K, dotk)
+#define ROWS_SB(F, P)                                                                                                  \
+    AVX2 static void rowssb_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,    \
+                                      int64_t n0, int64_t n1, int64_t pf) {                                            \
+        ROWS_BODY(dotsb_avx2(F, row, xq, 0, K, P, 1, y + n, 1))                                                        \
+    }
+ROWS_SB(Q4_K, 1) ROWS_SB(Q4_K, 2) ROWS_SB(Q5_K, 1) ROWS_SB(Q5_K, 2) ROWS_SB(Q6_K, 1) ROWS_SB(Q6_K, 2)
+
+/* the rows_fn for fmt and x layout XF (as dot_avx2_for's, at one x row) */
+static rows_fn rows_avx2_for(int fmt, int XF) {
+    if (low_q8_has(fmt)) return low_q8_rows_avx2(fmt, XF);
+    if (XF >= 3) {
+        static const rows_fn sb[][2] = {[Q4_K] = {rowssb_Q4_K_1, rowssb_Q4_K_2}, [Q5_K] = {rowssb_Q5_K_1, rowssb_Q5_K_2},
+                                        [Q6_K] = {rowssb_Q6_K_1, rowssb_Q6_K_2}};
+        return sb[fmt][sb_planes(XF) - 1];
+    }
+    static const rows_fn all[][2] = {[Q4_0] = {rows_Q4_0_1, rows_Q4_0_2}, [Q4_1] = {rows_Q4_1_1, rows_Q4_1_2},
+                                     [Q5_0] = {rows_Q5_0_1, rows_Q5_0_2}, [Q5_1] = {rows_Q5_1_1, rows_Q5_1_2},
+                                     [Q8_0] = {rows_Q8_0_1, rows_Q8_0_2}, [Q4_K] = {rows_Q4_K_1, rows_Q4_K_2},
+                                     [Q5_K] = {rows_Q5_K_1, rows_Q5_K_2}, [Q6_K] = {rows_Q6_K_1, rows_Q6_K_2}};
+    return all[fmt][XF - 1];
+}
+
 /* the kernel for fmt, x layout XF (1 or 2 planes of 32-blocks, 3 or 4 super-blocks of 2 or 1 planes), R x rows */
 static dot_fn dot_avx2_for(int fmt, int XF, int R) {
     if (low_q8_has(fmt)) return low_q8_dot_avx2(fmt, XF, R);
@@ -543,6 +580,10 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
     const int64_t rb = sluice_q8_row_bytes(K, XF);
     (void)scalar;
 #if SLUICE_X86
+    if (sluice_avx2_ok(scalar) && sluice_simd() && T == 1) {  /* a decode token: the rows in one call (q8.h rows_fn) */
+        rows_avx2_for(fmt, XF)(q, row_bytes, xq, K, y, n0, n1, pf_bytes);
+        return;
+    }
     if (sluice_avx2_ok(scalar) && sluice_simd()) {  /* x rows 4 at a time against each weight row */
         /* the kernels for 4 x rows and the rest, chosen once per call (per row: two calls through the PLT) */
         const dot_fn four = dot_avx2_for(fmt, XF, 4), rest = T % 4 ? dot_avx2_for(fmt, XF, (int)(T % 4)) : four;

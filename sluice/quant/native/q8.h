@@ -41,6 +41,25 @@ static inline float reduce16(const float *a0, const float *a1) {
 /* one weight row against R <= 4 quantized x rows (row r at xq + r * rb): y[r * ldy] */
 typedef void (*dot_fn)(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y, int64_t ldy);
 
+/* rows n0 .. n1 - 1 of the weights q (row n at q + n * row_bytes) against ONE quantized x row: y[n], each row's dot
+ * as the R = 1 dot_fn computes it (the same bits), the lines pf bytes past each row's start prefetched as q8.c's
+ * rows_q8 does. A decode token's projections are this: one call per task instead of one indirect call per row, whose
+ * prologue, epilogue and row loop cost about a fifth of a 168-byte Q2_K row's time */
+typedef void (*rows_fn)(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y, int64_t n0,
+                        int64_t n1, int64_t pf);
+
+/* the body of a rows_fn whose one row's dot is CALL (over row, xq, K, y + n) */
+#define ROWS_BODY(CALL)                                                                                                \
+    for (int64_t n = n0; n < n1; n++) {                                                                                \
+        const uint8_t *row = q + n * row_bytes;                                                                        \
+        if (pf) { /* the lines of [start + pf, next start + pf), within the task's rows */                             \
+            const uint8_t *a = row + pf, *e = q + n1 * row_bytes;                                                      \
+            for (const uint8_t *p = a; p < a + row_bytes && p < e; p += 64)                                            \
+                _mm_prefetch((const char *)p, _MM_HINT_T0);                                                            \
+        }                                                                                                              \
+        CALL;                                                                                                          \
+    }
+
 /* q8_low.c: the low-bit GGUF types (MXFP4, Q2_K, Q3_K, TQ1_0, TQ2_0, the IQ types) on the integer path */
 int low_q8_has(int fmt);        /* 1 when q8_low.c computes fmt */
 int low_q8_sb(int fmt);         /* 1 when fmt reads x in super-blocks (every 256-value type), 0: 32-value blocks */
@@ -49,6 +68,7 @@ float low_q8_dot_scalar(int fmt, const uint8_t *row, const uint8_t *xq, int64_t 
 
 #if SLUICE_X86
 dot_fn low_q8_dot_avx2(int fmt, int XF, int R);  /* the AVX2 kernel of fmt for layout XF and R x rows */
+rows_fn low_q8_rows_avx2(int fmt, int XF);       /* its rows at one x row */
 
 /* f * (float)(w . x per 4 values, times the int16 scales sc), the 8 lane terms; sign: w signed (abs / sign trick) */
 AVX2_INLINE __m256 lanes_avx2(__m256i w, const uint8_t *xb, __m256i sc, float f, int sign, int P) {

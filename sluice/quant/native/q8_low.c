@@ -418,6 +418,37 @@ LOW_FMT(IQ1_M, dotsb_low)
 #define LOW_ROW(F) [F] = {{low_##F##_1_1, low_##F##_1_2, low_##F##_1_3, low_##F##_1_4},                             \
                           {low_##F##_2_1, low_##F##_2_2, low_##F##_2_3, low_##F##_2_4}}
 
+/* the rows_fn of each format and plane count (q8.h ROWS_BODY) */
+#define LOW_ROWS(F, KIND, P)                                                                                           \
+    AVX2 static void lowrows_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,   \
+                                       int64_t n0, int64_t n1, int64_t pf) {                                           \
+        ROWS_BODY(KIND(F, row, xq, 0, K, P, 1, y + n, 1))                                                              \
+    }
+#define LOW_ROWS_FMT(F, KIND) LOW_ROWS(F, KIND, 1) LOW_ROWS(F, KIND, 2)
+LOW_ROWS_FMT(MXFP4, dot32_low)
+LOW_ROWS_FMT(IQ4_NL, dot32_low)
+LOW_ROWS_FMT(Q2_K, dotsb_low)
+LOW_ROWS_FMT(Q3_K, dotsb_low)
+LOW_ROWS_FMT(TQ1_0, dotsb_low)
+LOW_ROWS_FMT(TQ2_0, dotsb_low)
+LOW_ROWS_FMT(IQ4_XS, dotsb_low)
+LOW_ROWS_FMT(IQ2_XXS, dotsb_low)
+LOW_ROWS_FMT(IQ2_XS, dotsb_low)
+LOW_ROWS_FMT(IQ2_S, dotsb_low)
+LOW_ROWS_FMT(IQ3_XXS, dotsb_low)
+LOW_ROWS_FMT(IQ3_S, dotsb_low)
+LOW_ROWS_FMT(IQ1_S, dotsb_low)
+LOW_ROWS_FMT(IQ1_M, dotsb_low)
+#define LOW_ROWS_ROW(F) [F] = {lowrows_##F##_1, lowrows_##F##_2}
+
+rows_fn low_q8_rows_avx2(int fmt, int XF) {
+    static const rows_fn all[N_FORMATS][2] = {
+        LOW_ROWS_ROW(MXFP4), LOW_ROWS_ROW(IQ4_NL), LOW_ROWS_ROW(Q2_K), LOW_ROWS_ROW(Q3_K), LOW_ROWS_ROW(TQ1_0),
+        LOW_ROWS_ROW(TQ2_0), LOW_ROWS_ROW(IQ4_XS), LOW_ROWS_ROW(IQ2_XXS), LOW_ROWS_ROW(IQ2_XS), LOW_ROWS_ROW(IQ2_S),
+        LOW_ROWS_ROW(IQ3_XXS), LOW_ROWS_ROW(IQ3_S), LOW_ROWS_ROW(IQ1_S), LOW_ROWS_ROW(IQ1_M)};
+    return all[fmt][(XF >= 3 ? sb_planes(XF) : XF) - 1];
+}
+
 /* the kernel of fmt for the layout XF its rows read (xf_for in q8.c: its planes in either layout) and R x rows */
 dot_fn low_q8_dot_avx2(int fmt, int XF, int R) {
     static const dot_fn all[N_FORMATS][2][4] = {
