@@ -35,8 +35,9 @@
  *   IQ4_XS 69 / 50, 41, 4063
  * so llama.cpp's kernels are 1.2-1.8x faster than the same coding here (1.4x for Q4_K; IQ1_M, untuned, 1.8x), and
  * the default two planes cost 1.1-1.6x one plane. On an AVX2-only AMD EPYC (Zen 3), where llama.cpp's build is AVX2
- * code too, one plane (benchmarks/results/lowbit/kernels-amd-avx2*.txt): Q2_K 66 against llama.cpp's 49, Q3_K 83
- * against 71, IQ2_XXS 121-130 against 99-109, IQ3_XXS 151-158 against 131-145, IQ4_XS 76-82 against 66-75.
+ * code too, one plane, after this file's tuning there (benchmarks/results/lowbit/README.md, its AVX2 section):
+ * IQ2_XXS 107 against llama.cpp's 104, IQ3_XXS 144 against 142, Q3_K 81 against 72, IQ4_XS 80 against 71, Q2_K ~50
+ * against 46-49.
  */
 #include "lowbit.h"
 #include "q8.h"
