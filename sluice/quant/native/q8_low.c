@@ -178,7 +178,7 @@ AVX2_INLINE void blk_q3_k(BLK_ARGS) {  /* codes low | 4 * high (0..7), scales sc
     __m256i sa, sb;
     scales_16(s6, 1, &sa, &sb);
     const __m128i s12 = _mm_add_epi8(s6, s6);
-    f->mf = _mm_add_epi8(s12, s12);  /* 4 * (s6 - 32): -128 .. 124, an int8 */
+    f->mf = _mm_add_epi8(s12, s12);  /* 4 * s6 (s6 the signed scale, -32 .. 31): -128 .. 124, an int8 */
     f->dw = f->dm = f16c(b + 108);
     const __m256i hm = _mm256_loadu_si256((const __m256i *)b), four = _mm256_set1_epi8(4);
     for (int h = 0; h < 2; h++) {
