@@ -76,7 +76,7 @@ def main() -> None:
         n, k = map(int, shape.split("x"))
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(2))
         xf = _layout_of(QuantSpec.ggml("Q2_K", n, k), 1)  # one plane in super-blocks (q8.h SB1), every 256-value type
-        xq = torch.empty(k // 256 * 324, dtype=torch.uint8)
+        xq = torch.empty(LIB.sluice_q8_row_bytes(k, xf), dtype=torch.uint8)
         LIB.sluice_quantize_q8(k, x.data_ptr(), 1, xq.data_ptr(), xf, 0)
         (work / "x.bin").write_bytes(xq.numpy().tobytes())
         for name in a.types.split(","):

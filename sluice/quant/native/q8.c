@@ -463,11 +463,18 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
                                          int64_t ldy) {                                                              \
         KIND##_avx2(F, row, xq, rb, K, P, R, y, ldy);                                                                  \
     }
+/* the rows_fn (q8.h) of a format, layout kind and plane count: the R = 1 dot in q8.h's row loop */
+#define ROWS_PR(F, KIND, P)                                                                                            \
+    AVX2 static void rows_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,       \
+                                    int64_t n0, int64_t n1, int64_t pf) {                                              \
+        ROWS_BODY(KIND##_avx2(F, row, xq, 0, K, P, 1, y + n, 1))                                                       \
+    }
 #define DOT_FMT(F, KIND)                                                                                               \
     DOT_PR(F, KIND, 1, 1) DOT_PR(F, KIND, 1, 2) DOT_PR(F, KIND, 1, 3) DOT_PR(F, KIND, 1, 4)                            \
     DOT_PR(F, KIND, 2, 1) DOT_PR(F, KIND, 2, 2) DOT_PR(F, KIND, 2, 3) DOT_PR(F, KIND, 2, 4)                            \
     static const dot_fn dots_##F[2][4] = {{dot_##F##_1_1, dot_##F##_1_2, dot_##F##_1_3, dot_##F##_1_4},              \
-                                          {dot_##F##_2_1, dot_##F##_2_2, dot_##F##_2_3, dot_##F##_2_4}};
+                                          {dot_##F##_2_1, dot_##F##_2_2, dot_##F##_2_3, dot_##F##_2_4}};               \
+    ROWS_PR(F, KIND, 1) ROWS_PR(F, KIND, 2)
 DOT_FMT(Q4_0, dot32)
 DOT_FMT(Q4_1, dot32)
 DOT_FMT(Q5_0, dot32)
@@ -481,36 +488,20 @@ DOT_FMT(Q6_K, dotk)
                                            int64_t ldy) {                                                            \
         dotsb_avx2(F, row, xq, rb, K, P, R, y, ldy);                                                                   \
     }
+#define ROWS_SB(F, P)                                                                                                  \
+    AVX2 static void rowssb_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,     \
+                                      int64_t n0, int64_t n1, int64_t pf) {                                            \
+        ROWS_BODY(dotsb_avx2(F, row, xq, 0, K, P, 1, y + n, 1))                                                        \
+    }
 #define DOT_SB_FMT(F)                                                                                                  \
     DOT_SB(F, 1, 1) DOT_SB(F, 1, 2) DOT_SB(F, 1, 3) DOT_SB(F, 1, 4)                                                    \
     DOT_SB(F, 2, 1) DOT_SB(F, 2, 2) DOT_SB(F, 2, 3) DOT_SB(F, 2, 4)                                                    \
     static const dot_fn dotsbs_##F[2][4] = {{dotsb_##F##_1_1, dotsb_##F##_1_2, dotsb_##F##_1_3, dotsb_##F##_1_4},     \
-                                            {dotsb_##F##_2_1, dotsb_##F##_2_2, dotsb_##F##_2_3, dotsb_##F##_2_4}};
+                                            {dotsb_##F##_2_1, dotsb_##F##_2_2, dotsb_##F##_2_3, dotsb_##F##_2_4}};     \
+    ROWS_SB(F, 1) ROWS_SB(F, 2)
 DOT_SB_FMT(Q4_K)
 DOT_SB_FMT(Q5_K)
 DOT_SB_FMT(Q6_K)
-
-/* the rows_fn (q8.h) of each format, layout kind and plane count */
-#define ROWS_PR(F, KIND, P)                                                                                            \
-    AVX2 static void rows_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,      \
-                                    int64_t n0, int64_t n1, int64_t pf) {                                              \
-        ROWS_BODY(KIND##_avx2(F, row, xq, 0, K, P, 1, y + n, 1))                                                       \
-    }
-#define ROWS_FMT(F, KIND) ROWS_PR(F, KIND, 1) ROWS_PR(F, KIND, 2)
-ROWS_FMT(Q4_0, dot32)
-ROWS_FMT(Q4_1, dot32)
-ROWS_FMT(Q5_0, dot32)
-ROWS_FMT(Q5_1, dot32)
-ROWS_FMT(Q8_0, dot32)
-ROWS_FMT(Q4_K, dotk)
-ROWS_FMT(Q5_K, dotk)
-ROWS_FMT(Q6_K, dotk)
-#define ROWS_SB(F, P)                                                                                                  \
-    AVX2 static void rowssb_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,    \
-                                      int64_t n0, int64_t n1, int64_t pf) {                                            \
-        ROWS_BODY(dotsb_avx2(F, row, xq, 0, K, P, 1, y + n, 1))                                                        \
-    }
-ROWS_SB(Q4_K, 1) ROWS_SB(Q4_K, 2) ROWS_SB(Q5_K, 1) ROWS_SB(Q5_K, 2) ROWS_SB(Q6_K, 1) ROWS_SB(Q6_K, 2)
 
 /* the rows_fn for fmt and x layout XF (as dot_avx2_for's, at one x row) */
 static rows_fn rows_avx2_for(int fmt, int XF) {
@@ -587,15 +578,9 @@ static void rows_q8(int fmt, int64_t N, int64_t K, const uint8_t *q, int64_t row
     if (sluice_avx2_ok(scalar) && sluice_simd()) {  /* x rows 4 at a time against each weight row */
         /* the kernels for 4 x rows and the rest, chosen once per call (per row: two calls through the PLT) */
         const dot_fn four = dot_avx2_for(fmt, XF, 4), rest = T % 4 ? dot_avx2_for(fmt, XF, (int)(T % 4)) : four;
-        for (int64_t n = n0; n < n1; n++) {
-            if (pf_bytes) {  /* the lines of [start + pf_bytes, next start + pf_bytes), within the task's rows */
-                const uint8_t *a = q + n * row_bytes + pf_bytes, *e = q + n1 * row_bytes;
-                for (const uint8_t *p = a; p < a + row_bytes && p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
-            }
-            for (int64_t t = 0; t < T; t += 4) {
-                (T - t < 4 ? rest : four)(q + n * row_bytes, xq + t * rb, rb, K, y + t * N + n, N);
-            }
-        }
+        const int64_t pf = pf_bytes;
+        ROWS_BODY(for (int64_t t = 0; t < T; t += 4)
+                      (T - t < 4 ? rest : four)(row, xq + t * rb, rb, K, y + t * N + n, N))
         return;
     }
 #endif

@@ -42,13 +42,13 @@ static inline float reduce16(const float *a0, const float *a1) {
 typedef void (*dot_fn)(const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, float *y, int64_t ldy);
 
 /* rows n0 .. n1 - 1 of the weights q (row n at q + n * row_bytes) against ONE quantized x row: y[n], each row's dot
- * as the R = 1 dot_fn computes it (the same bits), the lines pf bytes past each row's start prefetched as q8.c's
- * rows_q8 does. A decode token's projections are this: one call per task instead of one indirect call per row, whose
- * prologue, epilogue and row loop cost about a fifth of a 168-byte Q2_K row's time */
+ * as the R = 1 dot_fn computes it (the same bits), the lines pf bytes past each row's start prefetched (ROWS_BODY,
+ * q8.c's rows_q8 loop for every T). A decode token's projections are this: one call per task instead of one indirect
+ * call per row, whose prologue, epilogue and row loop cost about a fifth of a 168-byte Q2_K row's time */
 typedef void (*rows_fn)(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y, int64_t n0,
                         int64_t n1, int64_t pf);
 
-/* the body of a rows_fn whose one row's dot is CALL (over row, xq, K, y + n) */
+/* a task's row loop (q, row_bytes, n0, n1, pf in scope): the lines pf bytes ahead prefetched, then CALL on `row` */
 #define ROWS_BODY(CALL)                                                                                                \
     for (int64_t n = n0; n < n1; n++) {                                                                                \
         const uint8_t *row = q + n * row_bytes;                                                                        \

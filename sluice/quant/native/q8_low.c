@@ -398,9 +398,16 @@ AVX2 void lowbit_deq_row_avx2(int fmt, const uint8_t *row, int64_t K, float *o) 
                                          int64_t ldy) {                                                              \
         KIND(F, row, xq, rb, K, P, R, y, ldy);                                                                         \
     }
+/* its rows_fn (q8.h: the R = 1 kernel in the row loop) */
+#define LOW_ROWS(F, KIND, P)                                                                                           \
+    AVX2 static void lowrows_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,    \
+                                       int64_t n0, int64_t n1, int64_t pf) {                                           \
+        ROWS_BODY(KIND(F, row, xq, 0, K, P, 1, y + n, 1))                                                              \
+    }
 #define LOW_FMT(F, KIND)                                                                                               \
     LOW_PR(F, KIND, 1, 1) LOW_PR(F, KIND, 1, 2) LOW_PR(F, KIND, 1, 3) LOW_PR(F, KIND, 1, 4)                            \
-    LOW_PR(F, KIND, 2, 1) LOW_PR(F, KIND, 2, 2) LOW_PR(F, KIND, 2, 3) LOW_PR(F, KIND, 2, 4)
+    LOW_PR(F, KIND, 2, 1) LOW_PR(F, KIND, 2, 2) LOW_PR(F, KIND, 2, 3) LOW_PR(F, KIND, 2, 4)                            \
+    LOW_ROWS(F, KIND, 1) LOW_ROWS(F, KIND, 2)
 LOW_FMT(MXFP4, dot32_low)
 LOW_FMT(IQ4_NL, dot32_low)
 LOW_FMT(Q2_K, dotsb_low)
@@ -419,27 +426,6 @@ LOW_FMT(IQ1_M, dotsb_low)
 #define LOW_ROW(F) [F] = {{low_##F##_1_1, low_##F##_1_2, low_##F##_1_3, low_##F##_1_4},                             \
                           {low_##F##_2_1, low_##F##_2_2, low_##F##_2_3, low_##F##_2_4}}
 
-/* the rows_fn of each format and plane count (q8.h ROWS_BODY) */
-#define LOW_ROWS(F, KIND, P)                                                                                           \
-    AVX2 static void lowrows_##F##_##P(const uint8_t *q, int64_t row_bytes, const uint8_t *xq, int64_t K, float *y,   \
-                                       int64_t n0, int64_t n1, int64_t pf) {                                           \
-        ROWS_BODY(KIND(F, row, xq, 0, K, P, 1, y + n, 1))                                                              \
-    }
-#define LOW_ROWS_FMT(F, KIND) LOW_ROWS(F, KIND, 1) LOW_ROWS(F, KIND, 2)
-LOW_ROWS_FMT(MXFP4, dot32_low)
-LOW_ROWS_FMT(IQ4_NL, dot32_low)
-LOW_ROWS_FMT(Q2_K, dotsb_low)
-LOW_ROWS_FMT(Q3_K, dotsb_low)
-LOW_ROWS_FMT(TQ1_0, dotsb_low)
-LOW_ROWS_FMT(TQ2_0, dotsb_low)
-LOW_ROWS_FMT(IQ4_XS, dotsb_low)
-LOW_ROWS_FMT(IQ2_XXS, dotsb_low)
-LOW_ROWS_FMT(IQ2_XS, dotsb_low)
-LOW_ROWS_FMT(IQ2_S, dotsb_low)
-LOW_ROWS_FMT(IQ3_XXS, dotsb_low)
-LOW_ROWS_FMT(IQ3_S, dotsb_low)
-LOW_ROWS_FMT(IQ1_S, dotsb_low)
-LOW_ROWS_FMT(IQ1_M, dotsb_low)
 #define LOW_ROWS_ROW(F) [F] = {lowrows_##F##_1, lowrows_##F##_2}
 
 rows_fn low_q8_rows_avx2(int fmt, int XF) {
