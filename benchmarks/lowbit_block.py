@@ -63,6 +63,17 @@ def main() -> None:
                     help="N x K of the projections (K a multiple of 256; a K of 4+ blocks also checks the bits of the "
                          "float lanes' adds, which a K of two blocks, one per lane set, leaves untouched)")
     a = ap.parse_args()
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{a.rev}^{{commit}}"],
+                      capture_output=True).returncode:
+        ap.error(f"{a.rev!r} is not a commit of {ROOT}")
+    if bad := [t for t in a.types.split(",") if t not in TYPES]:
+        ap.error(f"--types: {', '.join(bad)} not among the 256-value types this harness times ({', '.join(TYPES)})")
+    try:
+        shapes = [tuple(map(int, sh.split("x"))) for sh in a.shapes.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(sh) != 2 or sh[0] < 1 or sh[1] < 256 or sh[1] % 256 for sh in shapes):
+        ap.error(f"--shapes {a.shapes!r}: N x K pairs (e.g. 2048x512), K a multiple of 256")
     work = Path(tempfile.mkdtemp())
     (work / "old").mkdir()
     (work / "new").mkdir()
@@ -72,8 +83,8 @@ def main() -> None:
     print(f"# {a.rev} against the working tree (on {head}); CPU: {cpu_line(describe_cpu())}")
     print(f"# one x row, one plane; best of {a.reps} calls, {a.rounds} alternating rounds; us of thread CPU time")
     print(f"{'type':8s} {'shape':>9s} {a.rev:>10s} {'tree':>10s}  ratio  bits")
-    for shape in a.shapes.split(","):
-        n, k = map(int, shape.split("x"))
+    for n, k in shapes:
+        shape = f"{n}x{k}"
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(2))
         xf = _layout_of(QuantSpec.ggml("Q2_K", n, k), 1)  # one plane in super-blocks (q8.h SB1), every 256-value type
         xq = torch.empty(LIB.sluice_q8_row_bytes(k, xf), dtype=torch.uint8)

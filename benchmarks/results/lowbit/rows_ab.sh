@@ -2,6 +2,9 @@
 # alternating rounds (the extension file swapped between runs; the new one left in place), then whether each type's
 # outputs are the same bits under both. Nothing else may run meanwhile.
 set -euo pipefail
+if [ $# -ne 2 ] || [ ! -f "$1" ] || [ ! -f "$2" ]; then
+  echo "usage: bash benchmarks/results/lowbit/rows_ab.sh OLD.so NEW.so (two built _kernels*.so files)" >&2; exit 2
+fi
 cd "$(dirname "$0")/../../.."
 SO=$(ls sluice/quant/native/_kernels*.so)
 for r in 1 2 3; do
