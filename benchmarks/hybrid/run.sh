@@ -29,6 +29,8 @@
 #                                          # down IQ3_XXS, shared experts Q8_0, the rest Q4_K_M's choice (Q4_K / Q6_K),
 #                                          # by llama.cpp's quantizer with a uniform importance matrix (quality.py
 #                                          # imatrix --uniform: IQ2 types need one); ~40 min on 2 cores
+#   URING=1 bash benchmarks/hybrid/run.sh  # the decode set with two more sluice arms reading through io_uring
+#                                          # (--io-engine uring, with and without --prefetch router)
 #   ISA=avx2 bash benchmarks/hybrid/run.sh # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
 #                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (and MKL's float32
 #                                          # GEMM: MKL_ENABLE_INSTRUCTIONS=AVX2, since 2026-12-03), llama.cpp built for
@@ -71,6 +73,9 @@ LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp
 # PEERS=norepack: the 1 GiB sets with repacking off alone (the defaults and MADV_RANDOM were OOM-killed in every
 # round of every 1 GiB run so far: results/hybrid/README.md); the verdicts then compare with that arm
 [ "${PEERS:-all}" = norepack ] && LLAMA=(--arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts")
+URING_ARMS=()
+[ "${URING:-0}" = 1 ] && URING_ARMS=(--arm sluice-uring="--io direct --memory $MEMORY --io-engine uring ${ISA[*]}"
+  --arm sluice-uring+router="--io direct --memory $MEMORY --io-engine uring --prefetch router ${ISA[*]}")
 bench() {  # bench OUTDIR bench-args...
   local dir=$1; shift
   echo "== $Q -> $dir ($(date -u +%H:%M:%S))"
@@ -82,7 +87,8 @@ for set in $SETS; do
       bench "$OUT/decode$TAG-$CEILING" --cold --ceiling "$CEILING" --steps "$STEPS" --warmup "$WARMUP" \
         --floor-each-round --prompt-tokens 32 --arm sluice="--io direct --memory $MEMORY ${ISA[*]}" \
         --arm sluice-4io="--io direct --memory $MEMORY --io-workers 4 ${ISA[*]}" \
-        --arm sluice+router="--io direct --memory $MEMORY --prefetch router ${ISA[*]}" "${LLAMA[@]}" ;;
+        --arm sluice+router="--io direct --memory $MEMORY --prefetch router ${ISA[*]}" "${URING_ARMS[@]}" \
+        "${LLAMA[@]}" ;;
     prefill)
       bench "$OUT/prefill$TAG-$CEILING" --cold --ceiling "$CEILING" --steps 1 --warmup 0 --prompt-tokens "$PROMPT" \
         --arm sluice="--io direct --memory $PROMPT_MEMORY ${ISA[*]}" --arm sluice-auto="--io direct ${ISA[*]}" \

@@ -274,7 +274,9 @@ static void *worker(void *arg) {
         }
         P->head = t->next;
         if (!P->head) P->tail = NULL;
+        int more = P->head != NULL;
         pthread_mutex_unlock(&P->mu);
+        if (more) pthread_cond_signal(&P->cv); /* the next idle worker, woken by this one (sluice_io_submit_many) */
         if (!s.gap) fail(t->b, ERR_NOMEM, 0, 0, 0);
         run_task(t, &s, &r, P->max_gap);
     }
@@ -424,7 +426,11 @@ int sluice_io_submit_many(void *pool, const int64_t *ops, const int64_t *ends, c
             P->head = &b->tasks[0];
         P->tail = &b->tasks[parts[k] - 1];
     }
-    pthread_cond_broadcast(&P->cv);
+    /* One worker woken here; each worker that takes a task and leaves more behind wakes the next. A broadcast woke
+     * every idle worker from this call, the model's thread: ~8 wake-ups (cross-CPU interrupts, costly in a VM) a
+     * streamed layer, 7.8-8.3 ms of a ~106 ms token of the issue-30 model in this call and its futures
+     * (benchmarks/results/hybrid/acquire-parts.txt), against 3.6-4.3 for the io_uring driver's one thread. */
+    pthread_cond_signal(&P->cv);
     pthread_mutex_unlock(&P->mu);
     if (P->ring) uring_kick(P->ring);
     return 0;
