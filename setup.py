@@ -1,5 +1,5 @@
 """The native quantized-expert kernels (sluice/quant/native: kernels.c the float path, q8.c the integer path) and the
-direct reader's C workers (sluice/io/preader.c, uring.c), built at install time.
+direct reader's C workers (sluice/io/preader.c, uring.c) and its planner (plan.c), built at install time.
 
 `optional=True`: a machine without a C compiler still installs sluice; sluice.quant.native then reports
 native_available() False and the torch kernels run instead. -ffp-contract=off keeps every dequantized weight the
@@ -17,6 +17,6 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"]
 setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES, depends=[NATIVE + h for h in HEADERS],
                              libraries=["m", "pthread"], extra_compile_args=FLAGS, optional=True),
                    # the direct reader's C workers (io/native_pool.py); without it the Python workers read
-                   Extension("sluice.io._preader", ["sluice/io/preader.c", "sluice/io/uring.c"],
+                   Extension("sluice.io._preader", ["sluice/io/preader.c", "sluice/io/uring.c", "sluice/io/plan.c"],
                              depends=["sluice/io/preader.h"], libraries=["pthread"], extra_compile_args=FLAGS,
                              optional=True)])

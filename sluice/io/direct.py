@@ -32,11 +32,12 @@ import numpy as np
 from sluice.checkpoint.ref import FileStamp
 from sluice.errors import CheckpointError
 from sluice.io import native_pool
+from sluice.io import ranges as ranges_mod
 from sluice.io.base import (Counters, FileGuard, ReadFuture, Request, done_future, thread_faults,
                             truncated_error)
 from sluice.io.odirect import direct_iovecs, odirect_align
-from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, copy_bytes, plan_reads,
-                               split_even)
+from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, MIN_SPLIT, PAGE, Read, ReadRange, address,
+                               as_buffer, copy_bytes, plan_reads, split_even)
 
 # Worker threads = reads in flight. Measured by `benchmarks/knobs.py workers`: 1.5 GiB random file on /dev/vda (ext4),
 # evicted with posix_fadvise(DONTNEED) and verified cold by mincore before every arm, 2 CPU cores, shared machine.
@@ -296,6 +297,15 @@ class _Pool:
         self.fds.clear()
 
 
+class _Addressed:
+    """An int64 array and its address, taken once (numpy's .ctypes costs ~2 us a call)."""
+
+    __slots__ = ("array", "address")
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.address = array, array.ctypes.data
+
+
 class ReadTemplate:
     """A batch of requests planned once (plan_reads, split_even, preader.c's op list), its destination addresses kept
     relative to a base address, to be submitted again and again into destinations at another base
@@ -307,14 +317,18 @@ class ReadTemplate:
     templates of one shape): a store keeps one per expert it has read, 517 bytes each with its key there (~5 MiB for
     all 10,240 experts of that model; results/hybrid/template-bytes.txt), outside the memory budget."""
 
-    __slots__ = ("ops", "dests", "ends", "counts", "paths")
+    __slots__ = ("ops", "dests", "ends", "counts", "paths", "desc")
 
-    def __init__(self, ops, dests, ends, counts: tuple[int, int, int, int, int, int], paths: tuple[str, ...]):
-        self.ops = ops  # int64 [n]: the op list, destination addresses minus the base
-        self.dests = dests  # int64 [d]: where in ops the destination addresses are
-        self.ends = ends  # int64 [parts]: each part's end in ops (one task of the native pool each)
+    def __init__(self, ops: _Addressed, dests: _Addressed, ends: _Addressed, counts: tuple[int, int, int, int, int, int],
+                 paths: tuple[str, ...]):
+        self.ops = ops.array  # int64 [n]: the op list, destination addresses minus the base
+        self.dests = dests.array  # int64 [d]: where in ops the destination addresses are
+        self.ends = ends.array  # int64 [parts]: each part's end in ops (one task of the native pool each)
         self.counts = counts  # the plan's counters (ReadPlan.counts)
         self.paths = paths  # the files it reads
+        # what sluice_io_submit_templates reads of it (the arrays above stay alive with it): ops, dests and their
+        # count, ends and their count
+        self.desc = (ops.address, dests.address, len(self.dests), ends.address, len(self.ends))
 
 
 class DirectReader:
@@ -398,23 +412,39 @@ class DirectReader:
         None where the reads run on Python threads (submit_each is the way there). Opens the files."""
         if self._pool.native is None:
             return None
-        plan = plan_reads(requests, max_gap=self._max_gap, max_read=self._max_read, parts=self.workers)
-        for path in plan.paths():
-            self._pool.fd(path)
-        ops: list[int] = []
-        ends: list[int] = []
-        dests: list[int] = []
-        native_pool._ops(split_even(plan.reads, self.workers), self._pool.fds, ops, ends, dests)
-        arr = np.array(ops, dtype=np.int64)
-        arr[dests] -= base
-        counts = plan.counts
+        offsets = []
+        for rng, dest in requests:
+            if rng.offset < 0 or rng.nbytes < 0:
+                raise ValueError(f"bad range {rng}: offset and nbytes must be >= 0")
+            buf = as_buffer(dest, rng.nbytes)  # ValueError for a destination of the wrong size, as plan_reads
+            offsets.append((rng, address(buf) - base if rng.nbytes else 0))
+        return self.template_at(offsets)
+
+    def template_at(self, ranges: Sequence[tuple[ReadRange, int]]) -> ReadTemplate | None:
+        """template() for destinations given as byte offsets from the base each submission moves them to: (range,
+        offset) each, the caller vouching that every destination holds its range's bytes (a streaming store's slot
+        parts: no buffer objects to make). One C call plans the batch (plan.c: the plan plan_reads, split_even and
+        _ops make, ~46 us an expert in Python, 11.8 ms of a 100 ms streamed token of the issue-30 model where every
+        miss is a first one: benchmarks/results/hybrid/acquire-fresh.txt)."""
+        if self._pool.native is None:
+            return None
+        fds = {}
+        for rng, _ in ranges:
+            if rng.nbytes > 0 and rng.path not in fds:
+                fds[rng.path] = self._pool.fd(rng.path)
+        ops, ends, dests, counts, paths = native_pool.plan_ops(
+            [(r.path, r.offset, r.nbytes, at) for r, at in ranges], fds, max_gap=self._max_gap,
+            max_read=self._max_read, parts=self.workers, min_split=MIN_SPLIT, max_segments=ranges_mod.MAX_SEGMENTS)
         # the parts that are the same for many templates (every expert of a layer has the same shape of plan) are
         # kept once
         shared = self._shared
-        dests_arr = shared.setdefault(("d", *dests), np.array(dests, dtype=np.int64))
-        ends_arr = shared.setdefault(("e", *ends), np.array(ends, dtype=np.int64))
-        return ReadTemplate(arr, dests_arr, ends_arr, shared.setdefault(counts, counts),
-                            shared.setdefault(tuple(plan.paths()), tuple(plan.paths())))
+        dkey, ekey = ("d", dests.tobytes()), ("e", ends.tobytes())
+        if dkey not in shared:
+            shared[dkey] = _Addressed(dests.copy())
+        if ekey not in shared:
+            shared[ekey] = _Addressed(ends.copy())
+        return ReadTemplate(_Addressed(ops.copy()), shared[dkey], shared[ekey], shared.setdefault(counts, counts),
+                            shared.setdefault(paths, paths))
 
     def submit_templates(self, items: Sequence[tuple[ReadTemplate, int]]) -> list[ReadFuture]:
         """submit_each for batches planned before: each (template, base) reads the template's ranges into its
@@ -434,14 +464,8 @@ class DirectReader:
                                       lambda k: native_pool.OpReads(items[k][0].ops, paths).reads())
             if not live:
                 return [done_future(self._counters) for _ in items]
-            ops = np.concatenate([t.ops for t, _ in live])
-            at = 0
-            for t, base in live:
-                ops[t.dests + at] += base
-                at += len(t.ops)
-            ends = np.concatenate([t.ends for t, _ in live])
-            futs = iter(self._pool.native.submit_ops(ops, ends, [len(t.ends) for t, _ in live],
-                                                     [native_pool.OpReads(t.ops, paths) for t, _ in live]))
+            futs = iter(self._pool.native.submit_templates([v for t, base in live for v in (*t.desc, base)],
+                                                           [native_pool.OpReads(t.ops, paths) for t, _ in live]))
         return [next(futs) if len(t.ends) else done_future(self._counters) for t, _ in items]
 
     def read(self, requests: Sequence[Request]) -> None:

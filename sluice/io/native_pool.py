@@ -9,7 +9,8 @@ thread through an io_uring (uring.c).
 Each batch is flattened to one int64 op list (`_ops`: per read fd, the file's O_DIRECT alignment (0: buffered),
 offset, nbytes, overlapping, nseg; per segment rel, nbytes, ndests, the destinations' addresses); the future keeps the
 plan's buffers alive until the batch is over, and builds the Python reader's errors from the C status (the read that
-failed, errno or end of file). `submit_ops` takes op lists already flattened (io/direct.py ReadTemplate).
+failed, errno or end of file). `submit_templates` takes batches planned once (io/direct.py ReadTemplate: their op lists
+made by plan.c, moved to their destinations in C).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+
+import numpy as np
 
 from sluice.errors import CheckpointError
 from sluice.io.base import Counters, ReadFuture, truncated_error
@@ -57,6 +60,10 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_io_counters.restype = None
     lib.sluice_io_release.argtypes = [_ptr]
     lib.sluice_io_release.restype = None
+    lib.sluice_io_plan.argtypes = [_ptr, _ptr]
+    lib.sluice_io_submit_templates.argtypes = [_ptr, _ptr, _i64, _ptr]
+    lib.sluice_io_submit_templates.restype = _int
+    lib.sluice_io_plan.restype = _int
     return lib
 
 
@@ -103,6 +110,39 @@ def _ops(chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, int]], ops:
                 ops += [address(d) for d in seg.dests]
         ends.append(len(ops) - base)
     return at
+
+
+def plan_ops(requests: Sequence[tuple[str, int, int, int]], fds: dict[str, tuple[int, int]], *, max_gap: int,
+             max_read: int, parts: int, min_split: int, max_segments: int):
+    """plan_reads, split_even and _ops of one batch in one C call (plan.c): `requests` (path, offset, nbytes, dest
+    address or offset), `fds` path -> (fd, O_DIRECT alignment) for every path with bytes to read. Returns (ops,
+    ends, dests: int64 numpy arrays as _ops fills its lists, counts: ReadPlan.counts, paths: the files read, in
+    order). ValueError for a negative offset or length, as plan_reads."""
+    paths = sorted({p for p, _, n, _ in requests if n})  # plan_reads sorts by path: ranks in that order
+    rank = {p: i for i, p in enumerate(paths)}
+    n = len(requests)
+    cap = 16 * n + 64
+    head = [n, len(paths), max_gap, max_read, min_split, max_segments, parts]
+    body = [v for p, o, k, d in requests for v in (rank.get(p, -1), o, k, d)]
+    body += [v for p in paths for v in fds[p]]
+    nends = max(1, parts)
+    while True:  # out: a ctypes array (numpy's .ctypes costs ~1.4 us a call, a few us are the planning itself)
+        arg = np.array(head + [cap] + body, dtype=np.int64)
+        buf = (_i64 * (9 + nends + 2 * cap))()
+        rc = LIB.sluice_io_plan(arg.ctypes.data, buf)
+        out = np.frombuffer(buf, dtype=np.int64)
+        no, ne, nd = out[6:9].tolist()
+        if rc == -3:  # more pieces than the first guess (long ranges cut at max_read): the sizes it needs
+            cap = max(no, nd) + 64
+            continue
+        if rc == -1:
+            bad = next((p, o, k) for p, o, k, _ in requests if o < 0 or k < 0)
+            raise ValueError(f"bad range {bad}: offset and nbytes must be >= 0")
+        if rc:
+            raise MemoryError("the native planner could not allocate its work arrays")
+        ops = out[9 + nends : 9 + nends + no]
+        return (ops, out[9 : 9 + ne], out[9 + nends + cap : 9 + nends + cap + nd], tuple(out[:6].tolist()),
+                tuple(paths))
 
 
 class OpReads:
@@ -244,15 +284,15 @@ class NativePool:
             raise MemoryError(f"the native reader could not allocate {n} batches")
         return [NativeFuture(self.counters, h, at, chunks) for h, at, chunks in zip(handles, ats, batches)]
 
-    def submit_ops(self, ops, ends, parts: Sequence[int], ats: Sequence[object]) -> list[NativeFuture]:
-        """Batches already flattened: `ops` and `ends` int64 arrays (numpy, contiguous) as sluice_io_submit_many
-        takes them, `parts[k]` chunks in batch k, `ats[k]` its op index -> (Read, fd) map (OpReads); one C call."""
+    def submit_templates(self, desc: Sequence[int], ats: Sequence[object]) -> list[NativeFuture]:
+        """Batches planned once (io/direct.py ReadTemplate), batch k described by desc[6k : 6k + 6] (ReadTemplate.desc
+        and the base its destinations move to: sluice_io_submit_templates), `ats[k]` its op index -> (Read, fd) map;
+        one C call, which copies each op list and moves it to its base."""
         if os.getpid() != self.pid:
             raise RuntimeError("a reader's native threads do not survive fork(): open a new reader in the child")
-        n = len(parts)
+        n = len(ats)
         handles = (_ptr * n)()
-        if LIB.sluice_io_submit_many(self.handle, ops.ctypes.data, ends.ctypes.data, (_i64 * n)(*parts), n,
-                                     handles):
+        if LIB.sluice_io_submit_templates(self.handle, (_i64 * len(desc))(*desc), n, handles):
             raise MemoryError(f"the native reader could not allocate {n} batches")
         return [NativeFuture(self.counters, h, at, None) for h, at in zip(handles, ats)]
 

@@ -388,6 +388,7 @@ static batch_t *batch_new(pool_t *P, const int64_t *ops, const int64_t *ends, in
     pthread_cond_init(&b->cv, NULL);
     atomic_init(&b->err_kind, ERR_NONE);
     atomic_init(&b->remaining, (int)nparts);
+    b->nparts = nparts;
     atomic_init(&b->refs, nparts > 0 ? 2 : 1);
     b->done = nparts <= 0;
     int64_t a = 0;
@@ -403,6 +404,28 @@ static batch_t *batch_new(pool_t *P, const int64_t *ops, const int64_t *ends, in
  * parts, its ops and part ends following the previous batch's in `ops` / `ends` (the ends relative to the batch's
  * own ops). out[k]: batch k (the caller's reference: sluice_io_release). Returns 0, or -1 without memory (nothing
  * queued, nothing to release). */
+/* the batches out[0 .. nbatches) made by batch_new, queued in order (their first tasks behind the queue's last) */
+static void queue(pool_t *P, void **out, int64_t nbatches) {
+    pthread_mutex_lock(&P->mu);
+    for (int64_t k = 0; k < nbatches; k++) {
+        batch_t *b = (batch_t *)out[k];
+        int64_t parts = b->nparts;
+        if (parts <= 0) continue;
+        if (P->tail)
+            P->tail->next = &b->tasks[0];
+        else
+            P->head = &b->tasks[0];
+        P->tail = &b->tasks[parts - 1];
+    }
+    /* One worker woken here; each worker that takes a task and leaves more behind wakes the next. A broadcast woke
+     * every idle worker from this call, the model's thread: ~8 wake-ups (cross-CPU interrupts, costly in a VM) a
+     * streamed layer, 7.8-8.3 ms of a ~106 ms token of the issue-30 model in this call and its futures
+     * (benchmarks/results/hybrid/acquire-parts.txt), against 3.6-4.3 for the io_uring driver's one thread. */
+    pthread_cond_signal(&P->cv);
+    pthread_mutex_unlock(&P->mu);
+    if (P->ring) uring_kick(P->ring);
+}
+
 int sluice_io_submit_many(void *pool, const int64_t *ops, const int64_t *ends, const int64_t *parts,
                           int64_t nbatches, void **out) {
     pool_t *P = (pool_t *)pool;
@@ -416,23 +439,31 @@ int sluice_io_submit_many(void *pool, const int64_t *ops, const int64_t *ends, c
         o += parts[k] > 0 ? e[parts[k] - 1] : 0;
         e += parts[k];
     }
-    pthread_mutex_lock(&P->mu);
+    queue(P, out, nbatches);
+    return 0;
+}
+
+/* sluice_io_submit_many for batches planned once (io/direct.py ReadTemplate): batch k described by desc[6k ..
+ * 6k + 6) = the address of its op list, the address and count of the op indices that hold destination addresses
+ * (relative to a base), the address and count of its part ends, and the base this submission adds to them.
+ * Each batch's ops are copied and moved to its base here, in C: in Python (numpy concatenation and fancy-indexed
+ * adds) it took ~70 us of the model's thread a streamed layer. out[k]: batch k. Returns 0, or -1 without memory
+ * (nothing queued). */
+int sluice_io_submit_templates(void *pool, const int64_t *desc, int64_t nbatches, void **out) {
+    pool_t *P = (pool_t *)pool;
     for (int64_t k = 0; k < nbatches; k++) {
-        batch_t *b = (batch_t *)out[k];
-        if (parts[k] <= 0) continue;
-        if (P->tail)
-            P->tail->next = &b->tasks[0];
-        else
-            P->head = &b->tasks[0];
-        P->tail = &b->tasks[parts[k] - 1];
+        const int64_t *d = desc + 6 * k;
+        const int64_t *ops = (const int64_t *)(intptr_t)d[0], *dests = (const int64_t *)(intptr_t)d[1];
+        const int64_t *ends = (const int64_t *)(intptr_t)d[3];
+        batch_t *b = batch_new(P, ops, ends, d[4]);
+        out[k] = b;
+        if (!b) {
+            for (int64_t j = 0; j < k; j++) batch_free((batch_t *)out[j]);
+            return -1;
+        }
+        for (int64_t i = 0; i < d[2]; i++) b->ops[dests[i]] += d[5];
     }
-    /* One worker woken here; each worker that takes a task and leaves more behind wakes the next. A broadcast woke
-     * every idle worker from this call, the model's thread: ~8 wake-ups (cross-CPU interrupts, costly in a VM) a
-     * streamed layer, 7.8-8.3 ms of a ~106 ms token of the issue-30 model in this call and its futures
-     * (benchmarks/results/hybrid/acquire-parts.txt), against 3.6-4.3 for the io_uring driver's one thread. */
-    pthread_cond_signal(&P->cv);
-    pthread_mutex_unlock(&P->mu);
-    if (P->ring) uring_kick(P->ring);
+    queue(P, out, nbatches);
     return 0;
 }
 

@@ -33,6 +33,7 @@ struct batch {
     struct pool *pool;
     int64_t *ops;
     task_t *tasks;
+    int64_t nparts;
 };
 
 typedef struct pool {

@@ -185,8 +185,10 @@ class StreamingExpertStore:
             items = []
             for e, slot in entries:
                 t = self._templates.get((layer, e))
-                if t is None:
-                    t = self.reader.template(self._requests(layer, e, 0), raw0)
+                if t is None:  # each part's range into its place in a slot, from the slot's first byte
+                    at = self._shift.get(layer, 0)
+                    t = self.reader.template_at([(part.range, at + part.dest_offset)
+                                                 for part in self.layout.parts(layer, e)])
                     if t is None:  # this reader plans every time
                         self._templates = None
                         return self._submit(layer, entries)

@@ -77,3 +77,62 @@ def test_a_changed_or_truncated_file_is_a_checkpoint_error(random_file, slots, i
         (f,) = r.submit_templates([(t, base + SLOT)])
         with pytest.raises(CheckpointError, match="model.bin"):
             f.result()
+
+
+def _python_plan(requests, fds, *, max_gap, max_read, parts):
+    """What DirectReader planned in Python before plan.c: plan_reads, split_even, _ops (destination addresses)."""
+    from sluice.io.ranges import plan_reads, split_even
+
+    plan = plan_reads(requests, max_gap=max_gap, max_read=max_read, parts=parts)
+    ops, ends, dests = [], [], []
+    native_pool._ops(split_even(plan.reads, parts), fds, ops, ends, dests)
+    return ops, ends, dests, plan.counts, tuple(plan.paths())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_native_planner_plans_as_plan_reads(seed, monkeypatch):
+    """plan.c against plan_reads + split_even + _ops on random batches: duplicates, overlaps, neighbours within and
+    beyond max_gap, ranges cut at max_read, zero-length requests, several files (sorted by name, not by order of
+    appearance), 1-8 parts, a small MAX_SEGMENTS: the same op list, chunk ends, destination positions, counters."""
+    import random
+
+    from sluice.io import ranges as ranges_mod
+
+    rng = random.Random(seed)
+    max_segments = rng.choice([3, 500])
+    monkeypatch.setattr(ranges_mod, "MAX_SEGMENTS", max_segments)
+    min_split = rng.choice([PAGE, 4 * PAGE, ranges_mod.MIN_SPLIT])
+    monkeypatch.setattr(ranges_mod, "MIN_SPLIT", min_split)
+    paths = ["/m/b.gguf", "/m/a.gguf", "/m/c-00002.gguf"][: rng.randint(1, 3)]
+    fds = {p: (10 + i, rng.choice([0, 512, 4096])) for i, p in enumerate(paths)}
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    requests, at = [], 0
+    for _ in range(rng.randint(0, 30)):
+        if requests and rng.random() < 0.15:  # a duplicate range into another destination
+            r = rng.choice(requests)[0]
+        else:
+            n = rng.choice([0, rng.randint(1, 300), rng.randint(1, 3 * PAGE), rng.randint(1, 40 * PAGE)])
+            r = ReadRange(rng.choice(paths), rng.randint(0, 200 * PAGE), n)
+        if at + r.nbytes > len(buf):
+            break
+        requests.append((r, view[at : at + r.nbytes]))
+        at += r.nbytes + rng.choice([0, 7, 64])
+    max_gap = rng.choice([0, 100, PAGE, 16 * PAGE])
+    max_read = rng.choice([PAGE, 8 * PAGE, 1 << 20, 8 << 20])
+    parts = rng.randint(1, 8)
+    want = _python_plan(requests, fds, max_gap=max_gap, max_read=max_read, parts=parts)
+    got = native_pool.plan_ops([(r.path, r.offset, r.nbytes, address(d) if r.nbytes else 0) for r, d in requests],
+                               {p: fds[p] for p in {r.path for r, _ in requests if r.nbytes}}, max_gap=max_gap,
+                               max_read=max_read, parts=parts, min_split=min_split, max_segments=max_segments)
+    assert got[0].tolist() == want[0]
+    assert got[1].tolist() == want[1]
+    assert got[2].tolist() == want[2]
+    assert got[3] == want[3]
+    assert got[4] == want[4]
+
+
+def test_the_native_planner_refuses_a_negative_range():
+    with pytest.raises(ValueError, match="offset and nbytes must be >= 0"):
+        native_pool.plan_ops([("/m/a", -1, 10, 0)], {"/m/a": (3, 0)}, max_gap=0, max_read=1 << 20, parts=2,
+                             min_split=1 << 20, max_segments=500)
