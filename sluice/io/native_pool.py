@@ -61,6 +61,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_io_release.argtypes = [_ptr]
     lib.sluice_io_release.restype = None
     lib.sluice_io_plan.argtypes = [_ptr, _ptr]
+    lib.sluice_io_plan_many.argtypes = [_ptr, _ptr]
+    lib.sluice_io_plan_many.restype = _int
     lib.sluice_io_submit_templates.argtypes = [_ptr, _ptr, _i64, _ptr]
     lib.sluice_io_submit_templates.restype = _int
     lib.sluice_io_plan.restype = _int
@@ -143,6 +145,44 @@ def plan_ops(requests: Sequence[tuple[str, int, int, int]], fds: dict[str, tuple
         ops = out[9 + nends : 9 + nends + no]
         return (ops, out[9 : 9 + ne], out[9 + nends + cap : 9 + nends + cap + nd], tuple(out[:6].tolist()),
                 tuple(paths))
+
+
+def plan_many(batches: Sequence[Sequence[tuple[str, int, int, int]]], fds: dict[str, tuple[int, int]], *,
+              max_gap: int, max_read: int, parts: int, min_split: int, max_segments: int) -> list[tuple]:
+    """plan_ops for several batches in one C call (plan.c sluice_io_plan_many): one (ops, ends, dests, counts, paths)
+    per batch, as plan_ops gives it; the arrays are views of one buffer."""
+    paths = sorted({p for b in batches for p, _, n, _ in b if n})
+    rank = {p: i for i, p in enumerate(paths)}
+    nb, nends, cap = len(batches), max(1, parts), 16
+    reqs = [v for b in batches for p, o, k, d in b for v in (rank.get(p, -1), o, k, d)]
+    while True:
+        arg = np.array([nb, len(paths), max_gap, max_read, min_split, max_segments, parts, cap]
+                       + [len(b) for b in batches] + reqs + [v for p in paths for v in fds[p]], dtype=np.int64)
+        room = sum(cap * len(b) + 64 for b in batches)
+        out = np.empty(9 * nb + nends * nb + 2 * room, dtype=np.int64)
+        rc = LIB.sluice_io_plan_many(arg.ctypes.data, out.ctypes.data)
+        if rc == -3:  # long ranges cut at max_read into more pieces than the guess: more room for each
+            cap *= 4
+            continue
+        if rc == -1:
+            bad = next((p, o, k) for b in batches for p, o, k, _ in b if o < 0 or k < 0)
+            raise ValueError(f"bad range {bad}: offset and nbytes must be >= 0")
+        if rc:
+            raise MemoryError("the native planner could not allocate its work arrays")
+        break
+    heads = out[: 9 * nb].reshape(nb, 9).tolist()
+    result, at = [], 9 * nb + nends * nb
+    for k, b in enumerate(batches):
+        no, ne, nd = heads[k][6:9]
+        c = cap * len(b) + 64
+        ends = out[9 * nb + nends * k : 9 * nb + nends * k + ne]
+        if len(paths) == 1:  # one file: read by the batch when it has reads (the common case, cheaply)
+            used = tuple(paths) if ne else ()
+        else:
+            used = tuple(p for p in paths if any(q == p and n for q, _, n, _ in b))
+        result.append((out[at : at + no], ends, out[at + room : at + room + nd], tuple(heads[k][:6]), used))
+        at += c
+    return result
 
 
 class OpReads:

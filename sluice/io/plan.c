@@ -204,3 +204,31 @@ int sluice_io_plan(const int64_t *in, int64_t *out) {
     int64_t *ends = out + 9, *ops = ends + nends, *dests = ops + cap;
     return plan(req, n, fds, in[2], in[3], in[4], in[5], parts, ops, cap, ends, nends, dests, cap, out, out + 6);
 }
+
+/* plan() for `nb` batches in one call (a layer's experts: io/direct.py DirectReader.templates_at), each planned on
+ * its own, as one call each would:
+ *   in:  nb, nfiles, max_gap, max_read, min_split, max_segments, parts, cap (per request: a batch of n requests
+ *        gets cap * n + 64 ops and destination slots), then nb request counts, then every batch's requests (path
+ *        rank, offset, nbytes, dest), then nfiles x (fd, align)
+ *   out: per batch 9 (counts[6], sizes[3]), then per batch max(parts, 1) ends, then the batches' ops one after the
+ *        other (batch k at the sum of the earlier batches' capacities), then their destination slots likewise
+ * Returns 0, or the first batch's error (plan()'s codes; -3: a capacity too small). */
+int sluice_io_plan_many(const int64_t *in, int64_t *out) {
+    int64_t nb = in[0], parts = in[6], cap = in[7], nends = parts > 1 ? parts : 1;
+    const int64_t *counts = in + 8, *req = counts + nb;
+    int64_t total = 0, room = 0;
+    for (int64_t k = 0; k < nb; k++) {
+        total += counts[k];
+        room += cap * counts[k] + 64;
+    }
+    const int64_t *fds = req + 4 * total;
+    int64_t *heads = out, *ends = out + 9 * nb, *ops = ends + nends * nb, *dests = ops + room;
+    for (int64_t k = 0; k < nb; k++) {
+        int64_t n = counts[k], c = cap * n + 64;
+        int rc = plan(req, n, fds, in[2], in[3], in[4], in[5], parts, ops, c, ends, nends, dests, c, heads,
+                      heads + 6);
+        if (rc) return rc;
+        req += 4 * n, ops += c, dests += c, ends += nends, heads += 9;
+    }
+    return 0;
+}

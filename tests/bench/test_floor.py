@@ -36,22 +36,23 @@ def record(model: Path, memory: str, prompt: list[int], tokens: list[int], warmu
             return submit_each(batches)
 
         # the store calls reader.submit (read() goes through it too), and submit_each for a decode step's misses, or
-        # submit_templates with each expert's ranges planned once (template_at): its ranges, each time it is submitted
+        # submit_templates with each expert's ranges planned once (templates_at, a layer at a time): its ranges, each time it is submitted
         m.reader.submit, m.reader.submit_each = spy, spy_each
-        if hasattr(m.reader, "template_at"):  # the direct reader
-            template_at, submit_templates, planned = m.reader.template_at, m.reader.submit_templates, {}
+        if hasattr(m.reader, "templates_at"):  # the direct reader
+            templates_at, submit_templates, planned = m.reader.templates_at, m.reader.submit_templates, {}
 
-            def spy_template(ranges):
-                t = template_at(ranges)
-                planned[id(t)] = (t, [(r.path, r.offset, r.nbytes) for r, _ in ranges])
-                return t
+            def spy_template(batches):
+                ts = templates_at(batches)
+                for t, ranges in zip(ts, batches):
+                    planned[id(t)] = (t, [(r.path, r.offset, r.nbytes) for r, _ in ranges])
+                return ts
 
             def spy_templates(items):
                 for t, _ in items:
                     asked[-1].extend(planned[id(t)][1])
                 return submit_templates(items)
 
-            m.reader.template_at, m.reader.submit_templates = spy_template, spy_templates
+            m.reader.templates_at, m.reader.submit_templates = spy_template, spy_templates
 
         def on_step(end):
             rec.mark()

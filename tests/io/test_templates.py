@@ -136,3 +136,29 @@ def test_the_native_planner_refuses_a_negative_range():
     with pytest.raises(ValueError, match="offset and nbytes must be >= 0"):
         native_pool.plan_ops([("/m/a", -1, 10, 0)], {"/m/a": (3, 0)}, max_gap=0, max_read=1 << 20, parts=2,
                              min_split=1 << 20, max_segments=500)
+
+
+def test_a_layer_of_templates_in_one_call_is_each_one_planned_alone(random_file, io_engine):
+    """templates_at (one C call for many batches: a streaming store's layer) against template_at batch by batch,
+    on expert-like batches at varied residues, some crossing a max_read boundary, one with a zero-length part."""
+    if io_engine == "python":
+        pytest.skip("the Python threads plan every batch: no templates")
+    import random
+
+    path, _ = random_file(SIZE, 14)
+    rng = random.Random(3)
+    batches = []
+    for e in range(40):
+        parts = [(ReadRange(path, rng.randrange(0, SIZE - 3 * PAGE), rng.choice([0, 100, PAGE + 7, 3 * PAGE])),
+                  rng.randrange(0, 8) * 512) for _ in range(3)]
+        batches.append(parts)
+    with DirectReader(4, odirect=True, engine=io_engine, max_read=2 * PAGE) as r:
+        many = r.templates_at(batches)
+        for b, t in zip(batches, many, strict=True):
+            one = r.template_at(b)
+            assert t.ops.tolist() == one.ops.tolist()
+            assert t.ends.tolist() == one.ends.tolist() and t.dests.tolist() == one.dests.tolist()
+            assert (t.counts, t.paths) == (one.counts, one.paths)
+            assert t.desc[2:] == one.desc[2:]
+            if len(t.ops):  # where its reads' ops are: in the layer's one array
+                assert t.desc[0] == t.ops.ctypes.data

@@ -3,7 +3,8 @@
 ceiling, 2 threads): perf_counter around StreamingExpertStore.acquire, its _submit and _victim, the reader's planning
 of an expert missed the first time (DirectReader.template before plan.c, template_at after), its submit_templates and
 the native pool's hand-off (NativePool.submit_ops before, submit_templates after); ms per token, and calls per token
-(#). Wraps whichever of those the tree it runs in has.
+(#). Wraps whichever of those the tree it runs in has; where the store plans every expert at its first miss (_plan),
+also the prompt's time and that planning in it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/results/hybrid/acquire_fresh.py MODEL [native|uring]
 """
@@ -40,10 +41,15 @@ wrap(direct.DirectReader, "template_at", "plan")
 wrap(direct.DirectReader, "submit_templates", "submit_templates")
 wrap(native_pool.NativePool, "submit_ops", "pool")
 wrap(native_pool.NativePool, "submit_templates", "pool")
+wrap(StreamingExpertStore, "_plan", "plan_all")
 eng = sys.argv[2] if len(sys.argv) > 2 else "native"
 m = sluice.load(sys.argv[1], memory="640MiB", io="direct", odirect=True, threads=2, max_context=512, io_engine=eng)
 g = m.generate_tokens(list(range(100, 132)), max_tokens=10, temperature=0.0)
+t0 = time.perf_counter()
 next(g)
+if "plan_all" in acc:
+    print(f"prompt and first token {(time.perf_counter() - t0) * 1000:.0f} ms, of it planning every expert's reads "
+          f"{acc['plan_all'] * 1000:.1f} ms")
 acc.clear()
 t0 = time.perf_counter()
 n = sum(1 for _ in g)
