@@ -4,7 +4,7 @@ and the Python one otherwise, or when asked (`engine="python"`); `engine="uring"
 thread through an io_uring (uring.c).
 
     pool = NativePool(workers, max_gap, counters)
-    fut = pool.submit(plan_chunks, fds)    # a ReadFuture; result() waits with the GIL released
+    fut = pool.submit(plan_chunks, fds)    # a NativeFuture (ReadFuture's interface); result() waits, GIL released
 
 Each batch is flattened to one int64 op list (`_ops`: per read fd, the file's O_DIRECT alignment (0: buffered),
 offset, nbytes, overlapping, nseg; per segment rel, nbytes, ndests, the destinations' addresses); the future keeps the
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sluice.errors import CheckpointError
-from sluice.io.base import Counters, ReadFuture, truncated_error
+from sluice.io.base import Counters, truncated_error
 from sluice.io.ranges import Read, address
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -208,16 +208,24 @@ class OpReads:
         return out
 
 
-class NativeFuture(ReadFuture):
+class NativeFuture:
     """A batch in preader.c's pool: done() asks the C batch, result() waits in C (the GIL released), and the first
     look that finds it over records its outcome (the error the Python workers would raise) and frees it. Bytes
     copied and the workers' faults are the pool's counters (NativePool.counts), not each batch's: two C calls and
-    two locks per batch less (~10 us of a streamed step's thread per missed expert)."""
+    two locks per batch less (~10 us of a streamed step's thread per missed expert).
 
-    def __init__(self, counters: Counters, handle: int, at: dict[int, tuple[Read, int]], keep: object):
-        super().__init__(counters)
-        self._handle, self._at, self._keep = handle, at, keep
+    ReadFuture's interface (done, result, exception; result's blocking time charged to the reader's wait_s) without
+    concurrent.futures.Future under it: its Condition and the two locks took ~8 us to make a future, one per missed
+    expert, and its result() ~3 us more, on the model's thread (~2 ms of a streamed token of the issue-30 model)."""
+
+    __slots__ = ("_counters", "_handle", "_at", "_lock", "_over", "_error")
+
+    def __init__(self, counters: Counters, handle: int, at: dict[int, tuple[Read, int]] | OpReads,
+                 keep: object = None):
+        self._counters, self._handle, self._at = counters, handle, (at, keep)
         self._lock = threading.Lock()
+        self._over = False
+        self._error: BaseException | None = None
 
     def _finish(self, kind: int) -> None:
         """Record the outcome of an over batch (once): kind 0, or its error kind."""
@@ -225,22 +233,18 @@ class NativeFuture(ReadFuture):
             h = self._handle
             if h is None:
                 return
-            error = None
             if kind:
                 status = (_i64 * 4)()
                 LIB.sluice_io_error(h, status)
-                error = self._error(*status)
+                self._error = self._failure(*status)
             LIB.sluice_io_release(h)
             self._handle = None
-            if error is not None:
-                self.set_exception(error)
-            else:
-                self.set_result(None)
-            self._at = self._keep = None  # the destinations are filled: nothing to keep alive
+            self._at = None  # the destinations are filled: nothing to keep alive
+            self._over = True
 
-    def _error(self, kind: int, index: int, err: int, pos: int) -> BaseException:
+    def _failure(self, kind: int, index: int, err: int, pos: int) -> BaseException:
         """The Python reader's error for the read at op `index`."""
-        r, fd = self._at[index]
+        r, fd = self._at[0][index]
         if kind == ERR_OS:
             return CheckpointError(f"read at offset {pos} failed: {os.strerror(err)}", file=r.path)
         if kind == ERR_EOF:
@@ -252,35 +256,40 @@ class NativeFuture(ReadFuture):
                                "(more buffers than preadv takes, or a gap larger than max_gap)", file=r.path)
 
     def done(self) -> bool:
-        if super().done():
+        if self._over:
             return True
         h = self._handle
         if h is not None and (kind := LIB.sluice_io_done(h)) >= 0:
             self._finish(kind)
-        return super().done()
+        return self._over
 
     def _wait(self, timeout: float | None) -> None:
+        """Until the batch is over (TimeoutError past `timeout` seconds)."""
         h = self._handle
         if h is None:
+            if not self._over:  # another thread is finishing it: its lock is held until the outcome is set
+                with self._lock:
+                    pass
             return
         if timeout is None:
             while (kind := LIB.sluice_io_wait(h, _WAIT_NS)) < 0:
                 pass
         elif (kind := LIB.sluice_io_wait(h, max(0, int(timeout * 1e9)))) < 0:
-            return  # Future.result raises TimeoutError
+            raise TimeoutError(f"the read batch is not over after {timeout} s")
         self._finish(kind)
 
     def result(self, timeout: float | None = None) -> None:
         t0 = time.perf_counter()
         try:
             self._wait(timeout)
-            return super(ReadFuture, self).result(0 if timeout is not None else None)
+            if self._error is not None:
+                raise self._error
         finally:
             self._counters.add_wait(time.perf_counter() - t0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait(timeout)
-        return super(ReadFuture, self).exception(0 if timeout is not None else None)
+        return self._error
 
     def __del__(self) -> None:
         h = getattr(self, "_handle", None)
