@@ -64,6 +64,8 @@ class Model:
                                planes=ACTIVATION_PLANES[p.activations], path=native.PATHS[p.options.isa],
                                threads=p.threads, amx=p.options.isa == "auto" and amx_bf16())
         self._threads = p.threads  # what this model runs on (the governor may lower it beside a busy process)
+        # how long the C pool's workers wait for the next job: shorter where experts stream (native/pool.py)
+        self._pool_wait = pool.WAIT_RESIDENT_NS if p.memory is None else pool.WAIT_STREAMED_NS
         self._apply_threads()
         keep_heap(p.prefill_bytes)  # process-wide: a prefill's blocks stay in the heap (host/memory.py)
         self.governor = ThreadGovernor(p.threads, set_threads=self._set_threads) if p.governed else None
@@ -127,6 +129,7 @@ class Model:
             torch.set_num_threads(self._threads)
         if pool.threads() != self._threads:
             pool.set_threads(self._threads)
+        pool.set_wait(self._pool_wait)  # the pool's wait between jobs, this model's too (native/pool.py set_wait)
 
     def _tick(self) -> None:
         """Between forward passes: match the thread count to the CPUs other processes leave free."""

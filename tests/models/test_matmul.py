@@ -115,6 +115,31 @@ def test_two_models_in_one_process_keep_their_own_settings(tmp_path):
         pool.set_threads(1)
 
 
+def test_a_streamed_and_a_resident_model_each_run_with_their_own_pool_wait(tmp_path):
+    """The C pool's wait between jobs (native/pool.py set_wait) is the process's, like its thread count: a model
+    that streams its experts applies the short one when it runs, a resident model the long one, in one process."""
+    import sluice
+    from sluice.quant import native
+    from sluice.quant.native import pool
+    from tests.models.tiny import hf_model, write_checkpoint
+
+    if not native.native_available():
+        pytest.skip("the native kernels are not built: no C pool")
+    folder = write_checkpoint(hf_model("qwen3_moe", torch.bfloat16), tmp_path / "m", "per_expert")
+    ids = list(range(3, 12))
+    try:
+        with sluice.load(folder, memory="all") as resident, sluice.load(folder, memory="300KiB") as streamed:
+            assert streamed.stats()["slots"] < streamed.spec.num_experts * streamed.spec.n_layers  # it streams
+            streamed.logits(ids)
+            assert pool.wait() == pool.WAIT_STREAMED_NS
+            resident.logits(ids)
+            assert pool.wait() == pool.WAIT_RESIDENT_NS
+            streamed.logits(ids)
+            assert pool.wait() == pool.WAIT_STREAMED_NS
+    finally:
+        pool.set_wait(pool.WAIT_RESIDENT_NS)
+
+
 def _qkv(T: int, D: int = 24, scale: float = 4.0):
     g = torch.Generator().manual_seed(T)
     q = (scale * torch.randn(1, 4, T, D, generator=g)).bfloat16()

@@ -1,5 +1,6 @@
 """A decode token of the issue-30 model with the native pool's wait between jobs set to (spin us, yield us)
-(quant/native/pool.c sluice_set_spin; the default is 50 us of spinning, then sched_yield up to 1,000 us, then sleep):
+(quant/native/pool.c sluice_set_spin, native/pool.py set_wait; the default is 50 us of spinning, then sched_yield up
+to 1,000 us resident, 100 us streamed, then sleep):
 wall, process CPU and the model thread's CPU per token, and context switches. MEMORY: a streamed budget (O_DIRECT,
 no ceiling), or `all` (resident).
 
@@ -10,10 +11,10 @@ no ceiling), or `all` (resident).
 import sys, time, resource, ctypes
 import sluice
 from sluice.engine import load
-from sluice.quant.native._lib import LIB
+from sluice.quant.native import pool
 spin, yld = int(sys.argv[2]), int(sys.argv[3])
-LIB.sluice_set_spin.argtypes = [ctypes.c_int64, ctypes.c_int64]
-LIB.sluice_set_spin(spin * 1000, yld * 1000)
+# the model applies its wait when it runs (engine.py, native/pool.py set_wait): this one, whether it streams or not
+pool.SPIN_NS, pool.WAIT_RESIDENT_NS, pool.WAIT_STREAMED_NS = spin * 1000, yld * 1000, yld * 1000
 mem = sys.argv[4] if len(sys.argv) > 4 else "640MiB"
 m = load(sys.argv[1], memory=mem, io="direct", odirect=True, threads=2, max_context=200) if mem != "all" else load(sys.argv[1], memory="all", threads=2, max_context=200)
 ids = [5, 6]

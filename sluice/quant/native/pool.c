@@ -32,7 +32,7 @@
 
 #define MAX_THREADS 64
 /* a worker spins spin_ns after a job (pause), then calls sched_yield until yield_ns (so an I/O thread on its CPU
- * still runs), then sleeps until the next one; native.pool_phase sets them for prompts and decode */
+ * still runs), then sleeps until the next one; engine.py sets them per model (native/pool.py set_wait) */
 static _Atomic int64_t spin_ns = 50000, yield_ns = 1000000;
 
 /* the wait above, process-wide (workers read it after each job) */
@@ -40,6 +40,8 @@ void sluice_set_spin(int64_t spin, int64_t yield) {
     atomic_store(&spin_ns, spin);
     atomic_store(&yield_ns, yield);
 }
+
+int64_t sluice_pool_wait(void) { return atomic_load(&yield_ns); }
 
 /* A job's description. Two, used in turn (job id & 1). A worker that learned id from `gen` reads jobs[id & 1], then
  * `claim`: the caller wrote that description before it published id, and rewrites it only for job id + 2, after it
