@@ -8,7 +8,7 @@ no ceiling), or `all` (resident).
 
 `spin-avx2.txt` runs it for four settings, rotated, 4 rounds each (the driver's loop is in that file's header).
 """
-import sys, time, resource, ctypes
+import sys, time, resource
 import sluice
 from sluice.engine import load
 from sluice.quant.native import pool
