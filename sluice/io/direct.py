@@ -307,20 +307,21 @@ class _Addressed:
 
 
 class ReadTemplate:
-    """A batch of requests planned once (plan_reads, split_even, preader.c's op list), its destination addresses kept
-    relative to a base address, to be submitted again and again into destinations at another base
+    """A batch of requests planned once (io/plan.c: plan_reads, split_even, preader.c's op list), its destination
+    addresses kept relative to a base address, to be submitted again and again into destinations at another base
     (DirectReader.submit_templates): a streaming store's missed expert reads the same ranges each time, only into
     another slot. Per missed expert that saves planning it, its Read objects and its op list: a streamed token of the
     issue-30 model (~235 missed experts) spent 14.9-17.4 ms of the model's thread's CPU submitting them (submit_each)
     and spends 8.4-11.0 (submit_templates), its acquires 26-30 -> 19-24 ms (2-core AMD EPYC, AVX2;
-    benchmarks/results/hybrid/acquire-cpu.txt). Compact on purpose (one small array, the rest shared between
-    templates of one shape): a store keeps one per expert it has read, 517 bytes each with its key there (~5 MiB for
-    all 10,240 experts of that model; results/hybrid/template-bytes.txt), outside the memory budget."""
+    benchmarks/results/hybrid/acquire-cpu.txt). Compact on purpose (a view of one array a layer, the rest shared
+    between templates of one shape): a streaming store plans one per expert at its first miss, 597 bytes each with its
+    key there (5.8 MiB for the 10,240 experts of that model; results/hybrid/template-bytes.txt), outside the memory
+    budget."""
 
     __slots__ = ("ops", "dests", "ends", "counts", "paths", "desc")
 
-    def __init__(self, ops: _Addressed, dests: _Addressed, ends: _Addressed, counts: tuple[int, int, int, int, int, int],
-                 paths: tuple[str, ...]):
+    def __init__(self, ops: _Addressed, dests: _Addressed, ends: _Addressed,
+                 counts: tuple[int, int, int, int, int, int], paths: tuple[str, ...]):
         self.ops = ops.array  # int64 [n]: the op list, destination addresses minus the base
         self.dests = dests.array  # int64 [d]: where in ops the destination addresses are
         self.ends = ends.array  # int64 [parts]: each part's end in ops (one task of the native pool each)

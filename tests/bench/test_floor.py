@@ -36,7 +36,8 @@ def record(model: Path, memory: str, prompt: list[int], tokens: list[int], warmu
             return submit_each(batches)
 
         # the store calls reader.submit (read() goes through it too), and submit_each for a decode step's misses, or
-        # submit_templates with each expert's ranges planned once (templates_at, a layer at a time): its ranges, each time it is submitted
+        # submit_templates with each expert's ranges planned once (templates_at, a layer at a time): its ranges, each
+        # time it is submitted
         m.reader.submit, m.reader.submit_each = spy, spy_each
         if hasattr(m.reader, "templates_at"):  # the direct reader
             templates_at, submit_templates, planned = m.reader.templates_at, m.reader.submit_templates, {}

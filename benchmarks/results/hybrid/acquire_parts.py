@@ -25,7 +25,10 @@ wrap(direct.DirectReader, "template_at")
 if not hasattr(native_pool.NativePool, "submit_ops"):  # after 57657b3 the pool's hand-off (under another label)
     orig_pool = native_pool.NativePool.submit_templates
     def pool_submit(*a, **k):
-        t = time.perf_counter(); r = orig_pool(*a, **k); acc["submit_ops"] = acc.get("submit_ops", 0.0) + time.perf_counter() - t; acc["submit_ops#"] = acc.get("submit_ops#", 0) + 1; return r
+        t = time.perf_counter(); r = orig_pool(*a, **k)
+        acc["submit_ops"] = acc.get("submit_ops", 0.0) + time.perf_counter() - t
+        acc["submit_ops#"] = acc.get("submit_ops#", 0) + 1
+        return r
     native_pool.NativePool.submit_templates = pool_submit
 eng = sys.argv[2] if len(sys.argv) > 2 else "native"
 m = sluice.load(sys.argv[1], memory="640MiB", io="direct", odirect=True, threads=2, max_context=200, io_engine=eng)

@@ -9,7 +9,8 @@ call made while another runs computes on its calling thread), and the scratch th
 The pool is a process resource like torch's threads: every model in the process shares it, and each applies its
 own thread count when it runs (engine.Model), so any count gives the same bits. A worker spins 50 us after a job, then
 yields until 1 ms, then sleeps (pool.c): a decode step runs several native jobs per layer back to back and a futex
-wake-up costs tens of us. A model that streams its experts waits 100 us instead (set_wait, WAIT_STREAMED_NS). A prompt once waited 200 us instead; quiet, it measured equal to the 1 ms wait (peers
+wake-up costs tens of us. A model that streams its experts waits 100 us instead (set_wait, WAIT_STREAMED_NS). A
+prompt once waited 200 us instead; quiet, it measured equal to the 1 ms wait (peers
 Q4_K_M, resident, `benchmarks/prefill/knobs.py wait`, removed: its command is in benchmarks/results/prefill/README.md
 "Removed scripts"; 2,048 tokens 2,032 vs 2,034 ms, decode 9.21 vs 9.28 ms/token), so one wait serves both and nothing
 changes between passes.
