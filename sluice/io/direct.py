@@ -425,8 +425,8 @@ class DirectReader:
         """template() for destinations given as byte offsets from the base each submission moves them to: (range,
         offset) each, the caller vouching that every destination holds its range's bytes (a streaming store's slot
         parts: no buffer objects to make). One C call plans the batch (plan.c: the plan plan_reads, split_even and
-        _ops make, ~46 us an expert in Python, 11.8 ms of a 100 ms streamed token of the issue-30 model where every
-        miss is a first one: benchmarks/results/hybrid/acquire-fresh.txt)."""
+        _ops make, 45-51 us an expert in Python, 11.7-13.2 ms of a 101-109 ms streamed token of the issue-30 model
+        where every miss is a first one: benchmarks/results/hybrid/acquire-fresh.txt)."""
         if self._pool.native is None:
             return None
         fds = {}

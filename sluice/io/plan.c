@@ -2,10 +2,11 @@
  * io/native_pool.py _ops do together in Python, with the same result op for op (tests/io compare them on random
  * batches). io/direct.py DirectReader.template uses it to plan a streamed expert's reads the first time it is missed.
  *
- * Why: planning an expert in Python took ~46 us (dataclasses per read and segment, memoryview destinations, the op
- * list built element by element). A streamed decode step of the issue-30 model in the bench's shape (a fresh
- * process: every miss is a first miss) plans ~257 experts a token: 11.8 ms of a 100 ms token on the model's thread
- * (benchmarks/results/hybrid/acquire-fresh.txt).
+ * Why: planning an expert in Python took 45-51 us (dataclasses per read and segment, memoryview destinations, the
+ * op list built element by element). A streamed decode step of the issue-30 model in the bench's shape (a fresh
+ * process: every miss is a first miss) plans ~257 experts a token: 11.7-13.2 ms of a 101-109 ms token on the model's
+ * thread (benchmarks/results/hybrid/acquire-fresh.txt); 16-18 us an expert here, 6-7 a layer's at once
+ * (sluice_io_plan_many; plan-layer.txt).
  *
  * Requests: n x (path rank, offset, nbytes, dest), the path rank being the file's place in the sorted list of paths
  * (plan_reads sorts by path string), dest an address (or an offset from a base: it is only added to). Per path rank:
