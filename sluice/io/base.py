@@ -162,7 +162,7 @@ class Counters:
     def add_counts(self, counts: Sequence[tuple[int, int, int, int, int, int]],
                    journal: Callable[[int], list[tuple[str, int, int]]] | None = None) -> None:
         """Batches' counters: per batch ReadPlan.counts (requests, bytes_requested, bytes_read, reads, coalesced,
-        dedup_saved_bytes; io/direct.py ReadTemplate keeps them from its plan); `journal(k)`: batch k's file reads,
+        dedup_saved_bytes; io/templates.py ReadTemplate keeps them from its plan); `journal(k)`: batch k's file reads,
         asked only while a journal is kept."""
         with self._lock:
             if self.journal is not None and journal is not None:

@@ -27,17 +27,15 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
-
 from sluice.checkpoint.ref import FileStamp
 from sluice.errors import CheckpointError
 from sluice.io import native_pool
-from sluice.io import ranges as ranges_mod
 from sluice.io.base import (Counters, FileGuard, ReadFuture, Request, done_future, thread_faults,
                             truncated_error)
 from sluice.io.odirect import direct_iovecs, odirect_align
-from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, MIN_SPLIT, PAGE, Read, ReadRange, address,
-                               as_buffer, copy_bytes, plan_reads, split_even)
+from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, address, as_buffer,
+                               copy_bytes, plan_reads, split_even)
+from sluice.io.templates import ReadTemplate, TemplatePlanner
 
 # Worker threads = reads in flight. Measured by `benchmarks/knobs.py workers`: 1.5 GiB random file on /dev/vda (ext4),
 # evicted with posix_fadvise(DONTNEED) and verified cold by mincore before every arm, 2 CPU cores, shared machine.
@@ -297,41 +295,6 @@ class _Pool:
         self.fds.clear()
 
 
-class _Addressed:
-    """An int64 array and its address, taken once (numpy's .ctypes costs ~2 us a call)."""
-
-    __slots__ = ("array", "address")
-
-    def __init__(self, array: np.ndarray, address: int | None = None):
-        self.array, self.address = array, array.ctypes.data if address is None else address
-
-
-class ReadTemplate:
-    """A batch of requests planned once (io/plan.c: plan_reads, split_even, preader.c's op list), its destination
-    addresses kept relative to a base address, to be submitted again and again into destinations at another base
-    (DirectReader.submit_templates): a streaming store's missed expert reads the same ranges each time, only into
-    another slot. Per missed expert that saves planning it, its Read objects and its op list: a streamed token of the
-    issue-30 model (~235 missed experts) spent 14.9-17.4 ms of the model's thread's CPU submitting them (submit_each)
-    and spends 8.4-11.0 (submit_templates), its acquires 26-30 -> 19-24 ms (2-core AMD EPYC, AVX2;
-    benchmarks/results/hybrid/acquire-cpu.txt). Compact on purpose (a view of one array a layer, the rest shared
-    between templates of one shape): a streaming store plans one per expert at its first miss, 597 bytes each with its
-    key there (5.8 MiB for the 10,240 experts of that model; results/hybrid/template-bytes.txt), outside the memory
-    budget."""
-
-    __slots__ = ("ops", "dests", "ends", "counts", "paths", "desc")
-
-    def __init__(self, ops: _Addressed, dests: _Addressed, ends: _Addressed,
-                 counts: tuple[int, int, int, int, int, int], paths: tuple[str, ...]):
-        self.ops = ops.array  # int64 [n]: the op list, destination addresses minus the base
-        self.dests = dests.array  # int64 [d]: where in ops the destination addresses are
-        self.ends = ends.array  # int64 [parts]: each part's end in ops (one task of the native pool each)
-        self.counts = counts  # the plan's counters (ReadPlan.counts)
-        self.paths = paths  # the files it reads
-        # what sluice_io_submit_templates reads of it (the arrays above stay alive with it): ops, dests and their
-        # count, ends and their count
-        self.desc = (ops.address, dests.address, len(self.dests), ends.address, len(self.ends))
-
-
 class DirectReader:
     """Reads by a persistent pool of `workers` threads (started here, stopped by close()).
 
@@ -366,7 +329,8 @@ class DirectReader:
         self._counters = Counters(self.mode)
         self._pool = _Pool(workers, odirect, max_gap, self._counters, native=self.engine != "python",
                            uring=self.engine == "uring")
-        self._shared: dict[tuple, Any] = {}  # template parts kept once (template)
+        # plans batches once for submit_templates (io/templates.py), with this reader's files and read sizes
+        self._planner = TemplatePlanner(self._pool.fd, max_gap, max_read, workers)
         self._finalizer = weakref.finalize(self, self._pool.close)
         self._finalizer.atexit = False  # at exit the daemon workers are simply abandoned: never wait on a read
 
@@ -423,53 +387,13 @@ class DirectReader:
 
     def template_at(self, ranges: Sequence[tuple[ReadRange, int]]) -> ReadTemplate | None:
         """template() for destinations given as byte offsets from the base each submission moves them to: (range,
-        offset) each, the caller vouching that every destination holds its range's bytes (a streaming store's slot
-        parts: no buffer objects to make). One C call plans the batch (plan.c: the plan plan_reads, split_even and
-        _ops make, 45-51 us an expert in Python, 11.7-13.2 ms of a 101-109 ms streamed token of the issue-30 model
-        where every miss is a first one: benchmarks/results/hybrid/acquire-fresh.txt)."""
-        if self._pool.native is None:
-            return None
-        fds = {}
-        for rng, _ in ranges:
-            if rng.nbytes > 0 and rng.path not in fds:
-                fds[rng.path] = self._pool.fd(rng.path)
-        ops, ends, dests, counts, paths = native_pool.plan_ops(
-            [(r.path, r.offset, r.nbytes, at) for r, at in ranges], fds, max_gap=self._max_gap,
-            max_read=self._max_read, parts=self.workers, min_split=MIN_SPLIT, max_segments=ranges_mod.MAX_SEGMENTS)
-        return self._template(_Addressed(ops.copy()), ends, dests, counts, paths)
+        offset) each, the caller vouching that every destination holds its range's bytes (io/templates.py)."""
+        return None if self._pool.native is None else self._planner.template_at(ranges)
 
     def templates_at(self, batches: Sequence[Sequence[tuple[ReadRange, int]]]) -> list[ReadTemplate] | None:
-        """template_at for many batches in one C call (a streaming store's layer of experts: 6-7 us an expert, 16-18
-        one call each; results/hybrid/plan-layer.txt); None where the reads run on Python threads."""
-        if self._pool.native is None:
-            return None
-        fds = {}
-        for ranges in batches:
-            for rng, _ in ranges:
-                if rng.nbytes > 0 and rng.path not in fds:
-                    fds[rng.path] = self._pool.fd(rng.path)
-        plans = native_pool.plan_many([[(r.path, r.offset, r.nbytes, at) for r, at in ranges] for ranges in batches],
-                                      fds, max_gap=self._max_gap, max_read=self._max_read, parts=self.workers,
-                                      min_split=MIN_SPLIT, max_segments=ranges_mod.MAX_SEGMENTS)
-        ops = np.concatenate([p[0] for p in plans]) if plans else np.empty(0, np.int64)  # compact: one array
-        base, at, out = ops.ctypes.data, 0, []
-        for plan in plans:
-            n = len(plan[0])
-            out.append(self._template(_Addressed(ops[at : at + n], base + 8 * at), *plan[1:]))
-            at += n
-        return out
-
-    def _template(self, ops: _Addressed, ends, dests, counts, paths) -> ReadTemplate:
-        """A ReadTemplate of planned ops; the parts that are the same for many templates (every expert of a layer
-        has the same shape of plan) kept once."""
-        shared = self._shared
-        dkey, ekey = ("d", dests.tobytes()), ("e", ends.tobytes())
-        if dkey not in shared:
-            shared[dkey] = _Addressed(dests.copy())
-        if ekey not in shared:
-            shared[ekey] = _Addressed(ends.copy())
-        return ReadTemplate(ops, shared[dkey], shared[ekey], shared.setdefault(counts, counts),
-                            shared.setdefault(paths, paths))
+        """template_at for many batches in one C call (a streaming store's layer of experts: io/templates.py);
+        None where the reads run on Python threads."""
+        return None if self._pool.native is None else self._planner.templates_at(batches)
 
     def submit_templates(self, items: Sequence[tuple[ReadTemplate, int]]) -> list[ReadFuture]:
         """submit_each for batches planned before: each (template, base) reads the template's ranges into its

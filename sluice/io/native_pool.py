@@ -9,8 +9,8 @@ thread through an io_uring (uring.c).
 Each batch is flattened to one int64 op list (`_ops`: per read fd, the file's O_DIRECT alignment (0: buffered),
 offset, nbytes, overlapping, nseg; per segment rel, nbytes, ndests, the destinations' addresses); the future keeps the
 plan's buffers alive until the batch is over, and builds the Python reader's errors from the C status (the read that
-failed, errno or end of file). `submit_templates` takes batches planned once (io/direct.py ReadTemplate: their op lists
-made by plan.c, moved to their destinations in C).
+failed, errno or end of file). `submit_templates` takes batches planned once (io/templates.py ReadTemplate: their op
+lists made by plan.c, moved to their destinations in C).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def plan_many(batches: Sequence[Sequence[tuple[str, int, int, int]]], fds: dict[
 
 class OpReads:
     """op index -> (Read, fd) of a batch's op list, decoded when asked (NativeFuture's error path, the journal):
-    what _ops returns, for op lists kept as arrays (io/direct.py ReadTemplate) rather than built from Reads."""
+    what _ops returns, for op lists kept as arrays (io/templates.py ReadTemplate) rather than built from Reads."""
 
     def __init__(self, ops: Sequence[int], paths: dict[int, str]):
         self.ops, self.paths = ops, paths  # paths: fd -> path
@@ -334,9 +334,9 @@ class NativePool:
         return [NativeFuture(self.counters, h, at, chunks) for h, at, chunks in zip(handles, ats, batches)]
 
     def submit_templates(self, desc: Sequence[int], ats: Sequence[object]) -> list[NativeFuture]:
-        """Batches planned once (io/direct.py ReadTemplate), batch k described by desc[6k : 6k + 6] (ReadTemplate.desc
-        and the base its destinations move to: sluice_io_submit_templates), `ats[k]` its op index -> (Read, fd) map;
-        one C call, which copies each op list and moves it to its base."""
+        """Batches planned once (io/templates.py ReadTemplate), batch k described by desc[6k : 6k + 6]
+        (ReadTemplate.desc and the base its destinations move to: sluice_io_submit_templates), `ats[k]` its op index
+        -> (Read, fd) map; one C call, which copies each op list and moves it to its base."""
         if os.getpid() != self.pid:
             raise RuntimeError("a reader's native threads do not survive fork(): open a new reader in the child")
         n = len(ats)

@@ -443,7 +443,7 @@ int sluice_io_submit_many(void *pool, const int64_t *ops, const int64_t *ends, c
     return 0;
 }
 
-/* sluice_io_submit_many for batches planned once (io/direct.py ReadTemplate): batch k described by desc[6k ..
+/* sluice_io_submit_many for batches planned once (io/templates.py ReadTemplate): batch k described by desc[6k ..
  * 6k + 6) = the address of its op list, the address and count of the op indices that hold destination addresses
  * (relative to a base), the address and count of its part ends, and the base this submission adds to them.
  * Each batch's ops are copied and moved to its base here, in C: in Python (numpy concatenation and fancy-indexed

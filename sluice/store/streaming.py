@@ -204,7 +204,7 @@ class StreamingExpertStore:
         All of them at once: one call an expert took ~16 us (plan.c), ~30 beside the readers inside a step, and the
         ~257 experts a token of the issue-30 model missed for the first time cost 7-10 ms of each early token; 256
         in one call take 6-7 us each, the model's 40 layers 79 ms once, in the prompt or first token
-        (results/hybrid/plan-layer.txt). ~0.5 KiB an expert, kept for the run (ReadTemplate)."""
+        (results/hybrid/plan-layer.txt). ~0.6 KiB an expert, kept for the run (io/templates.py ReadTemplate)."""
         for layer in self.layout.layers:
             at = self._shift.get(layer, 0)
             ts = self.reader.templates_at([[(part.range, at + part.dest_offset) for part in self.layout.parts(layer, e)]
