@@ -60,12 +60,10 @@ def _load() -> ctypes.CDLL | None:
     lib.sluice_io_counters.restype = None
     lib.sluice_io_release.argtypes = [_ptr]
     lib.sluice_io_release.restype = None
-    lib.sluice_io_plan.argtypes = [_ptr, _ptr]
     lib.sluice_io_plan_many.argtypes = [_ptr, _ptr]
     lib.sluice_io_plan_many.restype = _int
     lib.sluice_io_submit_templates.argtypes = [_ptr, _ptr, _i64, _ptr]
     lib.sluice_io_submit_templates.restype = _int
-    lib.sluice_io_plan.restype = _int
     return lib
 
 
@@ -114,44 +112,14 @@ def _ops(chunks: Sequence[Sequence[Read]], fds: dict[str, tuple[int, int]], ops:
     return at
 
 
-def plan_ops(requests: Sequence[tuple[str, int, int, int]], fds: dict[str, tuple[int, int]], *, max_gap: int,
-             max_read: int, parts: int, min_split: int, max_segments: int):
-    """plan_reads, split_even and _ops of one batch in one C call (plan.c): `requests` (path, offset, nbytes, dest
-    address or offset), `fds` path -> (fd, O_DIRECT alignment) for every path with bytes to read. Returns (ops,
-    ends, dests: int64 numpy arrays as _ops fills its lists, counts: ReadPlan.counts, paths: the files read, in
-    order). ValueError for a negative offset or length, as plan_reads."""
-    paths = sorted({p for p, _, n, _ in requests if n})  # plan_reads sorts by path: ranks in that order
-    rank = {p: i for i, p in enumerate(paths)}
-    n = len(requests)
-    cap = 16 * n + 64
-    head = [n, len(paths), max_gap, max_read, min_split, max_segments, parts]
-    body = [v for p, o, k, d in requests for v in (rank.get(p, -1), o, k, d)]
-    body += [v for p in paths for v in fds[p]]
-    nends = max(1, parts)
-    while True:  # out: a ctypes array (numpy's .ctypes costs ~1.4 us a call, a few us are the planning itself)
-        arg = np.array(head + [cap] + body, dtype=np.int64)
-        buf = (_i64 * (9 + nends + 2 * cap))()
-        rc = LIB.sluice_io_plan(arg.ctypes.data, buf)
-        out = np.frombuffer(buf, dtype=np.int64)
-        no, ne, nd = out[6:9].tolist()
-        if rc == -3:  # more pieces than the first guess (long ranges cut at max_read): the sizes it needs
-            cap = max(no, nd) + 64
-            continue
-        if rc == -1:
-            bad = next((p, o, k) for p, o, k, _ in requests if o < 0 or k < 0)
-            raise ValueError(f"bad range {bad}: offset and nbytes must be >= 0")
-        if rc:
-            raise MemoryError("the native planner could not allocate its work arrays")
-        ops = out[9 + nends : 9 + nends + no]
-        return (ops, out[9 : 9 + ne], out[9 + nends + cap : 9 + nends + cap + nd], tuple(out[:6].tolist()),
-                tuple(paths))
-
-
 def plan_many(batches: Sequence[Sequence[tuple[str, int, int, int]]], fds: dict[str, tuple[int, int]], *,
               max_gap: int, max_read: int, parts: int, min_split: int, max_segments: int) -> list[tuple]:
-    """plan_ops for several batches in one C call (plan.c sluice_io_plan_many): one (ops, ends, dests, counts, paths)
-    per batch, as plan_ops gives it; the arrays are views of one buffer."""
-    paths = sorted({p for b in batches for p, _, n, _ in b if n})
+    """plan_reads, split_even and _ops of each batch, in one C call (plan.c sluice_io_plan_many): `batches` of
+    requests (path, offset, nbytes, dest address or offset), `fds` path -> (fd, O_DIRECT alignment) for every path
+    with bytes to read. Returns per batch (ops, ends, dests: int64 arrays as _ops fills its lists, views of one
+    buffer; counts: ReadPlan.counts; paths: the files read, in order). ValueError for a negative offset or length,
+    as plan_reads."""
+    paths = sorted({p for b in batches for p, _, n, _ in b if n})  # plan_reads sorts by path: ranks in that order
     rank = {p: i for i, p in enumerate(paths)}
     nb, nends, cap = len(batches), max(1, parts), 16
     reqs = [v for b in batches for p, o, k, d in b for v in (rank.get(p, -1), o, k, d)]

@@ -1,12 +1,12 @@
 /* A batch of requests planned in C into preader.c's op list: what io/ranges.py plan_reads, split_even and
  * io/native_pool.py _ops do together in Python, with the same result op for op (tests/io compare them on random
- * batches). io/direct.py DirectReader.template uses it to plan a streamed expert's reads the first time it is missed.
+ * batches). io/templates.py TemplatePlanner uses it to plan a streamed expert's reads, at its first miss.
  *
  * Why: planning an expert in Python took 45-51 us (dataclasses per read and segment, memoryview destinations, the
  * op list built element by element). A streamed decode step of the issue-30 model in the bench's shape (a fresh
  * process: every miss is a first miss) plans ~257 experts a token: 11.7-13.2 ms of a 101-109 ms token on the model's
- * thread (benchmarks/results/hybrid/acquire-fresh.txt); 16-18 us an expert here, 6-7 a layer's at once
- * (sluice_io_plan_many; plan-layer.txt).
+ * thread (benchmarks/results/hybrid/acquire-fresh.txt); here 6-7 us an expert planned with its layer's
+ * (plan-layer.txt).
  *
  * Requests: n x (path rank, offset, nbytes, dest), the path rank being the file's place in the sorted list of paths
  * (plan_reads sorts by path string), dest an address (or an offset from a base: it is only added to). Per path rank:
@@ -194,20 +194,8 @@ out:
     return rc;
 }
 
-/* plan() with its arguments in two arrays, so the Python side makes one input and one output buffer and passes two
- * pointers (sixteen ctypes arguments and their arrays cost more than the planning):
- *   in:  n, nfiles, max_gap, max_read, min_split, max_segments, parts, cap, then n x (path rank, offset, nbytes,
- *        dest), then nfiles x (fd, align)
- *   out: rc-independent header of 9: counts[6], sizes[3]; then ends[max(parts, 1)], ops[cap], dests[cap] */
-int sluice_io_plan(const int64_t *in, int64_t *out) {
-    int64_t n = in[0], parts = in[6], cap = in[7], nends = parts > 1 ? parts : 1;
-    const int64_t *req = in + 8, *fds = req + 4 * n;
-    int64_t *ends = out + 9, *ops = ends + nends, *dests = ops + cap;
-    return plan(req, n, fds, in[2], in[3], in[4], in[5], parts, ops, cap, ends, nends, dests, cap, out, out + 6);
-}
-
-/* plan() for `nb` batches in one call (a layer's experts: io/direct.py DirectReader.templates_at), each planned on
- * its own, as one call each would:
+/* plan() for `nb` batches in one call (a layer's experts, or one batch: io/templates.py TemplatePlanner), each
+ * planned on its own, with its arguments in two arrays (sixteen ctypes arguments cost more than planning a batch):
  *   in:  nb, nfiles, max_gap, max_read, min_split, max_segments, parts, cap (per request: a batch of n requests
  *        gets cap * n + 64 ops and destination slots), then nb request counts, then every batch's requests (path
  *        rank, offset, nbytes, dest), then nfiles x (fd, align)

@@ -75,16 +75,15 @@ class TemplatePlanner:
                     max_segments=ranges_mod.MAX_SEGMENTS)
 
     def template_at(self, ranges: Sequence[tuple[ReadRange, int]]) -> ReadTemplate:
-        """One batch, (range, destination offset from the base) each, planned by one C call (plan.c: the plan
-        plan_reads, split_even and _ops make, 45-51 us an expert in Python, 11.7-13.2 ms of a 101-109 ms streamed
-        token of the issue-30 model where every miss is a first one: benchmarks/results/hybrid/acquire-fresh.txt)."""
-        ops, ends, dests, counts, paths = native_pool.plan_ops(
-            [(r.path, r.offset, r.nbytes, at) for r, at in ranges], self._fds([ranges]), **self._limits())
-        return self._template(_Addressed(ops.copy()), ends, dests, counts, paths)
+        """One batch, (range, destination offset from the base) each, planned in C (plan.c: the plan plan_reads,
+        split_even and _ops make, 45-51 us an expert in Python, 11.7-13.2 ms of a 101-109 ms streamed token of the
+        issue-30 model where every miss is a first one: benchmarks/results/hybrid/acquire-fresh.txt); 24-26 us a
+        batch alone, templates_at plans many for less (plan-layer.txt)."""
+        return self.templates_at([ranges])[0]
 
     def templates_at(self, batches: Sequence[Sequence[tuple[ReadRange, int]]]) -> list[ReadTemplate]:
-        """template_at for many batches in one C call (a streaming store's layer of experts: 6-7 us an expert, 16-18
-        one call each; results/hybrid/plan-layer.txt); their op lists in one array."""
+        """Many batches in one C call (a streaming store's layer of experts: 6-7 us an expert, 24-26 one call each;
+        results/hybrid/plan-layer.txt); their op lists in one array."""
         plans = native_pool.plan_many([[(r.path, r.offset, r.nbytes, at) for r, at in ranges] for ranges in batches],
                                       self._fds(batches), **self._limits())
         ops = np.concatenate([p[0] for p in plans]) if plans else np.empty(0, np.int64)

@@ -122,9 +122,11 @@ def test_the_native_planner_plans_as_plan_reads(seed, monkeypatch):
     max_read = rng.choice([PAGE, 8 * PAGE, 1 << 20, 8 << 20])
     parts = rng.randint(1, 8)
     want = _python_plan(requests, fds, max_gap=max_gap, max_read=max_read, parts=parts)
-    got = native_pool.plan_ops([(r.path, r.offset, r.nbytes, address(d) if r.nbytes else 0) for r, d in requests],
-                               {p: fds[p] for p in {r.path for r, _ in requests if r.nbytes}}, max_gap=max_gap,
-                               max_read=max_read, parts=parts, min_split=min_split, max_segments=max_segments)
+    (got,) = native_pool.plan_many([[(r.path, r.offset, r.nbytes, address(d) if r.nbytes else 0)
+                                     for r, d in requests]], {p: fds[p] for p in {r.path for r, _ in requests
+                                                                                 if r.nbytes}},
+                                   max_gap=max_gap, max_read=max_read, parts=parts, min_split=min_split,
+                                   max_segments=max_segments)
     assert got[0].tolist() == want[0]
     assert got[1].tolist() == want[1]
     assert got[2].tolist() == want[2]
@@ -134,8 +136,8 @@ def test_the_native_planner_plans_as_plan_reads(seed, monkeypatch):
 
 def test_the_native_planner_refuses_a_negative_range():
     with pytest.raises(ValueError, match="offset and nbytes must be >= 0"):
-        native_pool.plan_ops([("/m/a", -1, 10, 0)], {"/m/a": (3, 0)}, max_gap=0, max_read=1 << 20, parts=2,
-                             min_split=1 << 20, max_segments=500)
+        native_pool.plan_many([[("/m/a", -1, 10, 0)]], {"/m/a": (3, 0)}, max_gap=0, max_read=1 << 20, parts=2,
+                              min_split=1 << 20, max_segments=500)
 
 
 def test_a_layer_of_templates_in_one_call_is_each_one_planned_alone(random_file, io_engine):
