@@ -165,11 +165,18 @@ class GluMath:
         (the float32 result __call__ casts to the compute dtype)."""
         self.call(batch.raw[batch.slots[j]], x, out, self.compute.planes, path=self.compute.path)
 
-    def many(self, batch, js: list[int], x: torch.Tensor, ys: torch.Tensor) -> None:
+    def many(self, batch, js: list[int], x: torch.Tensor, ys: torch.Tensor, extra: tuple | None = None) -> None:
         """Experts js of `batch` on the same x float32 [1, H] into rows js of ys float32 [n, H] in one native call,
-        their rows split over the native threads (q8.ExpertCall.many): row j bitwise what into() writes."""
+        their rows split over the native threads (q8.ExpertCall.many): row j bitwise what into() writes. `extra`:
+        (q8.expert_args of a shared expert, its row of ys), computed in the same call, bitwise what extra_into()
+        writes."""
         self.call.many(batch.raw, [batch.slots[j] for j in js], x, ys, js, self.compute.planes,
-                       path=self.compute.path)
+                       path=self.compute.path, extra=extra)
+
+    def extra_into(self, args: tuple, x: torch.Tensor, out: torch.Tensor) -> None:
+        """A shared expert (q8.expert_args of this format's H and I) on x float32 [1, H] into out float32 [1, H]:
+        one expert_q8 call, as into() runs a routed one."""
+        q8.run_expert_args(args, self.call.h, self.call.i, x, out, self.compute.planes, path=self.compute.path)
 
     def coded(self, batch, j: int, x: "prompt.Coded", rows: torch.Tensor, out: torch.Tensor) -> None:
         """The j-th expert of `batch` on rows `rows` (int64 [n]) of a layer's coded rows x (prompt.code), for a

@@ -8,7 +8,8 @@ import torch
 
 from ...quant import native
 from ...quant.linear import BF16_GEMM_MIN_ROWS
-from ...quant.native import ops, prompt
+from ...quant.linear import QuantLinear
+from ...quant.native import ops, prompt, q8
 from ...quant.native.decode import router_probs_bf16, topk_probs
 from ..linear import linear
 from ..routing import route, top_of_probs
@@ -28,6 +29,8 @@ class MoE:
         self.native_router = b.native_decode and b.spec.router == "softmax"
         self.experts = Experts(b, L)
         self.shared = None if self.lw.shared is None else DenseMLP(b, self.lw.shared)
+        self.fused = self._fused_shared(b)
+        self._one = torch.ones(1, 1, dtype=torch.bfloat16)  # an ungated shared expert's weight
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         lw = self.lw
@@ -38,8 +41,36 @@ class MoE:
         else:
             weights, ids = route(self.spec, lw, x, self.bf16)  # [T, K] each
         side = None if self.shared is None else lambda: self._shared(x)
-        out, shared = self.experts(x, ids, weights, step, side)
+        fused = None
+        if self.fused is not None and x.shape[0] == 1 and x.dtype is torch.bfloat16:
+            fused = (self.fused, lambda: self._shared_weight(x))
+        out, shared = self.experts(x, ids, weights, step, side, fused)
         return out if shared is None else out + shared
+
+    def _fused_shared(self, b: Build) -> tuple | None:
+        """q8.expert_args of the shared expert where a decode step computes it in its routed experts' native call
+        (Experts._native: one more row of the same kernels, no call of its own), else None: gate, up and down
+        quantized with an integer path, of the routed experts' [I, H], these computed one call each (GluMath.call)
+        at bf16. Its term is added after the routed ones as bf16(bf16(y) * weight), weight sigmoid(gate x) or 1,
+        which is what `out + shared` adds; y is expert_q8's (silu(g) * u in float32, coded once for down) where
+        DenseMLP rounds g, u and their product to bf16 between three calls of their own: the two agree to bf16's
+        precision, not bitwise (a prompt's rows keep DenseMLP). The shared expert's three calls and the torch ops
+        between them were ~120 us of the model thread's a layer, resident, on the issue-30 model (AVX2 EPYC)."""
+        sh, call = self.lw.shared, getattr(self.experts.math, "call", None)
+        if sh is None or call is None or b.dtype is not torch.bfloat16:
+            return None
+        ws = (sh.gate, sh.up, sh.down)
+        if not all(type(w) is QuantLinear and w.int8 and q8.q8_supported(w.spec) for w in ws):
+            return None
+        shapes = tuple((w.spec.out_features, w.spec.in_features) for w in ws)
+        if shapes != ((call.i, call.h), (call.i, call.h), (call.h, call.i)):
+            return None
+        return q8.expert_args(tuple(w.spec for w in ws), tuple(w.raw for w in ws))[2]
+
+    def _shared_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused shared expert's weight [1, 1] bf16: sigmoid(gate x), as _shared scales it, or 1."""
+        gate = self.lw.shared_gate
+        return self._one if gate is None else torch.sigmoid(linear(x, gate, None, self.bf16))
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's term [T, H], its sigmoid gate applied."""
@@ -58,10 +89,12 @@ class Experts:
         self.math = b.expert_math[b.store.layout.format(L)]  # the format's math (layers/experts.py)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step,
-                 side=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 side=None, fused=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, H], ids/weights [T, K] -> ([T, H], side()). `side` (the shared expert's term, or None) runs
         once the first pass's misses are queued, so its math overlaps their reads instead of following them (the
-        same ops on the same inputs: the same bits). Expert-major: the rows routed to each expert are gathered once
+        same ops on the same inputs: the same bits). `fused` (decode only): (q8.expert_args of the shared expert,
+        its weight's function), computed with the routed experts instead of side where they run natively.
+        Expert-major: the rows routed to each expert are gathered once
         into one expert-sorted block of T*K rows (plus zero rows padding GEMMs, GEMM_ROW_STEP), each expert runs
         once on its contiguous slice (its bytes read once for the whole chunk; experts come from the store in passes
         of at most `store.max_batch`, the ones in memory first, the rest as their reads land), each output
@@ -70,7 +103,7 @@ class Experts:
         (and an index_add_ per expert) computes, whatever order the experts ran in."""
         T, K = ids.shape
         if T == 1:
-            return self._one_token(x, ids, weights, torch.zeros_like(x), side)
+            return self._one_token(x, ids, weights, torch.zeros_like(x), side, fused)
         ranked, rank_of = torch.sort(ids, dim=1, stable=True)  # [T, K]: each token's ids ascending
         flat = ranked.flatten()  # [T*K], row t*K + r = token t's r-th smallest expert id
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens ascending within one
@@ -167,7 +200,7 @@ class Experts:
         return [j for j in todo if padded[c0 + j] <= EXPERT_Q8_MAX_ROWS]
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                   side=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   side=None, fused=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode (T == 1): the same arithmetic as the grouped path (ascending ids, y * w, add into zeros) without
         the grouping ops, which cost ~0.5 ms of Python per layer (profiled on a 16-layer model).
 
@@ -176,24 +209,30 @@ class Experts:
         result is bitwise the same whatever the disk's timing. Experts that run as one native call each
         (GluMath.one_call) go to the native code together: those already in memory in one call, the others one
         call each as they land, the rows of every call split over the native threads (_native); the sum is the
-        same, in the same order. Returns (out, side()), side run as in __call__.
+        same, in the same order. Returns (out, side()), side run as in __call__; with `fused` and native experts,
+        the shared expert is a row of the first pass's first call instead, added last (MoE._fused_shared), and
+        side_term None.
         """
         L, store, math = self.L, self.store, self.math
         ids_l = ids[0].tolist()
         order = sorted(range(len(ids_l)), key=ids_l.__getitem__)  # top-k positions by ascending expert id
         pass_size = max(1, store.max_batch)
         xf = None  # x in float32, for the one-call native experts
-        side_term = None
+        side_term = shared_y = None
         for c0 in range(0, len(order), pass_size):
             pos = order[c0 : c0 + pass_size]
             batch = store.acquire(L, [ids_l[k] for k in pos])
             try:
-                if side is not None and c0 == 0:  # the misses' reads are queued: the shared expert meanwhile
-                    side_term = side()
+                native_path = batch.gate_up is None and batch.packed is None and math.one_call(1)
+                extra = fused[0] if fused is not None and native_path and c0 == 0 else None
+                if side is not None and c0 == 0 and extra is None:  # the misses' reads are queued: the shared
+                    side_term = side()  # expert meanwhile
                 todo = sorted(range(len(pos)), key=lambda j: not batch.ready(j))  # stable: ready ones first
-                if batch.gate_up is None and batch.packed is None and math.one_call(1):
+                if native_path:
                     xf = x.float().contiguous() if xf is None else xf  # [1, H]
-                    ys = self._native(batch, todo, xf)  # [n, H] float32, row j = expert j
+                    ys = self._native(batch, todo, xf, extra)  # [n (+1), H] float32, row j = expert j
+                    if extra is not None:  # the shared expert's row, added after every routed one
+                        ys, shared_y = ys[: len(pos)], ys[len(pos) :]
                     # as below, row by row: (y in the compute dtype) * w, rounded to out's dtype, added in id order
                     if out.dtype is torch.bfloat16 and self.dtype is torch.bfloat16 and weights.is_contiguous():
                         ops.combine_bf16(ys, weights, pos, out, path=self.compute.path)  # the same bits in one call
@@ -210,9 +249,11 @@ class Experts:
                     out += y.to(out.dtype)
             finally:
                 store.release(L)
+        if shared_y is not None:
+            ops.combine_bf16(shared_y, fused[1](), [0], out, path=self.compute.path)
         return out, side_term
 
-    def _native(self, batch, todo: list[int], xf: torch.Tensor) -> torch.Tensor:
+    def _native(self, batch, todo: list[int], xf: torch.Tensor, extra: tuple | None = None) -> torch.Tensor:
         """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32 (row j = expert j).
         The ones in memory run in one native call, the others as their reads land (each call takes the one waited
         for and every later one already in; only this thread waits on the store); the C pool's threads split the
@@ -223,10 +264,14 @@ class Experts:
         Peers Q4_K_M, resident, a token's 128 experts (benchmarks/quantized/expert_threads.py, removed: its command
         is in benchmarks/results/quantized/README.md): 16.6-18.6 ms this way on two threads, 21.7-25.5 one
         expert_q8 call each on one thread, 25-29 split over a Python pool with one expert per job (the way
-        before)."""
-        ys = torch.empty(len(todo), xf.shape[1], dtype=torch.float32)
+        before). `extra`: a shared expert's q8.expert_args, row n of ys, in the first call (alone when none is in
+        memory: while the first miss loads)."""
+        n_all = len(todo)
+        ys = torch.empty(n_all + (extra is not None), xf.shape[1], dtype=torch.float32)
         math = self.math
         if not self.kernels.split_experts:
+            if extra is not None:
+                math.extra_into(extra, xf, ys[n_all:])
             for j in todo:
                 batch.wait(j)
                 math.into(batch, j, xf, ys[j : j + 1])
@@ -234,8 +279,8 @@ class Experts:
         n_ready = 0
         while n_ready < len(todo) and batch.ready(todo[n_ready]):
             n_ready += 1
-        if n_ready:  # all those in memory in one call, their rows over the native threads
-            math.many(batch, todo[:n_ready], xf, ys)
+        if n_ready or extra is not None:  # all those in memory in one call, their rows over the native threads
+            math.many(batch, todo[:n_ready], xf, ys, None if extra is None else (extra, n_all))
         late = todo[n_ready:]
         while late:  # the others as their reads land: the first one waited for and those landed by then
             batch.wait(late[0])

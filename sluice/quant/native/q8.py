@@ -213,6 +213,15 @@ def expert_q8(specs: tuple, raws: tuple, x: torch.Tensor, out: torch.Tensor | No
     [T, H]. x is quantized once for gate and up; silu(g) * u is computed in float32 and quantized once for down.
     The same bits on both C paths and for any T; gate / up / down each as linear_q8 computes them.
     The checks that depend on specs only run once per specs (~35 -> ~15 us of Python per call)."""
+    h, i, args = expert_args(specs, raws)
+    x, out = x_out(x, out, h, h)
+    return _run_expert(args, h, i, x, out, planes, path)
+
+
+def expert_args(specs: tuple, raws: tuple) -> tuple[int, int, tuple]:
+    """(H, I, the C call's (format, codes address, bytes per row) of gate, up, down) of one SwiGLU expert stored as
+    three tensors (expert_q8's specs and raws, checked as it checks them): what ExpertCall.many takes as `extra`, a
+    layer's shared expert computed in its routed experts' call. The addresses stay valid while raws live."""
     h, i, parts = _expert_layout(tuple(specs))
     args = []
     for (fmt, at, row_bytes, nbytes), spec, raw in zip(parts, specs, raws):
@@ -220,6 +229,12 @@ def expert_q8(specs: tuple, raws: tuple, x: torch.Tensor, out: torch.Tensor | No
                 and raw.is_cpu and raw.is_contiguous()):
             desc(spec, raw)  # raises, naming what is wrong
         args += (fmt, raw.data_ptr() + at, row_bytes)
+    return h, i, tuple(args)
+
+
+def run_expert_args(args: tuple, h: int, i: int, x: torch.Tensor, out: torch.Tensor, planes: int = DEFAULT_PLANES,
+                    *, path: int = BEST) -> torch.Tensor:
+    """expert_q8 on an expert_args expert (x float32 [T, H] contiguous, out float32 [T, H]): the same C call."""
     x, out = x_out(x, out, h, h)
     return _run_expert(args, h, i, x, out, planes, path)
 
@@ -260,13 +275,15 @@ class ExpertCall:
         _run_expert((gf, base + ga, gr, uf, base + ua, ur, df, base + da, dr), h, self.i, x, out, planes, path)
 
     def many(self, raw: torch.Tensor, slots: list[int], x: torch.Tensor, ys: torch.Tensor, rows: list[int],
-             planes: int = DEFAULT_PLANES, *, path: int = BEST) -> None:
+             planes: int = DEFAULT_PLANES, *, path: int = BEST, extra: tuple | None = None) -> None:
         """The experts in rows `slots` of raw (uint8 [S, >= nbytes], one expert per row, rows contiguous) on the
         same x float32 [T, H], expert e into ys[rows[e]] (ys float32 [R, T, H], or [R, H] when T == 1), in one
         native call, the rows of all their projections split over the threads of set_threads (q8.c
         sluice_experts_q8): each output is bitwise what call(raw[slots[e]], x, ys[rows[e]]) writes, whatever the
         thread count. Addresses instead of
-        slices: a slice is a torch op (~3 us), and a decode layer passes 8 experts."""
+        slices: a slice is a torch op (~3 us), and a decode layer passes 8 experts. `extra`: (expert_args of one
+        more expert of the same H and I, its row of ys), computed in the same call (a layer's shared expert): bitwise
+        what run_expert_args writes for it."""
         h, n = self.h, len(slots)
         if not (x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == h and x.is_contiguous()):
             raise ValueError(f"expert x: need contiguous float32 [T, {h}], got {x.dtype} {list(x.shape)}")
@@ -286,6 +303,14 @@ class ExpertCall:
         for s, r in zip(slots, rows):
             at = base + s * stride
             vals += (gf, at + ga, gr, uf, at + ua, ur, df, at + da, dr, yb + 4 * r * th)
+        if extra is not None:
+            args, r = extra
+            if not (len(args) == 9 and 0 <= r < r_max):
+                raise ValueError(f"extra expert: need 9 call values and a row < {r_max}, got {len(args)} and {r}")
+            vals += (*args, yb + 4 * r * th)
+            n += 1
+        if not n:
+            return
         rc = LIB.sluice_experts_q8(n, (ctypes.c_int64 * len(vals))(*vals), h, self.i, x.data_ptr(), x.shape[0],
                                     _planes(planes), path)
         if rc:
