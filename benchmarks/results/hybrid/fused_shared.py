@@ -1,0 +1,32 @@
+"""In-process A/B of decode's fused shared expert (db10c9f, layers/moe.py MoE._fused_shared) on the issue-30 model:
+every MoE block's `fused` on / off, alternated every 16 tokens of one greedy run (arm order rotated per round; one
+token after each switch untimed), so both arms see the same machine moments. Resident ("all") or streamed
+(--memory M, O_DIRECT, no cgroup).
+
+    .venv/bin/python benchmarks/results/hybrid/fused_shared.py all 16
+    .venv/bin/python benchmarks/results/hybrid/fused_shared.py 640MiB 16
+"""
+import sluice, sys, time, gc, statistics, torch
+from sluice.models.layers.moe import MoE
+M = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
+mem = sys.argv[1] if len(sys.argv) > 1 else "all"
+kw = dict(memory="all") if mem == "all" else dict(memory=mem, io="direct", odirect=True)
+m = sluice.load(M, threads=2, max_context=1200, **kw)
+moes = [o for o in gc.get_objects() if isinstance(o, MoE)]
+saved = {id(x): x.fused for x in moes}
+def setf(on):
+    for x in moes: x.fused = saved[id(x)] if on else None
+res = {True: [], False: []}
+it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
+for _ in range(40): next(it)
+for r in range(int(sys.argv[2]) if len(sys.argv) > 2 else 16):
+    for on in ((True, False) if r % 2 else (False, True)):
+        setf(on)
+        next(it)
+        t = time.perf_counter()
+        for _ in range(16): next(it)
+        res[on].append((time.perf_counter() - t) / 16 * 1e3)
+for on in (True, False):
+    v = res[on]; print(f"{mem} fused={on}: median {statistics.median(v):.2f} ms/token, min {min(v):.2f}, mean {statistics.mean(v):.2f}")
+d = [a - b for a, b in zip(res[True], res[False])]
+print(f"paired diff (fused - separate): median {statistics.median(d):+.2f} ms, {sum(x < 0 for x in d)}/{len(d)} rounds faster")
