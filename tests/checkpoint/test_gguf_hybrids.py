@@ -8,6 +8,8 @@ checkpoint without an mtp head (these)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -196,6 +198,24 @@ def test_decode_computes_the_shared_expert_in_the_routed_experts_call(quantized,
         separate = _decode_logits(m, ids)
     rel = ((fused - separate).abs().amax(1) / separate.abs().amax(1)).max().item()
     assert 0 < rel < 3e-2, rel  # each within ~1.3e-2 of the exact logits here (Q4_K_M)
+
+
+def test_decode_runs_a_deltanet_mixer_in_one_call_bitwise(quantized):
+    """Qwen3.5's Gated DeltaNet mixer at T = 1 on kept-quantized projections is one native call (DeltaNetFused: the
+    grouped input projections, the step, out_proj): the same logits, bit for bit, as the three calls with Python
+    between them."""
+    from sluice.models.layers.gated_deltanet import GatedDeltaNet
+
+    arch, _, path = quantized
+    ids = LONG[:40]
+    with sluice.load(path, threads=2) as m:
+        mixers = [g for g in gc.get_objects() if isinstance(g, GatedDeltaNet) and g.native is not None]
+        fused = [g for g in mixers if g.fused is not None]
+        assert len(fused) == (len(mixers) if arch == "qwen3_5_moe" else 0) and mixers  # Qwen3-Next's are fused
+        one = _decode_logits(m, ids)
+        for g in fused:
+            g.fused = None
+        assert torch.equal(_decode_logits(m, ids), one)
 
 
 def test_a_file_with_the_mtp_head_runs_the_same(tmp_path):

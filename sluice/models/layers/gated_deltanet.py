@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ...quant.linear import Q8_MAX_ROWS, QuantLinear
 from ...quant.native import delta_prompt
+from ...quant.native.deltanet import DeltaNetFused
 from ..linear import linear
 from ..spec import DELTA_SLICE
 from . import delta_rule
@@ -73,6 +74,14 @@ class GatedDeltaNet:
         native = b.deltanet_decode is not None and self.d.gate_act == "silu"
         self.native = None if not native else b.deltanet_decode.layer(
             self.w.conv, self.cache.conv, self.cache.recurrent, self.neg_A, self.w.dt_bias, self.w.norm, self.eps)
+        # ... and, where the input projections are the four of Qwen3.5 grouped, out_proj a kept-quantized weight of
+        # its own group and the model bf16, the projections, the step and out_proj in one call: the same C calls on
+        # the same values, without the Python between them (native/deltanet.py DeltaNetFused)
+        self.fused = None
+        o_group = getattr(self.o, "_group", None) if type(self.o) is QuantLinear else None
+        if (self.native is not None and self.in_group is not None and w.qkvz is None and w.ba is None
+                and o_group is not None and b.dtype is torch.bfloat16 and self.native.owner.dtype is torch.bfloat16):
+            self.fused = DeltaNetFused(self.native, self.in_group._q8, o_group._q8, b.compute.planes, b.compute.path)
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         c, T = self.cache, x.shape[0]
@@ -93,6 +102,8 @@ class GatedDeltaNet:
         once (per slice, a 2,048-token prompt dequantized each projection 8 times: 3.8 of 42.5 s in
         benchmarks/results/hybrid/step_profile.txt)."""
         T = x.shape[0]
+        if T == 1 and self.fused is not None and x.dtype is torch.bfloat16 and x.is_contiguous():
+            return self.fused(x)
         ys = None if self.in_group is None or T > Q8_MAX_ROWS else self.in_group.linear(x, self.in_biases)
         n = self.n_qkvz
         qkv, z = self._qkv_z(x, ys and ys[:n])  # [T, conv_dim], [T, value_dim]

@@ -7,6 +7,7 @@ RMSNorm of its output.
     step.isa                      # the kernel it chose once, by this CPU and the path cap: "avx512", "avx2", "portable"
     layer = step.layer(conv, conv_state, state, neg_A, dt_bias, norm, eps)  # one per layer, checked once
     o = layer(qkv, z, b, a)       # [1, n_v_heads * v_head_dim] in dtype; conv_state and state updated in place
+    y = DeltaNetFused(layer, ins, o_proj, planes, path)(x)   # bf16: projections, step and out_proj in one call
 
 models/layers/gated_deltanet.py calls it for a decode token (T == 1) where the model's dtype is float32 or bf16; a
 prompt keeps the chunked torch form. What it computes, and how it compares with the torch steps, is in deltanet.c's
@@ -30,6 +31,9 @@ if _LIB is not None:
     _LIB.sluice_deltanet_step.restype = None
     _LIB.sluice_deltanet_kernel.argtypes = [_i32]  # path
     _LIB.sluice_deltanet_kernel.restype = _i32
+    _LIB.sluice_deltanet_decode.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    _LIB.sluice_deltanet_decode.restype = _i32
+    _LIB.sluice_deltanet_decode_nargs.restype = _i32
 
 #: the model dtypes the native step computes in (bf16: its roundings; float32: none)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -84,6 +88,44 @@ class DeltaNetDecode:
                 _tensor(norm, "norm", x, (self.Dv,)), float(eps),
                 _tensor(state, "state", torch.float32, (Hv, self.Dk, self.Dv)))
         return DeltaNetLayer(self, [conv, conv_state, neg_A, dt_bias, norm, state], args)
+
+
+class DeltaNetFused:
+    """A Gated DeltaNet layer's mixer at T = 1 in one native call (layer.c sluice_deltanet_decode): `(x) -> y`, x
+    bf16 [1, H] (the input norm's output), y bf16 [1, H] (out_proj's): the grouped input projections `ins`
+    (q8.LinearsQ8 of qkv, z, b, a), the layer's step, and out_proj `o` (q8.LinearsQ8 of one), each the same C call
+    the separate wrappers make on the same values, so the same bits; their outputs in buffers of the layer's, written
+    in place every token."""
+
+    def __init__(self, layer: "DeltaNetLayer", ins, o, planes: int, path: int):
+        s = layer.owner
+        if s.dtype is not torch.bfloat16 or len(ins.ns) != 4 or len(o.ns) != 1:
+            raise ValueError("DeltaNetFused: a bf16 layer with qkv, z, b, a grouped and one out_proj")
+        nv = s.Hv * s.Dv
+        if ins.ns != [s.C, nv, s.Hv, s.Hv] or o.k != nv:
+            raise ValueError(f"DeltaNetFused: projections {ins.ns} -> {o.ns} do not fit the layer ({s.C}, {nv})")
+        self.h = ins.k
+        bufs = [torch.empty(1, n, dtype=torch.bfloat16) for n in ins.ns]  # qkv, z, b, a
+        self.xf, self.o, self.of = torch.empty(self.h), torch.empty(1, nv, dtype=torch.bfloat16), torch.empty(nv)
+        self.in_descs = ins.fixed(bufs)
+        self.out_desc = o.fixed([torch.empty(1, o.ns[0], dtype=torch.bfloat16)])  # its y address set per call
+        w, st, neg_A, dt_bias, norm, eps, state = layer._args
+        vals = (s.nK, s.Hv, s.Dk, s.Dv, s.K, int(s.tiled), s.kernel, w, st, neg_A, dt_bias, norm, state,
+                s.scratch.data_ptr(), self.h, 4, ctypes.addressof(self.in_descs), ctypes.addressof(self.out_desc),
+                planes, path, self.xf.data_ptr(), self.o.data_ptr(), self.of.data_ptr())
+        assert len(vals) == _LIB.sluice_deltanet_decode_nargs()
+        self.p = (ctypes.c_int64 * len(vals))(*vals)
+        self.eps = float(eps)
+        self._keep = (layer, ins, o, bufs, s.scratch)  # what the addresses point in
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not (x.dtype is torch.bfloat16 and x.is_contiguous() and x.shape == (1, self.h)):
+            raise ValueError(f"DeltaNetFused: x must be contiguous bf16 [1, {self.h}], got {x.dtype} {list(x.shape)}")
+        y = torch.empty(1, self.h, dtype=torch.bfloat16)
+        rc = _LIB.sluice_deltanet_decode(self.p, self.eps, x.data_ptr(), y.data_ptr())
+        if rc:
+            raise MemoryError(f"native deltanet_decode failed (code {rc}): no memory for its quantized rows")
+        return y
 
 
 class DeltaNetLayer:

@@ -192,6 +192,20 @@ class LinearsQ8:
         return ys
 
 
+    def fixed(self, outs: list[torch.Tensor]) -> ctypes.Array:
+        """The C call's descriptors (6 int64 each: format, N, codes address, bytes per row, y address, bf16) of
+        these projections writing bf16 into `outs` (contiguous bf16 [1, N_a] each, kept alive by the caller), for a
+        C caller that runs sluice_linears_q8 itself on one row (native/layer.c): what __call__ passes at T = 1 and
+        out_dtype bf16, so the same bits."""
+        if len(outs) != len(self.ns) or not all(o.dtype is torch.bfloat16 and o.is_contiguous() and o.numel() == n
+                                                for o, n in zip(outs, self.ns)):
+            raise ValueError(f"LinearsQ8.fixed: need contiguous bf16 outputs of {self.ns} values")
+        vals = []
+        for (fmt, n, _, q, row_bytes), o in zip(self.descs, outs):
+            vals += (fmt, n, q, row_bytes, o.data_ptr(), 1)
+        return (ctypes.c_int64 * len(vals))(*vals)
+
+
 @functools.lru_cache(maxsize=1024)
 def _expert_layout(specs: tuple) -> tuple:
     """(H, I, ((C format, codes offset, bytes per row, stored bytes) for gate, up, down)), checked once per specs."""
