@@ -71,6 +71,12 @@ class GlobalLRU:
         """The entry to evict for a new expert of `layer`, among the usable ones; None when none is."""
         return next((k for k, s in self._lru.items() if usable(k, s)), None)
 
+    def victims(self, layer: int, n: int, usable: Usable) -> list[Key] | None:
+        """The n entries that n calls of victim() would evict in turn for n new experts of `layer`, each inserted
+        (and unusable: pinned) after its victim is removed, where the policy can name them at once; else None (the
+        caller asks victim() n times)."""
+        return None
+
 
 class FairShareLFU(GlobalLRU):
     """Per-layer fair share; within a layer the lowest decayed use count (module docstring)."""
@@ -146,6 +152,31 @@ class FairShareLFU(GlobalLRU):
             for i in sorted(range(len(keys)), key=scores.__getitem__):
                 if usable(keys[i], own[keys[i]]):
                     return keys[i]
+        return self._oldest_above_share(layer, usable)
+
+    def victims(self, layer: int, n: int, usable: Usable) -> list[Key] | None:
+        """victim()'s n choices at once where the layer holds its share: each call would evict the first usable
+        entry of the layer's entries sorted by use count (oldest first among equals); the new experts it inserts are
+        pinned, and removing an entry keeps the others' order, so the n calls take the first n usable entries of one
+        sort. One sort a layer where each miss took its own (a streamed decode token of the issue-30 model: 236
+        victims, ~40 entries a layer). None when the layer is under its share (its victims come from other layers
+        and it grows to its share on the way) or has fewer than n usable entries."""
+        own = self._by_layer[layer]
+        if len(own) < self.quota or n > len(own):
+            return None
+        if n <= 0:
+            return []
+        score = self._score[layer]
+        keys = list(own)
+        out = []
+        for k in sorted(keys, key=lambda k: score[k[1]]):  # stable: oldest first among equals
+            if usable(k, own[k]):
+                out.append(k)
+                if len(out) == n:
+                    return out
+        return None
+
+    def _oldest_above_share(self, layer: int, usable: Usable) -> Key | None:
         best = None  # the globally oldest usable entry of a layer above its share
         for d in self._by_layer.values():
             if len(d) > self.quota:

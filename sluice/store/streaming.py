@@ -166,6 +166,15 @@ class StreamingExpertStore:
         key = self.policy.victim(layer, lambda k, slot: slot not in self._pinned and k not in exclude)
         return None if key is None else self._evict(key)
 
+    def _victims(self, layer: int, n: int) -> list[int] | None:
+        """n slots for n missed experts of `layer`, their entries evicted, where the policy names them at once
+        (policy.victims: what n calls of _victim would evict, in order); None when a slot is free or it cannot
+        (acquire then asks _victim per miss)."""
+        if self._free:
+            return None
+        keys = self.policy.victims(layer, n, lambda k, slot: slot not in self._pinned)
+        return None if keys is None else [self._evict(k) for k in keys]
+
     def _requests(self, layer: int, expert: int, slot: int) -> list:
         """expert_requests for `slot`, its destinations slices of one memoryview per slot made once: a tensor slice
         and its conversion to a buffer (io/ranges.py as_buffer) cost ~10 us per part, three parts per miss."""
@@ -267,16 +276,15 @@ class StreamingExpertStore:
         self._batch, self._inflight = (layer, list(experts)), inflight
         t0 = time.perf_counter()
         try:
-            missed: list[int] = []  # j of each miss
-            for j, e in enumerate(experts):
-                if slots[j] is None:
-                    key = (layer, e)
-                    slot = self._victim(layer)
-                    assert slot is not None, "acquire asks for at most max_batch experts"
-                    self._insert(key, slot)
-                    self._pinned.add(slot)
-                    missed.append(j)
-                    slots[j] = slot
+            missed = [j for j, s in enumerate(slots) if s is None]  # j of each miss
+            chosen = self._victims(layer, len(missed)) if missed else None
+            for i, j in enumerate(missed):
+                key = (layer, experts[j])
+                slot = chosen[i] if chosen is not None else self._victim(layer)
+                assert slot is not None, "acquire asks for at most max_batch experts"
+                self._insert(key, slot)
+                self._pinned.add(slot)
+                slots[j] = slot
             if missed:
                 self.misses += len(missed)
                 self.misses_by_layer[layer] += len(missed)

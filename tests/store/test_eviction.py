@@ -274,6 +274,53 @@ def test_fair_share_victims_are_the_rule_written_out():
             assert p.victim(layer, usable) == want
 
 
+def test_fair_share_victims_at_once_are_what_victim_picks_in_turn():
+    """FairShareLFU.victims (a layer's misses' victims from one sort) names, over random states, exactly the entries
+    n calls of victim() evict in turn, each new expert inserted pinned after its victim is removed, as the store's
+    acquire does; None where the layer is under its share or has too few usable entries."""
+    import copy
+
+    from sluice.store.policy import FairShareLFU
+
+    layers, experts = list(range(4)), 16
+    rng = random.Random(5)
+    named = 0
+    for trial in range(200):
+        p = FairShareLFU(layers, experts, top_k=4, slots=rng.choice([12, 20, 40]))
+        slot = 0
+        for _ in range(rng.randrange(10, 120)):
+            key = (rng.choice(layers), rng.randrange(experts))
+            if key not in p:
+                p.insert(key, slot)
+                slot += 1
+            elif rng.random() < 0.5:
+                p.touch(key)
+            p.used(key[0], rng.sample(range(experts), 4))
+        layer, n = rng.choice(layers), rng.randrange(1, 5)
+        pinned = set(rng.sample(sorted(p), k=min(len(p), rng.randrange(3))))
+        new = [(layer, e) for e in range(experts) if (layer, e) not in p][:n]
+        got = p.victims(layer, len(new), lambda k, s: k not in pinned)
+        own = [k for k in p if k[0] == layer]
+        usable_own = sum(1 for k in own if k not in pinned)
+        turn = copy.deepcopy(p)  # victim() n times on a copy, as acquire did
+        want, stuck = [], False
+        for k in new:
+            v = turn.victim(layer, lambda k, s: k not in pinned)
+            if v is None:
+                stuck = True
+                break
+            want.append(v)
+            s = turn.remove(v)
+            turn.insert(k, s)
+            pinned.add(k)
+        if got is not None:
+            named += 1
+            assert not stuck and got == want, (trial, got, want)
+        else:
+            assert len(own) < p.quota or usable_own < len(new), (trial, len(own), usable_own, len(new))
+    assert named > 50  # the batch answered in most trials
+
+
 class _CountingReader(_MarkingReader):
     """Records each submit_each call as the first range offsets of its batches."""
 

@@ -5,7 +5,7 @@ token after each switch untimed), so both arms see the same machine moments. Res
 (--memory M, O_DIRECT, no cgroup).
 
     .venv/bin/python benchmarks/results/hybrid/fused_shared.py all 16 [shared|deltanet]
-    .venv/bin/python benchmarks/results/hybrid/fused_shared.py 640MiB 16 [shared|deltanet]
+    .venv/bin/python benchmarks/results/hybrid/fused_shared.py 640MiB 16 [shared|deltanet|victims]
 """
 import sluice, sys, time, gc, statistics, torch
 from sluice.models.layers.gated_deltanet import GatedDeltaNet
@@ -14,11 +14,22 @@ M = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
 mem = sys.argv[1] if len(sys.argv) > 1 else "all"
 kw = dict(memory="all") if mem == "all" else dict(memory=mem, io="direct", odirect=True)
 m = sluice.load(M, threads=2, max_context=1200, **kw)
-kind = MoE if (sys.argv[3] if len(sys.argv) > 3 else "shared") == "shared" else GatedDeltaNet
-moes = [o for o in gc.get_objects() if isinstance(o, kind)]
-saved = {id(x): x.fused for x in moes}
-def setf(on):
-    for x in moes: x.fused = saved[id(x)] if on else None
+what = sys.argv[3] if len(sys.argv) > 3 else "shared"
+if what == "victims":  # a layer's misses' victims from one sort (policy.victims) vs victim() per miss
+    from sluice.store.streaming import StreamingExpertStore as kind
+    stores = [o for o in gc.get_objects() if isinstance(o, kind)]
+    def setf(on):
+        for st in stores:
+            if on:
+                st.__dict__.pop("_victims", None)
+            else:
+                st._victims = lambda layer, n: None
+else:
+    kind = MoE if what == "shared" else GatedDeltaNet
+    moes = [o for o in gc.get_objects() if isinstance(o, kind)]
+    saved = {id(x): x.fused for x in moes}
+    def setf(on):
+        for x in moes: x.fused = saved[id(x)] if on else None
 res = {True: [], False: []}
 it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
 for _ in range(40): next(it)
