@@ -198,19 +198,23 @@ def test_decode_computes_the_shared_expert_in_the_routed_experts_call(quantized,
     assert 0 < rel < 3e-2, rel  # each within ~1.3e-2 of the exact logits here (Q4_K_M)
 
 
-def test_decode_runs_a_deltanet_mixer_in_one_call_bitwise(quantized):
-    """Qwen3.5's Gated DeltaNet mixer at T = 1 on kept-quantized projections is one native call (DeltaNetFused: the
-    grouped input projections, the step, out_proj): the same logits, bit for bit, as the three calls with Python
+def test_decode_runs_a_mixer_in_one_call_bitwise(quantized):
+    """A decode token's mixer on kept-quantized projections is one native call: Qwen3.5's Gated DeltaNet
+    (DeltaNetFused: the grouped input projections, the step, out_proj) and both families' gated attention
+    (AttentionFused: q / k / v, the core, o_proj): the same logits, bit for bit, as the separate calls with Python
     between them."""
+    from sluice.models.layers.gated_attention import GatedAttention
     from sluice.models.layers.gated_deltanet import GatedDeltaNet
 
     arch, _, path = quantized
     ids = LONG[:40]
     with sluice.load(path, threads=2) as m:
-        mixers = [layer.mixer for layer in m.model.layers
-                  if isinstance(getattr(layer, "mixer", None), GatedDeltaNet) and layer.mixer.native is not None]
-        fused = [g for g in mixers if g.fused is not None]
-        assert len(fused) == (len(mixers) if arch == "qwen3_5_moe" else 0) and mixers  # Qwen3-Next's are fused
+        mixers = [layer.mixer for layer in m.model.layers if hasattr(layer, "mixer")]
+        delta = [g for g in mixers if isinstance(g, GatedDeltaNet) and g.native is not None]
+        attn = [g for g in mixers if isinstance(g, GatedAttention)]
+        fused = [g for g in delta + attn if g.fused is not None]
+        # every attention layer; Qwen3.5's DeltaNet layers (Qwen3-Next's input projections come fused in its files)
+        assert len(fused) == len(attn) + (len(delta) if arch == "qwen3_5_moe" else 0) and delta and attn
         one = _decode_logits(m, ids)
         for g in fused:
             g.fused = None

@@ -1,11 +1,11 @@
 """In-process A/B of a decode fusion on the issue-30 model: every MoE block's `fused` (the shared expert in the
-routed experts' call, db10c9f, layers/moe.py MoE._fused_shared) or every Gated DeltaNet layer's `fused` (its mixer in
-one call, native/layer.c) on / off, alternated every 16 tokens of one greedy run (arm order rotated per round; one
+routed experts' call, db10c9f, layers/moe.py MoE._fused_shared), every Gated DeltaNet or gated attention layer's
+`fused` (its mixer in one call, native/layer.c), or the store's victims at once (policy.victims) on / off, alternated every 16 tokens of one greedy run (arm order rotated per round; one
 token after each switch untimed), so both arms see the same machine moments. Resident ("all") or streamed
 (--memory M, O_DIRECT, no cgroup).
 
-    .venv/bin/python benchmarks/results/hybrid/fused_shared.py all 16 [shared|deltanet]
-    .venv/bin/python benchmarks/results/hybrid/fused_shared.py 640MiB 16 [shared|deltanet|victims]
+    .venv/bin/python benchmarks/results/hybrid/fused_shared.py all 16 [shared|deltanet|attention]
+    .venv/bin/python benchmarks/results/hybrid/fused_shared.py 640MiB 16 [shared|deltanet|attention|victims]
 """
 import sluice, sys, time, gc, statistics, torch
 from sluice.models.layers.gated_deltanet import GatedDeltaNet
@@ -25,7 +25,8 @@ if what == "victims":  # a layer's misses' victims from one sort (policy.victims
             else:
                 st._victims = lambda layer, n: None
 else:
-    kind = MoE if what == "shared" else GatedDeltaNet
+    from sluice.models.layers.gated_attention import GatedAttention
+    kind = {"shared": MoE, "deltanet": GatedDeltaNet, "attention": GatedAttention}[what]
     moes = [o for o in gc.get_objects() if isinstance(o, kind)]
     saved = {id(x): x.fused for x in moes}
     def setf(on):

@@ -3,7 +3,9 @@ optional), q / k RMSNorm per head or over the whole projection, clipping, rope, 
 attends. The cores are chosen when the layer is built:
 
   - a bf16 decode token of a model whose projections and experts all run natively: the norms, rope, cache writes
-    and attention in one native call (native/decode.py; within bf16 rounding of SDPA, not bitwise);
+    and attention in one native call (native/decode.py; within bf16 rounding of SDPA, not bitwise), and with the
+    q / k / v and o projections around it in the same call where they are kept quantized (AttentionFused, bitwise
+    the separate calls);
   - attention sinks (gpt-oss, sinks.py): the reference's eager attention with the sink column;
   - a prompt where Compute allows it: attend.c's causal attention (bf16 products, about half SDPA's time);
   - a prompt's first pass: SDPA with is_causal (it skips the blocks above the diagonal: 2,048 tokens, 8 heads of
@@ -23,6 +25,7 @@ import torch
 from ...quant.linear import Q8_MAX_ROWS, QuantLinear
 from ...quant.matmul import sdpa
 from ...quant.native import attend
+from ...quant.native.decode import AttentionFused
 from ..linear import linear
 from ..rope import apply_rope
 from .build import Build, Step
@@ -31,6 +34,8 @@ from .sinks import sink_attention
 
 class Attention:
     """The GQA attention of layer L: x [T, H] -> [T, H], writing the layer's KV cache in place."""
+
+    GATED = False  # q_proj gives each head its queries and as many gate values (gated_attention.py)
 
     def __init__(self, b: Build, L: int):
         s, lw, c = b.spec, b.w.layers[L], b.compute
@@ -53,6 +58,14 @@ class Attention:
             self.ck, self.cv, norm=s.qk_norm, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=s.rms_norm_eps,
             clip=s.clip_qkv, sinks=None if lw.sinks is None else lw.sinks.to(c.dtype).float().contiguous(),
             zero_centred=s.zero_centred_norms)
+        # a decode token's projections, core and o_proj in one native call where q / k / v are grouped without
+        # biases and o_proj is a kept-quantized weight of its own group: the same C calls on the same values, without
+        # the Python between them (native/decode.py AttentionFused)
+        o_group = getattr(lw.o, "_group", None) if type(lw.o) is QuantLinear else None
+        self.fused = None
+        if (self.decode is not None and self.qkv_group is not None and o_group is not None and lw.o_bias is None
+                and all(x is None for x in self.biases) and b.dtype is torch.bfloat16):
+            self.fused = AttentionFused(self.decode, self.qkv_group._q8, o_group._q8, self.GATED, c.planes, c.path)
         # attend.c: causal, bf16 products (attend_avx2.c: float32, where GEMMs are float32); not with sinks (their
         # column), nor keys a sliding window cuts (per call)
         self.prompt_f32 = c.attend_prompt_f32
@@ -70,8 +83,15 @@ class Attention:
         return tuple(linear(x, w, b, self.bf16) for w, b in zip((lw.q, lw.k, lw.v), self.biases))
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if x.shape[0] == 1 and self.fused is not None:
+            return self.decode_fused(x, step)
         q, k, v = self.qkv(x)
         return self.out(self.attend(q, k, v, step))
+
+    def decode_fused(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """A decode token x [1, H] through `fused` (what qkv, attend and out give it, bitwise)."""
+        win, pos = self.window, step.pos
+        return self.fused(x.contiguous(), pos, max(0, pos - win + 1) if win is not None else 0)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """The output projection: o [T, nH*D] -> [T, H]."""

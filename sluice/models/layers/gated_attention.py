@@ -15,9 +15,13 @@ class GatedAttention(Attention):
     """Layer L's gated attention: x [T, H] -> [T, H]. q_proj's rows go head by head: D query rows, then D gate
     rows."""
 
+    GATED = True
+
     def __call__(self, x: torch.Tensor, step: Step, selected: torch.Tensor | None = None) -> torch.Tensor:
         """`selected`: the keys each query may see, when not all causal ones (Attention.attend; QSA, qsa.py)."""
         T, nH, D = x.shape[0], self.nH, self.D
+        if T == 1 and self.fused is not None and selected is None:
+            return self.decode_fused(x, step)
         qg, k, v = self.qkv(x)  # [T, 2*nH*D], [T, nKV*D], [T, nKV*D]
         q, gate = qg.view(T, nH, 2 * D).split(D, dim=-1)  # [T, nH, D] each
         # gated [T, nH*D]: sigmoid(gate) times the heads, in the decode core or after the prompt's

@@ -4,6 +4,7 @@
     layer = attend.layer(cache_k, cache_v, norm="head", q_norm=..., ...)  # one per layer, checked once
     out = layer(q, k, v, pos, lo)                           # [1, nH * D] bf16; k and v written to the caches
     out = layer(q, k, v, pos, lo, gate=gate)                # gated attention: times sigmoid(gate)
+    y = AttentionFused(layer, qkv, o_proj, gated, planes, path)(x, pos, lo)   # projections, core, o_proj: one call
     probs = router_probs_bf16(x, router)                    # softmax(F.linear(x, router)) in float32, [1, E]
 
 models/layers/attention.py and moe.py call them for a bf16 decode step (T == 1); everything else keeps the torch
@@ -27,6 +28,10 @@ if _LIB is not None:
         + [_ptr, _ptr, _ptr, _ptr, _ptr, _i32])  # sinks, rq, scratch, gate, out, scalar
     _LIB.sluice_router_probs_bf16.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _i32]  # E, H, x, w, probs, scalar
     _LIB.sluice_attend_bf16.restype = _LIB.sluice_router_probs_bf16.restype = None
+    # p, eps, clip, x, pos, lo, out (layer.c)
+    _LIB.sluice_attention_decode.argtypes = [_ptr, _f32, _f32, _ptr, _i64, _i64, _ptr]
+    _LIB.sluice_attention_decode.restype = _i32
+    _LIB.sluice_attention_decode_nargs.restype = _i32
     _LIB.sluice_topk_probs.argtypes = [_i64, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr]  # E, probs, k, norm, bf16, ids,
     _LIB.sluice_topk_probs.restype = _i32                                               # weights f32, weights bf16
 
@@ -120,6 +125,47 @@ class LayerAttention:
                                 a.scratch.data_ptr(), None if gate is None else _bf16(gate, "gate", nH * D),
                                 out.data_ptr(), a.path)
         return out
+
+
+class AttentionFused:
+    """An attention layer's mixer at T = 1 in one native call (layer.c sluice_attention_decode): `(x, pos, lo) -> y`,
+    x bf16 [1, H] (the input norm's output), y bf16 [1, H] (o_proj's): q, k, v grouped (`qkv`, q8.LinearsQ8 of
+    three), a gated layer's q_proj output parted into queries and gate, the layer's core, and o_proj (`o`, a
+    q8.LinearsQ8 of one): each the C call the separate wrappers make on the same values, so the same bits."""
+
+    def __init__(self, layer: LayerAttention, qkv, o, gated: bool, planes: int, path: int):
+        a = layer.owner
+        nH, nKV, D = a.nH, a.nKV, a.D
+        q_rows = (2 if gated else 1) * nH * D
+        if qkv.ns != [q_rows, nKV * D, nKV * D] or o.ns[0] != qkv.k or o.k != nH * D or path != a.path:
+            raise ValueError(f"AttentionFused: projections {qkv.ns} -> {o.ns} do not fit the layer ({nH} x {D})")
+        self.h = qkv.k
+        bufs = [torch.empty(1, n, dtype=torch.bfloat16) for n in qkv.ns]  # q_proj's, k, v
+        q = torch.empty(1, nH * D, dtype=torch.bfloat16) if gated else bufs[0]
+        gate = torch.empty(1, nH * D, dtype=torch.bfloat16)
+        self.xf, self.o, self.of = torch.empty(self.h), torch.empty(1, nH * D, dtype=torch.bfloat16), torch.empty(nH * D)
+        self.qkv_descs = qkv.fixed(bufs)
+        self.out_desc = o.fixed([torch.empty(1, o.ns[0], dtype=torch.bfloat16)])  # its y address set per call
+        mode, qn, kn, norm_f32, eps, clip, cos, sin, ck, cv, sh, sp = layer._args
+        vals = (nH, nKV, D, a.rot, int(gated), mode, qn or 0, kn or 0, norm_f32, cos, sin, ck, cv, sh, sp,
+                layer._sinks or 0, a.rq.data_ptr(), a.scratch.data_ptr(), self.h, ctypes.addressof(self.qkv_descs),
+                ctypes.addressof(self.out_desc), planes, path, self.xf.data_ptr(), bufs[0].data_ptr(), q.data_ptr(),
+                gate.data_ptr(), self.o.data_ptr(), self.of.data_ptr())
+        assert len(vals) == _LIB.sluice_attention_decode_nargs()
+        self.p = (ctypes.c_int64 * len(vals))(*vals)
+        self.eps, self.clip, self.max_context = float(eps), float(clip), a.max_context
+        self._keep = (layer, qkv, o, bufs, q, gate)  # what the addresses point in
+
+    def __call__(self, x: torch.Tensor, pos: int, lo: int) -> torch.Tensor:
+        if not (x.dtype is torch.bfloat16 and x.is_contiguous() and x.shape == (1, self.h)):
+            raise ValueError(f"AttentionFused: x must be contiguous bf16 [1, {self.h}], got {x.dtype} {list(x.shape)}")
+        if not 0 <= lo <= pos < self.max_context:
+            raise ValueError(f"AttentionFused: need 0 <= lo {lo} <= pos {pos} < max_context {self.max_context}")
+        y = torch.empty(1, self.h, dtype=torch.bfloat16)
+        rc = _LIB.sluice_attention_decode(self.p, self.eps, self.clip, x.data_ptr(), pos, lo, y.data_ptr())
+        if rc:
+            raise MemoryError(f"native attention_decode failed (code {rc}): no memory for its quantized rows")
+        return y
 
 
 def router_probs_bf16(x: torch.Tensor, router: torch.Tensor, *, path: int = BEST) -> torch.Tensor:

@@ -5,7 +5,12 @@
  *
  * sluice_deltanet_decode: a Gated DeltaNet layer's mixer at T = 1 (models/layers/gated_deltanet.py): the grouped
  * input projections (qkv, z, b, a as sluice_linears_q8 writes them, bf16), the step from the conv to the gated norm
- * (sluice_deltanet_step), then out_proj (sluice_linears_q8 on the step's bf16 output, widened), into out. */
+ * (sluice_deltanet_step), then out_proj (sluice_linears_q8 on the step's bf16 output, widened), into out.
+ *
+ * sluice_attention_decode: an attention layer's mixer at T = 1 (models/layers/attention.py, gated_attention.py): q,
+ * k, v grouped (sluice_linears_q8, bf16), a gated layer's q_proj rows parted into the queries and the gate (head by
+ * head: D query rows, then D gate rows, as the torch view and its copy part them), the core (sluice_attend_bf16:
+ * norms, rope, the cache writes, attention, the gate), then o_proj, into out. */
 #include "common.h"
 
 int sluice_linears_q8(int64_t m, const int64_t *descs, int64_t K, const float *x, int64_t T, int P, int scalar);
@@ -49,3 +54,56 @@ int sluice_deltanet_decode(const int64_t *p, float eps, const uint16_t *x, uint1
 }
 
 int sluice_deltanet_decode_nargs(void) { return DD_N; }
+
+void sluice_attend_bf16(int64_t nH, int64_t nKV, int64_t D, int64_t rot, uint16_t *q, uint16_t *k, const uint16_t *v,
+                        int norm_mode, const void *qn, const void *kn, int norm_f32, float eps, float clip,
+                        const uint16_t *cos, const uint16_t *sin, uint16_t *ck, uint16_t *cv, int64_t sh, int64_t sp,
+                        int64_t pos, int64_t lo, const float *sinks, uint16_t *rq, float *scratch,
+                        const uint16_t *gate, uint16_t *out, int scalar);
+
+enum {  /* the int64 arguments of sluice_attention_decode, p[...] (addresses as integers; 0 for none) */
+    AD_NH, AD_NKV, AD_D, AD_ROT, AD_GATED, /* sizes; 1: q_proj gives queries and a gate */
+    AD_NORM_MODE, AD_QN, AD_KN, AD_NORM_F32, AD_COS, AD_SIN, AD_CK, AD_CV, AD_SH, AD_SP, AD_SINKS, AD_RQ,
+    AD_SCRATCH, /* sluice_attend_bf16's arguments of the layer */
+    AD_H, AD_QKV_DESCS, AD_OUT_DESC, AD_P, AD_PATH, /* the projections */
+    AD_XF, AD_QG, AD_Q, AD_GATE, AD_O, AD_OF, /* scratch: float32 [H]; bf16 q_proj's output, queries, gate, the
+                                                 core's output [nH D]; its float32 copy */
+    AD_N
+};
+
+/* x bf16 [1, H] at position pos (keys lo..pos seen) -> out bf16 [1, H]. qkv descs: 3 x 6 (q_proj into AD_QG, or
+ * into AD_Q when not gated; k, v into their buffers), out_desc o_proj's (y address replaced by out). */
+int sluice_attention_decode(const int64_t *p, float eps, float clip, const uint16_t *x, int64_t pos, int64_t lo,
+                            uint16_t *out) {
+    const int64_t H = p[AD_H], nH = p[AD_NH], D = p[AD_D];
+    const int64_t *qkv = (const int64_t *)(intptr_t)p[AD_QKV_DESCS];
+    float *xf = (float *)(intptr_t)p[AD_XF], *of = (float *)(intptr_t)p[AD_OF];
+    uint16_t *q = (uint16_t *)(intptr_t)p[AD_Q], *gate = p[AD_GATED] ? (uint16_t *)(intptr_t)p[AD_GATE] : NULL;
+    uint16_t *o = (uint16_t *)(intptr_t)p[AD_O];
+    const int P = (int)p[AD_P], path = (int)p[AD_PATH];
+    for (int64_t i = 0; i < H; i++) xf[i] = bf16_float(x[i]);
+    int rc = sluice_linears_q8(3, qkv, H, xf, 1, P, path);
+    if (rc) return rc;
+    if (gate) {
+        const uint16_t *qg = (const uint16_t *)(intptr_t)p[AD_QG];
+        for (int64_t h = 0; h < nH; h++)
+            for (int64_t d = 0; d < D; d++) {
+                q[h * D + d] = qg[2 * h * D + d];
+                gate[h * D + d] = qg[2 * h * D + D + d];
+            }
+    }
+    sluice_attend_bf16(nH, p[AD_NKV], D, p[AD_ROT], q, (uint16_t *)(intptr_t)qkv[10], (const uint16_t *)(intptr_t)qkv[16],
+                       (int)p[AD_NORM_MODE], (const void *)(intptr_t)p[AD_QN], (const void *)(intptr_t)p[AD_KN],
+                       (int)p[AD_NORM_F32], eps, clip, (const uint16_t *)(intptr_t)p[AD_COS],
+                       (const uint16_t *)(intptr_t)p[AD_SIN], (uint16_t *)(intptr_t)p[AD_CK],
+                       (uint16_t *)(intptr_t)p[AD_CV], p[AD_SH], p[AD_SP], pos, lo, (const float *)(intptr_t)p[AD_SINKS],
+                       (uint16_t *)(intptr_t)p[AD_RQ], (float *)(intptr_t)p[AD_SCRATCH], gate, o, path);
+    for (int64_t i = 0; i < nH * D; i++) of[i] = bf16_float(o[i]);
+    int64_t od[6];
+    const int64_t *d = (const int64_t *)(intptr_t)p[AD_OUT_DESC];
+    for (int i = 0; i < 6; i++) od[i] = d[i];
+    od[4] = (int64_t)(intptr_t)out;
+    return sluice_linears_q8(1, od, nH * D, of, 1, P, path);
+}
+
+int sluice_attention_decode_nargs(void) { return AD_N; }
