@@ -167,9 +167,8 @@ class FairShareLFU(GlobalLRU):
         if n <= 0:
             return []
         score = self._score[layer]
-        keys = list(own)
         out = []
-        for k in sorted(keys, key=lambda k: score[k[1]]):  # stable: oldest first among equals
+        for k in sorted(own, key=lambda k: score[k[1]]):  # stable: oldest first among equals
             if usable(k, own[k]):
                 out.append(k)
                 if len(out) == n:

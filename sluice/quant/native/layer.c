@@ -19,6 +19,22 @@ void sluice_deltanet_step(int64_t nK, int64_t Hv, int64_t Dk, int64_t Dv, int64_
                           void *conv_state, const float *neg_A, const float *dt_bias, const void *norm, float eps,
                           float *state, float *scratch, void *out, int kernel);
 
+/* n bf16 values widened to float32: exact, as torch's .float() (a single row: the pool's sluice_bf16_to_f32 would
+ * cost more than the loop) */
+static void widen(const uint16_t *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_float(x[i]);
+}
+
+/* The output projection of a mixer's bf16 result o [1, n] into out, as the separate call does it: o widened into
+ * of, then sluice_linears_q8 with desc (6 values) whose y address is out. */
+static int out_proj(const int64_t *desc, const uint16_t *o, int64_t n, float *of, uint16_t *out, int P, int path) {
+    widen(o, n, of);
+    int64_t od[6];
+    for (int i = 0; i < 6; i++) od[i] = desc[i];
+    od[4] = (int64_t)(intptr_t)out;
+    return sluice_linears_q8(1, od, n, of, 1, P, path);
+}
+
 enum {  /* the int64 arguments of sluice_deltanet_decode, p[...] (addresses as integers) */
     DD_NK, DD_HV, DD_DK, DD_DV, DD_KCONV, DD_TILED, DD_KERNEL, /* the step's sizes and kernel */
     DD_CONV_W, DD_CONV_STATE, DD_NEG_A, DD_DT_BIAS, DD_NORM, DD_STATE, DD_SCRATCH, /* its weights, states, scratch */
@@ -36,7 +52,7 @@ int sluice_deltanet_decode(const int64_t *p, float eps, const uint16_t *x, uint1
     float *xf = (float *)(intptr_t)p[DD_XF], *of = (float *)(intptr_t)p[DD_OF];
     uint16_t *o = (uint16_t *)(intptr_t)p[DD_O];
     const int P = (int)p[DD_P], path = (int)p[DD_PATH];
-    for (int64_t i = 0; i < H; i++) xf[i] = bf16_float(x[i]);  /* exact, as x.float() */
+    widen(x, H, xf);
     int rc = sluice_linears_q8(p[DD_M_IN], in, H, xf, 1, P, path);
     if (rc) return rc;
     sluice_deltanet_step(p[DD_NK], Hv, p[DD_DK], Dv, p[DD_KCONV], (int)p[DD_TILED], 1, (const void *)(intptr_t)in[4],
@@ -45,12 +61,7 @@ int sluice_deltanet_decode(const int64_t *p, float eps, const uint16_t *x, uint1
                          (void *)(intptr_t)p[DD_CONV_STATE], (const float *)(intptr_t)p[DD_NEG_A],
                          (const float *)(intptr_t)p[DD_DT_BIAS], (const void *)(intptr_t)p[DD_NORM], eps,
                          (float *)(intptr_t)p[DD_STATE], (float *)(intptr_t)p[DD_SCRATCH], o, (int)p[DD_KERNEL]);
-    for (int64_t i = 0; i < Hv * Dv; i++) of[i] = bf16_float(o[i]);
-    int64_t od[6];
-    const int64_t *d = (const int64_t *)(intptr_t)p[DD_OUT_DESC];
-    for (int i = 0; i < 6; i++) od[i] = d[i];
-    od[4] = (int64_t)(intptr_t)out;
-    return sluice_linears_q8(1, od, Hv * Dv, of, 1, P, path);
+    return out_proj((const int64_t *)(intptr_t)p[DD_OUT_DESC], o, Hv * Dv, of, out, P, path);
 }
 
 int sluice_deltanet_decode_nargs(void) { return DD_N; }
@@ -81,7 +92,7 @@ int sluice_attention_decode(const int64_t *p, float eps, float clip, const uint1
     uint16_t *q = (uint16_t *)(intptr_t)p[AD_Q], *gate = p[AD_GATED] ? (uint16_t *)(intptr_t)p[AD_GATE] : NULL;
     uint16_t *o = (uint16_t *)(intptr_t)p[AD_O];
     const int P = (int)p[AD_P], path = (int)p[AD_PATH];
-    for (int64_t i = 0; i < H; i++) xf[i] = bf16_float(x[i]);
+    widen(x, H, xf);
     int rc = sluice_linears_q8(3, qkv, H, xf, 1, P, path);
     if (rc) return rc;
     if (gate) {
@@ -98,12 +109,7 @@ int sluice_attention_decode(const int64_t *p, float eps, float clip, const uint1
                        (const uint16_t *)(intptr_t)p[AD_SIN], (uint16_t *)(intptr_t)p[AD_CK],
                        (uint16_t *)(intptr_t)p[AD_CV], p[AD_SH], p[AD_SP], pos, lo, (const float *)(intptr_t)p[AD_SINKS],
                        (uint16_t *)(intptr_t)p[AD_RQ], (float *)(intptr_t)p[AD_SCRATCH], gate, o, path);
-    for (int64_t i = 0; i < nH * D; i++) of[i] = bf16_float(o[i]);
-    int64_t od[6];
-    const int64_t *d = (const int64_t *)(intptr_t)p[AD_OUT_DESC];
-    for (int i = 0; i < 6; i++) od[i] = d[i];
-    od[4] = (int64_t)(intptr_t)out;
-    return sluice_linears_q8(1, od, nH * D, of, 1, P, path);
+    return out_proj((const int64_t *)(intptr_t)p[AD_OUT_DESC], o, nH * D, of, out, P, path);
 }
 
 int sluice_attention_decode_nargs(void) { return AD_N; }

@@ -191,7 +191,6 @@ class LinearsQ8:
             raise MemoryError(f"native linears_q8 failed (code {rc}): no memory for {t} quantized rows")
         return ys
 
-
     def fixed(self, outs: list[torch.Tensor]) -> ctypes.Array:
         """The C call's descriptors (6 int64 each: format, N, codes address, bytes per row, y address, bf16) of
         these projections writing bf16 into `outs` (contiguous bf16 [1, N_a] each, kept alive by the caller), for a
@@ -228,8 +227,7 @@ def expert_q8(specs: tuple, raws: tuple, x: torch.Tensor, out: torch.Tensor | No
     The same bits on both C paths and for any T; gate / up / down each as linear_q8 computes them.
     The checks that depend on specs only run once per specs (~35 -> ~15 us of Python per call)."""
     h, i, args = expert_args(specs, raws)
-    x, out = x_out(x, out, h, h)
-    return _run_expert(args, h, i, x, out, planes, path)
+    return run_expert_args(args, h, i, x, out, planes, path=path)
 
 
 def expert_args(specs: tuple, raws: tuple) -> tuple[int, int, tuple]:
