@@ -72,6 +72,8 @@ class RouterPrerouter:
         else:  # ranked as the layer's own router ranks (its bias, groups): models/routing.py
             scores = selection_scores(self.spec, lw, h, self.bf16)  # [T, E]
         k = min(self.spec.num_experts, self.spec.top_k + self.margin)
+        if scores.shape[0] == 1:  # one token: its k ids ascending, what the ranking by counts below gives it
+            return nxt, sorted(torch.topk(scores, k, dim=-1).indices[0].tolist())
         ids, counts = torch.topk(scores, k, dim=-1).indices.flatten().unique(return_counts=True)
         # the experts most tokens pick first: a prompt's read-ahead fills the free slots in this order
         return nxt, ids[torch.argsort(counts, descending=True, stable=True)].tolist()

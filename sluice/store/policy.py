@@ -167,8 +167,12 @@ class FairShareLFU(GlobalLRU):
         if n <= 0:
             return []
         score = self._score[layer]
+        keys = list(own)
+        scores = [score[e] for _, e in keys]
         out = []
-        for k in sorted(own, key=lambda k: score[k[1]]):  # stable: oldest first among equals
+        # the same stable sort (oldest first among equals) on a list of floats instead of a key function per entry
+        for i in sorted(range(len(keys)), key=scores.__getitem__):
+            k = keys[i]
             if usable(k, own[k]):
                 out.append(k)
                 if len(out) == n:

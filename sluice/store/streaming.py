@@ -252,42 +252,25 @@ class StreamingExpertStore:
         if len(experts) > self.max_batch:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
         self.settle()  # a previous batch the math abandoned: its reads land before any slot is reused
-        row = self._usage_rows[layer]
-        for e in experts:
-            row[e] += 1
-        self.policy.used(layer, experts)
-        self.prefetching.routed(layer, experts)
-        inflight: dict[int, object] = {}  # j -> the future that fills slot j
-        slots: list[int | None] = []
+        policy, pinned = self.policy, self._pinned
         # Pass 1: pin every hit first, so a miss below cannot evict an expert this same call is about to use.
-        for j, e in enumerate(experts):
-            key = (layer, e)
-            slot = self.policy.slot(key)
-            if slot is not None:
-                self.policy.touch(key)
-                self._pinned.add(slot)
-                self.hits += 1
-                self.prefetching.hit(key)
-                fut = self._pending.pop(key, None)
-                if fut is not None:  # its prefetch is still in flight: the math waits for it like for a miss
-                    inflight[j] = fut
-            slots.append(slot)
+        slots: list[int | None] = [policy.slot((layer, e)) for e in experts]
+        pinned.update(s for s in slots if s is not None)
         # Pass 2: misses take free or evicted slots; their reads are queued in one call, one batch per expert.
+        inflight: dict[int, object] = {}  # j -> the future that fills slot j
         self._batch, self._inflight = (layer, list(experts)), inflight
         t0 = time.perf_counter()
         try:
             missed = [j for j, s in enumerate(slots) if s is None]  # j of each miss
-            chosen = self._victims(layer, len(missed)) if missed else None
-            for i, j in enumerate(missed):
-                key = (layer, experts[j])
-                slot = chosen[i] if chosen is not None else self._victim(layer)
-                assert slot is not None, "acquire asks for at most max_batch experts"
-                self._insert(key, slot)
-                self._pinned.add(slot)
-                slots[j] = slot
             if missed:
-                self.misses += len(missed)
-                self.misses_by_layer[layer] += len(missed)
+                chosen = self._victims(layer, len(missed))
+                for i, j in enumerate(missed):
+                    key = (layer, experts[j])
+                    slot = chosen[i] if chosen is not None else self._victim(layer)
+                    assert slot is not None, "acquire asks for at most max_batch experts"
+                    self._insert(key, slot)
+                    pinned.add(slot)
+                    slots[j] = slot
                 for j, fut in zip(missed, self._submit(layer, [(experts[j], slots[j]) for j in missed])):
                     inflight[j] = fut
         except BaseException:
@@ -295,6 +278,26 @@ class StreamingExpertStore:
             raise
         finally:
             self.io_wait_s += time.perf_counter() - t0
+        # The counts, the hits' recency and the prefetch's score once the reads are queued (the disk starts ~0.1 ms
+        # sooner a layer): none of them changes a victim above, the hits being pinned and the misses not yet cached
+        self.misses += len(missed)
+        self.misses_by_layer[layer] += len(missed)
+        row = self._usage_rows[layer]
+        for e in experts:
+            row[e] += 1
+        policy.used(layer, experts)
+        self.prefetching.routed(layer, experts)
+        missed_set = set(missed)
+        for j, e in enumerate(experts):
+            if j in missed_set:
+                continue
+            key = (layer, e)
+            policy.touch(key)
+            self.hits += 1
+            self.prefetching.hit(key)
+            fut = self._pending.pop(key, None)
+            if fut is not None:  # its prefetch is still in flight: the math waits for it like for a miss
+                inflight[j] = fut
         raw, gate_up, down = self._at(layer)
         batch = ExpertBatch(gate_up, down, slots, {j: functools.partial(self._wait, j) for j in inflight},
                             raw=raw, format=self.layout.format(layer),
@@ -426,11 +429,13 @@ class StreamingExpertStore:
         # never a victim of this call: the entries it places, and for a prompt also the predicted ones already in
         # memory (a prompt's prediction is what the next layer runs: trading one of them for another only churns)
         keep: set[Key] = {(layer, e) for e in experts if (layer, e) in self.policy} if prompt else set()
-        for e in experts:
+        todo = [e for e in dict.fromkeys(experts) if (layer, e) not in self.policy]
+        # a decode guess's victims from one sort, as acquire's (the entries this call places are unusable to it
+        # as pinned ones are to victims()); a prompt's keeps its predicted entries too: one victim at a time
+        chosen = None if prompt or not todo else self._victims(layer, len(todo))
+        for i, e in enumerate(todo):
             key = (layer, e)
-            if key in self.policy:
-                continue
-            slot = self._victim(layer, exclude=keep)
+            slot = chosen[i] if chosen is not None else self._victim(layer, exclude=keep)
             if slot is None:
                 break
             keep.add(key)

@@ -109,6 +109,38 @@ def test_prefetch_keeps_output_exact(model_dir, reference, io, odirect, cache):
     assert st["prefetch_recall"] == 1.0  # a margin of E predicts every expert
 
 
+@pytest.mark.parametrize("prefetch", ["none", "router"])
+def test_victims_at_once_place_what_one_at_a_time_places(model_dir, reference, prefetch):
+    """The store's misses and decode guesses take their victims from one sort of the layer's entries
+    (policy.victims); with that switched off (_victim per expert) every acquire leaves the same experts in the same
+    slots, the counters agree and the tokens are the same."""
+    ref_logits, ref_tokens, _, _, spec = reference
+    n_total = sum(spec.moe_layers) * spec.num_experts
+    runs = []
+    for at_once in (True, False):
+        with sluice.load(model_dir, memory=_memory_for(reference, n_total // 2), io="direct", prefetch=prefetch,
+                         prefetch_margin=2) as m:
+            store, states = m.store, []
+            if not at_once:
+                store._victims = lambda layer, n: None
+            acquire = store.acquire
+
+            def recorded(layer, experts, _acquire=acquire, _store=store, _states=states):
+                batch = _acquire(layer, experts)
+                _states.append((layer, list(_store._owner), list(batch.slots)))
+                return batch
+
+            store.acquire = recorded
+            tokens = list(m.generate_tokens(IDS, max_tokens=8, stop_at_eos=False))
+            st = m.stats()
+        runs.append((states, tokens, {k: st[k] for k in ("hits", "misses", "evictions", "prefetch_issued")}))
+    assert runs[0][2]["evictions"] > 0  # the cache was full: victims were chosen
+    if prefetch == "router":
+        assert runs[0][2]["prefetch_issued"] > 0
+    assert runs[0] == runs[1]
+    assert runs[0][1] == ref_tokens
+
+
 class _SpyReader:
     """Wraps a reader and records every destination buffer a prefetch writes, to check against pinned slots."""
 

@@ -1,0 +1,63 @@
+"""In-process A/B of the streaming store's Python against another tree's (BASE: a checkout of the commit before), on
+the issue-30 model: StreamingExpertStore.acquire / prefetch, FairShareLFU.victims and RouterPrerouter.predict taken
+from BASE's files (loaded as modules of this package, so everything else is shared) or this tree's, switched every
+16 tokens of one greedy run (arm order rotated per round, one token after each switch untimed), so both arms see the
+same machine moments. Streamed at --memory 640MiB, O_DIRECT, no cgroup; `router` adds --prefetch router.
+
+    .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE stream 16
+    .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE router 16
+"""
+import importlib.util, statistics, sys, time
+import sluice
+from sluice.prerouter import predict as new_predict
+from sluice.store import policy as new_policy, streaming as new_streaming
+
+M = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
+base, mode = sys.argv[1], sys.argv[2]
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 16
+
+
+def old(name: str, rel: str):
+    spec = importlib.util.spec_from_file_location(name, f"{base}/{rel}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+olds = old("sluice.store._base_streaming", "sluice/store/streaming.py")
+oldp = old("sluice.store._base_policy", "sluice/store/policy.py")
+oldr = old("sluice.prerouter._base_predict", "sluice/prerouter/predict.py")
+swaps = [(new_streaming.StreamingExpertStore, n, getattr(olds.StreamingExpertStore, n)) for n in ("acquire", "prefetch")]
+swaps += [(new_policy.FairShareLFU, "victims", oldp.FairShareLFU.victims),
+          (new_predict.RouterPrerouter, "predict", oldr.RouterPrerouter.predict)]
+mine = [(c, n, c.__dict__[n]) for c, n, _ in swaps]
+
+
+def setf(on: bool) -> None:
+    for c, n, f in (mine if on else swaps):
+        setattr(c, n, f)
+
+
+kw = dict(memory="640MiB", io="direct", odirect=True)
+if mode == "router":
+    kw["prefetch"] = "router"
+m = sluice.load(M, threads=2, max_context=1200, **kw)
+res = {True: [], False: []}
+it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
+for _ in range(40):
+    next(it)
+for r in range(rounds):
+    for on in ((True, False) if r % 2 else (False, True)):
+        setf(on)
+        next(it)
+        t = time.perf_counter()
+        for _ in range(16):
+            next(it)
+        res[on].append((time.perf_counter() - t) / 16 * 1e3)
+for on in (True, False):
+    v = res[on]
+    print(f"{mode} {'this tree' if on else 'base'}: median {statistics.median(v):.2f} ms/token, min {min(v):.2f}, "
+          f"mean {statistics.mean(v):.2f}")
+it.close()
+d = [a - b for a, b in zip(res[True], res[False])]
+print(f"paired diff (this - base): median {statistics.median(d):+.2f} ms, {sum(x < 0 for x in d)}/{len(d)} rounds faster")
