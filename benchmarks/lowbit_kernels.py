@@ -51,7 +51,7 @@ SHAPES = [(2048, 512), (768, 2048)]  # [out, in]: the issue's shape, and Qwen3-3
 # llama-cpp-python's libraries in the peers' venv (benchmarks/peers/setup.sh); --peer-lib for another build
 PEER_LIB = next(iter(sorted(ROOT.glob("benchmarks/peers/.venv/lib/python*/site-packages/llama_cpp/lib"))),
                 ROOT / "benchmarks/peers/.venv")
-GGML_TYPE = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19,
+GGML_TYPE = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19,
              "IQ4_NL": 20, "IQ3_S": 21, "IQ2_S": 22, "IQ4_XS": 23, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35, "MXFP4": 39}
 
 

@@ -196,12 +196,16 @@ static float dot_scalar_q8(int fmt, const uint8_t *row, const uint8_t *xq, int64
  * sub-block's integer scale: Q6_K one per 16 values, so l < 4 / l >= 4)
  * sum hi and lo codes against the unsigned codes (Q6_K: 0..63, its -32 moved into the correction), then
  *   lane[b & 1][l] += (d_w * d_x) * ((float)Ahi[l] * 256 + (float)Alo[l])
- *   m += c * (float)M    Q4_K / Q5_K: c = dmin * d_x, M = sum_s mins[s] * bsum32[s];
- *                        Q6_K: c = d_w * d_x, M = 32 * sum_g scale[g] * bsum16[g]
- *   y = reduce16(lane) - m
- * as the AVX2 path computes it (madd lanes, one float conversion per block). */
+ *   m[l] += c * (float)M_l    M_l = w[l] * bsum16[l] + w[8 + l] * bsum16[8 + l] over the 16-value groups g, w[g]
+ *                             Q4_K / Q5_K: c = dmin * d_x, w[g] = mins[g / 2];
+ *                             Q6_K: c = d_w * d_x, w[g] = scale[g], and 32 * (float)M_l (exact)
+ *   y = reduce16(lane) - reduce8(m)
+ * as the AVX2 path computes it (madd lanes, one float conversion per block; the min term in 8 float lanes, summed
+ * once per row, where a lane sum of M per block took ~20% of a one-plane Q4_K row: 2048x512 51-52 us against
+ * 56-57, 768x2048 61-63 against 69-71, Q6_K 78-79 against 90-91 at 768x2048 (llama.cpp 48 / 60 / 72), AMD EPYC
+ * znver3 AVX2, `benchmarks/lowbit_kernels.py --types Q4_K,Q6_K`, results/lowbit/kernels-amd-avx2-minlanes.txt). */
 static float dot_scalar_sb(int fmt, const uint8_t *row, const uint8_t *xs, int64_t K, int P) {
-    float lane[2][8] = {{0}}, m = 0.0f;
+    float lane[2][8] = {{0}}, m[8] = {0};
     for (int64_t b = 0; b < K / 256; b++, xs += SB_BYTES(P)) {
         const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
         const int8_t *hi = (const int8_t *)(xs + SB_HI), *lo = (const int8_t *)(xs + SB_LO);
@@ -225,16 +229,18 @@ static float dot_scalar_sb(int fmt, const uint8_t *row, const uint8_t *xs, int64
         float f = dw * dx;
         for (int l = 0; l < 8; l++)
             lane[b & 1][l] = lane[b & 1][l] + f * (P == 2 ? (float)ahi[l] * 256.0f + (float)alo[l] : (float)ahi[l]);
-        int64_t M = 0;
-        if (fmt == Q6_K) {
-            for (int g = 0; g < 16; g++) M += (int64_t)(int8_t)blk[192 + g] * rdi32(xs + 4 + 4 * g);
-            m = m + (dw * dx) * (float)(32 * M);
-        } else {
-            for (int s = 0; s < 8; s++) M += (int64_t)mn[s] * ((int64_t)rdi32(xs + 4 + 8 * s) + rdi32(xs + 8 + 8 * s));
-            m = m + (rdf16(blk + 2) * dx) * (float)M;
+        /* the min term in 8 lanes, lane l the two 16-value groups l and 8 + l: M_l = w_l * S_l + w_{8+l} * S_{8+l},
+         * w the group's min (Q4_K / Q5_K: sub-block l / 2's, two groups each) or Q6_K scale (then 32 M_l, exact in
+         * float), S its x sum; m_l += f * (float)M_l, summed in reduce8's order at the end (dotsb_avx2's lanes) */
+        float fm = fmt == Q6_K ? f : rdf16(blk + 2) * dx;
+        for (int l = 0; l < 8; l++) {
+            int32_t w0 = fmt == Q6_K ? (int8_t)blk[192 + l] : mn[l / 2];
+            int32_t w1 = fmt == Q6_K ? (int8_t)blk[200 + l] : mn[4 + l / 2];
+            float t = (float)(w0 * rdi32(xs + 4 + 4 * l) + w1 * rdi32(xs + 36 + 4 * l));
+            m[l] = m[l] + fm * (fmt == Q6_K ? 32.0f * t : t);
         }
     }
-    return reduce16(lane[0], lane[1]) - m;
+    return reduce16(lane[0], lane[1]) - reduce8(m);
 }
 
 /* ---- AVX2 path ---- */
@@ -381,11 +387,10 @@ AVX2_INLINE void sb_acc(__m256i c, __m256i sc, const uint8_t *xs, int s, int64_t
  * times mins <= 63 (Q4_K / Q5_K, 16 terms) or Q6_K scales <= 128), so the same M as the scalar path's int64 sum. */
 AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
                             const int R, float *y, int64_t ldy) {
-    __m256 l0[4], l1[4];
-    float m[4];
-    for (int r = 0; r < R; r++) l0[r] = l1[r] = _mm256_setzero_ps(), m[r] = 0.0f;
+    __m256 l0[4], l1[4], m[4];  /* m: the min term in 8 lanes (dot_scalar_sb's m[l]) */
+    for (int r = 0; r < R; r++) l0[r] = l1[r] = m[r] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
-    const __m256 k256 = _mm256_set1_ps(256.0f);
+    const __m256 k256 = _mm256_set1_ps(256.0f), k32 = _mm256_set1_ps(32.0f);
     for (int64_t b = 0; b < K / 256; b++, xq += SB_BYTES(P)) {
         const uint8_t *blk = row + b * BLOCK_BYTES[fmt];
         __m256i ahi[4], alo[4];
@@ -446,16 +451,16 @@ AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq
             const uint8_t *x = xq + r * rb;
             float dx = rdf32(x);
             __m256i bs0 = _mm256_loadu_si256((const __m256i *)(x + 4)), bs1 = _mm256_loadu_si256((const __m256i *)(x + 36));
-            int32_t M = hsum_i32(_mm256_add_epi32(_mm256_mullo_epi32(w0, bs0), _mm256_mullo_epi32(w1, bs1)));
+            __m256 M = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(w0, bs0), _mm256_mullo_epi32(w1, bs1)));
             __m256 hi = _mm256_cvtepi32_ps(ahi[r]);
             __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(hi, k256), _mm256_cvtepi32_ps(alo[r])) : hi;
             v = _mm256_mul_ps(_mm256_set1_ps(dw * dx), v);
             if (b & 1) l1[r] = _mm256_add_ps(l1[r], v);
             else l0[r] = _mm256_add_ps(l0[r], v);
-            m[r] = m[r] + (dm * dx) * (fmt == Q6_K ? (float)(32 * (int64_t)M) : (float)M);
+            m[r] = _mm256_add_ps(m[r], _mm256_mul_ps(_mm256_set1_ps(dm * dx), fmt == Q6_K ? _mm256_mul_ps(k32, M) : M));
         }
     }
-    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -m[r]);
+    for (int r = 0; r < R; r++) y[r * ldy] = finish(l0[r], l1[r], -sum8(m[r]));
 }
 
 #define DOT_PR(F, KIND, P, R)                                                                                          \

@@ -84,12 +84,12 @@ AVX2_INLINE __m256 lanes_avx2(__m256i w, const uint8_t *xb, __m256i sc, float f,
 
 /* reduce16(l0, l1) + m in registers, reduce8's order: a = l0 + l1, then (a0 + a4, a1 + a5, a2 + a6, a3 + a7) from
  * the two halves, then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) */
-AVX2_INLINE float finish(__m256 l0, __m256 l1, float m) {
-    __m256 a = _mm256_add_ps(l0, l1);
+AVX2_INLINE float sum8(__m256 a) {  /* reduce8(a) */
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1))) + m;
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
+AVX2_INLINE float finish(__m256 l0, __m256 l1, float m) { return sum8(_mm256_add_ps(l0, l1)) + m; }
 
 /* the sum of 8 int32 lanes (exact: every caller's true sum fits in int32, so wrapping partial sums cannot change it) */
 AVX2_INLINE int32_t hsum_i32(__m256i v) {
