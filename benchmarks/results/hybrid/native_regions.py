@@ -6,6 +6,7 @@ torch ops, waits. 8 tokens after a 32-token prompt untimed, then 40 timed per pa
 
     .venv/bin/python benchmarks/results/hybrid/native_regions.py resident   # everything in memory
     .venv/bin/python benchmarks/results/hybrid/native_regions.py stream     # --memory 640MiB, O_DIRECT, no cgroup
+    .venv/bin/python benchmarks/results/hybrid/native_regions.py router     # the same with --prefetch router
     .venv/bin/python benchmarks/results/hybrid/native_regions.py resident benchmarks/models/qwen3_5_moe-a3b-8GiB/model-UD-IQ2_XXS.gguf
 """
 import sluice, time, sys, torch, collections, importlib, threading
@@ -32,6 +33,8 @@ for m in [x for x in pkgutil.iter_modules(nat.__path__) if not x.name.startswith
 Q = sys.argv[2] if len(sys.argv) > 2 else "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
 mode = sys.argv[1] if len(sys.argv) > 1 else 'resident'
 kw = dict(memory="all") if mode == 'resident' else dict(memory="640MiB", io="direct", odirect=True)
+if mode == 'router':  # streamed with the next layer's router guessing its experts (--prefetch router)
+    kw["prefetch"] = "router"
 m = sluice.load(Q, threads=2, max_context=300, **kw)
 ids = torch.randint(3, 32000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
 N = 40

@@ -16,7 +16,7 @@ for line in out.splitlines():
         if cur:
             samples.append(cur)
         cur = None
-    elif not line[0].isspace():
+    elif not line.startswith("\t"):  # a sample's header: its tid (perf may pad it with spaces)
         cur = (int(line.split()[0]), [])
     elif cur is not None:
         parts = line.strip().split(None, 1)

@@ -1,5 +1,6 @@
 """In-process A/B of the streaming store's Python against another tree's (BASE: a checkout of the commit before), on
-the issue-30 model: StreamingExpertStore.acquire / prefetch, FairShareLFU.victims and RouterPrerouter.predict taken
+the issue-30 model: StreamingExpertStore.acquire / prefetch, FairShareLFU.victims, RouterPrerouter.predict and
+the MoE block's Experts._native taken
 from BASE's files (loaded as modules of this package, so everything else is shared) or this tree's, switched every
 16 tokens of one greedy run (arm order rotated per round, one token after each switch untimed), so both arms see the
 same machine moments. Streamed at --memory 640MiB, O_DIRECT, no cgroup; `router` adds --prefetch router.
@@ -9,6 +10,7 @@ same machine moments. Streamed at --memory 640MiB, O_DIRECT, no cgroup; `router`
 """
 import importlib.util, statistics, sys, time
 import sluice
+from sluice.models.layers import moe as new_moe
 from sluice.prerouter import predict as new_predict
 from sluice.store import policy as new_policy, streaming as new_streaming
 
@@ -27,9 +29,11 @@ def old(name: str, rel: str):
 olds = old("sluice.store._base_streaming", "sluice/store/streaming.py")
 oldp = old("sluice.store._base_policy", "sluice/store/policy.py")
 oldr = old("sluice.prerouter._base_predict", "sluice/prerouter/predict.py")
+oldm = old("sluice.models.layers._base_moe", "sluice/models/layers/moe.py")
 swaps = [(new_streaming.StreamingExpertStore, n, getattr(olds.StreamingExpertStore, n)) for n in ("acquire", "prefetch")]
 swaps += [(new_policy.FairShareLFU, "victims", oldp.FairShareLFU.victims),
-          (new_predict.RouterPrerouter, "predict", oldr.RouterPrerouter.predict)]
+          (new_predict.RouterPrerouter, "predict", oldr.RouterPrerouter.predict),
+          (new_moe.Experts, "_native", oldm.Experts._native)]
 mine = [(c, n, c.__dict__[n]) for c, n, _ in swaps]
 
 

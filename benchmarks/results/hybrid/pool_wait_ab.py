@@ -1,0 +1,36 @@
+"""In-process A/B of the native pool's wait between jobs (native/pool.py set_wait) on a streamed decode of the
+issue-30 model: wait A ns against wait B ns, switched every 16 tokens of one greedy run (arm order rotated per round,
+one token after each switch untimed). --memory 640MiB, O_DIRECT, no cgroup; `router` adds --prefetch router.
+
+    .venv/bin/python benchmarks/results/hybrid/pool_wait_ab.py stream|router ROUNDS A B [MODEL]
+"""
+import statistics
+import sys
+import time
+
+import sluice
+from sluice.quant.native import pool
+
+mode, rounds, a, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+M = sys.argv[5] if len(sys.argv) > 5 else "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
+kw = dict(memory="640MiB", io="direct", odirect=True)
+if mode == "router":
+    kw["prefetch"] = "router"
+m = sluice.load(M, threads=2, max_context=1200, **kw)
+res = {a: [], b: []}
+it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
+for _ in range(40):
+    next(it)
+for r in range(rounds):
+    for w in ((a, b) if r % 2 else (b, a)):
+        pool.set_wait(w)
+        next(it)
+        t = time.perf_counter()
+        for _ in range(16):
+            next(it)
+        res[w].append((time.perf_counter() - t) / 16 * 1e3)
+it.close()
+for w in (a, b):
+    print(f"{mode} wait {w} ns: median {statistics.median(res[w]):.2f} ms/token, min {min(res[w]):.2f}")
+d = [x - y for x, y in zip(res[a], res[b])]
+print(f"paired ({a} - {b}): median {statistics.median(d):+.2f} ms, {sum(x < 0 for x in d)}/{len(d)} rounds faster with {a}")
