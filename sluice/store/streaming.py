@@ -166,13 +166,15 @@ class StreamingExpertStore:
         key = self.policy.victim(layer, lambda k, slot: slot not in self._pinned and k not in exclude)
         return None if key is None else self._evict(key)
 
-    def _victims(self, layer: int, n: int) -> list[int] | None:
+    def _victims(self, layer: int, n: int, keep: set | None = None) -> list[int] | None:
         """n slots for n missed experts of `layer`, their entries evicted, where the policy names them at once
-        (policy.victims: what n calls of _victim would evict, in order); None when a slot is free or it cannot
-        (acquire then asks _victim per miss)."""
+        (policy.victims: what n calls of _victim would evict, in order; never a pinned slot nor an entry of `keep`);
+        None when a slot is free or it cannot (the caller then asks _victim per expert)."""
         if self._free:
             return None
-        keys = self.policy.victims(layer, n, lambda k, slot: slot not in self._pinned)
+        pinned = self._pinned
+        usable = (lambda k, slot: slot not in pinned and k not in keep) if keep else (lambda k, slot: slot not in pinned)
+        keys = self.policy.victims(layer, n, usable)
         return None if keys is None else [self._evict(k) for k in keys]
 
     def _requests(self, layer: int, expert: int, slot: int) -> list:
@@ -417,7 +419,8 @@ class StreamingExpertStore:
     def prefetch(self, layer: int, experts: Sequence[int], prompt: bool = False) -> None:
         """Start background reads of predicted `experts` of `layer` into free or evicted slots, now.
 
-        Never evicts a pinned slot nor an entry it is placing in this same call, and stops when no other slot is
+        Never evicts a pinned slot, an entry it is placing in this same call, nor a predicted one already in memory
+        (trading one guess for another only churns), and stops when no other slot is
         left. In-flight bytes are bounded by one layer's prediction. The true router still decides: a wrong guess
         only costs the read. `prompt`: a prompt's read-ahead (models/layers/moe.py): read batches of PROMPT_READ_GROUP
         experts in expert order, so the next layer runs each group as soon as it lands, counted apart from decode's
@@ -426,13 +429,12 @@ class StreamingExpertStore:
         if not prompt and not self.prefetching.allow(layer, experts):
             return
         entries, keys = [], []  # (expert, slot), (layer, expert)
-        # never a victim of this call: the entries it places, and for a prompt also the predicted ones already in
-        # memory (a prompt's prediction is what the next layer runs: trading one of them for another only churns)
-        keep: set[Key] = {(layer, e) for e in experts if (layer, e) in self.policy} if prompt else set()
-        todo = [e for e in dict.fromkeys(experts) if (layer, e) not in self.policy]
-        # a decode guess's victims from one sort, as acquire's (the entries this call places are unusable to it
-        # as pinned ones are to victims()); a prompt's keeps its predicted entries too: one victim at a time
-        chosen = None if prompt or not todo else self._victims(layer, len(todo))
+        # never a victim of this call: the predicted entries already in memory, and the entries it places
+        keep: set[Key] = {(layer, e) for e in experts if (layer, e) in self.policy}
+        todo = [e for e in dict.fromkeys(experts) if (layer, e) not in keep]
+        # their victims from one sort, as acquire's misses' (the entries this call places are unusable to it as
+        # pinned ones are to policy.victims)
+        chosen = self._victims(layer, len(todo), keep) if todo else None
         for i, e in enumerate(todo):
             key = (layer, e)
             slot = chosen[i] if chosen is not None else self._victim(layer, exclude=keep)

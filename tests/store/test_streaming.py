@@ -104,7 +104,9 @@ def test_prefetch_keeps_output_exact(model_dir, reference, io, odirect, cache):
         st = m.stats()
     assert torch.equal(logits, ref_logits)
     assert tokens == ref_tokens
-    if cache == "half":  # with "min" every slot is pinned by the current layer; with "all" nothing is missing
+    # with "min" every slot is pinned by the current layer; with "all" nothing is missing; mixtral's "half" is 4 slots,
+    # the current layer's 2 pinned and 2 of the next layer's guessed experts, which a guess never evicts: none read
+    if cache == "half" and slots > 2 * spec.top_k:
         assert st["prefetch_issued"] > 0
     assert st["prefetch_recall"] == 1.0  # a margin of E predicts every expert
 
@@ -119,10 +121,10 @@ def test_victims_at_once_place_what_one_at_a_time_places(model_dir, reference, p
     runs = []
     for at_once in (True, False):
         with sluice.load(model_dir, memory=_memory_for(reference, n_total // 2), io="direct", prefetch=prefetch,
-                         prefetch_margin=2) as m:
+                         prefetch_margin=0) as m:
             store, states = m.store, []
             if not at_once:
-                store._victims = lambda layer, n: None
+                store._victims = lambda layer, n, keep=None: None
             acquire = store.acquire
 
             def recorded(layer, experts, _acquire=acquire, _store=store, _states=states):

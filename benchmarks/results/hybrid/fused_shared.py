@@ -23,7 +23,7 @@ if what == "victims":  # a layer's misses' victims from one sort (policy.victims
             if on:
                 st.__dict__.pop("_victims", None)
             else:
-                st._victims = lambda layer, n: None
+                st._victims = lambda layer, n, keep=None: None
 else:
     from sluice.models.layers.gated_attention import GatedAttention
     kind = {"shared": MoE, "deltanet": GatedDeltaNet, "attention": GatedAttention}[what]

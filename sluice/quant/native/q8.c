@@ -382,9 +382,9 @@ AVX2_INLINE void sb_acc(__m256i c, __m256i sc, const uint8_t *xs, int s, int64_t
 }
 
 /* dot_scalar_sb's arithmetic: K-quant rows against super-block x rows. The scales are picked from one register by
- * byte shuffles, and the min term's integer M = sum of 16 (scale or min) x (x's 16-value sum) products is two
- * vector multiplies and one lane sum: exact in int32 (|M| < 2^30 with two planes: sums of 16 codes < 2^19.01,
- * times mins <= 63 (Q4_K / Q5_K, 16 terms) or Q6_K scales <= 128), so the same M as the scalar path's int64 sum. */
+ * byte shuffles, and the min term's 8 lanes M_l (two (scale or min) x (x's 16-value sum) products each) are two
+ * vector multiplies: exact in int32 (|M_l| < 2^27 with two planes: sums of 16 codes < 2^19.01, times mins <= 63
+ * (Q4_K / Q5_K) or Q6_K scales <= 128), so the same M_l as the scalar path's. */
 AVX2_INLINE void dotsb_avx2(const int fmt, const uint8_t *row, const uint8_t *xq, int64_t rb, int64_t K, const int P,
                             const int R, float *y, int64_t ldy) {
     __m256 l0[4], l1[4], m[4];  /* m: the min term in 8 lanes (dot_scalar_sb's m[l]) */

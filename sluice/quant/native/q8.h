@@ -91,12 +91,6 @@ AVX2_INLINE float sum8(__m256 a) {  /* reduce8(a) */
 }
 AVX2_INLINE float finish(__m256 l0, __m256 l1, float m) { return sum8(_mm256_add_ps(l0, l1)) + m; }
 
-/* the sum of 8 int32 lanes (exact: every caller's true sum fits in int32, so wrapping partial sums cannot change it) */
-AVX2_INLINE int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
 
 AVX2_INLINE __m256i nibbles32(const uint8_t *p) {  /* 16 bytes -> low nibbles (values 0-15), high (16-31) */
     __m128i qs = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(15);
