@@ -28,6 +28,7 @@ hits, 20.3 -> 15.2 GiB read, 86.6 -> 74.9 ms/token, same tokens (`sluice run ben
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from collections.abc import Callable, Iterator, Sequence
 
 Key = tuple[int, int]  # (layer, expert)
@@ -133,25 +134,21 @@ class FairShareLFU(GlobalLRU):
     def victim(self, layer: int, usable: Usable) -> Key | None:
         own = self._by_layer[layer]
         if len(own) >= self.quota:
-            score = self._score[layer]
+            keys, scores = self._scores(layer)
             # the least used entry, found without calling `usable` per entry (min and index run in C; index finds
             # the first of equals: the least recent, `own` being oldest first), then asked once; only when it is not
-            # usable (pinned by this very acquire) the others are asked, in order of use, below. Asking every entry
+            # usable (pinned by this very acquire) the others are asked, in order of use (_by_use). Asking every entry
             # was 40 calls of the store's lambda per miss: 0.43 s of victim() in 40 profiled tokens, 11 ms a 599 ms
             # token (benchmarks/results/hybrid/step_profile.txt, stream)
-            keys = list(own)
-            scores = [score[k[1]] for k in keys]
             key = keys[scores.index(min(scores))]
             if usable(key, own[key]):
                 return key
             # The least used is pinned for a third of a streamed decode's victims on the issue-30 model (an expert
             # this acquire asked for, counted once, where the others were counted several times; 3,974 of 11,770 in
-            # 48 tokens, benchmarks/results/hybrid/victim-paths.txt): the entries in order of use, oldest first among
-            # equals (a stable sort of `own`, oldest first), so `usable` is asked once per pinned entry before the
-            # victim, not once per entry
-            for i in sorted(range(len(keys)), key=scores.__getitem__):
-                if usable(keys[i], own[keys[i]]):
-                    return keys[i]
+            # 48 tokens, benchmarks/results/hybrid/victim-paths.txt)
+            key = next(self._by_use(own, keys, scores, usable), None)
+            if key is not None:
+                return key
         return self._oldest_above_share(layer, usable)
 
     def victims(self, layer: int, n: int, usable: Usable) -> list[Key] | None:
@@ -166,18 +163,22 @@ class FairShareLFU(GlobalLRU):
             return None
         if n <= 0:
             return []
+        out = list(islice(self._by_use(own, *self._scores(layer), usable), n))
+        return out if len(out) == n else None
+
+    def _scores(self, layer: int) -> tuple[list[Key], list[float]]:
+        """The layer's keys, oldest first, and their decayed use counts."""
         score = self._score[layer]
-        keys = list(own)
-        scores = [score[e] for _, e in keys]
-        out = []
-        # the same stable sort (oldest first among equals) on a list of floats instead of a key function per entry
+        keys = list(self._by_layer[layer])
+        return keys, [score[e] for _, e in keys]
+
+    @staticmethod
+    def _by_use(own: OrderedDict, keys: list[Key], scores: list[float], usable: Usable) -> Iterator[Key]:
+        """own's usable entries (keys and scores as _scores gives them), least used first, the oldest first among
+        equals (a stable sort of keys, oldest first): `usable` asked once per entry passed, not once per entry."""
         for i in sorted(range(len(keys)), key=scores.__getitem__):
-            k = keys[i]
-            if usable(k, own[k]):
-                out.append(k)
-                if len(out) == n:
-                    return out
-        return None
+            if usable(keys[i], own[keys[i]]):
+                yield keys[i]
 
     def _oldest_above_share(self, layer: int, usable: Usable) -> Key | None:
         best = None  # the globally oldest usable entry of a layer above its share
