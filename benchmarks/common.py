@@ -1,5 +1,5 @@
 """What the scripts under benchmarks/ share: the models they default to, a seeded prompt, the in-process timing
-protocol (alternate, median_ms, medians), an arm in a fresh process (child_json), `with_kernels` and
+protocol (alternate, alternate_tokens, median_ms, medians), an arm in a fresh process (child_json), `with_kernels` and
 `default_compute`, the one place that knows where each kernel / scheduling choice they compare lives,
 `decode_logits`, and the process tree under a pid (`processes`, `descendants`: the Ray benchmark's and test's).
 
@@ -14,6 +14,7 @@ time calls inside one process, where a comparison alternates arms so a slow spel
 of them.
 
     alternate({"a": run_a, "b": run_b}, rounds=4)        # {"a": [result per round], "b": [...]}
+    alternate_tokens(m.generate_tokens(...), {"on": on, "off": off}, rounds=16)   # {"on": [ms a token], ...}
     median_ms({"bf16": f, "float32": g}, rounds=15, reps=30)   # {"bf16": ms per call, "float32": ...}
 
 with_kernels: a benchmark compares arms that sluice itself picks once: a model's Kernels (sluice.models.layers.build,
@@ -65,6 +66,25 @@ def alternate(arms: Mapping[K, Callable[[], Any]], rounds: int,
             if report is not None:
                 report(r, k, out[k][-1])
     return out
+
+
+def alternate_tokens(tokens: Iterator[Any], arms: Mapping[K, Callable[[], None]], rounds: int,
+                     per_arm: int = 16) -> dict[K, list[float]]:
+    """An in-process A/B of a setting over one token stream (a model's generate_tokens): each round, each arm in
+    alternate's order switches its setting on (arms[k]()), one token runs untimed, then `per_arm` tokens are timed;
+    {arm: [ms a token, per round]}. Both arms see the same machine moments and the same model state."""
+
+    def timed(switch: Callable[[], None]) -> Callable[[], float]:
+        def run() -> float:
+            switch()
+            next(tokens)
+            t = time.perf_counter()
+            for _ in range(per_arm):
+                next(tokens)
+            return (time.perf_counter() - t) / per_arm * 1e3
+        return run
+
+    return alternate({k: timed(f) for k, f in arms.items()}, rounds)
 
 
 def median_ms(fns: Mapping[K, Callable[[], Any]], rounds: int, reps: int = 1, warmup: int = 1,

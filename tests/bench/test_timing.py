@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import alternate, median_ms, medians
+from benchmarks.common import alternate, alternate_tokens, median_ms, medians
 
 
 def test_alternate_rotates_the_order_and_keeps_results_per_arm():
@@ -28,6 +28,24 @@ def test_alternate_rotates_the_order_and_keeps_results_per_arm():
 def test_alternate_takes_any_hashable_arm_names():
     out = alternate({("resident", 1): lambda: 1.0, ("streamed", 2): lambda: 2.0}, rounds=2)
     assert out == {("resident", 1): [1.0, 1.0], ("streamed", 2): [2.0, 2.0]}
+
+
+def test_alternate_tokens_switches_each_arm_before_its_tokens():
+    """alternate_tokens: per round each arm's switch, in alternate's order, then one untimed token and per_arm timed
+    ones from the same stream; one ms-a-token figure per arm and round."""
+    events: list = []
+
+    def tokens():
+        n = 0
+        while True:
+            n += 1
+            events.append(n)
+            yield n
+
+    out = alternate_tokens(tokens(), {"off": lambda: events.append("off"), "on": lambda: events.append("on")},
+                           rounds=2, per_arm=3)
+    assert events == ["off", 1, 2, 3, 4, "on", 5, 6, 7, 8, "on", 9, 10, 11, 12, "off", 13, 14, 15, 16]
+    assert list(out) == ["off", "on"] and all(len(v) == 2 and all(t >= 0 for t in v) for v in out.values())
 
 
 class FakeClock:

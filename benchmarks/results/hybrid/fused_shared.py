@@ -7,7 +7,11 @@ token after each switch untimed), so both arms see the same machine moments. Res
     .venv/bin/python benchmarks/results/hybrid/fused_shared.py all 16 [shared|deltanet|attention]
     .venv/bin/python benchmarks/results/hybrid/fused_shared.py 640MiB 16 [shared|deltanet|attention|victims]
 """
-import sluice, sys, time, gc, statistics, torch
+import sys, gc, statistics
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for benchmarks.common
+import sluice, torch
+from benchmarks.common import alternate_tokens
 from sluice.models.layers.gated_deltanet import GatedDeltaNet
 from sluice.models.layers.moe import MoE
 M = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
@@ -31,16 +35,11 @@ else:
     saved = {id(x): x.fused for x in moes}
     def setf(on):
         for x in moes: x.fused = saved[id(x)] if on else None
-res = {True: [], False: []}
 it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
 for _ in range(40): next(it)
-for r in range(int(sys.argv[2]) if len(sys.argv) > 2 else 16):
-    for on in ((True, False) if r % 2 else (False, True)):
-        setf(on)
-        next(it)
-        t = time.perf_counter()
-        for _ in range(16): next(it)
-        res[on].append((time.perf_counter() - t) / 16 * 1e3)
+res = alternate_tokens(it, {False: lambda: setf(False), True: lambda: setf(True)},
+                       int(sys.argv[2]) if len(sys.argv) > 2 else 16)
+it.close()
 for on in (True, False):
     v = res[on]; print(f"{mem} {kind.__name__} fused={on}: median {statistics.median(v):.2f} ms/token, min {min(v):.2f}, mean {statistics.mean(v):.2f}")
 d = [a - b for a, b in zip(res[True], res[False])]

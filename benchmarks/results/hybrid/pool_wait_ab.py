@@ -6,9 +6,12 @@ one token after each switch untimed). --memory 640MiB, O_DIRECT, no cgroup; `rou
 """
 import statistics
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for benchmarks.common
 
 import sluice
+from benchmarks.common import alternate_tokens
 from sluice.quant.native import pool
 
 mode, rounds, a, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -17,18 +20,10 @@ kw = dict(memory="640MiB", io="direct", odirect=True)
 if mode == "router":
     kw["prefetch"] = "router"
 m = sluice.load(M, threads=2, max_context=1200, **kw)
-res = {a: [], b: []}
 it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
 for _ in range(40):
     next(it)
-for r in range(rounds):
-    for w in ((a, b) if r % 2 else (b, a)):
-        pool.set_wait(w)
-        next(it)
-        t = time.perf_counter()
-        for _ in range(16):
-            next(it)
-        res[w].append((time.perf_counter() - t) / 16 * 1e3)
+res = alternate_tokens(it, {b: lambda: pool.set_wait(b), a: lambda: pool.set_wait(a)}, rounds)
 it.close()
 for w in (a, b):
     print(f"{mode} wait {w} ns: median {statistics.median(res[w]):.2f} ms/token, min {min(res[w]):.2f}")

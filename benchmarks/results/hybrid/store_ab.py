@@ -8,8 +8,13 @@ same machine moments. Streamed at --memory 640MiB, O_DIRECT, no cgroup; `router`
     .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE stream 16
     .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE router 16
 """
-import importlib.util, statistics, sys, time
+import importlib.util, statistics, sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for benchmarks.common
+
 import sluice
+from benchmarks.common import alternate_tokens
 from sluice.models.layers import moe as new_moe
 from sluice.prerouter import predict as new_predict
 from sluice.store import policy as new_policy, streaming as new_streaming
@@ -46,18 +51,10 @@ kw = dict(memory="640MiB", io="direct", odirect=True)
 if mode == "router":
     kw["prefetch"] = "router"
 m = sluice.load(M, threads=2, max_context=1200, **kw)
-res = {True: [], False: []}
 it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
 for _ in range(40):
     next(it)
-for r in range(rounds):
-    for on in ((True, False) if r % 2 else (False, True)):
-        setf(on)
-        next(it)
-        t = time.perf_counter()
-        for _ in range(16):
-            next(it)
-        res[on].append((time.perf_counter() - t) / 16 * 1e3)
+res = alternate_tokens(it, {False: lambda: setf(False), True: lambda: setf(True)}, rounds)
 for on in (True, False):
     v = res[on]
     print(f"{mode} {'this tree' if on else 'base'}: median {statistics.median(v):.2f} ms/token, min {min(v):.2f}, "
