@@ -22,6 +22,8 @@ from sluice.store import policy as new_policy, streaming as new_streaming
 M = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
 base, mode = sys.argv[1], sys.argv[2]
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 16
+if not Path(base, "sluice/store/streaming.py").is_file():
+    sys.exit(f"store_ab.py: BASE {base} is not a sluice checkout (no sluice/store/streaming.py): pass a worktree")
 
 
 def old(name: str, rel: str):
