@@ -87,7 +87,7 @@ class Model:
         # input is a mix of the streams (models/layers/hyper.py), which they do not compute yet: no read-ahead
         # (plan.py refuses --prefetch there)
         streams = s.hc_count > 1
-        if p.prefetch == "router" and self.memory is not None and not streams:
+        if p.prefetch in ("router", "auto") and self.memory is not None and not streams:
             prerouter = RouterPrerouter(s, weights, margin=p.options.prefetch_margin, path=self.compute.path,
                                         bf16=self.compute.bf16_gemm)
         elif p.prefetch == "learned" and self.memory is not None and not streams:
@@ -165,10 +165,12 @@ class Model:
         if self.memory is None:
             return ResidentExpertStore(self.layout, self.reader, self.dtype, progress=progress,
                                        bf16_gemm=self.compute.bf16_gemm)
+        from .store.prefetch import AUTO_THROTTLE, ROUTER_THROTTLE
         from .store.streaming import StreamingExpertStore
 
+        throttle = AUTO_THROTTLE if self.load_plan.prefetch == "auto" else ROUTER_THROTTLE
         return StreamingExpertStore.with_budget(self.layout, self.reader, self.memory - self.resident_bytes,
-                                                self.memory, overlap=self.options.overlap)
+                                                self.memory, overlap=self.options.overlap, throttle=throttle)
 
     # -- logits --------------------------------------------------------------------------------------------------
     def logits(self, ids: Sequence[int]) -> torch.Tensor:

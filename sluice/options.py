@@ -24,7 +24,7 @@ from .io import MODES as IO_MODES
 from .quant.matmul import MATMUL_MODES
 from .store.rows import MODES as EMBEDDING_MODES
 
-PREFETCH_MODES = ("none", "router", "learned")
+PREFETCH_MODES = ("auto", "none", "router", "learned")
 PLE_MODES = ("auto", *EMBEDDING_MODES)
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
@@ -282,11 +282,14 @@ class LoadOptions:
     # prefetch: streaming stores only; "learned" reads prerouter.safetensors beside the model (a CheckpointError
     # when missing or stale)
     prefetch: str = option(
-        "none", choices=PREFETCH_MODES, help="predict the next layer's experts and read them in the background",
+        "auto", choices=PREFETCH_MODES, help="predict the next layer's experts and read them in the background; auto = "
+                                             "router, paused while its guesses are mostly wrong",
         doc="predict the next layer's experts (its router on the current hidden state, or heads fitted by `sluice "
-            "prerouter fit MODEL`) and read them in the background; output is unchanged. Off by default: `router` "
-            "is faster where its guesses are right (the synthetic models' uniform routing, 98%) and slower where "
-            "they are not (the trained demo, 68%: +55% bytes read; benchmarks/results/prefetch-router)")
+            "prerouter fit MODEL`) and read them in the background; output is unchanged. `router` is faster where its "
+            "guesses are right (the synthetic models' uniform routing, 92-99%) and slower where they are not (the "
+            "trained demo, 68%: +55% bytes read; benchmarks/results/prefetch-router); `auto` (the default) guesses "
+            "as `router` does with `--io direct` and pauses while fewer than 80% of the guessed reads are used, "
+            "longer each time it fails again")
     prefetch_margin: int = option(0, metavar="N", least=0, help="experts predicted beyond top_k per token",
                                   doc="experts predicted beyond top_k")
     prompt_prefetch: bool = option(

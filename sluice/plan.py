@@ -74,7 +74,7 @@ class LoadPlan:
     ple_why: str  # how `ple` was chosen, for inspect
     activations: str  # the integer kernels' activation coding (options.activations, "auto" resolved)
     activations_why: str  # how it was chosen, for inspect
-    prefetch: str  # a decode token's read-ahead: none | router | learned (options.prefetch; none when resident)
+    prefetch: str  # a decode token's read-ahead: none | auto | router | learned (options.prefetch, _prefetch)
     prefetch_why: str  # how it was chosen, for inspect
     memory: int | None  # budget for resident weights + expert slots; None = everything resident
     memory_plan: AutoPlan | None  # what `memory="auto"` chose (None when the budget was given)
@@ -119,7 +119,8 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
     quantized = any(r.quantized for r in refs.values())
     dtype = options.compute_dtype(torch.bfloat16 if quantized else o.torch_dtype)
     layout = ExpertLayout(index, spec, arch)
-    if spec.hc_count > 1 and options.prefetch != "none":  # the prerouters read a plain residual (engine.py)
+    # the prerouters read a plain residual (engine.py); auto then reads no guesses (_prefetch)
+    if spec.hc_count > 1 and options.prefetch not in ("none", "auto"):
         raise ConfigError(f"prefetch {options.prefetch!r}: the next layer's experts are not predicted from "
                           f"{spec.hc_count} residual streams (hyper-connections) yet; use --prefetch none")
     lazy_embed = options.embeddings != "resident" and not spec.tie_word_embeddings
@@ -167,7 +168,7 @@ def plan(path: str | os.PathLike, options: LoadOptions) -> LoadPlan:
         loan = prompt_loan(spec, itemsize, max_context, chunk, acts, budget.slots, layout.expert_nbytes, native_delta)
     threads = options.threads or usable_cpus()
     activations, activations_why = _activations(options, layout)
-    prefetch, prefetch_why = _prefetch(options, memory)
+    prefetch, prefetch_why = _prefetch(options, memory, spec.hc_count)
     tokenizer, no_tokenizer = _tokenizer(index, path)
     return LoadPlan(
         path=path, options=options, index=index, arch=arch, args=args, generation=generation, spec=spec, refs=refs,
@@ -212,18 +213,25 @@ def _less(room: MemoryRoom, nbytes: int) -> MemoryRoom:
     return MemoryRoom(max(0, room.bytes - nbytes), f"{room.source} less {format_bytes(nbytes)} of row tables")
 
 
-def _prefetch(options: LoadOptions, memory: int | None) -> tuple[str, str]:
-    """(a decode token's read-ahead of the next MoE layer's experts, why), for inspect. Off unless asked: the next
-    layer's router on the residual (`router`) is right about 98% of the experts on the synthetic models (uniform
-    routing) and wins there when the disk is fast (Intel Xeon AMX, cold, 1 GiB cgroup: the issue-30 hybrid Q4_K_M
-    128.6 -> 103.2 ms a token, the peers Q4_K_M 62.2 -> 57.5), but on the trained demo model it is right about 68%
-    and reads 55% more bytes: 48.3 -> 58.3 ms (`bash benchmarks/prefetch_router.sh`,
-    benchmarks/results/prefetch-router)."""
+def _prefetch(options: LoadOptions, memory: int | None, streams: int = 1) -> tuple[str, str]:
+    """(a decode token's read-ahead of the next MoE layer's experts, why), for inspect and the engine. `auto` (the
+    default) guesses with the next layer's router where the direct reader streams experts and pauses where its guesses
+    are poor (store/prefetch.py AUTO_THROTTLE): `router` wins where its guesses are right (the synthetic models'
+    uniform routing, 92-99%: Intel Xeon AMX, cold, 1 GiB cgroup, the issue-30 hybrid Q4_K_M 128.6 -> 103.2 ms a
+    token, the peers Q4_K_M 62.2 -> 57.5) and loses where they are not (the trained demo, 68%, 55% more bytes read:
+    48.3 -> 58.3 ms; `bash benchmarks/prefetch_router.sh`, benchmarks/results/prefetch-router)."""
     if memory is None:
         return "none", "everything resident"
     if options.prefetch == "none":
-        return "none", "the default: --prefetch router reads the next layer's guessed experts ahead"
-    return options.prefetch, "as asked"
+        return "none", "as asked"
+    if options.prefetch != "auto":
+        return options.prefetch, "as asked"
+    if streams > 1:
+        return "none", "auto: the guesses read a plain residual, not hyper-connections' streams"
+    if options.io != "direct":
+        return "none", f"auto: --io {options.io} reads in the thread that waits (guesses are read by --io direct)"
+    return "auto", ("the next layer's router guesses its experts, read while this layer computes; paused while "
+                    "fewer than 80% of the guessed reads are used")
 
 
 def _activations(options: LoadOptions, layout: ExpertLayout) -> tuple[str, str]:

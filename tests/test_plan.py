@@ -133,21 +133,33 @@ def test_auto_activations_code_int8_only_for_experts_under_five_and_a_half_bits(
 
 
 
-def test_prefetch_is_off_unless_asked_and_inspect_says_so(model_dir, sizes, capsys):
-    """A decode token's read-ahead: none by default (and whenever everything is resident), as asked otherwise;
-    inspect prints the decision and the loaded model builds it."""
+def test_prefetch_is_auto_where_the_direct_reader_streams_and_inspect_says_so(model_dir, sizes, capsys):
+    """A decode token's read-ahead: `auto` by default where experts stream through the direct reader (the router's
+    guesses, throttled: its store's throttle is AUTO_THROTTLE), none where everything is resident or the reader is the
+    mapping (auto only; an explicit mode is as asked); inspect prints the decision and the loaded model builds it."""
+    from sluice.store.prefetch import AUTO_THROTTLE, ROUTER_THROTTLE
+
     streamed = sizes["resident"] + 2 * sizes["top_k"] * sizes["expert"] + sizes["kv"]
-    assert plan(model_dir, LoadOptions.make(memory=streamed)).prefetch == "none"
+    auto = plan(model_dir, LoadOptions.make(memory=streamed))
+    assert auto.prefetch == "auto" and "80%" in auto.prefetch_why
     assert plan(model_dir, LoadOptions.make(memory="all", prefetch="router")).prefetch_why == "everything resident"
+    assert plan(model_dir, LoadOptions.make(memory="all")).prefetch == "none"
+    mapped = plan(model_dir, LoadOptions.make(memory=streamed, io="mmap"))
+    assert mapped.prefetch == "none" and "--io mmap" in mapped.prefetch_why
     asked = plan(model_dir, LoadOptions.make(memory=streamed, io="mmap", prefetch="router"))
     assert (asked.prefetch, asked.prefetch_why) == ("router", "as asked")
-    with sluice.load(model_dir, memory=streamed) as m:
+    assert plan(model_dir, LoadOptions.make(memory=streamed, prefetch="none")).prefetch == "none"
+    with sluice.load(model_dir, memory=streamed, prefetch="none") as m:
         assert m.model.prerouter is None
+    with sluice.load(model_dir, memory=streamed) as m:
+        assert m.model.prerouter is not None and m.store.prefetching.throttle == AUTO_THROTTLE
     with sluice.load(model_dir, memory=streamed, prefetch="router") as m:
-        assert m.model.prerouter is not None
+        assert m.model.prerouter is not None and m.store.prefetching.throttle == ROUTER_THROTTLE
     assert cli.main(["inspect", str(model_dir), "--usage-tokens", "0", "--memory", str(streamed), "--prefetch",
                      "router"]) == 0
     assert "decode read-ahead: router (as asked)" in capsys.readouterr().out
+    assert cli.main(["inspect", str(model_dir), "--usage-tokens", "0", "--memory", str(streamed)]) == 0
+    assert "decode read-ahead: auto (the next layer's router guesses" in capsys.readouterr().out
 
 
 def test_an_explicit_prefill_chunk_shrinks_autos_budget(model_dir, sizes, monkeypatch):

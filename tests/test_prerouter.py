@@ -280,3 +280,24 @@ def test_a_long_prompts_guess_ranks_evenly_spaced_rows(model_dir):
         assert pre.predict(L, x)[1] == ranked(L, x[::3])
         assert pre.predict(L, x[:256])[1] == ranked(L, x[:256])
         assert pre.predict(L, x[:257])[1] == ranked(L, x[:257:2])
+
+
+def test_auto_skips_the_guess_while_its_throttle_pauses(model_dir):
+    """The default `--prefetch auto` guesses with the router (the same tokens as no read-ahead); while its store's
+    throttle pauses, the model does not even compute the guess (store.guessing() False)."""
+    from sluice.store.prefetch import PrefetchTracker, Throttle
+
+    memory = _streamed_memory(model_dir, 3)
+    with sluice.load(model_dir, memory=memory, io="direct", prefetch="none") as m:
+        want = list(m.generate_tokens([1, 2, 3], max_tokens=8, temperature=0.0))
+    with sluice.load(model_dir, memory=memory, io="direct") as m:
+        assert m.load_plan.prefetch == "auto"
+        assert list(m.generate_tokens([1, 2, 3], max_tokens=8, temperature=0.0)) == want
+        assert m.store.stats()["prefetch_issued"] > 0
+        # a throttle no guess passes: after its first scored read, paused for the rest of the run
+        m.store.prefetching = PrefetchTracker(Throttle(precision=1.01, window=1, cooldown=10**6))
+        calls, predict = [], m.model.prerouter.predict
+        m.model.prerouter.predict = lambda *a: calls.append(a[0]) or predict(*a)
+        assert list(m.generate_tokens([1, 2, 3], max_tokens=8, temperature=0.0)) == want
+        st = m.store.stats()
+    assert st["prefetch_paused"] > 0 and len(calls) <= 4 and st["prefetch_issued"] <= 4

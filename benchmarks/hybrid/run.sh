@@ -12,11 +12,10 @@
 #   decode    cold (verified), 1 GiB memory cgroup (page cache included), 8 timed steps after 2 untimed, after a
 #             32-token prompt; step time against sluice's own I/O floor measured in the same run (its reads replayed
 #             cold with its reader, at its queue depth, before the first round and after the last, and after each
-#             arm's run in every round: the paired ratio, the disk at the same moment); sluice twice: its
-#             default 8 reader threads and 4 (this VM's disk gives O_DIRECT the same rate from 4 reads in flight,
-#             io/direct.py's table, and on 2 cores 8 threads take CPU from the step's compute); and sluice with
-#             --prefetch router (the next layer's experts guessed by its router and read while this layer computes;
-#             off by default: benchmarks/prefetch_router.sh)
+#             arm's run in every round: the paired ratio, the disk at the same moment); sluice three ways: its
+#             defaults (--prefetch auto since 2026-12-05: the next layer's experts guessed by its router and read while
+#             this layer computes, paused where the guesses are poor; benchmarks/prefetch_router.sh), --prefetch none
+#             (the default before: each layer's reads after its router) and --prefetch router (never paused)
 #   prefill   the same ceiling, cold, a 2,048-token prompt (prompt tok/s); sluice with a 384 MiB budget, which leaves
 #             the room for a 2,048-token chunk (the auto chunk: every layer's experts read once; at 640 MiB the chunk
 #             is 256-512 tokens and the prompt reads the experts 4-7 times); and sluice's defaults (--memory
@@ -29,8 +28,8 @@
 #                                          # down IQ3_XXS, shared experts Q8_0, the rest Q4_K_M's choice (Q4_K / Q6_K),
 #                                          # by llama.cpp's quantizer with a uniform importance matrix (quality.py
 #                                          # imatrix --uniform: IQ2 types need one); ~40 min on 2 cores
-#   URING=1 bash benchmarks/hybrid/run.sh  # the decode set with two more sluice arms reading through io_uring
-#                                          # (--io-engine uring, with and without --prefetch router)
+#   URING=1 bash benchmarks/hybrid/run.sh  # the decode set with one more sluice arm reading through io_uring
+#                                          # (--io-engine uring, its defaults otherwise)
 #   ISA=avx2 bash benchmarks/hybrid/run.sh # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
 #                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (and MKL's float32
 #                                          # GEMM: MKL_ENABLE_INSTRUCTIONS=AVX2, since 2026-12-03), llama.cpp built for
@@ -74,8 +73,7 @@ LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp
 # round of every 1 GiB run so far: results/hybrid/README.md); the verdicts then compare with that arm
 [ "${PEERS:-all}" = norepack ] && LLAMA=(--arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts")
 URING_ARMS=()
-[ "${URING:-0}" = 1 ] && URING_ARMS=(--arm sluice-uring="--io direct --memory $MEMORY --io-engine uring ${ISA[*]}"
-  --arm sluice-uring+router="--io direct --memory $MEMORY --io-engine uring --prefetch router ${ISA[*]}")
+[ "${URING:-0}" = 1 ] && URING_ARMS=(--arm sluice-uring="--io direct --memory $MEMORY --io-engine uring ${ISA[*]}")
 bench() {  # bench OUTDIR bench-args...
   local dir=$1; shift
   echo "== $Q -> $dir ($(date -u +%H:%M:%S))"
@@ -86,7 +84,7 @@ for set in $SETS; do
     decode)
       bench "$OUT/decode$TAG-$CEILING" --cold --ceiling "$CEILING" --steps "$STEPS" --warmup "$WARMUP" \
         --floor-each-round --prompt-tokens 32 --arm sluice="--io direct --memory $MEMORY ${ISA[*]}" \
-        --arm sluice-4io="--io direct --memory $MEMORY --io-workers 4 ${ISA[*]}" \
+        --arm sluice-none="--io direct --memory $MEMORY --prefetch none ${ISA[*]}" \
         --arm sluice+router="--io direct --memory $MEMORY --prefetch router ${ISA[*]}" "${URING_ARMS[@]}" \
         "${LLAMA[@]}" ;;
     prefill)

@@ -96,7 +96,8 @@ class Transformer:
         chunk that picks at least as many experts as a layer has (shorter ones would waste some reads) leaves its
         guess in the step, read once this layer's experts are pinned (layers/moe.py)."""
         s = self.spec
-        if self.prerouter is not None and step.T == 1 and (guess := self.prerouter.predict(L, x)) is not None:
+        if (self.prerouter is not None and step.T == 1 and self.store.guessing()
+                and (guess := self.prerouter.predict(L, x)) is not None):
             (self.store.prefetch_next if s.moe_layers[L] else self.store.prefetch)(*guess)
         elif self.prompt_prerouter is not None and step.T * s.top_k >= s.num_experts and s.moe_layers[L]:
             step.prompt_guess = self.prompt_prerouter.predict(L, x)

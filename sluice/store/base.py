@@ -84,6 +84,11 @@ class ExpertStore(Protocol):
         prompt's read-ahead of the next layer (one read per expert, counted apart from decode's prefetch)."""
         ...
 
+    def guessing(self) -> bool:
+        """Whether a decode token's guess of the next layer's experts is wanted now (the model skips computing it
+        while False: the store's throttle pauses the guesses)."""
+        ...
+
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
         """prefetch, issued once the next acquire has pinned its experts (the model calls this between a layer's
         attention and its MoE block, with the next MoE layer's prediction)."""

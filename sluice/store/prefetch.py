@@ -4,25 +4,47 @@ The prerouter predicts layer L+1's experts from the hidden state after layer L's
 right after layer L's own experts are pinned (so a prefetch can never evict what the current layer is about to
 use, and the reads overlap layer L's expert math): `defer` keeps the prediction until the store's next acquire.
 
-Throttle: outcomes (1 used, 0 wasted) of recent prefetches; when precision over a full window drops below
-MIN_PRECISION, prefetch pauses for COOLDOWN calls (wasted reads compete with demand reads for the same disk),
-then tries again.
+Throttle (`Throttle`): whether each guessed read was routed to by the layer's very next acquire (1) or not (0), over
+a window of the last guessed reads; when their share falls below the throttle's precision, guessing pauses for a
+cooldown (wasted reads compete with demand reads for the same disk), then tries again. `--prefetch router` pauses
+below 20% for 64 guesses; `--prefetch auto` (the default) pauses below 80%, its cooldown growing 4x with each window
+that fails again (up to 4,096 guesses), and while paused the guess is not even computed (StreamingExpertStore.guessing).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Throttle:
+    """When a decode's guesses pause: below `precision` (the share of a full `window` of guessed reads that the layer's
+    next acquire used), for `cooldown` guesses, times `growth` after each window that fails again, up to
+    `max_cooldown`; a window that passes resets the cooldown."""
+
+    precision: float
+    window: int
+    cooldown: int
+    growth: int = 1
+    max_cooldown: int = 64
+
+
+#: `--prefetch router`: a safety net only (guessing as asked, paused when nearly every guess is wasted)
+ROUTER_THROTTLE = Throttle(precision=0.2, window=128, cooldown=64)
+#: `--prefetch auto`: guess where the guesses are good. Measured (benchmarks/results/prefetch-router, Intel Xeon, cold,
+#: a cgroup ceiling): guesses 92-99% right won (the issue-30 hybrid Q4_K_M 128.6 -> 103.2 ms a token, the peers
+#: Q4_K_M 62.2 -> 57.5), 68% right lost (the trained demo, +55% bytes read, 48.3 -> 58.3 ms); 0.8 lies between. A
+#: window of 64 reads tells 68% from 80% by two standard deviations (sqrt(0.68 * 0.32 / 64) = 0.058)
+AUTO_THROTTLE = Throttle(precision=0.8, window=64, cooldown=64, growth=4, max_cooldown=4096)
 
 
 class PrefetchTracker:
     """What the store needs to decide whether to prefetch, and what it reports about prefetching."""
 
-    WINDOW = 128
-    MIN_PRECISION = 0.2
-    COOLDOWN = 64
-
-    def __init__(self) -> None:
+    def __init__(self, throttle: Throttle = ROUTER_THROTTLE) -> None:
+        self.throttle = throttle
         self.deferred: tuple[int, list[int]] | None = None  # (layer, experts) to issue after the next acquire
         self.predicted: dict[int, set[int]] = {}  # layer -> experts the prerouter predicted for it
         self.outstanding: set[tuple[int, int]] = set()  # brought in by prefetch, not used yet
@@ -31,8 +53,11 @@ class PrefetchTracker:
         self.prompt_outstanding: set[tuple[int, int]] = set()
         self.prompt_issued = self.prompt_used = self.prompt_wasted = 0
         self.predicted_true = self.true_total = 0  # prerouter recall: predicted & true / true
-        self._outcomes: deque[int] = deque(maxlen=self.WINDOW)
-        self._cooldown = 0
+        self._guessed: dict[int, list[int]] = {}  # layer -> the experts its last guess read (decode)
+        self._outcomes: deque[int] = deque()  # the throttle's window: 1 a guessed read the next acquire used, else 0
+        self._right = 0  # sum(self._outcomes)
+        self._cooldown = 0  # guesses left to skip
+        self._next_cooldown = throttle.cooldown
 
     def defer(self, layer: int, experts: Sequence[int]) -> None:
         self.deferred = (layer, list(experts))
@@ -42,23 +67,48 @@ class PrefetchTracker:
         return out
 
     def routed(self, layer: int, experts: Sequence[int]) -> None:
-        """The true router chose `experts` of `layer`: score the prediction made for it, if any."""
+        """The true router chose `experts` of `layer`: score the prediction made for it and the reads guessed for it,
+        if any."""
         predicted = self.predicted.pop(layer, None)
         if predicted is not None:
             self.true_total += len(experts)
             self.predicted_true += sum(e in predicted for e in experts)
+        guessed = self._guessed.pop(layer, None)
+        if guessed:
+            chosen = set(experts)
+            window, out = self.throttle.window, self._outcomes
+            for e in guessed:
+                hit = int(e in chosen)
+                out.append(hit)
+                self._right += hit
+                if len(out) > window:
+                    self._right -= out.popleft()
 
-    def allow(self, layer: int, experts: Sequence[int]) -> bool:
-        """Record the prediction; False while the throttle pauses prefetching."""
-        self.predicted[layer] = set(experts)
+    def want(self) -> bool:
+        """Whether the next decode guess is wanted: False while the throttle pauses (each call counts one paused
+        guess), so the model does not compute it."""
         if self._cooldown > 0:
             self._cooldown -= 1
             self.paused += 1
             return False
-        if len(self._outcomes) == self.WINDOW and sum(self._outcomes) < self.MIN_PRECISION * self.WINDOW:
-            self._outcomes.clear()
-            self._cooldown = self.COOLDOWN
+        return True
+
+    def allow(self, layer: int, experts: Sequence[int]) -> bool:
+        """Record the prediction; False while the throttle pauses prefetching, or when the last window of guessed
+        reads falls under its precision (the pause starts)."""
+        if not self.want():
             return False
+        self.predicted[layer] = set(experts)
+        t = self.throttle
+        if len(self._outcomes) >= t.window:
+            if self._right < t.precision * len(self._outcomes):
+                self._outcomes.clear()
+                self._right = 0
+                self._guessed.clear()
+                self._cooldown = self._next_cooldown
+                self._next_cooldown = min(t.max_cooldown, self._next_cooldown * t.growth)
+                return False
+            self._next_cooldown = t.cooldown
         return True
 
     def placed(self, keys: Sequence[tuple[int, int]], prompt: bool = False) -> None:
@@ -68,6 +118,8 @@ class PrefetchTracker:
             return
         self.outstanding.update(keys)
         self.issued += len(keys)
+        if keys:
+            self._guessed[keys[0][0]] = [e for _, e in keys]
 
     def hit(self, key: tuple[int, int]) -> None:
         """An acquire used `key`: if a prefetch brought it, that prefetch was right."""
@@ -77,7 +129,6 @@ class PrefetchTracker:
         elif key in self.outstanding:
             self.outstanding.discard(key)
             self.used += 1
-            self._outcomes.append(1)
 
     def evicted(self, key: tuple[int, int]) -> None:
         """`key` left the cache: if a prefetch brought it and nobody used it, that read was wasted."""
@@ -87,7 +138,6 @@ class PrefetchTracker:
         elif key in self.outstanding:
             self.outstanding.discard(key)
             self.wasted += 1
-            self._outcomes.append(0)
 
     def stats(self, expert_nbytes: int) -> dict:
         return {

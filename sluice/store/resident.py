@@ -97,6 +97,9 @@ class ResidentExpertStore:
     def prefetch(self, layer: int, experts: Sequence[int], prompt: bool = False) -> None:
         pass
 
+    def guessing(self) -> bool:
+        return True  # no throttle: a prerouter here is a recorder (tools/prerouter_fit.py record), its prefetch a no-op
+
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
         pass
 

@@ -24,7 +24,7 @@ from .budget import plan_budget
 from .layout import ExpertLayout
 from .pages import page_rows
 from .policy import FairShareLFU, GlobalLRU, Key
-from .prefetch import PrefetchTracker
+from .prefetch import ROUTER_THROTTLE, PrefetchTracker, Throttle
 from .resident import expert_requests, typed_views
 
 
@@ -80,7 +80,8 @@ class StreamingExpertStore:
     """`slots` expert slots; misses are read by `reader` straight into the slot buffers."""
 
     def __init__(self, layout: ExpertLayout, reader, slots: int, overlap: bool = True,
-                 policy: GlobalLRU | None = None, page_aligned: bool | None = None, budget: int | None = None):
+                 policy: GlobalLRU | None = None, page_aligned: bool | None = None, budget: int | None = None,
+                 throttle: Throttle = ROUTER_THROTTLE):
         """`overlap`: acquire returns with the misses' reads in flight (see acquire); False = it returns once every
         read has landed (the math then waits for the slowest expert before running any). `policy`: what to evict
         (default FairShareLFU). `page_aligned`: place each layer's experts in their slots at their file offsets
@@ -88,7 +89,8 @@ class StreamingExpertStore:
         their whole blocks straight into the slots (no copy out of a staging buffer); None = when the reader reads
         the experts' files with O_DIRECT and placing costs at most PLACED_MAX_COST of a slot. It takes up to a block
         and a page per slot, paid for by fewer slots, never by more memory: as many as `budget` bytes hold (at most one
-        per expert), else as many as `slots` slots' bytes hold."""
+        per expert), else as many as `slots` slots' bytes hold. `throttle`: when a decode's guesses pause
+        (store/prefetch.py)."""
         s = layout.spec
         self.layout, self.reader, self.overlap = layout, reader, overlap
         align = _alignment(layout, reader) if page_aligned is not False else 0
@@ -119,7 +121,7 @@ class StreamingExpertStore:
         self._free = list(range(slots - 1, -1, -1))
         self._pinned: set[int] = set()
         self._pending: dict[Key, object] = {}  # prefetched entries whose read may be in flight
-        self.prefetching = PrefetchTracker()
+        self.prefetching = PrefetchTracker(throttle)
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
         self._usage_rows = self.usage.numpy()  # the same memory: counted per expert, ~2 us (a torch index_put ~46)
         self.hits = self.misses = self.evictions = self.bytes_read = 0
@@ -133,12 +135,12 @@ class StreamingExpertStore:
 
     @classmethod
     def with_budget(cls, layout: ExpertLayout, reader, expert_budget: int, memory: int,
-                    overlap: bool = True) -> "StreamingExpertStore":
+                    overlap: bool = True, throttle: Throttle = ROUTER_THROTTLE) -> "StreamingExpertStore":
         """As many slots as `memory` leaves after the resident weights (`memory - expert_budget`); BudgetError
         (with the smallest budget that works) when fewer than top_k slots fit."""
         s = layout.spec
         plan = plan_budget(memory, memory - expert_budget, layout.expert_nbytes, s.top_k, layout.total_experts)
-        return cls(layout, reader, plan.slots, overlap=overlap, budget=expert_budget)
+        return cls(layout, reader, plan.slots, overlap=overlap, budget=expert_budget, throttle=throttle)
 
     @property
     def nbytes(self) -> int:
@@ -466,6 +468,10 @@ class StreamingExpertStore:
             for key in keys[len(futures):]:  # never submitted (the reader raised): their slots hold no bytes
                 self._drop(key)
         self.prefetching.placed(keys, prompt)
+
+    def guessing(self) -> bool:
+        """Whether the model should guess the next layer's experts now (False while the throttle pauses)."""
+        return self.prefetching.want()
 
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
         """Like prefetch, issued right after the next acquire has pinned its experts (so the reads overlap that

@@ -38,11 +38,11 @@ def fake_layout(spec, layers, parts, gate_up_shape, down_shape, dtype=torch.bflo
                            format=lambda layer: fmt)
 
 
-def _store(slots: int, policy=None) -> StreamingExpertStore:
+def _store(slots: int, policy=None, **kw) -> StreamingExpertStore:
     spec = SimpleNamespace(n_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, moe_layers=[True] * LAYERS)
     part = [ExpertPart("gate_up", 0, ReadRange("/dev/null", 0, 16)), ExpertPart("down", 16, ReadRange("/dev/null", 0, 8))]
     layout = fake_layout(spec, list(range(LAYERS)), lambda layer, e: part, (4, 2), (2, 2))
-    return StreamingExpertStore(layout, _NullReader(), slots, policy=policy)
+    return StreamingExpertStore(layout, _NullReader(), slots, policy=policy, **kw)
 
 
 def _sweep(store: StreamingExpertStore, tokens: int, seed: int = 0) -> None:
@@ -99,6 +99,65 @@ def test_prefetch_pauses_when_it_is_mostly_wasted():
     st = store.stats()
     assert st["prefetch_paused"] > 0
     assert st["prefetch_issued"] < 100 * LAYERS * 4  # it stopped issuing for a while
+
+
+def _throttled_rounds(tracker, right: int, n: int) -> list[bool]:
+    """n decode guesses of 4 reads for layer 1, `right` of them routed by its next acquire: whether each was read."""
+    out = []
+    for _ in range(n):
+        if not tracker.want() or not tracker.allow(1, [0, 1, 2, 3]):
+            out.append(False)
+            continue
+        tracker.placed([(1, e) for e in range(4)])
+        tracker.routed(1, list(range(right)) + [10 + i for i in range(4 - right)])
+        out.append(True)
+    return out
+
+
+def test_the_auto_throttle_pauses_poor_guesses_longer_each_time_and_forgets_it_on_good_ones():
+    """The throttle scores each guessed read by the layer's next acquire: a window of 8 reads half wrong pauses
+    (precision 0.8) for 2 guesses, then 8 (growth 4), then 32 (the cap); good guesses never pause, and a window that
+    passes brings the cooldown back to 2. Not asked (want() False) while paused: the model skips the guess."""
+    from sluice.store.prefetch import PrefetchTracker, Throttle
+
+    t = PrefetchTracker(Throttle(precision=0.8, window=8, cooldown=2, growth=4, max_cooldown=32))
+    T, F = True, False
+    assert _throttled_rounds(t, 2, 19) == [T, T, F, F, F, T, T, F] + [F] * 8 + [T, T, F]
+    assert _throttled_rounds(t, 2, 35) == [F] * 32 + [T, T, F]  # 32: the cap (8 * 4 = 32, then no more)
+    assert t.paused == 2 + 8 + 32  # want() calls answered False (a pause starting in allow() is not one)
+    assert all(_throttled_rounds(t, 4, 40)[32:])  # the cap's cooldown, then right guesses: never paused again
+    # the window passed (the cooldown is back to 2); the next guess half wrong fails the window of the last 8 reads
+    assert _throttled_rounds(t, 2, 6) == [T, F, F, F, T, T]
+    assert t.issued == 4 * (6 + 2 + 8 + 3)
+
+
+def test_auto_pauses_what_router_keeps_and_keeps_right_guesses():
+    """Guessed reads 75% right pause under AUTO_THROTTLE (80%), never under ROUTER_THROTTLE (20%). On a store, guesses
+    that are all right never pause under auto, and wrong ones turn its guessing() off (the model then skips them)."""
+    from sluice.store.prefetch import AUTO_THROTTLE, ROUTER_THROTTLE, PrefetchTracker
+
+    auto, router = PrefetchTracker(AUTO_THROTTLE), PrefetchTracker(ROUTER_THROTTLE)
+    assert not all(_throttled_rounds(auto, 3, 200)) and all(_throttled_rounds(router, 3, 200))
+
+    def run(right: bool) -> tuple[dict, int]:
+        store = _store(LAYERS * TOP_K, throttle=AUTO_THROTTLE)
+        rng = random.Random(3)
+        routes = [sorted(rng.sample(range(12), TOP_K)) for _ in range(60 * LAYERS + 1)]  # call i's experts
+        skipped = 0
+        for i in range(60 * LAYERS):
+            layer = i % LAYERS
+            if store.guessing():  # as the model guesses: before this layer's acquire, the next layer's experts (or
+                # ones it never routes: 12..15), read once this acquire has pinned its own
+                store.prefetch_next((layer + 1) % LAYERS, routes[i + 1] if right else [12, 13, 14, 15])
+            else:
+                skipped += 1
+            store.acquire(layer, routes[i])
+            store.release(layer)
+        return store.stats(), skipped
+
+    (good, skipped), (poor, poor_skipped) = run(True), run(False)
+    assert good["prefetch_paused"] == skipped == 0 and good["prefetch_issued"] > 0
+    assert poor["prefetch_paused"] == poor_skipped > 0
 
 
 class _MarkingReader:

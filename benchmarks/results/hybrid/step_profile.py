@@ -2,6 +2,7 @@
 thread (the reader threads and the native pool's are not in it; their CPU time is in the rusage line), 2 threads.
 
     .venv/bin/python benchmarks/results/hybrid/step_profile.py stream    # decode, --memory 640MiB --io direct --odirect
+    .venv/bin/python benchmarks/results/hybrid/step_profile.py router    # stream with --prefetch router
     .venv/bin/python benchmarks/results/hybrid/step_profile.py resident  # decode, everything in memory
     .venv/bin/python benchmarks/results/hybrid/step_profile.py prompt    # one 2,048-token prompt, everything in memory
 
@@ -38,7 +39,9 @@ if mode == "prompt":
     pr.disable()
     print(f"prompt: 2048 tokens resident in {time.perf_counter() - t:.1f} s (under cProfile)")
 else:
-    opts = dict(memory="640MiB", io="direct", odirect=True) if mode == "stream" else dict(memory="all")
+    opts = dict(memory="640MiB", io="direct", odirect=True) if mode in ("stream", "router") else dict(memory="all")
+    if mode == "router":  # the stream arm with --prefetch router
+        opts["prefetch"] = "router"
     m = sluice.load(Q, threads=2, max_context=200, **opts)
     ids, n = [5, 6], 40
     list(m.generate_tokens(ids, max_tokens=8, temperature=0.0))
