@@ -70,14 +70,9 @@ class ExpertStore(Protocol):
     #: format from it when it is built, to pick that format's math
     layout: "ExpertLayout"
 
-    def acquire(self, layer: int, experts: Sequence[int], hold_guess: bool = False) -> ExpertBatch:
+    def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         """Pin `experts` (ascending ids) of `layer` until release(layer); their reads may still be in flight:
-        batch.wait(j) before using slot j. `hold_guess`: the next layer's guess (prefetch_next) waits for
-        issue_guess() instead of being read here."""
-        ...
-
-    def issue_guess(self) -> None:
-        """Read the guess an acquire with hold_guess left, if any."""
+        batch.wait(j) before using slot j."""
         ...
 
     def release(self, layer: int) -> None:

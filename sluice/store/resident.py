@@ -83,7 +83,7 @@ class ResidentExpertStore:
         return packed + sum(t.numel() * t.element_size() for d in (self.gate_up, self.down, self.raw)
                             for t in d.values())
 
-    def acquire(self, layer: int, experts: Sequence[int], hold_guess: bool = False) -> ExpertBatch:
+    def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         self.requests += len(experts)
         row = self._usage_rows[layer]
         for e in experts:
@@ -95,9 +95,6 @@ class ResidentExpertStore:
         pass
 
     def prefetch(self, layer: int, experts: Sequence[int], prompt: bool = False) -> None:
-        pass
-
-    def issue_guess(self) -> None:
         pass
 
     def guessing(self) -> bool:

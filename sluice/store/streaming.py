@@ -245,16 +245,13 @@ class StreamingExpertStore:
         self.evictions += 1
         return slot
 
-    def acquire(self, layer: int, experts: Sequence[int], hold_guess: bool = False) -> ExpertBatch:
+    def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         """Pin `experts` of `layer` in slots and queue the misses' reads; return without waiting for them.
 
         One read batch per missing expert, queued in the order of `experts` by one reader call (submit_each: the
         files are checked once per acquire, not once per expert): the reader's FIFO fills them in that order, so the
         math runs the hits while the first miss loads, then each miss as soon as its bytes land (batch.wait(j)).
-        Results do not depend on that order: the block sums the experts in a fixed order. A hit whose prefetched
-        read has landed by now is ready (not pending). The next layer's guess (prefetch_next) is read once these
-        experts are pinned: here, or with `hold_guess` when the caller calls issue_guess() (while its experts'
-        math runs on the native pool's other threads: layers/moe.py).
+        Results do not depend on that order: the block sums the experts in a fixed order.
         """
         if len(experts) > self.max_batch:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
@@ -303,31 +300,17 @@ class StreamingExpertStore:
             self.hits += 1
             self.prefetching.hit(key)
             fut = self._pending.pop(key, None)
-            if fut is None:
-                continue
-            if not (hasattr(fut, "done") and fut.done()):  # its prefetch is still in flight: the math waits for it
-                inflight[j] = fut  # like for a miss
-                continue
-            try:  # landed: its outcome now (a failed read forgets the batch, as _wait does)
-                fut.result()
-            except BaseException:
-                self._fail()
-                raise
+            if fut is not None:  # its prefetch is still in flight: the math waits for it like for a miss
+                inflight[j] = fut
         raw, gate_up, down = self._at(layer)
         batch = ExpertBatch(gate_up, down, slots, {j: functools.partial(self._wait, j) for j in inflight},
                             raw=raw, format=self.layout.format(layer),
                             landed={j: fut.done for j, fut in inflight.items() if hasattr(fut, "done")})
         if not self.overlap:
             batch.wait_all()
-        if not hold_guess:
-            self.issue_guess()
-        return batch
-
-    def issue_guess(self) -> None:
-        """Read the guess prefetch_next left for the next layer, if any (after an acquire: its experts are pinned,
-        so the guess cannot evict them)."""
         if (deferred := self.prefetching.take_deferred()) is not None:
-            self.prefetch(*deferred)
+            self.prefetch(*deferred)  # this acquire's experts are pinned: the prediction cannot evict them
+        return batch
 
     def _wait(self, j: int) -> None:
         """Block until slot j of the current batch is filled; on a read error forget the whole batch."""

@@ -43,7 +43,7 @@ def resident(model_dir):
         assert m.prefill_chunk >= len(LONG)  # one chunk, as the streamed runs: bitwise claims need the same shapes
         touched: set[tuple[int, int]] = set()
         acquire = m.store.acquire
-        m.store.acquire = lambda L, ids, **kw: (touched.update((L, e) for e in ids), acquire(L, ids, **kw))[1]
+        m.store.acquire = lambda L, ids: (touched.update((L, e) for e in ids), acquire(L, ids))[1]
         logits = m.logits(LONG)
         return logits, touched, m.resident_bytes, m.layout.expert_nbytes, m.spec
 
@@ -265,7 +265,7 @@ def test_a_span_runs_layer_by_layer_with_the_same_bits_and_one_read(tmp_path, ar
             m.prefill_span = span
             touched: set[tuple[int, int]] = set()
             acquire = m.store.acquire
-            m.store.acquire = lambda L, e, **kw: (touched.update((L, x) for x in e), acquire(L, e, **kw))[1]
+            m.store.acquire = lambda L, e: (touched.update((L, x) for x in e), acquire(L, e))[1]
             logits = m.logits(ids)
             misses = m.stats()["misses"]
             tokens = list(m.generate_tokens(ids, max_tokens=4))

@@ -129,8 +129,8 @@ def test_victims_at_once_place_what_one_at_a_time_places(model_dir, reference, p
                 store._victims = lambda layer, n, keep=None: None
             acquire = store.acquire
 
-            def recorded(layer, experts, hold_guess=False, _acquire=acquire, _store=store, _states=states):
-                batch = _acquire(layer, experts, hold_guess)
+            def recorded(layer, experts, _acquire=acquire, _store=store, _states=states):
+                batch = _acquire(layer, experts)
                 _states.append((layer, list(_store._owner), list(batch.slots)))
                 return batch
 

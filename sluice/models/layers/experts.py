@@ -165,14 +165,13 @@ class GluMath:
         (the float32 result __call__ casts to the compute dtype)."""
         self.call(batch.raw[batch.slots[j]], x, out, self.compute.planes, path=self.compute.path)
 
-    def many(self, batch, js: list[int], x: torch.Tensor, ys: torch.Tensor, extra: tuple | None = None,
-             during=None) -> None:
+    def many(self, batch, js: list[int], x: torch.Tensor, ys: torch.Tensor, extra: tuple | None = None) -> None:
         """Experts js of `batch` on the same x float32 [1, H] into rows js of ys float32 [n, H] in one native call,
         their rows split over the native threads (q8.ExpertCall.many): row j bitwise what into() writes. `extra`:
         (q8.expert_args of a shared expert, its row of ys), computed in the same call, bitwise what extra_into()
-        writes. `during`: run on this thread while the pool's other threads start on the rows (ExpertCall.many)."""
+        writes."""
         self.call.many(batch.raw, [batch.slots[j] for j in js], x, ys, js, self.compute.planes,
-                       path=self.compute.path, extra=extra, during=during)
+                       path=self.compute.path, extra=extra)
 
     def extra_into(self, args: tuple, x: torch.Tensor, out: torch.Tensor) -> None:
         """A shared expert (q8.expert_args of this format's H and I) on x float32 [1, H] into out float32 [1, H]:

@@ -221,19 +221,16 @@ class Experts:
         side_term = shared_y = None
         for c0 in range(0, len(order), pass_size):
             pos = order[c0 : c0 + pass_size]
-            # the next layer's guess is read while this layer's experts start on the pool's other threads (_native)
-            batch = store.acquire(L, [ids_l[k] for k in pos], hold_guess=True)
+            batch = store.acquire(L, [ids_l[k] for k in pos])
             try:
                 native_path = batch.gate_up is None and batch.packed is None and math.one_call(1)
-                if not native_path:
-                    store.issue_guess()
                 extra = fused[0] if fused is not None and native_path and c0 == 0 else None
                 if side is not None and c0 == 0 and extra is None:  # the misses' reads are queued: the shared
                     side_term = side()  # expert meanwhile
                 todo = sorted(range(len(pos)), key=lambda j: not batch.ready(j))  # stable: ready ones first
                 if native_path:
                     xf = x.float().contiguous() if xf is None else xf  # [1, H]
-                    ys = self._native(batch, todo, xf, extra, store.issue_guess)  # [n (+1), H] float32, row j = j
+                    ys = self._native(batch, todo, xf, extra)  # [n (+1), H] float32, row j = expert j
                     if extra is not None:  # the shared expert's row, added after every routed one
                         ys, shared_y = ys[: len(pos)], ys[len(pos) :]
                     # as below, row by row: (y in the compute dtype) * w, rounded to out's dtype, added in id order
@@ -256,8 +253,7 @@ class Experts:
             ops.combine_bf16(shared_y, fused[1](), [0], out, path=self.compute.path)
         return out, side_term
 
-    def _native(self, batch, todo: list[int], xf: torch.Tensor, extra: tuple | None = None,
-                guess=None) -> torch.Tensor:
+    def _native(self, batch, todo: list[int], xf: torch.Tensor, extra: tuple | None = None) -> torch.Tensor:
         """Experts `todo` (ready ones first) of batch on xf [1, H] float32 -> [n, H] float32 (row j = expert j).
         The ones in memory run in one native call, the others as their reads land (each call takes the one waited
         for and every later one already in; only this thread waits on the store); the C pool's threads split the
@@ -269,15 +265,11 @@ class Experts:
         is in benchmarks/results/quantized/README.md): 16.6-18.6 ms this way on two threads, 21.7-25.5 one
         expert_q8 call each on one thread, 25-29 split over a Python pool with one expert per job (the way
         before). `extra`: a shared expert's q8.expert_args, row n of ys, in the first call (alone when none is in
-        memory: while the first miss loads). `guess` (the store's issue_guess): the next layer's guessed reads
-        queued while that first call's rows start on the pool's other threads (its ~0.25 ms of Python a layer off
-        the step's path), else before the first wait."""
+        memory: while the first miss loads)."""
         n_all = len(todo)
         ys = torch.empty(n_all + (extra is not None), xf.shape[1], dtype=torch.float32)
         math = self.math
         if not self.kernels.split_experts:
-            if guess is not None:
-                guess()
             if extra is not None:
                 math.extra_into(extra, xf, ys[n_all:])
             for j in todo:
@@ -288,9 +280,7 @@ class Experts:
         while n_ready < len(todo) and batch.ready(todo[n_ready]):
             n_ready += 1
         if n_ready or extra is not None:  # all those in memory in one call, their rows over the native threads
-            math.many(batch, todo[:n_ready], xf, ys, None if extra is None else (extra, n_all), during=guess)
-        elif guess is not None:
-            guess()
+            math.many(batch, todo[:n_ready], xf, ys, None if extra is None else (extra, n_all))
         late = todo[n_ready:]
         while late:  # the others as their reads land: the first one waited for and those landed by then
             batch.wait(late[0])

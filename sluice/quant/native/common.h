@@ -129,10 +129,6 @@ int sluice_simd(void);
  * when all have run */
 typedef void (*task_fn)(void *ctx, int64_t i);
 void pool_run(task_fn fn, void *ctx, int64_t ntasks);
-/* pool_run in two halves: the workers start on the job, the caller goes on (another job it runs meanwhile is its
- * own: pool_start answers 0 while this one is out) and later takes what is left; 0: not started, run it yourself */
-int pool_start(task_fn fn, void *ctx, int64_t ntasks, unsigned *id);
-void pool_join(unsigned id, int64_t ntasks);
 int sluice_threads(void);
 /* pool.c: a scratch of n bytes (64-aligned) for one call, the kept buffer when free (*owned 0) or a new allocation
  * (*owned 1; NULL when memory is short); keep_give returns it */

@@ -195,15 +195,17 @@ void sluice_set_threads(int threads) {
 
 int sluice_threads(void) { return S.threads; }
 
-/* publish job (fn, ctx, ntasks) to the workers and return with S.run held (1: pool_join(*id, ntasks) ends it), or
- * return 0 where the job is the caller's alone (one task, one thread, the workers not started, or another job
- * running: a call from inside a task, or from between another job's pool_start and pool_join) */
-int pool_start(task_fn fn, void *ctx, int64_t ntasks, unsigned *id_out) {
-    if (ntasks <= 1 || ntasks > INT32_MAX || S.threads <= 1 || pthread_mutex_trylock(&S.run) != 0) return 0;
+void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
+    if (ntasks <= 0) return;
+    if (ntasks == 1 || ntasks > INT32_MAX || S.threads <= 1 || pthread_mutex_trylock(&S.run) != 0) {
+        for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
+        return;
+    }
     int workers = S.started == S.threads - 1 ? S.started : start_workers();
     if (workers == 0) {
         pthread_mutex_unlock(&S.run);
-        return 0;
+        for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
+        return;
     }
     unsigned id = atomic_load(&S.gen) + 1;  /* only a thread holding S.run moves gen */
     job_t *job = &S.jobs[id & 1];
@@ -216,14 +218,8 @@ int pool_start(task_fn fn, void *ctx, int64_t ntasks, unsigned *id_out) {
     atomic_store(&S.gen, id);
     pthread_cond_broadcast(&S.wake);
     pthread_mutex_unlock(&S.mu);
-    *id_out = id;
-    return 1;
-}
-
-/* the caller runs the tasks of job id nobody has taken, waits for those still running on a worker (each a task's
- * time at most) and releases S.run */
-void pool_join(unsigned id, int64_t ntasks) {
     take_tasks(id);
+    /* every task is taken: wait for those still running on a worker (each a task's time at most) */
     for (int n = 0; atomic_load(&S.finished) < ntasks && n < 20000; n++) CPU_RELAX();
     if (atomic_load(&S.finished) < ntasks) {
         pthread_mutex_lock(&S.mu);
@@ -233,15 +229,6 @@ void pool_join(unsigned id, int64_t ntasks) {
         pthread_mutex_unlock(&S.mu);
     }
     pthread_mutex_unlock(&S.run);
-}
-
-void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
-    unsigned id;
-    if (pool_start(fn, ctx, ntasks, &id)) {
-        pool_join(id, ntasks);
-        return;
-    }
-    for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
 }
 
 /* ---- the pool's own check (tests/quant/test_pool.py) ----

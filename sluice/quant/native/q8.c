@@ -25,16 +25,8 @@
  * weights: relative L2 5e-3 - 1.1e-2 with one plane, 2e-5 - 4e-5 with two (tests/quant/test_q8.py).
  */
 #include <math.h>
-#include <sched.h>
-#include <stdatomic.h>
 
 #include "q8.h"
-#if SLUICE_X86
-#include <immintrin.h>
-#define CHAIN_PAUSE() _mm_pause()
-#else
-#define CHAIN_PAUSE() ((void)0)
-#endif
 
 /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K here, the low-bit types in q8_low.c */
 static int has_q8(int fmt) { return (fmt >= Q4_0 && fmt <= Q6_K) || low_q8_has(fmt); }
@@ -784,9 +776,8 @@ static void down_task(void *c, int64_t i) {
  * bitwise sluice_expert_q8's for expert e: x is quantized once per layout (the same bytes each call made), every
  * row is the same kernel call. Returns 0, -1 when the scratch cannot be allocated, -2 for a format without an
  * integer path or P not 1 or 2. */
-/* sluice_experts_q8's checks and its job's plan: 0, or its error code (the job's buffers are then not taken) */
-static int experts_plan(exp_job *j, int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x,
-                        int64_t T, int P, int scalar, uint8_t **xbuf, float **gu) {
+int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T, int P,
+                      int scalar) {
     if (P != 1 && P != 2) return -2;
     int need = 0;
     for (int64_t e = 0; e < n; e++) {
@@ -794,119 +785,27 @@ static int experts_plan(exp_job *j, int64_t n, const int64_t *experts, int64_t H
             if (!has_q8((int)experts[10 * e + 3 * k])) return -2;
         need |= need_bit((int)experts[10 * e], P) | need_bit((int)experts[10 * e + 3], P);
     }
+    if (n < 1) return 0;
     int64_t hrb = sluice_q8_row_bytes(I, P), hrb3 = I % 256 ? 0 : sluice_q8_row_bytes(I, sb_xf(P));
-    *j = (exp_job){.e = experts, .H = H, .I = I, .T = T, .step1 = task_rows(H, 3 * n * H * I),
-                   .step3 = task_rows(I, 3 * n * H * I), .hrb = hrb > hrb3 ? hrb : hrb3, .P = P, .scalar = scalar};
-    j->tasks1 = 2 * ((I + j->step1 - 1) / j->step1);
-    j->tasks3 = (H + j->step3 - 1) / j->step3;
-    *xbuf = quantize_for(need, H, x, T, P, scalar, j->xq);
-    *gu = (float *)malloc(2 * (size_t)(n * T * I) * sizeof(float) + (size_t)(n * T * j->hrb));
-    if (!*xbuf || !*gu) {
-        free(*xbuf);
-        free(*gu);
+    exp_job j = {.e = experts, .H = H, .I = I, .T = T, .step1 = task_rows(H, 3 * n * H * I),
+                 .step3 = task_rows(I, 3 * n * H * I),
+                 .hrb = hrb > hrb3 ? hrb : hrb3, .P = P, .scalar = scalar};
+    j.tasks1 = 2 * ((I + j.step1 - 1) / j.step1);
+    j.tasks3 = (H + j.step3 - 1) / j.step3;
+    uint8_t *xbuf = quantize_for(need, H, x, T, P, scalar, j.xq);
+    float *gu = (float *)malloc(2 * (size_t)(n * T * I) * sizeof(float) + (size_t)(n * T * j.hrb));
+    if (!xbuf || !gu) {
+        free(xbuf);
+        free(gu);
         return -1;
     }
-    j->g = *gu;
-    j->u = *gu + n * T * I;
-    j->hq = (uint8_t *)(j->u + n * T * I);
-    return 0;
-}
-
-int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T, int P,
-                      int scalar) {
-    if (n < 1) return P != 1 && P != 2 ? -2 : 0;
-    exp_job j;
-    uint8_t *xbuf;
-    float *gu;
-    int rc = experts_plan(&j, n, experts, H, I, x, T, P, scalar, &xbuf, &gu);
-    if (rc) return rc;
+    j.g = gu;
+    j.u = gu + n * T * I;
+    j.hq = (uint8_t *)(j.u + n * T * I);
     pool_run(gate_up_task, &j, n * j.tasks1);
     pool_run(glu_task, &j, n);
     pool_run(down_task, &j, n * j.tasks3);
     free(xbuf);
     free(gu);
     return 0;
-}
-
-/* ---- the same experts as one job the caller starts and joins later ----
- * sluice_experts_q8_start publishes a layer's experts to the pool's workers and returns; the caller does other work
- * (a streamed decode's store bookkeeping: queuing the next layer's guessed reads, ~0.25 ms of Python a layer) while
- * they compute, then sluice_experts_q8_join takes the tasks left and returns when all are over. The three steps
- * (gate and up rows, each expert's product, down rows) are one job: a task of a later step first waits until every
- * task of the step before has ended (they were all taken before it, so at most one task's time on another thread).
- * The same tasks, the same kernels: each y_e bitwise what sluice_experts_q8 writes. */
-typedef struct {
-    exp_job j;
-    int64_t a, b, total;  /* tasks [0, a) gate and up, [a, b) the products, [b, total) down */
-    _Atomic int64_t done1, done2;
-    int64_t *e;           /* the experts' values, copied: the caller's array may go before the job ends */
-    uint8_t *xbuf;
-    float *gu;
-    unsigned id;
-    int started;
-} exp_chain;
-
-static void wait_count(_Atomic int64_t *c, int64_t n) {
-    for (int64_t k = 0; atomic_load(c) < n; k++) {
-        if (k < 4096)
-            CHAIN_PAUSE();
-        else
-            sched_yield();
-    }
-}
-
-static void chain_task(void *c, int64_t i) {
-    exp_chain *k = (exp_chain *)c;
-    if (i < k->a) {
-        gate_up_task(&k->j, i);
-        atomic_fetch_add(&k->done1, 1);
-    } else if (i < k->b) {
-        wait_count(&k->done1, k->a);
-        glu_task(&k->j, i - k->a);
-        atomic_fetch_add(&k->done2, 1);
-    } else {
-        wait_count(&k->done2, k->b - k->a);
-        down_task(&k->j, i - k->b);
-    }
-}
-
-/* the job of sluice_experts_q8 (same arguments) started on the pool, or run here where the pool cannot take it now;
- * NULL with *rc set (sluice_experts_q8's codes) when it cannot run. Every call that returns a job needs its
- * sluice_experts_q8_join. */
-void *sluice_experts_q8_start(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T,
-                              int P, int scalar, int *rc) {
-    *rc = n < 1 ? -3 : 0;
-    exp_chain *k = n < 1 ? NULL : (exp_chain *)calloc(1, sizeof(exp_chain));
-    int64_t *e = k ? (int64_t *)malloc((size_t)(10 * n) * sizeof(int64_t)) : NULL;
-    if (!k || !e) {
-        free(k);
-        free(e);
-        if (!*rc) *rc = -1;
-        return NULL;
-    }
-    memcpy(e, experts, (size_t)(10 * n) * sizeof(int64_t));
-    *rc = experts_plan(&k->j, n, e, H, I, x, T, P, scalar, &k->xbuf, &k->gu);
-    if (*rc) {
-        free(e);
-        free(k);
-        return NULL;
-    }
-    k->e = e;
-    k->a = n * k->j.tasks1;
-    k->b = k->a + n;
-    k->total = k->b + n * k->j.tasks3;
-    k->started = pool_start(chain_task, k, k->total, &k->id);
-    if (!k->started)
-        for (int64_t i = 0; i < k->total; i++) chain_task(k, i);
-    return k;
-}
-
-/* the caller's half of a started job: the tasks left, then the job's memory freed */
-void sluice_experts_q8_join(void *job) {
-    exp_chain *k = (exp_chain *)job;
-    if (k->started) pool_join(k->id, k->total);
-    free(k->xbuf);
-    free(k->gu);
-    free(k->e);
-    free(k);
 }

@@ -40,10 +40,6 @@ if LIB is not None:
     LIB.sluice_linears_q8.argtypes = [i64, ptr, i64, ptr, i64, i32, i32]  # m, descs, K, x, T, planes, path
     LIB.sluice_experts_q8.argtypes = [i64, ptr, i64, i64, ptr, i64, i32, i32]  # n, experts, H, I, x, T, P, path
     LIB.sluice_linears_q8.restype = LIB.sluice_experts_q8.restype = i32
-    LIB.sluice_experts_q8_start.argtypes = [i64, ptr, i64, i64, ptr, i64, i32, i32, ptr]  # ..., path, rc
-    LIB.sluice_experts_q8_start.restype = ptr
-    LIB.sluice_experts_q8_join.argtypes = [ptr]
-    LIB.sluice_experts_q8_join.restype = None
     LIB.sluice_q8_layout.argtypes = [i32, i32]
     LIB.sluice_q8_layout.restype = i32
     LIB.sluice_q8_row_bytes.argtypes = [i64, i32]
@@ -291,7 +287,7 @@ class ExpertCall:
         _run_expert((gf, base + ga, gr, uf, base + ua, ur, df, base + da, dr), h, self.i, x, out, planes, path)
 
     def many(self, raw: torch.Tensor, slots: list[int], x: torch.Tensor, ys: torch.Tensor, rows: list[int],
-             planes: int = DEFAULT_PLANES, *, path: int = BEST, extra: tuple | None = None, during=None) -> None:
+             planes: int = DEFAULT_PLANES, *, path: int = BEST, extra: tuple | None = None) -> None:
         """The experts in rows `slots` of raw (uint8 [S, >= nbytes], one expert per row, rows contiguous) on the
         same x float32 [T, H], expert e into ys[rows[e]] (ys float32 [R, T, H], or [R, H] when T == 1), in one
         native call, the rows of all their projections split over the threads of set_threads (q8.c
@@ -299,9 +295,7 @@ class ExpertCall:
         thread count. Addresses instead of
         slices: a slice is a torch op (~3 us), and a decode layer passes 8 experts. `extra`: (expert_args of one
         more expert of the same H and I, its row of ys), computed in the same call (a layer's shared expert): bitwise
-        what run_expert_args writes for it. `during` (a function of no arguments, or None): called while the
-        pool's other threads compute (sluice_experts_q8_start), the rest of the rows computed once it returns
-        (sluice_experts_q8_join, also when it raises): the same bits; the GIL is this thread's meanwhile."""
+        what run_expert_args writes for it."""
         h, n = self.h, len(slots)
         if not (x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == h and x.is_contiguous()):
             raise ValueError(f"expert x: need contiguous float32 [T, {h}], got {x.dtype} {list(x.shape)}")
@@ -328,22 +322,9 @@ class ExpertCall:
             vals += (*args, yb + 4 * r * th)
             n += 1
         if not n:
-            if during is not None:
-                during()
             return
-        if during is not None:
-            rc = ctypes.c_int(0)
-            job = LIB.sluice_experts_q8_start(n, (ctypes.c_int64 * len(vals))(*vals), h, self.i, x.data_ptr(),
-                                              x.shape[0], _planes(planes), path, ctypes.byref(rc))
-            try:
-                during()
-            finally:
-                if job:
-                    LIB.sluice_experts_q8_join(job)
-            rc = rc.value
-        else:
-            rc = LIB.sluice_experts_q8(n, (ctypes.c_int64 * len(vals))(*vals), h, self.i, x.data_ptr(), x.shape[0],
-                                        _planes(planes), path)
+        rc = LIB.sluice_experts_q8(n, (ctypes.c_int64 * len(vals))(*vals), h, self.i, x.data_ptr(), x.shape[0],
+                                    _planes(planes), path)
         if rc:
             raise MemoryError(f"native experts failed (code {rc}): no memory for {n} experts' [{x.shape[0]} x "
                               f"{self.i}] scratch")
