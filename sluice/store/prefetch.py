@@ -36,7 +36,9 @@ ROUTER_THROTTLE = Throttle(precision=0.2, window=128, cooldown=64)
 #: `--prefetch auto`: guess where the guesses are good. Measured (benchmarks/results/prefetch-router, Intel Xeon, cold,
 #: a cgroup ceiling): guesses 92-99% right won (the issue-30 hybrid Q4_K_M 128.6 -> 103.2 ms a token, the peers
 #: Q4_K_M 62.2 -> 57.5), 68% right lost (the trained demo, +55% bytes read, 48.3 -> 58.3 ms); 0.8 lies between. A
-#: window of 64 reads tells 68% from 80% by two standard deviations (sqrt(0.68 * 0.32 / 64) = 0.058)
+#: window of 64 reads tells 68% from 80% by two standard deviations (sqrt(0.68 * 0.32 / 64) = 0.058). With it
+#: (benchmarks/results/prefetch-router/amd-avx2, AMD EPYC AVX2, `bash benchmarks/prefetch_router.sh`): the hybrid
+#: 89.62 -> 71.78 ms (never paused), the demo 31.93 -> 32.28 (189 guesses paused, 128 read) where router took 34.88
 AUTO_THROTTLE = Throttle(precision=0.8, window=64, cooldown=64, growth=4, max_cooldown=4096)
 
 
