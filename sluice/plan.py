@@ -229,7 +229,7 @@ def _prefetch(options: LoadOptions, memory: int | None, streams: int = 1) -> tup
     if streams > 1:
         return "none", "auto: the guesses read a plain residual, not hyper-connections' streams"
     if options.io != "direct":
-        return "none", f"auto: --io {options.io} reads in the thread that waits (guesses are read by --io direct)"
+        return "none", f"auto: --io {options.io} reads in the thread that waits; guesses are read by --io direct"
     return "auto", ("the next layer's router guesses its experts, read while this layer computes; paused while "
                     "fewer than 80% of the guessed reads are used")
 
