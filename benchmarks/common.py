@@ -87,6 +87,34 @@ def alternate_tokens(tokens: Iterator[Any], arms: Mapping[K, Callable[[], None]]
     return alternate({k: timed(f) for k, f in arms.items()}, rounds)
 
 
+#: the issue-30 model the results/hybrid scripts decode (benchmarks/hybrid/run.sh makes it)
+HYBRID_Q4 = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
+
+
+def decode_options(mode: str) -> dict:
+    """sluice.load's options of the results scripts' decode modes: "resident", everything in memory; "stream" (or
+    "streamed"), the experts streamed at --memory 640MiB, O_DIRECT, no cgroup, each layer's read after its router
+    (--prefetch none, the default their outputs before 2026-12-05 measured; --prefetch auto now guesses); "router",
+    the same with the next layer's guesses read ahead (--prefetch router)."""
+    if mode == "resident":
+        return dict(memory="all")
+    if mode not in ("stream", "streamed", "router"):
+        raise SystemExit(f"mode {mode!r}: resident, stream or router")
+    return dict(memory="640MiB", io="direct", odirect=True, prefetch="router" if mode == "router" else "none")
+
+
+def decode_stream(path: str, mode: str, skip: int = 40):
+    """(the model loaded for `mode` (decode_options), 2 threads, and its greedy stream of up to 1,100 tokens after
+    [5, 6], the first `skip` taken): the in-process A/B scripts' run (alternate_tokens on it)."""
+    import sluice
+
+    m = sluice.load(path, threads=2, max_context=1200, **decode_options(mode))
+    it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
+    for _ in range(skip):
+        next(it)
+    return m, it
+
+
 def median_ms(fns: Mapping[K, Callable[[], Any]], rounds: int, reps: int = 1, warmup: int = 1,
               clock: Callable[[], float] = time.perf_counter) -> dict[K, float]:
     """Milliseconds per call of each function: `warmup` untimed calls of each first, then per round (alternate's

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sluice
-from benchmarks.common import child_json, with_kernels
+from benchmarks.common import child_json, decode_options, with_kernels
 from sluice.quant import matmul, native
 from sluice.quant.native import pool
 from sluice.store import streaming
@@ -82,3 +82,14 @@ def test_child_json_returns_the_last_line_or_exits_with_the_childs_error():
     with pytest.raises(SystemExit, match="knobs.py: file x.gguf: not found"):
         child_json([sys.executable, "-c", "import sys; print('noise', file=sys.stderr); "
                     "sys.exit('knobs.py: file x.gguf: not found')"])
+
+
+def test_decode_options_name_the_read_ahead_so_stream_keeps_meaning_no_guesses():
+    """The results scripts' "stream" mode reads each layer's experts after its router (--prefetch none), whatever
+    sluice's default read-ahead is; "router" guesses; "resident" holds everything; anything else exits naming them."""
+    stream = decode_options("stream")
+    assert stream == dict(memory="640MiB", io="direct", odirect=True, prefetch="none") == decode_options("streamed")
+    assert decode_options("router") == {**stream, "prefetch": "router"}
+    assert decode_options("resident") == dict(memory="all")
+    with pytest.raises(SystemExit, match="resident, stream or router"):
+        decode_options("bogus")

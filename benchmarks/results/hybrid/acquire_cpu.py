@@ -25,7 +25,8 @@ ap.add_argument("--memory", default="640MiB")
 ap.add_argument("--warmup", type=int, default=48)
 ap.add_argument("--tokens", type=int, default=40)
 a = ap.parse_args()
-m = load(a.model, memory=a.memory, io="direct", odirect=True, threads=2, max_context=a.warmup + a.tokens + 16)
+m = load(a.model, memory=a.memory, io="direct", odirect=True, prefetch="none", threads=2,
+         max_context=a.warmup + a.tokens + 16)
 acc: dict[str, list[float]] = {}
 
 

@@ -43,7 +43,8 @@ wrap(native_pool.NativePool, "submit_ops", "pool")
 wrap(native_pool.NativePool, "submit_templates", "pool")
 wrap(StreamingExpertStore, "_plan", "plan_all")
 eng = sys.argv[2] if len(sys.argv) > 2 else "native"
-m = sluice.load(sys.argv[1], memory="640MiB", io="direct", odirect=True, threads=2, max_context=512, io_engine=eng)
+m = sluice.load(sys.argv[1], memory="640MiB", io="direct", odirect=True, prefetch="none", threads=2, max_context=512,
+                io_engine=eng)
 g = m.generate_tokens(list(range(100, 132)), max_tokens=10, temperature=0.0)
 t0 = time.perf_counter()
 next(g)

@@ -31,7 +31,8 @@ if not hasattr(native_pool.NativePool, "submit_ops"):  # after 57657b3 the pool'
         return r
     native_pool.NativePool.submit_templates = pool_submit
 eng = sys.argv[2] if len(sys.argv) > 2 else "native"
-m = sluice.load(sys.argv[1], memory="640MiB", io="direct", odirect=True, threads=2, max_context=200, io_engine=eng)
+m = sluice.load(sys.argv[1], memory="640MiB", io="direct", odirect=True, prefetch="none", threads=2, max_context=200,
+                io_engine=eng)
 ids = [5, 6]
 list(m.generate_tokens(ids, max_tokens=8, temperature=0.0))
 acc.clear()

@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--memory", default="640MiB")
     a = ap.parse_args()
-    m = load(a.model, memory=a.memory, io="direct", odirect=True)
+    m = load(a.model, memory=a.memory, io="direct", odirect=True, prefetch="none")
     lay = m.layout
     files = sorted({p.range.path for L in lay.layers for p in lay.parts(L, 0)})
     align_of = getattr(m.reader, "alignment", lambda files: "4096 (before per-file alignments)")

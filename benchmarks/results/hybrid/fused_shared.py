@@ -16,7 +16,7 @@ from sluice.models.layers.gated_deltanet import GatedDeltaNet
 from sluice.models.layers.moe import MoE
 M = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
 mem = sys.argv[1] if len(sys.argv) > 1 else "all"
-kw = dict(memory="all") if mem == "all" else dict(memory=mem, io="direct", odirect=True)
+kw = dict(memory="all") if mem == "all" else dict(memory=mem, io="direct", odirect=True, prefetch="none")
 m = sluice.load(M, threads=2, max_context=1200, **kw)
 what = sys.argv[3] if len(sys.argv) > 3 else "shared"
 if what == "victims":  # a layer's misses' victims from one sort (policy.victims) vs victim() per miss

@@ -32,10 +32,9 @@ for m in [x for x in pkgutil.iter_modules(nat.__path__) if not x.name.startswith
         if getattr(mod, nm, None) is _lib.LIB: setattr(mod, nm, proxy)
 Q = sys.argv[2] if len(sys.argv) > 2 else "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
 mode = sys.argv[1] if len(sys.argv) > 1 else 'resident'
-kw = dict(memory="all") if mode == 'resident' else dict(memory="640MiB", io="direct", odirect=True)
-if mode == 'router':  # streamed with the next layer's router guessing its experts (--prefetch router)
-    kw["prefetch"] = "router"
-m = sluice.load(Q, threads=2, max_context=300, **kw)
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))  # the repository root
+from benchmarks.common import decode_options
+m = sluice.load(Q, threads=2, max_context=300, **decode_options(mode))  # stream: --prefetch none
 ids = torch.randint(3, 32000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
 N = 40
 def run(n):

@@ -14,8 +14,8 @@ import sys, time
 import sluice
 q, mode, n, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 opts = dict(memory="640MiB", io="direct", odirect=True) if mode != "resident" else dict(memory="all")
-if mode == "router":
-    opts["prefetch"] = "router"
+if mode != "resident":  # streamed: no guesses (the default before 2026-12-05); router: --prefetch router
+    opts["prefetch"] = "router" if mode == "router" else "none"
 m = sluice.load(q, threads=2, max_context=512, **opts)
 g = m.generate_tokens(list(range(100, 132)), max_tokens=n + 2, temperature=0.0)
 next(g); next(g)

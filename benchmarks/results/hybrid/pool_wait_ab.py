@@ -1,6 +1,7 @@
 """In-process A/B of the native pool's wait between jobs (native/pool.py set_wait) on a streamed decode of the
 issue-30 model: wait A ns against wait B ns, switched every 16 tokens of one greedy run (arm order rotated per round,
-one token after each switch untimed). --memory 640MiB, O_DIRECT, no cgroup; `router` adds --prefetch router.
+one token after each switch untimed). --memory 640MiB, O_DIRECT, no cgroup, --prefetch none; `router`: --prefetch
+router (benchmarks/common.py decode_options).
 
     .venv/bin/python benchmarks/results/hybrid/pool_wait_ab.py stream|router ROUNDS A B [MODEL]
 """
@@ -10,19 +11,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for benchmarks.common
 
-import sluice
-from benchmarks.common import alternate_tokens
+from benchmarks.common import HYBRID_Q4, alternate_tokens, decode_stream
 from sluice.quant.native import pool
 
 mode, rounds, a, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-M = sys.argv[5] if len(sys.argv) > 5 else "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
-kw = dict(memory="640MiB", io="direct", odirect=True)
-if mode == "router":
-    kw["prefetch"] = "router"
-m = sluice.load(M, threads=2, max_context=1200, **kw)
-it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
-for _ in range(40):
-    next(it)
+M = sys.argv[5] if len(sys.argv) > 5 else HYBRID_Q4
+m, it = decode_stream(M, mode)
 res = alternate_tokens(it, {b: lambda: pool.set_wait(b), a: lambda: pool.set_wait(a)}, rounds)
 it.close()
 for w in (a, b):

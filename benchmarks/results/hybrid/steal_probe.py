@@ -13,8 +13,9 @@ def stat():
     return v  # user nice system idle iowait irq softirq steal (ticks of 10 ms)
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF); return r.ru_utime + r.ru_stime
-opts = dict(memory="640MiB", io="direct", odirect=True) if mode == "stream" else dict(memory="all")
-m = sluice.load(Q, threads=2, max_context=200, **opts)
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))  # the repository root
+from benchmarks.common import decode_options
+m = sluice.load(Q, threads=2, max_context=200, **decode_options(mode))  # stream: --prefetch none
 ids, n = [5, 6], 40
 list(m.generate_tokens(ids, max_tokens=8, temperature=0.0))
 s0, c0, t0 = stat(), cpu(), time.perf_counter()

@@ -39,10 +39,10 @@ if mode == "prompt":
     pr.disable()
     print(f"prompt: 2048 tokens resident in {time.perf_counter() - t:.1f} s (under cProfile)")
 else:
-    opts = dict(memory="640MiB", io="direct", odirect=True) if mode in ("stream", "router") else dict(memory="all")
-    if mode == "router":  # the stream arm with --prefetch router
-        opts["prefetch"] = "router"
-    m = sluice.load(Q, threads=2, max_context=200, **opts)
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))  # the repository root
+    from benchmarks.common import decode_options
+
+    m = sluice.load(Q, threads=2, max_context=200, **decode_options(mode))  # stream: --prefetch none
     ids, n = [5, 6], 40
     list(m.generate_tokens(ids, max_tokens=8, temperature=0.0))
     c0, t0 = cpu(), time.perf_counter()

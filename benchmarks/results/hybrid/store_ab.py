@@ -3,7 +3,8 @@ the issue-30 model: StreamingExpertStore.acquire / prefetch, FairShareLFU.victim
 the MoE block's Experts._native taken
 from BASE's files (loaded as modules of this package, so everything else is shared) or this tree's, switched every
 16 tokens of one greedy run (arm order rotated per round, one token after each switch untimed), so both arms see the
-same machine moments. Streamed at --memory 640MiB, O_DIRECT, no cgroup; `router` adds --prefetch router.
+same machine moments. Streamed at --memory 640MiB, O_DIRECT, no cgroup, --prefetch none; `router`: --prefetch router
+(benchmarks/common.py decode_options).
 
     .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE stream 16
     .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE router 16
@@ -13,13 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for benchmarks.common
 
-import sluice
-from benchmarks.common import alternate_tokens
+from benchmarks.common import HYBRID_Q4, alternate_tokens, decode_stream
 from sluice.models.layers import moe as new_moe
 from sluice.prerouter import predict as new_predict
 from sluice.store import policy as new_policy, streaming as new_streaming
 
-M = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
+M = HYBRID_Q4
 base, mode = sys.argv[1], sys.argv[2]
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 16
 if not Path(base, "sluice/store/streaming.py").is_file():
@@ -49,13 +49,7 @@ def setf(on: bool) -> None:
         setattr(c, n, f)
 
 
-kw = dict(memory="640MiB", io="direct", odirect=True)
-if mode == "router":
-    kw["prefetch"] = "router"
-m = sluice.load(M, threads=2, max_context=1200, **kw)
-it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
-for _ in range(40):
-    next(it)
+m, it = decode_stream(M, mode)
 res = alternate_tokens(it, {False: lambda: setf(False), True: lambda: setf(True)}, rounds)
 for on in (True, False):
     v = res[on]

@@ -7,7 +7,7 @@ arguments SPIN YIELD set the pool workers' wait after a job (pool.c sluice_set_s
 """
 import os, time, sys, sluice, torch
 Q = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
-opts = dict(memory="640MiB", io="direct", odirect=True)
+opts = dict(memory="640MiB", io="direct", odirect=True, prefetch="none")  # no guesses: the default before 2026-12-05
 m = sluice.load(Q, threads=2, max_context=200, **opts)
 ids = [5, 6]
 import ctypes

@@ -13,7 +13,7 @@ from sluice.engine import load
 
 model = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 48
-m = load(model, memory="640MiB", io="direct", odirect=True, threads=2, max_context=n + 16)
+m = load(model, memory="640MiB", io="direct", odirect=True, prefetch="none", threads=2, max_context=n + 16)
 list(m.generate_tokens([5, 6], max_tokens=n, temperature=0.0))
 ts = m.store._templates
 # each template's own objects (its key, itself, its op array or view, its descriptor), and the op arrays a layer's

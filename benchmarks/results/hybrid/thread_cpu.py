@@ -1,16 +1,15 @@
 """The decode token's CPU by thread of the issue-30 model (/proc/self/task/*/stat: user and system ticks per thread over
 80 tokens after 8, a 32-token prompt): the model's thread ("main"), the C pool's and torch's threads (their comm is
-the process's, "python"), the direct reader's (sluice-io-N). stream: --memory 640MiB, O_DIRECT, no cgroup; router: the same
-with --prefetch router; resident: everything in memory.
+the process's, "python"), the direct reader's (sluice-io-N). stream: --memory 640MiB, O_DIRECT, no cgroup, --prefetch
+none; router: the same with --prefetch router; resident: everything in memory (benchmarks/common.py decode_options).
 
     .venv/bin/python benchmarks/results/hybrid/thread_cpu.py router|stream|resident [MODEL]
 """
 import sluice, torch, time, sys, os, collections
 Q = sys.argv[2] if len(sys.argv) > 2 else "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
-kw = dict(memory="640MiB", io="direct", odirect=True)
-if sys.argv[1] == "router": kw["prefetch"] = "router"
-if sys.argv[1] == "resident": kw = dict(memory="all")
-m = sluice.load(Q, threads=2, max_context=300, **kw)
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))  # the repository root
+from benchmarks.common import decode_options
+m = sluice.load(Q, threads=2, max_context=300, **decode_options(sys.argv[1]))
 def snap():
     out = {}
     for t in os.listdir("/proc/self/task"):
