@@ -20,6 +20,7 @@ from .host.cpus import ThreadGovernor, amx_bf16
 from .host.memory import keep_heap, trim_heap
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, ROW_WORKERS, make_reader
+from .io.direct import resolve_engine
 from .models.layers import Build
 from .models.model import Transformer
 from .models.spec import KVCache
@@ -154,7 +155,7 @@ class Model:
             if self._row_reader is None:
                 workers = self.options.io_workers or (ROW_WORKERS if mode == "direct" else DEFAULT_WORKERS)
                 self._row_reader = make_reader(mode, workers=workers, odirect=self.odirect,
-                                               engine=self.options.io_engine)
+                                               engine=resolve_engine(self.options.io_engine, uring=False))
                 self._row_reader.expect(self.index.stamps())
                 self._own_readers.append(self._row_reader)
             reader = self._row_reader

@@ -29,7 +29,10 @@
 #                                          # by llama.cpp's quantizer with a uniform importance matrix (quality.py
 #                                          # imatrix --uniform: IQ2 types need one); ~40 min on 2 cores
 #   URING=1 bash benchmarks/hybrid/run.sh  # the decode set with one more sluice arm reading through io_uring
-#                                          # (--io-engine uring, its defaults otherwise)
+#                                          # (--io-engine uring, its defaults otherwise: the default engine
+#                                          # where the kernel allows io_uring since 2026-12-05)
+#   THREADS=1 bash benchmarks/hybrid/run.sh  # one more sluice arm reading on preader.c's threads (--io-engine
+#                                          # native, the default engine before 2026-12-05)
 #   ISA=avx2 bash benchmarks/hybrid/run.sh # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
 #                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (and MKL's float32
 #                                          # GEMM: MKL_ENABLE_INSTRUCTIONS=AVX2, since 2026-12-03), llama.cpp built for
@@ -74,6 +77,7 @@ LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp
 [ "${PEERS:-all}" = norepack ] && LLAMA=(--arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts")
 URING_ARMS=()
 [ "${URING:-0}" = 1 ] && URING_ARMS=(--arm sluice-uring="--io direct --memory $MEMORY --io-engine uring ${ISA[*]}")
+[ "${THREADS:-0}" = 1 ] && URING_ARMS+=(--arm sluice-threads="--io direct --memory $MEMORY --io-engine native ${ISA[*]}")
 bench() {  # bench OUTDIR bench-args...
   local dir=$1; shift
   echo "== $Q -> $dir ($(date -u +%H:%M:%S))"

@@ -134,12 +134,14 @@ def prefetch_table(results: dict[str, Any]) -> str:
 
 
 def _reader_text(spec: dict[str, Any]) -> str:
-    """'direct, 8 workers, O_DIRECT' / 'mmap'."""
+    """'direct, 8 workers, native threads, O_DIRECT' / 'direct, 8 reads in flight, io_uring, O_DIRECT' / 'mmap'."""
     if spec["mode"] != "direct":
         return spec["mode"]
-    engines = {"native": ", native threads", "python": ", python threads", "uring": ", io_uring"}
-    engine = engines.get(spec.get("engine"), "")
-    return f"direct, {spec['workers']} workers{engine}, {'O_DIRECT' if spec['odirect'] else 'buffered'}"
+    odirect = "O_DIRECT" if spec["odirect"] else "buffered"
+    if spec.get("engine") == "uring":  # one thread: `workers` is the reads it keeps in flight
+        return f"direct, {spec['workers']} reads in flight, io_uring, {odirect}"
+    engines = {"native": ", native threads", "python": ", python threads"}
+    return f"direct, {spec['workers']} workers{engines.get(spec.get('engine'), '')}, {odirect}"
 
 
 def _paired(s: dict[str, Any]) -> str:

@@ -59,8 +59,27 @@ from sluice.io.templates import ReadTemplate, TemplatePlanner
 DEFAULT_WORKERS = 8
 # Who runs the reads: "native" preader.c's threads (no GIL between submission and the last byte: io/native_pool.py
 # says why), "uring" preader.c's one thread keeping the reads in flight in an io_uring (uring.c says why), "python"
-# threads of this module, "auto" native where it is built.
+# threads of this module, "auto" (resolve_engine) the io_uring where this kernel allows it, else native where built.
 ENGINES = ("auto", "native", "uring", "python")
+
+
+def resolve_engine(engine: str, uring: bool = True) -> str:
+    """The engine "auto" stands for: "uring" where this process may open an io_uring (native_pool.uring_error),
+    else "native" where preader.c is built, else "python"; any other engine as given. uring=False: native first
+    (the row tables' reader, whose many tiny reads were measured on the threads only: ROW_WORKERS).
+
+    Why the io_uring: a streamed decode of the issue-30 model's files, two models of the same file in one process,
+    one per engine, their tokens alternated 16 at a time (benchmarks/results/hybrid/engine_ab.py, 2-core AMD EPYC,
+    virtio disk): the UD IQ2_XXS file 57.71 -> 54.01 ms a token (12 of 12 rounds faster), the Q4_K_M 71.80 ->
+    68.19 (9 of 12), system CPU ~13-14 -> ~6-8 ms a token; a 512-token prompt the same (85.9 vs 84.1 tok/s, the
+    io_uring faster in 4 of 6 rounds) (benchmarks/results/hybrid/engine-ab.txt)."""
+    if engine != "auto":
+        return engine
+    if uring and native_pool.uring_error() is None:
+        return "uring"
+    return "native" if native_pool.available() else "python"
+
+
 # Reads in flight for a row table's direct reads (qwen4_exp's n-gram table, `--ple direct`: a pass's thousands of
 # distinct ~100-300 byte rows, each its own 4 KiB read, one batch the model waits on): 16. The rows of a 2,140-token
 # prompt of real text (27,248 rows of 136 B, in 2 passes) replayed cold, O_DIRECT: 2.30 s at 8 workers, 2.03 at 16,
@@ -321,7 +340,7 @@ class DirectReader:
         if engine in ("native", "uring") and not native_pool.available():
             raise RuntimeError("the native reader (sluice/io/preader.c) is not built: reinstall sluice with a C "
                                "compiler, or use engine='python'")
-        self.engine = engine if engine != "auto" else "native" if native_pool.available() else "python"
+        self.engine = resolve_engine(engine)
         self.workers = workers
         self.odirect = odirect
         self._max_gap = max_gap

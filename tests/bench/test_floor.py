@@ -14,6 +14,7 @@ from sluice.bench import floor as floormod
 from sluice.bench.launch import model_files, prepare
 from sluice.bench.protocol import floor_fields
 from sluice.host.procstat import disk_read_bytes
+from sluice.io.direct import resolve_engine
 
 from .test_bench import budgets, disk_dir, model_dir  # noqa: F401 (fixtures)
 
@@ -74,7 +75,7 @@ def test_the_plan_is_what_the_readers_read_step_by_step(model_dir, capsys):
     # one read" is the plain store's property)
     plan, asked, stats = record(model_dir, bf16, prompt, tokens, warmup=2, io="direct", io_workers=3, odirect=True,
                                 prefetch="none")
-    assert plan["readers"] == [{"mode": "direct", "workers": 3, "odirect": True, "engine": "native"}]
+    assert plan["readers"] == [{"mode": "direct", "workers": 3, "odirect": True, "engine": resolve_engine("auto")}]
     assert plan["warmup"] == 2 and len(plan["steps"]) == len(tokens)
     files = plan["files"]
     assert files and all(Path(f).parent == model_dir for f in files)
@@ -109,7 +110,7 @@ def test_the_floor_replays_exactly_the_plan_cold(model_dir, capsys):
                       for part in [plan["prefill"], *plan["steps"]] for _, ranges in part)
     assert replayed == planned
     assert {p for batch in journal for p, _, _ in batch} == set(plan["files"])
-    assert got["readers"] == [{"mode": "direct", "workers": 2, "odirect": False, "engine": "native",
+    assert got["readers"] == [{"mode": "direct", "workers": 2, "odirect": False, "engine": resolve_engine("auto"),
                                "odirect_fallback": False}]
     timed = plan["steps"][1:]
     assert len(got["step_s"]) == 5 and got["warmup"] == 1

@@ -13,6 +13,7 @@ import torch
 
 from sluice.errors import CheckpointError, ModelFileWarning
 from sluice.io import DirectReader, MmapReader, WillneedReader, make_reader, native_pool
+from sluice.io.direct import resolve_engine
 from sluice.io.base import FileGuard
 from sluice.io.mapped import merged_page_windows
 from sluice.io.ranges import MIN_SPLIT, ReadRange, page_window, plan_reads, split_even
@@ -429,3 +430,41 @@ def test_refused_io_uring_is_one_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"io_uring reader could not start: Operation not permitted.*--io-engine "
                                            r"native"):
         DirectReader(2, engine="uring")
+
+
+def test_auto_engine_is_the_io_uring_where_allowed_else_the_threads(monkeypatch, tmp_path):
+    """--io-engine auto (io/direct.py resolve_engine): the io_uring where this process may open one, preader.c's
+    threads where it is refused (a seccomp filter: EPERM here) and for the row tables' reader (uring=False), the
+    Python threads where nothing is built; the same bytes land either way."""
+    if not native_pool.available():
+        assert resolve_engine("auto") == "python" and DirectReader(2).engine == "python"
+        pytest.skip("the native reader (io/preader.c) is not built: auto is the Python threads (checked)")
+    path = tmp_path / "f.bin"
+    data = torch.randint(0, 256, (3 * 4096 + 77,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path.write_bytes(data.numpy().tobytes())
+
+    def read_with(reader: DirectReader) -> torch.Tensor:
+        out = torch.empty(5000, dtype=torch.uint8)
+        with reader:
+            reader.read([(ReadRange(str(path), 4000, 5000), out)])
+        return out
+
+    assert resolve_engine("native") == "native" and resolve_engine("python", uring=False) == "python"
+    assert resolve_engine("auto", uring=False) == "native"
+    if (why := native_pool.uring_error()) is None:
+        r = DirectReader(2)
+        assert r.engine == "uring" and r.stats()["engine"] == "uring"
+        assert torch.equal(read_with(r), data[4000:9000])
+    else:
+        assert resolve_engine("auto") == "native", why
+    import ctypes
+
+    def refused(*_):
+        ctypes.set_errno(errno.EPERM)
+        return None
+
+    monkeypatch.setattr(native_pool.LIB, "sluice_io_open_uring", refused)
+    assert resolve_engine("auto") == "native"
+    r = DirectReader(2)
+    assert r.engine == "native"
+    assert torch.equal(read_with(r), data[4000:9000])

@@ -11,6 +11,7 @@ own overhead inflates them). The stream arm runs without a memory ceiling: O_DIR
 """
 
 import cProfile
+import os
 import pstats
 import resource
 import sys
@@ -19,7 +20,7 @@ import time
 import sluice
 import torch
 
-Q = "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf"
+Q = os.environ.get("MODEL", "benchmarks/models/qwen3_5_moe-a3b-8GiB/model-Q4_K_M.gguf")  # MODEL=... another file
 mode = sys.argv[1]
 
 
