@@ -95,12 +95,14 @@ def decode_options(mode: str) -> dict:
     """sluice.load's options of the results scripts' decode modes: "resident", everything in memory; "stream" (or
     "streamed"), the experts streamed at --memory 640MiB, O_DIRECT, no cgroup, each layer's read after its router
     (--prefetch none, the default their outputs before 2026-12-05 measured; --prefetch auto now guesses); "router",
-    the same with the next layer's guesses read ahead (--prefetch router)."""
+    the same with the next layer's guesses read ahead (--prefetch router); "auto", with the default read-ahead
+    (--prefetch auto)."""
     if mode == "resident":
         return dict(memory="all")
-    if mode not in ("stream", "streamed", "router"):
-        raise SystemExit(f"mode {mode!r}: resident, stream or router")
-    return dict(memory="640MiB", io="direct", odirect=True, prefetch="router" if mode == "router" else "none")
+    if mode not in ("stream", "streamed", "router", "auto"):
+        raise SystemExit(f"mode {mode!r}: resident, stream, router or auto")
+    prefetch = mode if mode in ("router", "auto") else "none"
+    return dict(memory="640MiB", io="direct", odirect=True, prefetch=prefetch)
 
 
 def decode_stream(path: str, mode: str, skip: int = 40):

@@ -86,10 +86,12 @@ def test_child_json_returns_the_last_line_or_exits_with_the_childs_error():
 
 def test_decode_options_name_the_read_ahead_so_stream_keeps_meaning_no_guesses():
     """The results scripts' "stream" mode reads each layer's experts after its router (--prefetch none), whatever
-    sluice's default read-ahead is; "router" guesses; "resident" holds everything; anything else exits naming them."""
+    sluice's default read-ahead is; "router" guesses; "auto" is the default; "resident" holds everything; anything
+    else exits naming them."""
     stream = decode_options("stream")
     assert stream == dict(memory="640MiB", io="direct", odirect=True, prefetch="none") == decode_options("streamed")
     assert decode_options("router") == {**stream, "prefetch": "router"}
+    assert decode_options("auto") == {**stream, "prefetch": "auto"}
     assert decode_options("resident") == dict(memory="all")
-    with pytest.raises(SystemExit, match="resident, stream or router"):
+    with pytest.raises(SystemExit, match="resident, stream, router or auto"):
         decode_options("bogus")

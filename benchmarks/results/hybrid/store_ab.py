@@ -8,6 +8,9 @@ same machine moments. Streamed at --memory 640MiB, O_DIRECT, no cgroup, --prefet
 
     .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE stream 16
     .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE router 16
+    .venv/bin/python benchmarks/results/hybrid/store_ab.py BASE auto 16 [MODEL]   # the default read-ahead; a file
+
+Experts._one_token is swapped too (since 2026-12-05).
 """
 import importlib.util, statistics, sys
 from pathlib import Path
@@ -19,9 +22,9 @@ from sluice.models.layers import moe as new_moe
 from sluice.prerouter import predict as new_predict
 from sluice.store import policy as new_policy, streaming as new_streaming
 
-M = HYBRID_Q4
 base, mode = sys.argv[1], sys.argv[2]
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 16
+M = sys.argv[4] if len(sys.argv) > 4 else HYBRID_Q4
 if not Path(base, "sluice/store/streaming.py").is_file():
     sys.exit(f"store_ab.py: BASE {base} is not a sluice checkout (no sluice/store/streaming.py): pass a worktree")
 
@@ -40,7 +43,7 @@ oldm = old("sluice.models.layers._base_moe", "sluice/models/layers/moe.py")
 swaps = [(new_streaming.StreamingExpertStore, n, getattr(olds.StreamingExpertStore, n)) for n in ("acquire", "prefetch")]
 swaps += [(new_policy.FairShareLFU, "victims", oldp.FairShareLFU.victims),
           (new_predict.RouterPrerouter, "predict", oldr.RouterPrerouter.predict),
-          (new_moe.Experts, "_native", oldm.Experts._native)]
+          (new_moe.Experts, "_native", oldm.Experts._native), (new_moe.Experts, "_one_token", oldm.Experts._one_token)]
 mine = [(c, n, c.__dict__[n]) for c, n, _ in swaps]
 
 
