@@ -31,8 +31,8 @@
 #   URING=1 bash benchmarks/hybrid/run.sh  # the decode set with one more sluice arm reading through io_uring
 #                                          # (--io-engine uring, its defaults otherwise: the default engine
 #                                          # where the kernel allows io_uring since 2026-12-05)
-#   THREADS=1 bash benchmarks/hybrid/run.sh  # one more sluice arm reading on preader.c's threads (--io-engine
-#                                          # native, the default engine before 2026-12-05)
+#   THREADS=1 bash benchmarks/hybrid/run.sh  # one more sluice arm (decode and prompt sets) reading on preader.c's
+#                                          # threads (--io-engine native, the default engine before 2026-12-05)
 #   ISA=avx2 bash benchmarks/hybrid/run.sh # the AVX2 path on an AVX-512 machine: sluice --isa avx2, torch with
 #                                          # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (and MKL's float32
 #                                          # GEMM: MKL_ENABLE_INSTRUCTIONS=AVX2, since 2026-12-03), llama.cpp built for
@@ -78,6 +78,8 @@ LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp
 URING_ARMS=()
 [ "${URING:-0}" = 1 ] && URING_ARMS=(--arm sluice-uring="--io direct --memory $MEMORY --io-engine uring ${ISA[*]}")
 [ "${THREADS:-0}" = 1 ] && URING_ARMS+=(--arm sluice-threads="--io direct --memory $MEMORY --io-engine native ${ISA[*]}")
+PREFILL_ARMS=()  # THREADS=1: the prompt set's too
+[ "${THREADS:-0}" = 1 ] && PREFILL_ARMS=(--arm sluice-threads="--io direct --memory $PROMPT_MEMORY --io-engine native ${ISA[*]}")
 bench() {  # bench OUTDIR bench-args...
   local dir=$1; shift
   echo "== $Q -> $dir ($(date -u +%H:%M:%S))"
@@ -94,7 +96,7 @@ for set in $SETS; do
     prefill)
       bench "$OUT/prefill$TAG-$CEILING" --cold --ceiling "$CEILING" --steps 1 --warmup 0 --prompt-tokens "$PROMPT" \
         --arm sluice="--io direct --memory $PROMPT_MEMORY ${ISA[*]}" --arm sluice-auto="--io direct ${ISA[*]}" \
-        "${LLAMA[@]}" ;;
+        "${PREFILL_ARMS[@]}" "${LLAMA[@]}" ;;
     resident)
       bench "$OUT/resident$TAG" --warm --steps "$STEPS" --warmup "$WARMUP" --prompt-tokens 32 \
         --arm sluice="--memory all --threads 2 ${ISA[*]}" --arm llama.cpp="peer:llama.cpp --threads 2" \
