@@ -20,7 +20,7 @@ from .host.cpus import ThreadGovernor, amx_bf16
 from .host.memory import keep_heap, trim_heap
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, ROW_WORKERS, make_reader
-from .io.direct import resolve_engine
+from .io.direct import URING_DEPTH, resolve_engine
 from .models.layers import Build
 from .models.model import Transformer
 from .models.spec import KVCache
@@ -71,8 +71,10 @@ class Model:
         keep_heap(p.prefill_bytes)  # process-wide: a prefill's blocks stay in the heap (host/memory.py)
         self.governor = ThreadGovernor(p.threads, set_threads=self._set_threads) if p.governed else None
         self.cache = KVCache(s, p.max_context, self.dtype)  # torch.empty: costs nothing until positions are written
-        self.reader = make_reader(p.options.io, workers=p.options.io_workers or DEFAULT_WORKERS, odirect=self.odirect,
-                                  engine=p.options.io_engine)
+        # the expert reader: the io_uring where allowed, URING_DEPTH reads in flight there (io/direct.py says why)
+        engine = resolve_engine(p.options.io_engine) if p.options.io == "direct" else p.options.io_engine
+        workers = p.options.io_workers or (URING_DEPTH if engine == "uring" else DEFAULT_WORKERS)
+        self.reader = make_reader(p.options.io, workers=workers, odirect=self.odirect, engine=engine)
         # read each weight file only as the version whose header was read: a shard replaced, truncated or rewritten
         # while the model runs is a CheckpointError naming it (io/base.py FileGuard), not a SIGBUS or wrong bytes
         self.reader.expect(self.index.stamps())

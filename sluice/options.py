@@ -20,6 +20,7 @@ import torch
 from .errors import ConfigError
 from .units import format_bytes, parse_size  # noqa: F401  (re-exported: the flags' sizes)
 from .io import DEFAULT_WORKERS, ROW_WORKERS
+from .io.direct import URING_DEPTH
 from .io import MODES as IO_MODES
 from .quant.matmul import MATMUL_MODES
 from .store.rows import MODES as EMBEDDING_MODES
@@ -29,8 +30,9 @@ PLE_MODES = ("auto", *EMBEDDING_MODES)
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
 
-# Direct-read threads: each is a read in flight. The disk saturates at ~8 (io/direct.py's table: 8 and 16 are within
-# noise of each other), and each thread holds a staging buffer of up to 8 MiB: 64 leaves room for deeper NVMe
+# Direct-read threads: each is a read in flight. The disk saturates at ~8 threads (io/direct.py's table: 8 and 16 are
+# within noise of each other; the io_uring's one thread gains up to 16 in flight: io/direct.py URING_DEPTH), and each
+# thread holds a staging buffer of up to 8 MiB: 64 leaves room for deeper NVMe
 # queues while 10^5 threads (a traceback) or 10^9 (an OOM kill) cannot be asked for.
 MAX_IO_WORKERS = 64
 # Compute threads: more than the machine's logical CPUs only makes them wait on each other (and 100,000 of them
@@ -151,12 +153,14 @@ class LoadOptions:
         "direct", choices=IO_MODES, help="how expert bytes are read",
         doc="how expert bytes are read: demand-faulted mapping, mapping + `MADV_WILLNEED`, or `pread` by a worker "
             "pool into owned slot buffers")
-    # io_workers 0: the readers' measured defaults (io/direct.py DEFAULT_WORKERS for experts, ROW_WORKERS for a row
-    # table's own pool)
+    # io_workers 0: the readers' measured defaults (io/direct.py URING_DEPTH for experts on the io_uring,
+    # DEFAULT_WORKERS on threads, ROW_WORKERS for a row table's own pool)
     io_workers: int = option(
-        0, metavar="N", least=0, most=MAX_IO_WORKERS, most_why="the disk saturates at ~8 reads in flight",
-        shown=f"measured: {DEFAULT_WORKERS} for experts, {ROW_WORKERS} for n-gram table rows",
-        help=f"direct-read threads of each pool, at most {MAX_IO_WORKERS}", doc="direct-read threads (both pools)")
+        0, metavar="N", least=0, most=MAX_IO_WORKERS, most_why="the disk saturates at ~8-16 reads in flight",
+        shown=f"measured: {URING_DEPTH} for experts on the io_uring ({DEFAULT_WORKERS} threads without it), "
+              f"{ROW_WORKERS} for n-gram table rows",
+        help=f"direct reads in flight of each pool (its threads, or the io_uring's depth), at most {MAX_IO_WORKERS}",
+        doc="direct reads in flight (both pools: threads, or the io_uring's depth)")
     # io_engine auto: the io_uring where the kernel allows it, else preader.c's threads where the extension is built
     # (io/direct.py resolve_engine says why; the n-gram tables' rows stay on the threads)
     io_engine: str = option(

@@ -62,6 +62,13 @@ DEFAULT_WORKERS = 8
 # threads of this module, "auto" (resolve_engine) the io_uring where this kernel allows it, else native where built.
 ENGINES = ("auto", "native", "uring", "python")
 
+#: the expert reader's reads in flight on the io_uring (--io-workers 0 there): its one thread with 8 in flight read
+#: 900 random 80 KiB blocks at ~0.5 GB/s where 8 threads read ~0.8 and 16 in flight ~0.7-0.8, and a streamed decode
+#: of the issue-30 model's files ran 3.4 (UD IQ2_XXS) and 6.8 ms (Q4_K_M) a token faster at 16 than at 8 (8 of 10
+#: rounds each), 6.5 and 7.8 faster than the 8 threads (10 / 7 of 10), 1.85 faster than 16 threads (9 of 10)
+#: (benchmarks/results/hybrid/engine_ab.py, 2-core AMD EPYC, virtio disk: results/hybrid/engine-ab.txt)
+URING_DEPTH = 16
+
 
 def resolve_engine(engine: str, uring: bool = True) -> str:
     """The engine "auto" stands for: "uring" where this process may open an io_uring (native_pool.uring_error),
@@ -70,9 +77,10 @@ def resolve_engine(engine: str, uring: bool = True) -> str:
 
     Why the io_uring: a streamed decode of the issue-30 model's files, two models of the same file in one process,
     one per engine, their tokens alternated 16 at a time (benchmarks/results/hybrid/engine_ab.py, 2-core AMD EPYC,
-    virtio disk): the UD IQ2_XXS file 57.71 -> 54.01 ms a token (12 of 12 rounds faster), the Q4_K_M 71.80 ->
-    68.19 (9 of 12), system CPU ~13-14 -> ~6-8 ms a token; a 512-token prompt the same (85.9 vs 84.1 tok/s, the
-    io_uring faster in 4 of 6 rounds) (benchmarks/results/hybrid/engine-ab.txt)."""
+    virtio disk): at 8 reads in flight each, the UD IQ2_XXS file 57.71 -> 54.01 ms a token (12 of 12 rounds
+    faster), the Q4_K_M 71.80 -> 68.19 (9 of 12), system CPU ~13-14 -> ~6-8 ms a token; at 16 (URING_DEPTH) 6.5 and
+    7.8 ms faster than the 8 threads; a 512-token prompt the same either way (benchmarks/results/hybrid/
+    engine-ab.txt)."""
     if engine != "auto":
         return engine
     if uring and native_pool.uring_error() is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.io.direct import resolve_engine
+from sluice.io.direct import URING_DEPTH, resolve_engine
 from sluice import cli
 from sluice.bench import BenchError
 from sluice.bench import disk as diskmod
@@ -331,8 +331,9 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monke
     assert children == ["generate", "replay --journal", "replay --journal", "floor", "floor",
                         "replay", "replay", "replay", "replay", "floor", "floor"]
     floor = results["floor"]
-    assert floor["ref"]["plan_summary"]["readers"] == [{"mode": "direct", "workers": 8, "odirect": False,
-                                                         "engine": resolve_engine("auto")}]
+    engine = resolve_engine("auto")  # the default expert reader: the io_uring where allowed, 16 reads in flight there
+    assert floor["ref"]["plan_summary"]["readers"] == [{"mode": "direct", "odirect": False, "engine": engine,
+                                                         "workers": URING_DEPTH if engine == "uring" else 8}]
     assert floor["f32"]["plan_summary"]["readers"][0]["mode"] == "mmap"
     for name in ("ref", "f32"):
         f, sm = floor[name], s[name]
@@ -349,8 +350,8 @@ def test_end_to_end_two_arms_cold(model_dir, tmp_path, cache_home, capsys, monke
     assert "| floor ms before / after | step/floor |" in captured.out
     assert f"| {ref['floor_ms_before']:.2f} / {ref['floor_ms_after']:.2f} |" in captured.out
     assert "I/O floor measured in this run, before the first round and after the last" in captured.out
-    reader = {"uring": "8 reads in flight, io_uring", "native": "8 workers, native threads",
-              "python": "8 workers, python threads"}[resolve_engine("auto")]
+    reader = {"uring": f"{URING_DEPTH} reads in flight, io_uring", "native": "8 workers, native threads",
+              "python": "8 workers, python threads"}[engine]
     assert f"| ref | direct, {reader}, buffered |" in captured.out and "| f32 | mmap |" in captured.out
     assert not (cache_home / "sluice").exists()  # no cached disk figure was read or written
 

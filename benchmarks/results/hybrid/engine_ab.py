@@ -7,6 +7,7 @@ decode_options). MODE prompt: each round one 512-token prompt (random ids, the s
 model at the default read-ahead, timed whole (tok/s).
 
     .venv/bin/python benchmarks/results/hybrid/engine_ab.py auto|router|stream|prompt ROUNDS native uring [MODEL]
+    (an arm "uring16": the io_uring with 16 reads in flight, --io-workers 16)
 """
 import statistics
 import sys
@@ -26,8 +27,14 @@ if mode in ("auto", "prompt"):
 PROMPT = 512
 
 
+def engine_opts(arm: str) -> dict:
+    """An arm's reader: "native", "uring" (8 reads in flight, the default), or "uring16": 16 in flight."""
+    name = arm.rstrip("0123456789")
+    return dict(io_engine=name, io_workers=int(arm[len(name):])) if arm != name else dict(io_engine=arm)
+
+
 def stream(engine: str):
-    m = sluice.load(M, threads=2, max_context=1200, io_engine=engine, **opts)
+    m = sluice.load(M, threads=2, max_context=1200, **engine_opts(engine), **opts)
     it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
     for _ in range(40):
         next(it)
@@ -56,8 +63,8 @@ def prompts(m, seeds):
 if mode == "prompt":
     import itertools
     import torch
-    ma = sluice.load(M, threads=2, max_context=PROMPT + 8, io_engine=a, **opts)
-    mb = sluice.load(M, threads=2, max_context=PROMPT + 8, io_engine=b, **opts)
+    ma = sluice.load(M, threads=2, max_context=PROMPT + 8, **engine_opts(a), **opts)
+    mb = sluice.load(M, threads=2, max_context=PROMPT + 8, **engine_opts(b), **opts)
     ma.logits([5, 6]), mb.logits([5, 6])
     sa, sb = itertools.count(), itertools.count()  # the same prompts in the same order for both
     res = alternate({a: prompts(ma, sa), b: prompts(mb, sb)}, rounds)
