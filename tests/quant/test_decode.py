@@ -12,7 +12,7 @@ from sluice.models.layers.norm import Norm
 from sluice.models.layers.sinks import sink_attention
 from sluice.models.rope import apply_rope
 from sluice.quant import native
-from sluice.quant.native.decode import DecodeAttention, router_probs_bf16, topk_probs
+from sluice.quant.native.decode import DecodeAttention, Guess, router_probs_bf16, topk_probs
 from tests.quant.paths import on_each, same_bits
 
 pytestmark = pytest.mark.skipif(not native.native_available(),
@@ -217,3 +217,35 @@ def test_native_top_k_is_torch_top_k_or_defers_to_it(E, k, norm, dtype):
         assert torch.equal(got[1], ids) and got[0].dtype == w.dtype and torch.equal(got[0], w)
     # the ties made above and the NaN, not the rest; with norm only k = 1, 2, 4, 8 (torch's sum order is known there)
     assert deferred == (300 if norm and k not in (1, 2, 4, 8) else 101)
+
+
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+@pytest.mark.parametrize("E,k", [(64, 8), (256, 8), (512, 10)])
+def test_guess_is_the_norm_router_and_top_k_in_one_call(E, k, path):
+    """decode.c sluice_guess_bf16 (a decode token's guess of the next layer, prerouter/predict.py): the k ids of
+    torch.topk over router_probs_bf16 of rms_norm_scaled_bf16(x), the same bits; where the top k tie, the
+    probabilities (the same as router_probs_bf16's) for torch.topk to choose."""
+    from sluice.quant.native import ops
+    from tests.quant.paths import CODES
+
+    p = CODES[path]
+    g = torch.Generator().manual_seed(E + k)
+    H = 512
+    w = (torch.randn(E, H, generator=g) * 0.1).bfloat16()
+    scale = 1.0 + 0.1 * torch.randn(H, generator=g)
+    guess = Guess(scale, 1e-6, w, k, path=p, norm_path=p)
+    tied = 0
+    for i in range(40):
+        x = (torch.randn(1, H, generator=g) * (1 + i)).bfloat16()
+        probs = router_probs_bf16(ops.rms_norm_scaled_bf16(x, scale, 1e-6, path=p), w, path=p)
+        got = guess(x)
+        if isinstance(got, torch.Tensor):  # a tie: torch.topk decides, on the same probabilities
+            tied += 1
+            assert torch.equal(got, probs)
+            continue
+        assert got == torch.topk(probs, k)[1][0].tolist()
+    assert tied < 40
+    with pytest.raises(ValueError, match="scale"):
+        Guess(scale.bfloat16(), 1e-6, w, k)
+    with pytest.raises(ValueError, match="k must be"):
+        Guess(scale, 1e-6, w, 65)

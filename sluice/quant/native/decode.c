@@ -266,3 +266,18 @@ int sluice_topk_probs(int64_t E, const float *probs, int64_t k, int norm, int bf
     }
     return 1;
 }
+
+/* A decode token's guess of the next MoE layer's experts (prerouter/predict.py RouterPrerouter.predict) in one call:
+ * hb [H] = the zero-centred RMSNorm of x [H] by scale [H] (sluice_rms_norm_scaled_bf16 on the norm's path
+ * norm_scalar), probs [E] = the router's softmax of hb (sluice_router_probs_bf16 on `scalar`), ids [k] = the k
+ * largest (sluice_topk_probs, descending; wf [k] their probabilities). Returns 1, or 0 where topk_probs leaves the
+ * choice to torch.topk (ties, a NaN): probs then holds the probabilities for it. The same bits as the three calls,
+ * one hand-off from Python where there were four (the norm, the router, torch.topk and its index tensor): the guess
+ * took 2.98-3.39 ms of a streamed token's model thread on the 2-core AMD EPYC, 2.38-2.43 this way
+ * (benchmarks/results/hybrid/fused-guess.txt). */
+int sluice_guess_bf16(int64_t E, int64_t H, const uint16_t *x, const float *scale, float eps, int norm_scalar,
+                      const uint16_t *w, int64_t k, uint16_t *hb, float *probs, int64_t *ids, float *wf, int scalar) {
+    sluice_rms_norm_scaled_bf16(1, H, x, scale, eps, hb, norm_scalar);
+    sluice_router_probs_bf16(E, H, hb, w, probs, scalar);
+    return sluice_topk_probs(E, probs, k, 0, 0, ids, wf, NULL);
+}

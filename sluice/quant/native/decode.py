@@ -34,6 +34,9 @@ if _LIB is not None:
     _LIB.sluice_attention_decode_nargs.restype = _i32
     _LIB.sluice_topk_probs.argtypes = [_i64, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr]  # E, probs, k, norm, bf16, ids,
     _LIB.sluice_topk_probs.restype = _i32                                               # weights f32, weights bf16
+    # E, H, x, scale, eps, norm's path, router, k, hb, probs, ids, wf, router's path
+    _LIB.sluice_guess_bf16.argtypes = [_i64, _i64, _ptr, _ptr, _f32, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32]
+    _LIB.sluice_guess_bf16.restype = _i32
 
 #: norm modes of DecodeAttention: Spec.qk_norm -> the C code's number
 NORM_MODES = {"none": 0, "head": 1, "full": 2}
@@ -193,3 +196,34 @@ def topk_probs(probs: torch.Tensor, k: int, norm: bool, dtype: torch.dtype | Non
                                   None if wb is None else wb.data_ptr()):
         return None
     return (wb if bf16 else wf if dtype in (None, torch.float32) else wf.to(dtype)), ids
+
+
+class Guess:
+    """A decode token's guess of a MoE layer's experts in one native call (decode.c sluice_guess_bf16): the
+    zero-centred RMSNorm of x [1, H] bf16 by `scale` [H] float32 (norm.py Norm's scale, on its path `norm_path`), the
+    softmax router `router` [E, H] bf16's probabilities of it (on `path`), their k largest. The same bits as rms_norm_scaled_bf16, router_probs_bf16 and
+    torch.topk; its buffers are made once (one guess at a time, the model's thread)."""
+
+    def __init__(self, scale: torch.Tensor, eps: float, router: torch.Tensor, k: int, path: int = BEST,
+                 norm_path: int = BEST):
+        E, H = router.shape
+        if not (scale.dtype is torch.float32 and scale.is_contiguous() and scale.numel() == H):
+            raise ValueError(f"Guess: scale must be contiguous float32 [{H}], got {scale.dtype} {list(scale.shape)}")
+        _bf16(router, "router", E * H)
+        if not 1 <= k <= min(64, E):
+            raise ValueError(f"Guess: k must be in 1..{min(64, E)}, got {k}")
+        self.E, self.H, self.k, self.eps, self.path, self.norm_path = E, H, k, float(eps), path, norm_path
+        self.scale, self.router = scale, router
+        self.hb = torch.empty(1, H, dtype=torch.bfloat16)
+        self.probs = torch.empty(1, E, dtype=torch.float32)
+        self.ids = torch.empty(k, dtype=torch.int64)
+        self.wf = torch.empty(k, dtype=torch.float32)
+
+    def __call__(self, x: torch.Tensor) -> list[int] | torch.Tensor:
+        """The k ids (descending probability) for x [1, H] bf16; where the top k tie (torch.topk's to choose), the
+        probabilities [1, E] float32 instead (a buffer the next call overwrites)."""
+        if _LIB.sluice_guess_bf16(self.E, self.H, _bf16(x, "x", self.H), self.scale.data_ptr(), self.eps,
+                                  self.norm_path, self.router.data_ptr(), self.k, self.hb.data_ptr(), self.probs.data_ptr(),
+                                  self.ids.data_ptr(), self.wf.data_ptr(), self.path):
+            return self.ids.tolist()
+        return self.probs
