@@ -201,8 +201,9 @@ def topk_probs(probs: torch.Tensor, k: int, norm: bool, dtype: torch.dtype | Non
 class Guess:
     """A decode token's guess of a MoE layer's experts in one native call (decode.c sluice_guess_bf16): the
     zero-centred RMSNorm of x [1, H] bf16 by `scale` [H] float32 (norm.py Norm's scale, on its path `norm_path`), the
-    softmax router `router` [E, H] bf16's probabilities of it (on `path`), their k largest. The same bits as rms_norm_scaled_bf16, router_probs_bf16 and
-    torch.topk; its buffers are made once (one guess at a time, the model's thread)."""
+    softmax router `router` [E, H] bf16's probabilities of it (on `path`), their k largest. The same bits as
+    rms_norm_scaled_bf16, router_probs_bf16 and torch.topk; its buffers are made once (one guess at a time, on the
+    model's thread)."""
 
     def __init__(self, scale: torch.Tensor, eps: float, router: torch.Tensor, k: int, path: int = BEST,
                  norm_path: int = BEST):
@@ -223,7 +224,7 @@ class Guess:
         """The k ids (descending probability) for x [1, H] bf16; where the top k tie (torch.topk's to choose), the
         probabilities [1, E] float32 instead (a buffer the next call overwrites)."""
         if _LIB.sluice_guess_bf16(self.E, self.H, _bf16(x, "x", self.H), self.scale.data_ptr(), self.eps,
-                                  self.norm_path, self.router.data_ptr(), self.k, self.hb.data_ptr(), self.probs.data_ptr(),
-                                  self.ids.data_ptr(), self.wf.data_ptr(), self.path):
+                                  self.norm_path, self.router.data_ptr(), self.k, self.hb.data_ptr(),
+                                  self.probs.data_ptr(), self.ids.data_ptr(), self.wf.data_ptr(), self.path):
             return self.ids.tolist()
         return self.probs
