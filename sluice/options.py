@@ -170,8 +170,8 @@ class LoadOptions:
         doc="who runs `--io direct`'s reads: C threads that never take the GIL (`native`), one C thread keeping "
             "`--io-workers` reads in flight in an io_uring (`uring`: no thread per read; Linux 5.1+, refused by "
             "some containers' seccomp filters), or Python threads (`python`, the reader before them); `auto`: "
-            "uring where the kernel allows it (fewer context switches: ~3 ms a streamed token less on a 2-core "
-            "VM), else native where the extension built; an n-gram table's rows use native. The same bytes land "
+            "uring where the kernel allows it (its one thread, 16 reads in flight: 6-8 ms a streamed token less "
+            "than 8 threads on a 2-core VM), else native where the extension built; an n-gram table's rows use native. The same bytes land "
             "either way")
     # odirect None = auto (engine.py): O_DIRECT when streaming and the experts cannot fit in the memory left beside
     # the budget either (then page cache only adds a copy and constant reclaim: buffered reads measured 1.3-1.6x
