@@ -77,14 +77,20 @@ def alternate_tokens(tokens: Iterator[Any], arms: Mapping[K, Callable[[], None]]
     def timed(switch: Callable[[], None]) -> Callable[[], float]:
         def run() -> float:
             switch()
-            next(tokens)
-            t = time.perf_counter()
-            for _ in range(per_arm):
-                next(tokens)
-            return (time.perf_counter() - t) / per_arm * 1e3
+            return timed_tokens(tokens, per_arm)
         return run
 
     return alternate({k: timed(f) for k, f in arms.items()}, rounds)
+
+
+def timed_tokens(tokens: Iterator[Any], n: int = 16) -> float:
+    """One token of `tokens` untimed, then ms a token over the next `n` (alternate_tokens' arm; engine_ab.py's, which
+    alternates two models' streams)."""
+    next(tokens)
+    t = time.perf_counter()
+    for _ in range(n):
+        next(tokens)
+    return (time.perf_counter() - t) / n * 1e3
 
 
 #: the issue-30 model the results/hybrid scripts decode (benchmarks/hybrid/run.sh makes it)
@@ -105,12 +111,12 @@ def decode_options(mode: str) -> dict:
     return dict(memory="640MiB", io="direct", odirect=True, prefetch=prefetch)
 
 
-def decode_stream(path: str, mode: str, skip: int = 40):
-    """(the model loaded for `mode` (decode_options), 2 threads, and its greedy stream of up to 1,100 tokens after
-    [5, 6], the first `skip` taken): the in-process A/B scripts' run (alternate_tokens on it)."""
+def decode_stream(path: str, mode: str, skip: int = 40, **options):
+    """(the model loaded for `mode` (decode_options, then `options`), 2 threads, and its greedy stream of up to 1,100
+    tokens after [5, 6], the first `skip` taken): the in-process A/B scripts' run (alternate_tokens on it)."""
     import sluice
 
-    m = sluice.load(path, threads=2, max_context=1200, **decode_options(mode))
+    m = sluice.load(path, threads=2, max_context=1200, **{**decode_options(mode), **options})
     it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
     for _ in range(skip):
         next(it)

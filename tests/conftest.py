@@ -1,4 +1,4 @@
-"""Checks of the test run itself, before any test is collected.
+"""Checks of the test run itself, before any test is collected, and fixtures every folder's tests share.
 
 setup.py builds the native kernels with optional=True: a machine without a C compiler still installs sluice and runs
 the torch kernels (`make demo` works there). The tests of those kernels would then skip by the hundred while the run
@@ -37,3 +37,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if not native.native_available() or not native_pool.available():
         raise pytest.UsageError(unbuilt_message(c_compiler()))
+
+
+@pytest.fixture
+def refuse_io_uring(monkeypatch):
+    """A function that, called, makes this process's io_uring refused from then on (for the test), as a kernel or a
+    seccomp filter refuses it (io_uring_setup fails with EPERM): native_pool.uring_error says so, --io-engine auto
+    takes the threads."""
+    import ctypes
+    import errno
+
+    from sluice.io import native_pool
+
+    def refused(*_):
+        ctypes.set_errno(errno.EPERM)
+        return None
+
+    return lambda: monkeypatch.setattr(native_pool.LIB, "sluice_io_open_uring", refused)

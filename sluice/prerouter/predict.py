@@ -82,8 +82,7 @@ class RouterPrerouter:
             ids = guess(x)  # the k ids, or (ties) the probabilities for torch.topk
             if isinstance(ids, list):
                 return nxt, sorted(ids)
-            k = min(self.spec.num_experts, self.spec.top_k + self.margin)
-            return nxt, sorted(torch.topk(ids, k, dim=-1).indices[0].tolist())
+            return nxt, sorted(torch.topk(ids, guess.k, dim=-1).indices[0].tolist())
         h = self.norms[nxt](x)  # [T, H]
         if (self.path is not None and h.shape[0] == 1 and h.dtype is torch.bfloat16 and lw.router_bias is None
                 and lw.router.dtype is torch.bfloat16):

@@ -415,24 +415,18 @@ def test_plan_splits_for_workers():
     assert split_even([], 4) == []
 
 
-def test_refused_io_uring_is_one_clear_error(monkeypatch):
+def test_refused_io_uring_is_one_clear_error(refuse_io_uring):
     """A kernel or a seccomp filter that refuses io_uring (EPERM here): the reader says why and what to use."""
     if not native_pool.available():
         pytest.skip("the native reader (io/preader.c) is not built")
-    import ctypes
-
-    def refused(*_):
-        ctypes.set_errno(errno.EPERM)
-        return None
-
-    monkeypatch.setattr(native_pool.LIB, "sluice_io_open_uring", refused)
+    refuse_io_uring()
     assert "Operation not permitted" in native_pool.uring_error()
     with pytest.raises(RuntimeError, match=r"io_uring reader could not start: Operation not permitted.*--io-engine "
                                            r"native"):
         DirectReader(2, engine="uring")
 
 
-def test_auto_engine_is_the_io_uring_where_allowed_else_the_threads(monkeypatch, tmp_path):
+def test_auto_engine_is_the_io_uring_where_allowed_else_the_threads(refuse_io_uring, tmp_path):
     """--io-engine auto (io/direct.py resolve_engine): the io_uring where this process may open one, preader.c's
     threads where it is refused (a seccomp filter: EPERM here) and for the row tables' reader (uring=False), the
     Python threads where nothing is built; the same bytes land either way."""
@@ -457,13 +451,7 @@ def test_auto_engine_is_the_io_uring_where_allowed_else_the_threads(monkeypatch,
         assert torch.equal(read_with(r), data[4000:9000])
     else:
         assert resolve_engine("auto") == "native", why
-    import ctypes
-
-    def refused(*_):
-        ctypes.set_errno(errno.EPERM)
-        return None
-
-    monkeypatch.setattr(native_pool.LIB, "sluice_io_open_uring", refused)
+    refuse_io_uring()
     assert resolve_engine("auto") == "native"
     r = DirectReader(2)
     assert r.engine == "native"

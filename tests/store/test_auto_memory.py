@@ -269,13 +269,10 @@ def test_a_streamed_prompt_keeps_room_for_its_passes_where_the_budget_can_spare_
     assert fits.memory is None
 
 
-def test_the_default_expert_reader_is_the_io_uring_16_deep_where_allowed(model_dir, resident, monkeypatch):
+def test_the_default_expert_reader_is_the_io_uring_16_deep_where_allowed(model_dir, resident, refuse_io_uring):
     """--io direct with --io-engine auto and --io-workers 0: the io_uring with URING_DEPTH reads in flight where the
     kernel allows it, else preader.c's DEFAULT_WORKERS threads (a refused io_uring: EPERM here); an explicit
     --io-workers wins; the tokens are the same on each."""
-    import ctypes
-    import errno
-
     from sluice.io import DEFAULT_WORKERS, native_pool
     from sluice.io.direct import URING_DEPTH
 
@@ -289,12 +286,7 @@ def test_the_default_expert_reader_is_the_io_uring_16_deep_where_allowed(model_d
         with sluice.load(model_dir, memory=memory, io="direct") as m:
             assert (m.reader.engine, m.reader.workers) == ("uring", URING_DEPTH)
             assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens
-
-    def refused(*_):
-        ctypes.set_errno(errno.EPERM)
-        return None
-
-    monkeypatch.setattr(native_pool.LIB, "sluice_io_open_uring", refused)
+    refuse_io_uring()
     with sluice.load(model_dir, memory=memory, io="direct") as m:
         assert (m.reader.engine, m.reader.workers) == ("native", DEFAULT_WORKERS)
         assert list(m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False)) == tokens

@@ -7,7 +7,7 @@ decode_options). MODE prompt: each round one 512-token prompt (random ids, the s
 model at the default read-ahead, timed whole (tok/s).
 
     .venv/bin/python benchmarks/results/hybrid/engine_ab.py auto|router|stream|prompt ROUNDS native uring [MODEL]
-    (an arm "uring16": the io_uring with 16 reads in flight, --io-workers 16)
+    (an arm "uring16": the io_uring with 16 reads in flight, --io-workers 16; engine_opts)
 """
 import statistics
 import sys
@@ -17,38 +17,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for benchmarks.common
 
 import sluice
-from benchmarks.common import HYBRID_Q4, alternate, decode_options
+from benchmarks.common import HYBRID_Q4, alternate, decode_options, decode_stream, timed_tokens
 
 mode, rounds, a, b = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 M = sys.argv[5] if len(sys.argv) > 5 else HYBRID_Q4
-opts = decode_options("router" if mode in ("auto", "prompt") else mode)
-if mode in ("auto", "prompt"):
-    opts["prefetch"] = "auto"
 PROMPT = 512
 
 
 def engine_opts(arm: str) -> dict:
-    """An arm's reader: "native", "uring" (8 reads in flight, the default), or "uring16": 16 in flight."""
+    """An arm's reader: "native" or "uring" at their default depths (the io_uring's 16 since 21a9d12, 8 before:
+    engine-ab.txt's runs), or with a depth, "uring8", "uring16", "native16" (--io-workers N)."""
     name = arm.rstrip("0123456789")
     return dict(io_engine=name, io_workers=int(arm[len(name):])) if arm != name else dict(io_engine=arm)
-
-
-def stream(engine: str):
-    m = sluice.load(M, threads=2, max_context=1200, **engine_opts(engine), **opts)
-    it = m.generate_tokens([5, 6], max_tokens=1100, temperature=0.0, stop_at_eos=False)
-    for _ in range(40):
-        next(it)
-    return m, it
-
-
-def timed(it, n: int = 16):
-    def run() -> float:
-        next(it)
-        t = time.perf_counter()
-        for _ in range(n):
-            next(it)
-        return (time.perf_counter() - t) / n * 1e3
-    return run
 
 
 def prompts(m, seeds):
@@ -63,6 +43,7 @@ def prompts(m, seeds):
 if mode == "prompt":
     import itertools
     import torch
+    opts = decode_options("auto")
     ma = sluice.load(M, threads=2, max_context=PROMPT + 8, **engine_opts(a), **opts)
     mb = sluice.load(M, threads=2, max_context=PROMPT + 8, **engine_opts(b), **opts)
     ma.logits([5, 6]), mb.logits([5, 6])
@@ -75,8 +56,8 @@ if mode == "prompt":
           f"faster with {a}")
     ma.close(), mb.close()
     sys.exit(0)
-(ma, ia), (mb, ib) = stream(a), stream(b)
-res = alternate({a: timed(ia), b: timed(ib)}, rounds)
+(ma, ia), (mb, ib) = decode_stream(M, mode, **engine_opts(a)), decode_stream(M, mode, **engine_opts(b))
+res = alternate({a: lambda: timed_tokens(ia), b: lambda: timed_tokens(ib)}, rounds)
 for w in (a, b):
     print(f"{mode} {w}: median {statistics.median(res[w]):.2f} ms/token, min {min(res[w]):.2f}")
 d = [x - y for x, y in zip(res[a], res[b])]
