@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sluice.errors import CheckpointError
+from sluice.errors import CheckpointError, ConfigError
 from sluice.io.base import Counters, truncated_error
 from sluice.io.ranges import Read, address
 
@@ -267,6 +267,12 @@ class NativeFuture:
             self._handle = None
 
 
+class IoUringRefused(ConfigError, RuntimeError):
+    """--io-engine uring where this kernel or a seccomp filter refuses io_uring: an option this machine cannot run
+    (the CLI's one `error:` line, exit 2, not an internal error), and a RuntimeError as the reader's other failures to
+    start are."""
+
+
 class NativePool:
     """preader.c's threads for one DirectReader (never shared: two readers, two pools): `workers` threads each doing
     its reads with preadv, or (uring) one thread keeping `workers` reads in flight in an io_uring (uring.c)."""
@@ -277,8 +283,8 @@ class NativePool:
         if not self.handle:
             if uring:
                 err = ctypes.get_errno()
-                raise RuntimeError(f"the io_uring reader could not start: {os.strerror(err)} (a kernel without "
-                                   "io_uring, or a seccomp filter refusing it): use --io-engine native")
+                raise IoUringRefused(f"the io_uring reader could not start: {os.strerror(err)} (a kernel without "
+                                     "io_uring, or a seccomp filter refusing it): use --io-engine native")
             raise RuntimeError(f"the native reader could not start {workers} threads")
         self.pid = os.getpid()
         self._final = (0, 0, 0)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from sluice.errors import CheckpointError, ModelFileWarning
+from sluice.errors import CheckpointError, ConfigError, ModelFileWarning
 from sluice.io import DirectReader, MmapReader, WillneedReader, make_reader, native_pool
 from sluice.io.direct import resolve_engine
 from sluice.io.base import FileGuard
@@ -422,8 +422,9 @@ def test_refused_io_uring_is_one_clear_error(refuse_io_uring):
     refuse_io_uring()
     assert "Operation not permitted" in native_pool.uring_error()
     with pytest.raises(RuntimeError, match=r"io_uring reader could not start: Operation not permitted.*--io-engine "
-                                           r"native"):
+                                           r"native") as refused:
         DirectReader(2, engine="uring")
+    assert isinstance(refused.value, ConfigError)  # the CLI's one `error:` line (exit 2), not an internal error
 
 
 def test_auto_engine_is_the_io_uring_where_allowed_else_the_threads(refuse_io_uring, tmp_path):
