@@ -1,5 +1,6 @@
-"""The native quantized-expert kernels (sluice/quant/native: kernels.c the float path, q8.c the integer path) and the
-direct reader's C workers (sluice/io/preader.c, uring.c) and its planner (plan.c), built at install time.
+"""The native quantized-expert kernels (sluice/quant/native: kernels.c the float path, q8.c the integer path), the
+direct reader's C workers (sluice/io/preader.c, uring.c) and its planner (plan.c), and the streaming store's slot
+table (sluice/store/slots.c), built at install time.
 
 `optional=True`: a machine without a C compiler still installs sluice; sluice.quant.native then reports
 native_available() False and the torch kernels run instead. -ffp-contract=off keeps every dequantized weight the
@@ -19,4 +20,7 @@ setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES, depends=[N
                    # the direct reader's C workers (io/native_pool.py); without it the Python workers read
                    Extension("sluice.io._preader", ["sluice/io/preader.c", "sluice/io/uring.c", "sluice/io/plan.c"],
                              depends=["sluice/io/preader.h"], libraries=["pthread"], extra_compile_args=FLAGS,
+                             optional=True),
+                   # the streaming store's slot table and eviction policy (store/slot_table.py); without it, Python's
+                   Extension("sluice.store._slots", ["sluice/store/slots.c"], extra_compile_args=FLAGS,
                              optional=True)])

@@ -34,8 +34,9 @@ def unbuilt_message(compiler: str | None) -> str:
 def pytest_configure(config: pytest.Config) -> None:
     from sluice.io import native_pool
     from sluice.quant import native
+    from sluice.store import slot_table
 
-    if not native.native_available() or not native_pool.available():
+    if not native.native_available() or not native_pool.available() or not slot_table.native_available():
         raise pytest.UsageError(unbuilt_message(c_compiler()))
 
 

@@ -6,7 +6,8 @@ so a later miss in the same pass can never evict them. acquire() returns with th
 batch per expert), so the math overlaps them; ExpertBatch.wait(j) guards each slot.
 
 Which expert leaves the cache is the policy's decision (store/policy.py: fair-share LRU with decayed use counts by
-default); prefetch bookkeeping (deferred predictions, the throttle, counters) is store/prefetch.py's.
+default, made in C by the slot table, store/slot_table.py, which also keeps the free and pinned slots); prefetch
+bookkeeping (deferred predictions, the throttle, counters) is store/prefetch.py's.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from .base import ExpertBatch
 from .budget import plan_budget
 from .layout import ExpertLayout
 from .pages import page_rows
-from .policy import FairShareLFU, GlobalLRU, Key
+from .policy import GlobalLRU, Key
 from .prefetch import ROUTER_THROTTLE, PrefetchTracker, Throttle
 from .resident import expert_requests, typed_views
+from .slot_table import make_table
 
 
 # A placed slot is up to one O_DIRECT block (the files' alignment, io/odirect.py DIO_ALIGNS) longer, its row rounded up
@@ -84,7 +86,7 @@ class StreamingExpertStore:
                  throttle: Throttle = ROUTER_THROTTLE):
         """`overlap`: acquire returns with the misses' reads in flight (see acquire); False = it returns once every
         read has landed (the math then waits for the slowest expert before running any). `policy`: what to evict
-        (default FairShareLFU). `page_aligned`: place each layer's experts in their slots at their file offsets
+        (default FairShareLFU, its choices made in C where slots.c is built; a policy given runs in Python). `page_aligned`: place each layer's experts in their slots at their file offsets
         modulo the files' O_DIRECT alignment (reader.alignment: 512 to 4096 bytes), so an O_DIRECT reader moves
         their whole blocks straight into the slots (no copy out of a staging buffer); None = when the reader reads
         the experts' files with O_DIRECT and placing costs at most PLACED_MAX_COST of a slot. It takes up to a block
@@ -116,14 +118,13 @@ class StreamingExpertStore:
         self._views: dict[int, memoryview] = {}  # slot -> a byte view of raw[slot], made at its first read
         # (layer, expert) -> its reads planned once (reader.template), None where the reader has no templates
         self._templates: dict[Key, object] | None = {} if hasattr(reader, "submit_templates") else None
-        self.policy = policy if policy is not None else FairShareLFU(layout.layers, s.num_experts, s.top_k, slots)
-        self._owner: list[Key | None] = [None] * slots
-        self._free = list(range(slots - 1, -1, -1))
-        self._pinned: set[int] = set()
+        # what each slot holds, the free and pinned slots, and the policy's victims (store/slot_table.py): in C over
+        # FairShareLFU by default, in Python over `policy` when one is given
+        self.table = make_table(layout.layers, s.n_layers, s.num_experts, s.top_k, slots, policy)
         self._pending: dict[Key, object] = {}  # prefetched entries whose read may be in flight
         self.prefetching = PrefetchTracker(throttle)
         self.usage = torch.zeros((s.n_layers, s.num_experts), dtype=torch.int64)  # routing counts
-        self._usage_rows = self.usage.numpy()  # the same memory: counted per expert, ~2 us (a torch index_put ~46)
+        self.table.count_into(self.usage.numpy())  # the same memory: counted per expert (a torch index_put ~46 us)
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.misses_by_layer = [0] * s.n_layers  # expert reads per layer (prefetches not counted)
         self.io_wait_s = 0.0
@@ -154,30 +155,6 @@ class StreamingExpertStore:
             raw = self.raw[:, shift : shift + self.layout.slot_nbytes]  # [S, slot bytes]
             views = self._shifted[shift] = (raw, *typed_views(self.layout, raw))
         return views
-
-    def _victim(self, layer: int, exclude: set | None = None) -> int | None:
-        """A slot for an expert of `layer`: a free one, else one the policy evicts.
-
-        Never a pinned slot, nor one of `exclude` (the entries a prefetch call is placing right now). An entry
-        whose prefetch may still be in flight can be evicted: `_evict` waits for its read to land first. Returns
-        None when every slot is pinned or excluded (only prefetch can get there: acquire asks for <= max_batch).
-        """
-        if self._free:
-            return self._free.pop()
-        exclude = exclude or set()
-        key = self.policy.victim(layer, lambda k, slot: slot not in self._pinned and k not in exclude)
-        return None if key is None else self._evict(key)
-
-    def _victims(self, layer: int, n: int, keep: set | None = None) -> list[int] | None:
-        """n slots for n missed experts of `layer`, their entries evicted, where the policy names them at once
-        (policy.victims: what n calls of _victim would evict, in order; never a pinned slot nor an entry of `keep`);
-        None when a slot is free or it cannot (the caller then asks _victim per expert)."""
-        if self._free:
-            return None
-        pinned = self._pinned
-        usable = (lambda k, slot: slot not in pinned and k not in keep) if keep else (lambda k, slot: slot not in pinned)
-        keys = self.policy.victims(layer, n, usable)
-        return None if keys is None else [self._evict(k) for k in keys]
 
     def _requests(self, layer: int, expert: int, slot: int) -> list:
         """expert_requests for `slot`, its destinations slices of one memoryview per slot made once: a tensor slice
@@ -227,23 +204,18 @@ class StreamingExpertStore:
             self._templates.update(((layer, e), t) for e, t in enumerate(ts))
         return True
 
-    def _insert(self, key: Key, slot: int) -> None:
-        self.policy.insert(key, slot)
-        self._owner[slot] = key
-
-    def _evict(self, key: Key) -> int:
-        """Drop `key` from the cache (waiting for its in-flight read, if any); return its slot."""
-        slot = self.policy.remove(key)
-        fut = self._pending.pop(key, None)
-        if fut is not None:  # a read may still be writing this slot: let it land before the slot is reused
-            try:
-                fut.result()
-            except Exception:
-                pass
-        self.prefetching.evicted(key)
-        self._owner[slot] = None
-        self.evictions += 1
-        return slot
+    def _evicted(self, keys: Sequence[Key]) -> None:
+        """The table evicted `keys`: a guessed read still in flight into one of their slots lands before the slot is
+        reused (the caller has not queued its new read yet)."""
+        for key in keys:
+            fut = self._pending.pop(key, None)
+            if fut is not None:
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - its bytes are dropped with the entry
+                    pass
+            self.prefetching.evicted(key)
+        self.evictions += len(keys)
 
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         """Pin `experts` of `layer` in slots and queue the misses' reads; return without waiting for them.
@@ -256,25 +228,16 @@ class StreamingExpertStore:
         if len(experts) > self.max_batch:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
         self.settle()  # a previous batch the math abandoned: its reads land before any slot is reused
-        policy, pinned = self.policy, self._pinned
-        # Pass 1: pin every hit first, so a miss below cannot evict an expert this same call is about to use.
-        slots: list[int | None] = [policy.slot((layer, e)) for e in experts]
-        pinned.update(s for s in slots if s is not None)
-        # Pass 2: misses take free or evicted slots; their reads are queued in one call, one batch per expert.
         inflight: dict[int, object] = {}  # j -> the future that fills slot j
         self._batch, self._inflight = (layer, list(experts)), inflight
         t0 = time.perf_counter()
         try:
-            missed = [j for j, s in enumerate(slots) if s is None]  # j of each miss
+            # the hits pinned first (a miss cannot evict an expert this same call is about to use), then the misses
+            # placed in free or evicted slots and pinned; their reads queued in one call, one batch per expert
+            slots, missed, evicted = self.table.acquire(layer, experts)
+            if evicted:
+                self._evicted(evicted)
             if missed:
-                chosen = self._victims(layer, len(missed))
-                for i, j in enumerate(missed):
-                    key = (layer, experts[j])
-                    slot = chosen[i] if chosen is not None else self._victim(layer)
-                    assert slot is not None, "acquire asks for at most max_batch experts"
-                    self._insert(key, slot)
-                    pinned.add(slot)
-                    slots[j] = slot
                 for j, fut in zip(missed, self._submit(layer, [(experts[j], slots[j]) for j in missed])):
                     inflight[j] = fut
         except BaseException:
@@ -286,17 +249,13 @@ class StreamingExpertStore:
         # sooner a layer): none of them changes a victim above, the hits being pinned and the misses not yet cached
         self.misses += len(missed)
         self.misses_by_layer[layer] += len(missed)
-        row = self._usage_rows[layer]
-        for e in experts:
-            row[e] += 1
-        policy.used(layer, experts)
+        self.table.used(layer, experts, missed)  # the hits made the most recent, too
         self.prefetching.routed(layer, experts)
         missed_set = set(missed)
         for j, e in enumerate(experts):
             if j in missed_set:
                 continue
             key = (layer, e)
-            policy.touch(key)
             self.hits += 1
             self.prefetching.hit(key)
             fut = self._pending.pop(key, None)
@@ -355,25 +314,27 @@ class StreamingExpertStore:
 
     def _forget(self, layer: int, experts: Sequence[int]) -> None:
         for e in experts:
-            if (layer, e) in self.policy:
+            if (layer, e) in self.table:
                 self._drop((layer, e))
-        self._pinned.clear()
+        self.table.unpin_all()
 
     def _drop(self, key: Key) -> None:
         """Take `key` out of the cache and free its slot: not a cache decision, so no eviction is counted."""
-        self._free.append(self._evict(key))
+        slot = self.table.remove(key)
+        self._evicted([key])
         self.evictions -= 1
+        self.table.push_free(slot)
 
     def release(self, layer: int) -> None:
         self.settle()
-        self._pinned.clear()
+        self.table.unpin_all()
 
     def lend(self, nbytes: int, keep: int) -> int:
         """Give up to `nbytes` of slot memory back to the kernel while a prompt's passes use it (store/budget.py
         PromptLoan): the last slots, as one range of pages (madvise DONTNEED: out of the RSS and the cgroup's charge),
         never leaving fewer than `keep` (nor top_k); their experts are dropped, every read in flight landed first,
         and max_batch shrinks with them. Returns the bytes released (0: nothing lent); lend_back() returns them."""
-        if self._lent or nbytes <= 0 or self._pinned:
+        if self._lent or nbytes <= 0 or self.table.pinned:
             return 0
         self._populated()
         stride = self.raw.shape[1]
@@ -386,13 +347,13 @@ class StreamingExpertStore:
             try:
                 fut.result()
             except Exception:  # noqa: BLE001 - a failed prefetch leaves bytes no one may trust: dropped below
-                if key in self.policy:
+                if key in self.table:
                     self._drop(key)
         first = self.n_slots - n
         for slot in range(first, self.n_slots):
-            if self._owner[slot] is not None:
-                self._drop(self._owner[slot])
-        self._free = [slot for slot in self._free if slot < first]
+            if (key := self.table.owner(slot)) is not None:
+                self._drop(key)
+        self.table.set_free([slot for slot in self.table.free if slot < first])
         self.max_batch = first
         self._lent = n
         released = release_pages(self.raw[first].data_ptr(), n * stride)
@@ -409,7 +370,7 @@ class StreamingExpertStore:
             return
         first = self.n_slots - self._lent
         self._populating = populate_pages(self.raw[first:], background=True)
-        self._free = list(range(self.n_slots - 1, first - 1, -1)) + self._free
+        self.table.set_free(list(range(self.n_slots - 1, first - 1, -1)) + self.table.free)
         self.max_batch, self._lent = self.n_slots, 0
 
     def _populated(self) -> None:
@@ -430,22 +391,12 @@ class StreamingExpertStore:
         """
         if not prompt and not self.prefetching.allow(layer, experts):
             return
-        entries, keys = [], []  # (expert, slot), (layer, expert)
-        # never a victim of this call: the predicted entries already in memory, and the entries it places
-        keep: set[Key] = {(layer, e) for e in experts if (layer, e) in self.policy}
-        todo = [e for e in dict.fromkeys(experts) if (layer, e) not in keep]
-        # their victims from one sort, as acquire's misses' (the entries this call places are unusable to it as
-        # pinned ones are to policy.victims)
-        chosen = self._victims(layer, len(todo), keep) if todo else None
-        for i, e in enumerate(todo):
-            key = (layer, e)
-            slot = chosen[i] if chosen is not None else self._victim(layer, exclude=keep)
-            if slot is None:
-                break
-            keep.add(key)
-            self._insert(key, slot)
-            entries.append((e, slot))
-            keys.append(key)
+        # never evicting a pinned slot, a predicted expert in memory (trading one guess for another only churns) nor
+        # one it places; their victims from one sort where the policy can, as acquire's misses'
+        entries, evicted = self.table.prefetch(layer, experts)  # (expert, slot) placed
+        if evicted:
+            self._evicted(evicted)
+        keys = [(layer, e) for e, _ in entries]
         if not keys:
             return
         futures: list = []

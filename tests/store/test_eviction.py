@@ -67,7 +67,7 @@ def test_fair_share_beats_plain_lru_below_one_token_working_set(slots):
     fair_rate = fair.hits / (fair.hits + fair.misses)
     plain_rate = plain.hits / (plain.hits + plain.misses)
     # uniform routing: a layer keeping q of E experts hits ~q/E of its top-k
-    assert fair_rate > 0.5 * fair.policy.quota / EXPERTS
+    assert fair_rate > 0.5 * fair.table.quota / EXPERTS
     assert fair_rate > plain_rate
 
 
@@ -408,3 +408,39 @@ def test_a_layers_misses_go_to_the_reader_in_one_call():
     assert reader.calls[1:] == [[4 * 64, 9 * 64]]
     store.acquire(0, [2, 4, 5, 9]).wait_all()  # all hits: no call
     assert len(reader.calls) == 2
+
+
+@pytest.mark.parametrize("slots", [TOP_K + 2, LAYERS * TOP_K // 2, LAYERS * TOP_K + 5])
+def test_native_table_gives_the_python_policys_store(slots):
+    """The default store (FairShareLFU in slots.c) and one over store/policy.py's FairShareLFU in Python, driven by
+    the same decode with guesses (good and poor ones, some prompt read-ahead): the same slot for every expert, the
+    same counters (not the time they took)."""
+    from sluice.store.policy import FairShareLFU
+    from sluice.store.slot_table import NativeSlots, PolicySlots
+
+    c = _store(slots)
+    py = _store(slots, FairShareLFU(list(range(LAYERS)), EXPERTS, TOP_K, slots))
+    if not isinstance(c.table, NativeSlots):
+        pytest.skip("slots.c is not built (no C compiler at install): both stores would be Python's")
+    assert isinstance(py.table, PolicySlots)
+    rng = random.Random(slots)
+    favourites = [e for e in range(EXPERTS) for _ in range(1 + e % 3)]
+    for token in range(60):
+        for layer in range(LAYERS):
+            ids = list(dict.fromkeys(rng.sample(favourites, len(favourites))))[:TOP_K]
+            guess = ids if rng.random() < 0.7 else rng.sample(range(EXPERTS), TOP_K)
+            if layer + 1 < LAYERS:
+                for s in (c, py):
+                    s.prefetch_next(layer + 1, guess if token % 5 else list(range(EXPERTS)))
+            batches = [s.acquire(layer, ids) for s in (c, py)]
+            assert batches[0].slots == batches[1].slots, (token, layer)
+            if token % 7 == 0 and layer + 1 < LAYERS:
+                for s in (c, py):
+                    s.prefetch(layer + 1, list(range(EXPERTS)), prompt=True)
+            for s in (c, py):
+                s.release(layer)
+    timed = ("io_wait_s",)
+    assert {k: v for k, v in c.stats().items() if k not in timed} == {k: v for k, v in py.stats().items()
+                                                                       if k not in timed}
+    assert c.stats()["evictions"] > 0 and c.stats()["prefetch_issued"] > 0
+    assert [c.table.owner(s) for s in range(slots)] == [py.table.owner(s) for s in range(slots)]

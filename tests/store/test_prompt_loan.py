@@ -78,7 +78,7 @@ def test_a_long_prompt_borrows_slots_with_a_resident_runs_bits(model_dir, monkey
         st = store.stats()
         assert st["prompt_loans"] == 1 and st["prompt_lent_bytes"] > 0
         assert store.max_batch == store.n_slots and not store._lent  # the slots are back
-        assert len(store._free) + len(store.policy) == store.n_slots  # every slot free or holding an expert
+        assert len(store.table.free) + len(store.table) == store.n_slots  # every slot free or holding an expert
         seen.clear()
         m.forget_cache()  # the whole prompt again, not its reused prefix
         tokens = list(m.generate_tokens(PROMPT, max_tokens=6, stop_at_eos=False))
@@ -133,14 +133,14 @@ def test_lend_gives_the_pages_back_and_lend_back_returns_empty_slots(model_dir, 
         assert _resident_pages(tail) == tail.numel() // mmap.PAGESIZE
         assert store.lend(1 << 40, keep) == n * stride  # asked for more than it has: all but `keep`
         assert _resident_pages(tail) == 0 and store.max_batch == keep
-        assert all(store._owner[s] is None for s in range(keep, store.n_slots))
+        assert all(store.table.owner(s) is None for s in range(keep, store.n_slots))
         assert store.lend(stride, keep) == 0  # one loan at a time
         with pytest.raises(ValueError, match="slots"):
             store.acquire(0, list(range(keep + 1)))  # more than the slots left
         store.lend_back()
         store._populated()  # its thread's pages in
         assert _resident_pages(tail) == tail.numel() // mmap.PAGESIZE and store.max_batch == store.n_slots
-        assert sorted(store._free)[-n:] == list(range(keep, store.n_slots))
+        assert sorted(store.table.free)[-n:] == list(range(keep, store.n_slots))
         m.logits(PROMPT[:64])  # the store works as before
 
 
@@ -222,6 +222,6 @@ def test_a_prompt_that_fails_midway_gives_the_slots_back(model_dir, monkeypatch)
         with pytest.raises(RuntimeError, match="a layer failed"):
             m.logits(PROMPT)
         assert not store._lent and store.max_batch == store.n_slots
-        assert len(store._free) + len(store.policy) == store.n_slots
+        assert len(store.table.free) + len(store.table) == store.n_slots
         m.model.layers = layers
         assert torch.equal(m.logits(PROMPT), expected) and store.stats()["prompt_loans"] == 3

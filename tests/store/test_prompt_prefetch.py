@@ -76,9 +76,9 @@ def test_a_read_ahead_whose_reader_fails_midway_keeps_the_cache_true(model_dir, 
         with pytest.raises(RuntimeError, match="reader closed"):
             store.prefetch(layer, list(range(spec.num_experts)), prompt=True)
         m.reader.submit = submit
-        placed = [(layer, e) for e in range(spec.num_experts) if (layer, e) in store.policy]
+        placed = [(layer, e) for e in range(spec.num_experts) if (layer, e) in store.table]
         assert len(placed) == 2 * group and all(k in store._pending for k in placed)
-        assert len(store._free) + len(store.policy) == store.n_slots
+        assert len(store.table.free) + len(store.table) == store.n_slots
         assert torch.equal(m.logits(LONG), want)
 
 

@@ -131,7 +131,7 @@ def test_victims_at_once_place_what_one_at_a_time_places(model_dir, reference, p
 
             def recorded(layer, experts, _acquire=acquire, _store=store, _states=states):
                 batch = _acquire(layer, experts)
-                _states.append((layer, list(_store._owner), list(batch.slots)))
+                _states.append((layer, [_store.table.owner(s) for s in range(_store.n_slots)], list(batch.slots)))
                 return batch
 
             store.acquire = recorded
@@ -159,7 +159,7 @@ class _SpyReader:
         store = self.store_ref[0]
         for _, dest in requests if self.in_prefetch else ():
             base = (dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)).data_ptr()
-            for s in store._pinned:
+            for s in store.table.pinned:
                 start = store.raw[s].data_ptr()
                 if start <= base < start + store.raw.shape[1]:
                     self.violations += 1
