@@ -164,17 +164,18 @@ class Counters:
         """Batches' counters: per batch ReadPlan.counts (requests, bytes_requested, bytes_read, reads, coalesced,
         dedup_saved_bytes; io/templates.py ReadTemplate keeps them from its plan); `journal(k)`: batch k's file reads,
         asked only while a journal is kept."""
+        batches = len(counts)
+        req, asked, read, reads, coalesced, dedup = [sum(c) for c in zip(*counts)] if counts else [0] * 6
         with self._lock:
             if self.journal is not None and journal is not None:
-                self.journal.extend(journal(k) for k in range(len(counts)))
-            for req, asked, read, reads, coalesced, dedup in counts:
-                self.batches += 1
-                self.requests += req
-                self.bytes_requested += asked
-                self.bytes_read += read
-                self.reads += reads
-                self.coalesced += coalesced
-                self.dedup_saved_bytes += dedup
+                self.journal.extend(journal(k) for k in range(batches))
+            self.batches += batches
+            self.requests += req
+            self.bytes_requested += asked
+            self.bytes_read += read
+            self.reads += reads
+            self.coalesced += coalesced
+            self.dedup_saved_bytes += dedup
 
     def add_wait(self, seconds: float) -> None:
         with self._lock:
