@@ -70,11 +70,19 @@ if [ -n "${UD:-}" ]; then
 fi
 mkdir -p "$OUT"; "${SLUICE[@]}" inspect "$Q" --memory "$MEMORY" > "$OUT/inspect$TAG.txt" 2>&1
 
+# llama.cpp-norepack+random: repacking off AND MADV_RANDOM, since 2026-12-05. Where llama.cpp's repacked defaults
+# die (SIGILL on the Intel AMX VM) the bench turns repacking off for the +random arm too, and that pair was by far
+# llama.cpp's best at 1 GiB there (the UD file: 166.80 ms/token against 731.56 with repacking off alone,
+# results/hybrid/intel-amx-ud); where the defaults run (the AMD EPYC), +random kept repacking and was OOM-killed, so
+# the pair was never measured and the verdicts compared with repacking off alone.
 LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
-       --arm llama.cpp+random="peer:llama.cpp --madvise random")
-# PEERS=norepack: the 1 GiB sets with repacking off alone (the defaults and MADV_RANDOM were OOM-killed in every
-# round of every 1 GiB run so far: results/hybrid/README.md); the verdicts then compare with that arm
-[ "${PEERS:-all}" = norepack ] && LLAMA=(--arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts")
+       --arm llama.cpp+random="peer:llama.cpp --madvise random"
+       --arm llama.cpp-norepack+random="peer:llama.cpp --no-extra-bufts --madvise random")
+# PEERS=norepack: the 1 GiB sets with repacking off alone and with MADV_RANDOM (the defaults and MADV_RANDOM with
+# repacking were OOM-killed in every round of every 1 GiB run on the AMD EPYC: results/hybrid/README.md); the verdicts
+# compare with the better of the two
+[ "${PEERS:-all}" = norepack ] && LLAMA=(--arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
+                                         --arm llama.cpp-norepack+random="peer:llama.cpp --no-extra-bufts --madvise random")
 URING_ARMS=()
 [ "${URING:-0}" = 1 ] && URING_ARMS=(--arm sluice-uring="--io direct --memory $MEMORY --io-engine uring ${ISA[*]}")
 [ "${THREADS:-0}" = 1 ] && URING_ARMS+=(--arm sluice-threads="--io direct --memory $MEMORY --io-engine native ${ISA[*]}")

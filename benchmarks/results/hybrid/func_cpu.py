@@ -22,10 +22,15 @@ def wrap(obj, name, label):
     setattr(obj, name, g)
 import sluice.store.streaming as S, sluice.models.layers.moe as M, sluice.prerouter.predict as P, sluice.models.model as MM
 import sluice.models.layers.gated_deltanet as GD
+try:  # the slot table (0d2f38c): its placements where _victims was the policy's part before
+    import sluice.store.slot_table as T
+except ImportError:
+    T = None
 for cls, name in [(S.StreamingExpertStore, "acquire"), (S.StreamingExpertStore, "prefetch"), (S.StreamingExpertStore, "_submit"),
                   (S.StreamingExpertStore, "_victims"), (S.StreamingExpertStore, "_wait"), (S.StreamingExpertStore, "release"),
+                  (T and T.NativeSlots, "acquire"), (T and T.NativeSlots, "prefetch"), (T and T.NativeSlots, "used"),
                   (M.MoE, "__call__"), (M.Experts, "_native"), (P.RouterPrerouter, "predict"), (GD.GatedDeltaNet if hasattr(GD, "GatedDeltaNet") else None, "__call__")]:
-    if cls is None: continue
+    if cls is None or not hasattr(cls, name): continue  # what the checkout has
     wrap(cls, name, f"{cls.__name__}.{name}")
 ids = torch.randint(3, 32000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
 g = m.generate_tokens(ids, max_tokens=88, temperature=0.0, stop_at_eos=False)
