@@ -4,9 +4,10 @@ eviction policy's choices when an acquire's misses or a guess's reads need slots
 Two implementations, one interface (tests/store/test_slot_table.py drives both with the same random acquire / guess /
 drop sequences and compares every slot they choose):
 - `PolicySlots`: Python, over any policy of store/policy.py (a test's GlobalLRU, FairShareLFU), the reference;
-- `NativeSlots`: slots.c, FairShareLFU's choices in C, the default where the extension is built: the placement in
-  Python took ~80 us of the model's thread per call, twice a layer in a guessed decode (~7 ms of a 54 ms streamed
-  token of the issue-32 UD file on the AMD EPYC VM: benchmarks/results/hybrid/func_cpu.txt).
+- `NativeSlots`: slots.c, FairShareLFU's choices in C, the default where the extension is built: the policy's
+  victims alone took ~80 us of the model's thread a call in Python, 3.2-3.4 ms of a ~54 ms streamed token of the
+  issue-32 UD file on the AMD EPYC VM (benchmarks/results/hybrid/fused-guess.txt); the table's three calls take 1.4 ms
+  a token on the Intel VM where the victims took 2.4 (func-cpu-intel.txt; A/B in slot-table.txt).
 
 The table evicts; the store does what an eviction means for the reads (a guessed read still in flight lands before
 its slot is reused) and counts it: `acquire` and `prefetch` return the keys they evicted.

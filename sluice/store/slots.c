@@ -4,8 +4,9 @@
  * acquire's misses or a guess's reads, one more records the acquire's uses.
  *
  * Why: the placement in Python (the policy's sort of a layer's entries, its `usable` lambda per entry, the
- * OrderedDicts, the free list and the pins) took ~80 us of the model's thread per call, twice a layer in a guessed
- * decode: ~7 ms of a 54 ms streamed token of the issue-32 UD file on the AMD EPYC VM (func_cpu.txt); here a few us.
+ * OrderedDicts, the free list and the pins): the victims alone took ~80 us of the model's thread a call, 3.2-3.4 ms of
+ * a ~54 ms streamed token of the issue-32 UD file on the AMD EPYC VM (benchmarks/results/hybrid/fused-guess.txt); per
+ * call here 10-14 us with the Python around it (slot-table.txt).
  *
  * Keys are layer * experts + expert. The policy (store/policy.py FairShareLFU's docstring has the why):
  *   - recency: a tick per cached key, stamped at its first insert and at each hit (touch); smaller is older;
