@@ -115,3 +115,15 @@ def test_bad_calls_are_clean_errors():
         c.set_free([0])
     with pytest.raises(ValueError, match="usage counts"):
         c.count_into(np.zeros((2, 8), dtype=np.int32))
+
+
+def test_the_table_a_store_gets(monkeypatch):
+    """make_table: a given policy runs in Python; else FairShareLFU in C, or in Python where slots.c is not built."""
+    from sluice.store import slot_table
+    from sluice.store.policy import GlobalLRU
+
+    assert isinstance(slot_table.make_table([0, 1], 2, 8, 2, 6, GlobalLRU()), PolicySlots)
+    assert isinstance(slot_table.make_table([0, 1], 2, 8, 2, 6), NativeSlots)
+    monkeypatch.setattr(slot_table, "LIB", None)
+    t = slot_table.make_table([0, 1], 2, 8, 2, 6)
+    assert isinstance(t, PolicySlots) and isinstance(t.policy, FairShareLFU) and t.quota == 2
