@@ -63,6 +63,7 @@ for kind in $MODELS; do
       --arm llama.cpp="peer:llama.cpp" \
       --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts" \
       --arm llama.cpp+random="peer:llama.cpp --madvise random" \
+      --arm llama.cpp-norepack+random="peer:llama.cpp --no-extra-bufts --madvise random" \
       --arm accelerate="peer:accelerate --max-memory $ACC_MEM" \
       --peer-python "$PEER_PY" --out "$DIR" "$@"
   done

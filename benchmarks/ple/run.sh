@@ -58,8 +58,11 @@ mkdir -p "$OUT"
 "${SLUICE[@]}" inspect "$Q" --memory "$MEMORY" > "$OUT/inspect.txt" 2>&1
 lscpu > "$OUT/lscpu.txt"
 
+# llama.cpp-norepack+random: repacking off with MADV_RANDOM, llama.cpp's best arm under a ceiling where it was run
+# (benchmarks/hybrid/run.sh, 2026-12-05); +random alone keeps repacking wherever the defaults run
 LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
-       --arm llama.cpp+random="peer:llama.cpp --madvise random")
+       --arm llama.cpp+random="peer:llama.cpp --madvise random"
+       --arm llama.cpp-norepack+random="peer:llama.cpp --no-extra-bufts --madvise random")
 for set in $SETS; do
   echo "== $set ($(date -u +%H:%M:%S))"
   case $set in

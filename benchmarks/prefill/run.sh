@@ -54,7 +54,8 @@ for set in $SETS; do
   esac
   bench "$M" "$OUT/$set$TAG-$CEILING" --cold --ceiling "$CEILING" \
     --arm sluice="--io direct --memory $MEMORY ${ACT[*]}" --arm llama.cpp="peer:llama.cpp" \
-    --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts" --arm llama.cpp+random="peer:llama.cpp --madvise random"
+    --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts" --arm llama.cpp+random="peer:llama.cpp --madvise random" \
+    --arm llama.cpp-norepack+random="peer:llama.cpp --no-extra-bufts --madvise random"
   bench "$M" "$OUT/$set$TAG-resident" --warm --arm resident="--memory all ${ACT[*]}"
   .venv/bin/python benchmarks/tables.py prefill "$M" "$OUT/$set$TAG-$CEILING" "$OUT/$set$TAG-resident" \
     --out "$OUT/$set$TAG.md"

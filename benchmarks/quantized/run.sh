@@ -72,8 +72,11 @@ PEERS=benchmarks/models/qwen3_moe-peers
 SIX=benchmarks/models/qwen3_moe-6GiB-i512
 model "$PEERS" --size 3.4GB --layers 16 --experts 64 --top-k 8 --expert-intermediate 512
 
+# llama.cpp-norepack+random: repacking off with MADV_RANDOM, llama.cpp's best arm under a ceiling where it was run
+# (benchmarks/hybrid/run.sh, 2026-12-05); +random alone keeps repacking wherever the defaults run
 LLAMA=(--arm llama.cpp="peer:llama.cpp" --arm llama.cpp-norepack="peer:llama.cpp --no-extra-bufts"
-       --arm llama.cpp+random="peer:llama.cpp --madvise random")
+       --arm llama.cpp+random="peer:llama.cpp --madvise random"
+       --arm llama.cpp-norepack+random="peer:llama.cpp --no-extra-bufts --madvise random")
 bench() {  # bench MODEL OUTDIR bench-args...: sluice's arms ("--arm name=FLAGS", not peer:) get ISA's flags
   local m=$1 dir=$2$TAG; shift 2
   local args=() a
