@@ -144,7 +144,10 @@ class PolicySlots:
         if self.free:
             return None
         pinned = self.pinned
-        usable = (lambda k, slot: slot not in pinned and k not in keep) if keep else (lambda k, slot: slot not in pinned)
+        if keep:
+            usable = lambda k, slot: slot not in pinned and k not in keep  # noqa: E731
+        else:
+            usable = lambda k, slot: slot not in pinned  # noqa: E731
         keys = self.policy.victims(layer, n, usable)
         if keys is None:
             return None

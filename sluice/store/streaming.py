@@ -86,13 +86,13 @@ class StreamingExpertStore:
                  throttle: Throttle = ROUTER_THROTTLE):
         """`overlap`: acquire returns with the misses' reads in flight (see acquire); False = it returns once every
         read has landed (the math then waits for the slowest expert before running any). `policy`: what to evict
-        (default FairShareLFU, its choices made in C where slots.c is built; a policy given runs in Python). `page_aligned`: place each layer's experts in their slots at their file offsets
-        modulo the files' O_DIRECT alignment (reader.alignment: 512 to 4096 bytes), so an O_DIRECT reader moves
-        their whole blocks straight into the slots (no copy out of a staging buffer); None = when the reader reads
-        the experts' files with O_DIRECT and placing costs at most PLACED_MAX_COST of a slot. It takes up to a block
-        and a page per slot, paid for by fewer slots, never by more memory: as many as `budget` bytes hold (at most one
-        per expert), else as many as `slots` slots' bytes hold. `throttle`: when a decode's guesses pause
-        (store/prefetch.py)."""
+        (default FairShareLFU, its choices made in C where slots.c is built; a policy given runs in Python).
+        `page_aligned`: place each layer's experts in their slots at their file offsets modulo the files' O_DIRECT
+        alignment (reader.alignment: 512 to 4096 bytes), so an O_DIRECT reader moves their whole blocks straight into
+        the slots (no copy out of a staging buffer); None = when the reader reads the experts' files with O_DIRECT and
+        placing costs at most PLACED_MAX_COST of a slot. It takes up to a block and a page per slot, paid for by fewer
+        slots, never by more memory: as many as `budget` bytes hold (at most one per expert), else as many as `slots`
+        slots' bytes hold. `throttle`: when a decode's guesses pause (store/prefetch.py)."""
         s = layout.spec
         self.layout, self.reader, self.overlap = layout, reader, overlap
         align = _alignment(layout, reader) if page_aligned is not False else 0
