@@ -172,7 +172,8 @@ def _load() -> ctypes.CDLL | None:
             ("sluice_slots_owner", [_ptr, _i32], _i32), ("sluice_slots_keys", [_ptr, _ptr], _i32),
             ("sluice_slots_pin", [_ptr, _i32, _i32], None), ("sluice_slots_unpin_all", [_ptr], None),
             ("sluice_slots_pinned", [_ptr, _ptr], _i32), ("sluice_slots_get_free", [_ptr, _ptr], _i32),
-            ("sluice_slots_set_free", [_ptr, _ptr, _i32], _i32), ("sluice_slots_quota", [_ptr], _i32)):
+            ("sluice_slots_set_free", [_ptr, _ptr, _i32], _i32),
+            ("sluice_slots_push_free", [_ptr, _i32], _i32), ("sluice_slots_quota", [_ptr], _i32)):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     return lib
@@ -279,7 +280,8 @@ class NativeSlots:
         return self._out[: LIB.sluice_slots_get_free(self._h, self._out_p)].tolist()
 
     def push_free(self, slot: int) -> None:
-        self.set_free(self.free + [slot])
+        if LIB.sluice_slots_push_free(self._h, slot):
+            raise ValueError(f"free slot {slot}: out of range, holding an expert or free already")
 
     def set_free(self, slots: list[int]) -> None:
         a = np.asarray(slots, dtype=np.int32)

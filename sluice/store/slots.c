@@ -304,6 +304,15 @@ int32_t sluice_slots_get_free(const slots_t *t, int32_t *out) {
     return t->n_free;
 }
 
+/* push `slot` on the free stack (taken next); -1 when it is out of range, holds a key or is free already */
+int32_t sluice_slots_push_free(slots_t *t, int32_t slot) {
+    if (slot < 0 || slot >= t->slots || t->owner[slot] >= 0 || t->n_free >= t->slots) return -1;
+    for (int32_t i = 0; i < t->n_free; i++)
+        if (t->free_[i] == slot) return -1;
+    t->free_[t->n_free++] = slot;
+    return 0;
+}
+
 /* replace the free stack (bottom first); -1 when n is out of range or a slot repeats or holds a key */
 int32_t sluice_slots_set_free(slots_t *t, const int32_t *slots, int32_t n) {
     if (n < 0 || n > t->slots) return -1;

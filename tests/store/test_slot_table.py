@@ -113,6 +113,8 @@ def test_bad_calls_are_clean_errors():
         c.remove((1, 5))
     with pytest.raises(ValueError, match="holding an expert"):
         c.set_free([0])
+    with pytest.raises(ValueError, match="holding an expert or free already"):
+        c.push_free(0)
     with pytest.raises(ValueError, match="usage counts"):
         c.count_into(np.zeros((2, 8), dtype=np.int32))
 
