@@ -20,7 +20,7 @@ from .host.cpus import ThreadGovernor, amx_bf16
 from .host.memory import keep_heap, trim_heap
 from .host.procstat import counters, memory_status
 from .io import DEFAULT_WORKERS, ROW_WORKERS, make_reader
-from .io.direct import URING_DEPTH, resolve_engine
+from .io.engines import URING_DEPTH, resolve_engine
 from .models.layers import Build
 from .models.model import Transformer
 from .models.spec import KVCache

@@ -20,7 +20,7 @@ import torch
 from .errors import ConfigError
 from .units import format_bytes, parse_size  # noqa: F401  (re-exported: the flags' sizes)
 from .io import DEFAULT_WORKERS, ROW_WORKERS
-from .io.direct import URING_DEPTH
+from .io.engines import URING_DEPTH
 from .io import MODES as IO_MODES
 from .quant.matmul import MATMUL_MODES
 from .store.rows import MODES as EMBEDDING_MODES

@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 from sluice.io.base import Reader, ReadFuture, Request
-from sluice.io.direct import DEFAULT_WORKERS, ROW_WORKERS, DirectReader
+from sluice.io.direct import DEFAULT_WORKERS, DirectReader
+from sluice.io.engines import ROW_WORKERS
 from sluice.io.mapped import MmapReader, WillneedReader
 from sluice.io.ranges import ReadRange, page_window, plan_reads
 from sluice.io.tensor import read_bytes

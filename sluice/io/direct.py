@@ -32,7 +32,7 @@ from sluice.errors import CheckpointError
 from sluice.io import native_pool
 from sluice.io.base import (Counters, FileGuard, ReadFuture, Request, done_future, thread_faults,
                             truncated_error)
-from sluice.io.engines import ENGINES, ROW_WORKERS, URING_DEPTH, resolve_engine  # noqa: F401 (re-exported)
+from sluice.io.engines import ENGINES, resolve_engine
 from sluice.io.odirect import direct_iovecs, odirect_align
 from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, address, as_buffer,
                                copy_bytes, plan_reads, split_even)

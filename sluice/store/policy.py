@@ -35,6 +35,13 @@ Key = tuple[int, int]  # (layer, expert)
 Usable = Callable[[Key, int], bool]  # may this (key, slot) be evicted now? (not pinned, not being placed)
 
 
+def fair_share(slots: int, top_k: int, layers: int) -> int:
+    """Each MoE layer's fair share of `slots`: what is left after the working layer's top_k, split evenly over
+    `layers`. (An even split of all slots cascades: the working layer's top_k - share extra slots come out of the next
+    layer's share, which then arrives empty and steals from the one after it; measured 0 hits on a 6-layer sweep.)"""
+    return max(1, (slots - top_k) // max(1, layers))
+
+
 class GlobalLRU:
     """Least recently used over all layers."""
 
@@ -87,10 +94,7 @@ class FairShareLFU(GlobalLRU):
     def __init__(self, layers: Sequence[int], num_experts: int, top_k: int, slots: int):
         super().__init__()
         self._by_layer: dict[int, OrderedDict[Key, int]] = {L: OrderedDict() for L in layers}
-        # Each MoE layer's fair share: what is left after the working layer's top_k, split evenly. (An even split of
-        # all slots cascades: the working layer's top_k - share extra slots come out of the next layer's share,
-        # which then arrives empty and steals from the one after it; measured 0 hits on a 6-layer sweep.)
-        self.quota = max(1, (slots - top_k) // max(1, len(layers)))
+        self.quota = fair_share(slots, top_k, len(layers))
         # Decayed use counts without touching every entry per step: a use adds the layer's increment, which grows by
         # 1/DECAY per acquire; comparisons within a layer only need the ratios (rescaled before they overflow).
         self._score: dict[int, list[float]] = {L: [0.0] * num_experts for L in layers}

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .policy import FairShareLFU, GlobalLRU, Key
+from .policy import FairShareLFU, GlobalLRU, Key, fair_share
 
 _i32, _ptr = ctypes.c_int32, ctypes.c_void_p
 
@@ -154,9 +154,6 @@ class PolicySlots:
         evicted.extend(keys)
         return [self.remove(k) for k in keys]
 
-    def close(self) -> None:
-        pass
-
 
 def _load() -> ctypes.CDLL | None:
     spec = importlib.util.find_spec("sluice.store._slots")
@@ -170,10 +167,10 @@ def _load() -> ctypes.CDLL | None:
             ("sluice_slots_prefetch", [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _ptr], _i32),
             ("sluice_slots_remove", [_ptr, _i32], _i32), ("sluice_slots_slot", [_ptr, _i32], _i32),
             ("sluice_slots_owner", [_ptr, _i32], _i32), ("sluice_slots_keys", [_ptr, _ptr], _i32),
-            ("sluice_slots_pin", [_ptr, _i32, _i32], None), ("sluice_slots_unpin_all", [_ptr], None),
+            ("sluice_slots_count", [_ptr], _i32), ("sluice_slots_unpin_all", [_ptr], None),
             ("sluice_slots_pinned", [_ptr, _ptr], _i32), ("sluice_slots_get_free", [_ptr, _ptr], _i32),
             ("sluice_slots_set_free", [_ptr, _ptr, _i32], _i32),
-            ("sluice_slots_push_free", [_ptr, _i32], _i32), ("sluice_slots_quota", [_ptr], _i32)):
+            ("sluice_slots_push_free", [_ptr, _i32], _i32)):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     return lib
@@ -213,7 +210,7 @@ class NativeSlots:
     """PolicySlots over FairShareLFU, in slots.c (module docstring). `layers`: the MoE layers (ids < n_layers)."""
 
     def __init__(self, layers: Sequence[int], n_layers: int, num_experts: int, top_k: int, slots: int):
-        self.quota = max(1, (slots - top_k) // max(1, len(layers)))  # FairShareLFU's
+        self.quota = fair_share(slots, top_k, len(layers))  # FairShareLFU's
         self._experts, self._slots, self._layers = num_experts, slots, n_layers
         self._usage, self._usage_p = None, 0
         self._h = LIB.sluice_slots_open(n_layers, num_experts, slots, self.quota)
@@ -251,7 +248,7 @@ class NativeSlots:
         return LIB.sluice_slots_slot(self._h, self._code(key)) >= 0
 
     def __len__(self) -> int:
-        return LIB.sluice_slots_keys(self._h, self._out_p)
+        return LIB.sluice_slots_count(self._h)
 
     def __iter__(self) -> Iterator[Key]:
         """The cached keys, oldest first."""

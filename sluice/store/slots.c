@@ -284,8 +284,11 @@ int32_t sluice_slots_keys(const slots_t *t, int32_t *out) {
     return n;
 }
 
-void sluice_slots_pin(slots_t *t, int32_t slot, int32_t on) {
-    if (slot >= 0 && slot < t->slots) t->pinned[slot] = on != 0;
+/* how many keys are cached */
+int32_t sluice_slots_count(const slots_t *t) {
+    int32_t n = 0;
+    for (int32_t L = 0; L < t->layers; L++) n += t->count[L];
+    return n;
 }
 
 void sluice_slots_unpin_all(slots_t *t) { memset(t->pinned, 0, (size_t)t->slots); }
@@ -330,5 +333,3 @@ int32_t sluice_slots_set_free(slots_t *t, const int32_t *slots, int32_t n) {
     t->n_free = n;
     return 0;
 }
-
-int32_t sluice_slots_quota(const slots_t *t) { return t->quota; }

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.io.direct import URING_DEPTH, resolve_engine
+from sluice.io.engines import URING_DEPTH, resolve_engine
 from sluice import cli
 from sluice.bench import BenchError
 from sluice.bench import disk as diskmod

@@ -14,7 +14,7 @@ from sluice.bench import floor as floormod
 from sluice.bench.launch import model_files, prepare
 from sluice.bench.protocol import floor_fields
 from sluice.host.procstat import disk_read_bytes
-from sluice.io.direct import resolve_engine
+from sluice.io.engines import resolve_engine
 
 from .test_bench import budgets, disk_dir, model_dir  # noqa: F401 (fixtures)
 

@@ -13,7 +13,7 @@ import torch
 
 from sluice.errors import CheckpointError, ConfigError, ModelFileWarning
 from sluice.io import DirectReader, MmapReader, WillneedReader, make_reader, native_pool
-from sluice.io.direct import resolve_engine
+from sluice.io.engines import resolve_engine
 from sluice.io.base import FileGuard
 from sluice.io.mapped import merged_page_windows
 from sluice.io.ranges import MIN_SPLIT, ReadRange, page_window, plan_reads, split_even

@@ -274,7 +274,7 @@ def test_the_default_expert_reader_is_the_io_uring_16_deep_where_allowed(model_d
     kernel allows it, else preader.c's DEFAULT_WORKERS threads (a refused io_uring: EPERM here); an explicit
     --io-workers wins; the tokens are the same on each."""
     from sluice.io import DEFAULT_WORKERS, native_pool
-    from sluice.io.direct import URING_DEPTH
+    from sluice.io.engines import URING_DEPTH
 
     tokens, resident_bytes, expert = resident
     memory = resident_bytes + 4 * expert
