@@ -16,7 +16,7 @@ TORCH_PIP := $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX) --retries 0
 
 .PHONY: demo test install clean
 
-NATIVE := $(wildcard sluice/quant/native/*.c sluice/quant/native/*.h sluice/io/*.c sluice/store/*.c)
+NATIVE := $(wildcard sluice/quant/native/*.c sluice/quant/native/*.cc sluice/quant/native/*.h sluice/io/*.c sluice/store/*.c)
 # setup.py builds the native kernels in place (pip install -e): a changed C source or header reinstalls. The build is
 # optional (no C compiler: the torch kernels run, `make demo` works); without it the stamp is not written, so the next
 # make tries again (after a compiler is installed), and `make test` stops with one line (tests/conftest.py).

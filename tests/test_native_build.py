@@ -41,3 +41,19 @@ def test_a_run_without_the_extension_fails_with_one_line(cc, says):
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
     assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout + r.stderr
     assert len(lines) == 1 and lines[0].startswith(f"ERROR: {says}"), lines
+
+
+@pytest.mark.parametrize("cxx, fails", [("/nonexistent/c++", False), (sys.executable, True)])
+def test_a_run_without_the_cxx_extension_fails_only_where_a_cxx_compiler_is(cxx, fails):
+    """topk.cc (the router's tie order) is the C++ part: where a C++ compiler is here and it did not build, the run
+    stops with one line; where none is, the run goes on (its tests skip, saying so, and ties go to torch.topk)."""
+    env = {**os.environ, "CXX": cxx}
+    r = subprocess.run([sys.executable, "-c", CHILD.format(module="sluice.quant.native._topk")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    if fails:
+        assert r.returncode == pytest.ExitCode.USAGE_ERROR, out
+        assert f"sluice's C++ extension (sluice/quant/native/topk.cc) did not build although a C++ compiler is here " \
+               f"({sys.executable})" in out
+    else:
+        assert r.returncode == pytest.ExitCode.OK, out

@@ -79,7 +79,7 @@ class RouterPrerouter:
             x = x[:: -(-x.shape[0] // GUESS_ROWS)].contiguous()  # [<= GUESS_ROWS, H]
         guess = self._guess.get(nxt)
         if guess is not None and x.shape[0] == 1 and x.dtype is torch.bfloat16 and x.is_contiguous():
-            ids = guess(x)  # the k ids, or (ties) the probabilities for torch.topk
+            ids = guess(x)  # the k ids, or (a NaN; ties without topk.cc) the probabilities for torch.topk
             if isinstance(ids, list):
                 return nxt, sorted(ids)
             return nxt, sorted(torch.topk(ids, guess.k, dim=-1).indices[0].tolist())

@@ -187,12 +187,14 @@ def test_router_probs_pick_what_torch_picks(E, k):
         router_probs_bf16(x, w.float())
 
 
-@pytest.mark.parametrize("E,k", [(64, 8), (8, 2), (128, 8), (512, 10)])
+@pytest.mark.parametrize("E,k", [(64, 8), (8, 2), (128, 8), (512, 10), (1024, 8)])
 @pytest.mark.parametrize("norm,dtype", [(True, torch.bfloat16), (False, torch.bfloat16), (True, None)])
-def test_native_top_k_is_torch_top_k_or_defers_to_it(E, k, norm, dtype):
+@pytest.mark.parametrize("ties", [True, False])
+def test_native_top_k_is_torch_top_k_or_defers_to_it(E, k, norm, dtype, ties, need_topk):
     """decode.c sluice_topk_probs against routing.top_of_probs (torch.topk, the sum, the division, the cast):
-    bitwise where the k largest are unique, and None (the model then asks torch) where a tie decides: equal
-    probabilities among the k largest or at the k-th, a NaN."""
+    bitwise, ties included where `ties` (topk.cc: torch's own algorithms; equal probabilities among the k largest,
+    at the k-th, several, as bf16 logits give them); None (the model then asks torch) for a NaN, and for those ties
+    when not `ties`. (1024, 8): torch's partial_sort branch (k * 64 <= E)."""
     from types import SimpleNamespace
 
     from sluice.models.routing import top_of_probs
@@ -207,21 +209,59 @@ def test_native_top_k_is_torch_top_k_or_defers_to_it(E, k, norm, dtype):
             probs[0, order[1]] = probs[0, order[0]]
         if i % 6 == 4:  # a tie at the k-th: the next one equal to it
             probs[0, order[k]] = probs[0, order[k - 1]]
+        if i % 6 == 3:  # many: the probabilities of bf16 logits (equal logits, equal probabilities)
+            probs = torch.softmax(torch.randn(1, E, generator=g).bfloat16().float() * 2, dim=-1)
+            order = torch.argsort(probs[0], descending=True)
+            probs[0, order[: k + 2]] = probs[0, order[k]].item()
         if i == 5:
             probs[0, 3] = float("nan")
-        got = topk_probs(probs, k, norm, dtype)
+        got = topk_probs(probs, k, norm, dtype, ties=ties)
         w, ids = top_of_probs(spec, probs, torch.bfloat16)
         if got is None:
             deferred += 1
             continue
         assert torch.equal(got[1], ids) and got[0].dtype == w.dtype and torch.equal(got[0], w)
-    # the ties made above and the NaN, not the rest; with norm only k = 1, 2, 4, 8 (torch's sum order is known there)
-    assert deferred == (300 if norm and k not in (1, 2, 4, 8) else 101)
+    # the NaN (and, without `ties`, the ties made above), not the rest; with norm only k = 1, 2, 4, 8 (torch's sum
+    # order is known there)
+    assert deferred == (300 if norm and k not in (1, 2, 4, 8) else 1 if ties else 151)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 65, 256, 511, 512, 1024, 4096])
+def test_topk_torch_is_torch_topk_where_values_tie(n, need_topk):
+    """topk.cc against torch.topk on rows of a few distinct values (every k: ties inside the k largest, across the
+    k-th, everywhere), NaNs (torch ranks them first), +-inf, -0.0 beside 0.0: the same indices in the same order
+    and the same values; k out of range or a row over SLUICE_TOPK_MAX is None. ties_exact (the check the models
+    run once) holds on this build."""
+    from sluice.quant.native.decode import ties_exact, topk_torch
+
+    g = torch.Generator().manual_seed(n)
+    for i in range(60):
+        levels = 1 + i % 9
+        row = torch.randint(0, levels, (n,), generator=g).float() / levels
+        if i % 5 == 2:
+            row[torch.randint(0, n, (max(1, n // 50),), generator=g)] = float("nan")
+        if i % 5 == 3:
+            row[torch.randint(0, n, (max(1, n // 50),), generator=g)] = float("inf")
+            row[torch.randint(0, n, (max(1, n // 50),), generator=g)] = -float("inf")
+        if i % 5 == 4:
+            row[row == 0] = torch.where(torch.rand(int((row == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+        for k in sorted({min(n, k) for k in (1, 2, 8, 10, 64, n)}):
+            want = torch.topk(row, k)
+            got = topk_torch(row, k)
+            assert torch.equal(got[1], want.indices), (n, i, k)
+            nan = want.values.isnan()
+            assert torch.equal(got[0].isnan(), nan) and torch.equal(got[0][~nan], want.values[~nan])
+            assert torch.equal(got[0].signbit(), want.values.signbit())
+    assert topk_torch(row, 0) is None and topk_torch(row, n + 1) is None
+    assert topk_torch(torch.zeros(4097), 8) is None
+    with pytest.raises(ValueError, match="float32"):
+        topk_torch(row.double(), 1)
+    assert ties_exact()
 
 
 @pytest.mark.parametrize("path", ["avx2", "portable"])
 @pytest.mark.parametrize("E,k", [(64, 8), (256, 8), (512, 10)])
-def test_guess_is_the_norm_router_and_top_k_in_one_call(E, k, path):
+def test_guess_is_the_norm_router_and_top_k_in_one_call(E, k, path, need_topk):
     """decode.c sluice_guess_bf16 (a decode token's guess of the next layer, prerouter/predict.py): the k ids of
     torch.topk over router_probs_bf16 of rms_norm_scaled_bf16(x), the same bits; where the top k tie, the
     probabilities (the same as router_probs_bf16's) for torch.topk to choose."""
@@ -233,18 +273,20 @@ def test_guess_is_the_norm_router_and_top_k_in_one_call(E, k, path):
     H = 512
     w = (torch.randn(E, H, generator=g) * 0.1).bfloat16()
     scale = 1.0 + 0.1 * torch.randn(H, generator=g)
-    guess = Guess(scale, 1e-6, w, k, path=p, norm_path=p)
+    guess = Guess(scale, 1e-6, w, k, path=p, norm_path=p, ties=False)
+    exact = Guess(scale, 1e-6, w, k, path=p, norm_path=p, ties=True)
     tied = 0
     for i in range(40):
         x = (torch.randn(1, H, generator=g) * (1 + i)).bfloat16()
         probs = router_probs_bf16(ops.rms_norm_scaled_bf16(x, scale, 1e-6, path=p), w, path=p)
+        assert exact(x) == torch.topk(probs, k)[1][0].tolist()  # ties too: torch's choice
         got = guess(x)
         if isinstance(got, torch.Tensor):  # a tie: torch.topk decides, on the same probabilities
             tied += 1
             assert torch.equal(got, probs)
             continue
         assert got == torch.topk(probs, k)[1][0].tolist()
-    assert tied < 40
+    assert 0 < tied < 40  # the ties both guesses met: bf16 logits of this router tie
     with pytest.raises(ValueError, match="scale"):
         Guess(scale.bfloat16(), 1e-6, w, k)
     with pytest.raises(ValueError, match="k must be"):

@@ -16,6 +16,7 @@
 #include <math.h>
 
 #include "common.h"
+#include "topk.h"
 
 /* sum of a[d] * b[d] over n bf16 values in 8 float lanes (value d into lane d % 8, a product then a sum: no fused
  * multiply-add), the lanes added by reduce8; the AVX2 copy does the same operations in one vector */
@@ -199,25 +200,49 @@ void sluice_attend_bf16(int64_t nH, int64_t nKV, int64_t D, int64_t rot, uint16_
     if (gate) gate_bf16(out, gate, nH * D, scalar);
 }
 
+/* the logits of router rows [e0, e1) into probs (sluice_router_probs_bf16's first loop) */
+typedef struct {
+    int64_t E, H, per;
+    const uint16_t *x, *w;
+    float *probs;
+    dot_fn dot;
+} logits_t;
+
+static void logits_task(void *ctx, int64_t i) {
+    const logits_t *a = ctx;
+    int64_t e1 = (i + 1) * a->per < a->E ? (i + 1) * a->per : a->E;
+    for (int64_t e = i * a->per; e < e1; e++) {
+#if SLUICE_X86
+        /* the next row's lines requested ahead: the router sits in memory the layer's experts pushed out of the
+         * caches (breakdown.py moe: `router`) */
+        if (e + 1 < e1)
+            for (int64_t b = 0; b < 2 * a->H; b += 64)
+                _mm_prefetch((const char *)(a->w + (e + 1) * a->H) + b, _MM_HINT_T0);
+#endif
+        a->probs[e] = bf16_float(bf16_round(a->dot(a->x, a->w + e * a->H, a->H)));
+    }
+}
+
+/* rows per task of the logits: the router's 256 KiB (256 experts x 512 bf16) read from memory in 4 tasks over the
+ * native threads (one row a task costs more in hand-offs than it saves) */
+#define LOGIT_ROWS 64
+
 /* The softmax router's probabilities for one token (routing.softmax_topk's first two steps): logits = bf16(x . w_e)
  * for the E rows of w [E, H] (x and w bf16, rounded as F.linear's bf16 output is), then softmax in float32 into
  * probs [E]. Equal logits give equal probabilities and the order of unequal ones is kept, so torch.topk over them
- * picks what it picks over torch's own probabilities of the same logits (ties included). */
+ * picks what it picks over torch's own probabilities of the same logits (ties included). The logits in tasks of
+ * LOGIT_ROWS rows over the pool (each the same dot whichever thread runs it: the same bits): a decode token's router
+ * and guess took ~47 and ~64 us a layer on the model's thread alone, the router cold in memory (results/hybrid/
+ * router-ab.txt). */
 void sluice_router_probs_bf16(int64_t E, int64_t H, const uint16_t *x, const uint16_t *w, float *probs, int scalar) {
     dot_fn dot;
     axpy_fn axpy;
     pick(scalar, &dot, &axpy);
+    logits_t a = {E, H, LOGIT_ROWS, x, w, probs, dot};
+    pool_run(logits_task, &a, (E + LOGIT_ROWS - 1) / LOGIT_ROWS);
     float mx = -INFINITY;
-    for (int64_t e = 0; e < E; e++) {
-#if SLUICE_X86
-        /* the next row's lines requested ahead: the router sits in memory the layer's experts pushed out of the
-         * caches (breakdown.py moe: `router`) */
-        if (e + 1 < E)
-            for (int64_t b = 0; b < 2 * H; b += 64) _mm_prefetch((const char *)(w + (e + 1) * H) + b, _MM_HINT_T0);
-#endif
-        probs[e] = bf16_float(bf16_round(dot(x, w + e * H, H)));
+    for (int64_t e = 0; e < E; e++)
         if (probs[e] > mx) mx = probs[e];
-    }
     float sum = 0.0f;
     for (int64_t e = 0; e < E; e++) {
         probs[e] = expf(probs[e] - mx);
@@ -230,15 +255,16 @@ void sluice_router_probs_bf16(int64_t E, int64_t H, const uint16_t *x, const uin
  * descending order (ids [k], as torch.topk's), their weights [k] in float32 (divided by their sum when `norm`: the
  * sum in index order from 0, as torch 2.13's sum of k = 1, 2, 4 or 8 float32 values runs (not of 6 or 10: another
  * k with `norm` returns 0; tests/quant/test_decode.py holds torch to it) and, when `bf16` is 1, rounded to bf16 into
- * wb [k] as torch's .to(bfloat16). Returns 1, or 0 without writing when the answer is torch.topk's to choose: a NaN,
- * or two equal values among the k largest or between the k-th and the next (ties; torch resolves them its own
- * way, and the caller runs torch.topk on probs). One call instead of 4 torch ops, slow with the caches cold after
- * the experts (breakdown.py moe: `topk`). */
-int sluice_topk_probs(int64_t E, const float *probs, int64_t k, int norm, int bf16, int64_t *ids, float *wf,
-                      uint16_t *wb) {
+ * wb [k] as torch's .to(bfloat16). Two equal values among the k largest or between the k-th and the next (ties)
+ * are resolved by `ties`, torch.topk's order (topk.cc: the same standard-library calls on the same pairs; decode.py
+ * ties_exact checks it against torch once per process); where `ties` is NULL a tie returns 0 without writing and
+ * the caller runs torch.topk on probs. Returns 1, or 0 for a NaN (torch's to rank) or such a tie. One call instead
+ * of 4 torch ops, slow with the caches cold after the experts (breakdown.py moe: `topk`). */
+int sluice_topk_probs(int64_t E, const float *probs, int64_t k, int norm, int bf16, topk_fn ties, int64_t *ids,
+                      float *wf, uint16_t *wb) {
     if (k < 1 || k > 64 || k > E || (norm && k != 1 && k != 2 && k != 4 && k != 8)) return 0;
     int64_t id[64], n = 0;
-    float v[64], out = -INFINITY;  /* v: the k largest so far, descending; out: the largest of the others */
+    float v[64] = {0}, out = -INFINITY;  /* v: the k largest so far, descending; out: the largest of the others */
     for (int64_t e = 0; e < E; e++) {
         float p = probs[e];
         if (p != p) return 0;
@@ -254,9 +280,9 @@ int sluice_topk_probs(int64_t E, const float *probs, int64_t k, int norm, int bf
         for (; at > 0 && v[at - 1] < p; at--) v[at] = v[at - 1], id[at] = id[at - 1];
         v[at] = p, id[at] = e;
     }
-    if (out == v[k - 1]) return 0;
-    for (int64_t j = 1; j < k; j++)
-        if (v[j] == v[j - 1]) return 0;
+    int tied = out == v[k - 1];
+    for (int64_t j = 1; j < k; j++) tied |= v[j] == v[j - 1];
+    if (tied && !(ties && ties(E, probs, k, id, v))) return 0;
     float sum = 0.0f;
     for (int64_t j = 0; j < k; j++) sum = sum + v[j];
     for (int64_t j = 0; j < k; j++) {
@@ -270,14 +296,15 @@ int sluice_topk_probs(int64_t E, const float *probs, int64_t k, int norm, int bf
 /* A decode token's guess of the next MoE layer's experts (prerouter/predict.py RouterPrerouter.predict) in one call:
  * hb [H] = the zero-centred RMSNorm of x [H] by scale [H] (sluice_rms_norm_scaled_bf16 on the norm's path
  * norm_scalar), probs [E] = the router's softmax of hb (sluice_router_probs_bf16 on `scalar`), ids [k] = the k
- * largest (sluice_topk_probs, descending; wf [k] their probabilities). Returns 1, or 0 where topk_probs leaves the
- * choice to torch.topk (ties, a NaN): probs then holds the probabilities for it. The same bits as the three calls,
- * one hand-off from Python where there were four (the norm, the router, torch.topk and its index tensor): the guess
- * took 2.98-3.39 ms of a streamed token's model thread on the 2-core AMD EPYC, 2.38-2.43 this way
- * (benchmarks/results/hybrid/fused-guess.txt). */
+ * largest (sluice_topk_probs, descending, ties by `ties`; wf [k] their probabilities). Returns 1, or 0 where
+ * topk_probs leaves the choice to torch.topk (a NaN; ties where `ties` is NULL): probs then holds the probabilities.
+ * The same bits as the three calls, one hand-off from Python where there were four (the norm, the router,
+ * torch.topk and its index tensor): the guess took 2.98-3.39 ms of a streamed token's model thread on the 2-core
+ * AMD EPYC, 2.38-2.43 this way (benchmarks/results/hybrid/fused-guess.txt). */
 int sluice_guess_bf16(int64_t E, int64_t H, const uint16_t *x, const float *scale, float eps, int norm_scalar,
-                      const uint16_t *w, int64_t k, uint16_t *hb, float *probs, int64_t *ids, float *wf, int scalar) {
+                      const uint16_t *w, int64_t k, topk_fn ties, uint16_t *hb, float *probs, int64_t *ids, float *wf,
+                      int scalar) {
     sluice_rms_norm_scaled_bf16(1, H, x, scale, eps, hb, norm_scalar);
     sluice_router_probs_bf16(E, H, hb, w, probs, scalar);
-    return sluice_topk_probs(E, probs, k, 0, 0, ids, wf, NULL);
+    return sluice_topk_probs(E, probs, k, 0, 0, ties, ids, wf, NULL);
 }

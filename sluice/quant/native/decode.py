@@ -14,6 +14,7 @@ code. What they compute, and how it compares with the torch expressions, is in d
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 
 import torch
 
@@ -32,11 +33,30 @@ if _LIB is not None:
     _LIB.sluice_attention_decode.argtypes = [_ptr, _f32, _f32, _ptr, _i64, _i64, _ptr]
     _LIB.sluice_attention_decode.restype = _i32
     _LIB.sluice_attention_decode_nargs.restype = _i32
-    _LIB.sluice_topk_probs.argtypes = [_i64, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr]  # E, probs, k, norm, bf16, ids,
-    _LIB.sluice_topk_probs.restype = _i32                                               # weights f32, weights bf16
-    # E, H, x, scale, eps, norm's path, router, k, hb, probs, ids, wf, router's path
-    _LIB.sluice_guess_bf16.argtypes = [_i64, _i64, _ptr, _ptr, _f32, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32]
+    # E, probs, k, norm, bf16, ties (topk.cc's function, or None), ids, weights f32, weights bf16
+    _LIB.sluice_topk_probs.argtypes = [_i64, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _ptr]
+    _LIB.sluice_topk_probs.restype = _i32
+    # E, H, x, scale, eps, norm's path, router, k, ties, hb, probs, ids, wf, router's path
+    _LIB.sluice_guess_bf16.argtypes = [_i64, _i64, _ptr, _ptr, _f32, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                                       _i32]
     _LIB.sluice_guess_bf16.restype = _i32
+
+
+def _load_topk() -> ctypes.CDLL | None:
+    """topk.cc's extension (C++: absent where no C++ compiler built it; ties then go to torch.topk)."""
+    spec = importlib.util.find_spec("sluice.quant.native._topk")
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    lib.sluice_topk_torch.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p]  # n, values, k, ids, values out
+    lib.sluice_topk_torch.restype = ctypes.c_int
+    return lib
+
+
+_TOPK = _load_topk()
+#: sluice_topk_torch's address, for decode.c's topk_fn arguments (None without the extension)
+_TOPK_FN = None if _TOPK is None else ctypes.cast(_TOPK.sluice_topk_torch, ctypes.c_void_p).value
 
 #: norm modes of DecodeAttention: Spec.qk_norm -> the C code's number
 NORM_MODES = {"none": 0, "head": 1, "full": 2}
@@ -182,18 +202,61 @@ def router_probs_bf16(x: torch.Tensor, router: torch.Tensor, *, path: int = BEST
     return probs
 
 
-def topk_probs(probs: torch.Tensor, k: int, norm: bool, dtype: torch.dtype | None
+def topk_torch(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """torch.topk(values, k) of one float32 row [n] by topk.cc (the same standard-library calls on the same pairs):
+    (values [k] float32, indices [k] int64), or None for k outside 1..n or n over SLUICE_TOPK_MAX (or without the
+    extension)."""
+    if not (values.dtype is torch.float32 and values.dim() == 1 and values.is_contiguous()):
+        raise ValueError(f"topk_torch: need a contiguous float32 row, got {values.dtype} {list(values.shape)}")
+    if _TOPK is None:
+        return None
+    ids, out = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
+    if not _TOPK.sluice_topk_torch(values.numel(), values.data_ptr(), k, ids.data_ptr(), out.data_ptr()):
+        return None
+    return out, ids
+
+
+_TIES: list[bool] = []  # ties_exact's answer, once per process
+
+
+def ties_exact() -> bool:
+    """Whether topk.cc picks what torch.topk picks where values tie, on this build against this torch (a C++
+    library whose nth_element / partial_sort differ from the one torch was built with would not): 400 rows full of
+    ties, each length and k on both of torch's branches (nth_element + sort; partial_sort where k * 64 <= n), the
+    indices compared in order. Checked once, ~25 ms; False (or no extension) keeps torch.topk for the ties
+    (topk_probs, Guess)."""
+    if not _TIES and _TOPK is None:
+        _TIES.append(False)
+    if not _TIES:
+        g = torch.Generator().manual_seed(0)
+        ok = True
+        for i in range(400):
+            n = (2, 8, 9, 64, 128, 160, 256, 512, 1024, 4096)[i % 10]
+            k = 1 + int(torch.randint(0, min(n, 64 if i % 3 else 16), (1,), generator=g))
+            levels = 1 + int(torch.randint(1, 12, (1,), generator=g))  # few distinct values: ties everywhere
+            row = torch.randint(0, levels, (n,), generator=g).float() / levels
+            if i % 7 == 0:
+                row[int(torch.randint(0, n, (1,), generator=g))] = float("nan")
+            got = topk_torch(row, k)
+            ok = ok and got is not None and torch.equal(got[1], torch.topk(row, k).indices)
+        _TIES.append(ok)
+    return _TIES[0]
+
+
+def topk_probs(probs: torch.Tensor, k: int, norm: bool, dtype: torch.dtype | None, ties: bool | None = None
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """routing.top_of_probs for one token's float32 probabilities [1, E] in one call (decode.c sluice_topk_probs):
-    (weights [1, k] in `dtype`, or float32 when None; ids int64 [1, k]), bitwise torch's, or None where torch.topk
-    has to choose (ties among the k largest or at the k-th, a NaN): the caller then runs top_of_probs."""
+    (weights [1, k] in `dtype`, or float32 when None; ids int64 [1, k]), bitwise torch's, ties among the k largest
+    or at the k-th resolved as torch.topk resolves them where `ties` (default ties_exact()); None where torch.topk
+    has to choose (a NaN; such a tie when not `ties`): the caller then runs top_of_probs."""
     E = probs.shape[1]
     ids = torch.empty(1, k, dtype=torch.int64)
     wf = torch.empty(1, k, dtype=torch.float32)
     bf16 = dtype is torch.bfloat16
     wb = torch.empty(1, k, dtype=torch.bfloat16) if bf16 else None
-    if not _LIB.sluice_topk_probs(E, probs.data_ptr(), k, int(norm), int(bf16), ids.data_ptr(), wf.data_ptr(),
-                                  None if wb is None else wb.data_ptr()):
+    ties = ties_exact() if ties is None else ties
+    if not _LIB.sluice_topk_probs(E, probs.data_ptr(), k, int(norm), int(bf16), _TOPK_FN if ties else None,
+                                  ids.data_ptr(), wf.data_ptr(), None if wb is None else wb.data_ptr()):
         return None
     return (wb if bf16 else wf if dtype in (None, torch.float32) else wf.to(dtype)), ids
 
@@ -202,11 +265,11 @@ class Guess:
     """A decode token's guess of a MoE layer's experts in one native call (decode.c sluice_guess_bf16): the
     zero-centred RMSNorm of x [1, H] bf16 by `scale` [H] float32 (norm.py Norm's scale, on its path `norm_path`), the
     softmax router `router` [E, H] bf16's probabilities of it (on `path`), their k largest. The same bits as
-    rms_norm_scaled_bf16, router_probs_bf16 and torch.topk; its buffers are made once (one guess at a time, on the
-    model's thread)."""
+    rms_norm_scaled_bf16, router_probs_bf16 and torch.topk (ties resolved as torch.topk does where `ties`, default
+    ties_exact()); its buffers are made once (one guess at a time, on the model's thread)."""
 
     def __init__(self, scale: torch.Tensor, eps: float, router: torch.Tensor, k: int, path: int = BEST,
-                 norm_path: int = BEST):
+                 norm_path: int = BEST, ties: bool | None = None):
         E, H = router.shape
         if not (scale.dtype is torch.float32 and scale.is_contiguous() and scale.numel() == H):
             raise ValueError(f"Guess: scale must be contiguous float32 [{H}], got {scale.dtype} {list(scale.shape)}")
@@ -214,6 +277,7 @@ class Guess:
         if not 1 <= k <= min(64, E):
             raise ValueError(f"Guess: k must be in 1..{min(64, E)}, got {k}")
         self.E, self.H, self.k, self.eps, self.path, self.norm_path = E, H, k, float(eps), path, norm_path
+        self.ties = _TOPK_FN if (ties_exact() if ties is None else ties) else None
         self.scale, self.router = scale, router
         self.hb = torch.empty(1, H, dtype=torch.bfloat16)
         self.probs = torch.empty(1, E, dtype=torch.float32)
@@ -221,10 +285,10 @@ class Guess:
         self.wf = torch.empty(k, dtype=torch.float32)
 
     def __call__(self, x: torch.Tensor) -> list[int] | torch.Tensor:
-        """The k ids (descending probability) for x [1, H] bf16; where the top k tie (torch.topk's to choose), the
-        probabilities [1, E] float32 instead (a buffer the next call overwrites)."""
+        """The k ids (descending probability) for x [1, H] bf16; where torch.topk is to choose (a NaN; ties when not
+        self.ties), the probabilities [1, E] float32 instead (a buffer the next call overwrites)."""
         if _LIB.sluice_guess_bf16(self.E, self.H, _bf16(x, "x", self.H), self.scale.data_ptr(), self.eps,
-                                  self.norm_path, self.router.data_ptr(), self.k, self.hb.data_ptr(),
+                                  self.norm_path, self.router.data_ptr(), self.k, self.ties, self.hb.data_ptr(),
                                   self.probs.data_ptr(), self.ids.data_ptr(), self.wf.data_ptr(), self.path):
             return self.ids.tolist()
         return self.probs
