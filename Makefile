@@ -16,17 +16,21 @@ TORCH_PIP := $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX) --retries 0
 
 .PHONY: demo test install clean
 
-NATIVE := $(wildcard sluice/quant/native/*.c sluice/quant/native/*.cc sluice/quant/native/*.h sluice/io/*.c sluice/store/*.c)
+NATIVE := $(wildcard sluice/quant/native/*.c sluice/quant/native/*.cc sluice/quant/native/*.h sluice/io/*.c \
+                     sluice/store/*.c)
 # setup.py builds the native kernels in place (pip install -e): a changed C source or header reinstalls. The build is
 # optional (no C compiler: the torch kernels run, `make demo` works); without it the stamp is not written, so the next
-# make tries again (after a compiler is installed), and `make test` stops with one line (tests/conftest.py).
+# make tries again (after a compiler is installed), and `make test` stops with one line (tests/conftest.py). The same
+# for topk.cc where a C++ compiler is here ($$CXX, else g++ / c++) and it did not build; with none, ties go to torch.
 $(BIN)/.installed: pyproject.toml setup.py $(NATIVE)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIP) $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench,ray]'
 	@if $(BIN)/python -c 'from sluice.quant import native; from sluice.io import native_pool; from sluice.store import slot_table; raise SystemExit(not (native.native_available() and native_pool.available() and slot_table.native_available()))'; \
-	then touch $@; else echo "sluice: the native kernels did not build (no C compiler?): the torch kernels run instead"; fi
+	then if $(BIN)/python -c 'from sluice.quant.native import decode; raise SystemExit(decode.topk_unbuilt())'; \
+	then touch $@; else echo "sluice: the C++ part (topk.cc) did not build although a C++ compiler is here"; fi; \
+	else echo "sluice: the native kernels did not build (no C compiler?): the torch kernels run instead"; fi
 
 install: $(BIN)/.installed
 

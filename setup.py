@@ -25,8 +25,8 @@ setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES, depends=[N
                    Extension("sluice.store._slots", ["sluice/store/slots.c"], extra_compile_args=FLAGS,
                              optional=True),
                    # torch.topk's tie order for the decode router (quant/native/topk.cc: the C++ standard library's
-                   # algorithms, so it needs a C++ compiler; without one, ties go to torch.topk); no exceptions or
-                   # RTTI: nothing of the C++ runtime library is linked
+                   # algorithms, so it needs a C++ compiler; without one, ties go to torch.topk); header templates
+                   # only, no exceptions or RTTI: it calls nothing in the C++ runtime library
                    Extension("sluice.quant.native._topk", [NATIVE + "topk.cc"], depends=[NATIVE + "topk.h"],
-                             extra_compile_args=["-O3", "-std=c++17", "-fno-exceptions", "-fno-rtti"], language="c++",
+                             extra_compile_args=["-O3", "-std=c++11", "-fno-exceptions", "-fno-rtti"], language="c++",
                              optional=True)])

@@ -31,13 +31,6 @@ def unbuilt_message(compiler: str | None) -> str:
             "`.venv/bin/pip install -v -e .` to see the compiler's error")
 
 
-def cxx_compiler() -> str | None:
-    """The C++ compiler setuptools builds topk.cc with ($CXX, else the one this Python was built with, else c++), if
-    it is on PATH."""
-    words = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
-    return shutil.which(words[0]) if words else None
-
-
 def pytest_configure(config: pytest.Config) -> None:
     from sluice.io import native_pool
     from sluice.quant import native
@@ -48,10 +41,10 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(unbuilt_message(c_compiler()))
     # topk.cc (the router's tie order) needs a C++ compiler: without one its tests skip, saying so (ties go to
     # torch.topk); with one, an unbuilt extension is a failed build
-    if decode._TOPK is None and cxx_compiler() is not None:
+    if decode.topk_unbuilt():
         raise pytest.UsageError(f"sluice's C++ extension (sluice/quant/native/topk.cc) did not build although a C++ "
-                                f"compiler is here ({cxx_compiler()}): run `.venv/bin/pip install -v -e .` to see "
-                                "the compiler's error")
+                                f"compiler is here ({decode.cxx_compiler()}): run `.venv/bin/pip install -v -e .` to "
+                                "see the compiler's error")
 
 
 @pytest.fixture

@@ -37,7 +37,8 @@ class MoE:
         if x.shape[0] == 1 and self.native_router:
             probs, s = router_probs_bf16(x, lw.router, path=self.path), self.spec
             top = topk_probs(probs, s.top_k, s.norm_topk_prob, None if s.router_weights_fp32 else x.dtype)
-            weights, ids = top if top is not None else top_of_probs(s, probs, x.dtype)  # None: torch ranks (a NaN)
+            weights, ids = top if top is not None else top_of_probs(s, probs, x.dtype)  # None: torch ranks (a NaN;
+            # a tie without topk.cc)
         else:
             weights, ids = route(self.spec, lw, x, self.bf16)  # [T, K] each
         side = None if self.shared is None else lambda: self._shared(x)

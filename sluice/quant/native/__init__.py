@@ -6,7 +6,8 @@
     q8.py       q8.c: the integer path (x coded to 8-bit planes, integer dots), one projection, several, an expert
     ops.py      ops.c: RMSNorm rows, rope, weighted sums of expert outputs, bitwise their torch expressions
     pool.py     pool.c: the worker threads the C calls split their rows over, the kept prompt scratch
-    decode.py   decode.c: one decode token's attention core and router probabilities in one call each
+    decode.py   decode.c: one decode token's attention core and router probabilities in one call each; topk.cc
+                (C++, its own extension _topk): a router's ties in torch.topk's order
     prompt.py   prompt.c: a prompt's Q4_K projections on 8-bit codes (AVX512-VNNI), one expert in one call
     attend.py   attend.c: a prompt's causal attention in one call (AVX512_BF16)
     deltanet.py deltanet.c: one decode token of a Gated DeltaNet layer (conv, delta rule, gated norm) in one call

@@ -231,9 +231,10 @@ static void logits_task(void *ctx, int64_t i) {
  * for the E rows of w [E, H] (x and w bf16, rounded as F.linear's bf16 output is), then softmax in float32 into
  * probs [E]. Equal logits give equal probabilities and the order of unequal ones is kept, so torch.topk over them
  * picks what it picks over torch's own probabilities of the same logits (ties included). The logits in tasks of
- * LOGIT_ROWS rows over the pool (each the same dot whichever thread runs it: the same bits): a decode token's router
- * and guess took ~47 and ~64 us a layer on the model's thread alone, the router cold in memory (results/hybrid/
- * router-ab.txt). */
+ * LOGIT_ROWS rows over the pool (each the same dot whichever thread runs it: the same bits), the router cold in
+ * memory at decode: the issue-30 UD file's streamed token, router and guess this way against on the model's thread
+ * alone, paired -1.50 ms a token, 15 of 24 rounds faster (Intel Xeon AMX VM, 2 cores, noisy: the arms' medians
+ * 63.70 / 62.99; benchmarks/results/hybrid/router-ab.txt). */
 void sluice_router_probs_bf16(int64_t E, int64_t H, const uint16_t *x, const uint16_t *w, float *probs, int scalar) {
     dot_fn dot;
     axpy_fn axpy;
@@ -264,7 +265,9 @@ int sluice_topk_probs(int64_t E, const float *probs, int64_t k, int norm, int bf
                       float *wf, uint16_t *wb) {
     if (k < 1 || k > 64 || k > E || (norm && k != 1 && k != 2 && k != 4 && k != 8)) return 0;
     int64_t id[64], n = 0;
-    float v[64] = {0}, out = -INFINITY;  /* v: the k largest so far, descending; out: the largest of the others */
+    /* v: the k largest so far, descending (k <= E fills them all; zeroed for gcc's -Wmaybe-uninitialized, which
+     * cannot see that); out: the largest of the others */
+    float v[64] = {0}, out = -INFINITY;
     for (int64_t e = 0; e < E; e++) {
         float p = probs[e];
         if (p != p) return 0;

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
+import shlex
+import shutil
+import sysconfig
 
 import torch
 
@@ -52,6 +56,19 @@ def _load_topk() -> ctypes.CDLL | None:
                                       ctypes.c_void_p]  # n, values, k, ids, values out
     lib.sluice_topk_torch.restype = ctypes.c_int
     return lib
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler setuptools builds topk.cc with ($CXX, else the one this Python was built with, else c++), if
+    it is on PATH."""
+    words = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
+    return shutil.which(words[0]) if words else None
+
+
+def topk_unbuilt() -> bool:
+    """Whether topk.cc's extension is missing although a C++ compiler is here: a failed build (the Makefile's stamp
+    and tests/conftest.py stop on it; with no C++ compiler, ties go to torch.topk)."""
+    return _TOPK is None and cxx_compiler() is not None
 
 
 _TOPK = _load_topk()
@@ -208,7 +225,7 @@ def topk_torch(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     extension)."""
     if not (values.dtype is torch.float32 and values.dim() == 1 and values.is_contiguous()):
         raise ValueError(f"topk_torch: need a contiguous float32 row, got {values.dtype} {list(values.shape)}")
-    if _TOPK is None:
+    if _TOPK is None or not 1 <= k <= values.numel():
         return None
     ids, out = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
     if not _TOPK.sluice_topk_torch(values.numel(), values.data_ptr(), k, ids.data_ptr(), out.data_ptr()):
