@@ -83,6 +83,17 @@ def alternate_tokens(tokens: Iterator[Any], arms: Mapping[K, Callable[[], None]]
     return alternate({k: timed(f) for k, f in arms.items()}, rounds)
 
 
+def print_paired(res: Mapping[str, list[float]], before: str, after: str, label: str, faster: str) -> None:
+    """An A/B's lines (alternate_tokens' {arm: ms a token per round}): each arm's median and min as `label` with the
+    arm's name in it ({arm}), then the paired median of before - after and the rounds `after` won ("faster
+    {faster}")."""
+    for w in (before, after):
+        print(f"{label.format(arm=w)}: median {statistics.median(res[w]):.2f} ms/token, min {min(res[w]):.2f}")
+    d = [x - y for x, y in zip(res[before], res[after])]
+    print(f"paired ({before} - {after}): median {statistics.median(d):+.2f} ms, {sum(x > 0 for x in d)}/{len(d)} "
+          f"rounds faster {faster}")
+
+
 def timed_tokens(tokens: Iterator[Any], n: int = 16) -> float:
     """One token of `tokens` untimed, then ms a token over the next `n` (alternate_tokens' arm; engine_ab.py's, which
     alternates two models' streams)."""

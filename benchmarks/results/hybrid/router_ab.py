@@ -12,7 +12,6 @@ decode_options.
 import ctypes
 import importlib.util
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository r
 import sluice  # noqa: F401 - before torch (its OpenMP threads)
 import sluice.models.layers.moe as moe
 import sluice.quant.native.decode as decode
-from benchmarks.common import HYBRID_Q4, alternate_tokens, decode_stream
+from benchmarks.common import HYBRID_Q4, alternate_tokens, decode_stream, print_paired
 
 mode, rounds = sys.argv[1], int(sys.argv[2])
 M = sys.argv[3] if len(sys.argv) > 3 else HYBRID_Q4
@@ -60,10 +59,6 @@ def arm(serial: bool):
 
 
 res = alternate_tokens(it, {"one thread": arm(True), "pool": arm(False)}, rounds)
-for w in ("one thread", "pool"):
-    print(f"{mode} router logits on {w}: median {statistics.median(res[w]):.2f} ms/token, min {min(res[w]):.2f}")
-d = [x - y for x, y in zip(res["one thread"], res["pool"])]
-print(f"paired (one thread - pool): median {statistics.median(d):+.2f} ms, {sum(x > 0 for x in d)}/{len(d)} rounds "
-      "faster on the pool")
+print_paired(res, "one thread", "pool", f"{mode} router logits on {{arm}}", "on the pool")
 it.close()
 m.close()

@@ -9,7 +9,6 @@ benchmarks/common.py decode_options (auto: streamed at --memory 640MiB, O_DIRECT
     .venv/bin/python benchmarks/results/hybrid/ties_ab.py auto ROUNDS [MODEL]
 """
 import collections
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import sluice  # noqa: F401 - before torch (its OpenMP threads)
 import torch
 import sluice.quant.native.decode as decode
 import sluice.models.layers.moe as moe
-from benchmarks.common import HYBRID_Q4, alternate_tokens, decode_stream
+from benchmarks.common import HYBRID_Q4, alternate_tokens, decode_stream, print_paired
 
 mode, rounds = sys.argv[1], int(sys.argv[2])
 M = sys.argv[3] if len(sys.argv) > 3 else HYBRID_Q4
@@ -65,10 +64,6 @@ for who in ("router", "guess"):
           "choose without topk.cc)")
 print(f"ties_exact on this build: {exact}; guesses: {len(guesses)} layers")
 res = alternate_tokens(it, {"torch": switch(False), "native": switch(True)}, rounds)
-for w in ("torch", "native"):
-    print(f"{mode} ties by {w}: median {statistics.median(res[w]):.2f} ms/token, min {min(res[w]):.2f}")
-d = [x - y for x, y in zip(res["torch"], res["native"])]
-print(f"paired (torch - native): median {statistics.median(d):+.2f} ms, {sum(x > 0 for x in d)}/{len(d)} rounds "
-      "faster natively")
+print_paired(res, "torch", "native", f"{mode} ties by {{arm}}", "natively")
 it.close()
 m.close()
