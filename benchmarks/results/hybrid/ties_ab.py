@@ -26,11 +26,13 @@ m, it = decode_stream(M, mode)
 pre = m.model.prerouter
 exact = decode.ties_exact()  # before the switches below set its answer
 guesses = list(getattr(pre, "_guess", {}).values())
+blocks = [layer.ffn for layer in m.model.layers if isinstance(getattr(layer, "ffn", None), moe.MoE)]
 
 
 def switch(on: bool):
     def f():
-        decode._TIES[:] = [on]  # topk_probs's default (the true router's)
+        for blk in blocks:  # the true router's (MoE.ties, chosen at load)
+            blk.ties = on
         for g in guesses:
             g.ties = decode._TOPK_FN if on else None
     return f

@@ -10,7 +10,7 @@ from ...quant import native
 from ...quant.linear import BF16_GEMM_MIN_ROWS
 from ...quant.linear import QuantLinear
 from ...quant.native import ops, prompt, q8
-from ...quant.native.decode import router_probs_bf16, topk_probs
+from ...quant.native.decode import router_probs_bf16, ties_exact, topk_probs
 from ..linear import linear
 from ..routing import route, top_of_probs
 from .build import Build, Step
@@ -27,6 +27,8 @@ class MoE:
         # the softmax over the router's logits in one native call at decode (~10 us where F.linear and softmax took
         # ~60), where the decode step's attention runs natively too
         self.native_router = b.native_decode and b.spec.router == "softmax"
+        # its ties in torch.topk's order natively where topk.cc matches torch here (checked once, at load: ~25 ms)
+        self.ties = self.native_router and ties_exact()
         self.experts = Experts(b, L)
         self.shared = None if self.lw.shared is None else DenseMLP(b, self.lw.shared)
         self.fused = self._fused_shared(b)
@@ -36,7 +38,7 @@ class MoE:
         lw = self.lw
         if x.shape[0] == 1 and self.native_router:
             probs, s = router_probs_bf16(x, lw.router, path=self.path), self.spec
-            top = topk_probs(probs, s.top_k, s.norm_topk_prob, None if s.router_weights_fp32 else x.dtype)
+            top = topk_probs(probs, s.top_k, s.norm_topk_prob, None if s.router_weights_fp32 else x.dtype, self.ties)
             weights, ids = top if top is not None else top_of_probs(s, probs, x.dtype)  # None: torch ranks (a NaN;
             # a tie without topk.cc)
         else:
