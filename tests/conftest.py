@@ -8,18 +8,14 @@ error: "ERROR: ..." and exit status 4).
 
 from __future__ import annotations
 
-import os
-import shlex
-import shutil
-import sysconfig
-
 import pytest
 
 
 def c_compiler() -> str | None:
     """The C compiler setuptools builds with ($CC, else the one this Python was built with), if it is on PATH."""
-    words = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    return shutil.which(words[0]) if words else None
+    from sluice.quant.native._lib import build_compiler
+
+    return build_compiler("CC", "cc")
 
 
 def unbuilt_message(compiler: str | None) -> str:

@@ -18,8 +18,10 @@ CHILD = ("import sys; sys.modules[{module!r}] = None; import pytest; "
          "sys.exit(pytest.main(['-p', 'no:cacheprovider', '--collect-only', 'tests/test_options.py']))")
 
 
-def run_without_the_extension(cc: str, module: str = "sluice.quant.native._kernels") -> subprocess.CompletedProcess:
-    env = {**os.environ, "CC": cc}
+def run_without_the_extension(cc: str, module: str = "sluice.quant.native._kernels",
+                              var: str = "CC") -> subprocess.CompletedProcess:
+    """The child's run with `module` hidden and the compiler variable `var` (CC, or CXX for topk.cc) set to cc."""
+    env = {**os.environ, var: cc}
     return subprocess.run([sys.executable, "-c", CHILD.format(module=module)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -47,9 +49,7 @@ def test_a_run_without_the_extension_fails_with_one_line(cc, says):
 def test_a_run_without_the_cxx_extension_fails_only_where_a_cxx_compiler_is(cxx, fails):
     """topk.cc (the router's tie order) is the C++ part: where a C++ compiler is here and it did not build, the run
     stops with one line; where none is, the run goes on (its tests skip, saying so, and ties go to torch.topk)."""
-    env = {**os.environ, "CXX": cxx}
-    r = subprocess.run([sys.executable, "-c", CHILD.format(module="sluice.quant.native._topk")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = run_without_the_extension(cxx, "sluice.quant.native._topk", "CXX")
     out = r.stdout + r.stderr
     if fails:
         assert r.returncode == pytest.ExitCode.USAGE_ERROR, out

@@ -14,6 +14,10 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import os
+import shlex
+import shutil
+import sysconfig
 
 import torch
 
@@ -45,6 +49,13 @@ def _load() -> ctypes.CDLL | None:
 
 
 LIB = _load()
+
+
+def build_compiler(var: str, default: str) -> str | None:
+    """The compiler setuptools builds the extensions with, if it is on PATH: $var (CC for the C sources, CXX for
+    topk.cc), else the one this Python was built with, else `default`."""
+    words = shlex.split(os.environ.get(var) or sysconfig.get_config_var(var) or default)
+    return shutil.which(words[0]) if words else None
 
 
 def available() -> bool:

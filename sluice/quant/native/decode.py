@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
-import shlex
-import shutil
-import sysconfig
 
 import torch
 
-from ._lib import BEST, LIB as _LIB
+from ._lib import BEST, LIB as _LIB, build_compiler
 
 if _LIB is not None:
     _i64, _ptr, _i32, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -59,10 +55,8 @@ def _load_topk() -> ctypes.CDLL | None:
 
 
 def cxx_compiler() -> str | None:
-    """The C++ compiler setuptools builds topk.cc with ($CXX, else the one this Python was built with, else c++), if
-    it is on PATH."""
-    words = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
-    return shutil.which(words[0]) if words else None
+    """The C++ compiler setuptools builds topk.cc with, if it is on PATH ($CXX, else Python's, else c++)."""
+    return build_compiler("CXX", "c++")
 
 
 def topk_unbuilt() -> bool:
@@ -242,22 +236,22 @@ def ties_exact() -> bool:
     ties, each length and k on both of torch's branches (nth_element + sort; partial_sort where k * 64 <= n), the
     indices compared in order. Checked once, ~25 ms; False (or no extension) keeps torch.topk for the ties
     (topk_probs, Guess)."""
-    if not _TIES and _TOPK is None:
-        _TIES.append(False)
     if not _TIES:
         g = torch.Generator().manual_seed(0)
-        ok = True
-        for i in range(400):
-            n = (2, 8, 9, 64, 128, 160, 256, 512, 1024, 4096)[i % 10]
-            k = 1 + int(torch.randint(0, min(n, 64 if i % 3 else 16), (1,), generator=g))
-            levels = 1 + int(torch.randint(1, 12, (1,), generator=g))  # few distinct values: ties everywhere
-            row = torch.randint(0, levels, (n,), generator=g).float() / levels
-            if i % 7 == 0:
-                row[int(torch.randint(0, n, (1,), generator=g))] = float("nan")
-            got = topk_torch(row, k)
-            ok = ok and got is not None and torch.equal(got[1], torch.topk(row, k).indices)
-        _TIES.append(ok)
+        _TIES.append(_TOPK is not None and all(_tie_row_agrees(i, g) for i in range(400)))
     return _TIES[0]
+
+
+def _tie_row_agrees(i: int, g: torch.Generator) -> bool:
+    """ties_exact's row i (drawn from g): topk.cc's indices equal torch.topk's."""
+    n = (2, 8, 9, 64, 128, 160, 256, 512, 1024, 4096)[i % 10]
+    k = 1 + int(torch.randint(0, min(n, 64 if i % 3 else 16), (1,), generator=g))
+    levels = 1 + int(torch.randint(1, 12, (1,), generator=g))  # few distinct values: ties everywhere
+    row = torch.randint(0, levels, (n,), generator=g).float() / levels
+    if i % 7 == 0:
+        row[int(torch.randint(0, n, (1,), generator=g))] = float("nan")
+    got = topk_torch(row, k)
+    return got is not None and torch.equal(got[1], torch.topk(row, k).indices)
 
 
 def topk_probs(probs: torch.Tensor, k: int, norm: bool, dtype: torch.dtype | None, ties: bool | None = None
