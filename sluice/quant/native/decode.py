@@ -51,6 +51,7 @@ def _load_topk() -> ctypes.CDLL | None:
     lib.sluice_topk_torch.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p]  # n, values, k, ids, values out
     lib.sluice_topk_torch.restype = ctypes.c_int
+    lib.sluice_topk_libstdcxx.restype = ctypes.c_int
     return lib
 
 
@@ -63,6 +64,13 @@ def topk_unbuilt() -> bool:
     """Whether topk.cc's extension is missing although a C++ compiler is here: a failed build (the Makefile's stamp
     and tests/conftest.py stop on it; with no C++ compiler, ties go to torch.topk)."""
     return _TOPK is None and cxx_compiler() is not None
+
+
+def ties_expected() -> bool:
+    """Whether topk.cc must give torch.topk's tie order on this build: built against libstdc++, the C++ library
+    torch's Linux wheels are built with (the same nth_element / sort). Built against another (libc++), its order may
+    differ and ties_exact finds out; the tests of the order then skip, saying so."""
+    return _TOPK is not None and bool(_TOPK.sluice_topk_libstdcxx())
 
 
 _TOPK = _load_topk()

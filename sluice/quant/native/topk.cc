@@ -51,3 +51,13 @@ extern "C" int sluice_topk_torch(int64_t n, const float *values, int64_t k, int6
     }
     return 1;
 }
+
+/* 1 where this file was built against libstdc++, the C++ library torch's Linux wheels are built with (its tie order
+ * is then torch's: a mismatch is a bug here, which the tests must catch, not skip); 0 for another (libc++) */
+extern "C" int sluice_topk_libstdcxx(void) {
+#if defined(__GLIBCXX__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -13,6 +13,7 @@ typedef int (*topk_fn)(int64_t n, const float *values, int64_t k, int64_t *ids, 
 extern "C" {
 #endif
 int sluice_topk_torch(int64_t n, const float *values, int64_t k, int64_t *ids, float *out);
+int sluice_topk_libstdcxx(void); /* 1: built against libstdc++ (torch's library on Linux), 0: another */
 #ifdef __cplusplus
 }
 #endif
