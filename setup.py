@@ -12,7 +12,8 @@ from setuptools import Extension, setup
 
 NATIVE = "sluice/quant/native/"
 SOURCES = [NATIVE + name for name in ("kernels.c", "q8.c", "pool.c", "ops.c", "decode.c", "prompt.c", "prompt_avx2.c",
-                                      "prompt_q5k.c", "prompt_q6k.c", "attend.c", "attend_avx2.c", "deltanet.c", "delta_prompt.c", "lowbit.c", "q8_low.c", "layer.c")]
+                                      "prompt_q5k.c", "prompt_q6k.c", "attend.c", "attend_avx2.c", "deltanet.c", "delta_prompt.c", "lowbit.c", "q8_low.c", "layer.c",
+                                      "moe_decode.c")]
 HEADERS = ("common.h", "deltanet.h", "prompt.h", "q8.h", "lowbit.h", "iq_grids.h", "q8_iq.h", "fp8.h", "topk.h")
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"]
 setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES, depends=[NATIVE + h for h in HEADERS],

@@ -70,9 +70,18 @@ class ExpertStore(Protocol):
     #: format from it when it is built, to pick that format's math
     layout: "ExpertLayout"
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
+    #: whether a prediction prefetch_next deferred waits to be issued (acquire(hold=True) kept it)
+    deferred: bool
+
+    def acquire(self, layer: int, experts: Sequence[int], hold: bool = False) -> ExpertBatch:
         """Pin `experts` (ascending ids) of `layer` until release(layer); their reads may still be in flight:
-        batch.wait(j) before using slot j."""
+        batch.wait(j) before using slot j. Then issue the prediction prefetch_next deferred, unless `hold`: the
+        caller then calls issue_deferred() before release (a decode block, with its experts' math under way:
+        layers/moe_decode.py)."""
+        ...
+
+    def issue_deferred(self) -> None:
+        """Issue a prediction acquire(hold=True) kept, if any."""
         ...
 
     def release(self, layer: int) -> None:

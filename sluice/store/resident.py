@@ -83,7 +83,10 @@ class ResidentExpertStore:
         return packed + sum(t.numel() * t.element_size() for d in (self.gate_up, self.down, self.raw)
                             for t in d.values())
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
+    #: never a prediction to issue (prefetch_next is a no-op here)
+    deferred = False
+
+    def acquire(self, layer: int, experts: Sequence[int], hold: bool = False) -> ExpertBatch:
         self.requests += len(experts)
         row = self._usage_rows[layer]
         for e in experts:
@@ -101,6 +104,9 @@ class ResidentExpertStore:
         return True  # no throttle: a prerouter here is a recorder (tools/prerouter_fit.py record), its prefetch a no-op
 
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
+        pass
+
+    def issue_deferred(self) -> None:
         pass
 
     def stats(self) -> dict:

@@ -217,8 +217,10 @@ class StreamingExpertStore:
             self.prefetching.evicted(key)
         self.evictions += len(keys)
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
-        """Pin `experts` of `layer` in slots and queue the misses' reads; return without waiting for them.
+    def acquire(self, layer: int, experts: Sequence[int], hold: bool = False) -> ExpertBatch:
+        """Pin `experts` of `layer` in slots and queue the misses' reads; return without waiting for them. Then
+        issue the prediction prefetch_next deferred, unless `hold`: the caller issues it (issue_deferred) before
+        release, while these experts stay pinned.
 
         One read batch per missing expert, queued in the order of `experts` by one reader call (submit_each: the
         files are checked once per acquire, not once per expert): the reader's FIFO fills them in that order, so the
@@ -267,9 +269,20 @@ class StreamingExpertStore:
                             landed={j: fut.done for j, fut in inflight.items() if hasattr(fut, "done")})
         if not self.overlap:
             batch.wait_all()
-        if (deferred := self.prefetching.take_deferred()) is not None:
-            self.prefetch(*deferred)  # this acquire's experts are pinned: the prediction cannot evict them
+        if not hold:
+            self.issue_deferred()
         return batch
+
+    @property
+    def deferred(self) -> bool:
+        """Whether a prediction prefetch_next deferred waits to be issued."""
+        return self.prefetching.deferred is not None
+
+    def issue_deferred(self) -> None:
+        """Issue the prediction prefetch_next deferred, if any, now: after an acquire, whose pinned experts it then
+        cannot evict."""
+        if (deferred := self.prefetching.take_deferred()) is not None:
+            self.prefetch(*deferred)
 
     def _wait(self, j: int) -> None:
         """Block until slot j of the current batch is filled; on a read error forget the whole batch."""

@@ -171,17 +171,17 @@ def _decode_logits(m, ids: list[int]) -> torch.Tensor:
 
 def test_decode_computes_the_shared_expert_in_the_routed_experts_call(quantized, monkeypatch):
     """A decode step's shared expert (of the routed experts' [I, H], in integer formats) is one more expert of each
-    layer's ExpertCall.many (MoE._fused_shared), not three calls of its own; its logits agree with the separate
+    layer's experts call (MoE._fused_shared; DecodeExperts.run), not three calls of its own; its logits agree with the separate
     DenseMLP's (which rounds g, u and their product to bf16) to bf16's precision, and are bitwise the same with
     split_experts off (one expert_q8 call an expert, the shared one included)."""
-    from sluice.quant import native
+    from sluice.quant.native.moe_decode import DecodeExperts
 
     _, _, path = quantized
     ids = LONG[:40]
     extras = []
-    many = native.ExpertCall.many
-    monkeypatch.setattr(native.ExpertCall, "many", lambda *a, **k: (extras.append(k.get("extra") is not None),
-                                                                     many(*a, **k))[1])
+    run = DecodeExperts.run  # a decode token's block (layers/moe_decode.py): its first call computes the shared
+    monkeypatch.setattr(DecodeExperts, "run", lambda self, *a: (extras.append(a[5] and self._extra is not None),
+                                                                run(self, *a))[1])
     with sluice.load(path, threads=2) as m:
         with torch.inference_mode():
             m.model.forward(torch.tensor(ids[:-1]), 0)

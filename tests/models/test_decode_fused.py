@@ -21,6 +21,8 @@ from sluice.models.layers.gated_attention import GatedAttention  # noqa: E402
 from sluice.models.layers.gated_deltanet import GatedDeltaNet  # noqa: E402
 from sluice.models.layers.moe import MoE  # noqa: E402
 from sluice.quant import native  # noqa: E402
+from sluice.quant.native.moe_decode import DecodeExperts  # noqa: E402
+from sluice.store.base import ExpertBatch  # noqa: E402
 from sluice.tools.quantize import quantize  # noqa: E402
 from sluice.tools.synth import SynthConfig, make_model  # noqa: E402
 from tests.quant.streaming import assert_streamed_equals_resident  # noqa: E402
@@ -63,18 +65,19 @@ def test_each_mixer_is_one_call_bitwise(q8_file):
 
 def test_the_shared_expert_rides_the_routed_experts_call(q8_file, monkeypatch):
     extras = []
-    many = native.ExpertCall.many
-    monkeypatch.setattr(native.ExpertCall, "many", lambda *a, **k: (extras.append(k.get("extra") is not None),
-                                                                     many(*a, **k))[1])
+    run = DecodeExperts.run  # a decode token's block (layers/moe_decode.py): its first call computes the shared
+    monkeypatch.setattr(DecodeExperts, "run", lambda self, *a: (extras.append(a[5] and self._extra is not None),
+                                                                run(self, *a))[1])
     with sluice.load(q8_file, threads=2) as m:
-        assert all(layer.ffn.fused is not None for layer in m.model.layers)
+        assert all(layer.ffn.fused is not None and layer.ffn.decode is not None for layer in m.model.layers)
         with torch.inference_mode():
             m.model.forward(torch.tensor(IDS[:-1]), 0)
             extras.clear()
             m.model.forward(torch.tensor(IDS[-1:]), len(IDS) - 1)
         assert sum(extras) == sum(m.spec.moe_layers)  # once a layer
         fused = _decode_logits(m, IDS)
-        m.model = m.model.rebuilt(Kernels(split_experts=False))
+        m.model = m.model.rebuilt(Kernels(split_experts=False))  # moe.py's path, one expert call each
+        assert all(layer.ffn.decode is None for layer in m.model.layers)
         assert torch.equal(_decode_logits(m, IDS), fused)
         # one block on one x both ways: the shared term's arithmetic differs (float32 vs DenseMLP's bf16 steps), so
         # the outputs differ, by bf16's precision (the logits of so small a model may not show it at all)
@@ -83,9 +86,9 @@ def test_the_shared_expert_rides_the_routed_experts_call(q8_file, monkeypatch):
             outs = []
             for moe in [layer.ffn for layer in m.model.layers]:
                 a = moe(x, Step(0, 1))
-                moe.fused, keep = None, moe.fused
+                (moe.fused, moe.decode), keep = (None, None), (moe.fused, moe.decode)
                 outs.append((a.float(), moe(x, Step(0, 1)).float()))
-                moe.fused = keep
+                moe.fused, moe.decode = keep
         rel = max(((a - b).abs().max() / b.abs().max()).item() for a, b in outs)
         assert 0 < rel < 3e-2, rel
     monkeypatch.setattr(MoE, "_fused_shared", lambda self, b: None)
@@ -98,3 +101,26 @@ def test_the_shared_expert_rides_the_routed_experts_call(q8_file, monkeypatch):
 @pytest.mark.parametrize("io,odirect", [("direct", False), ("direct", True), ("mmap", False)])
 def test_streamed_equals_resident(q8_file, io, odirect):
     assert_streamed_equals_resident(q8_file, IDS[:20], io, odirect, "min")
+
+
+def test_the_decode_block_is_moe_py_bitwise_resident_and_streamed(q8_file, monkeypatch):
+    """A decode token's MoE block in two native calls (layers/moe_decode.py MoEDecode) against moe.py's one-token
+    path it replaces: the same logits, bit for bit, resident; streamed at the smallest cache its late experts go in
+    calls of their own as their reads land (the sum with the last) and still give the resident logits."""
+    with sluice.load(q8_file, threads=2) as m:
+        blocks = [layer.ffn for layer in m.model.layers]
+        assert all(b.decode is not None for b in blocks)
+        two_calls = _decode_logits(m, IDS)
+        for b in blocks:
+            b.decode = None
+        assert torch.equal(_decode_logits(m, IDS), two_calls)
+        resident, k, nbytes = m.resident_bytes, m.spec.top_k, m.layout.expert_nbytes
+    sums = []
+    run = DecodeExperts.run
+    monkeypatch.setattr(DecodeExperts, "run", lambda self, *a: (sums.append(len(a) > 6 and a[6] > 0), run(self, *a))[1])
+    # a read counts as landed only once waited for: so small a model's reads often land before the block looks
+    monkeypatch.setattr(ExpertBatch, "arrived", lambda self, j: j not in self.pending)
+    with sluice.load(q8_file, threads=2, memory=resident + k * nbytes, io="direct") as m:
+        assert all(layer.ffn.decode is not None for layer in m.model.layers)
+        assert torch.equal(_decode_logits(m, IDS), two_calls)
+    assert sums.count(False) > 0 and sums.count(True) == 8 * 4  # calls without the sum: late experts; one sum a layer

@@ -16,6 +16,7 @@ import torch
 import sluice
 from sluice.models.layers import Kernels
 from sluice.quant.native import pool
+from sluice.quant.native.moe_decode import DecodeExperts
 from sluice.quant.tensor import read_tensor
 from tests.checkpoint.gguf_files import GGUF_TINY, Q, convert
 from tests.models.tiny import hf_model, write_checkpoint
@@ -174,6 +175,9 @@ def test_decode_runs_one_native_call_per_expert(quantized, threads, monkeypatch)
         rows.append(x.shape[0]), call(self, slot, x, *a, **k))[1])
     monkeypatch.setattr(native.ExpertCall, "many", lambda self, raw, slots, x, *a, **k: (
         rows.extend([x.shape[0]] * len(slots)), many(self, raw, slots, x, *a, **k))[1])
+    run = DecodeExperts.run  # a decode block's experts (layers/moe_decode.py): x is one row
+    monkeypatch.setattr(DecodeExperts, "run", lambda self, raw, slots, rows_, x, *a: (
+        rows.extend([x.shape[0]] * len(slots)), run(self, raw, slots, rows_, x, *a))[1])
     with sluice.load(path, memory="all", threads=threads) as m, torch.inference_mode():
         m.model.forward(torch.tensor(IDS[:4]), 0)  # a 4-token prompt
         rows.clear()
@@ -220,9 +224,11 @@ def test_a_forward_pass_changes_no_process_wide_state(quantized, monkeypatch):
     if name == "BF16":
         pytest.skip("BF16: plain weights, no quantized kernels")
     seen = []
-    real = native.ExpertCall.many
+    real, run = native.ExpertCall.many, DecodeExperts.run
     monkeypatch.setattr(native.ExpertCall, "many",
                         lambda *a, **k: (seen.append((torch.get_num_threads(), pool.threads())), real(*a, **k))[1])
+    monkeypatch.setattr(DecodeExperts, "run",
+                        lambda *a, **k: (seen.append((torch.get_num_threads(), pool.threads())), run(*a, **k))[1])
     threads = torch.get_num_threads()
     try:
         with sluice.load(path, memory="all", threads=2) as m:

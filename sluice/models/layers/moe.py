@@ -11,11 +11,13 @@ from ...quant.linear import BF16_GEMM_MIN_ROWS
 from ...quant.linear import QuantLinear
 from ...quant.native import ops, prompt, q8
 from ...quant.native.decode import router_probs_bf16, ties_exact, topk_probs
+from ...quant.native.moe_decode import shared_weight
 from ..linear import linear
 from ..routing import route, top_of_probs
 from .build import Build, Step
 from .dense import DenseMLP
 from .experts import EXPERT_Q8_MAX_ROWS, GEMM_ROW_STEP
+from .moe_decode import MoEDecode
 
 
 class MoE:
@@ -33,9 +35,15 @@ class MoE:
         self.shared = None if self.lw.shared is None else DenseMLP(b, self.lw.shared)
         self.fused = self._fused_shared(b)
         self._one = torch.ones(1, 1, dtype=torch.bfloat16)  # an ungated shared expert's weight
+        # a decode token's block in two native calls where the layer allows (layers/moe_decode.py), else None
+        self.decode = MoEDecode.of(self, b)
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         lw = self.lw
+        if x.shape[0] == 1 and self.decode is not None and x.dtype is torch.bfloat16:
+            out = self.decode(x)
+            if out is not None:
+                return out
         if x.shape[0] == 1 and self.native_router:
             probs, s = router_probs_bf16(x, lw.router, path=self.path), self.spec
             top = topk_probs(probs, s.top_k, s.norm_topk_prob, None if s.router_weights_fp32 else x.dtype, self.ties)
@@ -71,9 +79,16 @@ class MoE:
         return q8.expert_args(tuple(w.spec for w in ws), tuple(w.raw for w in ws))[2]
 
     def _shared_weight(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused shared expert's weight [1, 1] bf16: sigmoid(gate x), as _shared scales it, or 1."""
+        """The fused shared expert's weight [1, 1] bf16: sigmoid(gate x), as _shared scales it, or 1; natively
+        where the gate is a bf16 row (moe_decode.shared_weight: what MoEDecode adds, so a decode token's block has
+        the same bits on either path)."""
         gate = self.lw.shared_gate
-        return self._one if gate is None else torch.sigmoid(linear(x, gate, None, self.bf16))
+        if gate is None:
+            return self._one
+        if (native.available() and isinstance(gate, torch.Tensor) and gate.dtype is torch.bfloat16
+                and gate.is_contiguous() and x.dtype is torch.bfloat16 and x.shape[0] == 1):
+            return shared_weight(x.contiguous(), gate, path=self.path)
+        return torch.sigmoid(linear(x, gate, None, self.bf16))
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's term [T, H], its sigmoid gate applied."""

@@ -129,6 +129,11 @@ int sluice_simd(void);
  * when all have run */
 typedef void (*task_fn)(void *ctx, int64_t i);
 void pool_run(task_fn fn, void *ctx, int64_t ntasks);
+/* pool.c: a job the workers start on while the caller goes on with other work (1; pool_finish then runs what is
+ * left of it and waits for the rest), or 0 where it could not start (one thread, no workers, the pool busy: the
+ * caller runs it with pool_run). ctx lives until pool_finish returns. */
+int pool_start(task_fn fn, void *ctx, int64_t ntasks);
+void pool_finish(void);
 int sluice_threads(void);
 /* pool.c: a scratch of n bytes (64-aligned) for one call, the kept buffer when free (*owned 0) or a new allocation
  * (*owned 1; NULL when memory is short); keep_give returns it */

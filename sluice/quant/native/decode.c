@@ -68,6 +68,14 @@ static void pick(int scalar, dot_fn *dot, axpy_fn *axpy) {
 #endif
 }
 
+/* one bf16 dot in float32 on the path `scalar` picks (moe_decode.c's shared-expert gate) */
+float sluice_dot_bf16(const uint16_t *x, const uint16_t *w, int64_t n, int scalar) {
+    dot_fn dot;
+    axpy_fn axpy;
+    pick(scalar, &dot, &axpy);
+    return dot(x, w, n);
+}
+
 typedef struct {
     int64_t nH, group, D, n, sh, sp;
     const uint16_t *q, *ck, *cv;  /* q [nH, D] (normed, rotated); the caches from position lo */

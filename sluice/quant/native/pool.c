@@ -195,17 +195,12 @@ void sluice_set_threads(int threads) {
 
 int sluice_threads(void) { return S.threads; }
 
-void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
-    if (ntasks <= 0) return;
-    if (ntasks == 1 || ntasks > INT32_MAX || S.threads <= 1 || pthread_mutex_trylock(&S.run) != 0) {
-        for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
-        return;
-    }
+/* publish a job to the workers with S.run held (the caller's); 0 where no worker runs (S.run released) */
+static int publish(task_fn fn, void *ctx, int64_t ntasks) {
     int workers = S.started == S.threads - 1 ? S.started : start_workers();
     if (workers == 0) {
         pthread_mutex_unlock(&S.run);
-        for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
-        return;
+        return 0;
     }
     unsigned id = atomic_load(&S.gen) + 1;  /* only a thread holding S.run moves gen */
     job_t *job = &S.jobs[id & 1];
@@ -218,8 +213,15 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
     atomic_store(&S.gen, id);
     pthread_cond_broadcast(&S.wake);
     pthread_mutex_unlock(&S.mu);
+    return 1;
+}
+
+/* the published job's tasks nobody has taken, on this thread, then the wait for those still running on a worker
+ * (each a task's time at most); releases S.run */
+static void join(void) {
+    unsigned id = atomic_load(&S.gen);
+    int64_t ntasks = atomic_load(&S.jobs[id & 1].ntasks);
     take_tasks(id);
-    /* every task is taken: wait for those still running on a worker (each a task's time at most) */
     for (int n = 0; atomic_load(&S.finished) < ntasks && n < 20000; n++) CPU_RELAX();
     if (atomic_load(&S.finished) < ntasks) {
         pthread_mutex_lock(&S.mu);
@@ -230,6 +232,27 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
     }
     pthread_mutex_unlock(&S.run);
 }
+
+void pool_run(task_fn fn, void *ctx, int64_t ntasks) {
+    if (ntasks <= 0) return;
+    if (ntasks == 1 || ntasks > INT32_MAX || S.threads <= 1 || pthread_mutex_trylock(&S.run) != 0
+        || !publish(fn, ctx, ntasks)) {
+        for (int64_t i = 0; i < ntasks; i++) fn(ctx, i);
+        return;
+    }
+    join();
+}
+
+/* A job the workers run while the caller does something else (a decode token's first expert projections while
+ * the model's thread queues the next layer's guessed reads: models/layers/moe_decode.py), finished by pool_finish
+ * on the same thread. The pool stays the job's until then: a pool_run meanwhile, from this thread or another, runs
+ * its tasks on its own thread. Every task is the same call whichever thread runs it: the same bits. */
+int pool_start(task_fn fn, void *ctx, int64_t ntasks) {
+    if (ntasks <= 0 || ntasks > INT32_MAX || S.threads <= 1 || pthread_mutex_trylock(&S.run) != 0) return 0;
+    return publish(fn, ctx, ntasks);
+}
+
+void pool_finish(void) { join(); }
 
 /* ---- the pool's own check (tests/quant/test_pool.py) ----
  * `jobs` jobs back to back, job k of ntasks[k % nsizes] tasks: its context is counter row k % 3 of `counts`

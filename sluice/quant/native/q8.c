@@ -736,14 +736,6 @@ int sluice_linears_q8(int64_t m, const int64_t *descs, int64_t K, const float *x
     return 0;
 }
 
-typedef struct {
-    const int64_t *e;  /* n x (gate format, codes, bytes per row, up ..., down ..., y address) */
-    int64_t H, I, T, step1, tasks1, step3, tasks3, hrb;
-    uint8_t *xq[2];
-    float *g, *u;
-    uint8_t *hq;
-    int P, scalar;
-} exp_job;
 
 static void gate_up_task(void *c, int64_t i) {  /* rows of expert i / tasks1's gate (first half) or up */
     const exp_job *j = (const exp_job *)c;
@@ -770,14 +762,11 @@ static void down_task(void *c, int64_t i) {
             xf_for((int)d[0], j->P), (float *)(intptr_t)d[3], n0, n1, j->scalar);
 }
 
-/* n SwiGLU experts on one x [T, H] float32, y_e [T, H] float32 = down_e(silu(gate_e x) * up_e x), the rows of all
- * their projections split over the pool in three steps (gate and up rows; each expert's product, quantized; down
- * rows). experts: n x (gate format, codes address, bytes per row, up ..., down ..., y_e address). y_e is
- * bitwise sluice_expert_q8's for expert e: x is quantized once per layout (the same bytes each call made), every
- * row is the same kernel call. Returns 0, -1 when the scratch cannot be allocated, -2 for a format without an
- * integer path or P not 1 or 2. */
-int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T, int P,
-                      int scalar) {
+/* sluice_experts_q8's checks, scratch and x's codes (r->n 0: nothing to run; the codes as below) */
+static int experts_begin(experts_run *r, int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x,
+                         int64_t T, int P, int scalar) {
+    r->n = 0;
+    r->started = 0;
     if (P != 1 && P != 2) return -2;
     int need = 0;
     for (int64_t e = 0; e < n; e++) {
@@ -802,10 +791,52 @@ int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, c
     j.g = gu;
     j.u = gu + n * T * I;
     j.hq = (uint8_t *)(j.u + n * T * I);
-    pool_run(gate_up_task, &j, n * j.tasks1);
-    pool_run(glu_task, &j, n);
-    pool_run(down_task, &j, n * j.tasks3);
-    free(xbuf);
-    free(gu);
+    r->j = j;
+    r->xbuf = xbuf;
+    r->gu = gu;
+    r->n = n;
     return 0;
+}
+
+static void experts_end(experts_run *r) {  /* the steps after gate and up, and the scratch freed */
+    if (!r->n) return;
+    pool_run(glu_task, &r->j, r->n);
+    pool_run(down_task, &r->j, r->n * r->j.tasks3);
+    free(r->xbuf);
+    free(r->gu);
+    r->n = 0;
+}
+
+/* n SwiGLU experts on one x [T, H] float32, y_e [T, H] float32 = down_e(silu(gate_e x) * up_e x), the rows of all
+ * their projections split over the pool in three steps (gate and up rows; each expert's product, quantized; down
+ * rows). experts: n x (gate format, codes address, bytes per row, up ..., down ..., y_e address). y_e is
+ * bitwise sluice_expert_q8's for expert e: x is quantized once per layout (the same bytes each call made), every
+ * row is the same kernel call. Returns 0, -1 when the scratch cannot be allocated, -2 for a format without an
+ * integer path or P not 1 or 2. */
+int sluice_experts_q8(int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x, int64_t T, int P,
+                      int scalar) {
+    experts_run r;
+    int rc = experts_begin(&r, n, experts, H, I, x, T, P, scalar);
+    if (rc || !r.n) return rc;
+    pool_run(gate_up_task, &r.j, n * r.j.tasks1);
+    experts_end(&r);
+    return 0;
+}
+
+/* sluice_experts_q8 in two calls on one thread: experts_q8_start returns with the gate and up rows started on the
+ * pool's workers (r->started 1; where the pool cannot start a job, run here: 0), experts_q8_finish runs what is left
+ * of them, then the rest. `experts` and x stay valid until then. Every row the same call: the same bits. */
+int experts_q8_start(experts_run *r, int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x,
+                     int64_t T, int P, int scalar) {
+    int rc = experts_begin(r, n, experts, H, I, x, T, P, scalar);
+    if (rc || !r->n) return rc;
+    r->started = pool_start(gate_up_task, &r->j, n * r->j.tasks1);
+    if (!r->started) pool_run(gate_up_task, &r->j, n * r->j.tasks1);
+    return 0;
+}
+
+void experts_q8_finish(experts_run *r) {
+    if (r->started) pool_finish();
+    r->started = 0;
+    experts_end(r);
 }

@@ -29,6 +29,29 @@
 static inline int sb_xf(int P) { return P == 2 ? 3 : 4; }
 static inline int sb_planes(int XF) { return XF == 3 ? 2 : 1; }
 
+/* q8.c's SwiGLU experts of one x (sluice_experts_q8), their scratch and steps, held between experts_q8_start and
+ * experts_q8_finish (moe_decode.c) */
+typedef struct {
+    const int64_t *e;  /* n x (gate format, codes, bytes per row, up ..., down ..., y address) */
+    int64_t H, I, T, step1, tasks1, step3, tasks3, hrb;
+    uint8_t *xq[2];
+    float *g, *u;
+    uint8_t *hq;
+    int P, scalar;
+} exp_job;
+
+typedef struct {
+    exp_job j;
+    uint8_t *xbuf;
+    float *gu;
+    int64_t n;    /* experts in flight (0: none, nothing to free) */
+    int started;  /* their gate and up rows on the pool's workers (pool_start) */
+} experts_run;
+
+int experts_q8_start(experts_run *r, int64_t n, const int64_t *experts, int64_t H, int64_t I, const float *x,
+                     int64_t T, int P, int scalar);
+void experts_q8_finish(experts_run *r);
+
 static inline float rdf32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
 static inline int32_t rdi32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
