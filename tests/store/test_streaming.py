@@ -233,3 +233,29 @@ def test_batch_arrived_says_whether_wait_would_block():
     assert b.arrived(0) and b.arrived(1) and not b.arrived(2) and not b.arrived(3)  # 3: no check given
     b.wait(1)
     assert waited == [1] and b.ready(1) and b.arrived(1)
+
+
+def test_a_landed_guess_is_ready_and_a_failed_one_raises_at_use(model_dir, reference):
+    """acquire of experts whose guessed reads are over: one that landed is ready at once (nothing to wait for), one
+    whose read failed raises the read's error when the math waits for it, and the store forgets the batch."""
+    from concurrent.futures import Future
+
+    _, _, _, _, spec = reference
+    with sluice.load(model_dir, memory=_memory_for(reference, spec.top_k + 4), io="direct") as m:
+        store, L = m.store, m.layout.layers[0]
+        a, b = [e for e in range(spec.num_experts) if (L, e) not in store.table][:2]
+        store.prefetch(L, [a, b])
+        assert (L, a) in store._pending and (L, b) in store._pending
+        for key in ((L, a), (L, b)):
+            store._pending[key].result()  # landed
+        landed, failed = Future(), Future()
+        landed.set_result(None)
+        failed.set_exception(CheckpointError("the read failed", file="shard"))
+        store._pending[(L, a)], store._pending[(L, b)] = landed, failed
+        batch = store.acquire(L, sorted([a, b]))
+        ja, jb = (0, 1) if a < b else (1, 0)
+        assert batch.ready(ja) and not batch.ready(jb)
+        with pytest.raises(CheckpointError, match="the read failed"):
+            batch.wait(jb)
+        store.release(L)
+        assert (L, a) not in store.table and (L, b) not in store.table  # the batch is forgotten

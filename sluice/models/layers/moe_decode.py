@@ -68,12 +68,14 @@ class MoEDecode:
             ex.check_raw(raw)
             slots = batch.slots
             # the ones in memory: hits, and guessed reads landed since (waited for at once: a read's error raises)
-            now = [j for j in range(k) if batch.arrived(j)]
-            for j in now:
-                batch.wait(j)
+            now = range(k)
+            if batch.pending:
+                now = [j for j in now if batch.arrived(j)]
+                for j in now:
+                    batch.wait(j)
             if len(now) == k:  # every expert in memory (always, resident): one call
                 if not store.deferred:
-                    ex.run(raw, slots, now, x, True, True, k, w, at, out)
+                    ex.run(raw, slots, list(now), x, True, True, k, w, at, out)
                     return out
                 # the guessed reads queued while the pool's workers start on the experts (their Python, ~140 us a
                 # layer of a streamed token, was the model thread's alone, the workers waiting)

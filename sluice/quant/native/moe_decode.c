@@ -50,93 +50,97 @@ uint16_t sluice_shared_weight_bf16(int64_t H, const uint16_t *x, const uint16_t 
     return shared_weight(H, x, g, scalar);
 }
 
-/* A layer's experts and sum between sluice_moe_experts_start and sluice_moe_experts_finish (the caller's memory,
- * sluice_moe_state_size bytes: one per layer, no state of the process's) */
-typedef struct {
-    experts_run r;
-    int64_t d[10 * (MOE_MAX_K + 1)];  /* the experts' sluice_experts_q8 descriptions */
-    int64_t H, n_sum, extra_row;
-    const uint16_t *x, *gate;
-    const void *w;
-    const int64_t *at;
-    const float *ys;
-    uint16_t *out;
-    int w_f32, has_shared, scalar;
-} moe_state;
-
-size_t sluice_moe_state_size(void) { return sizeof(moe_state); }
-
-/* Experts of one layer on one token, and (n_sum > 0) the block's weighted sum.
+/* The arguments of sluice_moe_experts, every one 64 bits (a ctypes Structure the caller keeps and fills: most
+ * stay the same from token to token, and one pointer crosses from Python instead of 23 converted values).
  *   x [H] bf16, widened into xf [H] float32 when widen is 1 (a later call of the same token passes 0 and the same xf);
  *   expert e < n: its bytes at base + slots[e] * stride, gate, up and down at parts' offsets (parts: 3 x (format,
  *   offset, bytes per row)), its float32 output into ys row rows[e] ([R, H]); extra (9 values: format, address,
  *   bytes per row of gate, up, down) or NULL: the shared expert, into ys row extra_row; all of them in one
  *   sluice_experts_q8 call (P: its activation planes).
  * Then, when n_sum > 0: out [H] bf16 = 0, plus ys rows 0..n_sum-1 weighted by w[at[j]] (sluice_combine_bf16: rows in
- * ascending expert id), plus, when has_shared, row extra_row times the shared weight (gate [H] bf16, or 1 when gate
- * is NULL), added last, as the block adds it. sluice_moe_experts_start returns with the experts' first step (gate
- * and up rows) started on the pool's workers where it can, so the caller's thread can do other work meanwhile
- * (queue the next layer's guessed reads: models/layers/moe_decode.py); sluice_moe_experts_finish runs the rest and
- * the sum; the arguments stay valid until it returns. sluice_moe_experts_bf16 is the two back to back. Returns
- * sluice_experts_q8's code (0; -1 no scratch; -2 a format without an integer path), or -3 for n or n_sum above 64
- * or a negative count (nothing started: finish does nothing). */
-int sluice_moe_experts_start(moe_state *st, int64_t n, const int64_t *slots, const int64_t *rows, const uint8_t *base,
-                             int64_t stride, const int64_t *parts, const int64_t *extra, int64_t extra_row, int64_t H,
-                             int64_t I, const uint16_t *x, float *xf, int widen, float *ys, int P, int64_t n_sum,
-                             const void *w, int w_f32, const int64_t *at, int has_shared, const uint16_t *gate,
-                             uint16_t *out, int scalar) {
-    st->r.n = st->r.started = 0;
-    st->n_sum = 0;
-    if (n < 0 || n > MOE_MAX_K || n_sum < 0 || n_sum > MOE_MAX_K) return -3;
-    if (widen)
-        for (int64_t h = 0; h < H; h++) xf[h] = bf16_float(x[h]);
-    int64_t *d = st->d, m = 0;
-    for (int64_t e = 0; e < n; e++, m++) {
-        const uint8_t *at0 = base + slots[e] * stride;
-        for (int p = 0; p < 3; p++) {
-            d[10 * m + 3 * p] = parts[3 * p];
-            d[10 * m + 3 * p + 1] = (int64_t)(intptr_t)(at0 + parts[3 * p + 1]);
-            d[10 * m + 3 * p + 2] = parts[3 * p + 2];
+ * ascending expert id; w float32 when w_f32, else bf16), plus, when has_shared, row extra_row times the shared
+ * weight (gate [H] bf16, or 1 when gate is NULL), added last, as the block adds it. */
+typedef struct {
+    int64_t n;
+    const int64_t *slots, *rows;
+    const uint8_t *base;
+    int64_t stride;
+    const int64_t *parts, *extra;
+    int64_t extra_row, H, I;
+    const uint16_t *x;
+    float *xf;
+    int64_t widen;
+    float *ys;
+    int64_t P, n_sum;
+    const void *w;
+    int64_t w_f32;
+    const int64_t *at;
+    int64_t has_shared;
+    const uint16_t *gate;
+    uint16_t *out;
+    int64_t scalar;
+} moe_args;
+
+/* A layer's experts and sum between sluice_moe_experts and sluice_moe_finish (the caller's memory,
+ * sluice_moe_state_size bytes: one per layer, no state of the process's) */
+typedef struct {
+    experts_run r;
+    int64_t d[10 * (MOE_MAX_K + 1)];  /* the experts' sluice_experts_q8 descriptions */
+    moe_args a;                       /* the sum's arguments */
+} moe_state;
+
+size_t sluice_moe_state_size(void) { return sizeof(moe_state); }
+size_t sluice_moe_args_size(void) { return sizeof(moe_args); }
+
+void sluice_moe_finish(moe_state *st) {
+    experts_q8_finish(&st->r);
+    const moe_args *a = &st->a;
+    int64_t H = a->H;
+    if (a->n_sum) {
+        memset(a->out, 0, (size_t)H * sizeof(uint16_t));
+        sluice_combine_bf16(a->n_sum, a->ys, H, a->w, (int)a->w_f32, a->at, a->out, (int)a->scalar);
+        if (a->has_shared) {
+            uint16_t sw = a->gate ? shared_weight(H, a->x, a->gate, (int)a->scalar) : (uint16_t)0x3F80; /* bf16 1 */
+            const int64_t zero = 0;
+            sluice_combine_bf16(1, a->ys + a->extra_row * H, H, &sw, 0, &zero, a->out, (int)a->scalar);
         }
-        d[10 * m + 9] = (int64_t)(intptr_t)(ys + rows[e] * H);
     }
-    if (extra) {
-        memcpy(d + 10 * m, extra, 9 * sizeof(int64_t));
-        d[10 * m + 9] = (int64_t)(intptr_t)(ys + extra_row * H);
+    st->a.n_sum = 0;
+}
+
+/* The experts and sum of moe_args (above), into `st`: with `run` 1 to their end before returning; with 0 the call
+ * returns with the experts' first step (gate and up rows) started on the pool's workers where it can, so the caller's
+ * thread can do other work meanwhile (queue the next layer's guessed reads: models/layers/moe_decode.py), and
+ * sluice_moe_finish(st) runs the rest and the sum (a's pointers stay valid until then). Returns sluice_experts_q8's
+ * code (0; -1 no scratch; -2 a format without an integer path), or -3 for n or n_sum above 64 or negative (nothing
+ * started: finish does nothing). */
+int sluice_moe_experts(moe_state *st, const moe_args *a, int run) {
+    st->r.n = st->r.started = 0;
+    st->a.n_sum = 0;
+    if (a->n < 0 || a->n > MOE_MAX_K || a->n_sum < 0 || a->n_sum > MOE_MAX_K) return -3;
+    int64_t H = a->H;
+    if (a->widen)
+        for (int64_t h = 0; h < H; h++) a->xf[h] = bf16_float(a->x[h]);
+    int64_t *d = st->d, m = 0;
+    for (int64_t e = 0; e < a->n; e++, m++) {
+        const uint8_t *at0 = a->base + a->slots[e] * a->stride;
+        for (int p = 0; p < 3; p++) {
+            d[10 * m + 3 * p] = a->parts[3 * p];
+            d[10 * m + 3 * p + 1] = (int64_t)(intptr_t)(at0 + a->parts[3 * p + 1]);
+            d[10 * m + 3 * p + 2] = a->parts[3 * p + 2];
+        }
+        d[10 * m + 9] = (int64_t)(intptr_t)(a->ys + a->rows[e] * H);
+    }
+    if (a->extra) {
+        memcpy(d + 10 * m, a->extra, 9 * sizeof(int64_t));
+        d[10 * m + 9] = (int64_t)(intptr_t)(a->ys + a->extra_row * H);
         m++;
     }
-    int rc = m ? experts_q8_start(&st->r, m, d, H, I, xf, 1, P, scalar) : 0;
+    st->a = *a;  /* the sum's arguments (the workers read only st->d) */
+    st->a.n_sum = 0;
+    int rc = m ? experts_q8_start(&st->r, m, d, H, a->I, a->xf, 1, (int)a->P, (int)a->scalar) : 0;
     if (rc) return rc;
-    /* the workers read st->d (the started experts' descriptions) until finish: the other fields one by one */
-    st->H = H, st->n_sum = n_sum, st->extra_row = extra_row, st->x = x, st->gate = gate, st->w = w, st->at = at;
-    st->ys = ys, st->out = out, st->w_f32 = w_f32, st->has_shared = has_shared, st->scalar = scalar;
-    return 0;
-}
-
-void sluice_moe_experts_finish(moe_state *st) {
-    experts_q8_finish(&st->r);
-    int64_t H = st->H;
-    if (st->n_sum) {
-        memset(st->out, 0, (size_t)H * sizeof(uint16_t));
-        sluice_combine_bf16(st->n_sum, st->ys, H, st->w, st->w_f32, st->at, st->out, st->scalar);
-        if (st->has_shared) {
-            uint16_t sw = st->gate ? shared_weight(H, st->x, st->gate, st->scalar) : (uint16_t)0x3F80;  /* bf16 1 */
-            const int64_t zero = 0;
-            sluice_combine_bf16(1, st->ys + st->extra_row * H, H, &sw, 0, &zero, st->out, st->scalar);
-        }
-    }
-    st->n_sum = 0;
-}
-
-int sluice_moe_experts_bf16(int64_t n, const int64_t *slots, const int64_t *rows, const uint8_t *base, int64_t stride,
-                            const int64_t *parts, const int64_t *extra, int64_t extra_row, int64_t H, int64_t I,
-                            const uint16_t *x, float *xf, int widen, float *ys, int P, int64_t n_sum, const void *w,
-                            int w_f32, const int64_t *at, int has_shared, const uint16_t *gate, uint16_t *out,
-                            int scalar) {
-    moe_state st;
-    int rc = sluice_moe_experts_start(&st, n, slots, rows, base, stride, parts, extra, extra_row, H, I, x, xf, widen,
-                                      ys, P, n_sum, w, w_f32, at, has_shared, gate, out, scalar);
-    if (rc) return rc;
-    sluice_moe_experts_finish(&st);
+    st->a.n_sum = a->n_sum;
+    if (run) sluice_moe_finish(st);
     return 0;
 }

@@ -23,21 +23,30 @@ if _LIB is not None:
     _LIB.sluice_moe_route_bf16.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _ptr,
                                            _ptr, _ptr, _i32]
     _LIB.sluice_moe_route_bf16.restype = _i32
-    # n, slots, rows, base, stride, parts, extra, extra_row, H, I, x, xf, widen, ys, P, n_sum, w, w_f32, at,
-    # has_shared, gate, out, path
-    _LIB.sluice_moe_experts_bf16.argtypes = [_i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
-                                             _i32, _ptr, _i32, _i64, _ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32]
-    _LIB.sluice_moe_experts_bf16.restype = _i32
-    _LIB.sluice_moe_experts_start.argtypes = [_ptr] + _LIB.sluice_moe_experts_bf16.argtypes  # state, the same
-    _LIB.sluice_moe_experts_start.restype = _i32
-    _LIB.sluice_moe_experts_finish.argtypes = [_ptr]
-    _LIB.sluice_moe_experts_finish.restype = None
+    _LIB.sluice_moe_experts.argtypes = [_ptr, _ptr, _i32]  # state, moe_args, run to the end
+    _LIB.sluice_moe_experts.restype = _i32
+    _LIB.sluice_moe_finish.argtypes = [_ptr]
+    _LIB.sluice_moe_finish.restype = None
+    _LIB.sluice_moe_args_size.restype = ctypes.c_size_t
     _LIB.sluice_moe_state_size.restype = ctypes.c_size_t
     _LIB.sluice_shared_weight_bf16.argtypes = [_i64, _ptr, _ptr, _i32]  # H, x, gate, path
     _LIB.sluice_shared_weight_bf16.restype = ctypes.c_uint16
 
 #: the most experts one call takes (moe_decode.c MOE_MAX_K)
 MAX_K = 64
+
+
+class _Args(ctypes.Structure):
+    """moe_decode.c moe_args: every field 64 bits, pointers as addresses."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "n", "slots", "rows", "base", "stride", "parts", "extra", "extra_row", "H", "I", "x", "xf", "widen", "ys", "P",
+        "n_sum", "w", "w_f32", "at", "has_shared", "gate", "out", "scalar")]
+
+
+if _LIB is not None and _LIB.sluice_moe_args_size() != ctypes.sizeof(_Args):
+    raise ImportError("sluice.quant.native: moe_decode.c's moe_args and moe_decode.py's _Args differ: rebuild the "
+                      "extension (make install)")
 
 
 def shared_weight(x: torch.Tensor, gate: torch.Tensor, *, path: int = BEST) -> torch.Tensor:
@@ -109,6 +118,11 @@ class DecodeExperts:
         self._raw: torch.Tensor | None = None  # the last slot stack checked (kept: its id stays its own)
         self._state = ctypes.create_string_buffer(_LIB.sluice_moe_state_size())  # a started call's (start)
         self._started: tuple | None = None  # what a started call reads until finish: kept alive
+        a = self._args = _Args()  # the call's arguments: those below fixed, the rest set by each call
+        a.slots, a.rows, a.parts = (ctypes.addressof(v) for v in (self._slots, self._rows, self._parts))
+        a.extra_row, a.H, a.I, a.xf, a.ys, a.P = k, self.h, self.i, self.xf.data_ptr(), self.ys.data_ptr(), self.planes
+        a.has_shared, a.gate, a.scalar = int(extra is not None), 0 if gate is None else gate.data_ptr(), path
+        self._extra_at = 0 if self._extra is None else ctypes.addressof(self._extra)
 
     def check_raw(self, raw: torch.Tensor) -> None:
         """raw: uint8 [S, >= nbytes], rows contiguous (checked once per stack)."""
@@ -129,7 +143,9 @@ class DecodeExperts:
         the sum of ys rows 0..n_sum-1 weighted by w[0, at[j]] (w bf16 or float32 [1, k], at int64 [n_sum]), plus
         the shared row times its weight where there is a shared expert. Each row bitwise what ExpertCall.many
         writes, the sum what ops.combine_bf16 adds."""
-        self._call(_LIB.sluice_moe_experts_bf16, (), raw, slots, rows, x, widen, shared, n_sum, w, at, out)
+        if self._started is not None:
+            raise RuntimeError("DecodeExperts.run: the call started before has not finished")
+        self._call(True, raw, slots, rows, x, widen, shared, n_sum, w, at, out)
 
     def start(self, raw: torch.Tensor, slots: list[int], x: torch.Tensor, w: torch.Tensor, at: torch.Tensor,
               out: torch.Tensor) -> None:
@@ -140,36 +156,36 @@ class DecodeExperts:
         if self._started is not None:
             raise RuntimeError("DecodeExperts.start: the call started before has not finished")
         n = len(slots)
-        self._call(_LIB.sluice_moe_experts_start, (self._state,), raw, slots, list(range(n)), x, True, True, n, w,
-                   at, out)
+        self._call(False, raw, slots, list(range(n)), x, True, True, n, w, at, out)
         self._started = (raw, x, w, at, out)
 
     def finish(self) -> None:
         """The rest of the call start() began, and the sum into its out."""
         if self._started is None:
             return
-        _LIB.sluice_moe_experts_finish(self._state)
+        _LIB.sluice_moe_finish(self._state)
         self._started = None
 
-    def _call(self, fn, state: tuple, raw: torch.Tensor, slots: list[int], rows: list[int], x: torch.Tensor,
+    def _call(self, to_end: bool, raw: torch.Tensor, slots: list[int], rows: list[int], x: torch.Tensor,
               widen: bool, shared: bool, n_sum: int, w: torch.Tensor | None, at: torch.Tensor | None,
               out: torch.Tensor | None) -> None:
-        n, k = len(slots), self.k
+        n, k, a = len(slots), self.k, self._args
         if n > k or len(rows) != n:
             raise ValueError(f"DecodeExperts: {n} experts into {len(rows)} rows, at most {k}")
+        if not (x.dtype is torch.bfloat16 and x.is_contiguous() and x.numel() == self.h):
+            raise ValueError(f"DecodeExperts x: need a contiguous bf16 [1, {self.h}], got {x.dtype} {list(x.shape)}")
         self._slots[:n], self._rows[:n] = slots, rows
-        w_f32 = 0
+        a.n_sum = a.w = a.w_f32 = a.at = a.out = 0
         if n_sum:
             if not (0 < n_sum <= k and w is not None and w.dtype in (torch.bfloat16, torch.float32)
                     and w.is_contiguous() and w.numel() >= k and at is not None and at.dtype is torch.int64
-                    and at.numel() >= n_sum and out is not None and out.dtype is torch.bfloat16
-                    and out.is_contiguous() and out.numel() == self.h):
+                    and at.is_contiguous() and at.numel() >= n_sum and out is not None
+                    and out.dtype is torch.bfloat16 and out.is_contiguous() and out.numel() == self.h):
                 raise ValueError("DecodeExperts: the sum needs w bf16/float32 [1, k], at int64 [n] and out bf16 [1, H]")
-            w_f32 = int(w.dtype is torch.float32)
-        rc = fn(*state, n, self._slots, self._rows, raw.data_ptr(), raw.stride(0), self._parts,
-                self._extra if shared else None, k, self.h, self.i, _bf16(x, "x", self.h), self.xf.data_ptr(),
-                int(widen), self.ys.data_ptr(), self.planes, n_sum, None if w is None else w.data_ptr(), w_f32,
-                None if at is None else at.data_ptr(), int(self._extra is not None),
-                None if self.gate is None else self.gate.data_ptr(), None if out is None else out.data_ptr(), self.path)
+            a.n_sum, a.w, a.w_f32, a.at, a.out = n_sum, w.data_ptr(), w.dtype is torch.float32, at.data_ptr(), \
+                out.data_ptr()
+        a.n, a.base, a.stride, a.x, a.widen = n, raw.data_ptr(), raw.stride(0), x.data_ptr(), widen
+        a.extra = self._extra_at if shared else 0
+        rc = _LIB.sluice_moe_experts(self._state, ctypes.byref(a), to_end)
         if rc:
             raise MemoryError(f"native decode experts failed (code {rc}): no memory for {n} experts' scratch")
