@@ -3,7 +3,8 @@
     route = DecodeRoute(router, k, norm, bf16_weights, ties, path)   # one per layer, its buffers made once
     if not route(x): ...torch ranks route.probs...                     # 0: a NaN, or a tie torch.topk must order
     ex = DecodeExperts(call, extra, gate, k, planes, path)            # one per layer
-    ex.run(raw, slots, rows, widen, n_sum, w, at, out)                # experts (+ shared), then the weighted sum
+    ex.run(raw, slots, rows, x, widen, shared, n_sum, w, at, out)     # experts (+ shared), then the weighted sum
+    ex.start(raw, slots, x, w, at, out); ...; ex.finish()             # the same, the pool's workers starting alone
 
 Each is the composition of the calls the block made one at a time (decode.c, q8.c, ops.c): the same bits."""
 
