@@ -16,6 +16,7 @@ int sluice_topk_probs(int64_t E, const float *probs, int64_t k, int norm, int bf
                       float *wf, uint16_t *wb);
 void sluice_combine_bf16(int64_t n, const float *ys, int64_t H, const void *w, int w_f32, const int64_t *at,
                          uint16_t *out, int scalar);
+void sluice_bf16_to_f32(int64_t n, const uint16_t *x, float *out, int scalar);  /* ops.c */
 float sluice_dot_bf16(const uint16_t *x, const uint16_t *w, int64_t n, int scalar);  /* decode.c */
 
 #define MOE_MAX_K 64
@@ -41,13 +42,9 @@ int sluice_moe_route_bf16(int64_t E, int64_t H, const uint16_t *x, const uint16_
 /* The shared expert's weight of a decode token: bf16(sigmoid(bf16(x . g))) for its gate g [H] bf16, as
  * torch.sigmoid(F.linear(x, g)) in bf16 gives it up to the dot's order (the router's logits differ from F.linear's
  * in the same way: decode.c); the value as bf16 bits. */
-static uint16_t shared_weight(int64_t H, const uint16_t *x, const uint16_t *g, int scalar) {
+uint16_t sluice_shared_weight_bf16(int64_t H, const uint16_t *x, const uint16_t *g, int scalar) {
     float v = bf16_float(bf16_round(sluice_dot_bf16(x, g, H, scalar)));
     return bf16_round(1.0f / (1.0f + expf(-v)));
-}
-
-uint16_t sluice_shared_weight_bf16(int64_t H, const uint16_t *x, const uint16_t *g, int scalar) {
-    return shared_weight(H, x, g, scalar);
 }
 
 /* The arguments of sluice_moe_experts, every one 64 bits (a ctypes Structure the caller keeps and fills: most
@@ -100,7 +97,7 @@ void sluice_moe_finish(moe_state *st) {
         memset(a->out, 0, (size_t)H * sizeof(uint16_t));
         sluice_combine_bf16(a->n_sum, a->ys, H, a->w, (int)a->w_f32, a->at, a->out, (int)a->scalar);
         if (a->has_shared) {
-            uint16_t sw = a->gate ? shared_weight(H, a->x, a->gate, (int)a->scalar) : (uint16_t)0x3F80; /* bf16 1 */
+            uint16_t sw = a->gate ? sluice_shared_weight_bf16(H, a->x, a->gate, (int)a->scalar) : (uint16_t)0x3F80;  /* 1 */
             const int64_t zero = 0;
             sluice_combine_bf16(1, a->ys + a->extra_row * H, H, &sw, 0, &zero, a->out, (int)a->scalar);
         }
@@ -119,8 +116,7 @@ int sluice_moe_experts(moe_state *st, const moe_args *a, int run) {
     st->a.n_sum = 0;
     if (a->n < 0 || a->n > MOE_MAX_K || a->n_sum < 0 || a->n_sum > MOE_MAX_K) return -3;
     int64_t H = a->H;
-    if (a->widen)
-        for (int64_t h = 0; h < H; h++) a->xf[h] = bf16_float(a->x[h]);
+    if (a->widen) sluice_bf16_to_f32(H, a->x, a->xf, (int)a->scalar);
     int64_t *d = st->d, m = 0;
     for (int64_t e = 0; e < a->n; e++, m++) {
         const uint8_t *at0 = a->base + a->slots[e] * a->stride;

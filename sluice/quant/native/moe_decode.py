@@ -97,7 +97,7 @@ class DecodeRoute:
 
 class DecodeExperts:
     """The experts of one layer on one decode token and the block's weighted sum (moe_decode.c
-    sluice_moe_experts_bf16), for experts of one stored layout (call: q8.ExpertCall); `extra`: q8.expert_args of
+    sluice_moe_experts), for experts of one stored layout (call: q8.ExpertCall); `extra`: q8.expert_args of
     a shared expert of the same H and I computed in the same call (row k of the outputs), `gate` its bf16 [1, H]
     sigmoid gate (None: weight 1), added after the routed ones; holds its float32 x and outputs."""
 
