@@ -23,7 +23,8 @@ setup(ext_modules=[Extension("sluice.quant.native._kernels", SOURCES, depends=[N
                              depends=["sluice/io/preader.h"], libraries=["pthread"], extra_compile_args=FLAGS,
                              optional=True),
                    # the streaming store's slot table and eviction policy (store/slot_table.py); without it, Python's
-                   Extension("sluice.store._slots", ["sluice/store/slots.c"], extra_compile_args=FLAGS,
+                   Extension("sluice.store._slots", ["sluice/store/slots.c", "sluice/store/stream.c"],
+                             depends=["sluice/store/slots.h"], extra_compile_args=FLAGS,
                              optional=True),
                    # torch.topk's tie order for the decode router (quant/native/topk.cc: the C++ standard library's
                    # algorithms, so it needs a C++ compiler; without one, ties go to torch.topk); header templates

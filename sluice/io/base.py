@@ -120,10 +120,13 @@ def truncated_error(fd: int, path: str, read: Read, pos: int) -> CheckpointError
         size = os.fstat(fd).st_size
     except OSError:
         size = pos
-    seg = next((s for s in read.segments if read.offset + s.rel + s.nbytes > size), read.segments[-1])
-    offset = read.offset + seg.rel
+    if read.segments:
+        seg = next((s for s in read.segments if read.offset + s.rel + s.nbytes > size), read.segments[-1])
+        offset, nbytes = read.offset + seg.rel, seg.nbytes
+    else:  # a read decoded from a planned op list (native_pool.OpReads): its window, not its ranges
+        offset, nbytes = read.offset, read.nbytes
     return CheckpointError(
-        f"short read: {seg.nbytes} bytes at offset {offset} (to byte {offset + seg.nbytes}) were requested, but the "
+        f"short read: {nbytes} bytes at offset {offset} (to byte {offset + nbytes}) were requested, but the "
         f"file has {size} bytes: the file is truncated or the index points past its end",
         file=path,
     )
@@ -165,10 +168,15 @@ class Counters:
         dedup_saved_bytes; io/templates.py ReadTemplate keeps them from its plan); `journal(k)`: batch k's file reads,
         asked only while a journal is kept."""
         batches = len(counts)
-        req, asked, read, reads, coalesced, dedup = [sum(c) for c in zip(*counts)] if counts else [0] * 6
         with self._lock:
             if self.journal is not None and journal is not None:
                 self.journal.extend(journal(k) for k in range(batches))
+        self.add_totals(batches, [sum(c) for c in zip(*counts)] if counts else [0] * 6)
+
+    def add_totals(self, batches: int, sums: Sequence[int]) -> None:
+        """add_counts of `batches` batches given as their counters' sums (no journal: io/template_queue.py)."""
+        req, asked, read, reads, coalesced, dedup = (int(v) for v in sums)
+        with self._lock:
             self.batches += batches
             self.requests += req
             self.bytes_requested += asked

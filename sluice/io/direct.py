@@ -36,6 +36,7 @@ from sluice.io.engines import ENGINES, resolve_engine
 from sluice.io.odirect import direct_iovecs, odirect_align
 from sluice.io.ranges import (DEFAULT_MAX_GAP, DEFAULT_MAX_READ, PAGE, Read, ReadRange, address, as_buffer,
                                copy_bytes, plan_reads, split_even)
+from sluice.io.template_queue import TemplateQueue
 from sluice.io.templates import ReadTemplate, TemplatePlanner
 
 # Worker threads = reads in flight. Measured by `benchmarks/knobs.py workers`: 1.5 GiB random file on /dev/vda (ext4),
@@ -421,6 +422,11 @@ class DirectReader:
             return futs
         it = iter(futs)
         return [next(it) if len(t.ends) else done_future(self._counters) for t, _ in items]
+
+    def template_queue(self) -> TemplateQueue | None:
+        """This reader's native pool for C code that queues templates itself (io/template_queue.py), None where the
+        reads run on Python threads."""
+        return None if self._pool.native is None else TemplateQueue(self._pool, self._counters)
 
     def read(self, requests: Sequence[Request]) -> None:
         """Fill every destination (blocking)."""

@@ -23,9 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "slots.h"
+
 #define DECAY 0.99
 
-typedef struct {
+struct slots {
     int32_t layers, experts, slots, quota;
     int32_t *slot_of;  /* [layers * experts] the slot holding a key, -1 */
     int64_t *tick;     /* [layers * experts] its place in the recency order (valid while cached) */
@@ -39,7 +41,7 @@ typedef struct {
     int32_t n_free;
     int32_t *order;    /* [experts] scratch: a layer's keys sorted */
     int64_t clock;
-} slots_t;
+};
 
 void sluice_slots_close(slots_t *t) {
     if (!t) return;

@@ -7,7 +7,9 @@ batch per expert), so the math overlaps them; ExpertBatch.wait(j) guards each sl
 
 Which expert leaves the cache is the policy's decision (store/policy.py: fair-share LRU with decayed use counts by
 default, made in C by the slot table, store/slot_table.py, which also keeps the free and pinned slots); prefetch
-bookkeeping (deferred predictions, the throttle, counters) is store/prefetch.py's.
+bookkeeping (deferred predictions, the throttle, counters) is store/prefetch.py's. A decode token's acquires and
+guessed reads run in C where the table and the reader are (store/stream_decode.py, stream_native.py, stream.c); its
+other calls, and every call where they are not, run here.
 """
 
 from __future__ import annotations
@@ -24,67 +26,21 @@ from .base import ExpertBatch
 from .budget import plan_budget
 from .layout import ExpertLayout
 from .pages import page_rows
+from .placement import PLACED_MAX_COST, _alignment, _page_shifts
 from .policy import GlobalLRU, Key
 from .prefetch import ROUTER_THROTTLE, PrefetchTracker, Throttle
 from .resident import expert_requests, typed_views
 from .slot_table import make_table
+from .stream_decode import DecodeStream, _landed
+from .stream_native import NativeStream
 
-
-# A placed slot is up to one O_DIRECT block (the files' alignment, io/odirect.py DIO_ALIGNS) longer, its row rounded up
-# to whole pages (the prompt's loan gives whole slots back to the kernel, store/budget.py PromptLoan); slots are placed
-# where that costs at most this share of a slot (paid in slots; small slots keep the stored layout, and their small
-# reads save little copying). The issue-30 model's 249 KiB slots: 3 KiB more at a 512-byte alignment (1.2%); the peers
-# Q4_K_M file's 996 KiB slots: up to 8 KiB at 4096.
-PLACED_MAX_COST = 1 / 32
-
-
-# A shifted slot still gives typed views of every part (MLX's uint32 codes and float scales, plain experts): 8 bytes
-# covers them. GGUF tensors start at 32-byte offsets, safetensors' data at 8. The native kernels use unaligned loads.
-VIEW_ALIGN = 8
 
 #: experts per read batch of a prompt's read-ahead (prefetch(prompt=True)): the neighbouring expert ranges of one
 #: batch coalesce into one read per stacked tensor, and a batch costs its planning and hand-off once
 PROMPT_READ_GROUP = 4
 
 
-def _page_shifts(layout: ExpertLayout, align: int = PAGE) -> dict[int, int]:
-    """Per MoE layer, the byte of an `align`-aligned slot row its experts start at: the residue modulo `align` (the
-    files' O_DIRECT alignment) that most of the layer's parts' bytes have (their file offsets minus where each lands
-    in the slot), among the residues its typed views may start at. In a GGUF file a layer's stacked expert tensors
-    share one residue modulo 512 (tensor and expert sizes are whole 512-byte blocks: 256 x 256 values of Q4_K or
-    Q6_K are); modulo a 4 KiB page they often do not (the issue-30 model's gate and up tensors sit 2 KiB apart, and
-    its Q6_K experts of 105 KiB start at four residues). A part at another residue is still read right, through
-    staging."""
-    item = torch.tensor([], dtype=layout.plain_dtype).element_size() if layout.plain_dtype is not None else 1
-    shifts = {}
-    for layer in layout.layers:
-        votes: dict[int, int] = {}
-        for e in range(layout.spec.num_experts):
-            for part in layout.parts(layer, e):
-                r = (part.range.offset - part.dest_offset) % align
-                votes[r] = votes.get(r, 0) + part.range.nbytes
-        votes = {r: n for r, n in votes.items() if r % max(item, VIEW_ALIGN) == 0}  # typed views must start there
-        shifts[layer] = max(votes, key=votes.__getitem__) if votes else 0
-    return shifts
-
-
-def _alignment(layout: ExpertLayout, reader) -> int:
-    """The O_DIRECT alignment of the files that hold the experts (reader.alignment), 0 when the reader does not read
-    them with O_DIRECT."""
-    if not getattr(reader, "odirect", False) or not hasattr(reader, "alignment"):
-        return 0
-    paths = {part.range.path for L in layout.layers for e in range(layout.spec.num_experts)
-             for part in layout.parts(L, e)}
-    return reader.alignment(sorted(paths))
-
-
-def _landed(fut) -> bool:
-    """Whether a read future is over without an error (a reader's future may lack done / exception: not known)."""
-    done, exception = getattr(fut, "done", None), getattr(fut, "exception", None)
-    return done is not None and exception is not None and done() and exception() is None
-
-
-class StreamingExpertStore:
+class StreamingExpertStore(DecodeStream):
     """`slots` expert slots; misses are read by `reader` straight into the slot buffers."""
 
     def __init__(self, layout: ExpertLayout, reader, slots: int, overlap: bool = True,
@@ -139,6 +95,10 @@ class StreamingExpertStore:
         self._lent = 0  # the last slots, given back to the kernel while a prompt uses their memory (lend)
         self.loans = self.lent_bytes = 0  # prompts that borrowed slots; the most bytes one borrowed
         self._populating = None  # lend_back's thread faulting the returned slots' pages in
+        # a decode token's acquires and guessed reads in C (store/stream_native.py), made at the first that can use
+        # it (False: this store cannot); _streamed: guessed reads may be kept there (land_all not called since)
+        self._stream: NativeStream | None | bool = None
+        self._streamed = False
 
     @classmethod
     def with_budget(cls, layout: ExpertLayout, reader, expert_budget: int, memory: int,
@@ -213,7 +173,10 @@ class StreamingExpertStore:
     def _evicted(self, keys: Sequence[Key]) -> None:
         """The table evicted `keys`: a guessed read still in flight into one of their slots lands before the slot is
         reused (the caller has not queued its new read yet)."""
+        stream = self._stream or None
         for key in keys:
+            if stream is not None:
+                stream.forget(key)  # its guessed read kept in C, if any, lands (the fast path's own already have)
             fut = self._pending.pop(key, None)
             if fut is not None:
                 try:
@@ -238,16 +201,21 @@ class StreamingExpertStore:
         self.settle()  # a previous batch the math abandoned: its reads land before any slot is reused
         inflight: dict[int, object] = {}  # j -> the future that fills slot j
         self._batch, self._inflight = (layer, list(experts)), inflight
+        stream = self._fast()
         t0 = time.perf_counter()
         try:
-            # the hits pinned first (a miss cannot evict an expert this same call is about to use), then the misses
-            # placed in free or evicted slots and pinned; their reads queued in one call, one batch per expert
-            slots, missed, evicted = self.table.acquire(layer, experts)
-            if evicted:
-                self._evicted(evicted)
-            if missed:
-                for j, fut in zip(missed, self._submit(layer, [(experts[j], slots[j]) for j in missed])):
-                    inflight[j] = fut
+            if stream is not None:  # all below, and the uses counted, in one C call
+                slots, missed = self._acquire_fast(stream, layer, experts, inflight)
+            else:
+                self._land_stream()
+                # the hits pinned first (a miss cannot evict an expert this same call is about to use), then the
+                # misses placed in free or evicted slots and pinned; their reads queued in one call, one batch each
+                slots, missed, evicted = self.table.acquire(layer, experts)
+                if evicted:
+                    self._evicted(evicted)
+                if missed:
+                    for j, fut in zip(missed, self._submit(layer, [(experts[j], slots[j]) for j in missed])):
+                        inflight[j] = fut
         except BaseException:
             self._fail()
             raise
@@ -257,7 +225,8 @@ class StreamingExpertStore:
         # sooner a layer): none of them changes a victim above, the hits being pinned and the misses not yet cached
         self.misses += len(missed)
         self.misses_by_layer[layer] += len(missed)
-        self.table.used(layer, experts, missed)  # the hits made the most recent, too
+        if stream is None:
+            self.table.used(layer, experts, missed)  # the hits made the most recent, too
         self.prefetching.routed(layer, experts)
         missed_set = set(missed)
         for j, e in enumerate(experts):
@@ -363,6 +332,7 @@ class StreamingExpertStore:
         if n <= 0:
             return 0
         self.settle()
+        self._land_stream()
         for key in list(self._pending):  # prefetched reads may be writing any slot: they land first
             fut = self._pending.pop(key)
             try:
@@ -412,6 +382,9 @@ class StreamingExpertStore:
         """
         if not prompt and not self.prefetching.allow(layer, experts):
             return
+        if not prompt and (stream := self._fast()) is not None and self._prefetch_fast(stream, layer, experts):
+            return
+        self._land_stream()
         # never evicting a pinned slot, a predicted expert in memory (trading one guess for another only churns) nor
         # one it places; their victims from one sort where the policy can, as acquire's misses'
         entries, evicted = self.table.prefetch(layer, experts)  # (expert, slot) placed
@@ -467,4 +440,7 @@ class StreamingExpertStore:
 
     def close(self) -> None:
         self._land()
+        if self._stream:
+            self._stream.close()  # its guessed reads land first
+        self._stream = False
         self._populated()

@@ -243,6 +243,7 @@ def test_a_landed_guess_is_ready_and_a_failed_one_raises_at_use(model_dir, refer
     _, _, _, _, spec = reference
     with sluice.load(model_dir, memory=_memory_for(reference, spec.top_k + 4), io="direct") as m:
         store, L = m.store, m.layout.layers[0]
+        store._stream = False  # Python's path, its futures in _pending (test_stream_native.py has C's)
         a, b = [e for e in range(spec.num_experts) if (L, e) not in store.table][:2]
         store.prefetch(L, [a, b])
         assert (L, a) in store._pending and (L, b) in store._pending

@@ -1,0 +1,190 @@
+/* A streaming store's decode-time acquire and guessed reads in one C call each (store/stream_native.py NativeStream):
+ * the slot table's placement (slots.c), the reads of the experts placed, planned once per expert (io/templates.py
+ * ReadTemplate: this table holds each one's descriptor), queued to the direct reader's pool (io/preader.c
+ * sluice_io_submit_templates, called through the pointer the reader hands over), and the guessed reads still in flight
+ * kept here per (layer, expert), not as Python futures.
+ *
+ * Why: around the same C calls, the store's Python (the futures, the template lookups, the read descriptors, the
+ * evicted and landed checks) took ~170 us of the model's thread a layer of a streamed decode token of the issue-32
+ * UD file, 40 layers a token (Intel Xeon VM: benchmarks/results/hybrid/stream-native.txt).
+ *
+ * Ownership of a guessed read's batch: this table's until an acquire finds its expert (landed: released here; still in
+ * flight, or failed: handed to the caller, who wraps it as the reader's future and releases it), its expert is evicted
+ * or forgotten (waited for, then released here), or the table closes (each waited for and released). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "slots.h"
+
+typedef int (*submit_fn)(void *pool, const int64_t *desc, int64_t n, void **out);
+typedef int (*done_fn)(void *batch);
+typedef int (*wait_fn)(void *batch, int64_t timeout_ns);
+typedef void (*release_fn)(void *batch);
+
+#define TMPL 5   /* a template's descriptor: ops, dests, dests' count, ends, ends' count (ReadTemplate.desc) */
+#define COUNTS 6 /* its plan's counters (ReadPlan.counts) */
+
+typedef struct {
+    slots_t *t;
+    int32_t experts, keys;
+    const int64_t *tmpl;   /* [keys][TMPL], the caller's (kept alive by it); ops == 0: not planned */
+    const int64_t *counts; /* [keys][COUNTS] */
+    void **pending;        /* [keys] a guessed read's batch in flight (or over, not looked at yet), NULL */
+    void *pool;
+    submit_fn submit;
+    done_fn done;
+    wait_fn wait;
+    release_fn release;
+    int64_t raw0, stride; /* slot s starts at raw0 + s * stride */
+    int64_t *desc;        /* [experts][TMPL + 1] scratch: one call's batches (descriptor and base each) */
+    int32_t *e, *s;       /* [experts] scratch: an acquire's misses and their slots */
+    void **got;           /* [experts] scratch: the batches of one call's reads */
+} stream_t;
+
+void sluice_stream_close(stream_t *st);
+
+stream_t *sluice_stream_open(slots_t *t, int32_t layers, int32_t experts, const int64_t *tmpl, const int64_t *counts,
+                             void *pool, void *submit, void *done, void *wait, void *release, int64_t raw0,
+                             int64_t stride) {
+    if (!t || layers <= 0 || experts <= 0 || !pool || !submit || !done || !wait || !release) return NULL;
+    stream_t *st = (stream_t *)calloc(1, sizeof(stream_t));
+    if (!st) return NULL;
+    st->t = t;
+    st->experts = experts;
+    st->keys = layers * experts;
+    st->tmpl = tmpl;
+    st->counts = counts;
+    st->pool = pool;
+    st->submit = (submit_fn)submit;
+    st->done = (done_fn)done;
+    st->wait = (wait_fn)wait;
+    st->release = (release_fn)release;
+    st->raw0 = raw0;
+    st->stride = stride;
+    st->pending = (void **)calloc((size_t)st->keys, sizeof(void *));
+    st->desc = (int64_t *)malloc((size_t)experts * (TMPL + 1) * sizeof(int64_t));
+    st->e = (int32_t *)malloc((size_t)experts * sizeof(int32_t));
+    st->s = (int32_t *)malloc((size_t)experts * sizeof(int32_t));
+    st->got = (void **)malloc((size_t)experts * sizeof(void *));
+    if (!st->pending || !st->desc || !st->e || !st->s || !st->got) {
+        sluice_stream_close(st);
+        return NULL;
+    }
+    return st;
+}
+
+/* Wait for key's guessed read, if any, and release it: its error kind (0: landed, -1: none was pending). */
+int sluice_stream_forget(stream_t *st, int32_t key) {
+    if (key < 0 || key >= st->keys || !st->pending[key]) return -1;
+    void *h = st->pending[key];
+    st->pending[key] = NULL;
+    int kind = st->wait(h, -1);
+    st->release(h);
+    return kind;
+}
+
+/* Every guessed read waited for and released; the keys whose read failed into failed (capacity keys): how many. */
+int32_t sluice_stream_land_all(stream_t *st, int32_t *failed) {
+    int32_t n = 0;
+    for (int32_t k = 0; k < st->keys; k++)
+        if (st->pending[k] && sluice_stream_forget(st, k) > 0 && failed) failed[n++] = k;
+    return n;
+}
+
+/* Whether key has a guessed read here (over or not). */
+int sluice_stream_pending(const stream_t *st, int32_t key) {
+    return key >= 0 && key < st->keys && st->pending[key] != NULL;
+}
+
+void sluice_stream_close(stream_t *st) {
+    if (!st) return;
+    if (st->pending) sluice_stream_land_all(st, NULL);
+    free(st->pending);
+    free(st->desc);
+    free(st->e);
+    free(st->s);
+    free(st->got);
+    free(st);
+}
+
+/* The reads of `layer`'s experts e[i] into slots s[i], i < n, queued by one call: handles[i] each; their plans'
+ * counters summed into sums (COUNTS). 0, -3 when an expert has no template, -1 when the pool had no memory. */
+static int submit(stream_t *st, int32_t layer, const int32_t *e, const int32_t *s, int32_t n, void **handles,
+                  int64_t *sums) {
+    if (!n) return 0;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t key = layer * st->experts + e[i];
+        const int64_t *d = st->tmpl + (int64_t)key * TMPL;
+        if (!d[0]) return -3;
+        memcpy(st->desc + (int64_t)i * (TMPL + 1), d, TMPL * sizeof(int64_t));
+        st->desc[(int64_t)i * (TMPL + 1) + TMPL] = st->raw0 + (int64_t)s[i] * st->stride;
+        for (int c = 0; c < COUNTS; c++) sums[c] += st->counts[(int64_t)key * COUNTS + c];
+    }
+    return st->submit(st->pool, st->desc, n, handles) ? -1 : 0;
+}
+
+/* The evicted keys' guessed reads land before their slots are written again (errors dropped with the entries). */
+static void land_evicted(stream_t *st, const int32_t *evicted, int32_t n) {
+    for (int32_t i = 0; i < n; i++) sluice_stream_forget(st, evicted[i]);
+}
+
+/* prefetch: the slot table's placement of a guess (sluice_slots_prefetch: e_out / slot_out the experts placed,
+ * evicted / n_evicted the keys evicted), the evicted keys' reads landed, the placed ones' reads queued and kept here.
+ * sums (COUNTS, added to): their plans' counters. Returns how many were placed, -2 for an expert id out of range
+ * (nothing changed), -3 / -1 as submit (nothing queued: the placed ones taken out of the table again, their slots
+ * free; the evicted ones stay evicted). */
+int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, const int32_t *experts, int32_t n, int32_t *e_out,
+                               int32_t *slot_out, int32_t *evicted, int32_t *n_evicted, int64_t *sums) {
+    int32_t m = sluice_slots_prefetch(st->t, layer, experts, n, e_out, slot_out, evicted, n_evicted);
+    if (m <= 0) return m;
+    land_evicted(st, evicted, *n_evicted);
+    int rc = submit(st, layer, e_out, slot_out, m, st->got, sums);
+    if (rc) { /* nothing queued: the placed experts out of the table again, their slots free */
+        for (int32_t i = 0; i < m; i++)
+            sluice_slots_push_free(st->t, sluice_slots_remove(st->t, layer * st->experts + e_out[i]));
+        return rc;
+    }
+    for (int32_t i = 0; i < m; i++) st->pending[layer * st->experts + e_out[i]] = st->got[i];
+    return m;
+}
+
+/* acquire: the slot table's (sluice_slots_acquire: slots_out, missed, evicted, n_evicted), the evicted keys' reads
+ * landed, the misses' reads queued (handles[j] for miss j), each hit's guessed read looked at: landed, released here;
+ * in flight or failed, handed over in handles[j] (the caller owns it); else handles[j] = NULL. Then the uses counted
+ * (sluice_slots_used, usage_row as there). sums (COUNTS, added to): the misses' plans' counters. Returns the number of
+ * misses; -1 / -2 as sluice_slots_acquire (nothing queued); -3 / -4 when the misses had no template / the pool no
+ * memory (the batch's entries are in the table, pinned, nothing queued: the caller forgets them). */
+int32_t sluice_stream_acquire(stream_t *st, int32_t layer, const int32_t *experts, int32_t n, int32_t *slots_out,
+                              uint8_t *missed, int32_t *evicted, int32_t *n_evicted, void **handles,
+                              int64_t *usage_row, int64_t *sums) {
+    int32_t m = sluice_slots_acquire(st->t, layer, experts, n, slots_out, missed, evicted, n_evicted);
+    if (m < 0) return m;
+    land_evicted(st, evicted, *n_evicted);
+    int32_t *e = st->e, *s = st->s; /* n <= experts: the table refused repeats and ids out of range */
+    void **got = st->got;
+    int32_t k = 0, base = layer * st->experts;
+    for (int32_t j = 0; j < n; j++) {
+        handles[j] = NULL;
+        if (missed[j]) {
+            e[k] = experts[j];
+            s[k++] = slots_out[j];
+            continue;
+        }
+        void *h = st->pending[base + experts[j]];
+        if (!h) continue;
+        st->pending[base + experts[j]] = NULL;
+        if (st->done(h) == 0) st->release(h); /* landed: nothing to wait for */
+        else handles[j] = h;                   /* in flight, or failed: the caller's, to wait for (its error raised) */
+    }
+    int rc = submit(st, layer, e, s, k, got, sums);
+    if (rc) {
+        for (int32_t j = 0; j < n; j++) /* the hits' batches handed over stay the caller's: it lands them */
+            if (missed[j]) handles[j] = NULL;
+        return rc == -3 ? -3 : -4;
+    }
+    for (int32_t j = 0, i = 0; j < n; j++)
+        if (missed[j]) handles[j] = got[i++];
+    sluice_slots_used(st->t, layer, experts, n, missed, usage_row);
+    return m;
+}

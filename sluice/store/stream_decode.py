@@ -1,0 +1,118 @@
+"""DecodeStream: StreamingExpertStore's decode path through C (store/stream_native.py NativeStream): an acquire's
+placement, its misses' reads and its hits' guessed reads looked at, and a guess's placement and reads, one C call each,
+where the store's table is slots.c's and its reader queues templates (io/template_queue.py). The same choices, slots and
+reads as the store's Python path (tests/store/test_stream_native.py compares them).
+
+Used while no journal is kept and no read of the Python path is pending (a prompt's read-ahead: its reads are looked at
+first, the landed ones forgotten); the Python path lands every read kept in C first (_land_stream), so each expert's
+read is in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .slot_table import NativeSlots
+from .stream_native import NativeStream, StreamRefused
+from .stream_native import available as stream_available
+
+
+def _landed(fut) -> bool:
+    """Whether a read future is over without an error (a reader's future may lack done / exception: not known)."""
+    done, exception = getattr(fut, "done", None), getattr(fut, "exception", None)
+    return done is not None and exception is not None and done() and exception() is None
+
+
+class DecodeStream:
+    """The store's methods for its C path (a mixin of StreamingExpertStore: its table, reader, templates, pending
+    reads and counters)."""
+
+    def _fast(self) -> NativeStream | None:
+        """The NativeStream for this call, or None: Python's path."""
+        stream = self._stream
+        if stream is None:
+            stream = self._stream = self._open_stream() or False
+        if not stream or not stream.queue.usable():
+            return None
+        if self._pending:  # a prompt's read-ahead: the landed ones forgotten; any other keeps Python's path
+            for key, fut in list(self._pending.items()):
+                if _landed(fut):
+                    del self._pending[key]
+            if self._pending:
+                return None
+        return stream
+
+    def _open_stream(self) -> NativeStream | None:
+        """A NativeStream over this store's table and reader, every expert's reads planned first (_plan); None where
+        the table is Python's, the reader has no template queue, or stream.c is not built."""
+        if self._templates is None or not isinstance(self.table, NativeSlots) or not stream_available():
+            return None
+        make = getattr(self.reader, "template_queue", None)
+        queue = make() if make is not None else None
+        if queue is None:
+            return None
+        if len(self._templates) < len(self.layout.layers) * self.layout.spec.num_experts and not self._plan():
+            self._templates = None
+            return None
+        s = self.layout.spec
+        return NativeStream(self.table, s.n_layers, s.num_experts, self._templates, queue, self.raw.data_ptr(),
+                            self.raw.stride(0))
+
+    def _land_stream(self) -> None:
+        """Before Python's path: every guessed read kept in C lands, an expert whose read failed is dropped."""
+        if self._streamed:
+            self._streamed = False
+            for key in self._stream.land_all():
+                if key in self.table:
+                    self._drop(key)
+
+    def _acquire_fast(self, stream: NativeStream, layer: int, experts: Sequence[int], inflight: dict
+                      ) -> tuple[list[int], list[int]]:
+        """acquire's placement and reads in C: (slots, missed); the reads to wait for put in `inflight`."""
+        table, queue = self.table, stream.queue
+        row = table._usage_p + 8 * layer * table._experts if table._usage_p else None
+        try:
+            with queue.lock:  # the reader's close() waits for it
+                if not queue.usable():
+                    raise RuntimeError("reader is closed")
+                slots, missed, evicted, handed, sums = stream.acquire(layer, experts, row)
+        except StreamRefused as e:
+            for j, h in e.handed:  # the hits' guessed reads handed over: landed by the caller's _fail
+                inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
+            if e.evicted:
+                self._evicted(e.evicted)
+            raise
+        if evicted:
+            self._evicted(evicted)
+        for j, h in handed:
+            inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
+        if missed:
+            self.bytes_read += sums[1]
+            queue.account(len(missed), sums)
+            # the files checked as Python's path checks them before its reads (FileGuard.check), here once they are
+            # queued: a file changed fails the batch (the caller's _fail lands its reads and forgets its experts)
+            if (err := queue.check(stream.files.get(layer, ()))) is not None:
+                raise err
+        return slots, missed
+
+    def _prefetch_fast(self, stream: NativeStream, layer: int, experts: Sequence[int]) -> bool:
+        """prefetch of a decode guess in C; False (nothing done) where a file changed: Python's path then gives each
+        read its error."""
+        if stream.queue.check(stream.files.get(layer, ())) is not None:
+            return False
+        with stream.queue.lock:
+            if not stream.queue.usable():
+                return False
+            try:
+                entries, evicted, sums = stream.prefetch(layer, experts)
+            except StreamRefused as e:
+                if e.evicted:
+                    self._evicted(e.evicted)
+                raise
+        if evicted:
+            self._evicted(evicted)
+        if entries:
+            self._streamed = True
+            self.bytes_read += sums[1]
+            stream.queue.account(len(entries), sums)
+            self.prefetching.placed([(layer, e) for e, _ in entries])
+        return True

@@ -1,0 +1,155 @@
+"""NativeStream: a streaming store's decode-time acquire and guessed reads as one C call each (store/stream.c: the slot
+table's placement, the reads queued from templates planned once, the guessed reads in flight kept in C), where the
+table is slots.c's and the reader's pool is preader.c's (io/template_queue.py). StreamingExpertStore uses it for a
+decode token's acquires and prefetches; its other paths (a prompt's read-ahead, a journal kept, a Python policy or
+reader) stay in Python, and landing every guessed read here first (land_all) keeps the two consistent.
+
+    st = NativeStream(table, n_layers, experts, templates, queue, raw_address, stride)
+    placed, evicted, sums = st.prefetch(layer, experts)    # guessed reads queued, kept here
+    slots, missed, evicted, handed, sums = st.acquire(layer, experts, usage_row)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+
+from .policy import Key
+from .slot_table import LIB, NativeSlots
+
+_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+
+if LIB is not None and hasattr(LIB, "sluice_stream_open"):
+    for name, args, res in (
+            ("sluice_stream_open", [_ptr, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64], _ptr),
+            ("sluice_stream_close", [_ptr], None), ("sluice_stream_forget", [_ptr, _i32], ctypes.c_int),
+            ("sluice_stream_land_all", [_ptr, _ptr], _i32), ("sluice_stream_pending", [_ptr, _i32], ctypes.c_int),
+            ("sluice_stream_prefetch", [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _ptr], _i32),
+            ("sluice_stream_acquire", [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr], _i32)):
+        fn = getattr(LIB, name)
+        fn.argtypes, fn.restype = args, res
+
+
+def available() -> bool:
+    """Whether stream.c is built (with slots.c, setup.py)."""
+    return LIB is not None and hasattr(LIB, "sluice_stream_open")
+
+
+class NativeStream:
+    """Over `table` (NativeSlots) and `templates` ((layer, expert) -> ReadTemplate, every expert of every MoE layer
+    planned, destinations relative to a slot's first byte), reading into slot s at raw + s * stride through `queue`
+    (the reader's TemplateQueue)."""
+
+    def __init__(self, table: NativeSlots, n_layers: int, experts: int, templates: dict, queue, raw: int,
+                 stride: int):
+        keys = n_layers * experts
+        self.table, self.queue, self.templates, self.E = table, queue, templates, experts
+        self._tmpl = np.zeros((keys, 5), dtype=np.int64)  # ReadTemplate.desc per key (0: not planned)
+        self._counts = np.zeros((keys, 6), dtype=np.int64)  # ReadTemplate.counts per key
+        files: dict[int, dict[str, None]] = {}
+        for (layer, e), t in templates.items():
+            self._tmpl[layer * experts + e] = t.desc
+            self._counts[layer * experts + e] = t.counts
+            files.setdefault(layer, {}).update(dict.fromkeys(t.paths))
+        self.files = {layer: tuple(f) for layer, f in files.items()}  # the files a layer's experts are read from
+        cap = max(table._slots, experts)  # per-call arrays, made once
+        self._in, self._e, self._slot, self._ev = (np.zeros(cap, dtype=np.int32) for _ in range(4))
+        self._missed = np.zeros(cap, dtype=np.uint8)
+        self._handles = np.zeros(cap, dtype=np.uint64)
+        self._n = np.zeros(1, dtype=np.int32)
+        self._sums = np.zeros(6, dtype=np.int64)
+        self._in_p, self._e_p, self._slot_p, self._ev_p, self._missed_p, self._h_p, self._n_p, self._sums_p = (
+            a.ctypes.data for a in (self._in, self._e, self._slot, self._ev, self._missed, self._handles, self._n,
+                                    self._sums))
+        self._h = LIB.sluice_stream_open(table._h, n_layers, experts, self._tmpl.ctypes.data,
+                                         self._counts.ctypes.data, queue.pool, *queue.fns, raw, stride)
+        if not self._h:
+            raise MemoryError(f"the native stream's tables for {keys} experts")
+
+    def _put(self, experts: Sequence[int]) -> int:
+        n = len(experts)
+        if n > len(self._in):
+            raise ValueError(f"{n} experts in one call > {len(self._in)}")
+        self._in[:n] = experts
+        self._sums[:] = 0
+        return n
+
+    def _evicted(self) -> list[Key]:
+        ne = int(self._n[0])
+        return [divmod(k, self.E) for k in self._ev[:ne].tolist()] if ne else []
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[list[tuple[int, int]], list[Key], list[int]]:
+        """sluice_slots_prefetch's placement of a guess, the placed experts' reads queued and kept here: ((expert,
+        slot) placed, keys evicted (their reads landed), the placed reads' counters summed)."""
+        if len(experts) > len(self._in):
+            experts = list(dict.fromkeys(experts))
+        n = self._put(experts)
+        m = LIB.sluice_stream_prefetch(self._h, layer, self._in_p, n, self._e_p, self._slot_p, self._ev_p, self._n_p,
+                                       self._sums_p)
+        if m == -2:
+            raise ValueError(f"prefetch of layer {layer}: expert ids {list(experts)} out of range (0..{self.E - 1})")
+        evicted = self._evicted()
+        if m < 0:
+            raise _refused(m, evicted)
+        return list(zip(self._e[:m].tolist(), self._slot[:m].tolist())), evicted, self._sums.tolist()
+
+    def acquire(self, layer: int, experts: Sequence[int], usage_row: int | None
+                ) -> tuple[list[int], list[int], list[Key], list[tuple[int, int]], list[int]]:
+        """sluice_stream_acquire: (slots, the misses' positions, keys evicted, (position, batch) of the reads handed
+        over (a miss's, or a hit's guessed read not landed or failed: the caller's to adopt), the misses' counters
+        summed). The uses are counted too (NativeSlots.used's). A refused read (no memory: RuntimeError carrying the
+        handed batches) leaves the batch's experts pinned in the table: the caller forgets them."""
+        n = self._put(experts)
+        m = LIB.sluice_stream_acquire(self._h, layer, self._in_p, n, self._slot_p, self._missed_p, self._ev_p,
+                                      self._n_p, self._h_p, usage_row, self._sums_p)
+        if m == -2:
+            raise ValueError(f"acquire of layer {layer}: expert ids {list(experts)} repeat or are out of range "
+                             f"(0..{self.E - 1})")
+        if m == -1:
+            raise RuntimeError("no unpinned slot left for a miss (acquire asks for at most max_batch)")
+        evicted = self._evicted()
+        handed = [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h]
+        if m < 0:
+            raise _refused(m, evicted, handed)
+        missed = [j for j, f in enumerate(self._missed[:n].tobytes()) if f] if m else []
+        return self._slot[:n].tolist(), missed, evicted, handed, self._sums.tolist()
+
+    def forget(self, key: Key) -> int:
+        """Wait for key's guessed read, if one is kept here, and drop it: its error kind (0 landed), -1 none."""
+        layer, e = key
+        return LIB.sluice_stream_forget(self._h, layer * self.E + e) if 0 <= e < self.E else -1
+
+    def pending(self, key: Key) -> bool:
+        layer, e = key
+        return 0 <= e < self.E and bool(LIB.sluice_stream_pending(self._h, layer * self.E + e))
+
+    def land_all(self) -> list[Key]:
+        """Every guessed read kept here waited for and dropped: the keys whose read failed."""
+        out = np.zeros(len(self._tmpl), dtype=np.int32)
+        n = LIB.sluice_stream_land_all(self._h, out.ctypes.data)
+        return [divmod(k, self.E) for k in out[:n].tolist()]
+
+    def close(self) -> None:
+        h, self._h = self._h, None
+        if h:
+            LIB.sluice_stream_close(h)  # every read kept here lands first
+
+    def __del__(self) -> None:
+        if getattr(self, "_h", None) and LIB is not None:
+            self.close()
+
+
+class StreamRefused(RuntimeError):
+    """stream.c queued no read (no template for an expert: a bug; no memory for the batches). `evicted`: the keys
+    the placement evicted; `handed`: (position, batch) of the reads handed over anyway (an acquire's hits')."""
+
+    def __init__(self, msg: str, evicted: list[Key], handed: list[tuple[int, int]]):
+        super().__init__(msg)
+        self.evicted, self.handed = evicted, handed
+
+
+def _refused(rc: int, evicted: list[Key], handed: list[tuple[int, int]] | None = None) -> StreamRefused:
+    why = "an expert has no read template" if rc == -3 else "the native reader could not allocate the batches"
+    return StreamRefused(f"the store's reads were not queued: {why}", evicted, handed or [])
