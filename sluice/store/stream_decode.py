@@ -79,10 +79,10 @@ class DecodeStream:
             for j, h in e.handed:  # the hits' guessed reads handed over: landed by the caller's _fail
                 inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
             if e.evicted:
-                self._evicted(e.evicted)
+                self._evicted(e.evicted, landed=True)
             raise
         if evicted:
-            self._evicted(evicted)
+            self._evicted(evicted, landed=True)
         for j, h in handed:
             inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
         if missed:
@@ -106,10 +106,10 @@ class DecodeStream:
                 entries, evicted, sums = stream.prefetch(layer, experts)
             except StreamRefused as e:
                 if e.evicted:
-                    self._evicted(e.evicted)
+                    self._evicted(e.evicted, landed=True)
                 raise
         if evicted:
-            self._evicted(evicted)
+            self._evicted(evicted, landed=True)
         if entries:
             self._streamed = True
             self.bytes_read += sums[1]

@@ -170,13 +170,14 @@ class StreamingExpertStore(DecodeStream):
             self._templates.update(((layer, e), t) for e, t in enumerate(ts))
         return True
 
-    def _evicted(self, keys: Sequence[Key]) -> None:
+    def _evicted(self, keys: Sequence[Key], landed: bool = False) -> None:
         """The table evicted `keys`: a guessed read still in flight into one of their slots lands before the slot is
-        reused (the caller has not queued its new read yet)."""
-        stream = self._stream or None
+        reused (the caller has not queued its new read yet). `landed`: stream.c evicted them, their reads kept there
+        landed already."""
+        stream = None if landed else self._stream or None
         for key in keys:
             if stream is not None:
-                stream.forget(key)  # its guessed read kept in C, if any, lands (the fast path's own already have)
+                stream.forget(key)  # its guessed read kept in C, if any, lands
             fut = self._pending.pop(key, None)
             if fut is not None:
                 try:

@@ -22,6 +22,12 @@ def wrap(obj, name, label):
     setattr(obj, name, g)
 import sluice.store.streaming as S, sluice.models.layers.moe as M, sluice.prerouter.predict as P, sluice.models.model as MM
 import sluice.models.layers.gated_deltanet as GD
+try:  # the store's decode path in C (store/stream_native.py)
+    import sluice.store.stream_native as SN, sluice.store.stream_decode as SD, sluice.io.template_queue as TQ
+    NATIVE_STREAM = [(SN.NativeStream, "prefetch"), (SN.NativeStream, "acquire"), (SD.DecodeStream, "_prefetch_fast"),
+                     (SD.DecodeStream, "_acquire_fast"), (TQ.TemplateQueue, "check"), (TQ.TemplateQueue, "adopt")]
+except ImportError:
+    NATIVE_STREAM = []
 try:  # the slot table (0d2f38c): its placements where _victims was the policy's part before
     import sluice.store.slot_table as T
 except ImportError:
@@ -29,7 +35,7 @@ except ImportError:
 for cls, name in [(S.StreamingExpertStore, "acquire"), (S.StreamingExpertStore, "prefetch"), (S.StreamingExpertStore, "_submit"),
                   (S.StreamingExpertStore, "_victims"), (S.StreamingExpertStore, "_wait"), (S.StreamingExpertStore, "release"),
                   (T and T.NativeSlots, "acquire"), (T and T.NativeSlots, "prefetch"), (T and T.NativeSlots, "used"),
-                  (M.MoE, "__call__"), (M.Experts, "_native"), (P.RouterPrerouter, "predict"), (GD.GatedDeltaNet if hasattr(GD, "GatedDeltaNet") else None, "__call__")]:
+                  (M.MoE, "__call__"), (M.Experts, "_native"), (P.RouterPrerouter, "predict"), (GD.GatedDeltaNet if hasattr(GD, "GatedDeltaNet") else None, "__call__")] + NATIVE_STREAM:
     if cls is None or not hasattr(cls, name): continue  # what the checkout has
     wrap(cls, name, f"{cls.__name__}.{name}")
 ids = torch.randint(3, 32000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
