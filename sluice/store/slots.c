@@ -85,23 +85,31 @@ static inline int usable(const slots_t *t, int32_t key) {
     return !t->pinned[t->slot_of[key]] && !t->keep[key];
 }
 
-static _Thread_local const slots_t *sort_table; /* qsort has no context argument (ctypes calls drop the GIL) */
-
-static int by_use(const void *a, const void *b) {
-    const slots_t *t = sort_table;
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    if (t->score[x] != t->score[y]) return t->score[x] < t->score[y] ? -1 : 1;
-    return t->tick[x] < t->tick[y] ? -1 : t->tick[x] > t->tick[y];
+/* whether key x is used less than key y (older first among equal scores): the policy's order, a total one (ticks are
+ * unique among cached keys) */
+static inline int less_used(const slots_t *t, int32_t x, int32_t y) {
+    if (t->score[x] != t->score[y]) return t->score[x] < t->score[y];
+    return t->tick[x] < t->tick[y];
 }
 
-/* The layer's cached keys in t->order, least used first (oldest first among equals); returns how many. */
-static int32_t sorted_layer(slots_t *t, int32_t layer) {
-    int32_t n = 0, base = layer * t->experts;
-    for (int32_t e = 0; e < t->experts; e++)
-        if (t->slot_of[base + e] >= 0) t->order[n++] = base + e;
-    sort_table = t;
-    qsort(t->order, (size_t)n, sizeof(int32_t), by_use);
-    return n;
+/* The n least used usable cached keys of `layer`, least used first, in t->order; returns how many (< n: fewer are
+ * usable). The same keys in the same order as sorting the layer's keys and taking the first n usable ones (the order
+ * is total), by insertion into n places: a guess places ~8, where qsort of a layer's ~50 cached keys through a
+ * comparison callback took ~10 us of a streamed decode layer (Intel Xeon VM, results/hybrid/stream-native.txt). */
+static int32_t least_used(slots_t *t, int32_t layer, int32_t n) {
+    int32_t got = 0, base = layer * t->experts;
+    for (int32_t e = 0; e < t->experts; e++) {
+        int32_t key = base + e;
+        if (t->slot_of[key] < 0 || !usable(t, key)) continue;
+        if (got == n && !less_used(t, key, t->order[n - 1])) continue;
+        int32_t i = got < n ? got++ : n - 1;
+        while (i > 0 && less_used(t, key, t->order[i - 1])) {
+            t->order[i] = t->order[i - 1];
+            i--;
+        }
+        t->order[i] = key;
+    }
+    return got;
 }
 
 static void stamp(slots_t *t, int32_t key) { t->tick[key] = ++t->clock; }
@@ -128,11 +136,7 @@ int32_t sluice_slots_remove(slots_t *t, int32_t key) {
 
 /* policy.victim: the key to evict for a new expert of `layer`, -1 when none is usable */
 static int32_t victim_key(slots_t *t, int32_t layer) {
-    if (t->count[layer] >= t->quota) {
-        int32_t n = sorted_layer(t, layer);
-        for (int32_t i = 0; i < n; i++)
-            if (usable(t, t->order[i])) return t->order[i];
-    }
+    if (t->count[layer] >= t->quota && least_used(t, layer, 1)) return t->order[0];
     int32_t best = -1, any = -1; /* the oldest usable of a layer above its quota; of any layer */
     for (int32_t s = 0; s < t->slots; s++) {
         int32_t key = t->owner[s];
@@ -156,10 +160,7 @@ static int32_t take_slot(slots_t *t, int32_t layer, int32_t *evicted, int32_t *n
  * slot, the layer under its quota or with fewer than n usable entries: nothing changed). */
 static int take_slots(slots_t *t, int32_t layer, int32_t n, int32_t *chosen, int32_t *evicted, int32_t *n_evicted) {
     if (t->n_free > 0 || t->count[layer] < t->quota || n > t->count[layer]) return 0;
-    int32_t m = sorted_layer(t, layer), got = 0;
-    for (int32_t i = 0; i < m && got < n; i++)
-        if (usable(t, t->order[i])) t->order[got++] = t->order[i]; /* compacts in place: i >= got */
-    if (got < n) return 0;
+    if (least_used(t, layer, n) < n) return 0;
     for (int32_t i = 0; i < n; i++) {
         evicted[(*n_evicted)++] = t->order[i];
         chosen[i] = sluice_slots_remove(t, t->order[i]);
