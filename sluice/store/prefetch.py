@@ -14,7 +14,7 @@ that fails again (up to 4,096 guesses), and while paused the guess is not even c
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 
@@ -123,14 +123,22 @@ class PrefetchTracker:
         if keys:
             self._guessed[keys[0][0]] = [e for _, e in keys]
 
-    def hit(self, key: tuple[int, int]) -> None:
-        """An acquire used `key`: if a prefetch brought it, that prefetch was right."""
-        if key in self.prompt_outstanding:
-            self.prompt_outstanding.discard(key)
-            self.prompt_used += 1
-        elif key in self.outstanding:
-            self.outstanding.discard(key)
-            self.used += 1
+    def hits(self, layer: int, experts: Sequence[int], missed: Container[int]) -> None:
+        """An acquire used `experts` of `layer`, those at positions in `missed` read for it: each other one a prefetch
+        brought was a right prefetch."""
+        prompt, guessed = self.prompt_outstanding, self.outstanding
+        if not prompt and not guessed:
+            return
+        for j, e in enumerate(experts):
+            key = (layer, e)
+            if j in missed:
+                continue
+            if key in prompt:
+                prompt.discard(key)
+                self.prompt_used += 1
+            elif key in guessed:
+                guessed.discard(key)
+                self.used += 1
 
     def evicted(self, key: tuple[int, int]) -> None:
         """`key` left the cache: if a prefetch brought it and nobody used it, that read was wasted."""

@@ -40,7 +40,28 @@ typedef struct {
     int64_t *desc;        /* [experts][TMPL + 1] scratch: one call's batches (descriptor and base each) */
     int32_t *e, *s;       /* [experts] scratch: an acquire's misses and their slots */
     void **got;           /* [experts] scratch: the batches of one call's reads */
+    /* the caller's arrays each call reads and writes (sluice_stream_bind): its ids in, the placement out */
+    const int32_t *in;
+    int32_t *e_out, *slot_out, *evicted, *n_evicted;
+    uint8_t *missed;
+    void **handles;
+    int64_t *sums;
 } stream_t;
+
+/* The caller's arrays each call uses (capacity max(slots, experts) each; sums COUNTS; n_evicted 1): the ids of a call
+ * in `in`; the rest as sluice_stream_prefetch / sluice_stream_acquire say. Bound once: a call then passes 3-4
+ * arguments, not 11 (ctypes converts each Python argument, on the model's thread). */
+void sluice_stream_bind(stream_t *st, const int32_t *in, int32_t *e_out, int32_t *slot_out, int32_t *evicted,
+                        int32_t *n_evicted, uint8_t *missed, void **handles, int64_t *sums) {
+    st->in = in;
+    st->e_out = e_out;
+    st->slot_out = slot_out;
+    st->evicted = evicted;
+    st->n_evicted = n_evicted;
+    st->missed = missed;
+    st->handles = handles;
+    st->sums = sums;
+}
 
 void sluice_stream_close(stream_t *st);
 
@@ -129,13 +150,16 @@ static void land_evicted(stream_t *st, const int32_t *evicted, int32_t n) {
     for (int32_t i = 0; i < n; i++) sluice_stream_forget(st, evicted[i]);
 }
 
-/* prefetch: the slot table's placement of a guess (sluice_slots_prefetch: e_out / slot_out the experts placed,
- * evicted / n_evicted the keys evicted), the evicted keys' reads landed, the placed ones' reads queued and kept here.
- * sums (COUNTS, added to): their plans' counters. Returns how many were placed, -2 for an expert id out of range
+/* prefetch of in[0..n): the slot table's placement of a guess (sluice_slots_prefetch: e_out / slot_out the experts
+ * placed, evicted / n_evicted the keys evicted), the evicted keys' reads landed, the placed ones' reads queued and kept
+ * here. sums (COUNTS): their plans' counters. Returns how many were placed, -2 for an expert id out of range
  * (nothing changed), -3 / -1 as submit (nothing queued: the placed ones taken out of the table again, their slots
  * free; the evicted ones stay evicted). */
-int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, const int32_t *experts, int32_t n, int32_t *e_out,
-                               int32_t *slot_out, int32_t *evicted, int32_t *n_evicted, int64_t *sums) {
+int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, int32_t n) {
+    const int32_t *experts = st->in;
+    int32_t *e_out = st->e_out, *slot_out = st->slot_out, *evicted = st->evicted, *n_evicted = st->n_evicted;
+    int64_t *sums = st->sums;
+    memset(sums, 0, COUNTS * sizeof(int64_t));
     int32_t m = sluice_slots_prefetch(st->t, layer, experts, n, e_out, slot_out, evicted, n_evicted);
     if (m <= 0) return m;
     land_evicted(st, evicted, *n_evicted);
@@ -149,15 +173,19 @@ int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, const int32_t *exper
     return m;
 }
 
-/* acquire: the slot table's (sluice_slots_acquire: slots_out, missed, evicted, n_evicted), the evicted keys' reads
- * landed, the misses' reads queued (handles[j] for miss j), each hit's guessed read looked at: landed, released here;
- * in flight or failed, handed over in handles[j] (the caller owns it); else handles[j] = NULL. Then the uses counted
- * (sluice_slots_used, usage_row as there). sums (COUNTS, added to): the misses' plans' counters. Returns the number of
+/* acquire of in[0..n): the slot table's (sluice_slots_acquire: slots_out = slot_out, missed, evicted, n_evicted), the
+ * evicted keys' reads landed, the misses' reads queued (handles[j] for miss j), each hit's guessed read looked at:
+ * landed, released here; in flight or failed, handed over in handles[j] (the caller owns it); else handles[j] = NULL.
+ * Then the uses counted (sluice_slots_used, usage_row as there). sums (COUNTS): the misses' plans' counters. Returns the number of
  * misses; -1 / -2 as sluice_slots_acquire (nothing queued); -3 / -4 when the misses had no template / the pool no
  * memory (the batch's entries are in the table, pinned, nothing queued: the caller forgets them). */
-int32_t sluice_stream_acquire(stream_t *st, int32_t layer, const int32_t *experts, int32_t n, int32_t *slots_out,
-                              uint8_t *missed, int32_t *evicted, int32_t *n_evicted, void **handles,
-                              int64_t *usage_row, int64_t *sums) {
+int32_t sluice_stream_acquire(stream_t *st, int32_t layer, int32_t n, int64_t *usage_row) {
+    const int32_t *experts = st->in;
+    int32_t *slots_out = st->slot_out, *evicted = st->evicted, *n_evicted = st->n_evicted;
+    uint8_t *missed = st->missed;
+    void **handles = st->handles;
+    int64_t *sums = st->sums;
+    memset(sums, 0, COUNTS * sizeof(int64_t));
     int32_t m = sluice_slots_acquire(st->t, layer, experts, n, slots_out, missed, evicted, n_evicted);
     if (m < 0) return m;
     land_evicted(st, evicted, *n_evicted);

@@ -26,8 +26,9 @@ if LIB is not None and hasattr(LIB, "sluice_stream_open"):
             ("sluice_stream_open", [_ptr, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64], _ptr),
             ("sluice_stream_close", [_ptr], None), ("sluice_stream_forget", [_ptr, _i32], ctypes.c_int),
             ("sluice_stream_land_all", [_ptr, _ptr], _i32), ("sluice_stream_pending", [_ptr, _i32], ctypes.c_int),
-            ("sluice_stream_prefetch", [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _ptr], _i32),
-            ("sluice_stream_acquire", [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr], _i32)):
+            ("sluice_stream_bind", [_ptr] * 9, None),
+            ("sluice_stream_prefetch", [_ptr, _i32, _i32], _i32),
+            ("sluice_stream_acquire", [_ptr, _i32, _i32, _ptr], _i32)):
         fn = getattr(LIB, name)
         fn.argtypes, fn.restype = args, res
 
@@ -60,20 +61,18 @@ class NativeStream:
         self._handles = np.zeros(cap, dtype=np.uint64)
         self._n = np.zeros(1, dtype=np.int32)
         self._sums = np.zeros(6, dtype=np.int64)
-        self._in_p, self._e_p, self._slot_p, self._ev_p, self._missed_p, self._h_p, self._n_p, self._sums_p = (
-            a.ctypes.data for a in (self._in, self._e, self._slot, self._ev, self._missed, self._handles, self._n,
-                                    self._sums))
         self._h = LIB.sluice_stream_open(table._h, n_layers, experts, self._tmpl.ctypes.data,
                                          self._counts.ctypes.data, queue.pool, *queue.fns, raw, stride)
         if not self._h:
             raise MemoryError(f"the native stream's tables for {keys} experts")
+        LIB.sluice_stream_bind(self._h, *(a.ctypes.data for a in (self._in, self._e, self._slot, self._ev, self._n,
+                                                                  self._missed, self._handles, self._sums)))
 
     def _put(self, experts: Sequence[int]) -> int:
         n = len(experts)
         if n > len(self._in):
             raise ValueError(f"{n} experts in one call > {len(self._in)}")
         self._in[:n] = experts
-        self._sums[:] = 0
         return n
 
     def _evicted(self) -> list[Key]:
@@ -86,8 +85,7 @@ class NativeStream:
         if len(experts) > len(self._in):
             experts = list(dict.fromkeys(experts))
         n = self._put(experts)
-        m = LIB.sluice_stream_prefetch(self._h, layer, self._in_p, n, self._e_p, self._slot_p, self._ev_p, self._n_p,
-                                       self._sums_p)
+        m = LIB.sluice_stream_prefetch(self._h, layer, n)
         if m == -2:
             raise ValueError(f"prefetch of layer {layer}: expert ids {list(experts)} out of range (0..{self.E - 1})")
         evicted = self._evicted()
@@ -102,8 +100,7 @@ class NativeStream:
         summed). The uses are counted too (NativeSlots.used's). A refused read (no memory: RuntimeError carrying the
         handed batches) leaves the batch's experts pinned in the table: the caller forgets them."""
         n = self._put(experts)
-        m = LIB.sluice_stream_acquire(self._h, layer, self._in_p, n, self._slot_p, self._missed_p, self._ev_p,
-                                      self._n_p, self._h_p, usage_row, self._sums_p)
+        m = LIB.sluice_stream_acquire(self._h, layer, n, usage_row)
         if m == -2:
             raise ValueError(f"acquire of layer {layer}: expert ids {list(experts)} repeat or are out of range "
                              f"(0..{self.E - 1})")

@@ -230,17 +230,15 @@ class StreamingExpertStore(DecodeStream):
             self.table.used(layer, experts, missed)  # the hits made the most recent, too
         self.prefetching.routed(layer, experts)
         missed_set = set(missed)
-        for j, e in enumerate(experts):
-            if j in missed_set:
-                continue
-            key = (layer, e)
-            self.hits += 1
-            self.prefetching.hit(key)
-            fut = self._pending.pop(key, None)
-            # its prefetch still in flight (or failed): the math waits for it like for a miss (and gets its error);
-            # one landed needs nothing more (~3 us a guessed expert less on the model's thread than waiting for it)
-            if fut is not None and not _landed(fut):
-                inflight[j] = fut
+        self.hits += len(experts) - len(missed)
+        self.prefetching.hits(layer, experts, missed_set)
+        if self._pending:  # Python's guessed reads (the C path's are looked at in C)
+            for j, e in enumerate(experts):
+                fut = None if j in missed_set else self._pending.pop((layer, e), None)
+                # its prefetch still in flight (or failed): the math waits for it like for a miss (and gets its
+                # error); one landed needs nothing more (~3 us a guessed expert less on the model's thread)
+                if fut is not None and not _landed(fut):
+                    inflight[j] = fut
         raw, gate_up, down = self._at(layer)
         batch = ExpertBatch(gate_up, down, slots, {j: functools.partial(self._wait, j) for j in inflight},
                             raw=raw, format=self.layout.format(layer),
