@@ -161,8 +161,8 @@ int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, int32_t n) {
     int64_t *sums = st->sums;
     memset(sums, 0, COUNTS * sizeof(int64_t));
     int32_t m = sluice_slots_prefetch(st->t, layer, experts, n, e_out, slot_out, evicted, n_evicted);
-    if (m <= 0) return m;
     land_evicted(st, evicted, *n_evicted);
+    if (m <= 0) return m;
     int rc = submit(st, layer, e_out, slot_out, m, st->got, sums);
     if (rc) { /* nothing queued: the placed experts out of the table again, their slots free */
         for (int32_t i = 0; i < m; i++)
@@ -177,7 +177,7 @@ int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, int32_t n) {
  * evicted keys' reads landed, the misses' reads queued (handles[j] for miss j), each hit's guessed read looked at:
  * landed, released here; in flight or failed, handed over in handles[j] (the caller owns it); else handles[j] = NULL.
  * Then the uses counted (sluice_slots_used, usage_row as there). sums (COUNTS): the misses' plans' counters. Returns the number of
- * misses; -1 / -2 as sluice_slots_acquire (nothing queued); -3 / -4 when the misses had no template / the pool no
+ * misses; -1 / -2 as sluice_slots_acquire (nothing queued, the keys evicted before -1 in evicted); -3 / -4 when the misses had no template / the pool no
  * memory (the batch's entries are in the table, pinned, nothing queued: the caller forgets them). */
 int32_t sluice_stream_acquire(stream_t *st, int32_t layer, int32_t n, int64_t *usage_row) {
     const int32_t *experts = st->in;
@@ -187,8 +187,8 @@ int32_t sluice_stream_acquire(stream_t *st, int32_t layer, int32_t n, int64_t *u
     int64_t *sums = st->sums;
     memset(sums, 0, COUNTS * sizeof(int64_t));
     int32_t m = sluice_slots_acquire(st->t, layer, experts, n, slots_out, missed, evicted, n_evicted);
+    land_evicted(st, evicted, *n_evicted); /* also where a miss found no slot: the ones evicted before it */
     if (m < 0) return m;
-    land_evicted(st, evicted, *n_evicted);
     int32_t *e = st->e, *s = st->s; /* n <= experts: the table refused repeats and ids out of range */
     void **got = st->got;
     int32_t k = 0, base = layer * st->experts;

@@ -104,9 +104,9 @@ class NativeStream:
         if m == -2:
             raise ValueError(f"acquire of layer {layer}: expert ids {list(experts)} repeat or are out of range "
                              f"(0..{self.E - 1})")
-        if m == -1:
-            raise RuntimeError("no unpinned slot left for a miss (acquire asks for at most max_batch)")
         evicted = self._evicted()
+        if m == -1:
+            raise StreamRefused("no unpinned slot left for a miss (acquire asks for at most max_batch)", evicted, [])
         handed = [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h]
         if m < 0:
             raise _refused(m, evicted, handed)
@@ -139,8 +139,9 @@ class NativeStream:
 
 
 class StreamRefused(RuntimeError):
-    """stream.c queued no read (no template for an expert: a bug; no memory for the batches). `evicted`: the keys
-    the placement evicted; `handed`: (position, batch) of the reads handed over anyway (an acquire's hits')."""
+    """stream.c queued no read (an acquire's miss found no unpinned slot; no template for an expert: a bug; no memory
+    for the batches). `evicted`: the keys the placement evicted (their reads kept in C landed); `handed`: (position,
+    batch) of the reads handed over anyway (an acquire's hits')."""
 
     def __init__(self, msg: str, evicted: list[Key], handed: list[tuple[int, int]]):
         super().__init__(msg)
