@@ -176,9 +176,10 @@ int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, int32_t n) {
 /* acquire of in[0..n): the slot table's (sluice_slots_acquire: slots_out = slot_out, missed, evicted, n_evicted), the
  * evicted keys' reads landed, the misses' reads queued (handles[j] for miss j), each hit's guessed read looked at:
  * landed, released here; in flight or failed, handed over in handles[j] (the caller owns it); else handles[j] = NULL.
- * Then the uses counted (sluice_slots_used, usage_row as there). sums (COUNTS): the misses' plans' counters. Returns the number of
- * misses; -1 / -2 as sluice_slots_acquire (nothing queued, the keys evicted before -1 in evicted); -3 / -4 when the misses had no template / the pool no
- * memory (the batch's entries are in the table, pinned, nothing queued: the caller forgets them). */
+ * Then the uses counted (sluice_slots_used, usage_row as there). sums (COUNTS): the misses' plans' counters. Returns
+ * the number of misses; -1 / -2 as sluice_slots_acquire (nothing queued; the keys evicted before a -1 in evicted, their
+ * reads landed); -3 / -4 when the misses had no template / the pool no memory (the batch's entries are in the table,
+ * pinned, nothing queued: the caller forgets them). */
 int32_t sluice_stream_acquire(stream_t *st, int32_t layer, int32_t n, int64_t *usage_row) {
     const int32_t *experts = st->in;
     int32_t *slots_out = st->slot_out, *evicted = st->evicted, *n_evicted = st->n_evicted;

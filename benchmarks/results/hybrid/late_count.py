@@ -1,5 +1,6 @@
-"""Counts of a streamed decode token's DecodeExperts calls (start: a layer whose experts were all in memory at acquire; run:
-the late path's calls, and a layer with no guess to queue), 80 tokens after 8 of a 32-token prompt, --prefetch auto.
+"""Counts of a streamed decode token's DecodeExperts calls (start: a layer whose experts were all in memory at
+acquire; run: the late path's calls, and a layer with no guess to queue), 80 tokens after 8 of a 32-token prompt,
+--prefetch auto.
 
     .venv/bin/python benchmarks/results/hybrid/late_count.py MODEL
 """

@@ -67,10 +67,11 @@ for r in range(rounds):
         res[arm].append(cycle(mb.store if arm == "python" else ma.store))
 for arm in ("python", "C"):
     w, c = zip(*res[arm])
-    print(f"{arm:6s}: {len(routes)} layer calls a round; wall {statistics.median(w):6.1f} us a layer (min {min(w):.1f}), "
-          f"model thread CPU {statistics.median(c):6.1f} us (min {min(c):.1f})")
+    print(f"{arm:6s}: {len(routes)} layer calls a round; wall {statistics.median(w):6.1f} us a layer "
+          f"(min {min(w):.1f}), model thread CPU {statistics.median(c):6.1f} us (min {min(c):.1f})")
 d = [p[1] - q[1] for p, q in zip(res["python"], res["C"])]
-print(f"paired CPU (python - C): median {statistics.median(d):+.1f} us a layer, {sum(x > 0 for x in d)}/{len(d)} rounds")
+print(f"paired CPU (python - C): median {statistics.median(d):+.1f} us a layer, "
+      f"{sum(x > 0 for x in d)}/{len(d)} rounds")
 sa, sb = ma.store.stats(), mb.store.stats()
 print("C:", {k: sa[k] for k in ("hits", "misses", "prefetch_issued", "prefetch_used")})
 print("python:", {k: sb[k] for k in ("hits", "misses", "prefetch_issued", "prefetch_used")})
