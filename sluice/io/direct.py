@@ -176,6 +176,16 @@ class _Pool:
                 self.fds[path] = got
             return got
 
+    def check(self, paths: Iterable[str]) -> CheckpointError | None:
+        """FileGuard.check of each file before a call's batches read it (one fstat each; opens it on first use): the
+        error of the first one changed, or None."""
+        try:
+            for path in paths:
+                self.guard.check(path, self.fd(path)[0])
+        except CheckpointError as e:
+            return e
+        return None
+
     def paths_by_fd(self) -> dict[int, str]:
         """fd -> path of the open files (the native futures' error messages), made again only when a file opened."""
         if self._by_fd[0] != len(self.fds):
@@ -342,11 +352,8 @@ class DirectReader:
         layer where one per expert cost 16 ms of a 599 ms token (66 us each, in the slow state of the shared 2-core
         VM; benchmarks/results/hybrid/step_profile.txt). A file found changed fails every batch of the call."""
         plans = [plan_reads(b, max_gap=self._max_gap, max_read=self._max_read, parts=self.workers) for b in batches]
-        try:
-            for path in dict.fromkeys(path for plan in plans for path in plan.paths()):
-                self._pool.guard.check(path, self._pool.fd(path)[0])  # one fstat per file per call
-        except CheckpointError as e:
-            return [done_future(self._counters, e) for _ in plans]
+        if (e := self._pool.check(dict.fromkeys(path for plan in plans for path in plan.paths()))) is not None:
+            return [done_future(self._counters, e) for _ in plans]  # one fstat per file per call
         futures = [ReadFuture(self._counters) for _ in plans]
         with self._pool.lock:  # close() takes this lock too: no batch can be queued behind the stop sentinels
             if self._pool.closed:
@@ -401,10 +408,7 @@ class DirectReader:
         # templates of a file (io/templates.py), so the files come from the distinct tuples; the counters are summed
         tuples = {t.paths for t, _ in items}
         files = next(iter(tuples)) if len(tuples) == 1 else tuple(dict.fromkeys(p for ps in tuples for p in ps))
-        try:
-            for path in files:
-                self._pool.guard.check(path, self._pool.fd(path)[0])
-        except CheckpointError as e:
+        if (e := self._pool.check(files)) is not None:
             return [done_future(self._counters, e) for _ in items]
         every = all(len(t.ends) for t, _ in items)
         with self._pool.lock:

@@ -46,12 +46,7 @@ class TemplateQueue:
     def check(self, paths: Sequence[str]) -> CheckpointError | None:
         """FileGuard.check of each file (one fstat each), as submit_templates does before queueing: the error of the
         first one changed, or None."""
-        try:
-            for path in paths:
-                self._pool.guard.check(path, self._pool.fd(path)[0])
-        except CheckpointError as e:
-            return e
-        return None
+        return self._pool.check(paths)
 
     def account(self, batches: int, sums: Sequence[int]) -> None:
         """`batches` queued from C, their plans' counters summed (ReadTemplate.counts' order)."""

@@ -130,9 +130,9 @@ class PrefetchTracker:
         if not prompt and not guessed:
             return
         for j, e in enumerate(experts):
-            key = (layer, e)
             if j in missed:
                 continue
+            key = (layer, e)
             if key in prompt:
                 prompt.discard(key)
                 self.prompt_used += 1

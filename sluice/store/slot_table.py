@@ -313,8 +313,11 @@ class NativeSlots:
             n = self._put(experts)
             self._missed[:n] = 0
             self._missed[missed] = 1
-        row = self._usage_p + 8 * layer * self._experts if self._usage_p and 0 <= layer < self._layers else None
-        LIB.sluice_slots_used(self._h, layer, self._in_p, n, self._missed_p, row)
+        LIB.sluice_slots_used(self._h, layer, self._in_p, n, self._missed_p, self.usage_row(layer))
+
+    def usage_row(self, layer: int) -> int | None:
+        """The address of `layer`'s row of the usage counts count_into gave (None: none given, or no such layer)."""
+        return self._usage_p + 8 * layer * self._experts if self._usage_p and 0 <= layer < self._layers else None
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[list[tuple[int, int]], list[Key]]:
         if len(experts) > len(self._in):  # repeats (the placement takes the first of each)

@@ -68,8 +68,8 @@ class DecodeStream:
     def _acquire_fast(self, stream: NativeStream, layer: int, experts: Sequence[int], inflight: dict
                       ) -> tuple[list[int], list[int]]:
         """acquire's placement and reads in C: (slots, missed); the reads to wait for put in `inflight`."""
-        table, queue = self.table, stream.queue
-        row = table._usage_p + 8 * layer * table._experts if table._usage_p else None
+        queue = stream.queue
+        row = self.table.usage_row(layer)
         try:
             with queue.lock:  # the reader's close() waits for it
                 if not queue.usable():
