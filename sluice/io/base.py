@@ -98,6 +98,11 @@ class FileGuard:
                 return
         stamp.compare(st)
 
+    def stamp(self, path: str) -> FileStamp:
+        """The version `path` is held to (KeyError before it is opened or expected)."""
+        with self._lock:
+            return self._stamps[path]
+
     def check(self, path: str, fd: int) -> None:
         """Before a batch reads `path` through `fd`: CheckpointError naming it if it changed since `opened`; a
         ModelFileWarning, once, if the path no longer names it."""

@@ -5,6 +5,7 @@ the batches handed back.
     q = reader.template_queue()          # None where the reads run on Python threads
     q.pool, q.fns                        # the pool's handle; sluice_io_submit_templates, done, wait, release
     err = q.check(paths)                 # FileGuard.check of each (the error, or None)
+    q.stamps(paths)                      # path -> (fd, device, inode, size, mtime ns): the versions checked
     q.account(batches, sums)             # the reader's counters: sums of the batches' ReadTemplate.counts
     fut = q.adopt(handle, template)      # a batch handed back, as submit_templates' future (NativeFuture)
 """
@@ -47,6 +48,18 @@ class TemplateQueue:
         """FileGuard.check of each file (one fstat each), as submit_templates does before queueing: the error of the
         first one changed, or None."""
         return self._pool.check(paths)
+
+    def stamps(self, paths: Sequence[str]) -> dict[str, tuple[int, int, int, int, int]] | None:
+        """Each file's (fd, device, inode, size, mtime in ns): the version FileGuard holds it to, for C's checks of the
+        same (stream.c files_same), each opened and checked here first; None where one fails its check."""
+        paths = list(dict.fromkeys(paths))
+        if self.check(paths) is not None:
+            return None
+        out = {}
+        for path in paths:
+            s = self._pool.guard.stamp(path)
+            out[path] = (self._pool.fd(path)[0], s.dev, s.ino, s.size, s.mtime_ns)
+        return out
 
     def account(self, batches: int, sums: Sequence[int]) -> None:
         """`batches` queued from C, their plans' counters summed (ReadTemplate.counts' order)."""

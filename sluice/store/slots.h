@@ -12,3 +12,4 @@ int32_t sluice_slots_prefetch(slots_t *t, int32_t layer, const int32_t *experts,
                               int32_t *slot_out, int32_t *evicted, int32_t *n_evicted);
 int32_t sluice_slots_remove(slots_t *t, int32_t key);
 int32_t sluice_slots_push_free(slots_t *t, int32_t slot);
+void sluice_slots_unpin_all(slots_t *t);

@@ -8,12 +8,19 @@
  * evicted and landed checks) took ~170 us of the model's thread a layer of a streamed decode token of the issue-32
  * UD file, 40 layers a token (Intel Xeon VM: benchmarks/results/hybrid/stream-native.txt).
  *
+ * A layer whose experts are all in memory (the guesses landed: ~87% of the UD file's decode layers) goes further in one
+ * call (sluice_stream_layer): its acquire, its experts (moe_decode.c, through the pointers its Python object hands
+ * over), the next layer's guessed reads queued while the compute pool's workers start on them, the release; the
+ * store's Python around the separate calls was ~2 ms of a ~37 ms token (benchmarks/results/hybrid/fused-layer.txt).
+ *
  * Ownership of a guessed read's batch: this table's until an acquire finds its expert (landed: released here; still in
  * flight, or failed: handed to the caller, who wraps it as the reader's future and releases it), its expert is evicted
  * or forgotten (waited for, then released here), or the table closes (each waited for and released). */
+#define _POSIX_C_SOURCE 200809L /* struct stat's st_mtim */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "slots.h"
 
@@ -21,6 +28,8 @@ typedef int (*submit_fn)(void *pool, const int64_t *desc, int64_t n, void **out)
 typedef int (*done_fn)(void *batch);
 typedef int (*wait_fn)(void *batch, int64_t timeout_ns);
 typedef void (*release_fn)(void *batch);
+typedef int (*experts_fn)(void *state, const void *args, int run); /* quant/native moe_decode.c's */
+typedef void (*finish_fn)(void *state);
 
 #define TMPL 5   /* a template's descriptor: ops, dests, dests' count, ends, ends' count (ReadTemplate.desc) */
 #define COUNTS 6 /* its plan's counters (ReadPlan.counts) */
@@ -46,7 +55,15 @@ typedef struct {
     uint8_t *missed;
     void **handles;
     int64_t *sums;
+    const int32_t *in2; /* sluice_stream_layer's guess */
+    /* the files each layer's experts are read from (sluice_stream_files): FILE_FIELDS values each, and per layer the
+     * indices of its files, -1 after the last */
+    const int64_t *files;
+    const int32_t *layer_files;
+    int32_t max_files;
 } stream_t;
+
+#define FILE_FIELDS 5 /* fd, st_dev, st_ino, st_size, st_mtime in ns: io/base.py FileGuard's stamp of the version read */
 
 /* The caller's arrays each call uses (capacity max(slots, experts) each; sums COUNTS; n_evicted 1): the ids of a call
  * in `in`; the rest as sluice_stream_prefetch / sluice_stream_acquire say. Bound once: a call then passes 3-4
@@ -64,6 +81,31 @@ void sluice_stream_bind(stream_t *st, const int32_t *in, int32_t *e_out, int32_t
 }
 
 void sluice_stream_close(stream_t *st);
+
+/* The files sluice_stream_layer checks (the caller's arrays, kept alive by it): files [n][FILE_FIELDS], layer_files
+ * [layers][max_files]; and in2, the guess's ids (capacity experts). */
+void sluice_stream_files(stream_t *st, const int64_t *files, const int32_t *layer_files, int32_t max_files,
+                         const int32_t *in2) {
+    st->files = files;
+    st->layer_files = layer_files;
+    st->max_files = max_files;
+    st->in2 = in2;
+}
+
+/* Whether each file of `layer` is still the version stamped (one fstat each: FileGuard.check's test, which names the
+ * file that changed where this says 0). */
+static int files_same(const stream_t *st, int32_t layer) {
+    if (!st->files) return 0;
+    const int32_t *f = st->layer_files + (int64_t)layer * st->max_files;
+    for (int32_t i = 0; i < st->max_files && f[i] >= 0; i++) {
+        const int64_t *v = st->files + (int64_t)f[i] * FILE_FIELDS;
+        struct stat s;
+        if (fstat((int)v[0], &s) || (int64_t)s.st_dev != v[1] || (int64_t)s.st_ino != v[2] ||
+            (int64_t)s.st_size != v[3] || (int64_t)s.st_mtim.tv_sec * 1000000000 + s.st_mtim.tv_nsec != v[4])
+            return 0;
+    }
+    return 1;
+}
 
 stream_t *sluice_stream_open(slots_t *t, int32_t layers, int32_t experts, const int64_t *tmpl, const int64_t *counts,
                              void *pool, void *submit, void *done, void *wait, void *release, int64_t raw0,
@@ -155,8 +197,7 @@ static void land_evicted(stream_t *st, const int32_t *evicted, int32_t n) {
  * here. sums (COUNTS): their plans' counters. Returns how many were placed, -2 for an expert id out of range
  * (nothing changed), -3 / -1 as submit (nothing queued: the placed ones taken out of the table again, their slots
  * free; the evicted ones stay evicted). */
-int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, int32_t n) {
-    const int32_t *experts = st->in;
+static int32_t prefetch(stream_t *st, int32_t layer, const int32_t *experts, int32_t n) {
     int32_t *e_out = st->e_out, *slot_out = st->slot_out, *evicted = st->evicted, *n_evicted = st->n_evicted;
     int64_t *sums = st->sums;
     memset(sums, 0, COUNTS * sizeof(int64_t));
@@ -172,6 +213,8 @@ int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, int32_t n) {
     for (int32_t i = 0; i < m; i++) st->pending[layer * st->experts + e_out[i]] = st->got[i];
     return m;
 }
+
+int32_t sluice_stream_prefetch(stream_t *st, int32_t layer, int32_t n) { return prefetch(st, layer, st->in, n); }
 
 /* acquire of in[0..n): the slot table's (sluice_slots_acquire: slots_out = slot_out, missed, evicted, n_evicted), the
  * evicted keys' reads landed, the misses' reads queued (handles[j] for miss j), each hit's guessed read looked at:
@@ -216,4 +259,41 @@ int32_t sluice_stream_acquire(stream_t *st, int32_t layer, int32_t n, int64_t *u
         if (missed[j]) handles[j] = got[i++];
     sluice_slots_used(st->t, layer, experts, n, missed, usage_row);
     return m;
+}
+
+/* A decode token's MoE layer where its experts are in memory, in one call: the acquire of in[0..n) as
+ * sluice_stream_acquire; then, where no expert missed and no guessed read of one is still in flight or failed, the
+ * experts run (ctx: moe_decode.c's sluice_moe_experts and sluice_moe_finish, its state and prepared arguments, and
+ * the address of their slots array, int64 [n]: filled here), the pool's workers starting alone while this thread
+ * queues the guess of layer `next` (in2[0..m), m 0: none; sluice_stream_prefetch's), and the layer's pins dropped.
+ * Each file of `layer` (and of `next`, with a guess) is checked first (files_same).
+ *
+ * res[0]: the misses (as sluice_stream_acquire returns), res[1]: the guess's sluice_stream_prefetch result, res[2]
+ * sluice_moe_experts' (0, or its error: nothing ran). Returns 0: done (the layer's output written, its experts unpinned,
+ * the guess queued: e_out / slot_out / evicted as its prefetch's; a prefetch error in res[1], the experts run all the
+ * same); 1: the acquire done, an expert not in memory or the experts' call refused (res[2]): the caller goes on as
+ * after sluice_stream_acquire (its outputs, the experts pinned, the guess not queued); 2: a file changed (nothing
+ * done: the caller's checks name it); < 0: as sluice_stream_acquire. */
+int32_t sluice_stream_layer(stream_t *st, int32_t layer, int32_t n, int64_t *usage_row, const int64_t *ctx,
+                            int32_t next, int32_t m, int64_t *res) {
+    res[0] = res[1] = res[2] = 0;
+    if (!files_same(st, layer) || (m > 0 && !files_same(st, next))) return 2;
+    int32_t got = sluice_stream_acquire(st, layer, n, usage_row);
+    res[0] = got;
+    if (got < 0) return got;
+    if (got > 0) return 1;
+    for (int32_t j = 0; j < n; j++)
+        if (st->handles[j]) return 1;
+    int64_t *slots = (int64_t *)(intptr_t)ctx[4];
+    for (int32_t j = 0; j < n; j++) slots[j] = st->slot_out[j];
+    void *state = (void *)(intptr_t)ctx[2];
+    int rc = ((experts_fn)(intptr_t)ctx[0])(state, (const void *)(intptr_t)ctx[3], 0);
+    if (rc) {
+        res[2] = rc;
+        return 1;
+    }
+    if (m > 0) res[1] = prefetch(st, next, st->in2, m);
+    ((finish_fn)(intptr_t)ctx[1])(state);
+    sluice_slots_unpin_all(st->t);
+    return 0;
 }

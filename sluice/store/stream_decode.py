@@ -9,7 +9,10 @@ read is in one place."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+
+from ..io.base import PATH_CHECK_S
 
 from .slot_table import NativeSlots
 from .stream_native import NativeStream, StreamRefused
@@ -81,6 +84,13 @@ class DecodeStream:
             if e.evicted:
                 self._evicted(e.evicted, landed=True)
             raise
+        return self._took(stream, layer, experts, inflight, slots, missed, evicted, handed, sums)
+
+    def _took(self, stream: NativeStream, layer: int, experts: Sequence[int], inflight: dict, slots: list[int],
+              missed: list[int], evicted: list, handed: list, sums: list[int]) -> tuple[list[int], list[int]]:
+        """An acquire in C done: its evicted keys forgotten, its reads handed over adopted into `inflight`, the
+        misses' counted and their files checked."""
+        queue = stream.queue
         if evicted:
             self._evicted(evicted, landed=True)
         for j, h in handed:
@@ -116,3 +126,77 @@ class DecodeStream:
             stream.queue.account(len(entries), sums)
             self.prefetching.placed([(layer, e) for e, _ in entries])
         return True
+
+    def fusable(self, layer: int):
+        """`layer`'s slot stack (raw, as ExpertBatch.raw) where run_layer can take its decode step now, else None."""
+        if not self.overlap or self._inflight or self._allowed is not None or (stream := self._fast()) is None:
+            return None
+        if stream.queue.usable():
+            return self._at(layer)[0]
+        return None
+
+    def run_layer(self, layer: int, experts: list[int], ctx: int) -> ExpertBatch | None:
+        """A decode token's acquire of `layer`'s `experts` (ascending), and where every one is in memory, their math
+        (ctx: DecodeExperts.prepared, into its out) while the deferred guess's reads are queued, then release: one C
+        call (stream.c sluice_stream_layer). None: done. Else the batch acquire(hold=True) returns (an expert missed,
+        or its guessed read is in flight: the caller's math goes on as after acquire, then issue_deferred and
+        release). Only where fusable(layer) said so."""
+        if len(experts) > self.max_batch:
+            raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
+        stream, tracker = self._stream, self.prefetching
+        queue = stream.queue
+        tracker.routed(layer, experts)  # before the guess is allowed, as acquire then issue_deferred do
+        nxt, guess = -1, ()
+        if (deferred := tracker.take_deferred()) is not None and tracker.allow(*deferred):
+            nxt, guess = deferred
+        changed = False
+        if time.monotonic() >= self._ticks:  # the paths looked up now and then, as FileGuard.check does
+            changed = queue.check(stream.files.get(layer, ())) is not None or bool(
+                guess and queue.check(stream.files.get(nxt, ())) is not None)
+            self._ticks = time.monotonic() + PATH_CHECK_S
+        inflight: dict[int, object] = {}
+        self._batch, self._inflight = (layer, experts), inflight
+        try:
+            with queue.lock:
+                rc = 2 if changed or not queue.usable() else stream.layer(layer, experts, self.table.usage_row(layer),
+                                                                          ctx, nxt, guess)
+        except StreamRefused as e:
+            for j, h in e.handed:
+                inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
+            if e.evicted:
+                self._evicted(e.evicted, landed=True)
+            self._fail()
+            raise
+        except BaseException:
+            self._fail()
+            raise
+        if guess and rc:
+            self._allowed = (nxt, guess)  # not queued: issue_deferred queues it
+        if rc == 2:  # a file changed (or the reader closed): nothing done, acquire's path names it
+            self._batch, self._inflight = (-1, []), {}
+            return self._acquire(layer, experts, True, routed=True)
+        if rc == 1:  # the acquire done, an expert not in memory: the caller's math goes on as after acquire
+            try:
+                slots, missed = self._took(stream, layer, experts, inflight, *stream.acquired(len(experts)))
+            except BaseException:
+                self._fail()
+                raise
+            return self._acquired(layer, experts, slots, missed, inflight, True)
+        self._inflight = {}
+        self.hits += len(experts)
+        tracker.hits(layer, experts, ())
+        if guess:
+            try:
+                placed, evicted, sums = stream.placed()
+            except StreamRefused as e:
+                if e.evicted:
+                    self._evicted(e.evicted, landed=True)
+                raise
+            if evicted:
+                self._evicted(evicted, landed=True)
+            if placed:
+                self._streamed = True
+                self.bytes_read += sums[1]
+                queue.account(len(placed), sums)
+                tracker.placed([(nxt, e) for e in placed])
+        return None

@@ -7,12 +7,14 @@ reader) stay in Python, and landing every guessed read here first (land_all) kee
     st = NativeStream(table, n_layers, experts, templates, queue, raw_address, stride)
     placed, evicted, sums = st.prefetch(layer, experts)    # guessed reads queued, kept here
     slots, missed, evicted, handed, sums = st.acquire(layer, experts, usage_row)
+    status = st.layer(layer, experts, usage_row, ctx, next_layer, guess)   # acquire, experts, guess's reads, release
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -28,7 +30,9 @@ if LIB is not None and hasattr(LIB, "sluice_stream_open"):
             ("sluice_stream_land_all", [_ptr, _ptr], _i32), ("sluice_stream_pending", [_ptr, _i32], ctypes.c_int),
             ("sluice_stream_bind", [_ptr] * 9, None),
             ("sluice_stream_prefetch", [_ptr, _i32, _i32], _i32),
-            ("sluice_stream_acquire", [_ptr, _i32, _i32, _ptr], _i32)):
+            ("sluice_stream_acquire", [_ptr, _i32, _i32, _ptr], _i32),
+            ("sluice_stream_files", [_ptr, _ptr, _ptr, _i32, _ptr], None),
+            ("sluice_stream_layer", [_ptr, _i32, _i32, _ptr, _ptr, _i32, _i32, _ptr], _i32)):
         fn = getattr(LIB, name)
         fn.argtypes, fn.restype = args, res
 
@@ -67,6 +71,19 @@ class NativeStream:
             raise MemoryError(f"the native stream's tables for {keys} experts")
         LIB.sluice_stream_bind(self._h, *(a.ctypes.data for a in (self._in, self._e, self._slot, self._ev, self._n,
                                                                   self._missed, self._handles, self._sums)))
+        self._in2 = np.zeros(cap, dtype=np.int32)
+        self._res = np.zeros(3, dtype=np.int64)
+        self._res_p, self._stamps = self._res.ctypes.data, None
+        stamps = queue.stamps([p for paths in self.files.values() for p in paths])
+        if stamps is not None:  # each layer's files checked in C by sluice_stream_layer (else it never runs)
+            order = {path: i for i, path in enumerate(stamps)}
+            width = max(map(len, self.files.values()))
+            self._stamps = np.array(list(stamps.values()), dtype=np.int64).reshape(-1, 5)
+            self._layer_files = np.full((n_layers, width), -1, dtype=np.int32)
+            for layer, paths in self.files.items():
+                self._layer_files[layer, : len(paths)] = [order[p] for p in paths]
+            LIB.sluice_stream_files(self._h, self._stamps.ctypes.data, self._layer_files.ctypes.data, width,
+                                    self._in2.ctypes.data)
 
     def _put(self, experts: Sequence[int]) -> int:
         n = len(experts)
@@ -101,17 +118,60 @@ class NativeStream:
         handed batches) leaves the batch's experts pinned in the table: the caller forgets them."""
         n = self._put(experts)
         m = LIB.sluice_stream_acquire(self._h, layer, n, usage_row)
+        if m < 0:
+            self._raise(m, layer, experts, n)
+        evicted = self._evicted()
+        handed = [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h]
+        missed = [j for j, f in enumerate(self._missed[:n].tobytes()) if f] if m else []
+        return self._slot[:n].tolist(), missed, evicted, handed, self._sums.tolist()
+
+    def layer(self, layer: int, experts: Sequence[int], usage_row: int | None, ctx: int, next_layer: int,
+              guess: Sequence[int]) -> int:
+        """sluice_stream_layer: `layer`'s acquire of `experts` and, where every one is in memory, its experts run by
+        `ctx` (DecodeExperts.prepared) while the guess of `next_layer` is queued, then its pins dropped (each file
+        of the two layers checked first, in C: the versions TemplateQueue.stamps gave). Returns 0 (done: placed()
+        says what the guess queued), 1 (the acquire done, an expert not in memory or the experts' call refused:
+        acquired() gives what acquire returns; the guess not queued), 2 (a file changed, or no stamps: nothing
+        done). Raises as acquire."""
+        if self._stamps is None:
+            return 2
+        n = self._put(experts)
+        m = len(guess)
+        if m:
+            if m > len(self._in2):
+                raise ValueError(f"a guess of {m} experts > {len(self._in2)}")
+            self._in2[:m] = guess
+        rc = LIB.sluice_stream_layer(self._h, layer, n, usage_row, ctx, next_layer, m, self._res_p)
+        if rc < 0:
+            self._raise(rc, layer, experts, n)
+        return rc
+
+    def acquired(self, n: int) -> tuple[list[int], list[int], list[Key], list[tuple[int, int]], list[int]]:
+        """After layer() returned 1: what acquire returns (n: the experts' count)."""
+        missed = [j for j, f in enumerate(self._missed[:n].tobytes()) if f] if self._res[0] else []
+        handed = [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h]
+        return self._slot[:n].tolist(), missed, self._evicted(), handed, self._sums.tolist()
+
+    def placed(self) -> tuple[list[int], list[Key], list[int]]:
+        """After layer() returned 0: (the guess's experts placed, keys evicted, their reads' counters summed); raises
+        StreamRefused where its reads were refused (the layer's experts ran all the same)."""
+        m = int(self._res[1])
+        if m == -2:
+            raise ValueError(f"prefetch: expert ids {self._in2.tolist()} out of range (0..{self.E - 1})")
+        evicted = self._evicted() if m else []
+        if m < 0:
+            raise _refused(m, evicted)
+        return self._e[:m].tolist(), evicted, self._sums.tolist()
+
+    def _raise(self, m: int, layer: int, experts: Sequence[int], n: int) -> NoReturn:
+        """acquire's errors (m < 0)."""
         if m == -2:
             raise ValueError(f"acquire of layer {layer}: expert ids {list(experts)} repeat or are out of range "
                              f"(0..{self.E - 1})")
         evicted = self._evicted()
         if m == -1:
             raise StreamRefused("no unpinned slot left for a miss (acquire asks for at most max_batch)", evicted, [])
-        handed = [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h]
-        if m < 0:
-            raise _refused(m, evicted, handed)
-        missed = [j for j, f in enumerate(self._missed[:n].tobytes()) if f] if m else []
-        return self._slot[:n].tolist(), missed, evicted, handed, self._sums.tolist()
+        raise _refused(m, evicted, [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h])
 
     def forget(self, key: Key) -> int:
         """Wait for key's guessed read, if one is kept here, and drop it: its error kind (0 landed), -1 none."""

@@ -99,6 +99,8 @@ class StreamingExpertStore(DecodeStream):
         # it (False: this store cannot); _streamed: guessed reads may be kept there (land_all not called since)
         self._stream: NativeStream | None | bool = None
         self._streamed = False
+        self._allowed: tuple[int, list[int]] | None = None  # a deferred guess the throttle passed (run_layer)
+        self._ticks = 0.0  # when run_layer looks the files up in Python next (time.monotonic)
 
     @classmethod
     def with_budget(cls, layout: ExpertLayout, reader, expert_budget: int, memory: int,
@@ -197,6 +199,10 @@ class StreamingExpertStore(DecodeStream):
         math runs the hits while the first miss loads, then each miss as soon as its bytes land (batch.wait(j)).
         Results do not depend on that order: the block sums the experts in a fixed order.
         """
+        return self._acquire(layer, experts, hold)
+
+    def _acquire(self, layer: int, experts: Sequence[int], hold: bool, routed: bool = False) -> ExpertBatch:
+        """acquire; `routed`: the router's choice already counted (prefetching.routed)."""
         if len(experts) > self.max_batch:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
         self.settle()  # a previous batch the math abandoned: its reads land before any slot is reused
@@ -224,11 +230,18 @@ class StreamingExpertStore(DecodeStream):
             self.io_wait_s += time.perf_counter() - t0
         # The counts, the hits' recency and the prefetch's score once the reads are queued (the disk starts ~0.1 ms
         # sooner a layer): none of them changes a victim above, the hits being pinned and the misses not yet cached
-        self.misses += len(missed)
-        self.misses_by_layer[layer] += len(missed)
         if stream is None:
             self.table.used(layer, experts, missed)  # the hits made the most recent, too
-        self.prefetching.routed(layer, experts)
+        if not routed:
+            self.prefetching.routed(layer, experts)
+        return self._acquired(layer, experts, slots, missed, inflight, hold)
+
+    def _acquired(self, layer: int, experts: Sequence[int], slots: list[int], missed: list[int], inflight: dict,
+                  hold: bool) -> ExpertBatch:
+        """acquire's end: the counters, the prefetch's hits, the batch (the table's uses and the router's choice
+        counted before)."""
+        self.misses += len(missed)
+        self.misses_by_layer[layer] += len(missed)
         missed_set = set(missed)
         self.hits += len(experts) - len(missed)
         self.prefetching.hits(layer, experts, missed_set)
@@ -252,12 +265,15 @@ class StreamingExpertStore(DecodeStream):
     @property
     def deferred(self) -> bool:
         """Whether a prediction prefetch_next deferred waits to be issued."""
-        return self.prefetching.deferred is not None
+        return self.prefetching.deferred is not None or self._allowed is not None
 
     def issue_deferred(self) -> None:
         """Issue the prediction prefetch_next deferred, if any, now: after an acquire, whose pinned experts it then
         cannot evict."""
-        if (deferred := self.prefetching.take_deferred()) is not None:
+        if (allowed := self._allowed) is not None:  # allowed by the throttle already (run_layer)
+            self._allowed = None
+            self._prefetch(*allowed)
+        elif (deferred := self.prefetching.take_deferred()) is not None:
             self.prefetch(*deferred)
 
     def _wait(self, j: int) -> None:
@@ -381,6 +397,10 @@ class StreamingExpertStore(DecodeStream):
         """
         if not prompt and not self.prefetching.allow(layer, experts):
             return
+        self._prefetch(layer, experts, prompt)
+
+    def _prefetch(self, layer: int, experts: Sequence[int], prompt: bool = False) -> None:
+        """prefetch, the throttle passed."""
         if not prompt and (stream := self._fast()) is not None and self._prefetch_fast(stream, layer, experts):
             return
         self._land_stream()
@@ -420,6 +440,7 @@ class StreamingExpertStore(DecodeStream):
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
         """Like prefetch, issued right after the next acquire has pinned its experts (so the reads overlap that
         layer's expert math and can never evict what it is about to use)."""
+        self._allowed = None  # a guess run_layer allowed and left unissued: this newer one replaces it
         self.prefetching.defer(layer, experts)
 
     def stats(self) -> dict:

@@ -4,6 +4,10 @@
 the same bits), without its ~10 hand-offs from Python a layer: a resident MoE block of the issue-30 UD file took
 ~480 us of which the experts' kernels were ~300 (Intel Xeon VM, 2 cores: benchmarks/results/hybrid/moe-decode.txt).
 
+A streamed token's layer whose experts are all in memory goes through the store in one more native call
+(store/stream_decode.py run_layer: the acquire, these experts, the next layer's guessed reads, the release); one with
+an expert still being read takes the acquire it did and goes on as below.
+
 For a layer whose experts run as one native call each (q8.ExpertCall: quantized, an integer path, silu GLU), a
 softmax router, a bf16 model, a shared expert absent or computed with the routed ones (MoE._fused_shared); other
 layers keep moe.py's path."""
@@ -23,6 +27,7 @@ class MoEDecode:
     def __init__(self, moe, route: DecodeRoute, experts: DecodeExperts):
         self.moe, self.route, self.experts = moe, route, experts
         self.L, self.store, self.spec = moe.L, moe.experts.store, moe.spec
+        self.fusable = getattr(self.store, "fusable", None)  # a streaming store's one-call layer (run_layer)
 
     @classmethod
     def of(cls, moe, b) -> "MoEDecode | None":
@@ -62,7 +67,15 @@ class MoEDecode:
         ex, L = self.experts, self.L
         out = torch.empty_like(x)
         # in ascending id: slot j holds the j-th smallest id, summed j-th; the next layer's guessed reads held back
-        batch = store.acquire(L, ids, hold=True)
+        if self.fusable is not None and (raw := self.fusable(L)) is not None:
+            # a streamed token: the acquire, the experts (all in memory), the guess's reads and the release in one
+            # native call (store/stream.c sluice_stream_layer); else it leaves the acquire done, as below
+            ex.check_raw(raw)
+            batch = store.run_layer(L, ids, ex.prepared(raw, x, w, at, out))
+            if batch is None:
+                return out
+        else:
+            batch = store.acquire(L, ids, hold=True)
         try:
             raw = batch.raw
             ex.check_raw(raw)

@@ -124,6 +124,12 @@ class DecodeExperts:
         a.extra_row, a.H, a.I, a.xf, a.ys, a.P = k, self.h, self.i, self.xf.data_ptr(), self.ys.data_ptr(), self.planes
         a.has_shared, a.gate, a.scalar = int(extra is not None), 0 if gate is None else gate.data_ptr(), path
         self._extra_at = 0 if self._extra is None else ctypes.addressof(self._extra)
+        # prepared()'s context: the two functions, the state, the arguments, the slots (another C library calls them)
+        self._ctx = (ctypes.c_int64 * 5)(*(ctypes.cast(f, ctypes.c_void_p).value
+                                           for f in (_LIB.sluice_moe_experts, _LIB.sluice_moe_finish)),
+                                         ctypes.addressof(self._state), ctypes.addressof(a),
+                                         ctypes.addressof(self._slots))
+        self._ctx_at = ctypes.addressof(self._ctx)
 
     def check_raw(self, raw: torch.Tensor) -> None:
         """raw: uint8 [S, >= nbytes], rows contiguous (checked once per stack)."""
@@ -160,6 +166,17 @@ class DecodeExperts:
         self._call(False, raw, slots, list(range(n)), x, True, True, n, w, at, out)
         self._started = (raw, x, w, at, out)
 
+    def prepared(self, raw: torch.Tensor, x: torch.Tensor, w: torch.Tensor, at: torch.Tensor, out: torch.Tensor
+                 ) -> int:
+        """start(raw, slots, x, w, at, out) and finish() for k slots not known yet, made by another C library
+        (store/stream.c sluice_stream_layer: it writes the k slots, then calls sluice_moe_experts(state, args, 0) and
+        sluice_moe_finish(state)): the address of that context, int64 [5] (the two functions, the state, the
+        arguments, the slots array). Nothing else may use this object, x, w, at or out until that call returns."""
+        if self._started is not None:
+            raise RuntimeError("DecodeExperts.prepared: the call started before has not finished")
+        self._set(raw, [0] * self.k, list(range(self.k)), x, True, True, self.k, w, at, out)
+        return self._ctx_at
+
     def finish(self) -> None:
         """The rest of the call start() began, and the sum into its out."""
         if self._started is None:
@@ -170,6 +187,14 @@ class DecodeExperts:
     def _call(self, to_end: bool, raw: torch.Tensor, slots: list[int], rows: list[int], x: torch.Tensor,
               widen: bool, shared: bool, n_sum: int, w: torch.Tensor | None, at: torch.Tensor | None,
               out: torch.Tensor | None) -> None:
+        self._set(raw, slots, rows, x, widen, shared, n_sum, w, at, out)
+        rc = _LIB.sluice_moe_experts(self._state, ctypes.byref(self._args), to_end)
+        if rc:
+            raise MemoryError(f"native decode experts failed (code {rc}): no memory for {len(slots)} experts' scratch")
+
+    def _set(self, raw: torch.Tensor, slots: list[int], rows: list[int], x: torch.Tensor, widen: bool, shared: bool,
+             n_sum: int, w: torch.Tensor | None, at: torch.Tensor | None, out: torch.Tensor | None) -> None:
+        """The call's arguments (self._args), checked."""
         n, k, a = len(slots), self.k, self._args
         if n > k or len(rows) != n:
             raise ValueError(f"DecodeExperts: {n} experts into {len(rows)} rows, at most {k}")
@@ -187,6 +212,3 @@ class DecodeExperts:
                 out.data_ptr()
         a.n, a.base, a.stride, a.x, a.widen = n, raw.data_ptr(), raw.stride(0), x.data_ptr(), widen
         a.extra = self._extra_at if shared else 0
-        rc = _LIB.sluice_moe_experts(self._state, ctypes.byref(a), to_end)
-        if rc:
-            raise MemoryError(f"native decode experts failed (code {rc}): no memory for {n} experts' scratch")

@@ -1,0 +1,121 @@
+"""A streamed decode token's MoE layer as one native call (store/stream.c sluice_stream_layer through
+StreamingExpertStore.run_layer, from layers/moe_decode.py): the acquire, the experts while the guess's reads are
+queued, the release. Against the same steps as separate calls: the resident run's tokens bit for bit, and the same
+store counters (hits, misses, evictions, bytes, the guesses' reads); a file changed under it fails the run naming the
+file; a layer whose expert is not in memory yet goes on as after acquire."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+import sluice  # noqa: E402
+from sluice.errors import CheckpointError  # noqa: E402
+from sluice.models.layers.moe_decode import MoEDecode  # noqa: E402
+from sluice.quant import native  # noqa: E402
+from sluice.store import stream_native  # noqa: E402
+from sluice.store.stream_native import NativeStream  # noqa: E402
+from sluice.tools.quantize import quantize  # noqa: E402
+from sluice.tools.synth import SynthConfig, make_model  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (native.available() and stream_native.available()),
+                                reason="the native extension or sluice/store/stream.c is not built")
+IDS = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(11)).tolist()
+COUNTERS = ("hits", "misses", "misses_by_layer", "evictions", "bytes_read", "prefetch_issued", "prefetch_used",
+            "prefetch_wasted", "prefetch_recall", "prefetch_paused")
+
+
+@pytest.fixture(scope="module")
+def q8_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layer")
+    sc = SynthConfig(arch="qwen3_5_moe", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                     num_experts=16, top_k=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                     vocab_size=300)
+    out = root / "m.gguf"
+    quantize(make_model(root / "m", sc, progress=False), out, "q8_0")
+    return out
+
+
+def _streamed(path, slots: int = 8):
+    with sluice.load(path, memory="all") as m:
+        memory = m.resident_bytes + slots * m.layout.expert_nbytes
+    return sluice.load(path, memory=memory, io="direct", prefetch="router", threads=2)
+
+
+def _blocks(m) -> list[MoEDecode]:
+    return [layer.ffn.decode for layer in m.model.layers if getattr(layer.ffn, "decode", None) is not None]
+
+
+def _count_calls(m) -> dict:
+    """store.run_layer wrapped: how many layers it finished (None) and how many it handed back (a batch)."""
+    seen = {"done": 0, "batch": 0}
+    run = m.store.run_layer
+
+    def counted(*a):
+        got = run(*a)
+        seen["done" if got is None else "batch"] += 1
+        return got
+
+    m.store.run_layer = counted
+    return seen
+
+
+def test_one_call_layers_give_the_resident_tokens_and_the_separate_calls_counters(q8_file):
+    with sluice.load(q8_file, memory="all") as m:
+        want = list(m.generate_tokens(IDS, max_tokens=16, stop_at_eos=False))
+    with _streamed(q8_file) as a, _streamed(q8_file) as b:
+        assert _blocks(a) and all(d.fusable is not None for d in _blocks(a))
+        seen = _count_calls(a)
+        for d in _blocks(b):
+            d.fusable = None  # the separate calls
+        assert list(a.generate_tokens(IDS, max_tokens=16, stop_at_eos=False)) == want
+        assert list(b.generate_tokens(IDS, max_tokens=16, stop_at_eos=False)) == want
+        assert isinstance(a.store._stream, NativeStream)
+        assert seen["done"] > 0  # layers with every expert in memory took the one call
+        sa, sb = a.stats(), b.stats()
+        assert sa["prefetch_issued"] > 0 and sa["misses"] > 0
+        assert {k: sa[k] for k in COUNTERS} == {k: sb[k] for k in COUNTERS}
+
+
+def test_a_layer_with_an_expert_not_in_memory_goes_on_as_after_acquire(q8_file):
+    """At the smallest cache nearly every layer misses: the call leaves the acquire done and the block's late path
+    runs the rest (the resident tokens all the same)."""
+    with sluice.load(q8_file, memory="all") as m:
+        want = list(m.generate_tokens(IDS, max_tokens=8, stop_at_eos=False))
+        k = m.spec.top_k
+    with _streamed(q8_file, slots=k) as m:
+        seen = _count_calls(m)
+        assert list(m.generate_tokens(IDS, max_tokens=8, stop_at_eos=False)) == want
+        assert seen["batch"] > 0
+        assert not m.store.table.pinned  # every layer released
+
+
+@pytest.mark.parametrize("change", ["truncated", "rewritten"])
+def test_a_file_changed_under_the_one_call_fails_the_run_naming_it(q8_file, tmp_path, change):
+    path = tmp_path / q8_file.name
+    shutil.copy(q8_file, path)
+    with _streamed(path, slots=2 if change == "truncated" else 8) as m:
+        seen = _count_calls(m)
+        it = m.generate_tokens(IDS, max_tokens=40, stop_at_eos=False)
+        for _ in range(3):
+            next(it)
+        assert seen["done"] + seen["batch"] > 0
+        if change == "truncated":
+            os.truncate(path, os.path.getsize(path) - 1)
+        else:  # the same size, a new modification time: its bytes may not be the ones the header described
+            st = os.stat(path)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        # the call's own check (one fstat a file, in C) refuses it before anything is placed or read
+        store, L = m.store, m.layout.layers[0]
+        ids = [e for e in range(m.spec.num_experts) if (L, e) not in store.table][: m.spec.top_k]
+        assert store._stream.layer(L, ids, store.table.usage_row(L), 0, -1, ()) == 2
+        assert not store.table.pinned and all((L, e) not in store.table for e in ids)
+        with pytest.raises(CheckpointError) as e:
+            for _ in it:
+                pass
+        assert path.name in str(e.value) and change in str(e.value)
