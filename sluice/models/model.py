@@ -96,9 +96,14 @@ class Transformer:
         chunk that picks at least as many experts as a layer has (shorter ones would waste some reads) leaves its
         guess in the step, read once this layer's experts are pinned (layers/moe.py)."""
         s = self.spec
-        if (self.prerouter is not None and step.T == 1 and self.store.guessing()
-                and (guess := self.prerouter.predict(L, x)) is not None):
-            (self.store.prefetch_next if s.moe_layers[L] else self.store.prefetch)(*guess)
+        if self.prerouter is not None and step.T == 1 and self.store.guessing():
+            # a MoE layer's streaming store may compute the native guess itself, while the layer's experts run
+            later = getattr(self.store, "guess_later", None) if s.moe_layers[L] else None
+            native = getattr(self.prerouter, "native", None) if later is not None else None
+            if native is not None and (native := native(L, x)) is not None:
+                later(*native, x, self.prerouter.chosen)
+            elif (guess := self.prerouter.predict(L, x)) is not None:
+                (self.store.prefetch_next if s.moe_layers[L] else self.store.prefetch)(*guess)
         elif self.prompt_prerouter is not None and step.T * s.top_k >= s.num_experts and s.moe_layers[L]:
             step.prompt_guess = self.prompt_prerouter.predict(L, x)
 

@@ -69,6 +69,22 @@ class RouterPrerouter:
                     self._guess[M] = Guess(norm.weight.contiguous(), norm.eps, lw.router.contiguous(), k, self.path,
                                            norm.path)
 
+    def native(self, layer: int, x: torch.Tensor) -> tuple[int, Guess] | None:
+        """(next MoE layer, its native Guess) where predict(layer, x) of this one token is that Guess's call (which
+        a streaming store may make later, in C: StreamingExpertStore.guess_later), else None."""
+        nxt = self.next_moe.get(layer)
+        guess = self._guess.get(nxt) if nxt is not None else None
+        if guess is None or not (x.shape[0] == 1 and x.dtype is torch.bfloat16 and x.is_contiguous()):
+            return None
+        return nxt, guess
+
+    @staticmethod
+    def chosen(guess: Guess, got: list[int] | torch.Tensor) -> list[int]:
+        """A Guess's result (its ids, or the probabilities torch.topk ranks) as predict returns it: ascending."""
+        if isinstance(got, list):
+            return sorted(got)
+        return sorted(torch.topk(got, guess.k, dim=-1).indices[0].tolist())
+
     def predict(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
         """(next MoE layer, predicted expert ids) from x [T, H] after `layer`'s attention, or None at the end."""
         nxt = self.next_moe.get(layer)
@@ -79,10 +95,8 @@ class RouterPrerouter:
             x = x[:: -(-x.shape[0] // GUESS_ROWS)].contiguous()  # [<= GUESS_ROWS, H]
         guess = self._guess.get(nxt)
         if guess is not None and x.shape[0] == 1 and x.dtype is torch.bfloat16 and x.is_contiguous():
-            ids = guess(x)  # the k ids, or (a NaN; ties without topk.cc) the probabilities for torch.topk
-            if isinstance(ids, list):
-                return nxt, sorted(ids)
-            return nxt, sorted(torch.topk(ids, guess.k, dim=-1).indices[0].tolist())
+            # the k ids, or (a NaN; ties without topk.cc) the probabilities for torch.topk
+            return nxt, self.chosen(guess, guess(x))
         h = self.norms[nxt](x)  # [T, H]
         if (self.path is not None and h.shape[0] == 1 and h.dtype is torch.bfloat16 and lw.router_bias is None
                 and lw.router.dtype is torch.bfloat16):

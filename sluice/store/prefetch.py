@@ -100,7 +100,16 @@ class PrefetchTracker:
         reads falls under its precision (the pause starts)."""
         if not self.want():
             return False
+        self.noted(layer, experts)
+        return self.admit()
+
+    def noted(self, layer: int, experts: Sequence[int]) -> None:
+        """The prediction for `layer` (its recall is scored at the layer's acquire)."""
         self.predicted[layer] = set(experts)
+
+    def admit(self) -> bool:
+        """allow's throttle once the guess is wanted (want): False when the last window of guessed reads falls under
+        its precision (the pause starts). It does not depend on the guess: a guess computed later is noted after."""
         t = self.throttle
         if len(self._outcomes) >= t.window:
             if self._right < t.precision * len(self._outcomes):

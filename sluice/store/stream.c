@@ -30,6 +30,7 @@ typedef int (*wait_fn)(void *batch, int64_t timeout_ns);
 typedef void (*release_fn)(void *batch);
 typedef int (*experts_fn)(void *state, const void *args, int run); /* quant/native moe_decode.c's */
 typedef void (*finish_fn)(void *state);
+typedef int (*guess_fn)(const int64_t *args, const void *x); /* quant/native decode.c sluice_guess_packed */
 
 #define TMPL 5   /* a template's descriptor: ops, dests, dests' count, ends, ends' count (ReadTemplate.desc) */
 #define COUNTS 6 /* its plan's counters (ReadPlan.counts) */
@@ -55,7 +56,7 @@ typedef struct {
     uint8_t *missed;
     void **handles;
     int64_t *sums;
-    const int32_t *in2; /* sluice_stream_layer's guess */
+    int32_t *in2; /* sluice_stream_layer's guess (the caller's, or computed there) */
     /* the files each layer's experts are read from (sluice_stream_files): FILE_FIELDS values each, and per layer the
      * indices of its files, -1 after the last */
     const int64_t *files;
@@ -85,7 +86,7 @@ void sluice_stream_close(stream_t *st);
 /* The files sluice_stream_layer checks (the caller's arrays, kept alive by it): files [n][FILE_FIELDS], layer_files
  * [layers][max_files]; and in2, the guess's ids (capacity experts). */
 void sluice_stream_files(stream_t *st, const int64_t *files, const int32_t *layer_files, int32_t max_files,
-                         const int32_t *in2) {
+                         int32_t *in2) {
     st->files = files;
     st->layer_files = layer_files;
     st->max_files = max_files;
@@ -261,12 +262,32 @@ int32_t sluice_stream_acquire(stream_t *st, int32_t layer, int32_t n, int64_t *u
     return m;
 }
 
+/* The guess of layer guess[6] computed here (guess: sluice_guess_packed, its arguments, x, its ids (int64 [k]), k,
+ * whether its reads may be queued, the layer): its ids into in2 ascending (the order the store's prefetch is given
+ * them in); 1, or 2 where the guess leaves the choice to torch.topk (its probabilities written). */
+static int64_t got_guess(stream_t *st, const int64_t *guess) {
+    if (!((guess_fn)(intptr_t)guess[0])((const int64_t *)(intptr_t)guess[1], (const void *)(intptr_t)guess[2]))
+        return 2;
+    const int64_t *ids = (const int64_t *)(intptr_t)guess[3];
+    int32_t *out = st->in2;
+    for (int64_t i = 0; i < guess[4]; i++) { /* insertion: k <= 64 */
+        int32_t v = (int32_t)ids[i];
+        int64_t j = i;
+        for (; j > 0 && out[j - 1] > v; j--) out[j] = out[j - 1];
+        out[j] = v;
+    }
+    return 1;
+}
+
 /* A decode token's MoE layer where its experts are in memory, in one call: the acquire of in[0..n) as
  * sluice_stream_acquire; then, where no expert missed and no guessed read of one is still in flight or failed, the
  * experts run (ctx: moe_decode.c's sluice_moe_experts and sluice_moe_finish, its state and prepared arguments, and
  * the address of their slots array, int64 [n]: filled here), the pool's workers starting alone while this thread
  * queues the guess of layer `next` (in2[0..m), m 0: none; sluice_stream_prefetch's), and the layer's pins dropped.
- * Each file of `layer` (and of `next`, with a guess) is checked first (files_same).
+ * Each file of `layer` (and of `next`, with a guess) is checked first (files_same). With `guess` (got_guess's), the
+ * guess of layer guess[6] is computed here while the workers start, instead of taken from in2 (m ignored), and its
+ * reads queued where guess[5] says so; res[3]: 1 its ids in in2, 2 left to torch.topk (nothing queued), 0 not
+ * computed (the call returned before the experts ran).
  *
  * res[0]: the misses (as sluice_stream_acquire returns), res[1]: the guess's sluice_stream_prefetch result, res[2]
  * sluice_moe_experts' (0, or its error: nothing ran). Returns 0: done (the layer's output written, its experts unpinned,
@@ -275,9 +296,10 @@ int32_t sluice_stream_acquire(stream_t *st, int32_t layer, int32_t n, int64_t *u
  * after sluice_stream_acquire (its outputs, the experts pinned, the guess not queued); 2: a file changed (nothing
  * done: the caller's checks name it); < 0: as sluice_stream_acquire. */
 int32_t sluice_stream_layer(stream_t *st, int32_t layer, int32_t n, int64_t *usage_row, const int64_t *ctx,
-                            int32_t next, int32_t m, int64_t *res) {
-    res[0] = res[1] = res[2] = 0;
-    if (!files_same(st, layer) || (m > 0 && !files_same(st, next))) return 2;
+                            int32_t next, int32_t m, int64_t *res, const int64_t *guess) {
+    res[0] = res[1] = res[2] = res[3] = 0;
+    if (guess) next = (int32_t)guess[6];
+    if (!files_same(st, layer) || ((m > 0 || guess) && !files_same(st, next))) return 2;
     int32_t got = sluice_stream_acquire(st, layer, n, usage_row);
     res[0] = got;
     if (got < 0) return got;
@@ -291,6 +313,10 @@ int32_t sluice_stream_layer(stream_t *st, int32_t layer, int32_t n, int64_t *usa
     if (rc) {
         res[2] = rc;
         return 1;
+    }
+    if (guess) {
+        res[3] = got_guess(st, guess);
+        m = res[3] == 1 && guess[5] ? (int32_t)guess[4] : 0;
     }
     if (m > 0) res[1] = prefetch(st, next, st->in2, m);
     ((finish_fn)(intptr_t)ctx[1])(state);

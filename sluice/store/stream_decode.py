@@ -137,29 +137,81 @@ class DecodeStream:
 
     def run_layer(self, layer: int, experts: list[int], ctx: int) -> ExpertBatch | None:
         """A decode token's acquire of `layer`'s `experts` (ascending), and where every one is in memory, their math
-        (ctx: DecodeExperts.prepared, into its out) while the deferred guess's reads are queued, then release: one C
-        call (stream.c sluice_stream_layer). None: done. Else the batch acquire(hold=True) returns (an expert missed,
-        or its guessed read is in flight: the caller's math goes on as after acquire, then issue_deferred and
-        release). Only where fusable(layer) said so."""
+        (ctx: DecodeExperts.prepared, into its out) while the deferred guess is made (guess_later's) and its reads
+        queued, then release: one C call (stream.c sluice_stream_layer). None: done. Else the batch
+        acquire(hold=True) returns (an expert missed, or its guessed read is in flight: the caller's math goes on as
+        after acquire, then issue_deferred and release). Only where fusable(layer) said so."""
         if len(experts) > self.max_batch:
             raise ValueError(f"acquire of {len(experts)} experts > {self.max_batch} slots")
         stream, tracker = self._stream, self.prefetching
-        queue = stream.queue
         tracker.routed(layer, experts)  # before the guess is allowed, as acquire then issue_deferred do
-        nxt, guess = -1, ()
+        nxt, guess, compute, late = self._layer_guess()
+        rc = self._layer_call(stream, layer, experts, ctx, nxt, guess, compute)
+        if compute is not None and rc:  # the call returned before the guess: made here
+            _, g, x, chosen = late
+            guess = chosen(g, g(x))
+            tracker.noted(nxt, guess)
+            if not compute[-1]:
+                guess = ()
+        if guess and rc:
+            self._allowed = (nxt, guess)  # not queued: issue_deferred queues it
+        if rc == 2:  # a file changed (or the reader closed): nothing done, acquire's path names it
+            self._batch, self._inflight = (-1, []), {}
+            return self._acquire(layer, experts, True, routed=True)
+        if rc == 1:  # the acquire done, an expert not in memory: the caller's math goes on as after acquire
+            try:
+                slots, missed = self._took(stream, layer, experts, self._inflight, *stream.acquired(len(experts)))
+            except BaseException:
+                self._fail()
+                raise
+            return self._acquired(layer, experts, slots, missed, self._inflight, True)
+        self._inflight = {}
+        self.hits += len(experts)
+        tracker.hits(layer, experts, ())
+        if compute is not None:  # the guess made in the call: noted; its reads queued there where admitted
+            _, g, x, chosen = late
+            ids = stream.guessed(g.k)
+            if ids is None:  # torch.topk ranks it: its reads queued here (the layer is released already)
+                tracker.noted(nxt, ids := chosen(g, g.probs))
+                if compute[-1]:
+                    self._prefetch(nxt, ids)
+                return None
+            tracker.noted(nxt, ids)
+            guess = ids if compute[-1] else ()
+        if guess:
+            self._layer_placed(stream, nxt)
+        return None
+
+    def _layer_guess(self) -> tuple[int, list[int] | tuple, tuple | None, tuple | None]:
+        """run_layer's guess: (its layer, its ids where made already, what stream.layer computes it from where not
+        (guess_later's: its throttle first, which does not need the ids), guess_later's)."""
+        tracker, late = self.prefetching, self._late
+        if late is not None:
+            self._late = None
+            g = late[1]
+            return late[0], (), (*g.packed(), late[2].data_ptr(), g.ids.data_ptr(), g.k, int(tracker.admit())), late
         if (deferred := tracker.take_deferred()) is not None and tracker.allow(*deferred):
-            nxt, guess = deferred
+            return *deferred, None, None
+        return -1, (), None, None
+
+    def _layer_call(self, stream: NativeStream, layer: int, experts: list[int], ctx: int, nxt: int, guess,
+                    compute: tuple | None) -> int:
+        """stream.layer under the reader's lock, the files looked up in Python first now and then (as
+        FileGuard.check does): its status, 2 where a file changed or the reader closed. The acquire's errors land
+        its reads and forget its experts (_fail) before they raise."""
+        queue = stream.queue
         changed = False
-        if time.monotonic() >= self._ticks:  # the paths looked up now and then, as FileGuard.check does
+        if time.monotonic() >= self._ticks:
             changed = queue.check(stream.files.get(layer, ())) is not None or bool(
-                guess and queue.check(stream.files.get(nxt, ())) is not None)
+                (guess or compute) and queue.check(stream.files.get(nxt, ())) is not None)
             self._ticks = time.monotonic() + PATH_CHECK_S
         inflight: dict[int, object] = {}
         self._batch, self._inflight = (layer, experts), inflight
         try:
             with queue.lock:
-                rc = 2 if changed or not queue.usable() else stream.layer(layer, experts, self.table.usage_row(layer),
-                                                                          ctx, nxt, guess)
+                if changed or not queue.usable():
+                    return 2
+                return stream.layer(layer, experts, self.table.usage_row(layer), ctx, nxt, guess, compute)
         except StreamRefused as e:
             for j, h in e.handed:
                 inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
@@ -170,33 +222,19 @@ class DecodeStream:
         except BaseException:
             self._fail()
             raise
-        if guess and rc:
-            self._allowed = (nxt, guess)  # not queued: issue_deferred queues it
-        if rc == 2:  # a file changed (or the reader closed): nothing done, acquire's path names it
-            self._batch, self._inflight = (-1, []), {}
-            return self._acquire(layer, experts, True, routed=True)
-        if rc == 1:  # the acquire done, an expert not in memory: the caller's math goes on as after acquire
-            try:
-                slots, missed = self._took(stream, layer, experts, inflight, *stream.acquired(len(experts)))
-            except BaseException:
-                self._fail()
-                raise
-            return self._acquired(layer, experts, slots, missed, inflight, True)
-        self._inflight = {}
-        self.hits += len(experts)
-        tracker.hits(layer, experts, ())
-        if guess:
-            try:
-                placed, evicted, sums = stream.placed()
-            except StreamRefused as e:
-                if e.evicted:
-                    self._evicted(e.evicted, landed=True)
-                raise
-            if evicted:
-                self._evicted(evicted, landed=True)
-            if placed:
-                self._streamed = True
-                self.bytes_read += sums[1]
-                queue.account(len(placed), sums)
-                tracker.placed([(nxt, e) for e in placed])
-        return None
+
+    def _layer_placed(self, stream: NativeStream, nxt: int) -> None:
+        """After run_layer's call queued a guess of layer `nxt`: its evicted keys forgotten, its reads counted."""
+        try:
+            placed, evicted, sums = stream.placed()
+        except StreamRefused as e:
+            if e.evicted:
+                self._evicted(e.evicted, landed=True)
+            raise
+        if evicted:
+            self._evicted(evicted, landed=True)
+        if placed:
+            self._streamed = True
+            self.bytes_read += sums[1]
+            stream.queue.account(len(placed), sums)
+            self.prefetching.placed([(nxt, e) for e in placed])

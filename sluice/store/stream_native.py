@@ -32,7 +32,7 @@ if LIB is not None and hasattr(LIB, "sluice_stream_open"):
             ("sluice_stream_prefetch", [_ptr, _i32, _i32], _i32),
             ("sluice_stream_acquire", [_ptr, _i32, _i32, _ptr], _i32),
             ("sluice_stream_files", [_ptr, _ptr, _ptr, _i32, _ptr], None),
-            ("sluice_stream_layer", [_ptr, _i32, _i32, _ptr, _ptr, _i32, _i32, _ptr], _i32)):
+            ("sluice_stream_layer", [_ptr, _i32, _i32, _ptr, _ptr, _i32, _i32, _ptr, _ptr], _i32)):
         fn = getattr(LIB, name)
         fn.argtypes, fn.restype = args, res
 
@@ -72,7 +72,9 @@ class NativeStream:
         LIB.sluice_stream_bind(self._h, *(a.ctypes.data for a in (self._in, self._e, self._slot, self._ev, self._n,
                                                                   self._missed, self._handles, self._sums)))
         self._in2 = np.zeros(cap, dtype=np.int32)
-        self._res = np.zeros(3, dtype=np.int64)
+        self._res = np.zeros(4, dtype=np.int64)
+        self._guess = np.zeros(7, dtype=np.int64)  # layer()'s guess computed in C (stream.c got_guess)
+        self._guess_p = self._guess.ctypes.data
         self._res_p, self._stamps = self._res.ctypes.data, None
         stamps = queue.stamps([p for paths in self.files.values() for p in paths])
         if stamps is not None:  # each layer's files checked in C by sluice_stream_layer (else it never runs)
@@ -126,25 +128,42 @@ class NativeStream:
         return self._slot[:n].tolist(), missed, evicted, handed, self._sums.tolist()
 
     def layer(self, layer: int, experts: Sequence[int], usage_row: int | None, ctx: int, next_layer: int,
-              guess: Sequence[int]) -> int:
+              guess: Sequence[int], compute: tuple | None = None) -> int:
         """sluice_stream_layer: `layer`'s acquire of `experts` and, where every one is in memory, its experts run by
         `ctx` (DecodeExperts.prepared) while the guess of `next_layer` is queued, then its pins dropped (each file
         of the two layers checked first, in C: the versions TemplateQueue.stamps gave). Returns 0 (done: placed()
         says what the guess queued), 1 (the acquire done, an expert not in memory or the experts' call refused:
         acquired() gives what acquire returns; the guess not queued), 2 (a file changed, or no stamps: nothing
-        done). Raises as acquire."""
+        done). Raises as acquire.
+
+        `compute`: (Guess.packed()'s function and arguments, x's address, the Guess's ids' address and k, whether
+        its reads may be queued): the guess of `next_layer` computed in the call (`guess` unused); guessed() then says what it
+        chose."""
         if self._stamps is None:
             return 2
         n = self._put(experts)
         m = len(guess)
-        if m:
+        if compute is not None:
+            self._guess[:6] = compute
+            self._guess[6] = next_layer
+            m = 0
+        elif m:
             if m > len(self._in2):
                 raise ValueError(f"a guess of {m} experts > {len(self._in2)}")
             self._in2[:m] = guess
-        rc = LIB.sluice_stream_layer(self._h, layer, n, usage_row, ctx, next_layer, m, self._res_p)
+        rc = LIB.sluice_stream_layer(self._h, layer, n, usage_row, ctx, next_layer, m, self._res_p,
+                                     self._guess_p if compute is not None else None)
         if rc < 0:
             self._raise(rc, layer, experts, n)
         return rc
+
+    def guessed(self, k: int) -> list[int] | None:
+        """After layer() with `compute`: the guess's ids ascending (1), None where torch.topk has to rank the Guess's
+        probabilities (2); raises where it was not computed (the call returned before its experts ran)."""
+        how = int(self._res[3])
+        if how == 0:
+            raise RuntimeError("the guess was not computed")
+        return self._in2[:k].tolist() if how == 1 else None
 
     def acquired(self, n: int) -> tuple[list[int], list[int], list[Key], list[tuple[int, int]], list[int]]:
         """After layer() returned 1: what acquire returns (n: the experts' count)."""

@@ -101,6 +101,7 @@ class StreamingExpertStore(DecodeStream):
         self._streamed = False
         self._allowed: tuple[int, list[int]] | None = None  # a deferred guess the throttle passed (run_layer)
         self._ticks = 0.0  # when run_layer looks the files up in Python next (time.monotonic)
+        self._late: tuple | None = None  # guess_later's guess, not made yet
 
     @classmethod
     def with_budget(cls, layout: ExpertLayout, reader, expert_budget: int, memory: int,
@@ -265,12 +266,16 @@ class StreamingExpertStore(DecodeStream):
     @property
     def deferred(self) -> bool:
         """Whether a prediction prefetch_next deferred waits to be issued."""
-        return self.prefetching.deferred is not None or self._allowed is not None
+        return self.prefetching.deferred is not None or self._allowed is not None or self._late is not None
 
     def issue_deferred(self) -> None:
         """Issue the prediction prefetch_next deferred, if any, now: after an acquire, whose pinned experts it then
         cannot evict."""
-        if (allowed := self._allowed) is not None:  # allowed by the throttle already (run_layer)
+        if (late := self._late) is not None:  # guess_later's, computed now
+            self._late = None
+            layer, guess, x, chosen = late
+            self.prefetch(layer, chosen(guess, guess(x)))
+        elif (allowed := self._allowed) is not None:  # allowed by the throttle already (run_layer)
             self._allowed = None
             self._prefetch(*allowed)
         elif (deferred := self.prefetching.take_deferred()) is not None:
@@ -440,8 +445,16 @@ class StreamingExpertStore(DecodeStream):
     def prefetch_next(self, layer: int, experts: Sequence[int]) -> None:
         """Like prefetch, issued right after the next acquire has pinned its experts (so the reads overlap that
         layer's expert math and can never evict what it is about to use)."""
-        self._allowed = None  # a guess run_layer allowed and left unissued: this newer one replaces it
+        self._allowed = self._late = None  # a guess left unissued: this newer one replaces it
         self.prefetching.defer(layer, experts)
+
+    def guess_later(self, layer: int, guess, x: torch.Tensor, chosen) -> None:
+        """prefetch_next of what `guess` (the prerouter's native Guess) picks for x [1, H], the guess itself made
+        when it is to be issued: by run_layer in C while the layer's experts start, else by issue_deferred (`chosen`:
+        the Guess's result as ids ascending, RouterPrerouter.chosen). x must stay as it is until then."""
+        self._allowed = None
+        self.prefetching.take_deferred()
+        self._late = (layer, guess, x, chosen)
 
     def stats(self) -> dict:
         return {

@@ -71,12 +71,20 @@ def test_one_call_layers_give_the_resident_tokens_and_the_separate_calls_counter
     with _streamed(q8_file) as a, _streamed(q8_file) as b:
         assert _blocks(a) and all(d.fusable is not None for d in _blocks(a))
         seen = _count_calls(a)
+        guessed = []
+        stream_guessed = NativeStream.guessed
         for d in _blocks(b):
             d.fusable = None  # the separate calls
-        assert list(a.generate_tokens(IDS, max_tokens=16, stop_at_eos=False)) == want
+        b.store.guess_later = None  # and the guesses made by the prerouter in Python, before the layer
+        NativeStream.guessed = lambda self, k: guessed.append(k) or stream_guessed(self, k)
+        try:
+            assert list(a.generate_tokens(IDS, max_tokens=16, stop_at_eos=False)) == want
+        finally:
+            NativeStream.guessed = stream_guessed
         assert list(b.generate_tokens(IDS, max_tokens=16, stop_at_eos=False)) == want
         assert isinstance(a.store._stream, NativeStream)
         assert seen["done"] > 0  # layers with every expert in memory took the one call
+        assert guessed  # ... the next layer's guess made in it
         sa, sb = a.stats(), b.stats()
         assert sa["prefetch_issued"] > 0 and sa["misses"] > 0
         assert {k: sa[k] for k in COUNTERS} == {k: sb[k] for k in COUNTERS}

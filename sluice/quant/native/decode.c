@@ -14,6 +14,7 @@
  * between two experts resolve the other way (the streamed and resident runs share this code, so they agree
  * bitwise). */
 #include <math.h>
+#include <string.h>
 
 #include "common.h"
 #include "topk.h"
@@ -318,4 +319,15 @@ int sluice_guess_bf16(int64_t E, int64_t H, const uint16_t *x, const float *scal
     sluice_rms_norm_scaled_bf16(1, H, x, scale, eps, hb, norm_scalar);
     sluice_router_probs_bf16(E, H, hb, w, probs, scalar);
     return sluice_topk_probs(E, probs, k, 0, 0, ties, ids, wf, NULL);
+}
+
+/* sluice_guess_bf16 with its arguments but x in a[0..13] (decode.py Guess.packed: in its order, a[2] unused, eps as
+ * its float's bits, pointers as addresses), for C code calling it through a pointer (store/stream.c's decode layer) */
+int sluice_guess_packed(const int64_t *a, const uint16_t *x) {
+    const uint32_t bits = (uint32_t)a[4];
+    float eps;
+    memcpy(&eps, &bits, sizeof eps);
+    return sluice_guess_bf16(a[0], a[1], x, (const float *)(intptr_t)a[3], eps, (int)a[5],
+                             (const uint16_t *)(intptr_t)a[6], a[7], (topk_fn)(intptr_t)a[8], (uint16_t *)(intptr_t)a[9],
+                             (float *)(intptr_t)a[10], (int64_t *)(intptr_t)a[11], (float *)(intptr_t)a[12], (int)a[13]);
 }

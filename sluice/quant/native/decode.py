@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import struct
 
 import torch
 
@@ -302,6 +303,20 @@ class Guess:
         self.probs = torch.empty(1, E, dtype=torch.float32)
         self.ids = torch.empty(k, dtype=torch.int64)
         self.wf = torch.empty(k, dtype=torch.float32)
+        self._packed: tuple[int, int] | None = None  # packed()'s
+
+    def packed(self) -> tuple[int, int]:
+        """(the address of decode.c sluice_guess_packed, of this guess's arguments but x): the call another C library
+        makes (store/stream.c's decode layer) with x; its results land where __call__'s do (self.ids, self.probs)."""
+        if self._packed is None:
+            eps_bits = struct.unpack("<I", struct.pack("<f", self.eps))[0]
+            self._args = (ctypes.c_int64 * 14)(
+                self.E, self.H, 0, self.scale.data_ptr(), eps_bits, self.norm_path, self.router.data_ptr(), self.k,
+                self.ties or 0,
+                self.hb.data_ptr(), self.probs.data_ptr(), self.ids.data_ptr(), self.wf.data_ptr(), self.path)
+            self._packed = (ctypes.cast(_LIB.sluice_guess_packed, ctypes.c_void_p).value,
+                            ctypes.addressof(self._args))
+        return self._packed
 
     def __call__(self, x: torch.Tensor) -> list[int] | torch.Tensor:
         """The k ids (descending probability) for x [1, H] bf16; where torch.topk is to choose (a NaN; ties when not
