@@ -23,6 +23,7 @@
  * portable code's operations column by column (no fused multiply-add; the sums along i run per column in all three,
  * silu's exp_poly has an 8-lane twin), and the heads' work is the same whichever thread runs it. */
 #include <math.h>
+#include <string.h>
 
 #include "deltanet.h"
 
@@ -222,7 +223,63 @@ static inline __attribute__((always_inline)) void conv_rows(int64_t C, int64_t K
     }
 }
 
-static void conv_step(int64_t C, int64_t K, const void *x, const void *w, void *st, int bf16, float *y) {
+#if SLUICE_X86
+/* conv_rows's bf16 loop for channels [c0, c1) (c0 >= 1: each tap read as the high half of the 32 bits ending at it,
+ * 2 bytes before it, so never past the arrays' end) 8 a vector: the same products and sums per channel in the same
+ * order (no fused multiply-add), so the same bits; the state is left as it was (conv_shift_bf16 moves it). Scalar,
+ * one channel at a time with its state moved, the conv was the hottest part of the step's serial code (perf annotate
+ * of sluice_deltanet_step); this way a Gated DeltaNet layer's decode call of the issue-32 UD file (C = 8192, K = 4)
+ * took 15-54 us less, 3 of 3 alternations (Intel Xeon VM: benchmarks/results/hybrid/conv-avx2.txt). */
+AVX2 static void conv_rows_bf16_avx2(int64_t c0, int64_t c1, int64_t K, const uint16_t *x, const uint16_t *w,
+                                     const uint16_t *st, float *y) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), hi = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i wstep = _mm256_mullo_epi32(lanes, _mm256_set1_epi32((int)(2 * K)));
+    const __m256i sstep = _mm256_mullo_epi32(lanes, _mm256_set1_epi32((int)(2 * (K - 1))));
+    for (int64_t c = c0; c + 8 <= c1; c += 8) {
+        const char *wb = (const char *)(w + c * K) - 2, *sb = (const char *)(st + c * (K - 1)) - 2;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < K - 1; j++) {
+            __m256 wj = _mm256_castsi256_ps(_mm256_and_si256(_mm256_i32gather_epi32((const int *)(wb + 2 * j), wstep, 1), hi));
+            __m256 sj = _mm256_castsi256_ps(_mm256_and_si256(_mm256_i32gather_epi32((const int *)(sb + 2 * j), sstep, 1), hi));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(wj, sj));
+        }
+        __m256 wl = _mm256_castsi256_ps(
+            _mm256_and_si256(_mm256_i32gather_epi32((const int *)(wb + 2 * (K - 1)), wstep, 1), hi));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(wl, bf16x8(x + c)));
+        _mm256_storeu_ps(y + c, bf16_rounded8(acc));
+    }
+}
+#endif
+
+/* conv_rows's bf16 sum of channel c, the state left as it is */
+static float conv_one_bf16(int64_t c, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *st) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < K - 1; j++) acc = acc + bf16_float(w[c * K + j]) * bf16_float(st[c * (K - 1) + j]);
+    acc = acc + bf16_float(w[c * K + K - 1]) * bf16_float(x[c]);
+    return bf16_float(bf16_round(acc));
+}
+
+/* the state [C, K - 1] of bf16 values moved on by this token's x: each channel's last K - 1 inputs (as bits) */
+static void conv_shift_bf16(int64_t C, int64_t K, const uint16_t *x, uint16_t *st) {
+    memmove(st, st + 1, (size_t)((K - 1) * C - 1) * sizeof(uint16_t));
+    for (int64_t c = 0; c < C; c++) st[c * (K - 1) + K - 2] = x[c];
+}
+
+static void conv_step(int64_t C, int64_t K, const void *x, const void *w, void *st, int bf16, int simd, float *y) {
+#if SLUICE_X86
+    if (bf16 && simd && K >= 2 && C >= 16) { /* channels [8, v1) in vectors, the others one by one */
+        const uint16_t *xs = (const uint16_t *)x, *ws = (const uint16_t *)w;
+        uint16_t *ss = (uint16_t *)st;
+        const int64_t v1 = 8 + (C - 8) / 8 * 8;
+        conv_rows_bf16_avx2(8, v1, K, xs, ws, ss, y);
+        for (int64_t c = 0; c < 8; c++) y[c] = conv_one_bf16(c, K, xs, ws, ss);
+        for (int64_t c = v1; c < C; c++) y[c] = conv_one_bf16(c, K, xs, ws, ss);
+        conv_shift_bf16(C, K, xs, ss);
+        return;
+    }
+#else
+    (void)simd;
+#endif
     if (bf16)
         conv_rows(C, K, x, w, st, 1, y);
     else
@@ -247,7 +304,7 @@ void sluice_deltanet_step(int64_t nK, int64_t Hv, int64_t Dk, int64_t Dv, int64_
     const int simd = kernel >= DN_AVX2;
     const int64_t C = 2 * nK * Dk + Hv * Dv;
     float *y = scratch, *beta = y + C, *decay = beta + Hv, *gate = decay + Hv, *work = gate + Hv * Dv;
-    conv_step(C, K, qkv, conv_w, conv_state, bf16, y);
+    conv_step(C, K, qkv, conv_w, conv_state, bf16, simd, y);
     silu_all(y, C, bf16, simd);
     const float root = sqrtf((float)Dk);
     for (int64_t i = 0; i < 2 * nK; i++) {  /* q heads, then k heads */
