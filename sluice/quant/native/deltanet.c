@@ -228,8 +228,9 @@ static inline __attribute__((always_inline)) void conv_rows(int64_t C, int64_t K
  * 2 bytes before it, so never past the arrays' end) 8 a vector: the same products and sums per channel in the same
  * order (no fused multiply-add), so the same bits; the state is left as it was (conv_shift_bf16 moves it). Scalar,
  * one channel at a time with its state moved, the conv was the hottest part of the step's serial code (perf annotate
- * of sluice_deltanet_step); this way a Gated DeltaNet layer's decode call of the issue-32 UD file (C = 8192, K = 4)
- * took 15-54 us less, 3 of 3 alternations (Intel Xeon VM: benchmarks/results/hybrid/conv-avx2.txt). */
+ * of sluice_deltanet_step); this way a Gated DeltaNet layer's decode call of the issue-32 UD file (C = 8192, K = 4),
+ * alone in a hot loop, went 343-372 -> 322-329 us (best of 15 x 200, 3 of 3 alternations; in the model the change is
+ * under the VM's noise. Intel Xeon VM: benchmarks/results/hybrid/conv-avx2.txt). */
 AVX2 static void conv_rows_bf16_avx2(int64_t c0, int64_t c1, int64_t K, const uint16_t *x, const uint16_t *w,
                                      const uint16_t *st, float *y) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), hi = _mm256_set1_epi32((int)0xffff0000u);
