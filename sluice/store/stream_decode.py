@@ -1,7 +1,9 @@
 """DecodeStream: StreamingExpertStore's decode path through C (store/stream_native.py NativeStream): an acquire's
 placement, its misses' reads and its hits' guessed reads looked at, and a guess's placement and reads, one C call each,
 where the store's table is slots.c's and its reader queues templates (io/template_queue.py). The same choices, slots and
-reads as the store's Python path (tests/store/test_stream_native.py compares them).
+reads as the store's Python path (tests/store/test_stream_native.py compares them). A layer whose experts are all in
+memory goes further (run_layer: its acquire, its experts, the next layer's guess and reads, its release in one call;
+tests/store/test_stream_layer.py).
 
 Used while no journal is kept and no read of the Python path is pending (a prompt's read-ahead: its reads are looked at
 first, the landed ones forgotten); the Python path lands every read kept in C first (_land_stream), so each expert's
@@ -13,7 +15,6 @@ import time
 from collections.abc import Sequence
 
 from ..io.base import PATH_CHECK_S
-
 from .slot_table import NativeSlots
 from .stream_native import NativeStream, StreamRefused
 from .stream_native import available as stream_available
