@@ -130,6 +130,7 @@ class DecodeExperts:
                                          ctypes.addressof(self._state), ctypes.addressof(a),
                                          ctypes.addressof(self._slots))
         self._ctx_at = ctypes.addressof(self._ctx)
+        self._prepared: tuple | None = None  # (raw, w, at) of the last prepared(), while its arguments stand
 
     def check_raw(self, raw: torch.Tensor) -> None:
         """raw: uint8 [S, >= nbytes], rows contiguous (checked once per stack)."""
@@ -174,7 +175,17 @@ class DecodeExperts:
         arguments, the slots array). Nothing else may use this object, x, w, at or out until that call returns."""
         if self._started is not None:
             raise RuntimeError("DecodeExperts.prepared: the call started before has not finished")
+        if self._prepared is not None and self._prepared[0] is raw and self._prepared[1] is w and \
+                self._prepared[2] is at:  # the arguments as the last prepared() left them: only x and out move
+            h = self.h
+            if not (x.dtype is out.dtype is torch.bfloat16 and x.is_contiguous() and out.is_contiguous()
+                    and x.numel() == out.numel() == h):
+                raise ValueError(f"DecodeExperts: x and out need contiguous bf16 [1, {h}], got {x.dtype} "
+                                 f"{list(x.shape)} and {out.dtype} {list(out.shape)}")
+            self._args.x, self._args.out = x.data_ptr(), out.data_ptr()
+            return self._ctx_at
         self._set(raw, [0] * self.k, list(range(self.k)), x, True, True, self.k, w, at, out)
+        self._prepared = (raw, w, at)
         return self._ctx_at
 
     def finish(self) -> None:
@@ -188,6 +199,7 @@ class DecodeExperts:
               widen: bool, shared: bool, n_sum: int, w: torch.Tensor | None, at: torch.Tensor | None,
               out: torch.Tensor | None) -> None:
         self._set(raw, slots, rows, x, widen, shared, n_sum, w, at, out)
+        self._prepared = None  # the arguments are this call's now
         rc = _LIB.sluice_moe_experts(self._state, ctypes.byref(self._args), to_end)
         if rc:
             raise MemoryError(f"native decode experts failed (code {rc}): no memory for {len(slots)} experts' scratch")
