@@ -288,7 +288,8 @@ static int64_t got_guess(stream_t *st, const int64_t *guess) {
  * Each file of `layer` (and of `next`, with a guess) is checked first (files_same). With `guess` (got_guess's), the
  * guess of layer guess[6] is computed here while the workers start, instead of taken from in2 (m ignored), and its
  * reads queued where guess[5] says so; res[3]: 1 its ids in in2, 2 left to torch.topk (nothing queued), 0 not
- * computed (the call returned before the experts ran).
+ * computed (a file changed, the acquire failed, the experts' call was refused). Returning 1 for an expert not in
+ * memory, the call still makes the guess (res[3]) but queues none of its reads: the caller does.
  *
  * res[0]: the misses (as sluice_stream_acquire returns), res[1]: the guess's sluice_stream_prefetch result, res[2]
  * sluice_moe_experts' (0, or its error: nothing ran). Returns 0: done (the layer's output written, its experts unpinned,
@@ -304,9 +305,12 @@ int32_t sluice_stream_layer(stream_t *st, int32_t layer, int32_t n, int64_t *usa
     int32_t got = sluice_stream_acquire(st, layer, n, usage_row);
     res[0] = got;
     if (got < 0) return got;
-    if (got > 0) return 1;
-    for (int32_t j = 0; j < n; j++)
-        if (st->handles[j]) return 1;
+    int late = got > 0;
+    for (int32_t j = 0; j < n && !late; j++) late = st->handles[j] != NULL;
+    if (late) { /* the guess made all the same (its reads queued by the caller: the acquire's outputs stand) */
+        if (guess) res[3] = got_guess(st, guess);
+        return 1;
+    }
     int64_t *slots = (int64_t *)(intptr_t)ctx[4];
     for (int32_t j = 0; j < n; j++) slots[j] = st->slot_out[j];
     void *state = (void *)(intptr_t)ctx[2];

@@ -148,9 +148,10 @@ class DecodeStream:
         tracker.routed(layer, experts)  # before the guess is allowed, as acquire then issue_deferred do
         nxt, guess, compute, late = self._layer_guess()
         rc = self._layer_call(stream, layer, experts, ctx, nxt, guess, compute)
-        if compute is not None and rc:  # the call returned before the guess: made here
+        if compute is not None and rc:  # the guess's reads not queued in the call (made there, or made here)
             _, g, x, chosen = late
-            guess = chosen(g, g(x))
+            how = stream.made()
+            guess = stream.guessed(g.k) if how == 1 else chosen(g, g.probs if how == 2 else g(x))
             tracker.noted(nxt, guess)
             if not compute[-1]:
                 guess = ()

@@ -157,10 +157,15 @@ class NativeStream:
             self._raise(rc, layer, experts, n)
         return rc
 
+    def made(self) -> int:
+        """After layer() with `compute`: 1 the guess made (guessed()), 2 made but left to torch.topk (the Guess's
+        probabilities written), 0 not made (a file changed, the acquire failed, the experts' call was refused)."""
+        return int(self._res[3])
+
     def guessed(self, k: int) -> list[int] | None:
-        """After layer() with `compute`: the guess's ids ascending (1), None where torch.topk has to rank the Guess's
-        probabilities (2); raises where it was not computed (the call returned before its experts ran)."""
-        how = int(self._res[3])
+        """After layer() with `compute`: the guess's ids ascending (made() 1), None where torch.topk has to rank the
+        Guess's probabilities (2); raises where it was not made (0)."""
+        how = self.made()
         if how == 0:
             raise RuntimeError("the guess was not computed")
         return self._in2[:k].tolist() if how == 1 else None
