@@ -116,17 +116,21 @@ class DecodeStream:
             try:
                 entries, evicted, sums = stream.prefetch(layer, experts)
             except StreamRefused as e:
-                if e.evicted:
-                    self._evicted(e.evicted, landed=True)
+                self._queued(stream, layer, [], e.evicted, [])
                 raise
+        self._queued(stream, layer, [e for e, _ in entries], evicted, sums)
+        return True
+
+    def _queued(self, stream: NativeStream, layer: int, placed: list[int], evicted: list, sums: list[int]) -> None:
+        """A guess of `layer` placed in C: the keys it evicted forgotten (their reads landed there), the reads of the
+        experts `placed` counted (`sums`: their plans' counters) and scored."""
         if evicted:
             self._evicted(evicted, landed=True)
-        if entries:
+        if placed:
             self._streamed = True
             self.bytes_read += sums[1]
-            stream.queue.account(len(entries), sums)
-            self.prefetching.placed([(layer, e) for e, _ in entries])
-        return True
+            stream.queue.account(len(placed), sums)
+            self.prefetching.placed([(layer, e) for e in placed])
 
     def fusable(self, layer: int):
         """`layer`'s slot stack (raw, as ExpertBatch.raw) where run_layer can take its decode step now, else None."""
@@ -230,13 +234,6 @@ class DecodeStream:
         try:
             placed, evicted, sums = stream.placed()
         except StreamRefused as e:
-            if e.evicted:
-                self._evicted(e.evicted, landed=True)
+            self._queued(stream, nxt, [], e.evicted, [])
             raise
-        if evicted:
-            self._evicted(evicted, landed=True)
-        if placed:
-            self._streamed = True
-            self.bytes_read += sums[1]
-            stream.queue.account(len(placed), sums)
-            self.prefetching.placed([(nxt, e) for e in placed])
+        self._queued(stream, nxt, placed, evicted, sums)
