@@ -41,10 +41,10 @@ def q8_file(tmp_path_factory):
     return out
 
 
-def _streamed(path, slots: int = 8):
+def _streamed(path, slots: int = 8, **options):
     with sluice.load(path, memory="all") as m:
         memory = m.resident_bytes + slots * m.layout.expert_nbytes
-    return sluice.load(path, memory=memory, io="direct", prefetch="router", threads=2)
+    return sluice.load(path, memory=memory, io="direct", **{"prefetch": "router", "threads": 2, **options})
 
 
 def _blocks(m) -> list[MoEDecode]:
@@ -88,6 +88,20 @@ def test_one_call_layers_give_the_resident_tokens_and_the_separate_calls_counter
         sa, sb = a.stats(), b.stats()
         assert sa["prefetch_issued"] > 0 and sa["misses"] > 0
         assert {k: sa[k] for k in COUNTERS} == {k: sb[k] for k in COUNTERS}
+
+
+@pytest.mark.parametrize("options", [dict(threads=1), dict(io_engine="native"), dict(prefetch="none", slots=48)],
+                         ids=["one thread", "reader threads", "no guess"])
+def test_one_call_layers_on_one_thread_the_reader_threads_and_without_guesses(q8_file, options):
+    """One thread (the experts' call runs whole where the pool cannot start it), the thread-pool reader instead of the
+    io_uring one, no guesses (a cache of most experts, so layers find theirs in memory): the one call still takes
+    the layers in memory and gives the resident tokens."""
+    with sluice.load(q8_file, memory="all") as m:
+        want = list(m.generate_tokens(IDS, max_tokens=12, stop_at_eos=False))
+    with _streamed(q8_file, **options) as m:
+        seen = _count_calls(m)
+        assert list(m.generate_tokens(IDS, max_tokens=12, stop_at_eos=False)) == want
+        assert seen["done"] > 0
 
 
 def test_a_layer_with_an_expert_not_in_memory_goes_on_as_after_acquire(q8_file):
