@@ -173,22 +173,27 @@ class Counters:
         dedup_saved_bytes; io/templates.py ReadTemplate keeps them from its plan); `journal(k)`: batch k's file reads,
         asked only while a journal is kept."""
         batches = len(counts)
+        sums = [sum(c) for c in zip(*counts)] if counts else [0] * 6
         with self._lock:
             if self.journal is not None and journal is not None:
                 self.journal.extend(journal(k) for k in range(batches))
-        self.add_totals(batches, [sum(c) for c in zip(*counts)] if counts else [0] * 6)
+            self._add(batches, sums)
 
     def add_totals(self, batches: int, sums: Sequence[int]) -> None:
         """add_counts of `batches` batches given as their counters' sums (no journal: io/template_queue.py)."""
-        req, asked, read, reads, coalesced, dedup = (int(v) for v in sums)
         with self._lock:
-            self.batches += batches
-            self.requests += req
-            self.bytes_requested += asked
-            self.bytes_read += read
-            self.reads += reads
-            self.coalesced += coalesced
-            self.dedup_saved_bytes += dedup
+            self._add(batches, sums)
+
+    def _add(self, batches: int, sums: Sequence[int]) -> None:
+        """The sums into the totals (the lock held)."""
+        req, asked, read, reads, coalesced, dedup = (int(v) for v in sums)
+        self.batches += batches
+        self.requests += req
+        self.bytes_requested += asked
+        self.bytes_read += read
+        self.reads += reads
+        self.coalesced += coalesced
+        self.dedup_saved_bytes += dedup
 
     def add_wait(self, seconds: float) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ PLACED_MAX_COST = 1 / 32
 # covers them. GGUF tensors start at 32-byte offsets, safetensors' data at 8. The native kernels use unaligned loads.
 VIEW_ALIGN = 8
 
+
 def _page_shifts(layout: ExpertLayout, align: int = PAGE) -> dict[int, int]:
     """Per MoE layer, the byte of an `align`-aligned slot row its experts start at: the residue modulo `align` (the
     files' O_DIRECT alignment) that most of the layer's parts' bytes have (their file offsets minus where each lands

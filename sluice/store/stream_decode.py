@@ -80,12 +80,22 @@ class DecodeStream:
                     raise RuntimeError("reader is closed")
                 slots, missed, evicted, handed, sums = stream.acquire(layer, experts, row)
         except StreamRefused as e:
-            for j, h in e.handed:  # the hits' guessed reads handed over: landed by the caller's _fail
-                inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
-            if e.evicted:
-                self._evicted(e.evicted, landed=True)
+            self._refused(stream, layer, experts, inflight, e)  # the hits' reads landed by the caller's _fail
             raise
         return self._took(stream, layer, experts, inflight, slots, missed, evicted, handed, sums)
+
+    def _refused(self, stream: NativeStream, layer: int, experts: Sequence[int], inflight: dict,
+                 e: StreamRefused) -> None:
+        """An acquire in C refused: the reads it handed over adopted into `inflight` (for _fail to land), the keys
+        it evicted forgotten."""
+        self._adopt(stream, layer, experts, inflight, e.handed)
+        if e.evicted:
+            self._evicted(e.evicted, landed=True)
+
+    def _adopt(self, stream: NativeStream, layer: int, experts: Sequence[int], inflight: dict, handed: list) -> None:
+        """The batches C handed over ((position, handle) each) as the reader's futures in `inflight`."""
+        for j, h in handed:
+            inflight[j] = stream.queue.adopt(h, self._templates[(layer, experts[j])])
 
     def _took(self, stream: NativeStream, layer: int, experts: Sequence[int], inflight: dict, slots: list[int],
               missed: list[int], evicted: list, handed: list, sums: list[int]) -> tuple[list[int], list[int]]:
@@ -94,8 +104,7 @@ class DecodeStream:
         queue = stream.queue
         if evicted:
             self._evicted(evicted, landed=True)
-        for j, h in handed:
-            inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
+        self._adopt(stream, layer, experts, inflight, handed)
         if missed:
             self.bytes_read += sums[1]
             queue.account(len(missed), sums)
@@ -134,11 +143,9 @@ class DecodeStream:
 
     def fusable(self, layer: int):
         """`layer`'s slot stack (raw, as ExpertBatch.raw) where run_layer can take its decode step now, else None."""
-        if not self.overlap or self._inflight or self._allowed is not None or (stream := self._fast()) is None:
+        if not self.overlap or self._inflight or self._allowed is not None or self._fast() is None:
             return None
-        if stream.queue.usable():
-            return self._at(layer)[0]
-        return None
+        return self._at(layer)[0]  # _fast found the reader usable (run_layer looks again under its lock)
 
     def run_layer(self, layer: int, experts: list[int], ctx: int) -> ExpertBatch | None:
         """A decode token's acquire of `layer`'s `experts` (ascending), and where every one is in memory, their math
@@ -219,10 +226,7 @@ class DecodeStream:
                     return 2
                 return stream.layer(layer, experts, self.table.usage_row(layer), ctx, nxt, guess, compute)
         except StreamRefused as e:
-            for j, h in e.handed:
-                inflight[j] = queue.adopt(h, self._templates[(layer, experts[j])])
-            if e.evicted:
-                self._evicted(e.evicted, landed=True)
+            self._refused(stream, layer, experts, inflight, e)
             self._fail()
             raise
         except BaseException:

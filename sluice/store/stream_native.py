@@ -75,7 +75,7 @@ class NativeStream:
         self._res = np.zeros(4, dtype=np.int64)
         self._guess = np.zeros(7, dtype=np.int64)  # layer()'s guess computed in C (stream.c got_guess)
         self._guess_p = self._guess.ctypes.data
-        self._res_p, self._stamps = self._res.ctypes.data, None
+        self._res_p, self._stamps, self._guess_layer = self._res.ctypes.data, None, -1
         stamps = queue.stamps([p for paths in self.files.values() for p in paths])
         if stamps is not None:  # each layer's files checked in C by sluice_stream_layer (else it never runs)
             order = {path: i for i, path in enumerate(stamps)}
@@ -104,13 +104,17 @@ class NativeStream:
         if len(experts) > len(self._in):
             experts = list(dict.fromkeys(experts))
         n = self._put(experts)
-        m = LIB.sluice_stream_prefetch(self._h, layer, n)
+        m, evicted = self._placement(LIB.sluice_stream_prefetch(self._h, layer, n), layer, experts)
+        return list(zip(self._e[:m].tolist(), self._slot[:m].tolist())), evicted, self._sums.tolist()
+
+    def _placement(self, m: int, layer: int, experts) -> tuple[int, list[Key]]:
+        """A guess's placement returned m (sluice_stream_prefetch's): (m, the keys it evicted), or its error."""
         if m == -2:
             raise ValueError(f"prefetch of layer {layer}: expert ids {list(experts)} out of range (0..{self.E - 1})")
         evicted = self._evicted()
         if m < 0:
             raise _refused(m, evicted)
-        return list(zip(self._e[:m].tolist(), self._slot[:m].tolist())), evicted, self._sums.tolist()
+        return m, evicted
 
     def acquire(self, layer: int, experts: Sequence[int], usage_row: int | None
                 ) -> tuple[list[int], list[int], list[Key], list[tuple[int, int]], list[int]]:
@@ -122,10 +126,16 @@ class NativeStream:
         m = LIB.sluice_stream_acquire(self._h, layer, n, usage_row)
         if m < 0:
             self._raise(m, layer, experts, n)
-        evicted = self._evicted()
-        handed = [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h]
+        return self._acquired(n, m)
+
+    def _acquired(self, n: int, m: int) -> tuple[list[int], list[int], list[Key], list[tuple[int, int]], list[int]]:
+        """acquire's result from the bound arrays, n experts of which m missed."""
         missed = [j for j, f in enumerate(self._missed[:n].tobytes()) if f] if m else []
-        return self._slot[:n].tolist(), missed, evicted, handed, self._sums.tolist()
+        return self._slot[:n].tolist(), missed, self._evicted(), self._handed(n), self._sums.tolist()
+
+    def _handed(self, n: int) -> list[tuple[int, int]]:
+        """(position, batch) of the reads an acquire of n experts handed over."""
+        return [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h]
 
     def layer(self, layer: int, experts: Sequence[int], usage_row: int | None, ctx: int, next_layer: int,
               guess: Sequence[int], compute: tuple | None = None) -> int:
@@ -137,12 +147,12 @@ class NativeStream:
         done). Raises as acquire.
 
         `compute`: (Guess.packed()'s function and arguments, x's address, the Guess's ids' address and k, whether
-        its reads may be queued): the guess of `next_layer` computed in the call (`guess` unused); guessed() then says what it
-        chose."""
+        its reads may be queued): the guess of `next_layer` computed in the call (`guess` unused); guessed() then
+        says what it chose."""
         if self._stamps is None:
             return 2
         n = self._put(experts)
-        m = len(guess)
+        m, self._guess_layer = len(guess), next_layer
         if compute is not None:
             self._guess[:6] = compute
             self._guess[6] = next_layer
@@ -172,19 +182,15 @@ class NativeStream:
 
     def acquired(self, n: int) -> tuple[list[int], list[int], list[Key], list[tuple[int, int]], list[int]]:
         """After layer() returned 1: what acquire returns (n: the experts' count)."""
-        missed = [j for j, f in enumerate(self._missed[:n].tobytes()) if f] if self._res[0] else []
-        handed = [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h]
-        return self._slot[:n].tolist(), missed, self._evicted(), handed, self._sums.tolist()
+        return self._acquired(n, int(self._res[0]))
 
     def placed(self) -> tuple[list[int], list[Key], list[int]]:
         """After layer() returned 0: (the guess's experts placed, keys evicted, their reads' counters summed); raises
         StreamRefused where its reads were refused (the layer's experts ran all the same)."""
         m = int(self._res[1])
-        if m == -2:
-            raise ValueError(f"prefetch: expert ids {self._in2.tolist()} out of range (0..{self.E - 1})")
-        evicted = self._evicted() if m else []
-        if m < 0:
-            raise _refused(m, evicted)
+        if not m:
+            return [], [], self._sums.tolist()
+        m, evicted = self._placement(m, self._guess_layer, self._in2.tolist())
         return self._e[:m].tolist(), evicted, self._sums.tolist()
 
     def _raise(self, m: int, layer: int, experts: Sequence[int], n: int) -> NoReturn:
@@ -195,7 +201,7 @@ class NativeStream:
         evicted = self._evicted()
         if m == -1:
             raise StreamRefused("no unpinned slot left for a miss (acquire asks for at most max_batch)", evicted, [])
-        raise _refused(m, evicted, [(j, h) for j, h in enumerate(self._handles[:n].tolist()) if h])
+        raise _refused(m, evicted, self._handed(n))
 
     def forget(self, key: Key) -> int:
         """Wait for key's guessed read, if one is kept here, and drop it: its error kind (0 landed), -1 none."""
