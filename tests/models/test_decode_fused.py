@@ -23,8 +23,7 @@ from sluice.models.layers.moe import MoE  # noqa: E402
 from sluice.quant import native  # noqa: E402
 from sluice.quant.native.moe_decode import DecodeExperts  # noqa: E402
 from sluice.store.base import ExpertBatch  # noqa: E402
-from sluice.tools.quantize import quantize  # noqa: E402
-from sluice.tools.synth import SynthConfig, make_model  # noqa: E402
+from tests.models.tiny import q8_qwen35_gguf  # noqa: E402
 from tests.quant.streaming import assert_streamed_equals_resident  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native extension is not built")
@@ -33,14 +32,7 @@ IDS = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(7)).t
 
 @pytest.fixture(scope="module")
 def q8_file(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fused")
-    sc = SynthConfig(arch="qwen3_5_moe", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-                     num_experts=4, top_k=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                     vocab_size=300)
-    src = make_model(root / "m", sc, progress=False)
-    out = root / "m.gguf"
-    quantize(src, out, "q8_0")
-    return out
+    return q8_qwen35_gguf(tmp_path_factory.mktemp("fused"), num_experts=4)
 
 
 def _decode_logits(m, ids: list[int]) -> torch.Tensor:

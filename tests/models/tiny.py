@@ -194,3 +194,17 @@ def write_checkpoint(model, out: Path, layout: str) -> Path:
     else:
         model.save_pretrained(out)
     return out
+
+
+def q8_qwen35_gguf(root: Path, num_experts: int) -> Path:
+    """A tiny qwen3_5_moe (Gated DeltaNet and gated attention layers, a shared expert of the routed experts' shape,
+    top 2 of `num_experts`) written by sluice's own quantizer in Q8_0 under `root`: no llama.cpp needed."""
+    from sluice.tools.quantize import quantize
+    from sluice.tools.synth import SynthConfig, make_model
+
+    sc = SynthConfig(arch="qwen3_5_moe", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                     num_experts=num_experts, top_k=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                     vocab_size=300)
+    out = root / "m.gguf"
+    quantize(make_model(root / "m", sc, progress=False), out, "q8_0")
+    return out

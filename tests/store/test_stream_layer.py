@@ -20,8 +20,8 @@ from sluice.models.layers.moe_decode import MoEDecode  # noqa: E402
 from sluice.quant import native  # noqa: E402
 from sluice.store import stream_native  # noqa: E402
 from sluice.store.stream_native import NativeStream  # noqa: E402
-from sluice.tools.quantize import quantize  # noqa: E402
-from sluice.tools.synth import SynthConfig, make_model  # noqa: E402
+
+from ..models.tiny import q8_qwen35_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (native.available() and stream_native.available()),
                                 reason="the native extension or sluice/store/stream.c is not built")
@@ -32,13 +32,7 @@ COUNTERS = ("hits", "misses", "misses_by_layer", "evictions", "bytes_read", "pre
 
 @pytest.fixture(scope="module")
 def q8_file(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layer")
-    sc = SynthConfig(arch="qwen3_5_moe", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-                     num_experts=16, top_k=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                     vocab_size=300)
-    out = root / "m.gguf"
-    quantize(make_model(root / "m", sc, progress=False), out, "q8_0")
-    return out
+    return q8_qwen35_gguf(tmp_path_factory.mktemp("layer"), num_experts=16)
 
 
 def _streamed(path, slots: int = 8, **options):
