@@ -11,8 +11,9 @@
  * A layer whose experts are all in memory (the guesses landed: ~87% of the UD file's decode layers) goes further in one
  * call (sluice_stream_layer): its acquire, its experts (moe_decode.c, through the pointers its Python object hands
  * over), the next layer's guess made (got_guess) and its reads queued while the compute pool's workers start on them,
- * the release: a ~36-37 ms token 0.4-0.9 ms faster than with the store's Python around separate calls, and 0.9-1.0 ms
- * with the guess made here (paired, 9-11 of 12 rounds: benchmarks/results/hybrid/fused-layer.txt).
+ * the release: a ~36-37 ms token 0.39 ms faster than with the store's Python around separate calls, and 0.97 ms more
+ * with the guess made here rather than before the layer (paired medians, 9 of 12 rounds each, Intel Xeon VM:
+ * benchmarks/results/hybrid/fused-layer.txt).
  *
  * Ownership of a guessed read's batch: this table's until an acquire finds its expert (landed: released here; still in
  * flight, or failed: handed to the caller, who wraps it as the reader's future and releases it), its expert is evicted
