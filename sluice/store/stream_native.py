@@ -75,7 +75,7 @@ class NativeStream:
         self._res = np.zeros(4, dtype=np.int64)
         self._guess = np.zeros(7, dtype=np.int64)  # layer()'s guess computed in C (stream.c got_guess)
         self._guess_p = self._guess.ctypes.data
-        self._res_p, self._stamps, self._guess_layer = self._res.ctypes.data, None, -1
+        self._res_p, self._stamps, self._guess_layer, self._guess_n = self._res.ctypes.data, None, -1, 0
         stamps = queue.stamps([p for paths in self.files.values() for p in paths])
         if stamps is not None:  # each layer's files checked in C by sluice_stream_layer (else it never runs)
             order = {path: i for i, path in enumerate(stamps)}
@@ -108,9 +108,11 @@ class NativeStream:
         return list(zip(self._e[:m].tolist(), self._slot[:m].tolist())), evicted, self._sums.tolist()
 
     def _placement(self, m: int, layer: int, experts) -> tuple[int, list[Key]]:
-        """A guess's placement returned m (sluice_stream_prefetch's): (m, the keys it evicted), or its error."""
+        """A guess's placement returned m (sluice_stream_prefetch's): (m, the keys it evicted), or its error (`experts`,
+        a sequence or an int32 array, listed only then)."""
         if m == -2:
-            raise ValueError(f"prefetch of layer {layer}: expert ids {list(experts)} out of range (0..{self.E - 1})")
+            ids = experts.tolist() if isinstance(experts, np.ndarray) else list(experts)
+            raise ValueError(f"prefetch of layer {layer}: expert ids {ids} out of range (0..{self.E - 1})")
         evicted = self._evicted()
         if m < 0:
             raise _refused(m, evicted)
@@ -153,6 +155,7 @@ class NativeStream:
             return 2
         n = self._put(experts)
         m, self._guess_layer = len(guess), next_layer
+        self._guess_n = compute[4] if compute is not None else m
         if compute is not None:
             self._guess[:6] = compute
             self._guess[6] = next_layer
@@ -190,7 +193,9 @@ class NativeStream:
         m = int(self._res[1])
         if not m:
             return [], [], self._sums.tolist()
-        m, evicted = self._placement(m, self._guess_layer, self._in2.tolist())
+        # the guess's ids only as a slice: listing in2 (one entry per slot, 3,354 for the UD file at 640 MiB) took
+        # ~20 us a layer of the model's thread (benchmarks/results/hybrid/placed-list.txt)
+        m, evicted = self._placement(m, self._guess_layer, self._in2[: self._guess_n])
         return self._e[:m].tolist(), evicted, self._sums.tolist()
 
     def _raise(self, m: int, layer: int, experts: Sequence[int], n: int) -> NoReturn:

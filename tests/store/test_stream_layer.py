@@ -135,3 +135,23 @@ def test_a_file_changed_under_the_one_call_fails_the_run_naming_it(q8_file, tmp_
             for _ in it:
                 pass
         assert path.name in str(e.value) and change in str(e.value)
+
+
+def test_a_guess_out_of_range_is_named_by_placed(q8_file):
+    """A guess handed to the call with an id out of range: the layer's experts run, its placement is refused (-2)
+    and placed() names the guess's ids (listed from the call's scratch only then)."""
+    with _streamed(q8_file, slots=48, prefetch="none") as m:
+        for _ in m.generate_tokens(IDS, max_tokens=4, stop_at_eos=False):
+            pass
+        store, k, E = m.store, m.spec.top_k, m.spec.num_experts
+        L, nxt = m.layout.layers[0], m.layout.layers[1]
+        ids = sorted(e for e in range(E) if (L, e) in store.table)[:k]
+        assert len(ids) == k
+        ex = next(d for d in _blocks(m) if d.L == L).experts
+        x = torch.randn(1, ex.h, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+        w, at, out = torch.full((1, k), 1.0 / k, dtype=torch.bfloat16), torch.arange(k), torch.empty_like(x)
+        ctx = ex.prepared(store._at(L)[0], x, w, at, out)
+        assert store._stream.layer(L, ids, store.table.usage_row(L), ctx, nxt, [1, E + 3]) == 0
+        assert not store.table.pinned
+        with pytest.raises(ValueError, match=rf"prefetch of layer {nxt}: expert ids \[1, {E + 3}\] out of range"):
+            store._stream.placed()
