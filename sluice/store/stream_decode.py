@@ -223,6 +223,7 @@ class DecodeStream:
         try:
             with queue.lock:
                 if changed or not queue.usable():
+                    stream.clear()  # no earlier call's guess read as this one's (run_layer asks made())
                     return 2
                 return stream.layer(layer, experts, self.table.usage_row(layer), ctx, nxt, guess, compute)
         except StreamRefused as e:

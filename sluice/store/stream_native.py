@@ -152,6 +152,7 @@ class NativeStream:
         its reads may be queued): the guess of `next_layer` computed in the call (`guess` unused); guessed() then
         says what it chose."""
         if self._stamps is None:
+            self.clear()
             return 2
         n = self._put(experts)
         m, self._guess_layer = len(guess), next_layer
@@ -169,6 +170,11 @@ class NativeStream:
         if rc < 0:
             self._raise(rc, layer, experts, n)
         return rc
+
+    def clear(self) -> None:
+        """What layer() reports besides its status, as a call that did nothing leaves it (made() 0, nothing
+        missed or placed)."""
+        self._res[:] = 0
 
     def made(self) -> int:
         """After layer() with `compute`: 1 the guess made (guessed()), 2 made but left to torch.topk (the Guess's

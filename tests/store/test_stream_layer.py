@@ -155,3 +155,29 @@ def test_a_guess_out_of_range_is_named_by_placed(q8_file):
         assert not store.table.pinned
         with pytest.raises(ValueError, match=rf"prefetch of layer {nxt}: expert ids \[1, {E + 3}\] out of range"):
             store._stream.placed()
+
+
+def test_a_call_refused_before_c_reports_nothing_of_the_last_one(q8_file):
+    """_layer_call returning 2 without calling C (the reader not usable now) leaves the stream's report cleared: the
+    guess the last call made there is not read as this one's (run_layer asks made() then)."""
+    with _streamed(q8_file) as m:
+        store, stream_run = m.store, m.store.run_layer
+        seen = []
+
+        def run(layer, experts, ctx):
+            got = stream_run(layer, experts, ctx)
+            stream = store._stream
+            if got is None and not seen and stream.made() == 1:  # between two layers: nothing pinned, nothing held
+                queue = stream.queue
+                queue.usable = lambda: False
+                try:
+                    seen.append(store._layer_call(stream, layer, experts, ctx, -1, (), None))
+                finally:
+                    del queue.usable
+                seen.append(stream.made())
+            return got
+
+        store.run_layer = run
+        for _ in m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False):
+            pass
+        assert seen == [2, 0]
