@@ -26,6 +26,18 @@ from .policy import FairShareLFU, GlobalLRU, Key, fair_share
 _i32, _ptr = ctypes.c_int32, ctypes.c_void_p
 
 
+#: an acquire's miss with every slot pinned (the tables' RuntimeError, NativeStream's StreamRefused)
+NO_SLOT = "no unpinned slot left for a miss (acquire asks for at most max_batch)"
+
+
+def bad_ids(call: str, layer: int, experts, num_experts: int) -> ValueError:
+    """The error of an acquire's ids (`call` "acquire": repeated or out of range) or a prefetch's ("prefetch": out of
+    range), for NativeSlots and NativeStream alike; `experts` a sequence or an int array."""
+    ids = experts.tolist() if hasattr(experts, "tolist") else list(experts)
+    why = "repeat or are out of range" if call == "acquire" else "out of range"
+    return ValueError(f"{call} of layer {layer}: expert ids {ids} {why} (0..{num_experts - 1})")
+
+
 class PolicySlots:
     """The slot table in Python over `policy` (store/policy.py)."""
 
@@ -84,7 +96,7 @@ class PolicySlots:
             for i, j in enumerate(missed):
                 slot = chosen[i] if chosen is not None else self._victim(layer, None, evicted)
                 if slot is None:
-                    raise RuntimeError("no unpinned slot left for a miss (acquire asks for at most max_batch)")
+                    raise RuntimeError(NO_SLOT)
                 self._insert((layer, experts[j]), slot)
                 pinned.add(slot)
                 slots[j] = slot
@@ -290,10 +302,9 @@ class NativeSlots:
         m = LIB.sluice_slots_acquire(self._h, layer, self._in_p, n, self._slot_p, self._missed_p, self._ev_p,
                                      self._n_p)
         if m == -2:
-            raise ValueError(f"acquire of layer {layer}: expert ids {list(experts)} repeat or are out of range "
-                             f"(0..{self._experts - 1})")
+            raise bad_ids("acquire", layer, experts, self._experts)
         if m < 0:
-            raise RuntimeError("no unpinned slot left for a miss (acquire asks for at most max_batch)")
+            raise RuntimeError(NO_SLOT)
         slots = self._slot_out[:n].tolist()
         missed = [j for j, f in enumerate(self._missed[:n].tobytes()) if f] if m else []  # ~1 us less than numpy's
         self._last = (experts, missed)  # (used() knows its flags by these very objects)
@@ -326,8 +337,7 @@ class NativeSlots:
         m = LIB.sluice_slots_prefetch(self._h, layer, self._in_p, n, self._out_p, self._slot_p, self._ev_p,
                                       self._n_p)
         if m < 0:
-            raise ValueError(f"prefetch of layer {layer}: expert ids {list(experts)} out of range "
-                             f"(0..{self._experts - 1})")
+            raise bad_ids("prefetch", layer, experts, self._experts)
         ne = int(self._n[0])
         return (list(zip(self._out[:m].tolist(), self._slot_out[:m].tolist())),
                 [self._key(k) for k in self._evicted[:ne].tolist()] if ne else [])

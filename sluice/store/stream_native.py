@@ -19,7 +19,7 @@ from typing import NoReturn
 import numpy as np
 
 from .policy import Key
-from .slot_table import LIB, NativeSlots
+from .slot_table import LIB, NO_SLOT, NativeSlots, bad_ids
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 
@@ -111,8 +111,7 @@ class NativeStream:
         """A guess's placement returned m (sluice_stream_prefetch's): (m, the keys it evicted), or its error (`experts`,
         a sequence or an int32 array, listed only then)."""
         if m == -2:
-            ids = experts.tolist() if isinstance(experts, np.ndarray) else list(experts)
-            raise ValueError(f"prefetch of layer {layer}: expert ids {ids} out of range (0..{self.E - 1})")
+            raise bad_ids("prefetch", layer, experts, self.E)
         evicted = self._evicted()
         if m < 0:
             raise _refused(m, evicted)
@@ -207,11 +206,10 @@ class NativeStream:
     def _raise(self, m: int, layer: int, experts: Sequence[int], n: int) -> NoReturn:
         """acquire's errors (m < 0)."""
         if m == -2:
-            raise ValueError(f"acquire of layer {layer}: expert ids {list(experts)} repeat or are out of range "
-                             f"(0..{self.E - 1})")
+            raise bad_ids("acquire", layer, experts, self.E)
         evicted = self._evicted()
         if m == -1:
-            raise StreamRefused("no unpinned slot left for a miss (acquire asks for at most max_batch)", evicted, [])
+            raise StreamRefused(NO_SLOT, evicted, [])
         raise _refused(m, evicted, self._handed(n))
 
     def forget(self, key: Key) -> int:
