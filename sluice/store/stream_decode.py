@@ -159,11 +159,13 @@ class DecodeStream:
         tracker.routed(layer, experts)  # before the guess is allowed, as acquire then issue_deferred do
         nxt, guess, compute, late = self._layer_guess()
         rc = self._layer_call(stream, layer, experts, ctx, nxt, guess, compute)
-        if compute is not None and rc:  # the guess's reads not queued in the call (made there, or made here)
+        in_c = rc == 0  # the guess's reads queued in the call
+        if compute is not None:  # the guess made in the call (its ids, or torch.topk ranks them here), or here
             _, g, x, chosen = late
             how = stream.made()
             guess = stream.guessed(g.k) if how == 1 else chosen(g, g.probs if how == 2 else g(x))
             tracker.noted(nxt, guess)
+            in_c = in_c and how == 1
             if not compute[-1]:
                 guess = ()
         if guess and rc:
@@ -181,18 +183,11 @@ class DecodeStream:
         self._inflight = {}
         self.hits += len(experts)
         tracker.hits(layer, experts, ())
-        if compute is not None:  # the guess made in the call: noted; its reads queued there where admitted
-            _, g, x, chosen = late
-            ids = stream.guessed(g.k)
-            if ids is None:  # torch.topk ranks it: its reads queued here (the layer is released already)
-                tracker.noted(nxt, ids := chosen(g, g.probs))
-                if compute[-1]:
-                    self._prefetch(nxt, ids)
-                return None
-            tracker.noted(nxt, ids)
-            guess = ids if compute[-1] else ()
         if guess:
-            self._layer_placed(stream, nxt)
+            if in_c:
+                self._layer_placed(stream, nxt)
+            else:  # torch.topk's choice: its reads queued here (the layer is released already)
+                self._prefetch(nxt, guess)
         return None
 
     def _layer_guess(self) -> tuple[int, list[int] | tuple, tuple | None, tuple | None]:

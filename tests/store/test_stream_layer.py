@@ -181,3 +181,38 @@ def test_a_call_refused_before_c_reports_nothing_of_the_last_one(q8_file):
         for _ in m.generate_tokens(IDS, max_tokens=6, stop_at_eos=False):
             pass
         assert seen == [2, 0]
+
+
+def _tied(m) -> int:
+    """Every MoE layer's router row 1 made row 0's (the true route's ties resolved as torch.topk does) and the
+    prerouter's guesses left to torch.topk on a tie (no topk.cc): how many guesses it has."""
+    routers = [layer.ffn.lw.router for layer in m.model.layers if getattr(layer.ffn, "lw", None) is not None]
+    assert routers
+    for router in routers:
+        router[1] = router[0]
+    guesses = m.model.prerouter._guess.values()
+    for g in guesses:
+        g.ties, g._packed = None, None
+    return len(guesses)
+
+
+def test_a_guess_torch_topk_ranks_is_queued_after_the_call(q8_file):
+    """A guess the call leaves to torch.topk (a tie, no topk.cc: made() 2) is ranked and queued after it, as the
+    separate calls' guess made in Python is: the same tokens and counters."""
+    with _streamed(q8_file) as a, _streamed(q8_file) as b:
+        assert _tied(a) and _tied(b)
+        made = []
+        stream_made = NativeStream.made
+        NativeStream.made = lambda self: made.append(stream_made(self)) or made[-1]
+        for d in _blocks(b):
+            d.fusable = None
+        b.store.guess_later = None
+        try:
+            got = list(a.generate_tokens(IDS, max_tokens=12, stop_at_eos=False))
+        finally:
+            NativeStream.made = stream_made
+        assert list(b.generate_tokens(IDS, max_tokens=12, stop_at_eos=False)) == got
+        assert made.count(2) > 0 and made.count(1) > 0
+        sa, sb = a.stats(), b.stats()
+        assert sa["prefetch_issued"] > 0
+        assert {k: sa[k] for k in COUNTERS} == {k: sb[k] for k in COUNTERS}
